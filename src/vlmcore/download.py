@@ -1,0 +1,194 @@
+"""Model snapshots: download at a pinned revision, verify a pre-staged copy, or build the demo model.
+
+Every snapshot directory ends with a `manifest.json` (repo id, revision, and size + sha256 of
+every file). It is written last, so a directory without one is an incomplete download, and the
+same manifest lets a copy staged by hand (MareNostrum 5 login nodes have no internet) be verified
+before anything trains on it.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+# Files a snapshot needs besides the weights; tokenizer and processor files vary by model.
+DEFAULT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+
+
+def sha256_of(path: Path, chunk_size: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_size):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def snapshot_files(directory: Path) -> list[Path]:
+    return sorted(
+        p.relative_to(directory)
+        for p in directory.rglob("*")
+        if p.is_file() and p.name != MANIFEST and ".cache" not in p.relative_to(directory).parts
+    )
+
+
+def write_manifest(directory, repo_id: str, revision: str) -> dict:
+    directory = Path(directory)
+    files = {
+        str(rel): {"size": (directory / rel).stat().st_size, "sha256": sha256_of(directory / rel)}
+        for rel in snapshot_files(directory)
+    }
+    manifest = {"repo_id": repo_id, "revision": revision, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": files}
+    tmp = directory / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, directory / MANIFEST)
+    return manifest
+
+
+def verify_snapshot(directory, revision: str | None = None, checksums: bool = True) -> dict:
+    """Check a snapshot against its manifest; raise ValueError listing every problem."""
+    directory = Path(directory)
+    manifest_path = directory / MANIFEST
+    if not manifest_path.is_file():
+        raise ValueError(f"{directory}: no {MANIFEST}; the snapshot is incomplete or was not staged with one")
+    manifest = json.loads(manifest_path.read_text())
+    problems = []
+    if revision and manifest.get("revision") != revision:
+        problems.append(f"revision is {manifest.get('revision')!r}, the config pins {revision!r}")
+    for rel, info in manifest["files"].items():
+        path = directory / rel
+        if not path.is_file():
+            problems.append(f"missing file {rel}")
+        elif path.stat().st_size != info["size"]:
+            problems.append(f"{rel}: size {path.stat().st_size}, manifest says {info['size']}")
+        elif checksums and sha256_of(path) != info["sha256"]:
+            problems.append(f"{rel}: sha256 differs from the manifest")
+    if not any(rel.endswith(".safetensors") for rel in manifest["files"]):
+        problems.append("no *.safetensors weights listed")
+    if problems:
+        raise ValueError(f"snapshot {directory} failed verification:\n  " + "\n  ".join(problems))
+    return manifest
+
+
+def download_snapshot(repo_id: str, revision: str, out, allow_patterns=None) -> dict:
+    """`huggingface_hub.snapshot_download` into `out`; the token comes from HF_TOKEN if set."""
+    from huggingface_hub import snapshot_download
+
+    if not revision:
+        raise ValueError(f"model.revision must pin a revision (commit hash or tag) for {repo_id}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).unlink(missing_ok=True)
+    snapshot_download(repo_id=repo_id, revision=revision, local_dir=out, allow_patterns=allow_patterns or DEFAULT_PATTERNS)
+    if any(out.glob("*.bin")) and not any(out.glob("*.safetensors")):
+        raise ValueError(f"{repo_id}@{revision} has no safetensors weights; vlmcore never loads pickle (*.bin)")
+    return write_manifest(out, repo_id, revision)
+
+
+def use_staged_snapshot(staged, out, revision: str | None = None) -> dict:
+    """Verify a copied-in snapshot and point `out` at it (no network needed)."""
+    staged = Path(staged).resolve()
+    manifest = verify_snapshot(staged, revision=revision)
+    out = Path(out)
+    if out.is_symlink() or out.is_file():
+        out.unlink()
+    elif out.exists():
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.symlink_to(staged, target_is_directory=True)
+    return manifest
+
+
+def tiny_vl_config(tokenizer_ids: dict, vocab_size: int, **overrides) -> dict:
+    """A Qwen3-VL architecture small enough to train in minutes on a laptop CPU."""
+    text = dict(
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+        rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [6, 5, 5], "mrope_interleaved": True},
+    )
+    vision = dict(
+        depth=2, hidden_size=64, intermediate_size=192, num_heads=2, patch_size=16, spatial_merge_size=2,
+        temporal_patch_size=2, out_hidden_size=text["hidden_size"], num_position_embeddings=64,
+        deepstack_visual_indexes=[0],
+    )
+    text.update(overrides.get("text_config", {}))
+    vision.update(overrides.get("vision_config", {}))
+    return dict(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=tokenizer_ids["image_token_id"],
+        video_token_id=tokenizer_ids["video_token_id"],
+        vision_start_token_id=tokenizer_ids["vision_start_token_id"],
+        vision_end_token_id=tokenizer_ids["vision_end_token_id"],
+        tie_word_embeddings=text["tie_word_embeddings"],
+    )
+
+
+def build_tiny_model(out, seed: int = 0, overrides: dict | None = None) -> dict:
+    """Tokenizer + processor trained/written for the synthetic data, and a random Qwen3-VL.
+
+    Written like any downloaded snapshot so that every later stage treats it as a real model.
+    The random initialisation is transformers' own, so the demo starts where a user's
+    from-scratch run would.
+    """
+    import torch
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from vlmcore.data.processor import write_processor_files
+    from vlmcore.data.synthetic import corpus_texts
+    from vlmcore.data.tokenizer import build_demo_tokenizer, special_token_ids
+
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tokenizer = build_demo_tokenizer(tmp, corpus_texts(seed))
+    ids = special_token_ids(tokenizer)
+    vocab_size = -(-len(tokenizer) // 64) * 64
+    config = Qwen3VLConfig(**tiny_vl_config(ids, vocab_size, **(overrides or {})))
+    config.text_config.eos_token_id = ids["eos_token_id"]
+    config.text_config.pad_token_id = ids["pad_token_id"]
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config)
+    model.generation_config.eos_token_id = [ids["eos_token_id"], ids["end_of_turn_id"]]
+    model.generation_config.pad_token_id = ids["pad_token_id"]
+    model.save_pretrained(tmp)
+    write_processor_files(tmp, patch_size=config.vision_config.patch_size, merge_size=config.vision_config.spatial_merge_size,
+                          temporal_patch_size=config.vision_config.temporal_patch_size)
+    manifest = write_manifest(tmp, "vlmcore/tiny-qwen3-vl-demo", f"generated-seed{seed}")
+    if out.exists() or out.is_symlink():
+        shutil.rmtree(out) if out.is_dir() and not out.is_symlink() else out.unlink()
+    os.replace(tmp, out)
+    return manifest
+
+
+def add_arguments(parser):
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--repo-id", help="Hugging Face repo id, downloaded at --revision")
+    source.add_argument("--staged", help="a snapshot copied in by hand: verify it against its manifest.json and use it")
+    source.add_argument("--tiny", action="store_true", help="build the tiny random demo model (no network)")
+    source.add_argument("--verify", help="only verify an existing snapshot directory against its manifest")
+    parser.add_argument("--revision", help="commit hash or tag to pin (required with --repo-id)")
+    parser.add_argument("--out", help="snapshot directory to write")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights and tokenizer corpus")
+    parser.add_argument("--tiny-config", default="{}", help="JSON overrides of the tiny model, e.g. '{\"text_config\": {\"num_hidden_layers\": 2}}'")
+
+
+def run(args):
+    if args.verify:
+        manifest = verify_snapshot(args.verify, revision=args.revision)
+        print(f"{args.verify}: {len(manifest['files'])} files match the manifest ({manifest['repo_id']}@{manifest['revision']})")
+        return 0
+    if not args.out:
+        raise SystemExit("vlmcore download: --out is required")
+    if args.tiny:
+        manifest = build_tiny_model(args.out, seed=args.seed, overrides=json.loads(args.tiny_config))
+    elif args.staged:
+        manifest = use_staged_snapshot(args.staged, args.out, revision=args.revision)
+    else:
+        manifest = download_snapshot(args.repo_id, args.revision, args.out)
+    print(f"{args.out}: {manifest['repo_id']}@{manifest['revision']}, {len(manifest['files'])} files")
+    return 0

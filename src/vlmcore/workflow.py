@@ -1,0 +1,176 @@
+"""What the Snakemake workflow needs from vlmcore: config validation and per-job settings.
+
+The rules stay thin: they ask this module for paths and for the config each `vlmcore`
+command gets, so the same logic is testable without Snakemake.
+"""
+
+import copy
+import json
+import shlex
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _fill_defaults(schema: dict, value):
+    if not isinstance(value, dict) or schema.get("type") not in (None, "object"):
+        return
+    for key, sub in schema.get("properties", {}).items():
+        if key not in value and "default" in sub:
+            value[key] = copy.deepcopy(sub["default"])
+        if key in value:
+            _fill_defaults(sub, value[key])
+    extra = schema.get("additionalProperties")
+    if isinstance(extra, dict):
+        for key, item in value.items():
+            if key not in schema.get("properties", {}):
+                _fill_defaults(extra, item)
+
+
+def _key_path(error) -> str:
+    return ".".join(str(p) for p in error.absolute_path) or "(top level)"
+
+
+def validate_config(config: dict, schema_path) -> dict:
+    """Check `config` against the JSON schema, fill defaults, and check cross references.
+
+    Raises ConfigError naming every offending key.
+    """
+    import jsonschema
+
+    schema = yaml.safe_load(Path(schema_path).read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
+    if errors:
+        lines = [f"  {_key_path(e)}: {e.message}" for e in errors]
+        raise ConfigError("invalid workflow config:\n" + "\n".join(lines))
+    _fill_defaults(schema, config)
+    _check_references(config)
+    return config
+
+
+def _check_references(config: dict):
+    problems = []
+    model = config["model"]
+    if model["source"] == "hub" and not (model.get("repo_id") and model.get("revision")):
+        problems.append("model: source 'hub' needs model.repo_id and model.revision (a pinned commit or tag)")
+    if model["source"] == "staged" and not model.get("staged_path"):
+        problems.append("model.staged_path: required when model.source is 'staged'")
+    datasets = config["data"]["datasets"]
+    uses_raw = any("{raw}" in s for d in datasets.values() for s in d["sources"])
+    if uses_raw and "synthetic" not in config["data"]:
+        problems.append("data.synthetic: a source reads from {raw} but no synthetic data is configured")
+    seen = []
+    for name, stage in config["train"]["stages"].items():
+        if stage["dataset"] not in datasets:
+            problems.append(f"train.stages.{name}.dataset: {stage['dataset']!r} is not in data.datasets ({', '.join(datasets)})")
+        init = stage.get("init_from")
+        if init is not None and init not in seen:
+            problems.append(f"train.stages.{name}.init_from: {init!r} is not an earlier stage (earlier: {seen or 'none'})")
+        seen.append(name)
+    export_stage = config.get("export", {}).get("stage")
+    if export_stage and export_stage not in seen:
+        problems.append(f"export.stage: {export_stage!r} is not a stage ({', '.join(seen)})")
+    scaling = config.get("scaling", {})
+    if scaling.get("dataset") and scaling["dataset"] not in datasets:
+        problems.append(f"scaling.dataset: {scaling['dataset']!r} is not in data.datasets")
+    if scaling.get("stage") and scaling["stage"] not in seen:
+        problems.append(f"scaling.stage: {scaling['stage']!r} is not a stage")
+    if problems:
+        raise ConfigError("invalid workflow config:\n  " + "\n  ".join(problems))
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+class Experiment:
+    """Paths and per-job settings of one validated experiment config."""
+
+    def __init__(self, config: dict):
+        self.config = config
+        self.root = f"{config['results_dir']}/{config['experiment']}"
+        self.stages = list(config["train"]["stages"])
+
+    def path(self, *parts) -> str:
+        return "/".join([self.root, *parts])
+
+    @property
+    def uses_synthetic_data(self) -> bool:
+        return "synthetic" in self.config["data"]
+
+    @property
+    def last_stage(self) -> str:
+        return self.config.get("export", {}).get("stage") or self.stages[-1]
+
+    def download_args(self) -> str:
+        model = self.config["model"]
+        if model["source"] == "tiny":
+            tiny = model.get("tiny", {})
+            return f"--tiny --seed {tiny.get('seed', 0)} --tiny-config {shlex.quote(json.dumps(tiny.get('overrides', {})))}"
+        revision = f" --revision {shlex.quote(model['revision'])}" if model.get("revision") else ""
+        if model["source"] == "staged":
+            return f"--staged {shlex.quote(model['staged_path'])}{revision}"
+        return f"--repo-id {shlex.quote(model['repo_id'])}{revision}"
+
+    def dataset_sources(self, dataset: str) -> list[str]:
+        raw = self.path("raw")
+        return [s.replace("{raw}", raw) for s in self.config["data"]["datasets"][dataset]["sources"]]
+
+    def dataset_input_files(self, dataset: str) -> list[str]:
+        return [s.split(":", 1)[1] for s in self.dataset_sources(dataset)]
+
+    def stage_config(self, stage: str) -> dict:
+        """The `vlmcore train` config of one stage, paths filled in."""
+        train = self.config["train"]
+        settings = deep_merge(train.get("common", {}), train["stages"][stage])
+        dataset = settings.pop("dataset")
+        init_from = settings.pop("init_from", None)
+        settings.update(
+            model_path=self.path("model"),
+            data_path=self.path("packed", dataset),
+            output_dir=self.path("train", stage),
+            init_from=self.path("train", init_from, "final") if init_from else None,
+        )
+        return settings
+
+    def stage_inputs(self, stage: str) -> dict:
+        stage_cfg = self.config["train"]["stages"][stage]
+        inputs = {"model": self.path("model", "manifest.json"), "data": self.path("packed", stage_cfg["dataset"])}
+        if stage_cfg.get("init_from"):
+            inputs["init"] = self.path("train", stage_cfg["init_from"], "done")
+        return inputs
+
+    def scaling_stage(self) -> str:
+        return self.config["scaling"].get("stage") or self.stages[-1]
+
+    def scaling_dataset(self) -> str:
+        return self.config["scaling"].get("dataset") or self.config["train"]["stages"][self.scaling_stage()]["dataset"]
+
+    def scaling_config(self, world_size: int) -> dict:
+        """Fixed-step, metrics-only run with the settings of the scaling stage."""
+        settings = self.stage_config(self.scaling_stage())
+        settings.update(
+            data_path=self.path("packed", self.scaling_dataset()),
+            output_dir=self.path("scaling", f"ws{world_size}"),
+            init_from=None,
+            steps=self.config["scaling"]["steps"],
+            save_final=False,
+        )
+        settings["checkpoint"] = deep_merge(settings.get("checkpoint", {}), {"interval": 0})
+        return settings
+
+
+def as_yaml_arg(settings: dict) -> str:
+    """A shell-quoted JSON document (JSON is YAML), for `printf %s ... > config.yaml` in a rule."""
+    return shlex.quote(json.dumps(settings, sort_keys=True))

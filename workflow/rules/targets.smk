@@ -1,0 +1,48 @@
+# One target per stage (named after the results/<experiment>/ folder it builds) and train_all.
+
+
+rule train_all:
+    default_target: True
+    input:
+        f"{R}/eval/results.json",
+        f"{R}/report/SCALABILITY.md",
+
+
+rule model:
+    input:
+        f"{R}/model/manifest.json",
+
+
+rule data:
+    input:
+        expand(f"{R}/data/{{dataset}}", dataset=DATASETS),
+
+
+rule packed:
+    input:
+        expand(f"{R}/packed/{{dataset}}", dataset=DATASETS),
+
+
+rule train:
+    input:
+        expand(f"{R}/train/{{stage}}/done", stage=STAGES),
+
+
+rule hf:
+    input:
+        f"{R}/hf",
+
+
+rule eval:
+    input:
+        f"{R}/eval/results.json",
+
+
+rule scaling:
+    input:
+        expand(f"{R}/scaling/ws{{ws}}/metrics.jsonl", ws=WORLD_SIZES),
+
+
+rule report:
+    input:
+        f"{R}/report/SCALABILITY.md",
