@@ -153,7 +153,7 @@ def build_tiny_model(out, seed: int = 0, overrides: dict | None = None) -> dict:
     config.text_config.pad_token_id = ids["pad_token_id"]
     torch.manual_seed(seed)
     model = Qwen3VLForConditionalGeneration(config)
-    model.generation_config.eos_token_id = [ids["eos_token_id"], ids["end_of_turn_id"]]
+    model.generation_config.eos_token_id = [ids["eos_token_id"], ids["pad_token_id"]]
     model.generation_config.pad_token_id = ids["pad_token_id"]
     model.save_pretrained(tmp)
     write_processor_files(tmp, patch_size=config.vision_config.patch_size, merge_size=config.vision_config.spatial_merge_size,

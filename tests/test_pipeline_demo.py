@@ -1,0 +1,186 @@
+"""The embedded default, end to end through Snakemake, and the partial reruns the README promises.
+
+One real `snakemake --profile profiles/local train_all` run (module fixture) in a copy of the
+workflow, then checks of every stage's outputs, then reruns. Slow: a few minutes on 2 cores.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = Path("results/demo")
+pytestmark = [pytest.mark.slow, pytest.mark.workflow]
+
+
+def snakemake(workdir, *args, check=True, timeout=1800):
+    cmd = [sys.executable, "-m", "snakemake", "--profile", "profiles/local", *args]
+    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def planned_jobs(workdir, *args) -> dict:
+    """Rule -> job count of a dry run (the 'Job stats' table)."""
+    out = snakemake(workdir, "-n", *args).stdout
+    if "Nothing to be done" in out:
+        return {}
+    table = out.split("Job stats:")[1].split("total")[0]
+    rows = [line.split() for line in table.strip().splitlines()[2:]]
+    return {row[0]: int(row[1]) for row in rows if len(row) == 2}
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    work = tmp_path_factory.mktemp("demo")
+    for name in ["Snakefile", "workflow", "config", "profiles"]:
+        src = REPO / name
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, work / name)
+    start = time.time()
+    snakemake(work, "train_all")
+    elapsed = time.time() - start
+    (work / "wall_time_s").write_text(f"{elapsed:.0f}\n")
+    print(f"\ntrain_all wall time: {elapsed:.0f} s")
+    return work
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def test_model_and_data_stages(demo):
+    from vlmcore.download import verify_snapshot
+
+    manifest = verify_snapshot(demo / RESULTS / "model")
+    assert manifest["repo_id"].startswith("vlmcore/") and "model.safetensors" in manifest["files"]
+    raw = demo / RESULTS / "raw"
+    assert len(read_jsonl(raw / "eval.jsonl")) == 300
+    for dataset in ["captions", "conversations"]:
+        data = demo / RESULTS / "data" / dataset
+        assert (data / ".nv-meta" / "dataset.yaml").is_file() and list(data.glob("*.tar"))
+        stats = json.loads((demo / RESULTS / "packed" / dataset / "stats.json").read_text())
+        assert stats["num_samples"] > 0 and 0.5 < stats["efficiency"] <= 1.0
+
+
+def test_stage1_trains_only_the_projector(demo):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    initial = load_file(demo / RESULTS / "model" / "model.safetensors")
+    reader = FileSystemReader(str(demo / RESULTS / "train/stage1/final"))
+    saved = {k.removeprefix("model."): v for k, v in reader.read_metadata().state_dict_metadata.items()}
+    assert set(saved) == set(initial), "final/ must hold exactly the model's parameters"
+
+    from vlmcore.export import load_final_state_dict
+
+    stage1 = load_final_state_dict(demo / RESULTS / "train/stage1/final", demo / RESULTS / "model")
+    projector = ("model.visual.merger.", "model.visual.deepstack_merger_list.")
+    changed = {k for k in initial if not torch.equal(initial[k], stage1[k])}
+    assert changed and all(k.startswith(projector) for k in changed), sorted(changed)[:5]
+    stage2 = load_final_state_dict(demo / RESULTS / "train/stage2/final", demo / RESULTS / "model")
+    llm_changed = [k for k in initial if k.startswith("model.language_model.") and not torch.equal(stage1[k], stage2[k])]
+    assert llm_changed, "stage 2 must train the language model"
+
+
+def test_training_metrics_and_checkpoints(demo):
+    for stage, steps in [("stage1", 60), ("stage2", 250)]:
+        out = demo / RESULTS / "train" / stage
+        metrics = read_jsonl(out / "metrics.jsonl")
+        assert metrics[-1]["step"] == steps
+        assert metrics[-1]["world_size"] == 2
+        assert (out / "checkpoints" / "latest").is_file()
+        assert (out / "done").is_file()
+    stage2 = read_jsonl(demo / RESULTS / "train/stage2/metrics.jsonl")
+    first = sum(m["loss"] for m in stage2[:10]) / 10
+    last = sum(m["loss"] for m in stage2[-10:]) / 10
+    assert last < 0.7 * first, (first, last)
+
+
+def test_export_loads_in_transformers(demo):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    hf = demo / RESULTS / "hf"
+    model = AutoModelForImageTextToText.from_pretrained(hf)
+    processor = AutoProcessor.from_pretrained(hf)
+    assert type(model).__name__ == "Qwen3VLForConditionalGeneration" and processor.tokenizer is not None
+    provenance = json.loads((hf / "provenance.json").read_text())
+    assert provenance["source"]["repo_id"].startswith("vlmcore/")
+
+
+def test_evaluation_is_far_above_chance(demo):
+    results = json.loads((demo / RESULTS / "eval/results.json").read_text())
+    meta = json.loads((demo / RESULTS / "raw/meta.json").read_text())
+    acc = results["results"]["demo_vqa"]["acc,none"]
+    chance = results["chance"]["demo_vqa"]
+    eval_rows = read_jsonl(demo / RESULTS / "raw/eval.jsonl")
+    expected_chance = sum(meta["chance"][row["kind"]] for row in eval_rows) / len(eval_rows)
+    assert abs(chance - expected_chance) < 1e-6
+    assert acc > chance + 0.25, (acc, chance)
+
+
+def test_scaling_report(demo):
+    report = demo / RESULTS / "report"
+    md = (report / "SCALABILITY.md").read_text()
+    assert "tokens" in md.lower() and ".png" in md
+    rows = (report / "scaling.csv").read_text().strip().splitlines()
+    assert len(rows) == 3  # header + world sizes 1 and 2
+    assert len(list((report / "plots").glob("*.png"))) >= 4
+
+
+def test_second_run_does_nothing(demo):
+    assert planned_jobs(demo, "train_all") == {}
+
+
+def test_code_edit_alone_does_not_retrain(demo):
+    rules = demo / "workflow/rules/train.smk"
+    original = rules.read_text()
+    rules.write_text(original.replace("&& mkdir -p {params.dir}", "&& mkdir -p  {params.dir}"))
+    try:
+        assert planned_jobs(demo, "train_all") == {}
+    finally:
+        rules.write_text(original)
+
+
+def test_changed_eval_settings_rerun_only_evaluation(demo):
+    override = ["--config", 'eval={"tasks": ["demo_vqa"], "batch_size": 4}']
+    assert planned_jobs(demo, "train_all", *override) == {"evaluate": 1, "scaling_report": 1, "train_all": 1}
+    done = demo / RESULTS / "train/stage2/done"
+    before = done.stat().st_mtime
+    snakemake(demo, "train_all", *override)
+    assert done.stat().st_mtime == before
+
+
+def test_forcing_stage2_reruns_it_and_what_follows(demo):
+    jobs = planned_jobs(demo, "train_all", "-R", str(RESULTS / "train/stage2/done"))
+    assert jobs == {"train_stage": 1, "export_hf": 1, "evaluate": 1, "scaling_report": 1, "train_all": 1}
+
+
+def test_killed_training_resumes_from_its_checkpoint(demo):
+    """Force stage 1 again, kill it after its first checkpoint, rerun: it resumes and finishes."""
+    stage = demo / RESULTS / "train/stage1"
+    target = str(RESULTS / "train/stage1/done")
+    cmd = [sys.executable, "-m", "snakemake", "--profile", "profiles/local", "-R", target, "--", target]
+    proc = subprocess.Popen(cmd, cwd=demo, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 600
+    while not (stage / "checkpoints/step_50").is_dir():
+        assert proc.poll() is None and time.time() < deadline, "stage 1 ended before its step-50 checkpoint"
+        time.sleep(0.5)
+    import os
+    import signal
+
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (stage / "done").exists()
+    snakemake(demo, "--unlock")
+    snakemake(demo, target)
+    metrics = read_jsonl(stage / "metrics.jsonl")
+    assert metrics[-1]["step"] == 60
+    log = (demo / RESULTS / "logs/train_stage/stage1.log").read_text()
+    assert "resumed from step 50" in log.lower(), log[-2000:]
