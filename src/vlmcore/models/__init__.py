@@ -1,1 +1,76 @@
+"""Native PyTorch Qwen3, Qwen3-VL and Qwen3.5 models that read and write HF snapshots.
 
+    model = build_model(path)              # on the meta device, no memory used
+    ... parallelize ...
+    model.to_empty(device="cuda"); load_weights(model, path)   # or model.init_weights()
+
+`from_pretrained` does all of it on one device. Plain `to_empty` unties a tied `lm_head` from the
+embedding (FSDP2-sharded models keep the tie); `init_weights` and `load_weights` tie it again.
+"""
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from .hf import load_weights, save_pretrained
+from .layers import ModelOutput
+from .qwen3 import Qwen3ForCausalLM, text_position_ids
+from .qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+from .qwen3_vl import Qwen3VLForConditionalGeneration, mrope_position_ids
+
+MODEL_CLASSES = {
+    "qwen3": Qwen3ForCausalLM,
+    "qwen3_vl": Qwen3VLForConditionalGeneration,
+    "qwen3_5": Qwen3_5ForConditionalGeneration,
+    "qwen3_5_text": Qwen3_5ForCausalLM,
+}
+
+__all__ = ["MODEL_CLASSES", "ModelOutput", "build_model", "from_pretrained", "load_config",
+           "load_weights", "position_ids", "save_pretrained"]
+
+
+def load_config(path) -> PretrainedConfig:
+    """The transformers config object of a snapshot directory (no remote code)."""
+    if not (Path(path) / "config.json").exists():
+        raise FileNotFoundError(f"{path}: no config.json")
+    return AutoConfig.from_pretrained(path, trust_remote_code=False)
+
+
+def model_class(config: PretrainedConfig):
+    if config.model_type not in MODEL_CLASSES:
+        raise ValueError(f"unknown model_type {config.model_type!r}; supported: {sorted(MODEL_CLASSES)}")
+    return MODEL_CLASSES[config.model_type]
+
+
+def build_model(path_or_config, device="meta") -> torch.nn.Module:
+    """The model of a snapshot directory or config, without weights (meta device by default)."""
+    config = path_or_config if isinstance(path_or_config, PretrainedConfig) else load_config(path_or_config)
+    cls = model_class(config)
+    with torch.device(device):
+        return cls(config)
+
+
+def config_dtype(config) -> torch.dtype:
+    dtype = getattr(config, "dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def from_pretrained(path, dtype=None, device=None) -> torch.nn.Module:
+    """Build and load a snapshot directory; dtype defaults to the config's, device to CPU."""
+    model = build_model(path, device="meta")
+    model.to(dtype or config_dtype(model.config))
+    model.to_empty(device=device or "cpu")
+    model.tie_weights()
+    load_weights(model, path)
+    return model
+
+
+def position_ids(config, input_ids, image_grid_thw=None, cu_seqlens=None) -> torch.Tensor:
+    """The positions the model computes when given none: (B, S) for text models, (3, B, S) for M-RoPE."""
+    if config.model_type in ("qwen3", "qwen3_5_text"):
+        return text_position_ids(input_ids, cu_seqlens)
+    if config.model_type in ("qwen3_vl", "qwen3_5"):
+        merge = config.vision_config.spatial_merge_size
+        return mrope_position_ids(input_ids, image_grid_thw, cu_seqlens, config.image_token_id, merge)
+    raise ValueError(f"unknown model_type {config.model_type!r}; supported: {sorted(MODEL_CLASSES)}")

@@ -1,0 +1,140 @@
+"""Building blocks shared by the model families: norms, MLPs, rotary embeddings, outputs."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelOutput:
+    """What every model returns: `logits` (B, S, V), or `hidden_states` (B, S, H) with `return_hidden=True`."""
+
+    logits: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32, scaled in the input dtype (as transformers' Qwen models do)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+    def reset_own_parameters(self):
+        nn.init.ones_(self.weight)
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm whose scale is `1 + weight` (weight initialised to 0), all in fp32 (Qwen3.5)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x * (1.0 + self.weight.float())).to(dtype)
+
+    def reset_own_parameters(self):
+        nn.init.zeros_(self.weight)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first `cos.shape[-1]` channels of x (B, S, H, D); cos/sin are (B, S, rot_dim).
+
+    When rot_dim < D (partial rotary) the remaining channels pass through unchanged.
+    """
+    rot_dim = cos.shape[-1]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    x_rot = x_rot * cos + rotate_half(x_rot) * sin
+    return torch.cat((x_rot, x_pass), dim=-1) if x_pass.shape[-1] else x_rot
+
+
+def rope_inv_freq(rope_parameters: dict, rot_dim: int, where: str, rope_type: str = "default") -> torch.Tensor:
+    """Inverse frequencies of the plain (unscaled) RoPE over `rot_dim` channels."""
+    if rope_parameters.get("rope_type", "default") != rope_type:
+        raise ValueError(f"{where}: rope_type {rope_parameters.get('rope_type')!r} is not supported (only {rope_type!r})")
+    theta = rope_parameters["rope_theta"]
+    return 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float) / rot_dim))
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype):
+    """cos/sin (B, S, rot_dim) for plain 1-D positions (B, S)."""
+    freqs = position_ids[..., None].float() * inv_freq.to(position_ids.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def mrope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, mrope_section, dtype: torch.dtype):
+    """cos/sin (B, S, rot_dim) for interleaved multimodal RoPE, position_ids (3, B, S) = (t, h, w).
+
+    Frequency i is driven by the t position, except i = 1, 4, 7, ... (< 3 * section[1]) by h
+    and i = 2, 5, 8, ... (< 3 * section[2]) by w.
+    """
+    freqs = position_ids[..., None].float() * inv_freq.to(position_ids.device)  # (3, B, S, rot/2)
+    axis = torch.zeros(freqs.shape[-1], dtype=torch.long, device=freqs.device)
+    axis[1 : 3 * mrope_section[1] : 3] = 1
+    axis[2 : 3 * mrope_section[2] : 3] = 2
+    freqs = torch.gather(freqs, 0, axis.expand(1, *freqs.shape[1:3], -1)).squeeze(0)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def init_weights(model: nn.Module, std: float):
+    """transformers' initialisation: N(0, std) weights for linears, convolutions and embeddings
+    (zero padding row), zero biases, unit LayerNorms; vlmcore modules with parameters of their
+    own (norms, Gated DeltaNet's decay) reset them in `reset_own_parameters`."""
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv3d)):
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+            if m.padding_idx is not None:
+                with torch.no_grad():
+                    m.weight[m.padding_idx].zero_()
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+        elif hasattr(m, "reset_own_parameters"):
+            m.reset_own_parameters()
+
+
+def init_std(config) -> float:
+    """The initializer_range transformers uses for a model of this config."""
+    std = getattr(config, "initializer_range", None)
+    if std is None and hasattr(config, "get_text_config"):
+        std = getattr(config.get_text_config(), "initializer_range", None)
+    return std or 0.02

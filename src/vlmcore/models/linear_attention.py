@@ -1,0 +1,160 @@
+"""Gated DeltaNet token mixing over packed tokens: the gated delta rule and its causal conv1d.
+
+Per head, with a (Dk, Dv) state S, decay g_t <= 0 (log space) and write strength beta_t:
+
+    S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T
+    o_t = S_t^T q_t
+
+Inputs are the flattened B*S tokens of a batch, (T, heads, dim). `cu_seqlens` (int32) splits
+them into independent segments (`row_segments` gives one per row when a batch is not packed):
+the state and the convolution window start from zero at every segment, so packed samples do
+not see each other.
+
+`gated_delta_rule` runs flash-linear-attention's `chunk_gated_delta_rule` when fla is
+importable and the tensors are on CUDA, and otherwise `chunk_gated_delta_rule` below: the
+same chunked algorithm in plain torch (fp32, differentiable, any device).
+`recurrent_gated_delta_rule` is the token-by-token definition, kept as the reference.
+"""
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+except ImportError:
+    fla_chunk_gated_delta_rule = None
+
+# Tokens per chunk of the chunked algorithm, fla's too; FLOPs counts depend on it.
+CHUNK_SIZE = 64
+
+
+def row_segments(cu_seqlens, batch: int, seq_len: int, device) -> torch.Tensor:
+    """`cu_seqlens` as given, or one segment per row of a (batch, seq_len) batch."""
+    if cu_seqlens is not None:
+        return cu_seqlens.to(device)
+    return torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device=device)
+
+
+def token_segments(cu_seqlens: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """(T,) index of the segment of every token."""
+    tokens = torch.arange(n_tokens, device=cu_seqlens.device)
+    return torch.bucketize(tokens, cu_seqlens[1:].long(), right=True)
+
+
+def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """SiLU of the depthwise causal convolution of x (T, C), restarting at every segment.
+
+    weight (C, 1, K) is in nn.Conv1d's layout: out[t] = sum_j weight[:, 0, j] * x[t - K + 1 + j].
+    Accumulated in fp32 and rounded once to the weight's dtype, as a convolution kernel does.
+    """
+    n_tokens, kernel = x.shape[0], weight.shape[-1]
+    x, w = x.to(weight.dtype).float(), weight[:, 0].float()
+    seg = token_segments(cu_seqlens, n_tokens)
+    out = x * w[:, kernel - 1]
+    for shift in range(1, kernel):
+        past = F.pad(x, (0, 0, shift, 0))[:n_tokens]
+        same_segment = F.pad(seg, (shift, 0), value=-1)[:n_tokens] == seg
+        out = out + past * same_segment[:, None] * w[:, kernel - 1 - shift]
+    return F.silu(out.to(weight.dtype))
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(|x|^2 + eps), as fla's in-kernel q/k normalisation."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def _prepare(q, k, v, g, beta, use_qk_l2norm):
+    """fp32 inputs, with q and k normalised and q scaled by Dk^-1/2."""
+    if k.shape != q.shape or v.shape[:2] != q.shape[:2] or g.shape != q.shape[:2] or beta.shape != q.shape[:2]:
+        raise ValueError(
+            f"gated delta rule: q {tuple(q.shape)} and k {tuple(k.shape)} must match; v {tuple(v.shape)}, "
+            f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must share their (tokens, heads)"
+        )
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    return q * q.shape[-1] ** -0.5, k, v, g, beta
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, use_qk_l2norm=True, chunk_size=CHUNK_SIZE):
+    """Gated delta rule by chunks: exact within a chunk by a triangular solve, a scan across chunks.
+
+    q, k (T, H, Dk), v (T, H, Dv), g and beta (T, H) -> (T, H, Dv) in v's dtype.
+    Every segment is laid out on whole chunks (zero padding after its end, which neither decays
+    nor writes the state), so a chunk never mixes two segments and the scan resets the state at
+    the first chunk of each segment.
+    """
+    n_tokens, n_heads, head_v_dim = v.shape
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, use_qk_l2norm)
+
+    cu = cu_seqlens.long()
+    seg = token_segments(cu_seqlens, n_tokens)
+    seg_chunks = (cu[1:] - cu[:-1] + chunk_size - 1) // chunk_size
+    first_chunk = seg_chunks.cumsum(0) - seg_chunks
+    dest = first_chunk[seg] * chunk_size + torch.arange(n_tokens, device=cu.device) - cu[seg]
+    # One host sync: the number of chunks sizes the padded layout.
+    n_chunks = int(seg_chunks.sum())
+    keep_state = torch.ones(n_chunks, device=q.device)
+    keep_state[first_chunk[seg_chunks > 0]] = 0.0
+
+    def chunked(t):  # (T, H, ...) -> (H, N, C, ...)
+        padded = t.new_zeros(n_chunks * chunk_size, *t.shape[1:]).index_copy(0, dest, t)
+        padded = padded.view(n_chunks, chunk_size, *t.shape[1:])
+        return padded.permute(2, 0, 1, *range(3, padded.dim()))
+
+    q, k, v, g, beta = (chunked(t) for t in (q, k, v, g, beta))
+    decay = g.cumsum(-1)  # (H, N, C): log decay from the chunk start up to and including each token
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    pair_decay = (decay[..., :, None] - decay[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+
+    # Within a chunk the written values u solve (I + A) u = beta v - beta exp(decay) K S0 with
+    # A[i, j] = beta_i exp(decay_i - decay_j) k_i.k_j (j < i); S0 is the state entering the chunk.
+    k_beta = k * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2) * pair_decay).tril(-1)  # unit diagonal implied
+    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * decay.exp()[..., None], upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * pair_decay
+    q_decayed = q * decay.exp()[..., None]
+    k_to_end = k * (decay[..., -1:] - decay).exp()[..., None]
+    chunk_decay = decay[..., -1].exp()[..., None, None]  # (H, N, 1, 1)
+
+    state = q.new_zeros(n_heads, q.shape[-1], head_v_dim)
+    out = []
+    for n in range(n_chunks):
+        state = state * keep_state[n]
+        u_n = u[:, n] - w[:, n] @ state
+        out.append(q_decayed[:, n] @ state + intra[:, n] @ u_n)
+        state = state * chunk_decay[:, n] + k_to_end[:, n].transpose(-1, -2) @ u_n
+    out = torch.stack(out, dim=1).permute(1, 2, 0, 3).reshape(n_chunks * chunk_size, n_heads, head_v_dim)
+    return out[dest].to(out_dtype)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens, use_qk_l2norm=True):
+    """The gated delta rule one token at a time (the definition; slow). Same arguments as the chunked one."""
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, use_qk_l2norm)
+    starts = set(cu_seqlens.tolist())
+    state = q.new_zeros(q.shape[1], q.shape[2], v.shape[2])
+    out = []
+    for t in range(q.shape[0]):
+        if t in starts:
+            state = torch.zeros_like(state)
+        state = state * g[t].exp()[:, None, None]
+        delta = beta[t][:, None] * (v[t] - torch.einsum("hk,hkv->hv", k[t], state))
+        state = state + k[t][:, :, None] * delta[:, None, :]
+        out.append(torch.einsum("hk,hkv->hv", q[t], state))
+    return torch.stack(out).to(out_dtype)
+
+
+# Run eagerly under torch.compile: the chunk count is data dependent and fla's kernels are Triton already.
+@torch.compiler.disable
+def gated_delta_rule(q, k, v, g, beta, cu_seqlens, use_qk_l2norm=True):
+    """The gated delta rule with the fastest kernel available: fla on CUDA, else the torch chunked one."""
+    if fla_chunk_gated_delta_rule is not None and q.is_cuda:
+        out, _ = fla_chunk_gated_delta_rule(
+            q[None], k[None], v[None], g=g[None].float(), beta=beta[None],
+            cu_seqlens=cu_seqlens.long(), use_qk_l2norm_in_kernel=use_qk_l2norm,
+        )
+        return out[0]
+    return chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)

@@ -1,0 +1,115 @@
+"""Qwen3 text decoder (transformers `Qwen3ForCausalLM` layout).
+
+Tensor parallelism: q/k/v/gate/up are column-parallel and o/down row-parallel over whole heads;
+q_norm/k_norm act per head (shape head_dim), so they are replicated.
+"""
+
+import torch
+from torch import nn
+
+from .attention import attention, segment_ids
+from .layers import ModelOutput, RMSNorm, SwiGLU, apply_rotary, init_std, init_weights, rope_cos_sin, rope_inv_freq
+
+
+def check_text_config(config, where: str):
+    if config.hidden_act != "silu":
+        raise ValueError(f"{where}: hidden_act {config.hidden_act!r} is not supported (only 'silu')")
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError(f"{where}: use_sliding_window=True is not supported")
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with per-head RMSNorm on q and k, then RoPE."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cu_seqlens):
+        batch, seq_len, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds a slice of whole heads.
+        q = self.q_norm(self.q_proj(x).view(batch, seq_len, -1, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(batch, seq_len, -1, self.head_dim))
+        v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attention(q, k, v, cu_seqlens, causal=True)
+        return self.o_proj(out.reshape(batch, seq_len, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x, cos, sin, cu_seqlens):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def text_position_ids(input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """(B, S) positions: 0.. per row, restarting at every segment of `cu_seqlens`."""
+    batch, seq_len = input_ids.shape
+    if cu_seqlens is None:
+        return torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len)
+    cu_seqlens = cu_seqlens.to(input_ids.device)
+    seg = segment_ids(cu_seqlens, batch, seq_len)
+    flat = torch.arange(batch * seq_len, device=input_ids.device).view(batch, seq_len)
+    return flat - cu_seqlens.long()[seg]
+
+
+class TextModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h, cos, sin, cu_seqlens):
+        for layer in self.layers:
+            h = layer(h, cos, sin, cu_seqlens)
+        return self.norm(h)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        check_text_config(config, "qwen3 config")
+        self.config = config
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.model = TextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self):
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def init_weights(self):
+        init_weights(self, init_std(self.config))
+        self.tie_weights()
+
+    def forward(self, input_ids, pixel_values=None, image_grid_thw=None, position_ids=None,
+                cu_seqlens=None, return_hidden=False) -> ModelOutput:
+        if pixel_values is not None:
+            raise ValueError("qwen3 is a text model: pixel_values must be None")
+        if position_ids is None:
+            position_ids = text_position_ids(input_ids, cu_seqlens)
+        h = self.model.embed_tokens(input_ids)
+        inv_freq = rope_inv_freq(self.config.rope_parameters, self.head_dim, "qwen3 config")
+        cos, sin = rope_cos_sin(inv_freq, position_ids, h.dtype)
+        h = self.model(h, cos, sin, cu_seqlens)
+        if return_hidden:
+            return ModelOutput(hidden_states=h)
+        return ModelOutput(logits=self.lm_head(h))

@@ -1,0 +1,249 @@
+"""Qwen3.5 (transformers `Qwen3_5ForConditionalGeneration` and the text-only `Qwen3_5ForCausalLM`).
+
+A hybrid decoder: `config.layer_types` interleaves Gated DeltaNet linear-attention layers with
+gated full-attention layers (query plus a per-head output gate, per-head zero-centred q/k norms,
+rotary on the first `partial_rotary_factor` of each head, interleaved M-RoPE). All decoder norms
+are zero-centred (scale 1 + weight). The vision tower is Qwen3-VL's without DeepStack.
+
+Tensor parallelism: `in_proj_qkv` is [q (key heads) | k (key heads) | v (value heads)] and
+`conv1d` has one channel per output row of it; shard both over heads within each of the three
+blocks (view as blocks, split each), with `in_proj_z/a/b`, `A_log`, `dt_bias` split over value
+heads and `out_proj` row-parallel. In full-attention layers `q_proj` rows are per head
+[query (head_dim) | gate (head_dim)], so a column split over whole heads keeps pairs together.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import attention
+from .layers import (
+    ModelOutput, SwiGLU, ZeroCenteredRMSNorm, apply_rotary, init_std, init_weights, mrope_cos_sin, rope_inv_freq,
+)
+from .linear_attention import causal_depthwise_conv, gated_delta_rule, row_segments
+from .qwen3 import check_text_config, text_position_ids
+from .qwen3_vl import VisionModel, mrope_position_ids
+
+DEFAULT_MROPE_SECTION = [11, 11, 10]  # transformers' value when the config has none
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm (unit-initialised scale) followed by a SiLU gate, per value head."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x, gate):
+        dtype = x.dtype
+        x = x.float()
+        x = self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        return (x * F.silu(gate.float())).to(dtype)
+
+    def reset_own_parameters(self):
+        nn.init.ones_(self.weight)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.n_k_heads, self.n_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        key_size, value_size = self.n_k_heads * self.k_dim, self.n_v_heads * self.v_dim
+        self.split = [key_size, key_size, value_size]
+        conv_dim = sum(self.split)
+        self.in_proj_qkv = nn.Linear(config.hidden_size, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(config.hidden_size, value_size, bias=False)
+        self.in_proj_b = nn.Linear(config.hidden_size, self.n_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(config.hidden_size, self.n_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, config.linear_conv_kernel_dim, groups=conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.n_v_heads))
+        self.A_log = nn.Parameter(torch.empty(self.n_v_heads))
+        self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(value_size, config.hidden_size, bias=False)
+        self.reset_own_parameters()
+
+    def reset_own_parameters(self):
+        nn.init.ones_(self.dt_bias)
+        with torch.no_grad():
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log())
+
+    def forward(self, x, cu_seqlens):
+        batch, seq_len, _ = x.shape
+        cu_seqlens = row_segments(cu_seqlens, batch, seq_len, x.device)
+        x = x.flatten(0, 1)
+        qkv = causal_depthwise_conv(self.in_proj_qkv(x), self.conv1d.weight, cu_seqlens).to(x.dtype)
+        q, k, v = qkv.split(self.split, dim=-1)
+        q, k = q.unflatten(-1, (-1, self.k_dim)), k.unflatten(-1, (-1, self.k_dim))
+        v = v.unflatten(-1, (-1, self.v_dim))
+        # Each key head serves a run of consecutive value heads.
+        groups = v.shape[1] // q.shape[1]
+        q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
+        beta = self.in_proj_b(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        out = gated_delta_rule(q, k, v, g, beta, cu_seqlens)
+        out = self.norm(out, self.in_proj_z(x).unflatten(-1, (-1, self.v_dim)))
+        return self.out_proj(out.flatten(1)).view(batch, seq_len, -1)
+
+
+class GatedAttention(nn.Module):
+    """Grouped-query attention whose output is gated per channel by sigmoid(gate), gate from q_proj."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        n_heads, n_kv = config.num_attention_heads, config.num_key_value_heads
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, n_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(n_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cu_seqlens):
+        batch, seq_len, _ = x.shape
+        q, gate = self.q_proj(x).view(batch, seq_len, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(batch, seq_len, -1, self.head_dim))
+        v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attention(q, k, v, cu_seqlens, causal=True) * torch.sigmoid(gate)
+        return self.o_proj(out.reshape(batch, seq_len, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_type: str):
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(config)
+        elif layer_type == "full_attention":
+            self.self_attn = GatedAttention(config)
+        else:
+            raise ValueError(f"qwen3_5 text config: unknown layer type {layer_type!r} in layer_types")
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x, cos, sin, cu_seqlens):
+        h = self.input_layernorm(x)
+        if self.layer_type == "linear_attention":
+            x = x + self.linear_attn(h, cu_seqlens)
+        else:
+            x = x + self.self_attn(h, cos, sin, cu_seqlens)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TextModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        check_text_config(config, "qwen3_5 text config")
+        if len(config.layer_types) != config.num_hidden_layers:
+            raise ValueError(f"qwen3_5 text config: {len(config.layer_types)} layer_types for "
+                             f"{config.num_hidden_layers} layers")
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(DecoderLayer(config, t) for t in config.layer_types)
+        self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def rotary(self, position_ids, dtype):
+        """cos/sin of the partial interleaved M-RoPE; (B, S) positions drive all three axes."""
+        config = self.config
+        rope = config.rope_parameters
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rot_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+        inv_freq = rope_inv_freq(rope, rot_dim, "qwen3_5 text config")
+        if position_ids.dim() == 2:
+            position_ids = position_ids.expand(3, -1, -1)
+        return mrope_cos_sin(inv_freq, position_ids, rope.get("mrope_section", DEFAULT_MROPE_SECTION), dtype)
+
+    def forward(self, h, position_ids, cu_seqlens):
+        cos, sin = self.rotary(position_ids, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, cu_seqlens)
+        return self.norm(h)
+
+
+class Qwen3_5Model(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.visual = VisionModel(config.vision_config)
+        self.language_model = TextModel(config.text_config)
+
+
+class Qwen3_5ForConditionalGeneration(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = Qwen3_5Model(config)
+        self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self):
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.language_model.embed_tokens.weight
+
+    def init_weights(self):
+        init_weights(self, init_std(self.config))
+        self.tie_weights()
+
+    def position_ids(self, input_ids, image_grid_thw=None, cu_seqlens=None):
+        return mrope_position_ids(
+            input_ids, image_grid_thw, cu_seqlens, self.config.image_token_id, self.config.vision_config.spatial_merge_size
+        )
+
+    def embed(self, input_ids, pixel_values, image_grid_thw):
+        h = self.model.language_model.embed_tokens(input_ids)
+        if pixel_values is None:
+            return h
+        image_embeds, _ = self.model.visual(pixel_values, image_grid_thw)
+        image_mask = input_ids == self.config.image_token_id
+        n_tokens = int(image_mask.sum())
+        if n_tokens != image_embeds.shape[0]:
+            raise ValueError(
+                f"input_ids has {n_tokens} image tokens (id {self.config.image_token_id}) but the images "
+                f"give {image_embeds.shape[0]} features (image_grid_thw {image_grid_thw.tolist()})"
+            )
+        return h.masked_scatter(image_mask[..., None], image_embeds.to(h.dtype))
+
+    def forward(self, input_ids, pixel_values=None, image_grid_thw=None, position_ids=None,
+                cu_seqlens=None, return_hidden=False) -> ModelOutput:
+        h = self.embed(input_ids, pixel_values, image_grid_thw)
+        if position_ids is None:
+            position_ids = self.position_ids(input_ids, image_grid_thw, cu_seqlens)
+        h = self.model.language_model(h, position_ids, cu_seqlens)
+        if return_hidden:
+            return ModelOutput(hidden_states=h)
+        return ModelOutput(logits=self.lm_head(h))
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """The text-only variant (`model_type` "qwen3_5_text"): `model.*`, `lm_head.weight`."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = TextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self):
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def init_weights(self):
+        init_weights(self, init_std(self.config))
+        self.tie_weights()
+
+    def forward(self, input_ids, pixel_values=None, image_grid_thw=None, position_ids=None,
+                cu_seqlens=None, return_hidden=False) -> ModelOutput:
+        if pixel_values is not None:
+            raise ValueError("qwen3_5_text is a text model: pixel_values must be None")
+        if position_ids is None:
+            position_ids = text_position_ids(input_ids, cu_seqlens)
+        h = self.model(self.model.embed_tokens(input_ids), position_ids, cu_seqlens)
+        if return_hidden:
+            return ModelOutput(hidden_states=h)
+        return ModelOutput(logits=self.lm_head(h))

@@ -1,0 +1,289 @@
+"""Qwen3-VL (transformers `Qwen3VLForConditionalGeneration` layout).
+
+Vision tower: Conv3d patch embedding, learned position table bilinearly resampled to each image
+grid, 2-D rotary, pre-norm blocks with a fused `attn.qkv`, a patch merger to the LLM width and
+DeepStack mergers whose outputs are added to the hidden states of the first LLM layers at image
+positions. LLM: the Qwen3 decoder with interleaved multimodal RoPE (t, h, w).
+
+Tensor parallelism of the fused `attn.qkv` (out = [q | k | v], each num_heads * head_dim rows):
+shard it column-wise only after viewing the weight as (3, num_heads, head_dim, in) and splitting
+dim 1, so every rank keeps whole heads of q, k and v; `attn.proj` is then row-parallel. The
+default plan keeps the vision tower data-parallel only.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import attention
+from .layers import ModelOutput, apply_rotary, init_std, init_weights, mrope_cos_sin, rope_inv_freq
+from .qwen3 import TextModel, check_text_config
+
+DEFAULT_MROPE_SECTION = [24, 20, 20]  # transformers' value when the config has none
+VISION_ACTIVATIONS = {
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "silu": F.silu,
+}
+
+
+def vision_activation(name: str):
+    if name not in VISION_ACTIVATIONS:
+        raise ValueError(f"vision_config.hidden_act {name!r} is not supported ({sorted(VISION_ACTIVATIONS)})")
+    return VISION_ACTIVATIONS[name]
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.in_channels = config.in_channels
+        self.kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
+        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, self.kernel, stride=self.kernel, bias=True)
+
+    def forward(self, pixel_values):
+        x = pixel_values.view(-1, self.in_channels, *self.kernel).to(self.proj.weight.dtype)
+        return self.proj(x).flatten(1)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.n_heads = config.num_heads
+        self.head_dim = config.hidden_size // config.num_heads
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=True)
+
+    def forward(self, x, cos, sin, cu_seqlens):
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(1, n, 3, -1, self.head_dim).unbind(2)
+        # Rotary in fp32, as transformers does for the vision tower.
+        q = apply_rotary(q.float(), cos, sin).to(v.dtype)
+        k = apply_rotary(k.float(), cos, sin).to(v.dtype)
+        out = attention(q, k, v, cu_seqlens, causal=False)
+        return self.proj(out.reshape(n, -1))
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=True)
+        self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=True)
+        self.act = vision_activation(config.hidden_act)
+
+    def forward(self, x):
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.hidden_size, eps=1e-6)
+        self.norm2 = nn.LayerNorm(config.hidden_size, eps=1e-6)
+        self.attn = VisionAttention(config)
+        self.mlp = VisionMLP(config)
+
+    def forward(self, x, cos, sin, cu_seqlens):
+        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """Groups each spatial_merge_size**2 block of patches into one LLM token.
+
+    The DeepStack mergers normalise after grouping (`postshuffle_norm`), the final merger before.
+    """
+
+    def __init__(self, config, postshuffle_norm: bool):
+        super().__init__()
+        self.merged_dim = config.hidden_size * config.spatial_merge_size**2
+        self.postshuffle_norm = postshuffle_norm
+        self.norm = nn.LayerNorm(self.merged_dim if postshuffle_norm else config.hidden_size, eps=1e-6)
+        self.linear_fc1 = nn.Linear(self.merged_dim, self.merged_dim)
+        self.linear_fc2 = nn.Linear(self.merged_dim, config.out_hidden_size)
+
+    def forward(self, x):
+        if self.postshuffle_norm:
+            x = self.norm(x.view(-1, self.merged_dim))
+        else:
+            x = self.norm(x).view(-1, self.merged_dim)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+def merge_block_order(grid: torch.Tensor, merge: int) -> torch.Tensor:
+    """(h, w, ...) -> (h*w, ...) in the order the patch processor emits: merge blocks, then rows inside."""
+    h, w = grid.shape[:2]
+    grid = grid.reshape(h // merge, merge, w // merge, merge, *grid.shape[2:]).transpose(1, 2)
+    return grid.reshape(h * w, *grid.shape[4:])
+
+
+class VisionModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.merge = config.spatial_merge_size
+        self.head_dim = config.hidden_size // config.num_heads
+        self.grid_side = int(config.num_position_embeddings**0.5)
+        self.patch_embed = PatchEmbed(config)
+        self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
+        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
+        self.merger = PatchMerger(config, postshuffle_norm=False)
+        self.deepstack_visual_indexes = list(getattr(config, "deepstack_visual_indexes", []) or [])
+        self.deepstack_merger_list = nn.ModuleList(
+            PatchMerger(config, postshuffle_norm=True) for _ in self.deepstack_visual_indexes
+        )
+
+    def position_embeddings(self, grids):
+        """The learned (side, side) table resampled to each image's (h, w) grid, in patch order."""
+        table = self.pos_embed.weight.view(self.grid_side, self.grid_side, -1).permute(2, 0, 1)[None]
+        out = []
+        for t, h, w in grids:
+            grid = F.interpolate(table.float(), size=(h, w), mode="bilinear", align_corners=True)
+            grid = merge_block_order(grid[0].permute(1, 2, 0), self.merge).to(table.dtype)
+            out.append(grid.repeat(t, 1))
+        return torch.cat(out)
+
+    def rotary(self, grids, device):
+        """cos/sin (1, N, head_dim) of the 2-D rotary: half the frequencies follow rows, half columns."""
+        inv_freq = rope_inv_freq(self.config.rope_parameters, self.head_dim // 2, "vision_config", "axial").to(device)
+        coords = []
+        for t, h, w in grids:
+            rows, cols = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
+            hw = merge_block_order(torch.stack((rows, cols), dim=-1), self.merge)
+            coords.append(hw.repeat(t, 1))
+        freqs = torch.cat(coords)[..., None].float() * inv_freq  # (N, 2, head_dim / 4)
+        freqs = freqs.flatten(1)
+        emb = torch.cat((freqs, freqs), dim=-1)[None]
+        return emb.cos(), emb.sin()
+
+    def forward(self, pixel_values, grid_thw):
+        """-> (image embeddings (N / merge**2, out_hidden), [DeepStack features of the same shape])."""
+        grids = grid_thw.tolist()
+        x = self.patch_embed(pixel_values)
+        if x.shape[0] != sum(t * h * w for t, h, w in grids):
+            raise ValueError(
+                f"pixel_values has {x.shape[0]} patches but image_grid_thw {grids} describes "
+                f"{sum(t * h * w for t, h, w in grids)}"
+            )
+        x = x + self.position_embeddings(grids).to(x.dtype)
+        cos, sin = self.rotary(grids, x.device)
+        # Each frame of each image attends only to itself.
+        lengths = torch.tensor([h * w for t, h, w in grids for _ in range(t)], device=x.device)
+        cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+        deepstack = []
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, cu_seqlens)
+            if i in self.deepstack_visual_indexes:
+                deepstack.append(self.deepstack_merger_list[self.deepstack_visual_indexes.index(i)](x))
+        return self.merger(x), deepstack
+
+
+class LanguageModel(TextModel):
+    """The Qwen3 decoder; DeepStack features are added at image positions after the first layers."""
+
+    def forward(self, h, cos, sin, cu_seqlens, image_mask=None, deepstack=()):
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, cu_seqlens)
+            if i < len(deepstack):
+                h = h + torch.zeros_like(h).masked_scatter(image_mask[..., None], deepstack[i].to(h.dtype))
+        return self.norm(h)
+
+
+class Qwen3VLModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.visual = VisionModel(config.vision_config)
+        self.language_model = LanguageModel(config.text_config)
+
+
+def mrope_position_ids(input_ids, image_grid_thw, cu_seqlens, image_token_id: int, merge: int) -> torch.Tensor:
+    """(3, B, S) multimodal positions (t, h, w), restarting at 0 in every segment.
+
+    Text tokens advance all three axes together. An image starting at position p spans
+    t in p + [0, T), h in p + [0, H/merge), w in p + [0, W/merge); the text after it resumes at
+    p + max(H, W) / merge. Images are taken from `image_grid_thw` in token order over the batch.
+    """
+    batch, seq_len = input_ids.shape
+    if cu_seqlens is None:
+        bounds = list(range(0, batch * seq_len + 1, seq_len))
+    else:
+        bounds = cu_seqlens.tolist()
+    grids = iter([] if image_grid_thw is None else image_grid_thw.tolist())
+    tokens = input_ids.flatten().tolist()
+    out = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        i, pos = start, 0
+        while i < end:
+            if tokens[i] != image_token_id:
+                j = i
+                while j < end and tokens[j] != image_token_id:
+                    j += 1
+                out.append(torch.arange(pos, pos + j - i).expand(3, -1))
+                pos += j - i
+                i = j
+                continue
+            grid = next(grids, None)
+            if grid is None:
+                raise ValueError(f"input_ids has more image tokens than image_grid_thw describes (at token {i})")
+            t, h, w = grid[0], grid[1] // merge, grid[2] // merge
+            tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+            out.append(torch.stack((tt, hh, ww)).flatten(1) + pos)
+            pos += max(h, w)
+            i += t * h * w
+            if i > end:
+                raise ValueError(f"an image of grid {grid} runs past the end of its segment ({end})")
+    return torch.cat(out, dim=1).view(3, batch, seq_len).to(input_ids.device)
+
+
+class Qwen3VLForConditionalGeneration(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        check_text_config(config.text_config, "qwen3_vl text_config")
+        self.config = config
+        text = config.text_config
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.model = Qwen3VLModel(config)
+        self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self):
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.language_model.embed_tokens.weight
+
+    def init_weights(self):
+        init_weights(self, init_std(self.config))
+        self.tie_weights()
+
+    def position_ids(self, input_ids, image_grid_thw=None, cu_seqlens=None):
+        return mrope_position_ids(
+            input_ids, image_grid_thw, cu_seqlens, self.config.image_token_id, self.config.vision_config.spatial_merge_size
+        )
+
+    def embed(self, input_ids, pixel_values, image_grid_thw):
+        """Token embeddings with image features scattered in; also the image mask and DeepStack features."""
+        h = self.model.language_model.embed_tokens(input_ids)
+        if pixel_values is None:
+            return h, None, []
+        image_embeds, deepstack = self.model.visual(pixel_values, image_grid_thw)
+        image_mask = input_ids == self.config.image_token_id
+        n_tokens = int(image_mask.sum())
+        if n_tokens != image_embeds.shape[0]:
+            raise ValueError(
+                f"input_ids has {n_tokens} image tokens (id {self.config.image_token_id}) but the images "
+                f"give {image_embeds.shape[0]} features (image_grid_thw {image_grid_thw.tolist()})"
+            )
+        h = h.masked_scatter(image_mask[..., None], image_embeds.to(h.dtype))
+        return h, image_mask, deepstack
+
+    def forward(self, input_ids, pixel_values=None, image_grid_thw=None, position_ids=None,
+                cu_seqlens=None, return_hidden=False) -> ModelOutput:
+        h, image_mask, deepstack = self.embed(input_ids, pixel_values, image_grid_thw)
+        if position_ids is None:
+            position_ids = self.position_ids(input_ids, image_grid_thw, cu_seqlens)
+        rope = self.config.text_config.rope_parameters
+        inv_freq = rope_inv_freq(rope, self.head_dim, "qwen3_vl text_config")
+        cos, sin = mrope_cos_sin(inv_freq, position_ids, rope.get("mrope_section", DEFAULT_MROPE_SECTION), h.dtype)
+        h = self.model.language_model(h, cos, sin, cu_seqlens, image_mask, deepstack)
+        if return_hidden:
+            return ModelOutput(hidden_states=h)
+        return ModelOutput(logits=self.lm_head(h))
+

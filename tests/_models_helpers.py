@@ -1,0 +1,112 @@
+"""Tiny random configs, HF reference models and inputs for the vlmcore.models tests."""
+
+import torch
+import torch.nn.functional as F
+from transformers import Qwen3Config, Qwen3VLConfig
+
+IMAGE, VISION_START, VISION_END = 250, 251, 252
+VISION = dict(
+    depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+    temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64,
+)
+PATCH_DIM = 3 * 2 * 16 * 16
+
+
+def qwen3_config(tied=True, heads=4, kv_heads=2, head_dim=16, layers=2):
+    return Qwen3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, tie_word_embeddings=tied,
+    )
+
+
+def qwen3_vl_config(deepstack=(0, 1), heads=4, kv_heads=2, head_dim=16, tied=False, layers=3):
+    half = head_dim // 2
+    section = [half - 2 * (half // 4), half // 4, half // 4]
+    return Qwen3VLConfig(
+        vision_config=dict(VISION, deepstack_visual_indexes=list(deepstack)),
+        text_config=dict(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+            rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": section,
+                             "mrope_interleaved": True},
+        ),
+        image_token_id=IMAGE, video_token_id=253, vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END, tie_word_embeddings=tied,
+    )
+
+
+def vl_sample(grids, text_lens, generator, merge=2):
+    """input_ids (1-D) of text runs around images, and the images' pixel patches.
+
+    `text_lens` has one more entry than `grids`: text, image, text, image, ..., text.
+    """
+    ids = [torch.randint(0, 200, (text_lens[0],), generator=generator)]
+    pixels = []
+    for (t, h, w), n_text in zip(grids, text_lens[1:]):
+        n_img = t * h * w // merge**2
+        ids += [torch.tensor([VISION_START] + [IMAGE] * n_img + [VISION_END])]
+        ids += [torch.randint(0, 200, (n_text,), generator=generator)]
+        pixels.append(torch.randn(t * h * w, PATCH_DIM, generator=generator))
+    grid = torch.tensor(grids, dtype=torch.long) if grids else None
+    return torch.cat(ids), (torch.cat(pixels) if pixels else None), grid
+
+
+def hf_vl_logits(hf_model, ids, pixels, grid):
+    """The HF model's logits for one batch (ids (B, S))."""
+    return hf_model(
+        input_ids=ids, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(ids == IMAGE).int()
+    ).logits
+
+
+def token_loss(logits, ids):
+    """Sum of next-token cross-entropies (labels = ids shifted), in fp32."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
+
+
+def grad_diffs(model_a, model_b):
+    """Per parameter name, |grad_a - grad_b|.max() / (|grad_b|.max() + 1e-3 * largest |grad_b| of the model)
+    (inf when only one has a grad). The absolute floor keeps gradients that are tiny because of
+    cancellation (Qwen3.5's decay parameters, ~1e-8) from turning fp32 rounding into large ratios."""
+    grads_b = {n: p.grad for n, p in model_b.named_parameters()}
+    floor = 1e-3 * max(g.abs().max().item() for g in grads_b.values() if g is not None)
+    out = {}
+    for name, p in model_a.named_parameters():
+        ref = grads_b[name]
+        if p.grad is None or ref is None:
+            out[name] = 0.0 if p.grad is None and ref is None else float("inf")
+            continue
+        out[name] = ((p.grad - ref).abs().max() / (ref.abs().max() + floor)).item()
+    return out
+
+
+def max_rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def qwen3_5_text_dict(layers=4, heads=4, kv_heads=2, head_dim=16, k_heads=2, v_heads=4, tied=False):
+    rot = head_dim // 4  # partial_rotary_factor 0.25
+    half = rot // 2
+    return dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=8,
+        linear_num_key_heads=k_heads, linear_num_value_heads=v_heads, tie_word_embeddings=tied,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                         "mrope_section": [half - 2 * (half // 3), half // 3, half // 3], "mrope_interleaved": True},
+    )
+
+
+def qwen3_5_config(tied=False, **text):
+    from transformers import Qwen3_5Config
+
+    return Qwen3_5Config(
+        vision_config=dict(VISION), text_config=qwen3_5_text_dict(**text), image_token_id=IMAGE,
+        video_token_id=253, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END,
+        tie_word_embeddings=tied,
+    )
+
+
+def qwen3_5_text_config(**text):
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(**qwen3_5_text_dict(**text))
