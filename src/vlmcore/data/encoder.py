@@ -1,0 +1,177 @@
+"""One sample -> model inputs, exactly as the snapshot's transformers processor does it.
+
+A sample is the dict `vlmcore prepare` stores in each shard's `json` part: either a conversation
+`{"messages": [{"role", "content"}, ...]}` whose contents hold `<image>` placeholders (one per
+image, in order), or a plain document `{"text": ...}`.
+
+Conversations go through the snapshot's chat template (items rendered by the template, images as
+`<|vision_start|><|image_pad|><|vision_end|>`), each `<|image_pad|>` is expanded to the image's
+merged-patch count and the text is tokenized: the same steps and the same code as the
+transformers processor. Labels cover the assistant turns only. Their character spans come from
+the template itself: the text rendered up to turn i with the generation prompt, and the text
+rendered through turn i, differ by exactly that assistant turn.
+
+Documents are tokenized as they are, followed by `<|endoftext|>`, and fully supervised.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+from vlmcore.data.processor import load_processor
+
+IMAGE_PLACEHOLDER = "<image>"
+IGNORE_INDEX = -100
+
+
+class EncodingError(ValueError):
+    """A sample that cannot be encoded; `reason` is the short name it is counted under."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class TextEncoding:
+    input_ids: list[int]
+    labels: list[int]  # already shifted: labels[t] is the target of position t
+    image_grid_thw: list[tuple[int, int, int]]
+
+    @property
+    def num_patches(self) -> int:
+        return sum(t * h * w for t, h, w in self.image_grid_thw)
+
+
+def to_chat_messages(messages: list[dict]) -> list[dict]:
+    """LLaVA-style `<image>` placeholders -> transformers' structured content items."""
+    out = []
+    for message in messages:
+        parts = message["content"].split(IMAGE_PLACEHOLDER)
+        items = [{"type": "text", "text": parts[0]}] if parts[0] else []
+        for part in parts[1:]:
+            items.append({"type": "image"})
+            if part:
+                items.append({"type": "text", "text": part})
+        out.append({"role": message["role"], "content": items})
+    return out
+
+
+class SampleEncoder:
+    """Encodes samples for the model snapshot in `model_dir`; text-only snapshots (no
+    preprocessor_config.json) encode documents and image-free conversations."""
+
+    def __init__(self, model_dir):
+        model_dir = Path(model_dir)
+        self.processor = load_processor(model_dir) if (model_dir / "preprocessor_config.json").is_file() else None
+        self.tokenizer = self.processor.tokenizer if self.processor else AutoTokenizer.from_pretrained(model_dir)
+        if self.processor:
+            image_processor = self.processor.image_processor
+            self.patch_size = image_processor.patch_size
+            self.merge_size = image_processor.merge_size
+            self.min_pixels = image_processor.size["shortest_edge"]
+            self.max_pixels = image_processor.size["longest_edge"]
+        self.image_token = self.processor.image_token if self.processor else "<|image_pad|>"
+        self.vision_start_id = self.tokenizer.convert_tokens_to_ids("<|vision_start|>")
+        self.vision_end_id = self.tokenizer.convert_tokens_to_ids("<|vision_end|>")
+        self.end_of_text_id = self.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.end_of_text_id
+
+    def image_grid(self, width: int, height: int) -> tuple[int, int, int]:
+        """(t, h, w) in patches after the processor's smart resize; t is 1 for an image."""
+        if self.processor is None:
+            raise EncodingError("image_for_text_model", "the model has no image processor")
+        factor = self.patch_size * self.merge_size
+        try:
+            h, w = smart_resize(height, width, factor=factor, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+        except ValueError as e:
+            raise EncodingError("bad_aspect_ratio", f"image {width}x{height}: {e}") from e
+        return 1, h // self.patch_size, w // self.patch_size
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        if self.processor is None:  # text templates expect string contents
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.processor.apply_chat_template(
+            to_chat_messages(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def expand_image_tokens(self, text: str, grids: list[tuple[int, int, int]]) -> str:
+        pieces = text.split(self.image_token)
+        if len(pieces) - 1 > len(grids):
+            raise EncodingError("image_tag_mismatch", f"{len(pieces) - 1} image tokens but {len(grids)} images")
+        if len(pieces) == 1:
+            return text
+        merge = self.merge_size**2
+        out = [pieces[0]]
+        for grid, piece in zip(grids, pieces[1:]):
+            out.append(self.image_token * (grid[0] * grid[1] * grid[2] // merge))
+            out.append(piece)
+        return "".join(out)
+
+    def encode_text(self, sample: dict, image_sizes: list[tuple[int, int]]) -> TextEncoding:
+        """Token ids and labels; images are only needed by size, (width, height) each."""
+        grids = [self.image_grid(w, h) for w, h in image_sizes]
+        if "text" in sample:
+            if grids:
+                raise EncodingError("image_tag_mismatch", "a text document cannot carry images")
+            ids = self.tokenizer(sample["text"], add_special_tokens=False)["input_ids"] + [self.end_of_text_id]
+            return TextEncoding(ids, ids[1:] + [IGNORE_INDEX], [])
+
+        messages = sample["messages"]
+        num_tags = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
+        if num_tags != len(grids):
+            raise EncodingError("image_tag_mismatch", f"{num_tags} <image> tags but {len(grids)} images")
+        full = self.render(messages)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self.render(messages[:i], add_generation_prompt=True)
+            through = self.render(messages[: i + 1])
+            if not (full.startswith(through) and through.startswith(before)):
+                raise EncodingError(
+                    "template_not_prefix_stable",
+                    "the chat template renders earlier turns differently once later turns follow; "
+                    "assistant tokens cannot be located from it",
+                )
+            # Train on the answer and its end-of-turn token, not the newline the template adds after it.
+            start = len(self.expand_image_tokens(before, grids))
+            end = len(self.expand_image_tokens(through, grids).rstrip())
+            spans.append((start, end))
+        if not spans:
+            raise EncodingError("no_assistant_turn", "conversation has no assistant turn to train on")
+
+        text = self.expand_image_tokens(full, grids)
+        encoded = self.tokenizer(text, return_offsets_mapping=True)
+        ids = encoded["input_ids"]
+        supervised = [any(s <= start < e for s, e in spans) for start, _ in encoded["offset_mapping"]]
+        labels = [ids[t + 1] if supervised[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX]
+        return TextEncoding(ids, labels, grids)
+
+    def truncation_point(self, input_ids: list[int], max_len: int) -> int:
+        """Largest cut <= max_len that does not split an image's tokens."""
+        if len(input_ids) <= max_len:
+            return len(input_ids)
+        cut = max_len
+        for t in range(max_len - 1, -1, -1):
+            if input_ids[t] == self.vision_end_id:
+                break
+            if input_ids[t] == self.vision_start_id:
+                cut = t
+                break
+        return cut
+
+    def truncate(self, enc: TextEncoding, cut: int) -> TextEncoding:
+        if cut >= len(enc.input_ids):
+            return enc
+        kept_images = sum(1 for t in enc.input_ids[:cut] if t == self.vision_end_id)
+        labels = enc.labels[:cut]
+        labels[-1] = IGNORE_INDEX  # its target was cut off
+        return TextEncoding(enc.input_ids[:cut], labels, enc.image_grid_thw[:kept_images])
+
+    def pixel_values(self, images) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.processor.image_processor(images=images, return_tensors="pt")
+        return out["pixel_values"], out["image_grid_thw"]

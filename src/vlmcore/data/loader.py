@@ -1,0 +1,315 @@
+"""The training loader: packed Energon dataset -> batches as docs/internals.md "Data batches" says.
+
+Packs are crude samples: the cooker only parses them (so the shuffle buffer holds compressed
+samples); `encode_sample` (in the loader workers) tokenizes every segment with the
+model files copied into the packed dataset, preprocesses the images with the transformers image
+processor, concatenates the segments, pads the row to `seq_len` (the padding is a segment of its
+own, with no loss), and computes the per-segment position ids with `vlmcore.models.position_ids`.
+
+`build_loader` also accepts an Energon metadataset YAML (`write_blend`) that blends several packed
+datasets made with the same model and `seq_len`. `build_online_loader` is the alternative to
+offline packing: the same rows, packed in the loader from a prepared dataset with a buffer.
+
+Resuming: `state_dict()` holds Energon's per-rank loader state (buffer positions, worker
+checkpoints: restore keys, not samples); `load_state_dict()` before iterating makes the loader
+yield exactly the batches an uninterrupted run would have. The state belongs to one data-parallel
+rank of one `dp_world` x `num_workers` layout: if that layout changes, `load_state_dict` warns and
+the stream restarts from a new shuffle (seeded from `seed` and the number of batches consumed so
+far), so no sample order is replayed but the exact continuation is lost.
+"""
+
+import io
+import json
+import logging
+import pickle
+from pathlib import Path
+
+import torch
+import yaml
+from megatron.energon import (
+    Cooker,
+    DefaultTaskEncoder,
+    Sample,
+    SkipSample,
+    WorkerConfig,
+    edataclass,
+    get_savable_loader,
+    get_train_dataset,
+    stateless,
+)
+from PIL import Image
+
+from vlmcore.data.encoder import IGNORE_INDEX, EncodingError, SampleEncoder, TextEncoding
+from vlmcore.data.pack import PACK_MODEL_DIR, measure_sample
+from vlmcore.data.packing import best_fit_decreasing
+from vlmcore.data.quality import BadSample
+from vlmcore.models import load_config, position_ids
+
+logger = logging.getLogger(__name__)
+
+
+@edataclass
+class PackedRow(Sample):
+    input_ids: torch.Tensor  # (S,)
+    labels: torch.Tensor  # (S,)
+    position_ids: torch.Tensor  # (3, S) for M-RoPE models, (S,) otherwise
+    seq_lens: list[int]  # segment lengths, padding last
+    pixel_values: torch.Tensor | None
+    image_grid_thw: torch.Tensor | None
+    num_samples: int
+
+
+@edataclass
+class StoredSample(Sample):
+    meta: dict  # the `json` part
+    parts: dict[str, bytes]  # the other parts (images), still compressed
+
+
+@edataclass
+class EncodedSample(Sample):
+    encoding: TextEncoding
+    images: list[bytes]  # compressed, decoded only when the sample's pack is emitted
+
+
+def packed_dataset_files(path) -> tuple[Path, dict]:
+    """The model files and pack config of a packed dataset, or of a blend of packed datasets.
+
+    All datasets of a blend must have been packed with the same tokenizer and pack config.
+    """
+    found = []
+    for dataset_dir in dataset_entries(path):
+        config = dataset_dir / "pack_config.json"
+        if not config.is_file():
+            raise FileNotFoundError(f"{dataset_dir} is not a packed dataset (no pack_config.json); run `vlmcore pack`")
+        found.append((dataset_dir / PACK_MODEL_DIR, json.loads(config.read_text())))
+    model_dir, pack_config = found[0]
+    for other_dir, other_config in found[1:]:
+        if other_config != pack_config or (other_dir / "tokenizer.json").read_bytes() != (model_dir / "tokenizer.json").read_bytes():
+            raise ValueError(f"{path}: {other_dir.parent} was packed with another tokenizer or pack config than {model_dir.parent}")
+    return model_dir, pack_config
+
+
+def dataset_entries(path) -> list[Path]:
+    """The dataset directories of a dataset directory or of a blend YAML."""
+    path = Path(path)
+    if path.is_dir():
+        return [path]
+    node = yaml.safe_load(path.read_text())["splits"]["train"]
+    return [(path.parent / entry["path"]).resolve() for entry in node.get("blend") or node.get("blend_epochized") or [node]]
+
+
+def samples_in(dataset_dir: Path) -> int:
+    return sum(json.loads((dataset_dir / ".nv-meta" / ".info.json").read_text())["shard_counts"].values())
+
+
+class PackedTaskEncoder(DefaultTaskEncoder):
+    decoder = None  # the cooker decodes the raw parts itself
+
+    def __init__(self, model_dir, seq_len: int):
+        super().__init__()
+        self.encoder = SampleEncoder(model_dir)
+        self.model_config = load_config(model_dir)
+        self.seq_len = seq_len
+        self.cookers = [Cooker(self.cook)]
+
+    @stateless
+    def cook(self, crude: dict) -> StoredSample:
+        """Parse only: the shuffle buffer after the cooker then holds compressed samples."""
+        return StoredSample(**basic_keys(crude), meta=json.loads(crude["json"]),
+                            parts={k: v for k, v in crude.items() if not k.startswith("__") and k != "json"})
+
+    @stateless
+    def encode_sample(self, stored: StoredSample) -> PackedRow:
+        segments = []
+        for segment in stored.meta["segments"]:
+            sizes = [tuple(size) for size in segment["image_sizes"]]
+            enc = self.encoder.encode_text(segment["sample"], sizes)
+            enc = self.encoder.truncate(enc, segment["num_tokens"])
+            if len(enc.input_ids) != segment["num_tokens"]:
+                raise ValueError(
+                    f"pack {stored.__key__}, sample {segment['key']}: encodes to {len(enc.input_ids)} tokens but was "
+                    f"packed as {segment['num_tokens']}; the packed dataset's model/ files changed since `vlmcore pack`"
+                )
+            segments.append((enc, [stored.parts[name] for name in segment["images"]]))
+        return self.assemble_row(basic_keys(stored), segments)
+
+    def assemble_row(self, keys: dict, segments: list[tuple[TextEncoding, list[bytes]]]) -> PackedRow:
+        """Concatenate encoded samples (with their kept images' bytes) into one padded row."""
+        ids, labels, seq_lens, grids, pixels = [], [], [], [], []
+        for enc, image_bytes in segments:
+            if image_bytes:
+                images = [Image.open(io.BytesIO(data)) for data in image_bytes]
+                values, grid = self.encoder.pixel_values(images)
+                if grid.tolist() != [list(g) for g in enc.image_grid_thw]:
+                    raise ValueError(f"{keys.get('__key__')}: image grids {grid.tolist()} != {enc.image_grid_thw}")
+                pixels.append(values)
+                grids.append(grid)
+            ids += enc.input_ids
+            labels += enc.labels
+            seq_lens.append(len(enc.input_ids))
+        padding = self.seq_len - len(ids)
+        if padding < 0:
+            raise ValueError(f"{keys.get('__key__')}: {len(ids)} tokens do not fit seq_len {self.seq_len}")
+        if padding:
+            ids += [self.encoder.pad_id] * padding
+            labels += [IGNORE_INDEX] * padding
+            seq_lens.append(padding)
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        image_grid_thw = torch.cat(grids) if grids else None
+        cu_seqlens = torch.tensor([0] + seq_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        positions = position_ids(self.model_config, input_ids[None], image_grid_thw, cu_seqlens)
+        return PackedRow(
+            **keys,
+            input_ids=input_ids,
+            labels=torch.tensor(labels, dtype=torch.long),
+            position_ids=positions[:, 0] if positions.dim() == 3 else positions[0],
+            seq_lens=seq_lens,
+            pixel_values=torch.cat(pixels) if pixels else None,
+            image_grid_thw=image_grid_thw,
+            num_samples=len(segments),
+        )
+
+    def batch(self, rows: list[PackedRow]) -> dict:
+        seq_lens = [n for row in rows for n in row.seq_lens]
+        batch = {
+            "input_ids": torch.stack([row.input_ids for row in rows]),
+            "labels": torch.stack([row.labels for row in rows]),
+            "position_ids": torch.stack([row.position_ids for row in rows], dim=-2),
+            "cu_seqlens": torch.tensor([0] + seq_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+            "num_samples": sum(row.num_samples for row in rows),
+        }
+        with_images = [row for row in rows if row.pixel_values is not None]
+        if with_images:
+            batch["pixel_values"] = torch.cat([row.pixel_values for row in with_images])
+            batch["image_grid_thw"] = torch.cat([row.image_grid_thw for row in with_images])
+        return batch
+
+
+def basic_keys(sample) -> dict:
+    """The Energon bookkeeping fields (restore key etc.) of a crude dict or a Sample."""
+    names = ("__key__", "__restore_key__", "__subflavors__", "__sources__")
+    if isinstance(sample, dict):
+        return {k: sample[k] for k in names if k in sample}
+    return {k: getattr(sample, k) for k in names}
+
+
+class OnlinePackingTaskEncoder(PackedTaskEncoder):
+    """Packs a prepared (unpacked) dataset on the fly: best fit decreasing over a buffer.
+
+    The buffer holds token ids and the images' compressed bytes; pixels are computed only for
+    the samples of the pack being emitted. Skipped samples are logged by Energon, not counted.
+    """
+
+    def __init__(self, model_dir, seq_len: int, max_patches: int, overlong: str):
+        super().__init__(model_dir, seq_len)
+        self.max_patches = max_patches
+        self.overlong = overlong
+
+    @stateless
+    def encode_sample(self, stored: StoredSample) -> EncodedSample:
+        counts = {"truncated": 0, "dropped_overlong": 0}
+        try:
+            enc, kept, _ = measure_sample(stored.meta, stored.parts, self.encoder, self.seq_len, self.max_patches,
+                                          self.overlong, counts)
+        except (BadSample, EncodingError) as e:
+            logger.warning("skipping sample %s: %s", stored.__key__, e)
+            raise SkipSample() from e
+        return EncodedSample(**basic_keys(stored), encoding=enc, images=[stored.parts[name] for name in kept])
+
+    def select_samples_to_pack(self, samples: list[EncodedSample]) -> list[list[EncodedSample]]:
+        tokens = [len(s.encoding.input_ids) for s in samples]
+        patches = [s.encoding.num_patches for s in samples]
+        return [[samples[i] for i in b] for b in best_fit_decreasing(tokens, patches, self.seq_len, self.max_patches)]
+
+    @stateless
+    def pack_selected_samples(self, samples: list[EncodedSample]) -> PackedRow:
+        keys = {"__key__": ",".join(s.__key__ for s in samples), "__restore_key__": ()}
+        return self.assemble_row(keys, [(s.encoding, s.images) for s in samples])
+
+
+class PackedLoader:
+    """An infinite stream of batches with `state_dict()` / `load_state_dict()` for checkpoints."""
+
+    def __init__(self, path, task_encoder: PackedTaskEncoder, *, dp_rank: int, dp_world: int, micro_batch_size: int,
+                 seed: int, num_workers: int, packing_buffer_size: int | None = None):
+        self.path = path
+        self.task_encoder = task_encoder
+        self.packing_buffer_size = packing_buffer_size
+        self.layout = {"dp_rank": dp_rank, "dp_world": dp_world, "micro_batch_size": micro_batch_size, "num_workers": num_workers}
+        self.seed = seed
+        self.batches_yielded = 0
+        self.loader = self._make_loader(seed)
+
+    def _make_loader(self, seed_offset: int):
+        worker_config = WorkerConfig(
+            rank=self.layout["dp_rank"],
+            world_size=self.layout["dp_world"],
+            num_workers=self.layout["num_workers"],
+            seed_offset=seed_offset,
+        )
+        # The shuffle buffer is filled before the first batch: no larger than a rank's share of the
+        # smallest dataset, or a tiny dataset is read many times over before anything comes out.
+        per_rank = min(samples_in(d) for d in dataset_entries(self.path)) // self.layout["dp_world"]
+        dataset = get_train_dataset(
+            str(self.path),
+            worker_config=worker_config,
+            batch_size=self.layout["micro_batch_size"],
+            packing_buffer_size=self.packing_buffer_size,
+            shuffle_buffer_size=max(1, min(100, per_rank)),
+            max_samples_per_sequence=100,
+            task_encoder=self.task_encoder,
+            repeat=True,
+        )
+        return get_savable_loader(dataset)
+
+    def __iter__(self):
+        for batch in self.loader:
+            self.batches_yielded += 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        state = self.loader.save_state_rank() if self.batches_yielded else None
+        # Pickled, so the checkpoint stores one opaque value whatever Energon's state holds.
+        return {"energon": pickle.dumps(state), "batches_yielded": self.batches_yielded, **self.layout}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batches_yielded = state["batches_yielded"]
+        saved = {k: state[k] for k in self.layout}
+        if saved != self.layout:
+            logger.warning(
+                "data loader layout changed from %s to %s: the stream restarts with a new shuffle (no exact resume)",
+                saved, self.layout,
+            )
+            self.loader = self._make_loader(self.seed + self.batches_yielded)
+            return
+        self.loader.restore_state_rank(pickle.loads(state["energon"]))
+
+
+def build_loader(packed_dir, *, dp_rank: int, dp_world: int, micro_batch_size: int, seed: int, num_workers: int) -> PackedLoader:
+    """Batches from a packed dataset (`vlmcore pack`) or a blend YAML of packed datasets (`write_blend`)."""
+    model_dir, pack_config = packed_dataset_files(packed_dir)
+    return PackedLoader(packed_dir, PackedTaskEncoder(model_dir, pack_config["seq_len"]), dp_rank=dp_rank,
+                        dp_world=dp_world, micro_batch_size=micro_batch_size, seed=seed, num_workers=num_workers)
+
+
+def build_online_loader(data_dir, model_dir, *, seq_len: int, max_patches: int, buffer_size: int, overlong: str = "truncate",
+                        dp_rank: int, dp_world: int, micro_batch_size: int, seed: int, num_workers: int) -> PackedLoader:
+    """The same batches, packed online from a prepared dataset with a buffer of `buffer_size` samples."""
+    task_encoder = OnlinePackingTaskEncoder(model_dir, seq_len, max_patches, overlong)
+    return PackedLoader(data_dir, task_encoder, dp_rank=dp_rank, dp_world=dp_world, micro_batch_size=micro_batch_size,
+                        seed=seed, num_workers=num_workers, packing_buffer_size=buffer_size)
+
+
+def write_blend(path, datasets: list[tuple[str, float]], epochized: bool = False) -> None:
+    """An Energon metadataset over packed `datasets` [(dir, weight), ...].
+
+    Weighted: packs are sampled from each dataset with probability proportional to its weight.
+    Epochized: each "epoch" of the blend holds every dataset exactly `weight` (an integer) times.
+    """
+    path = Path(path)
+    if epochized:
+        node = {"blend_epochized": [{"repetitions": int(w), "path": str(Path(d).resolve())} for d, w in datasets]}
+    else:
+        node = {"blend": [{"weight": w, "path": str(Path(d).resolve())} for d, w in datasets]}
+    doc = {"__module__": "megatron.energon", "__class__": "MetadatasetV2", "splits": {"train": node}}
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))

@@ -1,0 +1,118 @@
+"""Webdataset tar shards: writing them, reading them back safely, and `energon prepare`.
+
+Every sample in a vlmcore shard is a `json` part plus its images as `img<k>.<ext>` parts; the
+JSON names the image parts in order under `"images"`.
+"""
+
+import contextlib
+import io
+import json
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import webdataset
+
+from vlmcore.data.quality import BadSample, safe_relative_path
+
+
+class ShardWriter:
+    """`webdataset.ShardWriter` writing `shard-000000.tar`, ... into `out_dir`."""
+
+    def __init__(self, out_dir, shard_size: int):
+        if shard_size < 1:
+            raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        for old in self.out_dir.glob("shard-*.tar*"):
+            old.unlink()
+        self.writer = webdataset.ShardWriter(str(self.out_dir / "shard-%06d.tar"), maxcount=shard_size, verbose=0)
+        self.count = 0
+
+    def write(self, sample: dict, images: list[tuple[bytes, str]]) -> None:
+        parts = {}
+        names = []
+        for k, (data, ext) in enumerate(images):
+            name = f"img{k}.{ext}"
+            parts[name] = data
+            names.append(name)
+        record = {"__key__": f"{self.count:09d}", "json": json.dumps({**sample, "images": names}).encode()}
+        self.writer.write({**record, **parts})
+        self.count += 1
+
+    def close(self) -> list[str]:
+        self.writer.close()
+        return sorted(p.name for p in self.out_dir.glob("shard-*.tar"))
+
+
+def energon_prepare(dataset_dir, workers: int = 1) -> None:
+    """Index the shards with `energon prepare`, non-interactively, as a crude dataset."""
+    from megatron.energon.tools.prepare import command
+
+    args = [
+        str(dataset_dir), "--non-interactive", "--split-ratio", "1,0,0", "--sample-type", "CrudeWebdataset",
+        "--force-overwrite", "--num-workers", str(workers), "--no-progress",
+    ]  # fmt: skip
+    output = io.StringIO()  # its sample preview goes to stdout; keep it for errors only
+    try:
+        with contextlib.redirect_stdout(output):
+            command.main(args, standalone_mode=False)
+    except Exception as e:
+        raise RuntimeError(f"energon prepare {dataset_dir} failed: {e}\n{output.getvalue()[-4000:]}") from e
+
+
+def shard_paths(dataset_dir) -> list[Path]:
+    """The shards of a prepared dataset, in the order `energon prepare` recorded."""
+    dataset_dir = Path(dataset_dir)
+    info = dataset_dir / ".nv-meta" / ".info.json"
+    if not info.is_file():
+        raise FileNotFoundError(f"{dataset_dir} is not a prepared Energon dataset (no .nv-meta/.info.json)")
+    return [dataset_dir / name for name in json.loads(info.read_text())["shard_counts"]]
+
+
+@dataclass
+class Part:
+    offset: int
+    size: int
+
+
+@dataclass
+class ShardSample:
+    shard: Path
+    key: str
+    parts: dict[str, Part]
+    data: dict[str, bytes]
+    unsafe_names: list[str]
+
+
+def split_member_name(name: str) -> tuple[str, str]:
+    """Webdataset naming: `dir/key.part.ext` -> (`dir/key`, `part.ext`)."""
+    head, _, base = name.rpartition("/")
+    key, _, part = base.partition(".")
+    return (f"{head}/{key}" if head else key), part
+
+
+def iter_shard_samples(shard: Path):
+    """Yield the samples of one tar in order, with their parts read into memory.
+
+    Member names that are absolute or climb out of the dataset directory are recorded in
+    `unsafe_names`; callers reject such samples. Nothing is ever extracted to disk.
+    """
+    with tarfile.open(shard, "r:") as tar:
+        sample = None
+        for member in tar:
+            if not member.isfile():
+                continue
+            key, part = split_member_name(member.name)
+            if sample is None or key != sample.key:
+                if sample is not None:
+                    yield sample
+                sample = ShardSample(shard, key, {}, {}, [])
+            try:
+                safe_relative_path(member.name)
+            except BadSample:
+                sample.unsafe_names.append(member.name)
+            sample.parts[part] = Part(member.offset_data, member.size)
+            sample.data[part] = tar.extractfile(member).read()
+        if sample is not None:
+            yield sample

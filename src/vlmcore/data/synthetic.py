@@ -1,0 +1,193 @@
+"""Synthetic image-text data for the demo: one large coloured shape on a plain background.
+
+Everything a tiny model needs to learn in a few hundred CPU steps: the colour, the kind and the
+side of the shape. The generator is deterministic (same seed, byte-identical files), so the
+workflow can regenerate it instead of shipping it.
+
+Layout written under `out_dir`:
+  images/*.png         train images, then eval images (separate files)
+  captions.jsonl       {"id", "image", "caption"}                          alignment data
+  conversations.jsonl  {"id", "images", "messages"}   LLaVA style, `<image>` placeholders
+  eval.jsonl           {"id", "image", "question", "choices", "answer"}    held-out multiple choice
+  meta.json            counts and chance level per question kind
+"""
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+from tqdm import tqdm
+
+COLORS = {
+    "red": (220, 30, 30),
+    "green": (30, 170, 40),
+    "blue": (30, 60, 220),
+    "yellow": (235, 215, 20),
+    "purple": (140, 40, 180),
+    "orange": (245, 130, 20),
+}
+SHAPES = ["circle", "square", "triangle"]
+SIDES = ["left", "right"]
+BACKGROUNDS = {"white": (245, 245, 245), "gray": (128, 128, 128), "black": (15, 15, 15)}
+
+QUESTIONS = {
+    "color": ("What color is the shape?", list(COLORS)),
+    "shape": ("What shape is in the image?", SHAPES),
+    "side": ("Is the shape on the left or on the right?", SIDES),
+}
+CAPTION_TEMPLATES = [
+    "A {color} {shape} on a {background} background.",
+    "There is a {color} {shape} on the {side}.",
+    "The image shows a {color} {shape}.",
+    "A {background} picture with a {color} {shape} on the {side} side.",
+]
+TWO_IMAGE_QUESTION = "What color is the shape in the second image?"
+
+
+def random_scene(rng: random.Random, min_size: int, max_size: int) -> dict:
+    return {
+        "width": rng.randint(min_size, max_size),
+        "height": rng.randint(min_size, max_size),
+        "color": rng.choice(list(COLORS)),
+        "shape": rng.choice(SHAPES),
+        "side": rng.choice(SIDES),
+        "background": rng.choice(list(BACKGROUNDS)),
+    }
+
+
+def draw_scene(scene: dict) -> Image.Image:
+    w, h = scene["width"], scene["height"]
+    image = Image.new("RGB", (w, h), BACKGROUNDS[scene["background"]])
+    draw = ImageDraw.Draw(image)
+    # The shape fills most of its half of the image, so it stays visible after resizing.
+    x0 = 0 if scene["side"] == "left" else w // 2
+    box = (x0 + w * 0.04, h * 0.15, x0 + w * 0.46, h * 0.85)
+    fill = COLORS[scene["color"]]
+    if scene["shape"] == "circle":
+        draw.ellipse(box, fill=fill)
+    elif scene["shape"] == "square":
+        draw.rectangle(box, fill=fill)
+    else:
+        draw.polygon([((box[0] + box[2]) / 2, box[1]), (box[2], box[3]), (box[0], box[3])], fill=fill)
+    return image
+
+
+def caption_for(scene: dict, rng: random.Random) -> str:
+    return rng.choice(CAPTION_TEMPLATES).format(**scene)
+
+
+def conversation_for(scenes: list[dict], rng: random.Random) -> list[dict]:
+    if len(scenes) == 2:
+        return [
+            {"role": "user", "content": f"<image>\n<image>\n{TWO_IMAGE_QUESTION}"},
+            {"role": "assistant", "content": scenes[1]["color"]},
+        ]
+    kinds = rng.sample(list(QUESTIONS), k=rng.randint(1, len(QUESTIONS)))
+    messages = []
+    for turn, kind in enumerate(kinds):
+        question = QUESTIONS[kind][0]
+        messages.append({"role": "user", "content": f"<image>\n{question}" if turn == 0 else question})
+        messages.append({"role": "assistant", "content": scenes[0][kind]})
+    return messages
+
+
+def corpus_texts(seed: int = 0) -> list[str]:
+    """Every kind of text the generator produces, for training the demo tokenizer."""
+    rng = random.Random(seed)
+    texts = [question for question, _ in QUESTIONS.values()] + [TWO_IMAGE_QUESTION]
+    texts += [answer for _, answers in QUESTIONS.values() for answer in answers]
+    for _ in range(200):
+        scene = random_scene(rng, 32, 32)
+        texts.append(caption_for(scene, rng))
+    for template in CAPTION_TEMPLATES:
+        for color in COLORS:
+            for shape in SHAPES:
+                for background in BACKGROUNDS:
+                    for side in SIDES:
+                        texts.append(template.format(color=color, shape=shape, background=background, side=side))
+    return texts
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def generate(out_dir, num_train: int, num_eval: int, seed: int = 0, min_size: int = 32, max_size: int = 112) -> dict:
+    """Write the demo dataset (see the module docstring); returns the contents of meta.json."""
+    if min_size < 8 or max_size < min_size:
+        raise ValueError(f"image sizes must satisfy 8 <= min_size <= max_size, got {min_size}, {max_size}")
+    out_dir = Path(out_dir)
+    (out_dir / "images").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+
+    def save(scene: dict, name: str) -> str:
+        rel = f"images/{name}.png"
+        draw_scene(scene).save(out_dir / rel, format="PNG")
+        return rel
+
+    train_scenes, captions, conversations = [], [], []
+    for i in tqdm(range(num_train), desc="synth train", unit="img"):
+        scene = random_scene(rng, min_size, max_size)
+        image = save(scene, f"train_{i:06d}")
+        train_scenes.append((scene, image))
+        captions.append({"id": f"cap_{i:06d}", "image": image, "caption": caption_for(scene, rng)})
+    for i, (scene, image) in enumerate(train_scenes):
+        # Every fifth conversation pairs this image with another one.
+        if i % 5 == 4 and len(train_scenes) > 1:
+            other_scene, other_image = train_scenes[rng.randrange(len(train_scenes))]
+            scenes, images = [scene, other_scene], [image, other_image]
+        else:
+            scenes, images = [scene], [image]
+        conversations.append({"id": f"conv_{i:06d}", "images": images, "messages": conversation_for(scenes, rng)})
+
+    eval_rows = []
+    kinds = list(QUESTIONS)
+    for i in tqdm(range(num_eval), desc="synth eval", unit="img"):
+        scene = random_scene(rng, min_size, max_size)
+        kind = kinds[i % len(kinds)]
+        question, choices = QUESTIONS[kind]
+        eval_rows.append(
+            {
+                "id": f"eval_{i:06d}",
+                "kind": kind,
+                "image": save(scene, f"eval_{i:06d}"),
+                "question": question,
+                "choices": choices,
+                "answer": choices.index(scene[kind]),
+            }
+        )
+
+    write_jsonl(out_dir / "captions.jsonl", captions)
+    write_jsonl(out_dir / "conversations.jsonl", conversations)
+    write_jsonl(out_dir / "eval.jsonl", eval_rows)
+    meta = {
+        "seed": seed,
+        "num_train_images": num_train,
+        "num_eval": num_eval,
+        "num_captions": len(captions),
+        "num_conversations": len(conversations),
+        "image_size_range": [min_size, max_size],
+        "chance": {kind: 1.0 / len(choices) for kind, (_, choices) in QUESTIONS.items()},
+        "eval_count_by_kind": {kind: sum(r["kind"] == kind for r in eval_rows) for kind in QUESTIONS},
+    }
+    (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, help="output directory (raw/)")
+    parser.add_argument("--num-train", type=int, default=512, help="number of training images")
+    parser.add_argument("--num-eval", type=int, default=96, help="number of held-out eval questions")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--min-size", type=int, default=32, help="smallest image side in pixels")
+    parser.add_argument("--max-size", type=int, default=112, help="largest image side in pixels")
+
+
+def run(args) -> int:
+    meta = generate(args.out, args.num_train, args.num_eval, args.seed, args.min_size, args.max_size)
+    print(json.dumps(meta))
+    return 0

@@ -1,0 +1,155 @@
+"""The training loader: batch format of docs/internals.md, exact resume, blends, layout changes."""
+
+import json
+import pickle
+
+import pytest
+import torch
+
+from _data_helpers import make_demo_model_dir
+from vlmcore.data.encoder import IGNORE_INDEX, SampleEncoder
+from vlmcore.data.loader import build_loader, write_blend
+from vlmcore.data.pack import pack
+from vlmcore.data.prepare import prepare
+from vlmcore.data.synthetic import generate
+from vlmcore.models import load_config, position_ids
+
+SEQ_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loader")
+    model = make_demo_model_dir(root / "model")
+    generate(root / "raw", num_train=48, num_eval=3, seed=2)
+    for name in ("captions", "conversations"):
+        prepare([root / "raw" / f"{name}.jsonl"], root / "data" / name, shard_size=16)
+        pack(root / "data" / name, model, root / "packed" / name, seq_len=SEQ_LEN, max_patches=256, shard_size=4)
+    return root
+
+
+def take(loader, n):
+    it = iter(loader)
+    return [next(it) for _ in range(n)]
+
+
+def assert_same_batches(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for key in x:
+            assert torch.equal(x[key], y[key]) if torch.is_tensor(x[key]) else x[key] == y[key], key
+
+
+def test_batch_format(packed):
+    loader = build_loader(packed / "packed" / "conversations", dp_rank=0, dp_world=1, micro_batch_size=2, seed=0, num_workers=0)
+    config = load_config(packed / "model")
+    for batch in take(loader, 4):
+        ids, labels, pos, cu = batch["input_ids"], batch["labels"], batch["position_ids"], batch["cu_seqlens"]
+        assert ids.shape == labels.shape == (2, SEQ_LEN) and ids.dtype == labels.dtype == torch.int64
+        assert pos.shape == (3, 2, SEQ_LEN) and pos.dtype == torch.int64
+        assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == 2 * SEQ_LEN
+        assert SEQ_LEN in cu.tolist()  # segments end at the row boundary
+        assert torch.equal(pos, position_ids(config, ids, batch["image_grid_thw"], cu))
+        grid = batch["image_grid_thw"]
+        assert grid.dtype == torch.int64 and batch["pixel_values"].shape == (int(grid.prod(-1).sum()), 3 * 2 * 16 * 16)
+        assert int((ids == config.image_token_id).sum()) == batch["pixel_values"].shape[0] // 4
+        # No target crosses a segment boundary: the last position of every segment has no label.
+        flat = labels.flatten()
+        assert all(flat[end - 1] == IGNORE_INDEX for end in cu[1:].tolist())
+        segments = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+        with_labels = sum(1 for a, b in segments if (flat[a:b] != IGNORE_INDEX).any())
+        assert batch["num_samples"] == with_labels  # the rest is row padding
+
+
+def test_rows_hold_the_encoded_samples(packed):
+    """Each segment of a packed row is exactly the encoder's output for that sample."""
+    from vlmcore.data.shards import iter_shard_samples, shard_paths
+
+    loader = build_loader(packed / "packed" / "captions", dp_rank=0, dp_world=1, micro_batch_size=1, seed=0, num_workers=0)
+    encoder = SampleEncoder(packed / "model")
+    segments_by_tokens = {}
+    for shard in shard_paths(packed / "packed" / "captions"):
+        for s in iter_shard_samples(shard):
+            for seg in json.loads(s.data["json"])["segments"]:
+                enc = encoder.encode_text(seg["sample"], [tuple(x) for x in seg["image_sizes"]])
+                segments_by_tokens[tuple(enc.input_ids)] = enc.labels
+    for batch in take(loader, 3):
+        ids, labels, cu = batch["input_ids"][0], batch["labels"][0], batch["cu_seqlens"].tolist()
+        for a, b in zip(cu[:-1], cu[1:]):
+            key = tuple(ids[a:b].tolist())
+            if key in segments_by_tokens:
+                assert labels[a:b].tolist() == segments_by_tokens[key]
+            else:  # row padding
+                assert (ids[a:b] == encoder.pad_id).all() and (labels[a:b] == IGNORE_INDEX).all()
+        assert sum(tuple(ids[a:b].tolist()) in segments_by_tokens for a, b in zip(cu[:-1], cu[1:])) == batch["num_samples"]
+
+
+def check_resume(path, num_workers):
+    kwargs = dict(dp_rank=0, dp_world=1, micro_batch_size=2, seed=3, num_workers=num_workers)
+    loader = build_loader(path, **kwargs)
+    it = iter(loader)
+    [next(it) for _ in range(3)]
+    state = pickle.loads(pickle.dumps(loader.state_dict()))
+    expected = [next(it) for _ in range(5)]
+    resumed = build_loader(path, **kwargs)
+    resumed.load_state_dict(state)
+    assert_same_batches(take(resumed, 5), expected)
+
+
+def test_resume_yields_the_same_batches(packed):
+    check_resume(packed / "packed" / "conversations", num_workers=0)
+
+
+@pytest.mark.slow
+def test_resume_with_workers_yields_the_same_batches(packed):
+    check_resume(packed / "packed" / "conversations", num_workers=2)
+
+
+@pytest.mark.slow
+def test_layout_change_restarts_the_stream(packed, caplog):
+    path = packed / "packed" / "conversations"
+    loader = build_loader(path, dp_rank=0, dp_world=1, micro_batch_size=2, seed=0, num_workers=0)
+    take(loader, 2)
+    state = loader.state_dict()
+    other = build_loader(path, dp_rank=1, dp_world=2, micro_batch_size=2, seed=0, num_workers=0)
+    other.load_state_dict(state)
+    assert "layout changed" in caplog.text
+    assert take(other, 2)[0]["input_ids"].shape == (2, SEQ_LEN)
+
+
+@pytest.mark.parametrize("epochized", [False, True])
+def test_blend_of_packed_datasets(packed, epochized):
+    blend = packed / "blend.yaml"
+    write_blend(blend, [(packed / "packed" / "captions", 1), (packed / "packed" / "conversations", 2)], epochized=epochized)
+    loader = build_loader(blend, dp_rank=0, dp_world=1, micro_batch_size=1, seed=0, num_workers=0)
+    encoder = SampleEncoder(packed / "model")
+    seen = {"captions": 0, "conversations": 0}
+    question = encoder.tokenizer("What", add_special_tokens=False)["input_ids"][0]
+    for batch in take(loader, 12):
+        seen["conversations" if (batch["input_ids"] == question).any() else "captions"] += 1
+    assert seen["captions"] > 0 and seen["conversations"] > 0
+
+
+def test_data_parallel_ranks_read_different_packs(packed):
+    path = packed / "packed" / "conversations"
+    first = [build_loader(path, dp_rank=r, dp_world=2, micro_batch_size=1, seed=0, num_workers=0) for r in (0, 1)]
+    a, b = (take(loader, 3) for loader in first)
+    assert not any(torch.equal(x["input_ids"], y["input_ids"]) for x in a for y in b)
+
+
+def test_online_packing_loader(packed):
+    from vlmcore.data.loader import build_online_loader
+
+    kwargs = dict(seq_len=SEQ_LEN, max_patches=256, buffer_size=16, dp_rank=0, dp_world=1, micro_batch_size=2, seed=1, num_workers=0)
+    loader = build_online_loader(packed / "data" / "conversations", packed / "model", **kwargs)
+    it = iter(loader)
+    first = [next(it) for _ in range(2)]
+    state = loader.state_dict()
+    expected = [next(it) for _ in range(3)]
+    for batch in first + expected:
+        assert batch["input_ids"].shape == (2, SEQ_LEN) and batch["cu_seqlens"][-1] == 2 * SEQ_LEN
+        assert batch["pixel_values"].shape[0] <= 2 * 256
+    resumed = build_online_loader(packed / "data" / "conversations", packed / "model", **kwargs)
+    resumed.load_state_dict(state)
+    assert_same_batches(take(resumed, 3), expected)

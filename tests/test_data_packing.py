@@ -1,0 +1,111 @@
+"""Best-fit-decreasing packing and `vlmcore pack`: budgets, efficiency, overlong samples, bad shards."""
+
+import io
+import json
+import random
+import tarfile
+
+import pytest
+
+from _data_helpers import make_demo_model_dir, write_jsonl
+from vlmcore.data.pack import pack
+from vlmcore.data.packing import best_fit_decreasing, packing_stats
+from vlmcore.data.prepare import prepare
+from vlmcore.data.shards import iter_shard_samples, shard_paths
+from vlmcore.data.synthetic import generate
+
+
+def long_tailed_mix(n: int, seed: int = 0) -> tuple[list[int], list[int]]:
+    """Log-normal text lengths, 0-2 images of very different sizes (4 patches per image token)."""
+    rng = random.Random(seed)
+    tokens, patches = [], []
+    for _ in range(n):
+        image_patches = sum(rng.choice([64, 256, 1024, 4096]) for _ in range(rng.choice([0, 0, 1, 1, 1, 2])))
+        text = max(8, int(rng.lognormvariate(5.0, 1.2)))
+        tokens.append(min(8192, text + image_patches // 4))
+        patches.append(image_patches)
+    return tokens, patches
+
+
+def test_bfd_efficiency_at_8192_with_patch_budget():
+    tokens, patches = long_tailed_mix(20000)
+    seq_len, max_patches = 8192, 3 * 8192
+    bins = best_fit_decreasing(tokens, patches, seq_len, max_patches)
+    stats = packing_stats(bins, tokens, patches, seq_len, max_patches)
+    assert sorted(i for b in bins for i in b) == list(range(len(tokens)))
+    assert all(sum(tokens[i] for i in b) <= seq_len for b in bins)
+    assert all(sum(patches[i] for i in b) <= max_patches for b in bins)
+    assert stats["max_patches_in_a_pack"] > 0.95 * max_patches  # the patch budget was binding somewhere
+    assert stats["efficiency"] >= 0.998, stats
+
+
+def test_bfd_respects_a_tight_patch_budget():
+    tokens, patches = long_tailed_mix(3000, seed=1)
+    bins = best_fit_decreasing(tokens, patches, 8192, 8192)
+    assert all(sum(patches[i] for i in b) <= 8192 for b in bins)
+    assert sorted(i for b in bins for i in b) == list(range(len(tokens)))
+    with pytest.raises(ValueError, match="does not fit"):
+        best_fit_decreasing([10, 9000], [0, 0], 8192, 8192)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pack")
+    model = make_demo_model_dir(root / "model")
+    generate(root / "raw", num_train=40, num_eval=3, seed=1)
+    rows = [json.loads(line) for line in open(root / "raw" / "conversations.jsonl")]
+    # Two conversations far longer than the budget: a long answer, and a long question that
+    # leaves nothing to train on once truncated.
+    image = rows[0]["images"][0]
+    rows.append({"images": [image], "messages": [
+        {"role": "user", "content": "<image>\nWhat color is the shape?"},
+        {"role": "assistant", "content": "red " * 200},
+    ]})
+    rows.append({"images": [image], "messages": [
+        {"role": "user", "content": "<image>\n" + "What color is the shape? " * 60},
+        {"role": "assistant", "content": "red"},
+    ]})
+    write_jsonl(root / "raw" / "mixed.jsonl", rows + [{"text": "A red circle on a gray background."}] * 3)
+    prepare([root / "raw" / "mixed.jsonl"], root / "data", shard_size=16)
+    return root, model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlong", ["truncate", "drop"])
+def test_pack_writes_packed_energon_dataset(demo, overlong):
+    root, model = demo
+    out = root / f"packed_{overlong}"
+    stats = pack(root / "data", model, out, seq_len=160, max_patches=96, overlong=overlong, shard_size=8, max_bad_fraction=0.1)
+    assert (out / ".nv-meta" / ".info.json").is_file() and (out / "model" / "tokenizer.json").is_file()
+    assert stats == json.loads((out / "stats.json").read_text())
+    assert stats["bad"]["seen"] == 45
+    if overlong == "truncate":
+        assert stats["truncated"] == 1 and stats["dropped_overlong"] == 0 and stats["samples"] == 44
+        assert stats["bad"]["skipped_by_reason"] == {"no_labels": 1}
+    else:
+        assert stats["truncated"] == 0 and stats["dropped_overlong"] == 2 and stats["samples"] == 43
+        assert stats["bad"]["skipped_by_reason"] == {"overlong": 2}
+    packs = [json.loads(s.data["json"]) for shard in shard_paths(out) for s in iter_shard_samples(shard)]
+    assert len(packs) == stats["packs"]
+    assert sum(len(p["segments"]) for p in packs) == stats["samples"]
+    for p in packs:
+        assert sum(seg["num_tokens"] for seg in p["segments"]) <= 160
+    assert stats["max_patches_in_a_pack"] <= 96
+    assert stats["efficiency"] == pytest.approx(stats["tokens"] / (160 * stats["packs"]))
+
+
+def test_unsafe_shard_members_are_rejected(demo, tmp_path):
+    root, model = demo
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / ".nv-meta").mkdir()
+    sample = json.dumps({"text": "hello there", "images": []}).encode()
+    with tarfile.open(data / "shard-000000.tar", "w") as tar:
+        for name in ("000000000.json", "../000000001.json", "/etc/000000002.json", "000000003.json"):
+            info = tarfile.TarInfo(name)
+            info.size = len(sample)
+            tar.addfile(info, io.BytesIO(sample))
+    (data / ".nv-meta" / ".info.json").write_text(json.dumps({"shard_counts": {"shard-000000.tar": 4}}))
+    stats = pack(data, model, tmp_path / "packed", seq_len=64, max_patches=64, max_bad_fraction=0.6)
+    assert stats["bad"]["skipped_by_reason"] == {"unsafe_tar_member": 2}
+    assert stats["samples"] == 2

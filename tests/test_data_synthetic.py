@@ -1,0 +1,85 @@
+"""The synthetic demo data, the demo tokenizer and the processor files."""
+
+import filecmp
+import json
+
+from PIL import Image
+from transformers import AutoImageProcessor, AutoTokenizer
+
+from vlmcore.cli import main
+from vlmcore.data.processor import load_processor, write_processor_files
+from vlmcore.data.synthetic import COLORS, QUESTIONS, SHAPES, corpus_texts, generate
+from vlmcore.data.tokenizer import QWEN_SPECIAL_TOKENS, build_demo_tokenizer, special_token_ids
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_generate_is_deterministic_and_well_formed(tmp_path):
+    meta = generate(tmp_path / "a", num_train=30, num_eval=12, seed=5)
+    assert main(["synth", "--out", str(tmp_path / "b"), "--num-train", "30", "--num-eval", "12", "--seed", "5"]) == 0
+    generate(tmp_path / "c", num_train=30, num_eval=12, seed=6)
+    same = filecmp.dircmp(tmp_path / "a", tmp_path / "b")
+    assert not same.diff_files and not same.left_only and not same.right_only
+    assert not filecmp.dircmp(tmp_path / "a" / "images", tmp_path / "b" / "images").diff_files
+    assert filecmp.dircmp(tmp_path / "a" / "images", tmp_path / "c" / "images").diff_files
+
+    root = tmp_path / "a"
+    captions = read_jsonl(root / "captions.jsonl")
+    conversations = read_jsonl(root / "conversations.jsonl")
+    evals = read_jsonl(root / "eval.jsonl")
+    assert len(captions) == len(conversations) == 30 and len(evals) == 12
+    sizes = {Image.open(root / c["image"]).size for c in captions}
+    assert len(sizes) > 10 and any(w % 32 or h % 32 for w, h in sizes)
+    assert all(32 <= s <= 112 for size in sizes for s in size)
+    for conv in conversations:
+        tags = sum(m["content"].count("<image>") for m in conv["messages"])
+        assert tags == len(conv["images"]) and [m["role"] for m in conv["messages"]][::2] == ["user"] * (len(conv["messages"]) // 2)
+    assert any(len(c["images"]) == 2 for c in conversations)
+    assert any(len(c["messages"]) > 2 for c in conversations)
+    train_images = {c["image"] for c in captions}
+    for row in evals:
+        assert row["image"] not in train_images
+        assert row["choices"] == QUESTIONS[row["kind"]][1] and 0 <= row["answer"] < len(row["choices"])
+    assert meta["chance"] == {"color": 1 / len(COLORS), "shape": 1 / len(SHAPES), "side": 0.5}
+    assert json.loads((root / "meta.json").read_text()) == meta
+
+
+def test_demo_tokenizer(tmp_path):
+    texts = corpus_texts(0)
+    assert texts == corpus_texts(0)
+    assert all(q in texts for q, _ in QUESTIONS.values())
+    tokenizer = build_demo_tokenizer(tmp_path, texts, vocab_size=512)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (tmp_path / name).is_file()
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(loaded) <= 512
+    ids = special_token_ids(loaded)
+    assert ids == special_token_ids(tokenizer)
+    assert loaded.convert_ids_to_tokens(ids["image_token_id"]) == "<|image_pad|>"
+    assert len({ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "eos_token_id")}) == 5
+    for token in QWEN_SPECIAL_TOKENS:
+        assert len(loaded(token, add_special_tokens=False)["input_ids"]) == 1
+    for text in texts[:50]:
+        assert loaded.decode(loaded(text)["input_ids"]) == text
+    rendered = loaded.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What color is the shape?"}]},
+         {"role": "assistant", "content": [{"type": "text", "text": "red"}]}],
+        tokenize=False,
+    )
+    assert rendered == ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What color is the shape?<|im_end|>\n"
+                        "<|im_start|>assistant\nred<|im_end|>\n")
+
+
+def test_processor_files_load_offline_without_torchvision(tmp_path):
+    build_demo_tokenizer(tmp_path, corpus_texts(0))
+    write_processor_files(tmp_path, min_pixels=32 * 32, max_pixels=64 * 64)
+    image_processor = AutoImageProcessor.from_pretrained(tmp_path)
+    assert type(image_processor).__name__ == "Qwen2VLImageProcessorPil"
+    processor = load_processor(tmp_path)
+    assert "Qwen3VLProcessor" in [c.__name__ for c in type(processor).__mro__]
+    out = processor(text=["<|vision_start|><|image_pad|><|vision_end|>hi"], images=[Image.new("RGB", (100, 50))])
+    assert out["image_grid_thw"].tolist() == [[1, 2, 4]]  # 100x50 -> 128x64 > max_pixels -> 64x32
+    assert out["pixel_values"].shape == (8, 1536)
+    assert out["input_ids"][0].count(processor.image_token_id) == 2
