@@ -1,0 +1,208 @@
+"""Training-step throughput: vlmcore's engine vs transformers, same model, same packed batch,
+same AdamW, one device.
+
+    python benchmarks/train_step.py --preset tiny --family qwen3_vl       # CPU
+    python benchmarks/train_step.py --preset 2b --family qwen3_vl --compile   # one GPU, bf16
+
+vlmcore runs its real step (FSDP2 over one rank with the mixed-precision policy, chunked
+cross-entropy, AdamW); transformers runs `model(**batch, labels=...)` + `loss.backward()` +
+AdamW, in bf16 autocast over fp32 weights on GPU. Prints a table and writes
+benchmarks/results/train_step_<device>_<preset>_<family>.json.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+PRESETS = {
+    # CPU-sized: big enough that matmuls, not Python, dominate.
+    "tiny": dict(text=dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+                 vision=dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=2, out_hidden_size=256),
+                 seq_len=1024),
+    # Qwen3-VL-2B / Qwen3-1.7B class.
+    "2b": dict(text=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+               vision=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048),
+               seq_len=8192),
+}
+
+
+def write_snapshot(family: str, preset: dict, path: Path) -> None:
+    import transformers
+
+    text = dict(preset["text"], max_position_embeddings=32768, tie_word_embeddings=True)
+    with torch.device("meta" if preset is PRESETS["2b"] else "cpu"):
+        if family == "qwen3":
+            model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**text))
+        else:
+            half = text["head_dim"] // 2
+            rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_interleaved": True,
+                    "mrope_section": [half - 2 * (half * 5 // 16), half * 5 // 16, half * 5 // 16]}
+            vision = dict(preset["vision"], patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                          num_position_embeddings=2304, deepstack_visual_indexes=[0])
+            config = transformers.Qwen3VLConfig(vision_config=vision, text_config=dict(text, rope_parameters=rope),
+                                                image_token_id=text["vocab_size"] - 6,
+                                                vision_start_token_id=text["vocab_size"] - 5,
+                                                vision_end_token_id=text["vocab_size"] - 4,
+                                                video_token_id=text["vocab_size"] - 3)
+            model = transformers.Qwen3VLForConditionalGeneration(config)
+    if model.device.type == "meta":
+        model = model.to_empty(device="cpu")
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+    model.save_pretrained(path)
+
+
+def time_steps(step_fn, warmup: int, steps: int, device: torch.device) -> float:
+    for _ in range(warmup):
+        step_fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step_fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps
+
+
+def peak_memory_gb(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None
+
+
+def bench_vlmcore(cfg, batch, device, args):
+    import torch.distributed as dist
+
+    from vlmcore.parallel.mesh import build_mesh, init_distributed, resolve_dims
+    from vlmcore.train.loop import build_parallel_model, forward_backward
+    from vlmcore.train.metrics import batch_flops
+    from vlmcore.train.optim import build_optimizer
+
+    init_distributed(device)
+    dims = resolve_dims(cfg.parallel, dist.get_world_size())
+    model, _ = build_parallel_model(cfg, build_mesh(dims, device), dims, device)
+    optimizer = build_optimizer(model, cfg.optimizer, device)
+    flops = sum(batch_flops(model.config, batch))
+    labels = int((batch["labels"] != -100).sum())
+
+    def step():
+        forward_backward(model, [batch], labels, None, cfg.loss_chunk_tokens)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    seconds = time_steps(step, args.warmup, args.steps, device)
+    result = {"step_s": seconds, "peak_mem_gb": peak_memory_gb(device), "flops_per_step": flops}
+    del model, optimizer
+    dist.destroy_process_group()
+    return result
+
+
+def bench_transformers(path, batch, device, args, image_token_id):
+    import transformers
+
+    cls = (transformers.AutoModelForImageTextToText if "pixel_values" in batch
+           or args.family == "qwen3_vl" else transformers.AutoModelForCausalLM)
+    model = cls.from_pretrained(path, dtype=torch.float32).to(device)
+    model.train()
+    if args.compile:
+        model.compile()
+    optimizer = torch.optim.AdamW([p for p in model.parameters()], lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01,
+                                  fused=device.type == "cuda", foreach=device.type != "cuda")
+    # transformers shifts labels itself: give it the unshifted targets.
+    labels = torch.full_like(batch["labels"], -100)
+    labels[:, 1:] = batch["labels"][:, :-1]
+    inputs = {"input_ids": batch["input_ids"], "labels": labels}
+    if "pixel_values" in batch:
+        inputs.update(pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                      mm_token_type_ids=(batch["input_ids"] == image_token_id).int())
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def step():
+        with autocast:
+            loss = model(**inputs).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    seconds = time_steps(step, args.warmup, args.steps, device)
+    result = {"step_s": seconds, "peak_mem_gb": peak_memory_gb(device)}
+    del model, optimizer
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=PRESETS, default="tiny")
+    parser.add_argument("--family", choices=("qwen3", "qwen3_vl"), default="qwen3_vl")
+    parser.add_argument("--seq-len", type=int, default=None, help="packed tokens per step (default: preset's)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--activation-checkpointing", default="none", choices=("none", "selective", "full"))
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+
+    from vlmcore.config import TrainConfig
+    from vlmcore.train.random_data import RandomBatches
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    preset = PRESETS[args.preset]
+    seq_len = args.seq_len or preset["seq_len"]
+    bf16 = device.type == "cuda"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model"
+        write_snapshot(args.family, preset, path)
+        cfg = TrainConfig(model_path=str(path), output_dir=str(Path(tmp) / "out"))
+        cfg.parallel.compile = args.compile
+        cfg.parallel.activation_checkpointing = args.activation_checkpointing
+        cfg.precision.param_dtype = "bfloat16" if bf16 else "float32"
+        cfg.optimizer.lr = 1e-4
+        cfg.loss_chunk_tokens = 2048
+        import transformers
+
+        hf_config = transformers.AutoConfig.from_pretrained(path)
+        batch = RandomBatches(hf_config, seq_len=seq_len, segments=max(1, seq_len // 512), image_fraction=1.0,
+                              micro_batch_size=1, dp_rank=0, dp_world=1, grad_accum_steps=1, seed=0).batch(0)
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        results = {"vlmcore": bench_vlmcore(cfg, batch, device, args)}
+        if not args.skip_transformers:
+            results["transformers"] = bench_transformers(path, batch, device, args,
+                                                         getattr(hf_config, "image_token_id", None))
+
+    from vlmcore.train.metrics import peak_tflops
+
+    peak = peak_tflops(device, None)
+    tokens = batch["input_ids"].numel()
+    flops = results["vlmcore"]["flops_per_step"]
+    name = torch.cuda.get_device_name() if bf16 else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    print(f"{args.family} {args.preset} {tokens} packed tokens, {name}, compile={args.compile}")
+    print(f"{'engine':<14}{'step s':>10}{'tokens/s':>12}{'TFLOPS':>10}{'MFU %':>8}{'peak GB':>9}")
+    for engine, r in results.items():
+        r["tokens_per_s"] = tokens / r["step_s"]
+        r["tflops"] = flops / r["step_s"] / 1e12
+        r["mfu"] = 100 * r["tflops"] / peak if peak else None
+        mfu = f"{r['mfu']:.1f}" if r["mfu"] is not None else "-"
+        mem = f"{r['peak_mem_gb']:.1f}" if r["peak_mem_gb"] is not None else "-"
+        print(f"{engine:<14}{r['step_s']:>10.3f}{r['tokens_per_s']:>12.0f}{r['tflops']:>10.2f}{mfu:>8}{mem:>9}")
+    if "transformers" in results:
+        speedup = results["transformers"]["step_s"] / results["vlmcore"]["step_s"]
+        print(f"vlmcore / transformers tokens/s: {speedup:.2f}x")
+    args.out.mkdir(parents=True, exist_ok=True)
+    tag = f"{'cuda' if bf16 else 'cpu'}_{args.preset}_{args.family}{'_compile' if args.compile else ''}"
+    (args.out / f"train_step_{tag}.json").write_text(json.dumps(
+        {"device": name, "family": args.family, "preset": args.preset, "tokens": tokens, "compile": args.compile,
+         "torch": torch.__version__, "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Activation checkpointing per transformer block: full, or selective (keep matmul and attention
+outputs, recompute the cheap element-wise ops in between)."""
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    return create_selective_checkpoint_contexts(_save_matmuls)
+
+
+def apply_ac(blocks: nn.Module, mode: str) -> None:
+    """Wraps every child of `blocks` (a ModuleList / ModuleDict of transformer blocks) in place."""
+    if mode == "none":
+        return
+    if mode not in ("full", "selective"):
+        raise ValueError(f"parallel.activation_checkpointing: unknown mode {mode!r}")
+    context_fn = {"context_fn": _selective_context} if mode == "selective" else {}
+    for name, block in list(blocks.named_children()):
+        blocks.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False, **context_fn))

@@ -1,0 +1,46 @@
+"""Applies the parallelisms in their required order: TP, activation checkpointing, per-block
+compile, then FSDP2 (FSDP, HSDP or DDP by the mesh)."""
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from vlmcore.config import TrainConfig
+from vlmcore.parallel.ac import apply_ac
+from vlmcore.parallel.compile import apply_compile
+from vlmcore.parallel.fsdp import apply_fsdp
+from vlmcore.parallel.mesh import ParallelDims, dp_mesh
+from vlmcore.parallel.tp import apply_tp
+
+
+def decoder_blocks(model: nn.Module) -> nn.Module:
+    """The ModuleList / ModuleDict of LLM decoder blocks (`...layers`, outside the vision tower)."""
+    for name, module in model.named_modules():
+        if name.endswith("layers") and "visual" not in name and isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            return module
+    raise ValueError(f"{type(model).__name__}: no decoder `layers` found")
+
+
+def vision_tower(model: nn.Module) -> nn.Module | None:
+    for name, module in model.named_modules():
+        if name.split(".")[-1] == "visual":
+            return module
+    return None
+
+
+def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, dims: ParallelDims) -> list[str]:
+    """Returns the names of parameters whose gradients must be summed over the TP ranks."""
+    blocks = decoder_blocks(model)
+    vision = vision_tower(model)
+    partial = []
+    if dims.tp > 1:
+        partial = apply_tp(model, blocks, mesh["tp"])
+    vision_blocks = [vision.blocks] if vision is not None and hasattr(vision, "blocks") else []
+    for stack in [blocks] + vision_blocks:
+        apply_ac(stack, cfg.parallel.activation_checkpointing)
+        if cfg.parallel.compile:
+            apply_compile(stack)
+    apply_fsdp(model, list(blocks.children()), vision, dp_mesh(mesh, dims),
+               param_dtype=getattr(torch, cfg.precision.param_dtype),
+               reduce_dtype=getattr(torch, cfg.precision.reduce_dtype))
+    return partial

@@ -1,0 +1,164 @@
+"""Atomic, resumable torch.distributed.checkpoint (DCP) checkpoints.
+
+Layout under `output_dir`:
+  checkpoints/step_<N>/   model, optimizer, train state, loader states, RNG (DCP)
+  checkpoints/latest      text `step_<N>`, written last (after the rename)
+  final/                  model weights only, keys `model.<hf name>`, + meta.json
+  done                    empty marker, written after final/
+
+A step is written to `step_<N>.tmp` and renamed when every rank has finished, so a run
+killed mid-save leaves only a `.tmp` directory that is never loaded (and is removed at the
+next start). DCP stores full logical tensors, so a checkpoint reshards on load: another
+world size or another dp/tp layout reads it.
+
+Per-rank state (loader position, RNG) is stored under keys that name the rank and is only
+restored when the layout matches; the model and optimizer always are.
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+
+
+def _is_rank0() -> bool:
+    return dist.get_rank() == 0
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.removeprefix("step_"))
+
+
+def rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class Checkpointer:
+    def __init__(self, output_dir: str | Path, keep: int, async_save: bool = False):
+        self.dir = Path(output_dir) / "checkpoints"
+        self.keep = keep
+        self.async_save = async_save
+        self._pending = None  # (future, tmp dir, final dir) of an async save
+        self._async_group = dist.new_group(backend="gloo") if async_save else None
+        if _is_rank0():
+            self.dir.mkdir(parents=True, exist_ok=True)
+            for stale in self.dir.glob("step_*.tmp"):
+                shutil.rmtree(stale)
+        dist.barrier()
+
+    def latest(self) -> Path | None:
+        """The last complete checkpoint, or None."""
+        marker = self.dir / "latest"
+        if marker.exists():
+            path = self.dir / marker.read_text().strip()
+            if (path / ".metadata").exists():
+                return path
+        # `latest` is written after the rename: a crash in between leaves a complete step_N.
+        complete = [p for p in self.dir.glob("step_*") if p.suffix != ".tmp" and (p / ".metadata").exists()]
+        return max(complete, key=_step_of) if complete else None
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict,
+             rank_state: dict) -> None:
+        """train_state: replicated values (step, samples, tokens, ...); rank_state: this rank's
+        own values, stored under `rank<r>` keys (loader position, RNG)."""
+        self.wait()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd, "train": train_state,
+                 "ranks": {f"rank{dist.get_rank()}": rank_state}}
+        final, tmp = self.dir / f"step_{step}", self.dir / f"step_{step}.tmp"
+        if self.async_save:
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group)
+            self._pending = (future, tmp, final)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp))
+            self._publish(tmp, final)
+
+    def wait(self) -> None:
+        """Finishes an async save in flight (rename + latest)."""
+        if self._pending is None:
+            return
+        future, tmp, final = self._pending
+        self._pending = None
+        future.result()
+        self._publish(tmp, final)
+
+    def _publish(self, tmp: Path, final: Path) -> None:
+        dist.barrier()
+        if _is_rank0():
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            marker_tmp = self.dir / "latest.tmp"
+            marker_tmp.write_text(final.name)
+            os.replace(marker_tmp, self.dir / "latest")
+            steps = sorted((p for p in self.dir.glob("step_*") if p.suffix != ".tmp"), key=_step_of)
+            for old in steps[:-self.keep]:
+                shutil.rmtree(old)
+        dist.barrier()
+
+    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict,
+             rank_state: dict | None) -> None:
+        """Loads model and optimizer, and fills the `train_state` template (and `rank_state`,
+        this rank's template, unless None: the layout changed) in place."""
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd, "train": train_state}
+        if rank_state is not None:
+            state["ranks"] = {f"rank{dist.get_rank()}": rank_state}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        train_state.update(state["train"])
+        if rank_state is not None:
+            rank_state.update(state["ranks"][f"rank{dist.get_rank()}"])
+
+
+def save_final(output_dir: str | Path, model: nn.Module, meta: dict) -> None:
+    """final/ = the model weights (full logical tensors, keys `model.<name>`) + meta.json,
+    readable with DCP in one process without a process group."""
+    output_dir = Path(output_dir)
+    final, tmp = output_dir / "final", output_dir / "final.tmp"
+    if _is_rank0() and tmp.exists():
+        shutil.rmtree(tmp)
+    dist.barrier()
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(tmp))
+    dist.barrier()
+    if _is_rank0():
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    dist.barrier()
+
+
+def load_model_weights(model: nn.Module, init_from: str | Path) -> None:
+    """Loads a final/ directory (or any DCP checkpoint with `model.*` keys) into the (sharded)
+    model: every rank reads only its shards."""
+    model_sd = get_model_state_dict(model)
+    state = {"model": model_sd}
+    dcp.load(state, checkpoint_id=str(init_from))
+    set_model_state_dict(model, state["model"])
+
+
+def load_hf_weights(model: nn.Module, model_path: str | Path) -> None:
+    """Loads an HF snapshot's safetensors into the (sharded) model: every rank reads only the
+    slices of its own shards, so no rank holds a full copy."""
+    model_sd = get_model_state_dict(model)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model_sd.pop("lm_head.weight")  # stored once, as the input embedding
+    dcp.load(model_sd, storage_reader=dcp.HuggingFaceStorageReader(str(model_path)))
+    set_model_state_dict(model, model_sd, options=StateDictOptions(strict=False))

@@ -1,0 +1,103 @@
+"""Cross-entropy through the LM head in chunks of tokens.
+
+The logits of a whole packed batch (tokens x vocabulary, fp32) would dominate memory for
+Qwen vocabularies (152k-248k), so forward and backward both run chunk by chunk and only keep
+the log-sum-exp per token; backward recomputes each chunk's logits. With a vocabulary-parallel
+(tensor-parallel) LM head every rank works on its vocabulary slice and the softmax statistics
+are combined with all-reduces, so the full-vocabulary logits never exist on any rank.
+
+The function returns the *sum* of token losses; the training loop divides by the global
+number of label tokens (across micro-batches and data-parallel ranks).
+"""
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+IGNORE_INDEX = -100
+
+
+def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_tokens, group, vocab_start):
+        vocab_local = weight.shape[0]
+        acc = torch.promote_types(weight.dtype, torch.float32)  # softmax statistics in fp32 at least
+        lse = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            end = min(start + chunk_tokens, hidden.shape[0])
+            logits = (hidden[start:end] @ weight.t()).to(acc)
+            target = labels[start:end] - vocab_start
+            mine = (target >= 0) & (target < vocab_local)
+            top = _all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX, group)
+            sumexp = _all_reduce((logits - top[:, None]).exp().sum(dim=-1), dist.ReduceOp.SUM, group)
+            chunk_lse = top + sumexp.log()
+            target_logit = logits.gather(1, target.clamp(0, vocab_local - 1)[:, None])[:, 0] * mine
+            target_logit = _all_reduce(target_logit, dist.ReduceOp.SUM, group)
+            valid = labels[start:end] != IGNORE_INDEX
+            total += ((chunk_lse - target_logit) * valid).sum()
+            lse[start:end] = chunk_lse
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.chunk_tokens, ctx.group, ctx.vocab_start = chunk_tokens, group, vocab_start
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        vocab_local = weight.shape[0]
+        acc = lse.dtype
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        for start in range(0, hidden.shape[0], ctx.chunk_tokens):
+            end = min(start + ctx.chunk_tokens, hidden.shape[0])
+            h = hidden[start:end]
+            probs = ((h @ weight.t()).to(acc) - lse[start:end, None]).exp()
+            target = labels[start:end] - ctx.vocab_start
+            mine = (target >= 0) & (target < vocab_local)
+            rows = torch.nonzero(mine)[:, 0]
+            probs[rows, target[rows]] -= 1.0
+            valid = (labels[start:end] != IGNORE_INDEX).to(acc)
+            # Matmuls in the compute dtype (bf16 on GPU, accumulating in fp32 inside the GEMM).
+            grad_logits = (probs * (valid * grad_total)[:, None]).to(hidden.dtype)
+            grad_hidden[start:end] = grad_logits @ weight
+            grad_weight += grad_logits.t() @ h
+        _all_reduce(grad_hidden, dist.ReduceOp.SUM, ctx.group)
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                          chunk_tokens: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of token losses in fp32, number of label tokens) for `hidden` (..., H) through the
+    LM head `weight` (V, H); labels (...) are already shifted, IGNORE_INDEX where no loss.
+
+    `weight` may be a DTensor sharded on the vocabulary (tensor parallel): then `hidden` must be
+    replicated over the same mesh (a plain tensor or a DTensor, which is made Replicate).
+    """
+    group, vocab_start = None, 0
+    if isinstance(weight, DTensor):
+        if weight.placements != (Shard(0),) and weight.placements != (Replicate(),):
+            raise ValueError(f"lm_head weight: unsupported placements {weight.placements}")
+        if weight.placements == (Shard(0),):
+            group = weight.device_mesh.get_group()
+            vocab_start = _shard_offset(weight)
+        weight = weight.to_local()
+    if isinstance(hidden, DTensor):
+        hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim).to_local()
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1).to(hidden.device)
+    loss_sum = _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, group, vocab_start)
+    return loss_sum, (labels != IGNORE_INDEX).sum()
+
+
+def _shard_offset(weight: DTensor) -> int:
+    """First vocabulary row held by this rank (DTensor Shard(0) uses torch.chunk sizes)."""
+    rows = weight.shape[0]
+    size = weight.device_mesh.size()
+    per_rank = -(-rows // size)
+    return min(rows, per_rank * weight.device_mesh.get_local_rank())

@@ -1,0 +1,106 @@
+"""Training metrics: FLOPs and MFU, and the rank-0 sinks (metrics.jsonl, TensorBoard, offline
+W&B, one log line per step)."""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from vlmcore.models.flops import llm_flops, vision_flops
+
+# Dense BF16 peak TFLOPS per device (without sparsity); the first matching name wins.
+PEAK_TFLOPS = (
+    ("GB200", 2500.0), ("GB300", 2500.0), ("B200", 2250.0), ("B300", 2250.0),
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.0), ("H200", 989.0), ("H100", 989.0),
+    ("A100", 312.0), ("L40S", 362.0), ("MI300X", 1307.0), ("MI325X", 1307.0), ("MI355X", 2500.0),
+)
+
+
+def peak_tflops(device: torch.device, override: float | None) -> float | None:
+    if override is not None:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tflops for key, tflops in PEAK_TFLOPS if key in name), None)
+
+
+def batch_flops(config, batch: dict) -> tuple[float, float]:
+    """Training FLOPs (LLM, vision tower) of one packed micro-batch (vlmcore.models.flops)."""
+    cu = batch.get("cu_seqlens")
+    rows, seq_len = batch["input_ids"].shape
+    seq_lens = [seq_len] * rows if cu is None else (cu[1:] - cu[:-1]).cpu()
+    return llm_flops(config, seq_lens), vision_flops(config, batch.get("image_grid_thw"))
+
+
+class MetricsLogger:
+    """Rank 0 writes; other ranks get a logger that does nothing."""
+
+    def __init__(self, output_dir: str | Path, enabled: bool, tensorboard: bool, wandb: bool,
+                 config: dict, resume_step: int):
+        self.enabled = enabled
+        self.tb = self.wandb = None
+        if not enabled:
+            return
+        output_dir = Path(output_dir)
+        self.path = output_dir / "metrics.jsonl"
+        self._truncate_after(resume_step)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(output_dir / "tensorboard"), purge_step=resume_step + 1)
+        if wandb:
+            try:
+                import wandb as wandb_lib  # optional dependency
+            except ImportError as e:
+                raise ImportError("metrics.wandb: true needs the wandb package (pip install wandb)") from e
+
+            os.environ.setdefault("WANDB_MODE", "offline")
+            # One W&B run per stage, continued by resumed runs.
+            id_file = output_dir / "wandb_run_id"
+            run_id = id_file.read_text() if id_file.exists() else wandb_lib.util.generate_id()
+            id_file.write_text(run_id)
+            self.wandb = wandb_lib.init(dir=str(output_dir), config=config, id=run_id, resume="allow",
+                                        project=os.environ.get("WANDB_PROJECT", "vlmcore"))
+
+    def _truncate_after(self, step: int) -> None:
+        """Drops lines of steps a resumed run will redo, so each step is logged once."""
+        if not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line + "\n")
+            except json.JSONDecodeError:  # a line cut short by a killed run
+                continue
+        self.path.write_text("".join(kept))
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        step = record["step"]
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tb.add_scalar(f"train/{key}", value, step)
+        if self.wandb is not None:
+            self.wandb.log({f"train/{k}": v for k, v in record.items() if k != "step"}, step=step)
+        print(format_line(record), flush=True)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def format_line(r: dict) -> str:
+    mfu = f" mfu {r['mfu']:.1f}%" if r.get("mfu") is not None else ""
+    skipped = f" skipped {r['skipped_steps']}" if r.get("skipped_steps") else ""
+    return (f"step {r['step']} loss {r['loss']:.4f} grad_norm {r['grad_norm']:.3f} lr {r['lr']:.2e} "
+            f"tok/s/dev {r['tokens_per_s_per_device']:.0f} tflops/dev {r['tflops_per_device']:.2f}{mfu} "
+            f"mem {r['peak_mem_gb']:.2f}GB data {r['data_wait_s']:.3f}s step {r['step_time_s']:.3f}s{skipped}")

@@ -1,0 +1,124 @@
+"""Stage freezing, AdamW parameter groups and learning-rate schedules."""
+
+import fnmatch
+import math
+
+import torch
+from torch import nn
+
+from vlmcore.config import ConfigError, OptimizerConfig, ScheduleConfig, TrainConfig
+
+# Wrappers that AC and compile put into parameter names.
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+PROJECTOR_PREFIXES = ("model.visual.merger.", "model.visual.deepstack_merger_list.")
+VISION_PREFIX = "model.visual."
+
+
+def clean_name(name: str) -> str:
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def freeze(model: nn.Module, patterns: list[str]) -> int:
+    """Leaves trainable only the parameters whose name matches one of the fnmatch patterns
+    (all of them when `patterns` is empty); returns the number of trainable tensors."""
+    if not patterns:
+        for param in model.parameters():
+            param.requires_grad_(True)
+        return sum(1 for _ in model.parameters())
+    used = set()
+    trainable = 0
+    for name, param in model.named_parameters():
+        hits = [p for p in patterns if fnmatch.fnmatchcase(clean_name(name), p)]
+        used.update(hits)
+        param.requires_grad_(bool(hits))
+        trainable += bool(hits)
+    unused = [p for p in patterns if p not in used]
+    if unused:
+        raise ConfigError(f"trainable: pattern(s) {unused} match no parameter of the model")
+    return trainable
+
+
+def param_kind(name: str) -> str:
+    """'projector', 'vision' or 'llm' from an HF parameter name."""
+    name = clean_name(name)
+    if name.startswith(PROJECTOR_PREFIXES):
+        return "projector"
+    if name.startswith(VISION_PREFIX):
+        return "vision"
+    return "llm"
+
+
+def decays(name: str, param: torch.Tensor) -> bool:
+    """No weight decay on norms, biases (1-D tensors) and embeddings."""
+    name = clean_name(name)
+    return param.ndim >= 2 and not any("embed" in part for part in name.split(".")[-2:])
+
+
+def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
+    lrs = {"llm": cfg.lr, "vision": cfg.lr if cfg.vision_lr is None else cfg.vision_lr,
+           "projector": cfg.lr if cfg.projector_lr is None else cfg.projector_lr}
+    groups = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        kind, decay = param_kind(name), decays(name, param)
+        key = f"{kind}{'' if decay else '_no_decay'}"
+        group = groups.setdefault(key, {"name": key, "params": [], "base_lr": lrs[kind], "lr": lrs[kind],
+                                         "weight_decay": cfg.weight_decay if decay else 0.0})
+        group["params"].append(param)
+    if not groups:
+        raise ConfigError("trainable: no trainable parameters")
+    return list(groups.values())
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, fused=fused, foreach=not fused)
+
+
+def _cooldown(shape: str, progress: float) -> float:
+    """1 -> 0 as progress goes 0 -> 1."""
+    if shape == "linear":
+        return 1.0 - progress
+    if shape == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    if shape == "1-sqrt":
+        return 1.0 - math.sqrt(progress)
+    raise ValueError(f"schedule.cooldown: unknown shape {shape!r}")
+
+
+def lr_factor(cfg: ScheduleConfig, done: int, total: int) -> float:
+    """Learning-rate multiplier for the optimizer step that brings progress to `done` (1-based)
+    out of `total`, both in the schedule's unit (steps or samples).
+
+    Warmup rises linearly to 1 at its last step; cosine decays to min_lr_ratio at the last step
+    of the run; wsd stays at 1 until the last `decay_fraction` of the run, then cools down.
+    """
+    warmup = cfg.warmup_steps if cfg.unit == "steps" else cfg.warmup_samples
+    if done <= warmup:
+        return done / warmup
+    low = cfg.min_lr_ratio
+    if cfg.name == "constant":
+        return 1.0
+    if cfg.name == "cosine":
+        progress = min(1.0, (done - warmup) / max(1, total - warmup))
+        return low + (1 - low) * _cooldown("cosine", progress)
+    if cfg.name == "wsd":
+        decay = max(1, round(cfg.decay_fraction * total))
+        start = total - decay
+        if done <= start:
+            return 1.0
+        return low + (1 - low) * _cooldown(cfg.cooldown, min(1.0, (done - start) / decay))
+    raise ValueError(f"schedule.name: unknown schedule {cfg.name!r}")
+
+
+def schedule_total(cfg: TrainConfig) -> int:
+    return cfg.steps if cfg.schedule.unit == "steps" else cfg.schedule.total_samples
+
+
+def set_lr(optimizer: torch.optim.Optimizer, factor: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = group["base_lr"] * factor

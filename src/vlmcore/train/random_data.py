@@ -1,0 +1,94 @@
+"""Deterministic synthetic packed batches in the loader's batch format (`data.kind: random`).
+
+For benchmarks and for engine tests that must not depend on a prepared dataset. Micro-batch
+`k` of data-parallel rank `r` is global micro-batch `step * dp * accum + r * accum + a`
+(`step, a = divmod(k, accum)`), and its content depends only on that global index and the seed.
+So every layout with the same `dp * accum` sees the same global batch at every step, which is
+what the exactness tests compare.
+"""
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+class RandomBatches:
+    def __init__(self, model_config, *, seq_len: int, segments: int, image_fraction: float,
+                 micro_batch_size: int, dp_rank: int, dp_world: int, grad_accum_steps: int, seed: int):
+        self.config = model_config
+        self.text = getattr(model_config, "text_config", model_config)
+        self.vision = getattr(model_config, "vision_config", None)
+        self.seq_len, self.segments, self.image_fraction = seq_len, segments, image_fraction
+        self.micro_batch_size, self.seed = micro_batch_size, seed
+        self.dp_rank, self.dp_world, self.accum = dp_rank, dp_world, grad_accum_steps
+        self.consumed = 0  # micro-batches taken by this rank
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed = int(state["consumed"])
+
+    def __iter__(self):
+        while True:
+            step, a = divmod(self.consumed, self.accum)
+            self.consumed += 1
+            yield self.batch(step * self.dp_world * self.accum + self.dp_rank * self.accum + a)
+
+    def _text_vocab(self) -> int:
+        """Ordinary tokens only: stay below the special (image, vision start/end) ids."""
+        special = [getattr(self.config, k, None) for k in ("image_token_id", "vision_start_token_id")]
+        return min([self.text.vocab_size] + [s for s in special if s is not None])
+
+    def batch(self, index: int) -> dict:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        rows, labels, lengths, grids = [], [], [], []
+        vocab = self._text_vocab()
+        for _ in range(self.micro_batch_size):
+            cuts = torch.randperm(self.seq_len // 2 - 1, generator=g)[: self.segments - 1] * 2 + 2
+            bounds = [0] + sorted(cuts.tolist()) + [self.seq_len]
+            ids = torch.randint(0, vocab, (self.seq_len,), generator=g)
+            lab = torch.full((self.seq_len,), IGNORE_INDEX)
+            segments = list(zip(bounds[:-1], bounds[1:]))
+            image_at = None
+            if self.vision is not None and torch.rand((), generator=g) < self.image_fraction:
+                image_at = max(segments, key=lambda se: se[1] - se[0])
+                grids.append(self._add_image(ids, *image_at))
+            for start, end in segments:
+                prompt_end = start + (self._image_span() if (start, end) == image_at else 0)
+                # Supervise the end of each segment, of random length, like an answer.
+                first = int(torch.randint(prompt_end + 1, end, (1,), generator=g))
+                lab[first - 1:end - 1] = ids[first:end]
+                lengths.append(end - start)
+            rows.append(ids)
+            labels.append(lab)
+        batch = {"input_ids": torch.stack(rows), "labels": torch.stack(labels),
+                 "cu_seqlens": torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32),
+                 "num_samples": len(lengths)}
+        if grids:
+            grid = torch.tensor(grids, dtype=torch.int64)
+            v = self.vision
+            patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+            batch["image_grid_thw"] = grid
+            batch["pixel_values"] = torch.randn(int(grid.prod(-1).sum()), patch_dim, generator=g)
+        if self.vision is not None:
+            from vlmcore.models import position_ids
+
+            batch["position_ids"] = position_ids(self.config, batch["input_ids"], batch.get("image_grid_thw"),
+                                                 batch["cu_seqlens"])
+        return batch
+
+    def _image_span(self) -> int:
+        """Tokens of one image: vision start, 4 merged patches, vision end."""
+        return 4 + 2
+
+    def _add_image(self, ids: torch.Tensor, start: int, end: int) -> list[int]:
+        """Puts one small image (2x2 merged patches) at the start of a segment."""
+        merge = self.vision.spatial_merge_size
+        if end - start < self._image_span() + 2:
+            raise ValueError(f"data.seq_len / data.segments: segment of {end - start} tokens too short "
+                             f"for an image of {self._image_span()} tokens")
+        ids[start] = self.config.vision_start_token_id
+        ids[start + 1:start + 5] = self.config.image_token_id
+        ids[start + 5] = self.config.vision_end_token_id
+        return [1, 2 * merge, 2 * merge]

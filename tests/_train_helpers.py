@@ -1,0 +1,158 @@
+"""Shared pieces of the training-engine tests: tiny HF snapshots written by transformers, run
+configs, launching `vlmcore train` (one process or torchrun on gloo), reading its outputs.
+
+Also a script: `python tests/_train_helpers.py dump-state CONFIG OUT.safetensors` (under
+torchrun or not) builds the stage's parallel model and optimizer, loads the latest checkpoint
+and writes the full model and optimizer state from rank 0: what the reshard tests compare.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+              temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64)
+SPECIAL = dict(image_token_id=250, video_token_id=253, vision_start_token_id=251, vision_end_token_id=252)
+
+
+def hf_config(kind: str):
+    import transformers
+
+    if kind == "qwen3":
+        return transformers.Qwen3Config(**TEXT, tie_word_embeddings=True)
+    if kind == "qwen3_vl":
+        rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+        return transformers.Qwen3VLConfig(vision_config=dict(VISION, deepstack_visual_indexes=[0]),
+                                          text_config=dict(TEXT, rope_parameters=rope), **SPECIAL)
+    if kind == "qwen3_5":
+        rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                "mrope_section": [1, 1, 0], "mrope_interleaved": True}
+        text = dict(TEXT, num_hidden_layers=4, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                    linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                    rope_parameters=rope)
+        return transformers.Qwen3_5Config(vision_config=VISION, text_config=text, **SPECIAL)
+    raise ValueError(kind)
+
+
+def tiny_snapshot(kind: str, path: Path, seed: int = 0) -> Path:
+    """An HF snapshot directory (config.json + model.safetensors) of a tiny random model."""
+    import transformers
+
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    config = hf_config(kind)
+    cls = {"qwen3": transformers.Qwen3ForCausalLM, "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+           "qwen3_5": transformers.Qwen3_5ForConditionalGeneration}[kind]
+    cls(config).save_pretrained(path)
+    return path
+
+
+def write_config(path: Path, model_path: Path, output_dir: Path, **overrides) -> Path:
+    """A run config on random data; `overrides` are top-level keys (sections as dicts)."""
+    cfg = {"model_path": str(model_path), "output_dir": str(output_dir), "steps": 4, "micro_batch_size": 1,
+           "grad_accum_steps": 1, "seed": 0, "trainable": [],
+           "optimizer": {"lr": 1.0e-3, "weight_decay": 0.01},
+           "schedule": {"name": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.1},
+           "checkpoint": {"interval": 0, "keep": 2},
+           "metrics": {"tensorboard": False},
+           "data": {"kind": "random", "seq_len": 32, "segments": 3, "image_fraction": 0.5}}
+    for key, value in overrides.items():
+        if isinstance(value, dict):
+            cfg.setdefault(key, {}).update(value)
+        else:
+            cfg[key] = value
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def command(nproc: int, *args: str, module: str = "vlmcore.cli") -> list[str]:
+    """`python -m vlmcore.cli ...` for one process (no torchrun), else torchrun on gloo."""
+    if nproc == 1:
+        return [sys.executable, "-m", module, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", module, *args]
+
+
+def env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"), PYTHONWARNINGS="ignore")
+
+
+def train(nproc: int, config: Path, *sets: str, check: bool = True, timeout: int = 300):
+    args = ["train", str(config)] + [a for s in sets for a in ("--set", s)]
+    proc = subprocess.run(command(nproc, *args), capture_output=True, text=True, timeout=timeout, env=env())
+    if check and proc.returncode != 0:
+        raise AssertionError(f"vlmcore train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def start_train(config: Path) -> subprocess.Popen:
+    return subprocess.Popen(command(1, "train", str(config)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env())
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    path = output_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def load_dcp(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a DCP checkpoint, read in this process without a process group (the way
+    the export reads final/)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state
+
+
+def dump_state(config_path: str, out_path: str) -> None:
+    """Full model + optimizer state of the latest checkpoint, loaded into this layout."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from vlmcore.config import load_config
+    from vlmcore.parallel.mesh import build_mesh, device_for_rank, init_distributed, resolve_dims
+    from vlmcore.train.checkpoint import Checkpointer
+    from vlmcore.train.loop import build_parallel_model
+    from vlmcore.train.optim import build_optimizer
+
+    cfg = load_config(config_path)
+    device = device_for_rank()
+    init_distributed(device)
+    dims = resolve_dims(cfg.parallel, dist.get_world_size())
+    model, _ = build_parallel_model(cfg, build_mesh(dims, device), dims, device)
+    optimizer = build_optimizer(model, cfg.optimizer, device)
+    checkpointer = Checkpointer(cfg.output_dir, keep=cfg.checkpoint.keep)
+    train_state = {"step": 0}
+    checkpointer.load(checkpointer.latest(), model, optimizer, train_state, None)
+    model_sd, optim_sd = get_state_dict(model, optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        flat = {f"model.{k}": v for k, v in model_sd.items()}
+        for name, state in optim_sd["state"].items():
+            for key, value in state.items():
+                flat[f"optim.{name}.{key}"] = torch.as_tensor(value).clone()
+        flat["train.step"] = torch.tensor(train_state["step"])
+        save_file({k: v.clone().contiguous() for k, v in flat.items()}, out_path)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "dump-state":
+        dump_state(sys.argv[2], sys.argv[3])

@@ -1,0 +1,95 @@
+"""Tensor-parallel plans of all three families, on 2 gloo processes: the TP=2 model gives the
+loss and every gradient of the unsharded model (vocabulary-parallel embedding and loss, split
+heads and MLP, per-head norms summed over the TP ranks, Qwen3.5's linear-attention mixers and
+the vision tower replicated). Run by pytest, this file launches itself under torchrun."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+FAMILIES = ("qwen3", "qwen3_vl", "qwen3_5")
+
+
+def loss_and_grads(model, batch):
+    from vlmcore.train.loss import chunked_cross_entropy
+
+    out = model(batch["input_ids"], pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
+                position_ids=batch.get("position_ids"), cu_seqlens=batch["cu_seqlens"], return_hidden=True)
+    loss_sum, count = chunked_cross_entropy(out.hidden_states, model.lm_head.weight, batch["labels"], 16)
+    (loss_sum / count).backward()
+    return loss_sum.item() / count.item()
+
+
+def worker(root: Path) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from vlmcore.models import build_model, from_pretrained
+    from vlmcore.parallel.mesh import init_distributed
+    from vlmcore.parallel.parallelize import decoder_blocks
+    from vlmcore.parallel.tp import apply_tp
+    from vlmcore.train.checkpoint import load_hf_weights
+    from vlmcore.train.loop import sum_partial_grads
+    from vlmcore.train.optim import clean_name
+    from vlmcore.train.random_data import RandomBatches
+
+    init_distributed(torch.device("cpu"))
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    report = {}
+    for kind in FAMILIES:
+        path = root / kind
+        reference = from_pretrained(path, dtype=torch.float32, device="cpu")
+        batch = RandomBatches(reference.config, seq_len=32, segments=3, image_fraction=1.0, micro_batch_size=2,
+                              dp_rank=0, dp_world=1, grad_accum_steps=1, seed=0).batch(0)
+        ref_loss = loss_and_grads(reference, batch)
+        ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+
+        model = build_model(path, device="meta")
+        partial = set(apply_tp(model, decoder_blocks(model), mesh))
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            model.init_weights()
+        load_hf_weights(model, path)
+        loss = loss_and_grads(model, batch)
+        sum_partial_grads([p for n, p in model.named_parameters() if clean_name(n) in partial], mesh.get_group())
+        worst, sharded = 0.0, 0
+        for name, param in model.named_parameters():
+            grad = param.grad
+            if isinstance(grad, DTensor):
+                sharded += 1
+                grad = grad.full_tensor()
+            worst = max(worst, (grad - ref_grads[name]).abs().max().item())
+        report[kind] = {"loss": loss, "ref_loss": ref_loss, "max_grad_diff": worst, "sharded": sharded,
+                        "partial": len(partial)}
+    if dist.get_rank() == 0:
+        (root / "report.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_tp_plans_match_the_unsharded_model(tmp_path):
+    from _train_helpers import env, tiny_snapshot
+
+    for kind in FAMILIES:
+        tiny_snapshot(kind, tmp_path / kind)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+           str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env())
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    for kind in FAMILIES:
+        r = report[kind]
+        assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5), kind
+        assert r["max_grad_diff"] < 1e-5, (kind, r)
+        assert r["sharded"] >= 2 * 7 + 1, (kind, r)  # q, k, v, o, gate, up, down per block + embedding
+        assert r["partial"] > 0, kind
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    worker(Path(sys.argv[1]))

@@ -1,0 +1,116 @@
+"""Checkpoints: atomic layout, resume after SIGTERM / SIGUSR1 and after SIGKILL bit for bit,
+and resharding to other world sizes and TP degrees."""
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from _train_helpers import (REPO, command, env, load_dcp, read_metrics, start_train, tiny_snapshot, train,
+                            write_config)
+
+pytestmark = pytest.mark.slow
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("ckpt")
+    snapshot = tiny_snapshot("qwen3_vl", tmp_path / "model")
+    cfg = write_config(tmp_path / "full.yaml", snapshot, tmp_path / "full", steps=STEPS)
+    train(1, cfg)
+    return tmp_path, snapshot
+
+
+def interrupted_run(tmp_path, snapshot, name, sig, interval, wait_for):
+    out = tmp_path / name
+    cfg = write_config(tmp_path / f"{name}.yaml", snapshot, out, steps=STEPS, checkpoint={"interval": interval})
+    proc = start_train(cfg)
+    deadline = time.time() + 120
+    while not wait_for(out) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, f"the run ended before it could be interrupted:\n{proc.communicate()[1][-3000:]}"
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=120)
+    return cfg, out, proc.returncode, stdout
+
+
+def assert_same_run(tmp_path, out):
+    reference = read_metrics(tmp_path / "full")
+    resumed = read_metrics(out)
+    assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in reference]
+    assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in reference]
+    ref_weights, weights = load_dcp(tmp_path / "full" / "final"), load_dcp(out / "final")
+    assert weights.keys() == ref_weights.keys()
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+
+
+def test_signal_saves_and_resume_is_bit_exact(setup):
+    """SIGUSR1 is what SLURM sends before the time limit (SIGTERM takes the same path)."""
+    tmp_path, snapshot = setup
+    sig = signal.SIGUSR1
+    cfg, out, code, stdout = interrupted_run(tmp_path, snapshot, f"signal{int(sig)}", sig, interval=0,
+                                             wait_for=lambda out: len(read_metrics(out)) >= 3)
+    assert code == 128 + sig
+    step = int((out / "checkpoints" / "latest").read_text().removeprefix("step_"))
+    assert 3 <= step < STEPS and not (out / "done").exists()
+    assert f"checkpoint saved at step {step}" in stdout
+    train(1, cfg)
+    assert (out / "done").exists()
+    assert_same_run(tmp_path, out)
+
+
+def test_sigkill_resumes_from_the_last_complete_checkpoint(setup):
+    tmp_path, snapshot = setup
+    cfg, out, code, _ = interrupted_run(tmp_path, snapshot, "killed", signal.SIGKILL, interval=4,
+                                        wait_for=lambda out: (out / "checkpoints" / "latest").exists()
+                                        and len(read_metrics(out)) >= 6)
+    assert code == -signal.SIGKILL
+    # A half-written step (as left by a kill during a save) is never loaded, and is cleaned up.
+    (out / "checkpoints" / "step_999.tmp").mkdir()
+    proc = train(1, cfg)
+    assert "resumed from" in proc.stdout and not (out / "checkpoints" / "step_999.tmp").exists()
+    assert_same_run(tmp_path, out)
+    kept = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert kept == ["latest", "step_20", f"step_{STEPS}"]  # keep: 2
+    assert (out / "checkpoints" / "latest").read_text() == f"step_{STEPS}"
+
+
+def test_done_stage_exits_at_once(setup):
+    tmp_path, _ = setup
+    proc = train(1, tmp_path / "full.yaml")
+    assert "already trained" in proc.stdout
+
+
+def dump_state(nproc, cfg, out_file):
+    args = [str(REPO / "tests" / "_train_helpers.py"), "dump-state", str(cfg), str(out_file)]
+    if nproc == 1:
+        cmd = [sys.executable, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env())
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return load_file(out_file)
+
+
+def test_checkpoint_of_two_processes_reshards(setup):
+    """Written by 2 FSDP processes; loaded by 1 process and by 4 (dp 2 x tp 2): the same model
+    and optimizer state, and the model is the one the writer finished with."""
+    tmp_path, snapshot = setup
+    out = tmp_path / "reshard"
+    cfg = write_config(tmp_path / "reshard.yaml", snapshot, out, steps=3, checkpoint={"interval": 0})
+    train(2, cfg)
+    one = dump_state(1, cfg, tmp_path / "one.safetensors")
+    assert int(one["train.step"]) == 3 and any(k.endswith("exp_avg_sq") for k in one)
+    final = load_dcp(out / "final")
+    assert all(torch.equal(one[k], final[k]) for k in final)
+    four_cfg = write_config(tmp_path / "reshard_tp.yaml", snapshot, out, steps=3, parallel={"tp": 2})
+    four = dump_state(4, four_cfg, tmp_path / "four.safetensors")
+    assert four.keys() == one.keys()
+    assert all(torch.equal(four[k], one[k]) for k in one)

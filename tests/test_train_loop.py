@@ -1,0 +1,116 @@
+"""`vlmcore train` end to end in one process (no torchrun): outputs, stage freezing, chaining
+stages, activation checkpointing, non-finite steps, config errors."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from _train_helpers import load_dcp, read_metrics, tiny_snapshot, train, write_config
+
+METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "tokens_per_s_per_device",
+               "tflops_per_device", "mfu", "llm_tflops_per_device", "vision_tflops_per_device", "peak_mem_gb",
+               "data_wait_s", "step_time_s", "world_size", "skipped_steps"}
+PROJECTOR = ["model.visual.merger.*", "model.visual.deepstack_merger_list.*"]
+
+
+@pytest.fixture(scope="module")
+def snapshots(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {kind: tiny_snapshot(kind, root / kind) for kind in ("qwen3", "qwen3_vl", "qwen3_5")}
+
+
+@pytest.fixture(scope="module")
+def stage1(snapshots, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("stage1")
+    out = tmp_path / "out"
+    cfg = write_config(tmp_path / "stage1.yaml", snapshots["qwen3_vl"], out, steps=3, trainable=PROJECTOR,
+                       metrics={"tensorboard": True}, checkpoint={"interval": 2, "keep": 1})
+    proc = train(1, cfg)
+    return cfg, out, proc
+
+
+def test_stage_outputs(stage1, snapshots):
+    cfg, out, proc = stage1
+    assert (out / "done").exists() and (out / "config.yaml").exists()
+    assert any((out / "tensorboard").iterdir())
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(METRIC_KEYS <= m.keys() for m in metrics)
+    assert all(m["world_size"] == 1 and m["skipped_steps"] == 0 and m["tokens_per_s"] > 0 for m in metrics)
+    assert metrics[-1]["tokens"] == 3 * 32 and metrics[0]["llm_tflops_per_device"] > 0
+    assert metrics[0]["mfu"] is None  # no peak FLOPS known for a CPU
+    assert "step 3 loss" in proc.stdout
+    meta = json.loads((out / "final" / "meta.json").read_text())
+    assert meta["step"] == 3 and meta["tokens"] == 96 and meta["model_path"] == str(snapshots["qwen3_vl"])
+    assert meta["stage_config"]["trainable"] == PROJECTOR
+    assert (out / "checkpoints" / "latest").read_text() == "step_3"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_3"]
+
+
+def test_only_the_trainable_patterns_change(stage1, snapshots):
+    _, out, _ = stage1
+    initial = load_file(snapshots["qwen3_vl"] / "model.safetensors")
+    final = load_dcp(out / "final")
+    assert set(final) >= {f"model.{k}" for k in initial}
+    changed = {k for k, v in initial.items() if not torch.equal(final[f"model.{k}"], v)}
+    assert changed and all(k.startswith(("model.visual.merger.", "model.visual.deepstack_merger_list.")) for k in changed)
+    assert any(k.startswith("model.visual.deepstack_merger_list.") for k in changed)
+
+
+def test_next_stage_starts_from_final(stage1, snapshots, tmp_path):
+    _, out1, _ = stage1
+    out2 = tmp_path / "stage2"
+    cfg = write_config(tmp_path / "stage2.yaml", snapshots["qwen3_vl"], out2, steps=1,
+                       init_from=str(out1 / "final"), optimizer={"lr": 0.0})
+    train(1, cfg)
+    before, after = load_dcp(out1 / "final"), load_dcp(out2 / "final")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_text_and_hybrid_families_train(snapshots, tmp_path, kind):
+    out = tmp_path / kind
+    train(1, write_config(tmp_path / "c.yaml", snapshots[kind], out, steps=2, save_final=False,
+                          checkpoint={"enabled": False}))
+    metrics = read_metrics(out)
+    assert len(metrics) == 2 and all(torch.isfinite(torch.tensor(m["loss"])) for m in metrics)
+    assert (out / "done").exists() and not (out / "final").exists() and not (out / "checkpoints").exists()
+
+
+def test_activation_checkpointing_gives_the_same_run(snapshots, tmp_path):
+    losses = {}
+    for mode in ("none", "full", "selective"):
+        out = tmp_path / mode
+        train(1, write_config(tmp_path / f"{mode}.yaml", snapshots["qwen3"], out, steps=2, save_final=False,
+                              checkpoint={"enabled": False}, parallel={"activation_checkpointing": mode}))
+        losses[mode] = [(m["loss"], m["grad_norm"]) for m in read_metrics(out)]
+    assert losses["full"] == losses["none"] and losses["selective"] == losses["none"]
+
+
+def test_non_finite_steps_are_skipped_then_the_run_stops(snapshots, tmp_path):
+    model = tmp_path / "nan_model"
+    model.mkdir()
+    for f in snapshots["qwen3"].iterdir():
+        (model / f.name).write_bytes(f.read_bytes())
+    weights = load_file(model / "model.safetensors")
+    weights["model.norm.weight"][0] = float("nan")
+    save_file(weights, model / "model.safetensors")
+    out = tmp_path / "out"
+    proc = train(1, write_config(tmp_path / "c.yaml", model, out, steps=10, max_nonfinite_steps=3), check=False)
+    assert proc.returncode == 1
+    assert "3 steps in a row with a non-finite loss" in proc.stderr
+    assert [m["skipped_steps"] for m in read_metrics(out)] == [1, 2, 3]
+    assert (out / "checkpoints" / "latest").read_text() == "step_3" and not (out / "done").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("parallel.tp=3", "parallel: dp_replicate (1) x dp_shard (-1) x tp (3) does not fit the world size 1"),
+    ("trainable=[model.vision.*]", "trainable: pattern(s) ['model.vision.*'] match no parameter"),
+    ("optimizer.lr=fast", "optimizer.lr: expected a number"),
+])
+def test_bad_config_is_a_clear_error(snapshots, tmp_path, override, message):
+    cfg = write_config(tmp_path / "c.yaml", snapshots["qwen3"], tmp_path / "out", steps=1)
+    proc = train(1, cfg, override, check=False)
+    assert proc.returncode == 2 and message in proc.stderr

@@ -1,0 +1,90 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from vlmcore.config import ConfigError, OptimizerConfig, ScheduleConfig
+from vlmcore.train.optim import freeze, lr_factor, param_groups
+
+
+def test_cosine_warmup_then_decay_to_min():
+    cfg = ScheduleConfig(name="cosine", warmup_steps=4, min_lr_ratio=0.1)
+    values = [lr_factor(cfg, step, 14) for step in range(1, 15)]
+    assert values[:4] == [0.25, 0.5, 0.75, 1.0]  # never 0 at the first step
+    # halfway through the 10 decay steps the cosine is at its midpoint
+    assert values[8] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 5 / 10)))
+    assert values[-1] == pytest.approx(0.1)
+    assert all(a > b for a, b in zip(values[3:], values[4:]))
+
+
+@pytest.mark.parametrize("cooldown, halfway", [("linear", 0.5), ("cosine", 0.5), ("1-sqrt", 1 - math.sqrt(0.5))])
+def test_wsd_is_flat_then_cools_down(cooldown, halfway):
+    cfg = ScheduleConfig(name="wsd", warmup_steps=2, decay_fraction=0.2, cooldown=cooldown, min_lr_ratio=0.0)
+    values = [lr_factor(cfg, step, 100) for step in range(1, 101)]
+    assert values[:2] == [0.5, 1.0]
+    assert values[2:80] == [1.0] * 78  # stable until the last 20 steps
+    assert values[89] == pytest.approx(halfway)  # step 90: 10 of 20 cooldown steps done
+    assert values[-1] == pytest.approx(0.0)
+
+
+def test_wsd_in_samples():
+    cfg = ScheduleConfig(name="wsd", unit="samples", warmup_samples=100, total_samples=1000, decay_fraction=0.5,
+                         cooldown="linear", min_lr_ratio=0.2)
+    assert lr_factor(cfg, 50, 1000) == 0.5
+    assert lr_factor(cfg, 400, 1000) == 1.0
+    assert lr_factor(cfg, 750, 1000) == pytest.approx(0.2 + 0.8 * 0.5)
+    assert lr_factor(cfg, 1200, 1000) == pytest.approx(0.2)  # past the end: stays at the minimum
+
+
+def test_constant():
+    cfg = ScheduleConfig(name="constant", warmup_steps=2)
+    assert [lr_factor(cfg, s, 10) for s in (1, 2, 3, 10)] == [0.5, 1.0, 1.0, 1.0]
+
+
+class TinyVLM(nn.Module):
+    """Parameter names as in Qwen3-VL."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.visual = nn.Module()
+        self.model.visual.blocks = nn.ModuleList([nn.Linear(4, 4)])
+        self.model.visual.pos_embed = nn.Embedding(4, 4)
+        self.model.visual.merger = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 8))
+        self.model.language_model = nn.Module()
+        self.model.language_model.embed_tokens = nn.Embedding(10, 8)
+        self.model.language_model.layers = nn.ModuleList([nn.Linear(8, 8)])
+        self.model.language_model.norm = nn.LayerNorm(8)
+        self.lm_head = nn.Linear(8, 10, bias=False)
+
+
+def test_param_groups_by_kind_and_decay():
+    model = TinyVLM()
+    cfg = OptimizerConfig(lr=1.0, vision_lr=0.1, projector_lr=0.5, weight_decay=0.01)
+    groups = {g["name"]: g for g in param_groups(model, cfg)}
+    names = {id(p): n for n, p in model.named_parameters()}
+    members = {k: sorted(names[id(p)] for p in g["params"]) for k, g in groups.items()}
+    assert members["llm"] == ["lm_head.weight", "model.language_model.layers.0.weight"]
+    assert members["llm_no_decay"] == ["model.language_model.embed_tokens.weight",
+                                       "model.language_model.layers.0.bias",
+                                       "model.language_model.norm.bias", "model.language_model.norm.weight"]
+    assert members["vision"] == ["model.visual.blocks.0.weight"]
+    assert "model.visual.pos_embed.weight" in members["vision_no_decay"]
+    assert members["projector"] == ["model.visual.merger.1.weight"]
+    assert (groups["vision"]["lr"], groups["projector"]["lr"], groups["llm"]["lr"]) == (0.1, 0.5, 1.0)
+    assert groups["llm_no_decay"]["weight_decay"] == 0.0 and groups["llm"]["weight_decay"] == 0.01
+
+
+def test_freeze_by_patterns():
+    model = TinyVLM()
+    assert freeze(model, ["model.visual.merger.*"]) == 4
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    assert trainable == ["model.visual.merger.0.bias", "model.visual.merger.0.weight",
+                         "model.visual.merger.1.bias", "model.visual.merger.1.weight"]
+    groups = param_groups(model, OptimizerConfig())
+    assert {g["name"] for g in groups} == {"projector", "projector_no_decay"}
+    with pytest.raises(ConfigError, match=r"model\.visul\.\*"):
+        freeze(model, ["model.visul.*"])
+    freeze(model, [])
+    assert all(p.requires_grad for p in model.parameters())
