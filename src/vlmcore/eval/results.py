@@ -1,0 +1,55 @@
+"""Tidy tables of `vlmcore eval` results: one row per task, subset and metric.
+
+`gather({"demo/stage1": "results/demo/eval-stage1/results.json", ...})` stacks several runs
+(stages, experiments) into one table with a `run` column, for comparisons and the report.
+"""
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+COLUMNS = ["task", "subset", "metric", "filter", "value", "stderr", "chance", "n_samples"]
+
+
+def results_table(result: dict) -> pd.DataFrame:
+    """Rows from lm-eval's `results` (keys "<metric>,<filter>") plus vlmcore's per-kind breakdown."""
+    rows = []
+    for task, metrics in result["results"].items():
+        n_samples = result.get("n-samples", {}).get(task, {}).get("effective")
+        chance = result.get("chance", {}).get(task)
+        for key, value in metrics.items():
+            if "," not in key or "_stderr," in key or not isinstance(value, (int, float)):
+                continue
+            metric, filter_name = key.split(",", 1)
+            stderr = metrics.get(f"{metric}_stderr,{filter_name}")
+            rows.append({"task": task, "subset": "", "metric": metric, "filter": filter_name, "value": float(value),
+                         "stderr": stderr if isinstance(stderr, (int, float)) else None,
+                         "chance": chance if metric in ("acc", "acc_norm") else None, "n_samples": n_samples})
+    for task, kinds in result.get("breakdown", {}).items():
+        for kind, figures in kinds.items():
+            rows.append({"task": task, "subset": kind, "metric": "acc", "filter": "none", "value": figures["acc"],
+                         "stderr": None, "chance": figures["chance"], "n_samples": figures["n"]})
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def read_results(path) -> dict:
+    """results.json, or the results.json inside a directory."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "results.json"
+    if not path.is_file():
+        raise ValueError(f"{path}: no eval results (expected results.json written by `vlmcore eval`)")
+    result = json.loads(path.read_text())
+    if "results" not in result:
+        raise ValueError(f"{path}: no `results` key; not an lm-eval / vlmcore eval output")
+    return result
+
+
+def gather(runs: dict) -> pd.DataFrame:
+    """{run label: results.json or eval dir} -> one table with a leading `run` column."""
+    tables = [results_table(read_results(path)).assign(run=label) for label, path in runs.items()]
+    if not tables:
+        return pd.DataFrame(columns=["run", *COLUMNS])
+    table = pd.concat(tables, ignore_index=True)
+    return table[["run", *COLUMNS]]

@@ -1,0 +1,124 @@
+"""`vlmcore eval`: lm-eval on an exported HF directory, offline by default.
+
+Text-only models run through lm-eval's `hf` model. Vision-language exports run every task
+through `vlmcore-vlm` (vlmcore/eval/vlm.py): lm-eval's `hf` cannot load them
+(AutoModelForCausalLM does not map Qwen3-VL), and `hf-multimodal` cannot score multiple choice
+with images. Tasks are lm-eval's by name (mmlu, arc_challenge, ...; their datasets must be in
+the local HF cache), bundled here under vlmcore/eval/tasks/ (demo_vqa, multiple choice, and
+demo_vqa_gen, free answers, both on the file given by --vqa-data), or from --include-path.
+
+EVAL_DIR gets `results.json` (lm-eval's results, configs and versions, plus the chance level
+and a per-question-kind breakdown of every multiple-choice task), `results.csv` (one row per
+task and metric) and `samples_<task>.jsonl`.
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+# Offline unless the caller says otherwise; set before huggingface_hub / datasets are imported.
+for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(_var, "1")
+
+import lm_eval  # noqa: E402
+import lm_eval.models  # noqa: E402,F401  (fills lm-eval's model registry before ours is added)
+from lm_eval.tasks import TaskManager  # noqa: E402
+from lm_eval.utils import handle_non_serializable  # noqa: E402
+
+import vlmcore.eval.vlm  # noqa: E402,F401  (registers `vlmcore-vlm`)
+from vlmcore.eval.results import results_table  # noqa: E402
+
+BUNDLED_TASKS = Path(__file__).parent / "tasks"
+
+
+def is_vision_language(model_dir) -> bool:
+    config_path = Path(model_dir) / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{model_dir}: no config.json; not an HF model directory")
+    return "vision_config" in json.loads(config_path.read_text())
+
+
+def chance_and_breakdown(samples: list[dict]) -> tuple[float | None, dict]:
+    """Chance accuracy of the evaluated docs (mean 1/#choices) and, when docs have a `kind`,
+    accuracy and chance per kind. None for tasks that are not multiple choice."""
+    if not samples or "acc" not in samples[0]:
+        return None, {}
+    chances = [1.0 / len(s["arguments"]) for s in samples]
+    by_kind = {}
+    for sample, chance in zip(samples, chances):
+        kind = sample["doc"].get("kind") if isinstance(sample["doc"], dict) else None
+        if kind:
+            by_kind.setdefault(kind, []).append((sample["acc"], chance))
+    breakdown = {kind: {"acc": sum(a for a, _ in rows) / len(rows), "chance": sum(c for _, c in rows) / len(rows), "n": len(rows)}
+                 for kind, rows in sorted(by_kind.items())}
+    return sum(chances) / len(chances), breakdown
+
+
+def evaluate(model_dir, tasks: list[str], out, vqa_data=None, limit=None, batch_size: int = 8, device: str = "cpu",
+             dtype: str = "auto", include_path=(), apply_chat_template: bool = False, num_fewshot=None) -> dict:
+    """Runs lm-eval and writes EVAL_DIR/results.json, results.csv and samples_<task>.jsonl."""
+    model_dir, out = Path(model_dir).resolve(), Path(out)
+    model = "vlmcore-vlm" if is_vision_language(model_dir) else "hf"
+    if {"demo_vqa", "demo_vqa_gen"} & set(tasks) and vqa_data is None:
+        raise ValueError("tasks demo_vqa and demo_vqa_gen need --vqa-data (the raw/eval.jsonl written by `vlmcore synth`)")
+    # Task metadata reaches the bundled tasks' loaders (demo_vqa reads `vqa_data`).
+    metadata = {"vqa_data": str(Path(vqa_data).resolve())} if vqa_data else {}
+    task_manager = TaskManager(include_path=[str(BUNDLED_TASKS), *map(str, include_path)], metadata=metadata)
+    result = lm_eval.simple_evaluate(
+        model=model,
+        model_args={"pretrained": str(model_dir), "dtype": dtype},
+        tasks=tasks,
+        num_fewshot=num_fewshot,
+        batch_size=batch_size,
+        device=device,
+        limit=limit,
+        task_manager=task_manager,
+        apply_chat_template=apply_chat_template,
+        log_samples=True,
+        bootstrap_iters=1000,
+    )
+    samples = result.pop("samples")
+    result["lm_eval_model"] = model
+    result["chance"], result["breakdown"] = {}, {}
+    for task, task_samples in samples.items():
+        chance, breakdown = chance_and_breakdown(task_samples)
+        if chance is not None:
+            result["chance"][task] = chance
+        if breakdown:
+            result["breakdown"][task] = breakdown
+
+    out.mkdir(parents=True, exist_ok=True)
+    for task, task_samples in samples.items():
+        with open(out / f"samples_{task}.jsonl", "w") as f:
+            for sample in task_samples:
+                f.write(json.dumps(sample, default=handle_non_serializable) + "\n")
+    results_table(result).to_csv(out / "results.csv", index=False)
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(result, indent=2, default=handle_non_serializable) + "\n")
+    os.replace(tmp, out / "results.json")
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="exported HF directory (vlmcore export)")
+    parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task names (e.g. demo_vqa,arc_challenge)")
+    parser.add_argument("--out", required=True, help="output directory (results.json, results.csv, samples)")
+    parser.add_argument("--vqa-data", help="raw/eval.jsonl of the demo, for the demo_vqa and demo_vqa_gen tasks")
+    parser.add_argument("--limit", type=int, help="at most this many examples per task")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:0, ...")
+    parser.add_argument("--dtype", default="auto", help="model dtype (auto = as saved, float32, bfloat16)")
+    parser.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own)")
+    parser.add_argument("--include-path", action="append", default=[], help="extra directory of lm-eval task YAMLs (repeatable)")
+    parser.add_argument("--apply-chat-template", action="store_true",
+                        help="render every task through the chat template (image tasks always use it)")
+
+
+def run(args) -> int:
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    result = evaluate(args.model, tasks, args.out, vqa_data=args.vqa_data, limit=args.limit, batch_size=args.batch_size,
+                      device=args.device, dtype=args.dtype, include_path=args.include_path,
+                      apply_chat_template=args.apply_chat_template, num_fewshot=args.num_fewshot)
+    print(results_table(result).to_string(index=False))
+    return 0

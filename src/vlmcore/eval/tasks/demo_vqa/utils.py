@@ -1,0 +1,39 @@
+"""Loading the demo's held-out VQA file for lm-eval: rows checked, image paths made absolute."""
+
+import json
+from pathlib import Path
+
+import datasets
+from PIL import Image
+
+REQUIRED = ("id", "image", "question", "choices", "answer")
+
+
+def load_vqa_jsonl(vqa_data=None, **_metadata) -> datasets.DatasetDict:
+    """`{"id", "image" (relative to the file's directory), "question", "choices", "answer"}` per line."""
+    if not vqa_data:
+        raise ValueError("demo_vqa needs the held-out file: pass `vlmcore eval --vqa-data raw/eval.jsonl`")
+    path = Path(vqa_data)
+    if not path.is_file():
+        raise ValueError(f"--vqa-data {path}: no such file")
+    rows = []
+    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        missing = [key for key in REQUIRED if key not in row]
+        if missing:
+            raise ValueError(f"{path}:{line_no}: missing {missing}")
+        if not 0 <= row["answer"] < len(row["choices"]):
+            raise ValueError(f"{path}:{line_no}: answer {row['answer']} is not an index into {len(row['choices'])} choices")
+        image_path = path.parent / row["image"]
+        if not image_path.is_file():
+            raise ValueError(f"{path}:{line_no}: image {image_path} not found")
+        rows.append({**row, "kind": row.get("kind", ""), "image_path": str(image_path.resolve())})
+    if not rows:
+        raise ValueError(f"{path}: no questions")
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+
+
+def doc_to_image(doc) -> list:
+    return [Image.open(doc["image_path"]).convert("RGB")]

@@ -1,0 +1,228 @@
+"""Training checkpoint -> Hugging Face directory (`vlmcore export`).
+
+A stage's `final/` is a torch.distributed.checkpoint directory of full logical tensors under
+`model.<hf name>`, whatever dp/tp layout wrote it, so one process reads it without a process
+group. The export writes those tensors as safetensors shards (+ index) in the dtype of the
+snapshot's own weights, copies every other file of the snapshot (config, generation config,
+tokenizer, chat template, processor configs) and records where it all came from in
+`provenance.json`.
+
+The directory is assembled under a hidden temporary name next to `--out` and renamed into place
+last, so a crashed export never leaves a directory that looks complete.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+import yaml
+from huggingface_hub import save_torch_state_dict
+from safetensors import safe_open
+
+import vlmcore
+
+PROVENANCE = "provenance.json"
+# Snapshot files that describe the source weights, not the exported ones.
+NOT_COPIED_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".pt", ".pth", ".bin.index.json")
+NOT_COPIED_NAMES = {"manifest.json"}
+SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
+                      "I64": "int64", "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def snapshot_tensor_info(model_dir) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, dtype) of every tensor in a snapshot's safetensors files (headers only)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no *.safetensors weights")
+    info = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                tensor_slice = f.get_slice(name)
+                info[name] = (tuple(tensor_slice.get_shape()), getattr(torch, SAFETENSORS_DTYPES[tensor_slice.get_dtype()]))
+    return info
+
+
+def untrained_prefixes(model_dir) -> tuple[str, ...]:
+    """Name prefixes of snapshot tensors the native model does not train (Qwen3.5's MTP head)."""
+    from vlmcore.models.hf import IGNORED_PREFIXES
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return IGNORED_PREFIXES.get(config.get("model_type"), ())
+
+
+def load_final_state_dict(checkpoint_dir, model_dir=None) -> dict[str, torch.Tensor]:
+    """The weights of a `final/` DCP checkpoint as {hf name: tensor}, in one process.
+
+    With `model_dir`, the names and shapes are checked against the snapshot's safetensors; a
+    `lm_head.weight` the snapshot leaves out (tied embeddings) is dropped.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    if not (checkpoint_dir / ".metadata").is_file():
+        raise ValueError(f"{checkpoint_dir}: not a torch.distributed.checkpoint directory (no .metadata)")
+    metadata = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata()
+    state = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if not key.startswith("model."):
+            continue
+        if not hasattr(item, "size"):
+            raise ValueError(f"{checkpoint_dir}: entry {key} is not a tensor")
+        state[key] = torch.empty(item.size, dtype=item.properties.dtype)
+    if not state:
+        raise ValueError(f"{checkpoint_dir}: no `model.*` tensors in the checkpoint")
+    dcp.load(state, checkpoint_id=str(checkpoint_dir), no_dist=True)
+    weights = {key.removeprefix("model."): tensor for key, tensor in state.items()}
+    if model_dir is not None:
+        check_against_snapshot(weights, snapshot_tensor_info(model_dir), untrained_prefixes(model_dir), checkpoint_dir, model_dir)
+    return weights
+
+
+def check_against_snapshot(weights: dict, expected: dict, untrained: tuple, checkpoint_dir, model_dir) -> None:
+    """Drops a tied `lm_head.weight` and raises if names or shapes differ from the snapshot
+    (tensors under the `untrained` prefixes may be absent from the checkpoint)."""
+    if "lm_head.weight" in weights and "lm_head.weight" not in expected:
+        del weights["lm_head.weight"]
+    missing = sorted(k for k in set(expected) - set(weights) if not k.startswith(untrained))
+    unexpected = sorted(set(weights) - set(expected))
+    wrong_shape = [f"{k}: {tuple(weights[k].shape)} vs {expected[k][0]}" for k in sorted(set(weights) & set(expected))
+                   if tuple(weights[k].shape) != expected[k][0]]
+    if missing or unexpected or wrong_shape:
+        raise ValueError(
+            f"checkpoint {checkpoint_dir} does not match snapshot {model_dir}: "
+            f"{len(missing)} missing {missing[:5]}, {len(unexpected)} unexpected {unexpected[:5]}, "
+            f"{len(wrong_shape)} of another shape {wrong_shape[:5]}"
+        )
+
+
+def untrained_tensors(model_dir, names) -> dict[str, torch.Tensor]:
+    """The snapshot's own tensors `names` (carried over unchanged)."""
+    out = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            out.update({name: f.get_tensor(name) for name in f.keys() if name in names})
+    return out
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def git_commit() -> dict:
+    """Commit of the vlmcore source tree, when it is a git checkout."""
+    source = Path(vlmcore.__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=source, capture_output=True, text=True, check=True)
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=source,
+                                capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
+
+
+def data_fingerprint(stats_paths) -> dict:
+    """Per packed dataset: the sha256 of its stats.json plus its scalar figures; one combined hash."""
+    datasets = {}
+    for path in map(Path, stats_paths):
+        if not path.is_file():
+            raise ValueError(f"--data-stats {path}: no such file")
+        stats = json.loads(path.read_text())
+        scalars = {k: v for k, v in stats.items() if isinstance(v, (str, int, float, bool))}
+        datasets[path.parent.name] = {"path": str(path), "sha256": sha256_of(path), **scalars}
+    combined = hashlib.sha256("".join(d["sha256"] for _, d in sorted(datasets.items())).encode()).hexdigest()
+    return {"fingerprint": combined if datasets else None, "datasets": datasets}
+
+
+def build_provenance(checkpoint_dir, model_dir, stage_configs=(), data_stats=(), dtype=None) -> dict:
+    checkpoint_dir, model_dir = Path(checkpoint_dir), Path(model_dir)
+    manifest_path = model_dir / "manifest.json"
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+        source = {"repo_id": manifest.get("repo_id"), "revision": manifest.get("revision"), "path": str(model_dir)}
+    else:
+        source = {"repo_id": None, "revision": None, "path": str(model_dir)}
+    meta_path = checkpoint_dir / "meta.json"
+    stages = {}
+    for path in map(Path, stage_configs):
+        if not path.is_file():
+            raise ValueError(f"--stage-config {path}: no such file")
+        stages[path.parent.name] = yaml.safe_load(path.read_text())
+    return {
+        "source": source,
+        "checkpoint": {"path": str(checkpoint_dir), "meta": json.loads(meta_path.read_text()) if meta_path.is_file() else None},
+        "stages": stages,
+        "data": data_fingerprint(data_stats),
+        "code": {"vlmcore_version": vlmcore.__version__, **git_commit()},
+        "dtype": str(dtype).removeprefix("torch.") if dtype else "as snapshot",
+        "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def export_hf(checkpoint_dir, model_dir, out, stage_configs=(), data_stats=(), max_shard_size="5GB", dtype=None) -> Path:
+    """Writes the HF directory `out` from a `final/` checkpoint and the snapshot it was trained from.
+
+    dtype: None keeps each tensor's dtype from the snapshot (a bf16 release stays bf16 although
+    training kept fp32 master weights); a torch dtype casts every floating tensor to it and
+    becomes config.json's `dtype`. Snapshot tensors the native model does not train (Qwen3.5's MTP head) are copied unchanged
+    and listed in provenance.json under `copied_from_snapshot`.
+    """
+    model_dir, out = Path(model_dir), Path(out)
+    expected = snapshot_tensor_info(model_dir)
+    weights = load_final_state_dict(checkpoint_dir, model_dir)
+    carried = untrained_tensors(model_dir, set(expected) - set(weights))
+    weights.update(carried)
+    for name, tensor in weights.items():
+        target = dtype if dtype is not None and tensor.is_floating_point() else expected[name][1]
+        weights[name] = tensor.to(target)
+    provenance = build_provenance(checkpoint_dir, model_dir, stage_configs, data_stats, dtype)
+    provenance["copied_from_snapshot"] = sorted(carried)
+
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_torch_state_dict(weights, tmp, max_shard_size=max_shard_size)
+        for src in sorted(model_dir.iterdir()):
+            if src.is_file() and src.name not in NOT_COPIED_NAMES and not src.name.endswith(NOT_COPIED_SUFFIXES):
+                shutil.copy2(src, tmp / src.name)
+        if dtype is not None:
+            config = json.loads((tmp / "config.json").read_text())
+            config["dtype"] = str(dtype).removeprefix("torch.")
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
+        if out.is_symlink() or out.is_file():
+            out.unlink()
+        elif out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", required=True, help="a stage's final/ directory (DCP, keys model.<hf name>)")
+    parser.add_argument("--model", required=True, help="the HF snapshot the training started from (config, tokenizer, processor)")
+    parser.add_argument("--out", required=True, help="HF directory to write (replaced atomically)")
+    parser.add_argument("--stage-config", action="append", default=[],
+                        help="train/<stage>/config.yaml of every stage, recorded in provenance.json (repeatable)")
+    parser.add_argument("--data-stats", action="append", default=[],
+                        help="packed/<dataset>/stats.json of the training data, fingerprinted in provenance.json (repeatable)")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB or 500MB")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating weights to this dtype (default: the snapshot's)")
+
+
+def run(args) -> int:
+    out = export_hf(args.checkpoint, args.model, args.out, args.stage_config, args.data_stats,
+                    args.max_shard_size, DTYPES[args.dtype] if args.dtype else None)
+    files = sorted(p.name for p in out.iterdir())
+    print(f"exported {args.checkpoint} -> {out}: {', '.join(files)}")
+    return 0

@@ -1,0 +1,206 @@
+"""PNG plots of the report: scaling, training curves, eval summary.
+
+Figures are built with matplotlib's object API (no pyplot state, no display needed) and saved at
+150 dpi. Every axis names its quantity and unit; every plot with more than one series has a legend.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocator, PercentFormatter
+
+DPI = 150
+DEVICES_LABEL = "Devices (GPUs, or processes on CPU)"
+# Scores on a 0..1 scale that the eval summary plots; other metrics (perplexities) stay in the table.
+SCORE_METRICS = ["acc", "acc_norm", "exact_match", "f1", "anls", "relaxed_accuracy"]
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    return path
+
+
+def _devices_axis(ax, world_sizes) -> None:
+    sizes = sorted(set(int(w) for w in world_sizes))
+    if len(sizes) > 1 and sizes[-1] / sizes[0] >= 8:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+    ax.minorticks_off()
+    ax.set_xlabel(DEVICES_LABEL)
+    ax.grid(True, alpha=0.3)
+
+
+def _thousands(ax) -> None:
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:,.0f}"))
+
+
+def _compact(value: float) -> str:
+    for factor, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:g}{suffix}"
+    return f"{value:g}"
+
+
+def plot_throughput(table: pd.DataFrame, path: Path, title: str) -> Path:
+    """Total tokens/s against devices, with the ideal linear scaling from the smallest point."""
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.add_subplot()
+    ws = table["world_size"].to_numpy(dtype=float)
+    total = (table["tokens_per_s_per_device"] * table["world_size"]).to_numpy(dtype=float)
+    ideal = total[0] * ws / ws[0]
+    ax.plot(ws, ideal, "--", color="gray", label=f"ideal linear scaling (from {ws[0]:g} devices)")
+    ax.plot(ws, total, "o-", color="tab:blue", linewidth=2, label="measured")
+    for x, y, eff in zip(ws, total, table["efficiency"]):
+        ax.annotate(f"{eff:.0%}", (x, y), textcoords="offset points", xytext=(0, 8), ha="center", fontsize=9)
+    _devices_axis(ax, ws)
+    if ax.get_xscale() == "log":
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
+        ax.yaxis.set_minor_locator(NullLocator())
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: _compact(y)))
+    else:
+        ax.set_ylim(bottom=0)
+        _thousands(ax)
+    ax.set_ylabel("Throughput (tokens/s, all devices)")
+    ax.set_title(f"{title}\nlabels: scaling efficiency per device")
+    ax.legend(loc="upper left")
+    return _save(fig, path)
+
+
+def plot_efficiency(table: pd.DataFrame, path: Path, title: str) -> Path:
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.add_subplot()
+    ws = table["world_size"].to_numpy(dtype=float)
+    ax.axhline(100, linestyle="--", color="gray", label="ideal (linear scaling)")
+    ax.plot(ws, table["efficiency"] * 100, "o-", color="tab:green", linewidth=2, label="measured")
+    _devices_axis(ax, ws)
+    ax.set_ylim(0, max(110, float(np.nanmax(table["efficiency"] * 100)) + 10))
+    ax.yaxis.set_major_formatter(PercentFormatter())
+    ax.set_ylabel("Scaling efficiency (tokens/s per device vs smallest run)")
+    ax.set_title(title)
+    ax.legend(loc="lower left")
+    return _save(fig, path)
+
+
+def plot_flops(table: pd.DataFrame, path: Path, title: str) -> Path:
+    """TFLOPS per device (LLM and vision tower apart) and MFU against devices."""
+    fig = Figure(figsize=(11, 4.5))
+    left, right = fig.subplots(1, 2)
+    ws = table["world_size"].to_numpy(dtype=float)
+    left.plot(ws, table["tflops_per_device"], "o-", linewidth=2, label="total")
+    left.plot(ws, table["llm_tflops_per_device"], "s--", label="language model")
+    left.plot(ws, table["vision_tflops_per_device"], "^--", label="vision tower")
+    _devices_axis(left, ws)
+    left.set_ylim(bottom=0)
+    left.set_ylabel("Achieved TFLOPS per device (TFLOP/s)")
+    left.set_title("Model FLOPs per device")
+    left.legend()
+    if table["mfu"].notna().any():
+        right.plot(ws, table["mfu"], "o-", color="tab:red", linewidth=2, label="MFU")
+        right.set_ylim(0, max(10.0, float(np.nanmax(table["mfu"])) * 1.2))
+        right.legend()
+    else:
+        right.text(0.5, 0.5, "MFU not available:\nno peak FLOPS known for this hardware", ha="center", va="center",
+                   transform=right.transAxes, fontsize=11)
+        right.set_ylim(0, 100)
+    _devices_axis(right, ws)
+    right.set_xlim(left.get_xlim())
+    right.yaxis.set_major_formatter(PercentFormatter(decimals=0))
+    right.set_ylabel("Model FLOPs utilisation (% of peak)")
+    right.set_title("MFU")
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
+def plot_memory(table: pd.DataFrame, path: Path, title: str) -> Path:
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.add_subplot()
+    labels = [f"{int(w)}" for w in table["world_size"]]
+    bars = ax.bar(labels, table["peak_mem_gb"], color="tab:purple", label="peak memory per device")
+    ax.bar_label(bars, fmt="%.2f", fontsize=9)
+    ax.set_xlabel(DEVICES_LABEL)
+    ax.set_ylabel("Peak memory per device (GB)")
+    ax.set_title(title)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_training_curves(stages: dict[str, pd.DataFrame], path: Path) -> Path:
+    """Loss, learning rate, grad norm and throughput over the steps of all stages, one after the other."""
+    fig = Figure(figsize=(12, 8))
+    axes = fig.subplots(2, 2, sharex=True).ravel()
+    panels = [("loss", "Training loss (nats/token)"), ("lr", "Learning rate"), ("grad_norm", "Gradient norm (before clipping)"),
+              ("tokens_per_s_per_device", "Throughput (tokens/s per device)")]
+    offset = 0
+    for i, (stage, metrics) in enumerate(stages.items()):
+        color = f"C{i}"
+        steps = metrics["step"] + offset
+        for ax, (key, _) in zip(axes, panels):
+            if key not in metrics:
+                continue
+            values = pd.to_numeric(metrics[key], errors="coerce")
+            if key == "loss" and len(values) >= 20:
+                ax.plot(steps, values, color=color, alpha=0.3, linewidth=0.8)
+                window = max(5, len(values) // 20)
+                ax.plot(steps, values.rolling(window, min_periods=1).mean(), color=color, linewidth=2,
+                        label=f"{stage} (mean of {window} steps)")
+            else:
+                ax.plot(steps, values, color=color, linewidth=1.5, label=stage)
+        if i > 0:
+            for ax in axes:
+                ax.axvline(offset, color="gray", linestyle=":", linewidth=1)
+        offset = int(steps.max())
+    for ax, (_, label) in zip(axes, panels):
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=9)
+    for ax in axes[2:]:
+        ax.set_xlabel("Optimizer step (stages run one after the other)")
+    axes[1].ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    _thousands(axes[3])
+    fig.suptitle("Training curves")
+    return _save(fig, path)
+
+
+def plot_eval_summary(table: pd.DataFrame, path: Path) -> Path:
+    """One bar per run for every task (and question kind) on its main score, chance marked."""
+    rows = []
+    for (run, task, subset), group in table.groupby(["run", "task", "subset"], sort=False):
+        scored = group[group["metric"].isin(SCORE_METRICS)]
+        if scored.empty:
+            continue
+        row = scored.set_index("metric").loc[next(m for m in SCORE_METRICS if m in set(scored["metric"]))]
+        name = f"{task}\n{subset or 'all'}"
+        rows.append({"run": run, "name": name, "metric": row.name, "value": row["value"], "chance": row["chance"]})
+    fig = Figure(figsize=(max(6, 1.2 * len({r["name"] for r in rows}) + 2), 4.8))
+    ax = fig.add_subplot()
+    if not rows:
+        ax.text(0.5, 0.5, "no scored tasks (accuracy-type metrics) in the results", ha="center", va="center", transform=ax.transAxes)
+        return _save(fig, path)
+    data = pd.DataFrame(rows)
+    names = list(dict.fromkeys(data["name"]))
+    runs = list(dict.fromkeys(data["run"]))
+    width = 0.8 / len(runs)
+    for i, run in enumerate(runs):
+        part = data[data["run"] == run].set_index("name").reindex(names)
+        x = np.arange(len(names)) + (i - (len(runs) - 1) / 2) * width
+        bars = ax.bar(x, part["value"] * 100, width, label=run)
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    chance = data.groupby("name", sort=False)["chance"].first().reindex(names)
+    if chance.notna().any():
+        ax.hlines(chance * 100, np.arange(len(names)) - 0.45, np.arange(len(names)) + 0.45, colors="black",
+                  linestyles="--", label="chance")
+    ax.set_xticks(np.arange(len(names)), names, fontsize=9)
+    ax.set_ylim(0, 105)
+    ax.yaxis.set_major_formatter(PercentFormatter())
+    ax.yaxis.set_major_locator(MaxNLocator(6))
+    ax.set_ylabel("Score (% accuracy or exact match)")
+    ax.set_xlabel("Task (question kind)")
+    ax.set_title("Evaluation summary")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
+    return _save(fig, path)

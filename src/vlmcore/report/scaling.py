@@ -1,0 +1,186 @@
+"""`vlmcore report`: scaling.csv, PNG plots and SCALABILITY.md.
+
+Inputs: this experiment's scaling runs (`--scaling ws2=scaling/ws2`), points imported from runs
+done elsewhere (`--import`, see vlmcore/report/metrics.py), the training stages' metrics
+(`--train stage1=train/stage1/metrics.jsonl`) and eval results (`--eval [label=]eval/results.json`).
+
+Output directory:
+  scaling.csv            one row per scaling point (columns: vlmcore.report.metrics.SCALING_COLUMNS)
+  training.csv           one row per training stage (when --train is given)
+  eval.csv               tidy eval table across runs (when --eval is given)
+  plots/*.png            scaling_throughput, scaling_efficiency, scaling_flops, scaling_memory,
+                         training_curves, eval_summary
+  SCALABILITY.md         tables, plots, hardware and the exact settings of every run
+"""
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+import vlmcore
+from vlmcore.eval.results import gather
+from vlmcore.export import git_commit
+from vlmcore.report import plots
+from vlmcore.report.metrics import import_points, point_from_metrics, read_metrics, scaling_table, settings_of
+
+
+def parse_labelled(values: list[str], option: str, default_label=None) -> dict[str, str]:
+    """["a=path", ...] -> {"a": "path"}; without `=`, the label comes from `default_label(path)`."""
+    pairs = {}
+    for value in values:
+        label, sep, path = value.partition("=")
+        if not sep:
+            if default_label is None:
+                raise ValueError(f"{option} {value!r}: expected LABEL=PATH")
+            label, path = default_label(value), value
+        if label in pairs:
+            raise ValueError(f"{option}: label {label!r} given twice")
+        pairs[label] = path
+    return pairs
+
+
+def eval_label(path: str) -> str:
+    """results/<experiment>/eval/results.json -> "<experiment>"; other layouts -> the directory name."""
+    directory = Path(path).resolve()
+    directory = directory.parent if directory.suffix == ".json" else directory
+    return directory.parent.name if directory.name == "eval" else directory.name
+
+
+def fmt(value, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return format(value, spec)
+
+
+def markdown_table(rows: list[dict], columns: dict[str, tuple[str, str]]) -> str:
+    """columns: key -> (header, format spec; "" = as text)."""
+    lines = ["| " + " | ".join(header for header, _ in columns.values()) + " |",
+             "|" + "|".join("---" if not spec else "---:" for _, spec in columns.values()) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(fmt(row.get(key), spec) if spec else str(row.get(key, ""))
+                                       for key, (_, spec) in columns.items()) + " |")
+    return "\n".join(lines)
+
+
+SCALING_MD_COLUMNS = {
+    "world_size": ("devices", "d"), "label": ("run", ""), "layout": ("layout (dp_replicate × dp_shard × tp)", ""), "tokens_per_s": ("tokens/s (all)", ",.0f"),
+    "tokens_per_s_per_device": ("tokens/s per device", ",.0f"), "tflops_per_device": ("TFLOPS per device", ".3g"),
+    "mfu": ("MFU %", ".1f"), "peak_mem_gb": ("peak mem GB", ".2f"), "step_time_s": ("step s", ".3f"),
+    "data_wait_s": ("data wait s", ".3f"), "speedup": ("speedup", ".2f"), "efficiency": ("efficiency", ".0%"),
+}
+TRAINING_MD_COLUMNS = {
+    "stage": ("stage", ""), "steps": ("steps", "d"), "first_loss": ("first loss", ".3f"), "final_loss": ("final loss (mean of last 10)", ".3f"),
+    "tokens": ("tokens", ",d"), "tokens_per_s_per_device": ("tokens/s per device", ",.0f"), "world_size": ("devices", "d"),
+    "skipped_steps": ("skipped steps", "d"),
+}
+EVAL_MD_COLUMNS = {
+    "run": ("run", ""), "task": ("task", ""), "subset": ("question kind", ""), "metric": ("metric", ""),
+    "value": ("value", ".3f"), "stderr": ("stderr", ".3f"), "chance": ("chance", ".3f"), "n_samples": ("n", "d"),
+}
+
+
+def training_summary(stages: dict[str, pd.DataFrame]) -> list[dict]:
+    rows = []
+    for stage, m in stages.items():
+        last = m.iloc[-1]
+        rows.append({
+            "stage": stage, "steps": int(last["step"]), "first_loss": float(m["loss"].iloc[0]),
+            "final_loss": float(m["loss"].tail(10).mean()),
+            "tokens": int(last["tokens"]) if "tokens" in m else None,
+            "tokens_per_s_per_device": float(m["tokens_per_s_per_device"].iloc[1:].mean()) if len(m) > 1 else float("nan"),
+            "world_size": int(last["world_size"]) if "world_size" in m else None,
+            "skipped_steps": int(last["skipped_steps"]) if "skipped_steps" in m else 0,
+        })
+    return rows
+
+
+def write_report(out, scaling=None, imports=(), train=None, evals=None, hardware: str = "unknown",
+                 warmup_steps: int = 1, title: str = "Scaling") -> Path:
+    """Writes everything listed in the module docstring; returns the path of SCALABILITY.md."""
+    out = Path(out)
+    (out / "plots").mkdir(parents=True, exist_ok=True)
+    scaling, train, evals = scaling or {}, train or {}, evals or {}
+    points = [point_from_metrics(path, label, warmup_steps) for label, path in scaling.items()]
+    for path in imports:
+        points += import_points(path, warmup_steps)
+    code = git_commit()
+    md = [f"# {title} report", "",
+          f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by vlmcore {vlmcore.__version__}"
+          + (f" (commit `{code['commit'][:12]}`{', uncommitted changes' if code['dirty'] else ''})" if code["commit"] else "") + ".",
+          "", "## Hardware", "", hardware, ""]
+
+    if points:
+        table = scaling_table(points)
+        table.to_csv(out / "scaling.csv", index=False)
+        name = title
+        plots.plot_throughput(table, out / "plots/scaling_throughput.png", f"{name}: throughput")
+        plots.plot_efficiency(table, out / "plots/scaling_efficiency.png", f"{name}: scaling efficiency")
+        plots.plot_flops(table, out / "plots/scaling_flops.png", f"{name}: FLOPs and MFU")
+        plots.plot_memory(table, out / "plots/scaling_memory.png", f"{name}: memory")
+        md += ["## Scaling", "",
+               f"Each point is a fixed-step training run; figures are means over its steps after the first {warmup_steps} "
+               "(warm-up), peak memory is the maximum. Efficiency = tokens/s per device relative to the smallest run "
+               "(1.0 = linear scaling); speedup = total tokens/s relative to the smallest run. MFU uses the dense BF16 "
+               "peak of the device (n/a where unknown, e.g. CPUs).", "",
+               markdown_table(table.to_dict("records"), SCALING_MD_COLUMNS), "",
+               "![Throughput against devices](plots/scaling_throughput.png)", "",
+               "![Scaling efficiency](plots/scaling_efficiency.png)", "",
+               "![TFLOPS and MFU per device](plots/scaling_flops.png)", "",
+               "![Peak memory per device](plots/scaling_memory.png)", ""]
+
+    if train:
+        stages = {stage: read_metrics(path) for stage, path in train.items()}
+        rows = training_summary(stages)
+        pd.DataFrame(rows).to_csv(out / "training.csv", index=False)
+        plots.plot_training_curves(stages, out / "plots/training_curves.png")
+        md += ["## Training", "", markdown_table(rows, TRAINING_MD_COLUMNS), "",
+               "![Loss, learning rate, gradient norm and throughput per stage](plots/training_curves.png)", ""]
+
+    if evals:
+        eval_table = gather(evals)
+        eval_table.to_csv(out / "eval.csv", index=False)
+        plots.plot_eval_summary(eval_table, out / "plots/eval_summary.png")
+        md += ["## Evaluation", "", markdown_table(eval_table.to_dict("records"), EVAL_MD_COLUMNS), "",
+               "![Evaluation summary](plots/eval_summary.png)", ""]
+
+    md += ["## Exact settings", ""]
+    sources = [(f"scaling run `{p['label']}` ({p['world_size']} devices)", p["source"]) for p in points]
+    sources += [(f"training stage `{stage}`", path) for stage, path in train.items()]
+    for what, path in sources:
+        settings = None if str(path).endswith(".csv") else settings_of(path)
+        md += [f"- {what}: metrics `{path}`"]
+        if settings:
+            md += ["", "<details><summary>config.yaml</summary>", "", "```yaml", yaml.safe_dump(settings, sort_keys=False).rstrip(),
+                   "```", "", "</details>", ""]
+    (out / "SCALABILITY.md").write_text("\n".join(md).rstrip() + "\n")
+    return out / "SCALABILITY.md"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scaling", action="append", default=[], metavar="LABEL=PATH",
+                        help="a scaling run's metrics.jsonl or its directory, e.g. ws4=scaling/ws4 (repeatable)")
+    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="PATH",
+                        help="points from runs done elsewhere: a scaling.csv, a metrics.jsonl, or a directory searched for metrics.jsonl (repeatable)")
+    parser.add_argument("--train", action="append", default=[], metavar="STAGE=PATH",
+                        help="a training stage's metrics.jsonl, in stage order (repeatable)")
+    parser.add_argument("--eval", action="append", default=[], metavar="[LABEL=]PATH",
+                        help="results.json of `vlmcore eval` (or its directory), optionally labelled (repeatable)")
+    parser.add_argument("--hardware", default="unknown", help="hardware description for SCALABILITY.md")
+    parser.add_argument("--warmup-steps", type=int, default=1, help="first steps of each scaling run left out of the means")
+    parser.add_argument("--title", default="Scaling", help="title of the report and its plots")
+    parser.add_argument("--out", required=True, help="report directory")
+
+
+def run(args) -> int:
+    if args.warmup_steps < 0:
+        raise SystemExit("--warmup-steps must be >= 0")
+    scaling = parse_labelled(args.scaling, "--scaling")
+    train = parse_labelled(args.train, "--train")
+    evals = parse_labelled(args.eval, "--eval", default_label=eval_label)
+    md = write_report(args.out, scaling, args.imports, train, evals, args.hardware, args.warmup_steps, args.title)
+    print(f"wrote {md}")
+    return 0

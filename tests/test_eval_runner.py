@@ -1,0 +1,168 @@
+"""`vlmcore eval`: lm-eval on exported directories, offline.
+
+The demo's held-out VQA questions run through the `vlmcore-vlm` model on a tiny Qwen3-VL; every
+choice's score is checked against a direct transformers forward of the chat-templated question
+with its image. A local text task runs through lm-eval's `hf` model on a tiny Qwen3.
+"""
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+from _export_helpers import tiny_snapshot
+from vlmcore import cli
+from vlmcore.data.processor import load_processor
+from vlmcore.data.synthetic import generate
+from vlmcore.eval.results import gather, results_table
+from vlmcore.eval.runner import evaluate
+
+pytestmark = pytest.mark.slow
+LIMIT = 9  # three of each question kind
+
+
+@pytest.fixture(scope="module")
+def vqa_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vqa")
+    model = tiny_snapshot("qwen3_vl", root / "model")
+    generate(root / "raw", num_train=2, num_eval=12, seed=3)
+    out = root / "eval"
+    assert cli.main(["eval", "--model", str(model), "--tasks", "demo_vqa,demo_vqa_gen", "--vqa-data", str(root / "raw/eval.jsonl"),
+                     "--out", str(out), "--limit", str(LIMIT), "--batch-size", "4"]) == 0
+    return root, model, out
+
+
+def answer_logprob(model, processor, image_path, question, answer) -> float:
+    """log p(answer | chat-templated user turn with the image), straight from transformers."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "\n" + question}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    answer_ids = processor.tokenizer(answer, add_special_tokens=False)["input_ids"]
+    inputs = processor(text=[prompt + answer], images=[Image.open(image_path).convert("RGB")], return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**inputs).logits[0]
+    ids = inputs["input_ids"][0]
+    assert ids[-len(answer_ids):].tolist() == answer_ids
+    log_probs = F.log_softmax(logits[-len(answer_ids) - 1:-1].float(), dim=-1)
+    return log_probs.gather(-1, ids[-len(answer_ids):, None]).sum().item()
+
+
+def test_vqa_scores_equal_a_direct_transformers_forward(vqa_run):
+    root, model_dir, out = vqa_run
+    samples = [json.loads(line) for line in (out / "samples_demo_vqa.jsonl").read_text().splitlines()]
+    assert len(samples) == LIMIT
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    processor = load_processor(model_dir)
+    for sample in samples[:4]:
+        doc = sample["doc"]
+        expected = [answer_logprob(model, processor, root / "raw" / doc["image"], doc["question"], c) for c in doc["choices"]]
+        got = [resp[0][0] for resp in sample["resps"]]
+        assert got == pytest.approx(expected, abs=1e-4), doc["id"]
+        assert sample["acc"] == float(max(range(len(got)), key=got.__getitem__) == doc["answer"])
+
+
+def test_free_answers_equal_transformers_generate(vqa_run):
+    """demo_vqa_gen (generation with images, as MMMU-style tasks) in the same chat form."""
+    root, model_dir, out = vqa_run
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    processor = load_processor(model_dir)
+    samples = [json.loads(line) for line in (out / "samples_demo_vqa_gen.jsonl").read_text().splitlines()]
+    assert len(samples) == LIMIT
+    for sample in samples[:2]:
+        doc = sample["doc"]
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "\n" + doc["question"]}]}]
+        prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        inputs = processor(text=[prompt], images=[Image.open(root / "raw" / doc["image"]).convert("RGB")], return_tensors="pt")
+        tokens = model.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+        text = processor.tokenizer.decode(tokens, skip_special_tokens=False)
+        expected = text.split("<|im_end|>")[0].split("\n")[0]
+        assert sample["resps"][0][0] == expected.replace("<|endoftext|>", "")
+        assert sample["exact_match"] == float(expected.strip().lower() == doc["choices"][doc["answer"]])
+
+
+def test_vqa_results_have_chance_levels_and_kinds(vqa_run):
+    root, _, out = vqa_run
+    result = json.loads((out / "results.json").read_text())
+    assert result["lm_eval_model"] == "vlmcore-vlm"
+    rows = [json.loads(line) for line in (root / "raw/eval.jsonl").read_text().splitlines()][:LIMIT]
+    assert result["chance"]["demo_vqa"] == pytest.approx(sum(1 / len(r["choices"]) for r in rows) / LIMIT)
+    meta = json.loads((root / "raw/meta.json").read_text())
+    breakdown = result["breakdown"]["demo_vqa"]
+    assert set(breakdown) == {"color", "shape", "side"}
+    for kind, figures in breakdown.items():
+        assert figures["chance"] == pytest.approx(meta["chance"][kind]) and figures["n"] == 3
+    acc = result["results"]["demo_vqa"]["acc,none"]
+    assert acc == pytest.approx(sum(f["acc"] * f["n"] for f in breakdown.values()) / LIMIT)
+
+    table = pd.read_csv(out / "results.csv", keep_default_na=False)
+    overall = table[(table["task"] == "demo_vqa") & (table["subset"] == "") & (table["metric"] == "acc")]
+    assert overall["value"].item() == pytest.approx(acc) and overall["n_samples"].item() == LIMIT
+    assert sorted(table[table["subset"] != ""]["subset"]) == ["color", "shape", "side"]
+
+
+def test_gather_stacks_runs_into_one_table(vqa_run):
+    _, _, out = vqa_run
+    table = gather({"demo/stage1": out, "demo/stage2": out / "results.json"})
+    assert list(table.columns[:3]) == ["run", "task", "subset"]
+    # demo_vqa: acc, acc_norm and acc of 3 kinds; demo_vqa_gen: exact_match
+    assert table.groupby("run").size().to_dict() == {"demo/stage1": 6, "demo/stage2": 6}
+    with pytest.raises(ValueError, match="no eval results"):
+        gather({"missing": out / "nope"})
+
+
+TEXT_TASK = """task: tiny_colors
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+metric_list:
+  - {{metric: acc, aggregation: mean, higher_is_better: true}}
+metadata: {{version: 1.0}}
+"""
+
+
+def test_text_task_runs_through_lm_eval_hf_model(tmp_path):
+    model_dir = tiny_snapshot("qwen3", tmp_path / "model")
+    data = tmp_path / "tiny_colors.jsonl"
+    questions = [("What color is the sky?", ["blue", "red", "green"], 0), ("What color is grass?", ["red", "green"], 1),
+                 ("What color is snow?", ["white", "black", "red", "blue"], 0)]
+    data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in questions))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "tiny_colors.yaml").write_text(TEXT_TASK.format(data=data))
+    result = evaluate(model_dir, ["tiny_colors"], tmp_path / "eval", include_path=[tasks], batch_size=2)
+    assert result["lm_eval_model"] == "hf"
+    assert result["chance"]["tiny_colors"] == pytest.approx((1 / 3 + 1 / 2 + 1 / 4) / 3)
+    sample = json.loads((tmp_path / "eval" / "samples_tiny_colors.jsonl").read_text().splitlines()[0])
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    context = tokenizer("Question: What color is the sky?\nAnswer:")["input_ids"]
+    for choice, resp in zip(["blue", "red", "green"], sample["resps"]):
+        continuation = tokenizer(" " + choice)["input_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([context + continuation])).logits[0]
+        log_probs = F.log_softmax(logits[len(context) - 1:-1], dim=-1)
+        assert resp[0][0] == pytest.approx(log_probs.gather(-1, torch.tensor(continuation)[:, None]).sum().item(), abs=1e-4)
+    assert results_table(result)["task"].tolist() == ["tiny_colors"]
+
+
+def test_bad_inputs_fail_with_the_file_and_line(tmp_path, vqa_run):
+    root, model_dir, _ = vqa_run
+    with pytest.raises(ValueError, match="--vqa-data"):
+        evaluate(model_dir, ["demo_vqa"], tmp_path / "eval")
+    rows = (root / "raw/eval.jsonl").read_text().splitlines()
+    broken = json.loads(rows[1]) | {"answer": 17}
+    bad = root / "raw" / "bad.jsonl"
+    bad.write_text(rows[0] + "\n" + json.dumps(broken) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: answer 17"):
+        evaluate(model_dir, ["demo_vqa"], tmp_path / "eval", vqa_data=bad)
+    with pytest.raises(ValueError, match="no config.json"):
+        evaluate(tmp_path, ["demo_vqa"], tmp_path / "eval", vqa_data=bad)
