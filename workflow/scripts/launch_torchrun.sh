@@ -1,24 +1,39 @@
 #!/usr/bin/env bash
 # Start `vlmcore train CONFIG` on NODES x NPROC_PER_NODE processes.
 #   launch_torchrun.sh NODES NPROC_PER_NODE CONFIG [extra vlmcore train args]
-# One node: torchrun --standalone. Several nodes (SLURM): run once per node under srun; the
-# rendezvous host and node rank are derived inside the step, where SLURM sets them.
+# Outside SLURM: torchrun --standalone. Under SLURM the rule body runs in the batch step (the
+# rule has the `mpi` resource): start one task per node with srun, each re-entering this script,
+# which derives the rendezvous host and node rank inside the step, where SLURM sets them (the
+# jobstep plugin strips SLURM_* from the batch step). $VLMCORE_CLUSTER picks env/<cluster>.sh.
 set -euo pipefail
 nodes=$1 nproc=$2 config=$3
 shift 3
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
-if [[ "$nodes" -eq 1 ]]; then
-    exec torchrun --standalone --nnodes 1 --nproc-per-node "$nproc" -m vlmcore.cli train "$config" "$@"
+# torchrun passes these on to the trainers, which checkpoint and exit non-zero so that the
+# retry resumes; SLURM sends SIGUSR1 before the time limit (--signal in train.smk).
+export TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
+entry=(-m vlmcore.cli)
+
+if [[ -z "${SLURM_JOB_ID:-}" ]]; then
+    exec torchrun --standalone --nnodes 1 --nproc-per-node "$nproc" "${entry[@]}" train "$config" "$@"
 fi
+
+: "${VLMCORE_CLUSTER:?set VLMCORE_CLUSTER to the name of a file in $here/env (e.g. mn5, jupiter)}"
+# shellcheck source=/dev/null
+source "$here/env/$VLMCORE_CLUSTER.sh"
 
 if [[ -z "${SLURM_STEP_ID:-}" ]]; then
-    # In the batch step: start one task per node, each re-entering this script.
-    exec srun --nodes "$nodes" --ntasks-per-node 1 --cpus-per-task "${VLMCORE_CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-1}}" \
-        --kill-on-bad-exit=1 bash "$0" "$nodes" "$nproc" "$config" "$@"
+    exec srun --nodes="$nodes" --ntasks-per-node=1 --cpus-per-task="${VLMCORE_CPUS_PER_NODE:-$nproc}" \
+        --cpu-bind=none --kill-on-bad-exit=1 bash "$0" "$nodes" "$nproc" "$config" "$@"
 fi
 
-master=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+master=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 port=$((20000 + SLURM_JOB_ID % 20000))
+# Node 0 hosts the rendezvous store: torchrun's own guess from hostnames fails on some
+# clusters (JSC) and when several nodes share one host (CI).
 exec torchrun --nnodes "$nodes" --node-rank "$SLURM_NODEID" --nproc-per-node "$nproc" \
     --rdzv-backend c10d --rdzv-endpoint "$master:$port" --rdzv-id "$SLURM_JOB_ID" \
-    -m vlmcore.cli train "$config" "$@"
+    --rdzv-conf "is_host=$((SLURM_NODEID == 0 ? 1 : 0))" \
+    --shutdown-timeout "${VLMCORE_SHUTDOWN_TIMEOUT:-300}" \
+    "${entry[@]}" train "$config" "$@"

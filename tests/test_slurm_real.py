@@ -1,0 +1,128 @@
+"""The SLURM path on a real SLURM: the two-node cluster of .ci/slurm_setup.sh (or any cluster
+where `sinfo` works and two nodes can run CPU jobs). A training stage runs through the
+executor as a 2-node job: `srun` one task per node, torchrun with c10d rendezvous, gloo. A
+stage cut by its time limit resumes in the retry, and the demo runs end to end.
+
+In CI (CI=true) a missing SLURM is a failure; elsewhere these tests are skipped.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = [pytest.mark.workflow, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-o", "%D %t"], capture_output=True, text=True, timeout=30)
+        idle_nodes = sum(int(line.split()[0]) for line in proc.stdout.splitlines() if line.split()[1] in ("idle", "mix"))
+        problem = None if proc.returncode == 0 and idle_nodes >= 2 else f"`sinfo` says: {proc.stdout.strip()} {proc.stderr.strip()}"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        problem = f"`sinfo` failed: {e}"
+    if problem:
+        reason = f"no SLURM with two usable nodes ({problem}); start one with `.ci/slurm_setup.sh` (root)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+
+
+def write_config(tmp_path, name, **train):
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config["experiment"] = name
+    config["train"].update(train)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path, tmp_path / "results" / name
+
+
+def random_data_experiment(tmp_path, name, steps, interval, runtime_minutes):
+    """One 2-node stage on random batches: it needs the model (download_model builds it) but
+    no data; its packed dataset exists only as an empty folder."""
+    configfile, root = write_config(tmp_path, name, nodes=2, nproc_per_node=1, runtime_minutes=runtime_minutes, **{
+        "stages": {"stage1": {"dataset": "random", "steps": steps, "trainable": []}},
+        "common": {"data": {"kind": "random", "seq_len": 128}, "checkpoint": {"interval": interval, "keep": 2},
+                   "precision": {"param_dtype": "float32", "reduce_dtype": "float32"}},
+    })
+    config = yaml.safe_load(configfile.read_text())
+    config["data"] = {"datasets": {"random": {"sources": ["text:unused.jsonl"]}}}
+    config["scaling"] = {"world_sizes": [2]}
+    configfile.write_text(yaml.safe_dump(config))
+    (root / "packed" / "random").mkdir(parents=True)
+    return configfile, root
+
+
+def snakemake(tmp_path, configfile, target, *extra, timeout=1200):
+    env = dict(os.environ, VLMCORE_CLUSTER="ci", OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--profile", str(REPO / "profiles" / "slurm-ci"),
+         "--configfile", str(configfile), "--directory", str(tmp_path), *extra, target],
+        env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-10000:]
+    return proc
+
+
+def slurm_jobs(tmp_path, rule):
+    """{job id: `scontrol show job` fields} of the SLURM jobs of `rule`, oldest first."""
+    ids = sorted(int(p.stem) for p in tmp_path.glob(f".snakemake/slurm_logs/rule_{rule}/**/*.log"))
+    jobs = {}
+    for job_id in ids:
+        out = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True).stdout
+        jobs[job_id] = dict(field.split("=", 1) for field in out.split() if "=" in field)
+    return jobs
+
+
+def metric_steps(root):
+    return [json.loads(line)["step"] for line in (root / "train" / "stage1" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_training_stage_runs_as_two_node_srun_torchrun_job(slurm, tmp_path):
+    configfile, root = random_data_experiment(tmp_path, "slurm2n", steps=12, interval=0, runtime_minutes=10)
+    snakemake(tmp_path, configfile, "results/slurm2n/train/stage1/done")
+
+    [job] = slurm_jobs(tmp_path, "train_stage").values()
+    assert (job["NumNodes"], job["NumTasks"], job["JobState"]) == ("2", "2", "COMPLETED")
+    log = (root / "logs" / "train_stage" / "stage1.log").read_text()
+    records = [json.loads(line) for line in (root / "train" / "stage1" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    assert {r["world_size"] for r in records} == {2}, log
+    assert (root / "train" / "stage1" / "final").is_dir()
+
+
+def test_stage_cut_by_time_limit_resumes_in_retry(slurm, tmp_path):
+    # 2-minute allocations: SIGUSR1 20 s before the limit, the trainers checkpoint and exit, and
+    # Snakemake's retry resumes. The step count needs a few allocations on a 2-core machine.
+    steps = 400
+    configfile, root = random_data_experiment(tmp_path, "slurmcut", steps=steps, interval=0, runtime_minutes=2)
+    snakemake(tmp_path, configfile, "results/slurmcut/train/stage1/done", "--retries", "10", timeout=2400)
+
+    jobs = list(slurm_jobs(tmp_path, "train_stage").values())
+    assert len(jobs) >= 2
+    # Every cut job ended by itself before the limit (the signal), not by SLURM killing it.
+    assert [(j["JobState"], j["Reason"]) for j in jobs[:-1]] == [("FAILED", "NonZeroExitCode")] * (len(jobs) - 1)
+    assert jobs[-1]["JobState"] == "COMPLETED"
+    # Checkpoints are saved only on the signal (interval 0), and each step ran exactly once
+    # over all allocations: every retry resumed where the cut job stopped.
+    assert metric_steps(root) == list(range(1, steps + 1))
+    assert "resumed from" in (root / "logs" / "train_stage" / "stage1.log").read_text()
+    assert (root / "train" / "stage1" / "done").is_file()
+
+
+def test_demo_through_slurm(slurm, tmp_path):
+    """The embedded demo, every rule a SLURM job; training and scaling as 2-node jobs."""
+    configfile, root = write_config(tmp_path, "demo", nodes=2, nproc_per_node=1)
+    snakemake(tmp_path, configfile, "train_all", timeout=3600)
+
+    jobs = slurm_jobs(tmp_path, "train_stage")
+    assert len(jobs) == 2 and all(j["NumNodes"] == "2" and j["JobState"] == "COMPLETED" for j in jobs.values())
+    assert json.loads((root / "eval" / "results.json").read_text())
+    assert (root / "report" / "SCALABILITY.md").is_file()
