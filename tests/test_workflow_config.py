@@ -76,7 +76,7 @@ def test_stage_configs_chain_stages_and_fill_paths():
     assert exp.stage_inputs("stage2")["init"] == "results/demo/train/stage1/done"
     scaling = exp.scaling_config(2)
     assert scaling["save_final"] is False and scaling["output_dir"] == "results/demo/scaling/ws2"
-    assert scaling["init_from"] is None and scaling["checkpoint"]["interval"] == 0
+    assert scaling["init_from"] is None and scaling["checkpoint"]["enabled"] is False
 
 
 def test_snakemake_rejects_an_invalid_value_before_running_anything(tmp_path):

@@ -167,7 +167,7 @@ class Experiment:
             steps=self.config["scaling"]["steps"],
             save_final=False,
         )
-        settings["checkpoint"] = deep_merge(settings.get("checkpoint", {}), {"interval": 0})
+        settings["checkpoint"] = deep_merge(settings.get("checkpoint", {}), {"enabled": False})
         return settings
 
 
