@@ -1,0 +1,59 @@
+"""Whether the checkpoints in a stage's output directory belong to the run being started.
+
+Resuming is automatic, but only a run with the same settings may continue: a stage that
+Snakemake reruns because its settings changed, or because the user forced it (its `final/`
+and `done` are then deleted but its checkpoints are not), must start from scratch. The
+earlier run is moved aside to `previous/`, never deleted, so nothing is lost by mistake.
+"""
+
+import shutil
+from pathlib import Path
+
+import yaml
+
+from vlmcore.config import TrainConfig, to_dict
+
+# Settings that may change between the attempts of one run: how long it runs, how often it
+# saves, how it is logged and fed. Anything else (data, model, optimizer, layout-independent
+# hyperparameters) makes it another run.
+RESUMABLE_CHANGES = {"steps", "checkpoint", "metrics", "num_workers", "output_dir"}
+
+
+def _latest_step(out: Path) -> int | None:
+    latest = out / "checkpoints" / "latest"
+    if not latest.is_file():
+        return None
+    return int(latest.read_text().strip().removeprefix("step_"))
+
+
+def stale_run_reason(out, cfg: TrainConfig) -> str | None:
+    """Why the checkpoints in `out` must not be resumed by `cfg`, or None when they may."""
+    out = Path(out)
+    step = _latest_step(out)
+    if step is None:
+        return None
+    if step >= cfg.steps:
+        return f"the run in {out} already reached step {step} of {cfg.steps} and its outputs were removed: starting a new run"
+    saved = out / "config.yaml"
+    if saved.is_file():
+        before = yaml.safe_load(saved.read_text()) or {}
+        now = to_dict(cfg)
+        changed = sorted(k for k in set(before) | set(now) if k not in RESUMABLE_CHANGES and before.get(k) != now.get(k))
+        if changed:
+            return f"settings changed since the checkpoints in {out} were written ({', '.join(changed)}): starting a new run"
+    return None
+
+
+def archive_stale_run(out, cfg: TrainConfig) -> str | None:
+    """Moves an earlier, non-resumable run to `out/previous/` (replacing an older one)."""
+    out = Path(out)
+    reason = stale_run_reason(out, cfg)
+    if reason is None:
+        return None
+    previous = out / "previous"
+    shutil.rmtree(previous, ignore_errors=True)
+    previous.mkdir(parents=True)
+    for name in ["checkpoints", "metrics.jsonl", "config.yaml", "tensorboard"]:
+        if (out / name).exists():
+            shutil.move(out / name, previous / name)
+    return reason
