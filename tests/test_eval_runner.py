@@ -93,22 +93,24 @@ def test_vqa_results_have_chance_levels_and_kinds(vqa_run):
     breakdown = result["breakdown"]["demo_vqa"]
     assert set(breakdown) == {"color", "shape", "side"}
     for kind, figures in breakdown.items():
-        assert figures["chance"] == pytest.approx(meta["chance"][kind]) and figures["n"] == 3
+        assert figures["chance"] == pytest.approx(meta["chance"][kind]) and figures["n"] == 3 and figures["metric"] == "acc"
     acc = result["results"]["demo_vqa"]["acc,none"]
-    assert acc == pytest.approx(sum(f["acc"] * f["n"] for f in breakdown.values()) / LIMIT)
+    assert acc == pytest.approx(sum(f["value"] * f["n"] for f in breakdown.values()) / LIMIT)
+    generated = result["breakdown"]["demo_vqa_gen"]
+    assert {f["metric"] for f in generated.values()} == {"exact_match"} and "demo_vqa_gen" not in result["chance"]
 
     table = pd.read_csv(out / "results.csv", keep_default_na=False)
     overall = table[(table["task"] == "demo_vqa") & (table["subset"] == "") & (table["metric"] == "acc")]
     assert overall["value"].item() == pytest.approx(acc) and overall["n_samples"].item() == LIMIT
-    assert sorted(table[table["subset"] != ""]["subset"]) == ["color", "shape", "side"]
+    assert sorted(table[(table["subset"] != "") & (table["task"] == "demo_vqa")]["subset"]) == ["color", "shape", "side"]
 
 
 def test_gather_stacks_runs_into_one_table(vqa_run):
     _, _, out = vqa_run
     table = gather({"demo/stage1": out, "demo/stage2": out / "results.json"})
     assert list(table.columns[:3]) == ["run", "task", "subset"]
-    # demo_vqa: acc, acc_norm and acc of 3 kinds; demo_vqa_gen: exact_match
-    assert table.groupby("run").size().to_dict() == {"demo/stage1": 6, "demo/stage2": 6}
+    # demo_vqa: acc, acc_norm and acc of 3 kinds; demo_vqa_gen: exact_match overall and of 3 kinds
+    assert table.groupby("run").size().to_dict() == {"demo/stage1": 9, "demo/stage2": 9}
     with pytest.raises(ValueError, match="no eval results"):
         gather({"missing": out / "nope"})
 

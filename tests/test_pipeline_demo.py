@@ -106,11 +106,13 @@ def test_training_metrics_and_checkpoints(demo):
 
 
 def test_export_loads_in_transformers(demo):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
+
+    from vlmcore.data.processor import load_processor
 
     hf = demo / RESULTS / "hf"
     model = AutoModelForImageTextToText.from_pretrained(hf)
-    processor = AutoProcessor.from_pretrained(hf)
+    processor = load_processor(hf)
     assert type(model).__name__ == "Qwen3VLForConditionalGeneration" and processor.tokenizer is not None
     provenance = json.loads((hf / "provenance.json").read_text())
     assert provenance["source"]["repo_id"].startswith("vlmcore/")

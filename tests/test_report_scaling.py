@@ -92,7 +92,7 @@ def test_full_report_through_the_cli(runs, tmp_path):
     (eval_dir / "results.json").write_text(json.dumps({
         "results": {"demo_vqa": {"alias": "demo_vqa", "acc,none": 0.8, "acc_stderr,none": 0.02, "acc_norm,none": 0.75}},
         "n-samples": {"demo_vqa": {"original": 300, "effective": 300}},
-        "chance": {"demo_vqa": 0.333}, "breakdown": {"demo_vqa": {"color": {"acc": 0.7, "chance": 1 / 6, "n": 100}}}}))
+        "chance": {"demo_vqa": 0.333}, "breakdown": {"demo_vqa": {"color": {"metric": "acc", "value": 0.7, "chance": 1 / 6, "n": 100}}}}))
     out = tmp_path / "report"
     args = ["report", "--scaling", f"ws1={runs / 'scaling/ws1/metrics.jsonl'}", "--scaling", f"ws2={runs / 'scaling/ws2'}",
             "--train", f"stage1={train['stage1']}", "--train", f"stage2={train['stage2']}",

@@ -28,7 +28,7 @@ def results_table(result: dict) -> pd.DataFrame:
                          "chance": chance if metric in ("acc", "acc_norm") else None, "n_samples": n_samples})
     for task, kinds in result.get("breakdown", {}).items():
         for kind, figures in kinds.items():
-            rows.append({"task": task, "subset": kind, "metric": "acc", "filter": "none", "value": figures["acc"],
+            rows.append({"task": task, "subset": kind, "metric": figures["metric"], "filter": "none", "value": figures["value"],
                          "stderr": None, "chance": figures["chance"], "n_samples": figures["n"]})
     return pd.DataFrame(rows, columns=COLUMNS)
 

@@ -7,9 +7,9 @@ with images. Tasks are lm-eval's by name (mmlu, arc_challenge, ...; their datase
 the local HF cache), bundled here under vlmcore/eval/tasks/ (demo_vqa, multiple choice, and
 demo_vqa_gen, free answers, both on the file given by --vqa-data), or from --include-path.
 
-EVAL_DIR gets `results.json` (lm-eval's results, configs and versions, plus the chance level
-and a per-question-kind breakdown of every multiple-choice task), `results.csv` (one row per
-task and metric) and `samples_<task>.jsonl`.
+EVAL_DIR gets `results.json` (lm-eval's results, configs and versions, plus `chance`: the chance
+level of every multiple-choice task, and `breakdown`: the score per question kind of tasks whose
+docs have a `kind`), `results.csv` (one row per task, kind and metric) and `samples_<task>.jsonl`.
 """
 
 import argparse
@@ -40,19 +40,21 @@ def is_vision_language(model_dir) -> bool:
 
 
 def chance_and_breakdown(samples: list[dict]) -> tuple[float | None, dict]:
-    """Chance accuracy of the evaluated docs (mean 1/#choices) and, when docs have a `kind`,
-    accuracy and chance per kind. None for tasks that are not multiple choice."""
-    if not samples or "acc" not in samples[0]:
+    """Chance accuracy of the evaluated docs of a multiple-choice task (mean 1/#choices; None for
+    other tasks) and, when docs have a `kind`, the per-sample score (acc or exact_match) per kind."""
+    if not samples:
         return None, {}
-    chances = [1.0 / len(s["arguments"]) for s in samples]
+    metric = next((m for m in ("acc", "exact_match") if m in samples[0]), None)
+    chances = [1.0 / len(s["arguments"]) if metric == "acc" else None for s in samples]
     by_kind = {}
     for sample, chance in zip(samples, chances):
         kind = sample["doc"].get("kind") if isinstance(sample["doc"], dict) else None
-        if kind:
-            by_kind.setdefault(kind, []).append((sample["acc"], chance))
-    breakdown = {kind: {"acc": sum(a for a, _ in rows) / len(rows), "chance": sum(c for _, c in rows) / len(rows), "n": len(rows)}
+        if kind and metric:
+            by_kind.setdefault(kind, []).append((sample[metric], chance))
+    breakdown = {kind: {"metric": metric, "value": sum(v for v, _ in rows) / len(rows),
+                        "chance": sum(c for _, c in rows) / len(rows) if metric == "acc" else None, "n": len(rows)}
                  for kind, rows in sorted(by_kind.items())}
-    return sum(chances) / len(chances), breakdown
+    return (sum(chances) / len(chances) if metric == "acc" else None), breakdown
 
 
 def evaluate(model_dir, tasks: list[str], out, vqa_data=None, limit=None, batch_size: int = 8, device: str = "cpu",

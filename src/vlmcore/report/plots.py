@@ -169,7 +169,8 @@ def plot_training_curves(stages: dict[str, pd.DataFrame], path: Path) -> Path:
 def plot_eval_summary(table: pd.DataFrame, path: Path) -> Path:
     """One bar per run for every task (and question kind) on its main score, chance marked."""
     rows = []
-    for (run, task, subset), group in table.groupby(["run", "task", "subset"], sort=False):
+    ordered = table.sort_values(["task", "subset"], kind="stable")  # each task, its overall score first
+    for (run, task, subset), group in ordered.groupby(["run", "task", "subset"], sort=False):
         scored = group[group["metric"].isin(SCORE_METRICS)]
         if scored.empty:
             continue
