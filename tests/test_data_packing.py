@@ -8,6 +8,7 @@ import tarfile
 import pytest
 
 from _data_helpers import make_demo_model_dir, write_jsonl
+from vlmcore.cli import main
 from vlmcore.data.pack import pack
 from vlmcore.data.packing import best_fit_decreasing, packing_stats
 from vlmcore.data.prepare import prepare
@@ -106,6 +107,10 @@ def test_unsafe_shard_members_are_rejected(demo, tmp_path):
             info.size = len(sample)
             tar.addfile(info, io.BytesIO(sample))
     (data / ".nv-meta" / ".info.json").write_text(json.dumps({"shard_counts": {"shard-000000.tar": 4}}))
-    stats = pack(data, model, tmp_path / "packed", seq_len=64, max_patches=64, max_bad_fraction=0.6)
+    out = tmp_path / "packed"
+    args = ["pack", "--data", str(data), "--model", str(model), "--out", str(out), "--seq-len", "64", "--max-patches", "64"]
+    assert main(args + ["--max-bad-fraction", "0.4"]) == 1  # 2 of 4 bad
+    assert main(args + ["--max-bad-fraction", "0.6"]) == 0
+    stats = json.loads((out / "stats.json").read_text())
     assert stats["bad"]["skipped_by_reason"] == {"unsafe_tar_member": 2}
     assert stats["samples"] == 2

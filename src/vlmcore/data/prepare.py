@@ -123,7 +123,10 @@ def read_rows(path: Path, log: BadDataLog):
                     continue
                 yield where, row
     elif path.suffix == ".json":
-        rows = json.loads(decode_utf8(path.read_bytes()))
+        try:
+            rows = json.loads(decode_utf8(path.read_bytes()))
+        except (BadSample, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not a readable UTF-8 JSON file: {e}") from e
         if not isinstance(rows, list):
             raise ValueError(f"{path}: a .json source must hold a list of rows")
         for i, row in enumerate(rows):
