@@ -13,6 +13,7 @@ benchmarks/results/train_step_<device>_<preset>_<family>.json.
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -61,17 +62,20 @@ def write_snapshot(family: str, preset: dict, path: Path) -> None:
 
 
 def time_steps(step_fn, warmup: int, steps: int, device: torch.device) -> float:
+    """Median seconds per step (robust to a shared, noisy machine)."""
     for _ in range(warmup):
         step_fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
+    times = []
     for _ in range(steps):
+        start = time.perf_counter()
         step_fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def peak_memory_gb(device: torch.device) -> float | None:

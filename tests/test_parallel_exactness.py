@@ -3,7 +3,8 @@
 Tiny Qwen3-VL on deterministic random packed batches (uneven label counts per micro-batch, and
 images on some micro-batches only, so ranks mix text-only and image batches within a step).
 Reference: one process (no torchrun) x 4 micro-batches. Compared over 10 optimizer steps: the
-loss trajectory and the final weights, within fp32 tolerance.
+loss and gradient-norm trajectories (the norm is clipped to 1, so clipping is exercised) and
+the final weights, within fp32 tolerance.
 """
 
 import pytest
@@ -29,7 +30,7 @@ def run_layout(tmp_path, snapshot, name, nproc, overrides):
                        optimizer={"lr": 3.0e-3, "weight_decay": 0.01},
                        checkpoint={"enabled": False}, **overrides)
     train(nproc, cfg)
-    return [m["loss"] for m in read_metrics(out)], load_dcp(out / "final")
+    return [(m["loss"], m["grad_norm"]) for m in read_metrics(out)], load_dcp(out / "final")
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +47,9 @@ def test_reference_learns_and_ranks_mix_image_and_text_batches(reference):
     from _train_helpers import hf_config
     from vlmcore.train.random_data import RandomBatches
 
-    _, snapshot, losses, weights = reference
-    assert len(losses) == STEPS
+    _, snapshot, trajectory, weights = reference
+    assert len(trajectory) == STEPS
+    assert max(norm for _, norm in trajectory) > 1.0  # max_grad_norm 1: clipping takes part
     initial = load_file(snapshot / "model.safetensors")
     changed = [k for k, v in initial.items() if not torch.equal(weights[f"model.{k}"], v)]
     assert len(changed) > 0.9 * len(initial)
@@ -60,10 +62,10 @@ def test_reference_learns_and_ranks_mix_image_and_text_batches(reference):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_one_process(reference, name):
-    tmp_path, snapshot, ref_losses, ref_weights = reference
+    tmp_path, snapshot, ref_trajectory, ref_weights = reference
     nproc, overrides = LAYOUTS[name]
-    losses, weights = run_layout(tmp_path, snapshot, name, nproc, overrides)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+    trajectory, weights = run_layout(tmp_path, snapshot, name, nproc, overrides)
+    torch.testing.assert_close(torch.tensor(trajectory), torch.tensor(ref_trajectory), rtol=1e-5, atol=1e-5)
     assert weights.keys() == ref_weights.keys()
     for key in ref_weights:
         torch.testing.assert_close(weights[key], ref_weights[key], rtol=1e-4, atol=1e-4, msg=key)

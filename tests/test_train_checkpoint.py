@@ -5,13 +5,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from _train_helpers import (REPO, command, env, load_dcp, read_metrics, start_train, tiny_snapshot, train,
+from _train_helpers import (REPO, env, load_dcp, read_metrics, start_train, tiny_snapshot, train,
                             write_config)
 
 pytestmark = pytest.mark.slow

@@ -1,7 +1,6 @@
 import math
 
 import pytest
-import torch
 from torch import nn
 
 from vlmcore.config import ConfigError, OptimizerConfig, ScheduleConfig

@@ -1,8 +1,6 @@
 """Activation checkpointing per transformer block: full, or selective (keep matmul and attention
 outputs, recompute the cheap element-wise ops in between)."""
 
-from functools import partial
-
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper

@@ -9,7 +9,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], vision: nn.Module | None, mesh: DeviceMesh,
-               param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+               vision_mesh: DeviceMesh, vision_replicas: int, param_dtype: torch.dtype,
+               reduce_dtype: torch.dtype) -> None:
+    """`vision_mesh` may span more ranks than `mesh` (all of them, under TP): then each gradient
+    of the vision tower arrives `vision_replicas` times (once per TP rank), hence the divisor."""
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
@@ -17,13 +20,13 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], vision: nn.Module | No
         # Kept unsharded from forward to backward: no all-gather during backward, whose position
         # would differ between ranks with and without images (DeepStack feeds several layers);
         # the reduce-scatter then runs at the end of backward, in the same order on every rank.
-        fully_shard(vision, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+        fully_shard(vision, mesh=vision_mesh, mp_policy=mp_policy, reshard_after_forward=False)
     # The root keeps embed_tokens and lm_head together (they may be tied) and, being the root,
     # stays unsharded from forward to backward, so the loss can use lm_head.weight directly.
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # The loss is already divided by the global number of label tokens: reduce by SUM.
-            module.set_gradient_divide_factor(1.0)
-            # Plain SUM collectives (no PREMUL_SUM: gloo lacks it, and the factor is 1).
+            module.set_gradient_divide_factor(float(vision_replicas) if module is vision else 1.0)
+            # Plain SUM collectives (no PREMUL_SUM: gloo lacks it).
             module.set_force_sum_reduction_for_comms(True)

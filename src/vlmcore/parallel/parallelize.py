@@ -3,7 +3,7 @@ compile, then FSDP2 (FSDP, HSDP or DDP by the mesh)."""
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from vlmcore.config import TrainConfig
 from vlmcore.parallel.ac import apply_ac
@@ -40,7 +40,11 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, dims: Para
         apply_ac(stack, cfg.parallel.activation_checkpointing)
         if cfg.parallel.compile:
             apply_compile(stack)
-    apply_fsdp(model, list(blocks.children()), vision, dp_mesh(mesh, dims),
+    # The vision tower is not tensor parallel; under TP it is sharded over all ranks.
+    vision_mesh = dp_mesh(mesh, dims)
+    if dims.tp > 1:
+        vision_mesh = init_device_mesh(mesh.device_type, (dims.world_size,), mesh_dim_names=("all",))
+    apply_fsdp(model, list(blocks.children()), vision, dp_mesh(mesh, dims), vision_mesh, vision_replicas=dims.tp,
                param_dtype=getattr(torch, cfg.precision.param_dtype),
                reduce_dtype=getattr(torch, cfg.precision.reduce_dtype))
     return partial

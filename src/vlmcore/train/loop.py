@@ -32,6 +32,7 @@ from vlmcore.train.checkpoint import (Checkpointer, load_hf_weights, load_model_
 from vlmcore.train.loss import chunked_cross_entropy
 from vlmcore.train.metrics import MetricsLogger, batch_flops, peak_tflops
 from vlmcore.train.optim import build_optimizer, clean_name, freeze, lr_factor, schedule_total, set_lr
+from vlmcore.train.run_dir import archive_stale_run
 
 
 class TrainingError(RuntimeError):
@@ -235,7 +236,11 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
     torch.manual_seed(cfg.seed)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+        reason = archive_stale_run(out, cfg)  # checkpoints of another run are moved aside
+        if reason:
+            print(reason)
         save_config(cfg, out / "config.yaml")
+    dist.barrier()
 
     model, partial_names = build_parallel_model(cfg, mesh, dims, device)
     model.train()
