@@ -88,7 +88,11 @@ def download_snapshot(repo_id: str, revision: str, out, allow_patterns=None) -> 
 
 
 def use_staged_snapshot(staged, out, revision: str | None = None) -> dict:
-    """Verify a copied-in snapshot and point `out` at it (no network needed)."""
+    """Verify a copied-in snapshot and link its files into `out` (no network needed).
+
+    `out` is a real directory of per-file links plus its own copy of the manifest, so that
+    Snakemake deleting or rerunning `out` never touches the staged copy.
+    """
     staged = Path(staged).resolve()
     manifest = verify_snapshot(staged, revision=revision)
     out = Path(out)
@@ -96,8 +100,10 @@ def use_staged_snapshot(staged, out, revision: str | None = None) -> dict:
         out.unlink()
     elif out.exists():
         shutil.rmtree(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.symlink_to(staged, target_is_directory=True)
+    for rel in manifest["files"]:
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).symlink_to(staged / rel)
+    shutil.copyfile(staged / MANIFEST, out / MANIFEST)
     return manifest
 
 
