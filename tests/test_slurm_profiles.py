@@ -119,7 +119,9 @@ def test_staged_snapshot_is_verified_on_the_login_node(tmp_path, weights_size):
     proc = snakemake(tmp_path, "mn5", recipe, str(target.relative_to(tmp_path)), "--retries", "0", path_prefix=fakes)
     if weights_size == 1000:
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert target.resolve() == (staged / "manifest.json").resolve()
+        model = target.parent
+        assert (model / "model.safetensors").resolve() == (staged / "model.safetensors").resolve()
+        assert target.read_bytes() == (staged / "manifest.json").read_bytes() and not target.is_symlink()
         assert "model.safetensors" in yaml.safe_load(target.read_text())["files"]
     else:
         assert proc.returncode != 0

@@ -136,6 +136,8 @@ class Experiment:
         settings = deep_merge(train.get("common", {}), train["stages"][stage])
         dataset = settings.pop("dataset")
         init_from = settings.pop("init_from", None)
+        for launch_key in ("nodes", "runtime_minutes"):
+            settings.pop(launch_key, None)
         settings.update(
             model_path=self.path("model"),
             data_path=self.path("packed", dataset),
@@ -143,6 +145,16 @@ class Experiment:
             init_from=self.path("train", init_from, "final") if init_from else None,
         )
         return settings
+
+    def stage_nodes(self, stage: str) -> int:
+        return self.config["train"]["stages"][stage].get("nodes", self.config["train"]["nodes"])
+
+    def stage_runtime(self, stage: str) -> int:
+        """Minutes of one training job of `stage`; a longer stage continues in the retry."""
+        return self.config["train"]["stages"][stage].get("runtime_minutes", self.config["train"]["runtime_minutes"])
+
+    def stage_ranks(self, stage: str) -> int:
+        return self.stage_nodes(stage) * self.config["train"]["nproc_per_node"]
 
     def stage_inputs(self, stage: str) -> dict:
         stage_cfg = self.config["train"]["stages"][stage]

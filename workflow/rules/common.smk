@@ -20,6 +20,15 @@ def scaling_geometry(world_size):
     return world_size // per_node, per_node
 
 
+def train_signal(wc):
+    """SIGUSR1 before the time limit: the trainers save a checkpoint and exit, and Snakemake's
+    retry resumes. Only for `mpi` jobs: a single rank runs inside the plugin's own `srun`,
+    where the signal would also kill the Snakemake process waiting for it."""
+    if EXP.stage_ranks(wc.stage) == 1:
+        return ""
+    return f" --signal=USR1@{min(600, EXP.stage_runtime(wc.stage) * 10)}"
+
+
 wildcard_constraints:
     stage="|".join(STAGES),
     dataset="|".join(DATASETS),

@@ -2,11 +2,7 @@
 # per rank (`gres` and `cpus_per_task` per rank come from the cluster profile), and the `mpi`
 # resource whenever there is more than one rank, so that the jobstep plugin runs the rule body
 # in the batch step and launch_torchrun.sh starts its own `srun`, one task per node.
-TRAIN_RANKS = config["train"]["nodes"] * config["train"]["nproc_per_node"]
-# SIGUSR1 before the time limit: the trainers save a checkpoint and exit, and Snakemake's retry
-# resumes. Only for `mpi` jobs: a single rank runs inside the plugin's own `srun`, where the
-# signal would also kill the Snakemake process waiting for it.
-TRAIN_SIGNAL = f" --signal=USR1@{min(600, config['train']['runtime_minutes'] * 10)}" if TRAIN_RANKS > 1 else ""
+# Node counts and time limits may differ per stage (train.stages.<stage>.nodes / runtime_minutes).
 
 
 rule train_stage:
@@ -22,19 +18,19 @@ rule train_stage:
         settings=lambda wc: as_yaml_arg(EXP.stage_config(wc.stage)),
         dir=lambda wc: EXP.path("train", wc.stage),
         launcher=LAUNCHER,
-        nodes=config["train"]["nodes"],
+        nodes=lambda wc: EXP.stage_nodes(wc.stage),
         nproc=config["train"]["nproc_per_node"],
     log:
         f"{R}/logs/train_stage/{{stage}}.log",
     threads: config["train"]["nproc_per_node"]
     resources:
-        nodes=config["train"]["nodes"],
-        tasks=TRAIN_RANKS,
-        mpi="srun" if TRAIN_RANKS > 1 else None,
+        nodes=lambda wc: EXP.stage_nodes(wc.stage),
+        tasks=lambda wc: EXP.stage_ranks(wc.stage),
+        mpi=lambda wc: "srun" if EXP.stage_ranks(wc.stage) > 1 else None,
         tasks_per_gpu=0,
         mem_mb=0,
-        runtime=config["train"]["runtime_minutes"],
-        slurm_extra=f"--ntasks-per-node={config['train']['nproc_per_node']}{TRAIN_SIGNAL}",
+        runtime=lambda wc: EXP.stage_runtime(wc.stage),
+        slurm_extra=lambda wc: f"--ntasks-per-node={config['train']['nproc_per_node']}{train_signal(wc)}",
     conda:
         "../envs/vlmcore.yaml"
     shell:
