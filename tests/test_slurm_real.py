@@ -120,6 +120,13 @@ def test_stage_cut_by_time_limit_resumes_in_retry(slurm, tmp_path):
 def test_demo_through_slurm(slurm, tmp_path):
     """The embedded demo, every rule a SLURM job; training and scaling as 2-node jobs."""
     configfile, root = write_config(tmp_path, "demo", nodes=2, nproc_per_node=1)
+    # Every stage runs, but small: learning is what tests/test_pipeline_demo.py checks.
+    config = yaml.safe_load(configfile.read_text())
+    config["data"]["synthetic"].update(num_train=300, num_eval=60)
+    config["train"]["stages"]["stage1"]["steps"] = 10
+    config["train"]["stages"]["stage2"]["steps"] = 30
+    config["scaling"]["steps"] = 4
+    configfile.write_text(yaml.safe_dump(config))
     snakemake(tmp_path, configfile, "train_all", timeout=3600)
 
     jobs = slurm_jobs(tmp_path, "train_stage")
