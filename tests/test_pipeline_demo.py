@@ -138,6 +138,13 @@ def test_scaling_report(demo):
     assert len(list((report / "plots").glob("*.png"))) >= 4
 
 
+def test_snakemake_html_report_attaches_plots_and_tables(demo):
+    snakemake(demo, "--report", "report.html", "train_all")
+    html = (demo / "report.html").read_text(errors="replace")
+    for name in ["SCALABILITY.md", "scaling.csv", "eval.csv", "training_curves.png", "scaling_throughput.png"]:
+        assert name in html, name
+
+
 def test_second_run_does_nothing(demo):
     assert planned_jobs(demo, "train_all") == {}
 

@@ -6,6 +6,8 @@ rule scaling_report:
     output:
         md=report(f"{R}/report/SCALABILITY.md", category="Scaling"),
         csv=report(f"{R}/report/scaling.csv", category="Scaling"),
+        training=report(f"{R}/report/training.csv", category="Training"),
+        eval=report(f"{R}/report/eval.csv", category="Evaluation"),
         plots=report(
             directory(f"{R}/report/plots"),
             patterns=["{name}.png"],
