@@ -184,6 +184,11 @@ def test_killed_training_resumes_from_its_checkpoint(demo):
     cmd = [sys.executable, "-m", "snakemake", "--profile", "profiles/local", "-R", target, "--", target]
     proc = subprocess.Popen(cmd, cwd=demo, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 600
+    # The finished run's checkpoints are moved aside first (a forced rerun starts afresh) ...
+    while not (stage / "previous/checkpoints/step_50").is_dir():
+        assert proc.poll() is None and time.time() < deadline, "the earlier run was not moved aside"
+        time.sleep(0.5)
+    # ... then the new run writes its own step-50 checkpoint.
     while not (stage / "checkpoints/step_50").is_dir():
         assert proc.poll() is None and time.time() < deadline, "stage 1 ended before its step-50 checkpoint"
         time.sleep(0.5)
@@ -196,6 +201,8 @@ def test_killed_training_resumes_from_its_checkpoint(demo):
     snakemake(demo, "--unlock")
     snakemake(demo, target)
     metrics = read_jsonl(stage / "metrics.jsonl")
-    assert metrics[-1]["step"] == 60
+    assert [m["step"] for m in metrics] == list(range(1, 61))
+    # resumed bit for bit: the same final loss as the uninterrupted first run
+    assert metrics[-1]["loss"] == read_jsonl(stage / "previous/metrics.jsonl")[-1]["loss"]
     log = (demo / RESULTS / "logs/train_stage/stage1.log").read_text()
     assert re.search(r"resumed from \S+step_50 at step 50", log), log[-2000:]
