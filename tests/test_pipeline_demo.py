@@ -5,8 +5,10 @@ workflow, then checks of every stage's outputs, then reruns. Slow: a few minutes
 """
 
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -18,12 +20,14 @@ from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path("results/demo")
+# The rules call `vlmcore` and `torchrun`: take them from this interpreter's environment.
+ENV = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
 pytestmark = [pytest.mark.slow, pytest.mark.workflow]
 
 
 def snakemake(workdir, *args, check=True, timeout=1800):
     cmd = [sys.executable, "-m", "snakemake", "--profile", "profiles/local", *args]
-    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=workdir, env=ENV, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
@@ -182,7 +186,7 @@ def test_killed_training_resumes_from_its_checkpoint(demo):
     stage = demo / RESULTS / "train/stage1"
     target = str(RESULTS / "train/stage1/done")
     cmd = [sys.executable, "-m", "snakemake", "--profile", "profiles/local", "-R", target, "--", target]
-    proc = subprocess.Popen(cmd, cwd=demo, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=demo, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 600
     # The finished run's checkpoints are moved aside first (a forced rerun starts afresh) ...
     while not (stage / "previous/checkpoints/step_50").is_dir():
@@ -192,9 +196,6 @@ def test_killed_training_resumes_from_its_checkpoint(demo):
     while not (stage / "checkpoints/step_50").is_dir():
         assert proc.poll() is None and time.time() < deadline, "stage 1 ended before its step-50 checkpoint"
         time.sleep(0.5)
-    import os
-    import signal
-
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (stage / "done").exists()
