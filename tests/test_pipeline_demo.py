@@ -181,6 +181,21 @@ def test_forcing_stage2_reruns_it_and_what_follows(demo):
     assert jobs == {"train_stage": 1, "export_hf": 1, "evaluate": 1, "scaling_report": 1, "train_all": 1}
 
 
+def process_tree(root: int) -> list[int]:
+    """`root` and all its descendants (torchrun's workers leave snakemake's process group)."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    tree = [root]
+    for pid in tree:
+        tree.extend(children.get(pid, []))
+    return tree
+
+
 def test_killed_training_resumes_from_its_checkpoint(demo):
     """Force stage 1 again, kill it after its first checkpoint, rerun: it resumes and finishes."""
     stage = demo / RESULTS / "train/stage1"
@@ -196,8 +211,14 @@ def test_killed_training_resumes_from_its_checkpoint(demo):
     while not (stage / "checkpoints/step_50").is_dir():
         assert proc.poll() is None and time.time() < deadline, "stage 1 ended before its step-50 checkpoint"
         time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGKILL)
+    # Like a node failure: every process of the job dies at once, nothing gets to clean up.
+    for pid in process_tree(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait()
+    time.sleep(1)
     assert not (stage / "done").exists()
     snakemake(demo, "--unlock")
     snakemake(demo, target)
