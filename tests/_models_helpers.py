@@ -110,3 +110,15 @@ def qwen3_5_text_config(**text):
     from transformers import Qwen3_5TextConfig
 
     return Qwen3_5TextConfig(**qwen3_5_text_dict(**text))
+
+
+def logits_loss_then_grad_diffs(native, hf, ids, out, ref) -> dict:
+    """Checks logits (relative 1e-4) and loss (1e-5) against transformers, backpropagates both,
+    and returns the relative gradient difference of every parameter."""
+    assert out.shape == ref.shape
+    assert max_rel(out, ref) < 1e-4
+    ref_loss, loss = token_loss(ref, ids) / ids.numel(), token_loss(out, ids) / ids.numel()
+    assert abs(loss.item() - ref_loss.item()) < 1e-5
+    ref_loss.backward()
+    loss.backward()
+    return grad_diffs(native, hf)

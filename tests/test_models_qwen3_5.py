@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
 import vlmcore.models as models
-from _models_helpers import IMAGE, VISION, VISION_END, VISION_START, grad_diffs, hf_vl_logits, max_rel, token_loss, vl_sample
+from _models_helpers import IMAGE, VISION, VISION_END, VISION_START, hf_vl_logits, logits_loss_then_grad_diffs, max_rel, token_loss, vl_sample
 from vlmcore.models.qwen3_5 import Qwen3_5ForCausalLM as NativeCausalLM
 
 LAYERS = ["linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention"]
@@ -63,13 +63,7 @@ def text_pair(tmp_path, **shape):
 
 
 def check_logits_loss_grads(native, hf, ids, out, ref):
-    assert out.shape == ref.shape
-    assert max_rel(out, ref) < 1e-4
-    ref_loss, loss = token_loss(ref, ids) / ids.numel(), token_loss(out, ids) / ids.numel()
-    assert abs(loss.item() - ref_loss.item()) < 1e-5
-    ref_loss.backward()
-    loss.backward()
-    diffs = grad_diffs(native, hf)
+    diffs = logits_loss_then_grad_diffs(native, hf, ids, out, ref)
     assert set(diffs) == {n for n, _ in hf.named_parameters()}
     assert max(diffs.values()) < 1e-4, sorted(diffs.items(), key=lambda kv: -kv[1])[:5]
 
