@@ -7,6 +7,7 @@ In CI (CI=true) a missing SLURM is a failure; elsewhere these tests are skipped.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -85,10 +86,18 @@ def metric_steps(root):
     return [json.loads(line)["step"] for line in (root / "train" / "stage1" / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_training_stage_runs_as_two_node_srun_torchrun_job(slurm, tmp_path):
+@pytest.fixture(scope="module")
+def two_node_stage(slurm, tmp_path_factory):
+    """A 12-step training stage as one 2-node SLURM job; the time-limit test also reads its
+    step time to size a run that cannot fit in one allocation on this machine."""
+    tmp_path = tmp_path_factory.mktemp("slurm2n")
     configfile, root = random_data_experiment(tmp_path, "slurm2n", steps=12, interval=0, runtime_minutes=10)
     snakemake(tmp_path, configfile, "results/slurm2n/train/stage1/done")
+    return tmp_path, root
 
+
+def test_training_stage_runs_as_two_node_srun_torchrun_job(two_node_stage):
+    tmp_path, root = two_node_stage
     [job] = slurm_jobs(tmp_path, "train_stage").values()
     assert (job["NumNodes"], job["NumTasks"], job["JobState"]) == ("2", "2", "COMPLETED")
     log = (root / "logs" / "train_stage" / "stage1.log").read_text()
@@ -98,15 +107,20 @@ def test_training_stage_runs_as_two_node_srun_torchrun_job(slurm, tmp_path):
     assert (root / "train" / "stage1" / "final").is_dir()
 
 
-def test_stage_cut_by_time_limit_resumes_in_retry(slurm, tmp_path):
-    # 2-minute allocations: SIGUSR1 20 s before the limit, the trainers checkpoint and exit, and
-    # Snakemake's retry resumes. 300 steps take 2 allocations on 2 idle cores, 7 on busy ones.
-    steps = 300
+def test_stage_cut_by_time_limit_resumes_in_retry(two_node_stage, tmp_path):
+    # 2-minute allocations: SIGUSR1 is asked for 20 s before the limit (SLURM may send it up
+    # to 60 s earlier), the trainers checkpoint and exit, and Snakemake's retry resumes. An
+    # allocation trains for at most ~90 s after start-up, so 150 s of steps at this machine's
+    # measured pace need at least 2 of them even if the machine gets faster (a fixed step
+    # count did not: 300 steps fit in one allocation on a quiet CI machine, 7 on a busy one).
+    step_times = [json.loads(line)["step_time_s"] for line in (two_node_stage[1] / "train" / "stage1" / "metrics.jsonl").read_text().splitlines()]
+    pace = sorted(step_times[2:])[len(step_times[2:]) // 2]
+    steps = max(60, math.ceil(150 / pace))
     configfile, root = random_data_experiment(tmp_path, "slurmcut", steps=steps, interval=0, runtime_minutes=2)
     snakemake(tmp_path, configfile, "results/slurmcut/train/stage1/done", "--retries", "20", timeout=3600)
 
     jobs = list(slurm_jobs(tmp_path, "train_stage").values())
-    assert len(jobs) >= 2
+    assert len(jobs) >= 2, f"{steps} steps at {pace:.3f} s/step fit in one allocation"
     # Every cut job ended by itself before the limit (the signal), not by SLURM killing it.
     assert [(j["JobState"], j["Reason"]) for j in jobs[:-1]] == [("FAILED", "NonZeroExitCode")] * (len(jobs) - 1)
     assert jobs[-1]["JobState"] == "COMPLETED"
