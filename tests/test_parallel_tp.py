@@ -1,7 +1,8 @@
 """Tensor-parallel plans of all three families, on 2 gloo processes: the TP=2 model gives the
 loss and every gradient of the unsharded model (vocabulary-parallel embedding and loss, split
 heads and MLP, per-head norms summed over the TP ranks, Qwen3.5's linear-attention mixers and
-the vision tower replicated). Run by pytest, this file launches itself under torchrun."""
+the vision tower replicated), with and without sequence parallelism (norms and residual stream
+split on the sequence, DeepStack features and linear-attention outputs included). Run by pytest, this file launches itself under torchrun."""
 
 import json
 import subprocess
@@ -41,16 +42,17 @@ def worker(root: Path) -> None:
     init_distributed(torch.device("cpu"))
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     report = {}
-    for kind in FAMILIES:
+    for kind, sequence_parallel in [(k, sp) for k in FAMILIES for sp in (True, False)]:
         path = root / kind
         reference = from_pretrained(path, dtype=torch.float32, device="cpu")
-        batch = RandomBatches(reference.config, seq_len=32, segments=3, image_fraction=1.0, micro_batch_size=2,
+        # 33 tokens: the sequence splits unevenly over the 2 ranks.
+        batch = RandomBatches(reference.config, seq_len=33, segments=3, image_fraction=1.0, micro_batch_size=2,
                               dp_rank=0, dp_world=1, grad_accum_steps=1, seed=0).batch(0)
         ref_loss = loss_and_grads(reference, batch)
         ref_grads = {n: p.grad for n, p in reference.named_parameters()}
 
         model = build_model(path, device="meta")
-        partial = set(apply_tp(model, decoder_blocks(model), mesh))
+        partial = set(apply_tp(model, decoder_blocks(model), mesh, sequence_parallel))
         model.to_empty(device="cpu")
         with torch.no_grad():
             model.init_weights()
@@ -64,7 +66,7 @@ def worker(root: Path) -> None:
                 sharded += 1
                 grad = grad.full_tensor()
             worst = max(worst, (grad - ref_grads[name]).abs().max().item())
-        report[kind] = {"loss": loss, "ref_loss": ref_loss, "max_grad_diff": worst, "sharded": sharded,
+        report[f"{kind}-sp{int(sequence_parallel)}"] = {"loss": loss, "ref_loss": ref_loss, "max_grad_diff": worst, "sharded": sharded,
                         "partial": len(partial)}
     if dist.get_rank() == 0:
         (root / "report.json").write_text(json.dumps(report))
@@ -82,11 +84,15 @@ def test_tp_plans_match_the_unsharded_model(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env())
     assert proc.returncode == 0, proc.stderr[-6000:]
     report = json.loads((tmp_path / "report.json").read_text())
-    for kind in FAMILIES:
-        r = report[kind]
+    assert len(report) == 2 * len(FAMILIES)
+    for kind, r in report.items():
         assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5), kind
         assert r["max_grad_diff"] < 1e-5, (kind, r)
-        assert r["sharded"] >= 2 * 7 + 1, (kind, r)  # q, k, v, o, gate, up, down per block + embedding
+        # q, k, v, o, gate, up, down per block + embedding; with sequence parallelism the two
+        # norms per block and the final norm are DTensors too.
+        blocks = 2
+        expected = blocks * 7 + 1 + (2 * blocks + 1 if kind.endswith("sp1") else 0)
+        assert r["sharded"] >= expected, (kind, r)
         assert r["partial"] > 0, kind
 
 

@@ -46,6 +46,7 @@ class ParallelConfig:
     tp: int = 1
     mode: str = "fsdp"  # fsdp (HSDP when dp_replicate > 1) | ddp
     vision: str = "fsdp"  # fsdp: the vision tower is one FSDP unit over the dp ranks, replicated over tp
+    sequence_parallel: bool = True  # under tp > 1: norms and the residual stream split on the sequence
     activation_checkpointing: str = "none"  # none | selective | full
     compile: bool = False
 

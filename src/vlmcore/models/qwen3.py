@@ -75,8 +75,12 @@ class TextModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Identity on one device; under sequence parallelism the TP plan makes it split the
+        # sequence over the TP ranks (the residual stream between the blocks).
+        self.split_sequence = nn.Identity()
 
     def forward(self, h, cos, sin, cu_seqlens):
+        h = self.split_sequence(h)
         for layer in self.layers:
             h = layer(h, cos, sin, cu_seqlens)
         return self.norm(h)

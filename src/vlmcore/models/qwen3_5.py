@@ -147,6 +147,9 @@ class TextModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(config, t) for t in config.layer_types)
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Identity on one device; under sequence parallelism the TP plan makes it split the
+        # sequence over the TP ranks (the residual stream between the blocks).
+        self.split_sequence = nn.Identity()
 
     def rotary(self, position_ids, dtype):
         """cos/sin of the partial interleaved M-RoPE; (B, S) positions drive all three axes."""
@@ -161,6 +164,7 @@ class TextModel(nn.Module):
 
     def forward(self, h, position_ids, cu_seqlens):
         cos, sin = self.rotary(position_ids, h.dtype)
+        h = self.split_sequence(h)
         for layer in self.layers:
             h = layer(h, cos, sin, cu_seqlens)
         return self.norm(h)

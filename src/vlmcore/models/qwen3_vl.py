@@ -181,10 +181,13 @@ class LanguageModel(TextModel):
     """The Qwen3 decoder; DeepStack features are added at image positions after the first layers."""
 
     def forward(self, h, cos, sin, cu_seqlens, image_mask=None, deepstack=()):
+        full_shape, dtype = h.shape, h.dtype
+        h = self.split_sequence(h)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, cu_seqlens)
             if i < len(deepstack):
-                h = h + torch.zeros_like(h).masked_scatter(image_mask[..., None], deepstack[i].to(h.dtype))
+                features = torch.zeros(full_shape, dtype=dtype, device=image_mask.device)
+                h = h + self.split_sequence(features.masked_scatter(image_mask[..., None], deepstack[i].to(dtype)))
         return self.norm(h)
 
 

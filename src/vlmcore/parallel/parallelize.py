@@ -34,7 +34,7 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, dims: Para
     vision = vision_tower(model)
     partial = []
     if dims.tp > 1:
-        partial = apply_tp(model, blocks, mesh["tp"])
+        partial = apply_tp(model, blocks, mesh["tp"], cfg.parallel.sequence_parallel)
     vision_blocks = [vision.blocks] if vision is not None and hasattr(vision, "blocks") else []
     for stack in [blocks] + vision_blocks:
         apply_ac(stack, cfg.parallel.activation_checkpointing)

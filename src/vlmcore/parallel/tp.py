@@ -1,15 +1,22 @@
 """Tensor-parallel plans (DTensor `parallelize_module`) for Qwen3, Qwen3-VL and Qwen3.5.
 
 Per decoder block, attention heads and the MLP are split: q/k/v (and Qwen3.5's gated q) and
-gate/up are column-parallel, o/down row-parallel, so each rank holds whole heads and one
-all-reduce closes each sub-block. The residual stream between blocks stays replicated (plain
-tensors): Qwen3-VL's image scatter and DeepStack, and the packed-sequence attention, need the
-full sequence on every rank. The embedding is vocabulary-parallel, and the LM head weight is
-sharded on the vocabulary, which the chunked loss uses directly (vocabulary-parallel loss).
+gate/up are column-parallel, o/down row-parallel, so each rank holds whole heads. The embedding
+is vocabulary-parallel, and the LM head weight is sharded on the vocabulary, which the chunked
+loss uses directly (vocabulary-parallel loss).
 
-Qwen3.5's linear-attention (Gated DeltaNet) blocks keep their mixer replicated (their MLP is
-still split), and the vision tower is not tensor parallel: both run as replicated compute,
-which is exact because every TP rank sees the same input and receives the full gradient.
+Sequence parallelism (default): between the sub-blocks the residual stream and the norms are
+split on the sequence (Shard(1)); each attention or MLP all-gathers its input and
+reduce-scatters its output, the same traffic as the two all-reduces per block without it, but
+norms and residual activations take 1/tp of the memory and compute. The sequence is split after
+the embedding (`split_sequence`), where Qwen3-VL's image features are already in place;
+DeepStack features are split the same way before they are added. The final norm's output is
+all-gathered by the loss. Without sequence parallelism the residual stream stays replicated and
+one all-reduce closes each sub-block.
+
+Qwen3.5's linear-attention (Gated DeltaNet) mixers stay replicated (their MLP is still split):
+they see the whole sequence and keep their slice of the output. The vision tower is not tensor
+parallel (FSDP over all ranks instead). Both are exact: every TP rank computes the same thing.
 
 Per-head q/k norms act on local heads, so their gradients are partial sums over the TP
 ranks; `apply_tp` returns their names for the loop to all-reduce once per optimizer step.
@@ -17,24 +24,20 @@ ranks; `apply_tp` returns their names for the loop to all-reduce once per optimi
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from vlmcore.config import ConfigError
 
 SUPPORTED = ("qwen3", "qwen3_vl", "qwen3_5")
 
-ATTENTION_PLAN = {
-    "self_attn.q_proj": ColwiseParallel(),
-    "self_attn.k_proj": ColwiseParallel(),
-    "self_attn.v_proj": ColwiseParallel(),
-    "self_attn.o_proj": RowwiseParallel(),
-}
-MLP_PLAN = {
-    "mlp.gate_proj": ColwiseParallel(),
-    "mlp.up_proj": ColwiseParallel(),
-    "mlp.down_proj": RowwiseParallel(),
-}
 HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 
 
@@ -53,12 +56,34 @@ def check_tp(config, tp: int) -> None:
             raise ConfigError(f"parallel.tp: {tp} does not divide the model's {key} ({value})")
 
 
-def _block_plan(block: nn.Module) -> dict:
+def _gather(args: int) -> PrepareModuleInput:
+    """The sub-block's first input goes from sequence-split to whole; other inputs untouched."""
+    rest = (None,) * (args - 1)
+    return PrepareModuleInput(input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest))
+
+
+def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
+    # Row-parallel outputs: reduce-scattered onto the sequence split (kept as DTensors for the
+    # residual add), or all-reduced to a replicated plain tensor.
+    row_out = RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sequence_parallel else RowwiseParallel()
     plan = {}
+    if sequence_parallel:
+        plan["input_layernorm"] = SequenceParallel()
+        plan["post_attention_layernorm"] = SequenceParallel()
     if hasattr(block, "self_attn"):
-        plan.update(ATTENTION_PLAN)
+        if sequence_parallel:
+            plan["self_attn"] = _gather(4)  # (x, cos, sin, cu_seqlens)
+        plan.update({"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                     "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": row_out})
+    if hasattr(block, "linear_attn") and sequence_parallel:
+        # (x, cu_seqlens) gathered; the replicated output is cut back to this rank's slice.
+        plan["linear_attn"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_input=True,
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False)
     if hasattr(block, "mlp"):
-        plan.update(MLP_PLAN)
+        if sequence_parallel:
+            plan["mlp"] = _gather(1)
+        plan.update({"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": row_out})
     return plan
 
 
@@ -70,20 +95,25 @@ def _set_local_heads(block: nn.Module, tp: int) -> None:
             setattr(attn, key, getattr(attn, key) // tp)
 
 
-def apply_tp(model: nn.Module, blocks: nn.Module, tp_mesh: DeviceMesh) -> list[str]:
+def apply_tp(model: nn.Module, blocks: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> list[str]:
     """Shards `model` in place over `tp_mesh`; returns the names of parameters whose gradients
     are partial sums over the TP ranks."""
     check_tp(model.config, tp_mesh.size())
     partial = []
     blocks_name = next(n for n, m in model.named_modules() if m is blocks)
     for index, block in blocks.named_children():
-        parallelize_module(block, tp_mesh, _block_plan(block))
+        parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))
         _set_local_heads(block, tp_mesh.size())
         if hasattr(block, "self_attn"):
             partial += [f"{blocks_name}.{index}.{norm}.weight" for norm in HEAD_NORMS
                         if hasattr(block.self_attn, norm.split(".")[1])]
     embed = next(m for n, m in model.named_modules() if n.endswith("embed_tokens"))
     parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    if sequence_parallel:
+        text_model = next(m for m in model.modules() if hasattr(m, "split_sequence") and m.layers is blocks)
+        parallelize_module(text_model.split_sequence, tp_mesh, PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=False))
+        parallelize_module(text_model.norm, tp_mesh, SequenceParallel())
     if model.lm_head.weight is not embed.weight:
         parallelize_module(model.lm_head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
     return partial
