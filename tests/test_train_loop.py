@@ -2,12 +2,13 @@
 stages, activation checkpointing, non-finite steps, config errors."""
 
 import json
+import subprocess
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from _train_helpers import load_dcp, read_metrics, tiny_snapshot, train, write_config
+from _train_helpers import command, env, load_dcp, read_metrics, tiny_snapshot, train, write_config
 
 METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "tokens_per_s_per_device",
                "tflops_per_device", "mfu", "llm_tflops_per_device", "vision_tflops_per_device", "peak_mem_gb",
@@ -117,3 +118,54 @@ def test_bad_config_is_a_clear_error(snapshots, tmp_path, capsys, override, mess
     cfg = write_config(tmp_path / "c.yaml", snapshots["qwen3"], tmp_path / "out", steps=1)
     assert main(["train", str(cfg), "--set", override]) == 2
     assert message in capsys.readouterr().err
+
+
+def wandb_history(run_file):
+    """{step: {key: value}} from an offline run's `.wandb` file: a 7-byte W&B header, then
+    LevelDB-log records (32 KiB blocks; 7-byte record headers: crc, length, type 1 full /
+    2 first / 3 middle / 4 last) of `wandb_internal_pb2.Record` protobufs."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B", run_file
+    pos, chunks, history = 7, b"", {}
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        chunks += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            chunks = b""
+            if record.WhichOneof("record_type") == "history":
+                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                history[items.pop("_step")] = items
+    return history
+
+
+def test_wandb_offline_run_holds_the_metrics_and_no_secrets(snapshots, tmp_path):
+    """metrics.wandb: an offline W&B run next to metrics.jsonl (nodes have no internet) with
+    every step's metrics; tokens from the environment never reach the output directory."""
+    pytest.importorskip("wandb")
+    out = tmp_path / "out"
+    cfg = write_config(tmp_path / "wandb.yaml", snapshots["qwen3"], out, steps=3, metrics={"wandb": True})
+    secrets = {"HF_TOKEN": "hf_vlmcoreSecretToken123", "WANDB_API_KEY": "0123456789abcdef0123456789abcdef01234567"}
+    environment = {k: v for k, v in env().items() if not k.startswith("WANDB_")} | secrets
+    proc = subprocess.run(command(1, "train", str(cfg)), capture_output=True, text=True, timeout=300, env=environment)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+
+    [run_dir] = (out / "wandb").glob("offline-run-*")
+    run_id = (out / "wandb_run_id").read_text()
+    history = wandb_history(run_dir / f"run-{run_id}.wandb")
+    metrics = read_metrics(out)
+    assert sorted(history) == [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        assert history[m["step"]]["train/loss"] == pytest.approx(m["loss"])
+        assert history[m["step"]]["train/lr"] == pytest.approx(m["lr"])
+    for path in [p for p in out.rglob("*") if p.is_file()]:
+        data = path.read_bytes()
+        assert not any(secret.encode() in data for secret in secrets.values()), path
+    assert not any(secret in proc.stdout + proc.stderr for secret in secrets.values())

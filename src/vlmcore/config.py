@@ -45,7 +45,7 @@ class ParallelConfig:
     dp_shard: int = -1  # -1 = whatever is left of the world size
     tp: int = 1
     mode: str = "fsdp"  # fsdp (HSDP when dp_replicate > 1) | ddp
-    vision: str = "fsdp"  # fsdp: the vision tower is one FSDP unit over the dp ranks, replicated over tp
+    vision: str = "fsdp"  # fsdp: the vision tower is one FSDP unit over the dp ranks (all ranks under tp)
     sequence_parallel: bool = True  # under tp > 1: norms and the residual stream split on the sequence
     activation_checkpointing: str = "none"  # none | selective | full
     compile: bool = False

@@ -3,6 +3,7 @@ W&B, one log line per step)."""
 
 import json
 import os
+import uuid
 from pathlib import Path
 
 import torch
@@ -59,7 +60,7 @@ class MetricsLogger:
             os.environ.setdefault("WANDB_MODE", "offline")
             # One W&B run per stage, continued by resumed runs.
             id_file = output_dir / "wandb_run_id"
-            run_id = id_file.read_text() if id_file.exists() else wandb_lib.util.generate_id()
+            run_id = id_file.read_text() if id_file.exists() else uuid.uuid4().hex[:8]
             id_file.write_text(run_id)
             self.wandb = wandb_lib.init(dir=str(output_dir), config=config, id=run_id, resume="allow",
                                         project=os.environ.get("WANDB_PROJECT", "vlmcore"))
