@@ -149,7 +149,6 @@ def wandb_history(run_file):
 def test_wandb_offline_run_holds_the_metrics_and_no_secrets(snapshots, tmp_path):
     """metrics.wandb: an offline W&B run next to metrics.jsonl (nodes have no internet) with
     every step's metrics; tokens from the environment never reach the output directory."""
-    pytest.importorskip("wandb")
     out = tmp_path / "out"
     cfg = write_config(tmp_path / "wandb.yaml", snapshots["qwen3"], out, steps=3, metrics={"wandb": True})
     secrets = {"HF_TOKEN": "hf_vlmcoreSecretToken123", "WANDB_API_KEY": "0123456789abcdef0123456789abcdef01234567"}

@@ -1,10 +1,14 @@
 """Cross-entropy through the LM head in chunks of tokens.
 
 The logits of a whole packed batch (tokens x vocabulary, fp32) would dominate memory for
-Qwen vocabularies (152k-248k), so forward and backward both run chunk by chunk and only keep
-the log-sum-exp per token; backward recomputes each chunk's logits. With a vocabulary-parallel
-(tensor-parallel) LM head every rank works on its vocabulary slice and the softmax statistics
-are combined with all-reduces, so the full-vocabulary logits never exist on any rank.
+Qwen vocabularies (152k-248k), so the loss runs chunk by chunk and no chunk's logits outlive it.
+Each chunk's gradients (hidden and LM-head weight) are computed right there in the forward pass,
+while its logits exist, instead of recomputing the logits in backward: the loss is a sum over
+tokens, so backward only scales them by the incoming scalar gradient. That saves one of the four
+LM-head matmuls; the price is the fp32 weight gradient held from the loss to the backward, which
+the backward would allocate anyway. With a vocabulary-parallel (tensor-parallel) LM head every
+rank works on its vocabulary slice and the softmax statistics are combined with all-reduces, so
+the full-vocabulary logits never exist on any rank.
 
 The function returns the *sum* of token losses; the training loop divides by the global
 number of label tokens (across micro-batches and data-parallel ranks).
@@ -26,49 +30,49 @@ def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_tokens, group, vocab_start):
+        need_hidden_grad, need_weight_grad = ctx.needs_input_grad[:2]
         vocab_local = weight.shape[0]
         acc = torch.promote_types(weight.dtype, torch.float32)  # softmax statistics in fp32 at least
-        lse = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
         total = torch.zeros((), dtype=acc, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if need_hidden_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight_grad else None
         for start in range(0, hidden.shape[0], chunk_tokens):
             end = min(start + chunk_tokens, hidden.shape[0])
-            logits = (hidden[start:end] @ weight.t()).to(acc)
+            h = hidden[start:end]
+            logits = (h @ weight.t()).to(acc)
             target = labels[start:end] - vocab_start
             mine = (target >= 0) & (target < vocab_local)
             top = _all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX, group)
             sumexp = _all_reduce((logits - top[:, None]).exp().sum(dim=-1), dist.ReduceOp.SUM, group)
-            chunk_lse = top + sumexp.log()
+            lse = top + sumexp.log()
             target_logit = logits.gather(1, target.clamp(0, vocab_local - 1)[:, None])[:, 0] * mine
             target_logit = _all_reduce(target_logit, dist.ReduceOp.SUM, group)
             valid = labels[start:end] != IGNORE_INDEX
-            total += ((chunk_lse - target_logit) * valid).sum()
-            lse[start:end] = chunk_lse
-        ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.chunk_tokens, ctx.group, ctx.vocab_start = chunk_tokens, group, vocab_start
+            total += ((lse - target_logit) * valid).sum()
+            if grad_hidden is None and grad_weight is None:
+                continue
+            # d(sum of losses)/d logits = softmax - one-hot, on label tokens only.
+            grad_logits = logits.sub_(lse[:, None]).exp_()
+            rows = torch.nonzero(mine)[:, 0]
+            grad_logits[rows, target[rows]] -= 1.0
+            # Matmuls in the compute dtype (bf16 on GPU, accumulating in fp32 inside the GEMM).
+            grad_logits = (grad_logits * valid[:, None]).to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = grad_logits @ weight
+            if grad_weight is not None:
+                grad_weight += grad_logits.t() @ h
+        ctx.grads, ctx.group, ctx.weight_dtype = (grad_hidden, grad_weight), group, weight.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        hidden, weight, labels, lse = ctx.saved_tensors
-        vocab_local = weight.shape[0]
-        acc = lse.dtype
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-        for start in range(0, hidden.shape[0], ctx.chunk_tokens):
-            end = min(start + ctx.chunk_tokens, hidden.shape[0])
-            h = hidden[start:end]
-            probs = ((h @ weight.t()).to(acc) - lse[start:end, None]).exp()
-            target = labels[start:end] - ctx.vocab_start
-            mine = (target >= 0) & (target < vocab_local)
-            rows = torch.nonzero(mine)[:, 0]
-            probs[rows, target[rows]] -= 1.0
-            valid = (labels[start:end] != IGNORE_INDEX).to(acc)
-            # Matmuls in the compute dtype (bf16 on GPU, accumulating in fp32 inside the GEMM).
-            grad_logits = (probs * (valid * grad_total)[:, None]).to(hidden.dtype)
-            grad_hidden[start:end] = grad_logits @ weight
-            grad_weight += grad_logits.t() @ h
-        _all_reduce(grad_hidden, dist.ReduceOp.SUM, ctx.group)
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+        grad_hidden, grad_weight = ctx.grads
+        ctx.grads = None
+        if grad_hidden is not None:
+            grad_hidden = _all_reduce(grad_hidden.mul_(grad_total.to(grad_hidden.dtype)), dist.ReduceOp.SUM, ctx.group)
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(grad_total).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
