@@ -228,3 +228,9 @@ def test_killed_training_resumes_from_its_checkpoint(demo):
     assert metrics[-1]["loss"] == read_jsonl(stage / "previous/metrics.jsonl")[-1]["loss"]
     log = (demo / RESULTS / "logs/train_stage/stage1.log").read_text()
     assert re.search(r"resumed from \S+step_50 at step 50", log), log[-2000:]
+    # Snakemake emptied the rule log for the last attempt; the stage's train.log kept all three:
+    # the demo's run, the killed one (moved aside: it had finished before) and the resumed one.
+    attempts = (stage / "train.log").read_text().split("== vlmcore train_stage attempt ")[1:]
+    assert len(attempts) == 3, attempts
+    assert "already reached step 60" in attempts[1] and "step 1 loss" in attempts[1]
+    assert re.search(r"resumed from \S+step_50 at step 50", attempts[2]) and "step 60 loss" in attempts[2]

@@ -129,6 +129,10 @@ def test_stage_cut_by_time_limit_resumes_in_retry(two_node_stage, tmp_path):
     assert metric_steps(root) == list(range(1, steps + 1))
     assert "resumed from" in (root / "logs" / "train_stage" / "stage1.log").read_text()
     assert (root / "train" / "stage1" / "done").is_file()
+    # The stage's train.log holds every allocation's output, each under its SLURM job id.
+    attempts = (root / "train" / "stage1" / "train.log").read_text().split("== vlmcore train_stage attempt ")[1:]
+    assert [a.split("SLURM job ")[1].split()[0] for a in attempts] == [j["JobId"] for j in jobs]
+    assert ["resumed from" in a for a in attempts] == [False] + [True] * (len(jobs) - 1)
 
 
 def test_demo_through_slurm(slurm, tmp_path):

@@ -12,6 +12,9 @@ def write_run(out, cfg, step):
     (out / "checkpoints" / f"step_{step}").mkdir(parents=True)
     (out / "checkpoints" / "latest").write_text(f"step_{step}\n")
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "wandb").mkdir()
+    (out / "wandb_run_id").write_text("abc12345")
+    (out / "train.log").write_text("== vlmcore train_stage attempt ...\n")
     save_config(cfg, out / "config.yaml")
 
 
@@ -31,6 +34,9 @@ def test_finished_run_is_not_resumed_by_a_forced_rerun(tmp_path):
     assert "already reached step 60" in reason
     assert not (tmp_path / "checkpoints").exists()
     assert (tmp_path / "previous/checkpoints/step_60").is_dir() and (tmp_path / "previous/metrics.jsonl").is_file()
+    # the next run gets a W&B run of its own; the workflow's log of all attempts stays in place
+    assert not (tmp_path / "wandb_run_id").exists() and (tmp_path / "previous/wandb_run_id").is_file()
+    assert (tmp_path / "previous/wandb").is_dir() and (tmp_path / "train.log").is_file()
 
 
 def test_changed_settings_start_a_new_run_and_name_what_changed(tmp_path):

@@ -33,9 +33,14 @@ rule train_stage:
         slurm_extra=lambda wc: f"--ntasks-per-node={config['train']['nproc_per_node']}{train_signal(wc)}",
     conda:
         "../envs/vlmcore.yaml"
+    # Snakemake empties {log} before every attempt; train/<stage>/train.log keeps the output of
+    # all of them (a cut allocation or a node failure stays readable after the retry). tee
+    # ignores INT/TERM so that it outlives the trainers saving their checkpoint on SIGTERM.
     shell:
-        "mkdir -p {params.dir} && printf '%s\\n' {params.settings} > {params.dir}/stage_config.yaml"
-        " && bash {params.launcher} {params.nodes} {params.nproc} {params.dir}/stage_config.yaml >> {log} 2>&1"
+        "set -o pipefail; mkdir -p {params.dir} && printf '%s\\n' {params.settings} > {params.dir}/stage_config.yaml"
+        " && echo \"== vlmcore train_stage attempt $(date -Is), SLURM job ${{SLURM_JOB_ID:-none}} ==\" >> {params.dir}/train.log"
+        " && bash {params.launcher} {params.nodes} {params.nproc} {params.dir}/stage_config.yaml 2>&1"
+        " | (trap '' INT TERM; tee -a {params.dir}/train.log) >> {log}"
 
 
 rule scaling_run:

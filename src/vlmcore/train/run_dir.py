@@ -53,7 +53,8 @@ def archive_stale_run(out, cfg: TrainConfig) -> str | None:
     previous = out / "previous"
     shutil.rmtree(previous, ignore_errors=True)
     previous.mkdir(parents=True)
-    for name in ["checkpoints", "metrics.jsonl", "config.yaml", "tensorboard"]:
+    # train.log (all attempts, written by the workflow) stays: it is open while this runs.
+    for name in ["checkpoints", "metrics.jsonl", "config.yaml", "tensorboard", "wandb", "wandb_run_id"]:
         if (out / name).exists():
             shutil.move(out / name, previous / name)
     return reason
