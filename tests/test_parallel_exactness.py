@@ -83,3 +83,17 @@ def test_projector_only_stage_with_mixed_batches_under_ddp(reference):
     torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=1e-5, atol=1e-5)
     for key in one_weights:
         torch.testing.assert_close(two_weights[key], one_weights[key], rtol=1e-4, atol=1e-4, msg=key)
+
+
+def test_hybrid_qwen3_5_under_fsdp_and_tp_matches_one_process(tmp_path):
+    """Qwen3.5's Gated DeltaNet mixers split over heads (whole qkv and conv weights, partial
+    gradients summed over the TP ranks) under FSDP x TP give the one-process run."""
+    snapshot = tiny_snapshot("qwen3_5", tmp_path / "model")
+    one, one_weights = run_layout(tmp_path, snapshot, "qwen3_5_one", 1, {"grad_accum_steps": 2})
+    four, four_weights = run_layout(tmp_path, snapshot, "qwen3_5_dp2_tp2", 4, {"grad_accum_steps": 1,
+                                                                               "parallel": {"tp": 2}})
+    torch.testing.assert_close(torch.tensor(four), torch.tensor(one), rtol=1e-5, atol=1e-5)
+    linear = [key for key in one_weights if ".linear_attn." in key]
+    assert len(linear) >= 9 * 3  # 9 tensors per mixer, 3 linear-attention layers
+    for key in one_weights:
+        torch.testing.assert_close(four_weights[key], one_weights[key], rtol=1e-4, atol=1e-4, msg=key)

@@ -1,8 +1,9 @@
 """Tensor-parallel plans of all three families, on 2 gloo processes: the TP=2 model gives the
 loss and every gradient of the unsharded model (vocabulary-parallel embedding and loss, split
-heads and MLP, per-head norms summed over the TP ranks, Qwen3.5's linear-attention mixers and
-the vision tower replicated), with and without sequence parallelism (norms and residual stream
-split on the sequence, DeepStack features and linear-attention outputs included). Run by pytest, this file launches itself under torchrun."""
+heads and MLP, Qwen3.5's linear-attention mixers split over heads, gradients of per-head norms
+and of the mixers' whole qkv and conv weights summed over the TP ranks, the vision tower
+replicated), with and without sequence parallelism (norms and residual stream split on the
+sequence, DeepStack features included). Run by pytest, this file launches itself under torchrun."""
 
 import json
 import subprocess
@@ -59,18 +60,37 @@ def worker(root: Path) -> None:
         load_hf_weights(model, path)
         loss = loss_and_grads(model, batch)
         sum_partial_grads([p for n, p in model.named_parameters() if clean_name(n) in partial], mesh.get_group())
-        worst, sharded = 0.0, 0
+        worst, sharded, linear_sharded = 0.0, 0, 0
         for name, param in model.named_parameters():
             grad = param.grad
             if isinstance(grad, DTensor):
                 sharded += 1
+                linear_sharded += "linear_attn" in name
                 grad = grad.full_tensor()
             worst = max(worst, (grad - ref_grads[name]).abs().max().item())
         report[f"{kind}-sp{int(sequence_parallel)}"] = {"loss": loss, "ref_loss": ref_loss, "max_grad_diff": worst, "sharded": sharded,
-                        "partial": len(partial)}
+                        "partial": len(partial), "linear_sharded": linear_sharded,
+                        "linear_layers": sum(hasattr(b, "linear_attn") for b in decoder_blocks(model))}
     if dist.get_rank() == 0:
         (root / "report.json").write_text(json.dumps(report))
     dist.destroy_process_group()
+
+
+def test_tp_degree_must_divide_every_split_head_count():
+    from _train_helpers import hf_config
+    from vlmcore.config import ConfigError
+    from vlmcore.parallel.tp import check_tp
+
+    config = hf_config("qwen3_5")
+    check_tp(config, 2)
+    config.text_config.linear_num_value_heads = 5
+    with pytest.raises(ConfigError, match=r"parallel.tp: 2 does not divide the model's linear_num_value_heads \(5\)"):
+        check_tp(config, 2)
+    config.text_config.linear_num_key_heads = 3
+    with pytest.raises(ConfigError, match=r"linear_num_key_heads \(3\)"):
+        check_tp(config, 2)
+    with pytest.raises(ConfigError, match="num_attention_heads"):
+        check_tp(hf_config("qwen3"), 3)
 
 
 @pytest.mark.slow
@@ -94,6 +114,9 @@ def test_tp_plans_match_the_unsharded_model(tmp_path):
         expected = blocks * 7 + 1 + (2 * blocks + 1 if kind.endswith("sp1") else 0)
         assert r["sharded"] >= expected, (kind, r)
         assert r["partial"] > 0, kind
+        # Linear-attention mixers: z, a, b column-parallel and out_proj row-parallel.
+        assert r["linear_sharded"] == 4 * r["linear_layers"], (kind, r)
+        assert r["linear_layers"] > 0 or not kind.startswith("qwen3_5"), (kind, r)
 
 
 if __name__ == "__main__":

@@ -6,15 +6,18 @@ rotary on the first `partial_rotary_factor` of each head, interleaved M-RoPE). A
 are zero-centred (scale 1 + weight). The vision tower is Qwen3-VL's without DeepStack.
 
 Tensor parallelism: `in_proj_qkv` is [q (key heads) | k (key heads) | v (value heads)] and
-`conv1d` has one channel per output row of it; shard both over heads within each of the three
-blocks (view as blocks, split each), with `in_proj_z/a/b`, `A_log`, `dt_bias` split over value
-heads and `out_proj` row-parallel. In full-attention layers `q_proj` rows are per head
-[query (head_dim) | gate (head_dim)], so a column split over whole heads keeps pairs together.
+`conv1d` has one channel per output row of it, so no single-dimension shard gives a rank whole
+heads of all three. The TP plan sets `GatedDeltaNet.head_shard`; the mixer then takes its rank's
+rows of each of the three blocks (and of `A_log`, `dt_bias`) from the full weights, while
+`in_proj_z/a/b` are column-parallel and `out_proj` row-parallel. In full-attention layers
+`q_proj` rows are per head [query (head_dim) | gate (head_dim)], so a column split over whole
+heads keeps pairs together.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial
 
 from .attention import attention
 from .layers import (
@@ -62,6 +65,9 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.n_v_heads))
         self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(value_size, config.hidden_size, bias=False)
+        # (rank, ranks) under tensor parallelism: this rank computes heads [rank/ranks, (rank+1)/ranks)
+        # of every head group; their inputs from the column-parallel projections arrive already split.
+        self.head_shard = (0, 1)
         self.reset_own_parameters()
 
     def reset_own_parameters(self):
@@ -69,22 +75,35 @@ class GatedDeltaNet(nn.Module):
         with torch.no_grad():
             self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log())
 
+    def own_heads(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """This rank's share of each block of `sizes` rows of t (all of t without TP)."""
+        rank, ranks = self.head_shard
+        if ranks == 1:
+            return t
+        return torch.cat([block.chunk(ranks)[rank] for block in t.split(sizes)])
+
     def forward(self, x, cu_seqlens):
         batch, seq_len, _ = x.shape
         cu_seqlens = row_segments(cu_seqlens, batch, seq_len, x.device)
         x = x.flatten(0, 1)
-        qkv = causal_depthwise_conv(self.in_proj_qkv(x), self.conv1d.weight, cu_seqlens).to(x.dtype)
-        q, k, v = qkv.split(self.split, dim=-1)
+        # Under TP, x is a replicated DTensor (the column-parallel projections take it as is) and the
+        # rows of qkv read here are plain tensors: this rank's heads give a part of x's gradient.
+        x_local = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else x
+        qkv_weight = self.own_heads(self.in_proj_qkv.weight, self.split)
+        conv_weight = self.own_heads(self.conv1d.weight, self.split)
+        qkv = causal_depthwise_conv(F.linear(x_local, qkv_weight), conv_weight, cu_seqlens).to(x.dtype)
+        q, k, v = qkv.split([size // self.head_shard[1] for size in self.split], dim=-1)
         q, k = q.unflatten(-1, (-1, self.k_dim)), k.unflatten(-1, (-1, self.k_dim))
         v = v.unflatten(-1, (-1, self.v_dim))
         # Each key head serves a run of consecutive value heads.
         groups = v.shape[1] // q.shape[1]
         q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
+        A_log, dt_bias = (self.own_heads(p, [self.n_v_heads]) for p in (self.A_log, self.dt_bias))
         beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        g = -A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + dt_bias)
         out = gated_delta_rule(q, k, v, g, beta, cu_seqlens)
         out = self.norm(out, self.in_proj_z(x).unflatten(-1, (-1, self.v_dim)))
-        return self.out_proj(out.flatten(1)).view(batch, seq_len, -1)
+        return self.out_proj(out.reshape(batch, seq_len, -1))
 
 
 class GatedAttention(nn.Module):

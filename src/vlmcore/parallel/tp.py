@@ -14,12 +14,16 @@ DeepStack features are split the same way before they are added. The final norm'
 all-gathered by the loss. Without sequence parallelism the residual stream stays replicated and
 one all-reduce closes each sub-block.
 
-Qwen3.5's linear-attention (Gated DeltaNet) mixers stay replicated (their MLP is still split):
-they see the whole sequence and keep their slice of the output. The vision tower is not tensor
-parallel (FSDP over all ranks instead). Both are exact: every TP rank computes the same thing.
+Qwen3.5's linear-attention (Gated DeltaNet) mixers are split over heads too: `in_proj_z/a/b`
+column-parallel, `out_proj` row-parallel. Their fused `in_proj_qkv` ([q | k | v], unequal
+blocks) and its `conv1d` cannot be one DTensor shard, so they stay whole on every TP rank
+(still sharded by FSDP) and each rank reads its heads' rows of them (`GatedDeltaNet.head_shard`),
+as it does for `A_log` and `dt_bias`. The vision tower is not tensor parallel (FSDP over all
+ranks instead): every TP rank computes the same thing.
 
-Per-head q/k norms act on local heads, so their gradients are partial sums over the TP
-ranks; `apply_tp` returns their names for the loop to all-reduce once per optimizer step.
+Parameters that are whole on every TP rank but used for local heads only (per-head q/k norms,
+the gated norm and the rows read by the linear-attention mixers) get partial gradients on each
+rank; `apply_tp` returns their names for the loop to all-reduce once per optimizer step.
 """
 
 from torch import nn
@@ -28,7 +32,6 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -39,6 +42,8 @@ from vlmcore.config import ConfigError
 SUPPORTED = ("qwen3", "qwen3_vl", "qwen3_5")
 
 HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+# Whole on every TP rank, used for this rank's heads only.
+LINEAR_ATTN_PARTIAL = ("in_proj_qkv.weight", "conv1d.weight", "A_log", "dt_bias", "norm.weight")
 
 
 def _text_config(config):
@@ -50,7 +55,10 @@ def check_tp(config, tp: int) -> None:
         raise ConfigError(f"parallel.tp: no tensor-parallel plan for model_type {config.model_type!r} "
                          f"(supported: {', '.join(SUPPORTED)})")
     text = _text_config(config)
-    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+    keys = ["num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"]
+    if "linear_attention" in (getattr(text, "layer_types", None) or []):
+        keys += ["linear_num_key_heads", "linear_num_value_heads"]
+    for key in keys:
         value = getattr(text, key)
         if value % tp:
             raise ConfigError(f"parallel.tp: {tp} does not divide the model's {key} ({value})")
@@ -75,11 +83,13 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
             plan["self_attn"] = _gather(4)  # (x, cos, sin, cu_seqlens)
         plan.update({"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
                      "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": row_out})
-    if hasattr(block, "linear_attn") and sequence_parallel:
-        # (x, cu_seqlens) gathered; the replicated output is cut back to this rank's slice.
-        plan["linear_attn"] = PrepareModuleInputOutput(
-            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_input=True,
-            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False)
+    if hasattr(block, "linear_attn"):
+        # (x, cu_seqlens): x whole, as a replicated DTensor for the mixer's partial-gradient read.
+        plan["linear_attn"] = PrepareModuleInput(
+            input_layouts=(Shard(1) if sequence_parallel else Replicate(), None),
+            desired_input_layouts=(Replicate(), None), use_local_output=False)
+        plan.update({f"linear_attn.{name}": ColwiseParallel() for name in ("in_proj_z", "in_proj_a", "in_proj_b")})
+        plan["linear_attn.out_proj"] = row_out
     if hasattr(block, "mlp"):
         if sequence_parallel:
             plan["mlp"] = _gather(1)
@@ -87,12 +97,15 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
     return plan
 
 
-def _set_local_heads(block: nn.Module, tp: int) -> None:
-    """Attention modules that store head counts must see the per-rank counts."""
+def _set_local_heads(block: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Attention modules that store head counts must see the per-rank counts; linear-attention
+    mixers learn which heads are theirs."""
     attn = getattr(block, "self_attn", None)
     for key in ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads"):
         if attn is not None and isinstance(getattr(attn, key, None), int):
-            setattr(attn, key, getattr(attn, key) // tp)
+            setattr(attn, key, getattr(attn, key) // tp_mesh.size())
+    if hasattr(block, "linear_attn"):
+        block.linear_attn.head_shard = (tp_mesh.get_local_rank(), tp_mesh.size())
 
 
 def apply_tp(model: nn.Module, blocks: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> list[str]:
@@ -103,10 +116,12 @@ def apply_tp(model: nn.Module, blocks: nn.Module, tp_mesh: DeviceMesh, sequence_
     blocks_name = next(n for n, m in model.named_modules() if m is blocks)
     for index, block in blocks.named_children():
         parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))
-        _set_local_heads(block, tp_mesh.size())
+        _set_local_heads(block, tp_mesh)
         if hasattr(block, "self_attn"):
             partial += [f"{blocks_name}.{index}.{norm}.weight" for norm in HEAD_NORMS
                         if hasattr(block.self_attn, norm.split(".")[1])]
+        if hasattr(block, "linear_attn"):
+            partial += [f"{blocks_name}.{index}.linear_attn.{name}" for name in LINEAR_ATTN_PARTIAL]
     embed = next(m for n, m in model.named_modules() if n.endswith("embed_tokens"))
     parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     if sequence_parallel:
