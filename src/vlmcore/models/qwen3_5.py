@@ -101,8 +101,11 @@ class GatedDeltaNet(nn.Module):
         A_log, dt_bias = (self.own_heads(p, [self.n_v_heads]) for p in (self.A_log, self.dt_bias))
         beta = self.in_proj_b(x).sigmoid()
         g = -A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + dt_bias)
+        # z before the kernel: under torch.compile the kernel is a graph break, and a DTensor view
+        # (x) live across it cannot be rebuilt after it.
+        z = self.in_proj_z(x).unflatten(-1, (-1, self.v_dim))
         out = gated_delta_rule(q, k, v, g, beta, cu_seqlens)
-        out = self.norm(out, self.in_proj_z(x).unflatten(-1, (-1, self.v_dim)))
+        out = self.norm(out, z)
         return self.out_proj(out.reshape(batch, seq_len, -1))
 
 
