@@ -78,6 +78,7 @@ class DataConfig:
     seq_len: int = 256  # random: tokens per row
     segments: int = 2  # random: samples packed per row
     image_fraction: float = 0.5  # random, VL models: share of rows that carry an image
+    image_side: int = 2  # random, VL models: merged patches per side of an image (side**2 LLM tokens)
 
 
 @dataclass

@@ -75,7 +75,8 @@ def build_data(cfg: TrainConfig, model_config, rank: int, world: int):
 
         return RandomBatches(model_config, seq_len=cfg.data.seq_len, segments=cfg.data.segments,
                              image_fraction=cfg.data.image_fraction, micro_batch_size=cfg.micro_batch_size,
-                             dp_rank=rank, dp_world=world, grad_accum_steps=cfg.grad_accum_steps, seed=cfg.seed)
+                             dp_rank=rank, dp_world=world, grad_accum_steps=cfg.grad_accum_steps, seed=cfg.seed,
+                             image_side=cfg.data.image_side)
     from vlmcore.data.loader import build_loader
 
     return build_loader(cfg.data_path, dp_rank=rank, dp_world=world, micro_batch_size=cfg.micro_batch_size,
@@ -156,18 +157,28 @@ def train(cfg: TrainConfig) -> int:
         dist.destroy_process_group()
 
 
-def build_parallel_model(cfg: TrainConfig, mesh, dims, device: torch.device):
-    """The stage's model: built on the meta device, frozen by `trainable`, parallelized,
-    materialized and loaded (previous stage's final/, else the snapshot's safetensors).
+def build_meta_model(cfg: TrainConfig, mesh, dims):
+    """The stage's model on the meta device (no memory): frozen by `trainable` and parallelized.
     Returns the model and the names of parameters with TP-partial gradients."""
     from vlmcore.models import build_model
 
     model = build_model(cfg.model_path, device="meta")
     freeze(model, cfg.trainable)
-    partial_names = set(parallelize(model, cfg, mesh, dims))
+    return model, set(parallelize(model, cfg, mesh, dims))
+
+
+def materialize(model, device: torch.device) -> None:
+    """Allocates each rank's shards on `device` and fills them with the random init."""
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights()
+
+
+def build_parallel_model(cfg: TrainConfig, mesh, dims, device: torch.device):
+    """The stage's model, sharded and loaded: the previous stage's final/, else the snapshot's
+    safetensors. Returns the model and the names of parameters with TP-partial gradients."""
+    model, partial_names = build_meta_model(cfg, mesh, dims)
+    materialize(model, device)
     if cfg.init_from:
         load_model_weights(model, cfg.init_from)
     elif any(Path(cfg.model_path).glob("*.safetensors")):

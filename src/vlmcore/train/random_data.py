@@ -14,12 +14,14 @@ IGNORE_INDEX = -100
 
 class RandomBatches:
     def __init__(self, model_config, *, seq_len: int, segments: int, image_fraction: float,
-                 micro_batch_size: int, dp_rank: int, dp_world: int, grad_accum_steps: int, seed: int):
+                 micro_batch_size: int, dp_rank: int, dp_world: int, grad_accum_steps: int, seed: int,
+                 image_side: int = 2):
         self.config = model_config
         self.text = getattr(model_config, "text_config", model_config)
         self.vision = getattr(model_config, "vision_config", None)
         self.seq_len, self.segments, self.image_fraction = seq_len, segments, image_fraction
         self.micro_batch_size, self.seed = micro_batch_size, seed
+        self.image_side = image_side  # merged patches per side of each image
         self.dp_rank, self.dp_world, self.accum = dp_rank, dp_world, grad_accum_steps
         self.consumed = 0  # micro-batches taken by this rank
 
@@ -79,16 +81,16 @@ class RandomBatches:
         return batch
 
     def _image_span(self) -> int:
-        """Tokens of one image: vision start, 4 merged patches, vision end."""
-        return 4 + 2
+        """Tokens of one image: vision start, the merged patches, vision end."""
+        return self.image_side**2 + 2
 
     def _add_image(self, ids: torch.Tensor, start: int, end: int) -> list[int]:
-        """Puts one small image (2x2 merged patches) at the start of a segment."""
-        merge = self.vision.spatial_merge_size
-        if end - start < self._image_span() + 2:
+        """Puts one square image (image_side x image_side merged patches) at the start of a segment."""
+        merge, span = self.vision.spatial_merge_size, self._image_span()
+        if end - start < span + 2:
             raise ValueError(f"data.seq_len / data.segments: segment of {end - start} tokens too short "
-                             f"for an image of {self._image_span()} tokens")
+                             f"for an image of {span} tokens")
         ids[start] = self.config.vision_start_token_id
-        ids[start + 1:start + 5] = self.config.image_token_id
-        ids[start + 5] = self.config.vision_end_token_id
-        return [1, 2 * merge, 2 * merge]
+        ids[start + 1:start + span - 1] = self.config.image_token_id
+        ids[start + span - 1] = self.config.vision_end_token_id
+        return [1, self.image_side * merge, self.image_side * merge]
