@@ -1,0 +1,200 @@
+"""`vlmcore memory CONFIG --world-size N`: peak memory per device of a training stage,
+estimated on any machine, without a GPU, the other ranks or the weights.
+
+It runs two real training steps of the stage (the model from `model_path`'s config.json,
+frozen, parallelized and sharded as the config says for a world of N ranks, the same
+forward/backward, gradient norm and AdamW as `vlmcore train`) on fake tensors, which carry
+shapes and dtypes but no data, over a fake process group, and counts the bytes of every live
+tensor with torch's FSDP2 memory tracker. The peak is what rank 0 holds at its fullest
+moment, by kind (sharded and gathered parameters, gradients, optimizer state, activations...).
+
+It counts tensor bytes, what `torch.cuda.max_memory_allocated` reports: not the caching
+allocator's reserve, the CUDA context or kernel workspaces. It runs eager, AdamW one weight
+at a time, and the CPU paths of attention and Gated DeltaNet (SDPA per packed segment, the
+chunked pure-torch delta rule), which keep more for backward than the fused GPU kernels do.
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from vlmcore.config import ConfigError, TrainConfig, load_config
+from vlmcore.parallel.mesh import build_mesh, resolve_dims
+from vlmcore.parallel.parallelize import vision_tower
+from vlmcore.train.loop import (VisionDummy, build_meta_model, forward_backward, grad_norm, materialize,
+                                sum_partial_grads)
+from vlmcore.train.optim import build_optimizer, clean_name
+from vlmcore.train.random_data import RandomBatches
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML run config of a training stage (as for `vlmcore train`)")
+    parser.add_argument("--world-size", type=int, required=True, help="ranks the stage would run on")
+    parser.add_argument("--seq-len", type=int, help="tokens per packed row (default: the packed dataset's "
+                        "pack_config.json, else data.seq_len)")
+    parser.add_argument("--image-side", type=int, help="VL models: merged patches per side of the one image "
+                        "in each row (default: as large as the dataset's max_patches allows, else data.image_side)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value, dotted keys for sections (repeatable)")
+    parser.add_argument("--json", type=Path, help="also write the estimate here")
+
+
+def run(args) -> int:
+    try:
+        cfg = load_config(args.config, args.set)
+        seq_len, image_side = batch_shape(cfg, args.seq_len, args.image_side)
+        result = estimate_memory(cfg, args.world_size, seq_len, image_side)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def batch_shape(cfg: TrainConfig, seq_len: int | None, image_side: int | None) -> tuple[int, int]:
+    """The row length and image size to estimate with: given, else the packed dataset's
+    limits (pack_config.json), else the config's random-data shape."""
+    pack = Path(cfg.data_path or "") / "pack_config.json"
+    limits = json.loads(pack.read_text()) if cfg.data.kind == "packed" and pack.is_file() else {}
+    seq_len = seq_len or limits.get("seq_len") or cfg.data.seq_len
+    config_file = Path(cfg.model_path) / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"model_path: {config_file} not found (the model's config.json is all it needs)")
+    if image_side is None:
+        model_config = json.loads(config_file.read_text())
+        merge = model_config.get("vision_config", {}).get("spatial_merge_size", 2)
+        image_side = math.isqrt(limits["max_patches"]) // merge if "max_patches" in limits else cfg.data.image_side
+        image_side = min(image_side, math.isqrt(seq_len - 4))  # the image and its two markers fit the row
+    return seq_len, image_side
+
+
+@contextmanager
+def _process_group(world_size: int, fake: bool):
+    if dist.is_initialized():
+        raise RuntimeError("estimate_memory needs a process of its own: a process group is already initialized")
+    if fake:
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+        dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextmanager
+def _fake_mode_with_constant_batch(fake: bool):
+    """Fake tensors whose batch metadata stays readable: the model reads packed-segment bounds
+    and image grids as Python numbers, which a fake tensor cannot give. Integer batch tensors
+    become fake tensors that keep their real value (FakeTensorMode propagates such constants
+    through ops on constants only, and by default only for one-element tensors)."""
+    if not fake:
+        yield None
+        return
+    import torch._subclasses.fake_tensor as fake_tensor
+
+    limit = fake_tensor.CONSTANT_NUMEL_LIMIT
+    fake_tensor.CONSTANT_NUMEL_LIMIT = 1 << 24
+    try:
+        with fake_tensor.FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            yield mode
+    finally:
+        fake_tensor.CONSTANT_NUMEL_LIMIT = limit
+
+
+def estimate_memory(cfg: TrainConfig, world_size: int, seq_len: int, image_side: int, fake: bool = True) -> dict:
+    """Peak bytes per kind on rank 0 over two training steps. `fake=False` runs the same steps
+    on real tensors (one process only): what the fake run must reproduce."""
+    if world_size < 1:
+        raise ConfigError(f"--world-size: must be at least 1, got {world_size}")
+    if not fake and world_size != 1:
+        raise ValueError("a real run is measured in one process only")
+    dims = resolve_dims(cfg.parallel, world_size)
+    # Eager: compiled blocks do not run on fake tensors (inductor's fused kernels usually keep
+    # less for backward than the eager ops they replace).
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, compile=False))
+    with _process_group(world_size, fake):
+        # The mesh and the parallelized meta model are built on real (meta) tensors; only the
+        # materialized shards, the optimizer state and the steps are fake.
+        mesh = build_mesh(dims, torch.device("cpu"))
+        model, partial_names = build_meta_model(cfg, mesh, dims)
+        # Rank 0's micro-batches, every row with an image. Two micro-batches hold as much as
+        # more would: from the second on, the unsynced gradients of the first are held too.
+        micro_batches = min(cfg.grad_accum_steps, 2)
+        data = RandomBatches(model.config, seq_len=seq_len, segments=cfg.data.segments, image_fraction=1.0,
+                             micro_batch_size=cfg.micro_batch_size, dp_rank=0, dp_world=dims.dp,
+                             grad_accum_steps=micro_batches, seed=cfg.seed, image_side=image_side)
+        micro = [data.batch(i) for i in range(micro_batches)]
+        label_tokens = float(sum(int((b["labels"] != -100).sum()) for b in micro)) * dims.dp
+        with _fake_mode_with_constant_batch(fake) as mode:
+            if mode is not None:
+                convert = mode.fake_tensor_converter.from_real_tensor
+                micro = [{k: convert(mode, v, make_constant=not v.is_floating_point())
+                          if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in micro]
+            peak = _peak_of_two_steps(cfg, model, partial_names, mesh, dims, micro, label_tokens)
+    return {"world_size": world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
+            "seq_len": seq_len, "micro_batch_size": cfg.micro_batch_size, "image_side": image_side,
+            "activation_checkpointing": cfg.parallel.activation_checkpointing,
+            "param_dtype": cfg.precision.param_dtype, "fake": fake,
+            "peak_bytes": peak.pop("Total"), "peak_bytes_by_kind": peak}
+
+
+def _peak_of_two_steps(cfg, model, partial_names, mesh, dims, micro, label_tokens) -> dict[str, int]:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    device = torch.device("cpu")
+    materialize(model, device)
+    model.train()
+    optimizer = build_optimizer(model, cfg.optimizer, device)
+    # One weight at a time: the closest to the GPU's fused AdamW, which allocates nothing. The CPU's
+    # multi-tensor (foreach) step allocates temporaries the size of all the weights, and fake
+    # tensors count the fused step's in-place outputs as new memory.
+    for group in optimizer.param_groups:
+        group["foreach"] = False
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    partial = [p for n, p in model.named_parameters() if clean_name(n) in partial_names and p.requires_grad]
+    vision = vision_tower(model)
+    vision_dummy = VisionDummy(model, vision) if vision is not None else None
+
+    tracker = FSDPMemTracker(mod=model, optm=optimizer)
+    tracker.track_inputs(tuple(micro))
+    with tracker:
+        # The tracker takes a second forward of the root for a bug unless its per-module stats
+        # are cleared first (the peak is kept): every micro-batch starts with a clear. Registered
+        # here, after the tracker has put its own hooks first.
+        hook = model.register_forward_pre_hook(lambda *_: tracker.reset_mod_stats(), prepend=True)
+        for _ in range(2):  # the second step holds the optimizer state from its start
+            forward_backward(model, micro, label_tokens, vision_dummy, cfg.loss_chunk_tokens)
+            if partial:
+                sum_partial_grads(partial, mesh["tp"].get_group())
+            grad_norm(trainable)  # clipping then scales the gradients in place
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    hook.remove()
+    peak = tracker.get_tracker_snapshot("peak")[device]
+    return {str(getattr(kind, "value", kind)): int(n) for kind, n in peak.items()}
+
+
+def format_table(result: dict) -> str:
+    unit, scale = ("GiB", 2**30) if result["peak_bytes"] >= 2**30 else ("MiB", 2**20)
+    mesh = f"dp_replicate {result['dp_replicate']} x dp_shard {result['dp_shard']} x tp {result['tp']}"
+    lines = [f"peak memory per device, rank 0 of {result['world_size']} ({mesh}), {result['micro_batch_size']} x "
+             f"{result['seq_len']} tokens, image {result['image_side']}x{result['image_side']} merged patches, "
+             f"activation checkpointing {result['activation_checkpointing']}, {result['param_dtype']} compute, eager",
+             f"{'kind':<16}{unit:>10}"]
+    for kind, n in result["peak_bytes_by_kind"].items():
+        if n:
+            lines.append(f"{kind:<16}{n / scale:>10.2f}")
+    lines.append(f"{'total':<16}{result['peak_bytes'] / scale:>10.2f}")
+    return "\n".join(lines)

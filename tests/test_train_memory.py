@@ -1,0 +1,113 @@
+"""`vlmcore memory`: a training stage's peak memory per device, estimated on fake tensors.
+
+The reference is the same two training steps on real tensors, counted by the same tracker: the
+fake run must give every kind of memory to the byte. The rest checks what the estimate must
+show: FSDP and TP divide the states, frozen modules hold no optimizer state, activation
+checkpointing and shorter rows hold fewer activations.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from _train_helpers import command, env, tiny_snapshot, write_config
+
+# Runs estimates in one process (each one makes and ends its own process group).
+DRIVER = """
+import json, sys
+from vlmcore.config import load_config
+from vlmcore.train.memory import estimate_memory
+out = []
+for sets, world, seq_len, image_side, fake in json.loads(sys.argv[2]):
+    cfg = load_config(sys.argv[1], sets)
+    out.append(estimate_memory(cfg, world, seq_len, image_side, fake=fake))
+print("RESULT" + json.dumps(out))
+"""
+
+
+def estimates(config, *runs) -> list[dict]:
+    """runs: (overrides, world size, seq_len, image_side, fake)."""
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(config), json.dumps(runs)], capture_output=True,
+                          text=True, env=env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return json.loads(proc.stdout.split("RESULT")[-1])
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("memory")
+    return {kind: write_config(root / f"{kind}.yaml", tiny_snapshot(kind, root / kind), root / f"out_{kind}",
+                               data={"kind": "random", "seq_len": 96, "segments": 2})
+            for kind in ("qwen3", "qwen3_vl", "qwen3_5")}
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_vl", "qwen3_5"])
+def test_fake_run_counts_what_the_real_run_holds(configs, kind):
+    # bf16 compute, two micro-batches (unsynced gradients held between them), selective AC.
+    sets = ["precision.param_dtype=bfloat16", "grad_accum_steps=2", "parallel.activation_checkpointing=selective"]
+    fake, real = estimates(configs[kind], [sets, 1, 96, 2, True], [sets, 1, 96, 2, False])
+    assert fake["peak_bytes_by_kind"] == real["peak_bytes_by_kind"]
+    assert fake["peak_bytes"] == real["peak_bytes"] > 0
+    assert fake["fake"] and not real["fake"]
+
+
+def test_states_are_sharded_and_frozen_modules_hold_no_optimizer_state(configs, tmp_path):
+    from vlmcore.models import build_model
+
+    model = build_model(str(configs["qwen3_vl"].parent / "qwen3_vl"), device="meta")
+    n_all = sum(p.numel() for p in model.parameters())
+    n_merger = sum(p.numel() for n, p in model.named_parameters() if n.startswith("model.visual.merger."))
+    frozen = ['trainable=["model.visual.merger.*"]']
+    one, fsdp4, tp2, stage1 = estimates(configs["qwen3_vl"], [[], 1, 96, 2, True], [[], 4, 96, 2, True],
+                                        [["parallel.tp=2"], 4, 96, 2, True], [frozen, 1, 96, 2, True])
+    kinds = [r["peak_bytes_by_kind"] for r in (one, fsdp4, tp2, stage1)]
+    # fp32 weights; AdamW keeps two fp32 moments per trainable weight (plus a step count each).
+    assert kinds[0]["Sharded Param"] == 4 * n_all
+    assert 8 * n_all <= kinds[0]["OptState"] < 8 * n_all + 4096
+    # FSDP over 4 ranks: a quarter of weights and optimizer state each (dim 0 padded to 4).
+    assert kinds[0]["Sharded Param"] / 4 <= kinds[1]["Sharded Param"] < kinds[0]["Sharded Param"] / 4 * 1.05
+    assert kinds[1]["OptState"] < kinds[0]["OptState"] / 4 * 1.05
+    # dp 2 x tp 2 shards weights over 4 ranks too (the vision tower by FSDP over all 4).
+    assert kinds[2]["Sharded Param"] < kinds[0]["Sharded Param"] / 4 * 1.3
+    assert (fsdp4["dp_shard"], tp2["dp_shard"], tp2["tp"]) == (4, 2, 2)
+    # Stage 1 trains the merger alone: optimizer state for it only.
+    assert 8 * n_merger <= kinds[3]["OptState"] < 8 * n_merger + 4096
+    assert stage1["peak_bytes"] < one["peak_bytes"]
+
+
+def test_checkpointing_and_shorter_rows_hold_fewer_activations(configs):
+    none, selective, full, short = estimates(
+        configs["qwen3"], [["parallel.activation_checkpointing=none"], 1, 192, 2, True],
+        [["parallel.activation_checkpointing=selective"], 1, 192, 2, True],
+        [["parallel.activation_checkpointing=full"], 1, 192, 2, True],
+        [["parallel.activation_checkpointing=none"], 1, 96, 2, True])
+    act = [r["peak_bytes_by_kind"]["Activation"] for r in (none, selective, full, short)]
+    assert act[2] < act[1] < act[0]
+    assert act[3] < act[0] * 0.6
+
+
+def test_cli_takes_the_row_shape_from_the_packed_dataset(configs, tmp_path):
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    (packed / "pack_config.json").write_text(json.dumps({"seq_len": 160, "max_patches": 144}))
+    out = tmp_path / "estimate.json"
+    proc = subprocess.run(command(1, "memory", str(configs["qwen3_vl"]), "--world-size", "2", "--set",
+                                  f"data_path={packed}", "--set", "data.kind=packed", "--json", str(out)),
+                          capture_output=True, text=True, env=env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    # 144 patches at most: a 12x12-patch image, 6x6 merged (spatial merge 2).
+    assert (result["seq_len"], result["image_side"], result["dp_shard"]) == (160, 6, 2)
+    assert "rank 0 of 2 (dp_replicate 1 x dp_shard 2 x tp 1), 1 x 160 tokens" in proc.stdout
+    total = proc.stdout.strip().splitlines()[-1].split()
+    assert total[0] == "total" and float(total[1]) == pytest.approx(result["peak_bytes"] / 2**20, abs=0.01)
+
+
+def test_cli_names_what_does_not_fit(configs, tmp_path, capsys):
+    from vlmcore.cli import main
+
+    assert main(["memory", str(configs["qwen3"]), "--world-size", "3", "--set", "parallel.tp=2"]) == 2
+    assert "parallel: dp_replicate (1) x dp_shard (-1) x tp (2) does not fit the world size 3" in capsys.readouterr().err
+    assert main(["memory", str(configs["qwen3"]), "--world-size", "1", "--set", f"model_path={tmp_path}"]) == 2
+    assert f"model_path: {tmp_path}/config.json not found" in capsys.readouterr().err
