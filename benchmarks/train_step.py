@@ -26,34 +26,40 @@ PRESETS = {
     "tiny": dict(text=dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=64),
                  vision=dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=2, out_hidden_size=256),
-                 seq_len=1024),
+                 seq_len=1024, image_side=2),
     # Qwen3-VL-2B / Qwen3-1.7B class.
     "2b": dict(text=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                          num_attention_heads=16, num_key_value_heads=8, head_dim=128),
                vision=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048),
-               seq_len=8192),
+               # One 512x512 image per row (32x32 patches, 256 LLM tokens) among 16 packed samples.
+               seq_len=8192, image_side=16),
 }
+
+
+def hf_config(family: str, preset: dict):
+    import transformers
+
+    text = dict(preset["text"], max_position_embeddings=32768, tie_word_embeddings=True)
+    if family == "qwen3":
+        return transformers.Qwen3Config(**text)
+    half = text["head_dim"] // 2
+    rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_interleaved": True,
+            "mrope_section": [half - 2 * (half * 5 // 16), half * 5 // 16, half * 5 // 16]}
+    vision = dict(preset["vision"], patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                  num_position_embeddings=2304, deepstack_visual_indexes=[0])
+    vocab = text["vocab_size"]
+    return transformers.Qwen3VLConfig(vision_config=vision, text_config=dict(text, rope_parameters=rope),
+                                      image_token_id=vocab - 6, vision_start_token_id=vocab - 5,
+                                      vision_end_token_id=vocab - 4, video_token_id=vocab - 3)
 
 
 def write_snapshot(family: str, preset: dict, path: Path) -> None:
     import transformers
 
-    text = dict(preset["text"], max_position_embeddings=32768, tie_word_embeddings=True)
+    config = hf_config(family, preset)
+    cls = transformers.Qwen3ForCausalLM if family == "qwen3" else transformers.Qwen3VLForConditionalGeneration
     with torch.device("meta" if preset is PRESETS["2b"] else "cpu"):
-        if family == "qwen3":
-            model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**text))
-        else:
-            half = text["head_dim"] // 2
-            rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_interleaved": True,
-                    "mrope_section": [half - 2 * (half * 5 // 16), half * 5 // 16, half * 5 // 16]}
-            vision = dict(preset["vision"], patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
-                          num_position_embeddings=2304, deepstack_visual_indexes=[0])
-            config = transformers.Qwen3VLConfig(vision_config=vision, text_config=dict(text, rope_parameters=rope),
-                                                image_token_id=text["vocab_size"] - 6,
-                                                vision_start_token_id=text["vocab_size"] - 5,
-                                                vision_end_token_id=text["vocab_size"] - 4,
-                                                video_token_id=text["vocab_size"] - 3)
-            model = transformers.Qwen3VLForConditionalGeneration(config)
+        model = cls(config)
     if model.device.type == "meta":
         model = model.to_empty(device="cpu")
         for p in model.parameters():
@@ -78,8 +84,9 @@ def time_steps(step_fn, warmup: int, steps: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def peak_memory_gb(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None
+def peak_memory_gib(device: torch.device) -> float | None:
+    """What the tensors held at most (bytes counted as `vlmcore memory` counts them)."""
+    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
 
 
 def bench_vlmcore(cfg, batch, device, args):
@@ -103,7 +110,7 @@ def bench_vlmcore(cfg, batch, device, args):
         optimizer.zero_grad(set_to_none=True)
 
     seconds = time_steps(step, args.warmup, args.steps, device)
-    result = {"step_s": seconds, "peak_mem_gb": peak_memory_gb(device), "flops_per_step": flops}
+    result = {"step_s": seconds, "peak_mem_gib": peak_memory_gib(device), "flops_per_step": flops}
     del model, optimizer
     dist.destroy_process_group()
     return result
@@ -137,7 +144,7 @@ def bench_transformers(path, batch, device, args, image_token_id):
         optimizer.zero_grad(set_to_none=True)
 
     seconds = time_steps(step, args.warmup, args.steps, device)
-    result = {"step_s": seconds, "peak_mem_gb": peak_memory_gb(device)}
+    result = {"step_s": seconds, "peak_mem_gib": peak_memory_gib(device)}
     del model, optimizer
     return result
 
@@ -173,14 +180,15 @@ def main() -> int:
         cfg.loss_chunk_tokens = 2048
         import transformers
 
-        hf_config = transformers.AutoConfig.from_pretrained(path)
-        batch = RandomBatches(hf_config, seq_len=seq_len, segments=max(1, seq_len // 512), image_fraction=1.0,
-                              micro_batch_size=1, dp_rank=0, dp_world=1, grad_accum_steps=1, seed=0).batch(0)
+        model_config = transformers.AutoConfig.from_pretrained(path)
+        batch = RandomBatches(model_config, seq_len=seq_len, segments=max(1, seq_len // 512), image_fraction=1.0,
+                              micro_batch_size=1, dp_rank=0, dp_world=1, grad_accum_steps=1, seed=0,
+                              image_side=preset["image_side"]).batch(0)
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         results = {"vlmcore": bench_vlmcore(cfg, batch, device, args)}
         if not args.skip_transformers:
             results["transformers"] = bench_transformers(path, batch, device, args,
-                                                         getattr(hf_config, "image_token_id", None))
+                                                         getattr(model_config, "image_token_id", None))
 
     from vlmcore.train.metrics import peak_tflops
 
@@ -189,13 +197,13 @@ def main() -> int:
     flops = results["vlmcore"]["flops_per_step"]
     name = torch.cuda.get_device_name() if bf16 else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
     print(f"{args.family} {args.preset} {tokens} packed tokens, {name}, compile={args.compile}")
-    print(f"{'engine':<14}{'step s':>10}{'tokens/s':>12}{'TFLOPS':>10}{'MFU %':>8}{'peak GB':>9}")
+    print(f"{'engine':<14}{'step s':>10}{'tokens/s':>12}{'TFLOPS':>10}{'MFU %':>8}{'peak GiB':>9}")
     for engine, r in results.items():
         r["tokens_per_s"] = tokens / r["step_s"]
         r["tflops"] = flops / r["step_s"] / 1e12
         r["mfu"] = 100 * r["tflops"] / peak if peak else None
         mfu = f"{r['mfu']:.1f}" if r["mfu"] is not None else "-"
-        mem = f"{r['peak_mem_gb']:.1f}" if r["peak_mem_gb"] is not None else "-"
+        mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
         print(f"{engine:<14}{r['step_s']:>10.3f}{r['tokens_per_s']:>12.0f}{r['tflops']:>10.2f}{mfu:>8}{mem:>9}")
     if "transformers" in results:
         speedup = results["transformers"]["step_s"] / results["vlmcore"]["step_s"]

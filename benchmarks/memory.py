@@ -1,0 +1,61 @@
+"""Peak memory per device of the 2B-class training configs, estimated without a GPU.
+
+    python benchmarks/memory.py        # writes benchmarks/results/memory_2b.json
+
+Each row is `vlmcore memory` (vlmcore.train.memory): two training steps of the model of
+benchmarks/train_step.py's `2b` preset, parallelized for the given world size, run on fake
+tensors, with torch's FSDP2 memory tracker counting every live tensor on rank 0. The batch is
+the one train_step.py measures on a GPU: one row of 8,192 packed tokens, 16 samples, for
+Qwen3-VL one 512x512 image (1,024 patches); bf16 compute over fp32 weights and AdamW state.
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from train_step import PRESETS, hf_config
+
+from vlmcore.config import TrainConfig
+from vlmcore.train.memory import estimate_memory
+
+ROWS = [  # family, world size, activation checkpointing
+    ("qwen3", 1, "none"), ("qwen3", 1, "selective"), ("qwen3", 1, "full"),
+    ("qwen3_vl", 1, "none"), ("qwen3_vl", 1, "selective"), ("qwen3_vl", 1, "full"),
+    ("qwen3_vl", 8, "none"), ("qwen3_vl", 8, "selective"),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "memory_2b.json")
+    args = parser.parse_args()
+    preset = PRESETS["2b"]
+    results = []
+    print(f"{'family':<10}{'ranks':>6}{'AC':>11}{'params':>9}{'gathered':>10}{'grads':>8}{'optim':>8}"
+          f"{'activ.':>8}{'other':>8}{'peak GiB':>10}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for family, world, ac in ROWS:
+            path = Path(tmp) / family
+            hf_config(family, preset).save_pretrained(path)  # the config is all it needs: no weights
+            cfg = TrainConfig(model_path=str(path), loss_chunk_tokens=2048)
+            cfg.precision.param_dtype = "bfloat16"
+            cfg.parallel.activation_checkpointing = ac
+            cfg.data.segments = preset["seq_len"] // 512
+            r = estimate_memory(cfg, world, preset["seq_len"], preset["image_side"])
+            results.append(dict(r, family=family))
+            kinds = dict(r["peak_bytes_by_kind"])
+            gib = lambda *names: sum(kinds.pop(n, 0) for n in names) / 2**30  # noqa: E731
+            cols = [gib("Sharded Param"), gib("Unsharded Param", "All Gather"),
+                    gib("Sharded Grad", "Unsharded Grad", "Reduce Scatter"), gib("OptState"), gib("Activation")]
+            cols.append(sum(kinds.values()) / 2**30)
+            print(f"{family:<10}{world:>6}{ac:>11}" + "".join(f"{c:>{w}.1f}" for c, w in zip(cols, (9, 10, 8, 8, 8, 8)))
+                  + f"{r['peak_bytes'] / 2**30:>10.1f}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"preset": "2b", "rows": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
