@@ -111,3 +111,18 @@ def test_cli_names_what_does_not_fit(configs, tmp_path, capsys):
     assert "parallel: dp_replicate (1) x dp_shard (-1) x tp (2) does not fit the world size 3" in capsys.readouterr().err
     assert main(["memory", str(configs["qwen3"]), "--world-size", "1", "--set", f"model_path={tmp_path}"]) == 2
     assert f"model_path: {tmp_path}/config.json not found" in capsys.readouterr().err
+
+
+def test_chunked_loss_never_holds_the_full_logits(tmp_path):
+    """32k vocabulary, 512 tokens: the fp32 logits of the row alone take 64 MiB. Chunks of 64
+    tokens hold at least that much less at the peak than one chunk of the whole row."""
+    import transformers
+    from _train_helpers import TEXT
+
+    transformers.Qwen3Config(**dict(TEXT, vocab_size=32768), tie_word_embeddings=True).save_pretrained(tmp_path / "m")
+    config = write_config(tmp_path / "c.yaml", tmp_path / "m", tmp_path / "out")
+    logits = 512 * 32768 * 4
+    chunked, whole = estimates(config, [["loss_chunk_tokens=64"], 1, 512, 2, True],
+                               [["loss_chunk_tokens=512"], 1, 512, 2, True])
+    assert chunked["peak_bytes"] + logits < whole["peak_bytes"]
+    assert whole["peak_bytes_by_kind"]["Activation"] > 2 * logits  # the logits and their softmax
