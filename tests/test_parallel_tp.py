@@ -93,6 +93,17 @@ def test_tp_degree_must_divide_every_split_head_count():
         check_tp(hf_config("qwen3"), 3)
 
 
+def test_uneven_sequence_split_on_old_torch_is_a_clear_error():
+    """torch 2.11 fails deep in backward on rows that tp does not divide under sequence
+    parallelism; before 2.13 apply_tp checks the row length first (2.13 runs them, above)."""
+    from vlmcore.parallel.tp import _check_even_sequence_split
+
+    check = _check_even_sequence_split(2)
+    check(None, (torch.zeros(2, 32, 8),))
+    with pytest.raises(ValueError, match=r"tp 2 with rows of 33 tokens needs torch >= 2.13 .* multiple of 2"):
+        check(None, (torch.zeros(2, 33, 8),))
+
+
 @pytest.mark.slow
 def test_tp_plans_match_the_unsharded_model(tmp_path):
     from _train_helpers import env, tiny_snapshot

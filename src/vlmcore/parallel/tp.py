@@ -26,6 +26,7 @@ the gated norm and the rows read by the linear-attention mixers) get partial gra
 rank; `apply_tp` returns their names for the loop to all-reduce once per optimizer step.
 """
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -97,6 +98,18 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
     return plan
 
 
+def _check_even_sequence_split(tp: int):
+    """torch before 2.13 (seen on 2.11) fails in backward on an unevenly split sequence (a
+    strided all-gather result, 'view size is not compatible'); say what to change instead."""
+    def check(module: nn.Module, args: tuple) -> None:
+        seq_len = args[0].shape[1]
+        if seq_len % tp:
+            raise ValueError(f"sequence parallelism over tp {tp} with rows of {seq_len} tokens needs torch >= 2.13 "
+                             f"(this is {torch.__version__}): make the packed seq_len a multiple of {tp}, or set "
+                             f"parallel.sequence_parallel: false")
+    return check
+
+
 def _set_local_heads(block: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Attention modules that store head counts must see the per-rank counts; linear-attention
     mixers learn which heads are theirs."""
@@ -126,6 +139,8 @@ def apply_tp(model: nn.Module, blocks: nn.Module, tp_mesh: DeviceMesh, sequence_
     parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     if sequence_parallel:
         text_model = next(m for m in model.modules() if hasattr(m, "split_sequence") and m.layers is blocks)
+        if torch.__version__ < (2, 13):
+            text_model.split_sequence.register_forward_pre_hook(_check_even_sequence_split(tp_mesh.size()))
         parallelize_module(text_model.split_sequence, tp_mesh, PrepareModuleInput(
             input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=False))
         parallelize_module(text_model.norm, tp_mesh, SequenceParallel())
