@@ -149,6 +149,22 @@ def test_snakemake_html_report_attaches_plots_and_tables(demo):
         assert name in html, name
 
 
+def test_memory_target_estimates_every_stage(demo):
+    """`snakemake memory`, what a user runs before queueing a cluster run: one estimate per stage
+    at its rank count and its packed dataset's row length, from the model's config alone."""
+    assert planned_jobs(demo, "memory") == {"estimate_memory": 2, "memory": 1}
+    snakemake(demo, "memory")
+    memory = demo / RESULTS / "memory"
+    estimates = {s: json.loads((memory / f"{s}.json").read_text()) for s in ("stage1", "stage2")}
+    for stage, dataset in (("stage1", "captions"), ("stage2", "conversations")):
+        pack = json.loads((demo / RESULTS / "packed" / dataset / "pack_config.json").read_text())
+        assert estimates[stage]["seq_len"] == pack["seq_len"] and estimates[stage]["world_size"] == 2
+        assert "rank 0 of 2 (dp_replicate 1 x dp_shard 2 x tp 1)" in (memory / f"{stage}.txt").read_text()
+    # Stage 1 trains the projector alone: AdamW state for it only.
+    opt = {s: e["peak_bytes_by_kind"]["OptState"] for s, e in estimates.items()}
+    assert 0 < opt["stage1"] < opt["stage2"] / 5
+
+
 def test_second_run_does_nothing(demo):
     assert planned_jobs(demo, "train_all") == {}
 

@@ -46,3 +46,9 @@ rule scaling:
 rule report:
     input:
         f"{R}/report/SCALABILITY.md",
+
+
+rule memory:
+    # Not part of train_all: run it before a cluster run (results/<experiment>/memory/<stage>.txt).
+    input:
+        expand(f"{R}/memory/{{stage}}.txt", stage=STAGES),

@@ -74,3 +74,28 @@ rule scaling_run:
         "rm -rf {params.dir} && mkdir -p {params.dir}"
         " && printf '%s\\n' {params.settings} > {params.dir}/stage_config.yaml"
         " && bash {params.launcher} {params.nodes} {params.nproc} {params.dir}/stage_config.yaml > {log} 2>&1"
+
+
+rule estimate_memory:
+    # `snakemake ... memory` before queueing the training jobs: each stage's peak memory per
+    # GPU at its rank count, estimated on fake tensors on a CPU (`vlmcore memory`): the model's
+    # config.json and the packed dataset's limits are all it reads.
+    input:
+        model=f"{R}/model/manifest.json",
+        data=lambda wc: EXP.stage_inputs(wc.stage)["data"],
+    output:
+        estimate=f"{R}/memory/{{stage}}.json",
+        table=f"{R}/memory/{{stage}}.txt",
+    params:
+        settings=lambda wc: as_yaml_arg(EXP.stage_config(wc.stage)),
+        config=lambda wc: EXP.path("memory", f"{wc.stage}_config.yaml"),
+        ranks=lambda wc: EXP.stage_ranks(wc.stage),
+    log:
+        f"{R}/logs/estimate_memory/{{stage}}.log",
+    resources:
+        runtime=30,
+    conda:
+        "../envs/vlmcore.yaml"
+    shell:
+        "printf '%s\\n' {params.settings} > {params.config}"
+        " && vlmcore memory {params.config} --world-size {params.ranks} --json {output.estimate} > {output.table} 2> {log}"

@@ -50,7 +50,10 @@ def run(args) -> int:
     try:
         cfg = load_config(args.config, args.set)
         seq_len, image_side = batch_shape(cfg, args.seq_len, args.image_side)
-        result = estimate_memory(cfg, args.world_size, seq_len, image_side)
+        # A packed row's worst case is one sample holding the largest image; random rows are
+        # estimated as they are configured.
+        segments = cfg.data.segments if cfg.data.kind == "random" else 1
+        result = estimate_memory(cfg, args.world_size, seq_len, image_side, segments=segments)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -113,9 +116,11 @@ def _fake_mode_with_constant_batch(fake: bool):
         fake_tensor.CONSTANT_NUMEL_LIMIT = limit
 
 
-def estimate_memory(cfg: TrainConfig, world_size: int, seq_len: int, image_side: int, fake: bool = True) -> dict:
-    """Peak bytes per kind on rank 0 over two training steps. `fake=False` runs the same steps
-    on real tensors (one process only): what the fake run must reproduce."""
+def estimate_memory(cfg: TrainConfig, world_size: int, seq_len: int, image_side: int, fake: bool = True,
+                    segments: int | None = None) -> dict:
+    """Peak bytes per kind on rank 0 over two training steps, each row `segments` packed
+    samples (default: data.segments), the longest with the image. `fake=False` runs the same
+    steps on real tensors (one process only): what the fake run must reproduce."""
     if world_size < 1:
         raise ConfigError(f"--world-size: must be at least 1, got {world_size}")
     if not fake and world_size != 1:
@@ -132,7 +137,7 @@ def estimate_memory(cfg: TrainConfig, world_size: int, seq_len: int, image_side:
         # Rank 0's micro-batches, every row with an image. Two micro-batches hold as much as
         # more would: from the second on, the unsynced gradients of the first are held too.
         micro_batches = min(cfg.grad_accum_steps, 2)
-        data = RandomBatches(model.config, seq_len=seq_len, segments=cfg.data.segments, image_fraction=1.0,
+        data = RandomBatches(model.config, seq_len=seq_len, segments=segments or cfg.data.segments, image_fraction=1.0,
                              micro_batch_size=cfg.micro_batch_size, dp_rank=0, dp_world=dims.dp,
                              grad_accum_steps=micro_batches, seed=cfg.seed, image_side=image_side)
         micro = [data.batch(i) for i in range(micro_batches)]
@@ -144,7 +149,8 @@ def estimate_memory(cfg: TrainConfig, world_size: int, seq_len: int, image_side:
                           if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in micro]
             peak = _peak_of_two_steps(cfg, model, partial_names, mesh, dims, micro, label_tokens)
     return {"world_size": world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
-            "seq_len": seq_len, "micro_batch_size": cfg.micro_batch_size, "image_side": image_side,
+            "seq_len": seq_len, "segments": segments or cfg.data.segments, "micro_batch_size": cfg.micro_batch_size,
+            "image_side": image_side,
             "activation_checkpointing": cfg.parallel.activation_checkpointing,
             "param_dtype": cfg.precision.param_dtype, "fake": fake,
             "peak_bytes": peak.pop("Total"), "peak_bytes_by_kind": peak}
