@@ -90,6 +90,18 @@ def test_recipe_dry_runs_and_places_rules(tmp_path, recipe):
         assert "gres" not in jobs["pack_data"][0]
 
 
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if r.stem.startswith("qwen3vl-2b")], ids=lambda r: r.stem)
+def test_memory_estimate_is_a_cpu_job_per_stage(tmp_path, recipe):
+    cluster = recipe.stem.rsplit("-", 1)[1]
+    config = stage_inputs(tmp_path, recipe)
+    proc = snakemake(tmp_path, cluster, recipe, "-n", "memory")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    estimates = planned_jobs(proc.stdout)["estimate_memory"]
+    assert len(estimates) == len(config["train"]["stages"])
+    assert {j["slurm_partition"] for j in estimates} == {{"mn5": "gpp", "jupiter": "booster"}[cluster]}
+    assert all("gres" not in j for j in estimates)
+
+
 def stage_snapshot(workdir, recipe, weights_size):
     """A staged copy of the recipe's model whose manifest lists 1000 bytes of weights."""
     config = stage_inputs(workdir, recipe)
