@@ -72,8 +72,10 @@ def batch_shape(cfg: TrainConfig, seq_len: int | None, image_side: int | None) -
     config_file = Path(cfg.model_path) / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"model_path: {config_file} not found (the model's config.json is all it needs)")
+    model_config = json.loads(config_file.read_text())
+    if "vision_config" not in model_config:
+        return seq_len, 0  # a text model: no image
     if image_side is None:
-        model_config = json.loads(config_file.read_text())
         merge = model_config.get("vision_config", {}).get("spatial_merge_size", 2)
         image_side = math.isqrt(limits["max_patches"]) // merge if "max_patches" in limits else cfg.data.image_side
         image_side = min(image_side, math.isqrt(seq_len - 4))  # the image and its two markers fit the row
@@ -194,9 +196,11 @@ def _peak_of_two_steps(cfg, model, partial_names, mesh, dims, micro, label_token
 
 def format_table(result: dict) -> str:
     unit, scale = ("GiB", 2**30) if result["peak_bytes"] >= 2**30 else ("MiB", 2**20)
+    side = result["image_side"]
+    image = f"image {side}x{side} merged patches" if side else "no image"
     mesh = f"dp_replicate {result['dp_replicate']} x dp_shard {result['dp_shard']} x tp {result['tp']}"
     lines = [f"peak memory per device, rank 0 of {result['world_size']} ({mesh}), {result['micro_batch_size']} x "
-             f"{result['seq_len']} tokens, image {result['image_side']}x{result['image_side']} merged patches, "
+             f"{result['seq_len']} tokens, {image}, "
              f"activation checkpointing {result['activation_checkpointing']}, {result['param_dtype']} compute, eager",
              f"{'kind':<16}{unit:>10}"]
     for kind, n in result["peak_bytes_by_kind"].items():
