@@ -164,6 +164,20 @@ def test_memory_target_estimates_every_stage(demo):
     opt = {s: e["peak_bytes_by_kind"]["OptState"] for s, e in estimates.items()}
     assert 0 < opt["stage1"] < opt["stage2"] / 5
 
+    # With the GPU's memory given (train.gpu_memory_gib), a stage that does not fit fails the
+    # target, saying what to change; here a GPU between the two stages' peaks (10% kept free).
+    peaks = {s: e["peak_bytes"] for s, e in estimates.items()}
+    assert peaks["stage1"] < peaks["stage2"]
+    overlay = demo / "gpu_memory.yaml"
+    overlay.write_text(f"train:\n  gpu_memory_gib: {(peaks['stage1'] + peaks['stage2']) / 2 / 0.9 / 2**30}\n")
+    proc = snakemake(demo, "memory", "--configfile", "config/config.yaml", str(overlay), "--keep-going", check=False)
+    assert proc.returncode != 0
+    assert json.loads((memory / "stage1.json").read_text())["fits"] is True
+    assert not (memory / "stage2.json").exists()
+    log = (demo / RESULTS / "logs" / "estimate_memory" / "stage2.log").read_text()
+    assert "stage2_config.yaml: estimated peak" in log and "does not fit in" in log and "Try: " in log
+    assert "DOES NOT FIT" in log and "Activation" in log  # the table is kept in the log
+
 
 def test_second_run_does_nothing(demo):
     assert planned_jobs(demo, "train_all") == {}

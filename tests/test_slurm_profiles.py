@@ -100,6 +100,10 @@ def test_memory_estimate_is_a_cpu_job_per_stage(tmp_path, recipe):
     assert len(estimates) == len(config["train"]["stages"])
     assert {j["slurm_partition"] for j in estimates} == {{"mn5": "gpp", "jupiter": "booster"}[cluster]}
     assert all("gres" not in j for j in estimates)
+    # Each checks its stage against the cluster's GPU memory.
+    gib = {"mn5": 64, "jupiter": 96}[cluster]
+    assert config["train"]["gpu_memory_gib"] == gib
+    assert proc.stdout.count(f"--gpu-memory-gib {gib} --json") == len(estimates)
 
 
 def stage_snapshot(workdir, recipe, weights_size):

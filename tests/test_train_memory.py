@@ -111,6 +111,34 @@ def test_cli_names_what_does_not_fit(configs, tmp_path, capsys):
     assert "parallel: dp_replicate (1) x dp_shard (-1) x tp (2) does not fit the world size 3" in capsys.readouterr().err
     assert main(["memory", str(configs["qwen3"]), "--world-size", "1", "--set", f"model_path={tmp_path}"]) == 2
     assert f"model_path: {tmp_path}/config.json not found" in capsys.readouterr().err
+    assert main(["memory", str(configs["qwen3"]), "--world-size", "1", "--gpu-memory-gib", "0"]) == 2
+    assert "--gpu-memory-gib: must be positive, got 0.0" in capsys.readouterr().err
+
+
+def test_gpu_memory_check_says_what_to_change(configs, tmp_path):
+    """--gpu-memory-gib: exit 0 and 'fits' under the usable memory (10% kept free), exit 1 above
+    it with what does not fit and what to change; the estimate is written either way."""
+    runs = {}
+    for name, gib in (("roomy", 1.0), ("tight", None)):
+        out = tmp_path / f"{name}.json"
+        if gib is None:  # just under the peak once 10% is kept free
+            gib = json.loads(runs["roomy"][1].read_text())["peak_bytes"] / 2**30 / 0.9 * 0.99
+        proc = subprocess.run(command(1, "memory", str(configs["qwen3_vl"]), "--world-size", "1", "--set",
+                                      "micro_batch_size=2", "--gpu-memory-gib", str(gib), "--json", str(out)),
+                              capture_output=True, text=True, env=env(), timeout=300)
+        runs[name] = proc, out
+    roomy, tight = (json.loads(runs[n][1].read_text()) for n in ("roomy", "tight"))
+    assert runs["roomy"][0].returncode == 0 and roomy["fits"] and roomy["usable_bytes"] == int(0.9 * 2**30)
+    assert "fits: " in runs["roomy"][0].stdout and "usable on a 1 GiB GPU" in runs["roomy"][0].stdout
+    proc = runs["tight"][0]
+    assert proc.returncode == 1 and not tight["fits"] and tight["peak_bytes"] == roomy["peak_bytes"]
+    assert "DOES NOT FIT" in proc.stdout
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"error: {configs['qwen3_vl']}: estimated peak") and "largest: " in error
+    # The tiny model's activations outweigh its states: checkpointing and smaller micro-batches first.
+    assert "parallel.activation_checkpointing: selective (now none)" in error
+    assert "micro_batch_size: 1 with twice the grad_accum_steps (now 2)" in error
+    assert "more ranks to shard over, or tensor parallel (now dp_shard 1 x tp 1)" in error
 
 
 def test_chunked_loss_never_holds_the_full_logits(tmp_path):

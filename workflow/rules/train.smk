@@ -90,6 +90,7 @@ rule estimate_memory:
         settings=lambda wc: as_yaml_arg(EXP.stage_config(wc.stage)),
         config=lambda wc: EXP.path("memory", f"{wc.stage}_config.yaml"),
         ranks=lambda wc: EXP.stage_ranks(wc.stage),
+        fit=f"--gpu-memory-gib {config['train']['gpu_memory_gib']}" if "gpu_memory_gib" in config["train"] else "",
     log:
         f"{R}/logs/estimate_memory/{{stage}}.log",
     resources:
@@ -98,4 +99,6 @@ rule estimate_memory:
         "../envs/vlmcore.yaml"
     shell:
         "printf '%s\\n' {params.settings} > {params.config}"
-        " && vlmcore memory {params.config} --world-size {params.ranks} --json {output.estimate} > {output.table} 2> {log}"
+        # A stage that does not fit fails here; its table stays in the log.
+        " && vlmcore memory {params.config} --world-size {params.ranks} {params.fit} --json {output.estimate}"
+        " > {output.table} 2> {log} || {{ cat {output.table} >> {log}; exit 1; }}"

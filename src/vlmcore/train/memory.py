@@ -43,24 +43,77 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "in each row (default: as large as the dataset's max_patches allows, else data.image_side)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, dotted keys for sections (repeatable)")
+    parser.add_argument("--gpu-memory-gib", type=float, help="memory of one GPU: exit 1, saying what to change, "
+                        f"if the estimate does not fit in it with {HEADROOM:.0%} kept free")
     parser.add_argument("--json", type=Path, help="also write the estimate here")
+
+
+# Kept free on the GPU for what the estimate does not count: the CUDA context, NCCL's buffers and
+# the caching allocator's fragmentation (reserved minus allocated). A rule of thumb, not measured here.
+HEADROOM = 0.10
 
 
 def run(args) -> int:
     try:
         cfg = load_config(args.config, args.set)
-        seq_len, image_side = batch_shape(cfg, args.seq_len, args.image_side)
-        # A packed row's worst case is one sample holding the largest image; random rows are
-        # estimated as they are configured.
-        segments = cfg.data.segments if cfg.data.kind == "random" else 1
-        result = estimate_memory(cfg, args.world_size, seq_len, image_side, segments=segments)
+        result = estimate_stage(cfg, args.world_size, args.seq_len, args.image_side)
+        if args.gpu_memory_gib is not None and args.gpu_memory_gib <= 0:
+            raise ConfigError(f"--gpu-memory-gib: must be positive, got {args.gpu_memory_gib}")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(format_table(result))
+    problem = None
+    if args.gpu_memory_gib:
+        problem = check_fit(result, args.gpu_memory_gib)
+        print(fit_line(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if problem:
+        print(f"error: {args.config}: {problem}", file=sys.stderr)
+        return 1
     return 0
+
+
+def estimate_stage(cfg: TrainConfig, world_size: int, seq_len: int | None = None,
+                   image_side: int | None = None) -> dict:
+    """`estimate_memory` of a stage config at its worst-case row: a packed row is one sample
+    holding the largest image the dataset allows; random rows are estimated as configured."""
+    seq_len, image_side = batch_shape(cfg, seq_len, image_side)
+    segments = cfg.data.segments if cfg.data.kind == "random" else 1
+    return estimate_memory(cfg, world_size, seq_len, image_side, segments=segments)
+
+
+def check_fit(result: dict, gpu_memory_gib: float, headroom: float = HEADROOM) -> str | None:
+    """Adds `gpu_memory_gib`, `usable_bytes` and `fits` to `result`; None if the peak fits in
+    the GPU with `headroom` kept free, else what does not fit and what would shrink it."""
+    usable = int(gpu_memory_gib * 2**30 * (1 - headroom))
+    result.update(gpu_memory_gib=gpu_memory_gib, usable_bytes=usable, fits=result["peak_bytes"] <= usable)
+    if result["fits"]:
+        return None
+    kinds = result["peak_bytes_by_kind"]
+    states = sum(kinds.get(k, 0) for k in ("Sharded Param", "Sharded Grad", "OptState"))
+    fixes = []
+    if kinds.get("Activation", 0) >= states:
+        ac = result["activation_checkpointing"]
+        if ac != "full":
+            fixes.append(f"parallel.activation_checkpointing: {'selective' if ac == 'none' else 'full'} (now {ac})")
+        if result["micro_batch_size"] > 1:
+            fixes.append(f"micro_batch_size: {result['micro_batch_size'] // 2} with twice the grad_accum_steps "
+                         f"(now {result['micro_batch_size']})")
+        fixes.append(f"shorter rows (now {result['seq_len']} tokens"
+                     + (f", images up to {result['image_side']}x{result['image_side']} merged patches)" if result["image_side"] else ")"))
+    fixes.append(f"more ranks to shard over, or tensor parallel (now dp_shard {result['dp_shard']} x tp {result['tp']})")
+    return (f"estimated peak {result['peak_bytes'] / 2**30:.1f} GiB per GPU does not fit in "
+            f"{usable / 2**30:.1f} GiB ({gpu_memory_gib:g} GiB GPU, {headroom:.0%} kept free); largest: "
+            + ", ".join(f"{k} {n / 2**30:.1f} GiB" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])[:2] if n)
+            + ". Try: " + "; ".join(fixes))
+
+
+def fit_line(result: dict) -> str:
+    verdict = "fits" if result["fits"] else "DOES NOT FIT"
+    return (f"{verdict}: {result['peak_bytes'] / 2**30:.1f} GiB of the {result['usable_bytes'] / 2**30:.1f} GiB "
+            f"usable on a {result['gpu_memory_gib']:g} GiB GPU")
 
 
 def batch_shape(cfg: TrainConfig, seq_len: int | None, image_side: int | None) -> tuple[int, int]:

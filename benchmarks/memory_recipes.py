@@ -1,0 +1,117 @@
+"""Does every shipped cluster recipe fit its GPUs? Peak memory per GPU of each training stage of
+config/experiments/*.yaml, estimated without a GPU, against the recipe's train.gpu_memory_gib.
+
+    python benchmarks/memory_recipes.py [RECIPE ...]   # writes benchmarks/results/memory_recipes.json
+
+Each stage is estimated as `snakemake memory` does on the cluster (`vlmcore memory` on the
+stage's config at its rank count): its worst-case row is one sample holding the largest image
+the recipe's pack.max_patches allows, in a row of pack.seq_len tokens. The models are built from
+the architecture fields of the published config.json of each recipe's repo_id (no weights).
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from vlmcore.config import load_config
+from vlmcore.train.memory import check_fit, estimate_stage
+from vlmcore.workflow import Experiment, validate_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _qwen3_vl(hidden, intermediate, layers, heads, tied, vision_depth, vision_hidden, vision_intermediate, deepstack):
+    from transformers import Qwen3VLConfig
+
+    text = dict(vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=8, head_dim=128, tie_word_embeddings=tied,
+                max_position_embeddings=262144,
+                rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_interleaved": True,
+                                 "mrope_section": [24, 20, 20]})
+    vision = dict(depth=vision_depth, hidden_size=vision_hidden, intermediate_size=vision_intermediate, num_heads=16,
+                  out_hidden_size=hidden, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                  num_position_embeddings=2304, deepstack_visual_indexes=deepstack)
+    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tied)
+
+
+def _qwen3_5_9b():
+    from transformers import Qwen3_5Config
+
+    text = dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8,
+                num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_conv_kernel_dim=4,
+                linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                linear_num_value_heads=32, tie_word_embeddings=False, max_position_embeddings=262144,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+    vision = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
+                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304)
+    return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+
+
+MODELS = {
+    "Qwen/Qwen3-VL-2B-Instruct": lambda: _qwen3_vl(2048, 6144, 28, 16, True, 24, 1024, 4096, [5, 11, 17]),
+    "Qwen/Qwen3-VL-8B-Instruct": lambda: _qwen3_vl(4096, 12288, 36, 32, False, 27, 1152, 4304, [8, 16, 24]),
+    "Qwen/Qwen3.5-9B": _qwen3_5_9b,
+}
+
+
+def estimate_recipe(recipe: Path, tmp: Path) -> list[dict]:
+    config = validate_config(yaml.safe_load(recipe.read_text()), REPO / "workflow" / "schemas" / "config.schema.yaml")
+    exp = Experiment(config)
+    model_dir = tmp / recipe.stem / "model"
+    MODELS[config["model"]["repo_id"]]().save_pretrained(model_dir)
+    rows = []
+    for stage in exp.stages:
+        # The stage's packed dataset as far as the estimate reads it: its row limits.
+        packed = tmp / recipe.stem / "packed" / stage
+        packed.mkdir(parents=True)
+        (packed / "pack_config.json").write_text(json.dumps(config["pack"]))
+        settings = dict(exp.stage_config(stage), model_path=str(model_dir), data_path=str(packed),
+                        output_dir=str(tmp / recipe.stem / "train" / stage), init_from=None)
+        stage_config = tmp / recipe.stem / f"{stage}.yaml"
+        stage_config.write_text(yaml.safe_dump(settings))
+        start = time.perf_counter()
+        result = estimate_stage(load_config(stage_config, []), exp.stage_ranks(stage))
+        problem = check_fit(result, config["train"]["gpu_memory_gib"])
+        rows.append(dict(result, recipe=recipe.stem, stage=stage, problem=problem,
+                         estimate_seconds=round(time.perf_counter() - start, 1)))
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("recipes", nargs="*", type=Path, help="default: config/experiments/*.yaml")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "memory_recipes.json")
+    args = parser.parse_args()
+    recipes = args.recipes or sorted((REPO / "config" / "experiments").glob("*.yaml"))
+    print(f"{'recipe':<22}{'stage':<8}{'ranks':>6}{'mesh':>9}{'AC':>11}{'mbs':>4}{'tokens':>7}{'image':>7}"
+          f"{'states':>8}{'activ.':>8}{'peak GiB':>9}{'GPU GiB':>8}  fits")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for recipe in recipes:
+            for r in estimate_recipe(recipe, Path(tmp)):
+                rows.append(r)
+                kinds = r["peak_bytes_by_kind"]
+                states = sum(kinds.get(k, 0) for k in ("Sharded Param", "Sharded Grad", "OptState")) / 2**30
+                mesh = f"{r['dp_shard']}x{r['tp']}"
+                side = f"{r['image_side']}^2" if r["image_side"] else "-"
+                print(f"{r['recipe']:<22}{r['stage']:<8}{r['world_size']:>6}{mesh:>9}"
+                      f"{r['activation_checkpointing']:>11}{r['micro_batch_size']:>4}{r['seq_len']:>7}{side:>7}"
+                      f"{states:>8.1f}{kinds.get('Activation', 0) / 2**30:>8.1f}{r['peak_bytes'] / 2**30:>9.1f}"
+                      f"{r['gpu_memory_gib']:>8g}  {'yes' if r['fits'] else 'NO'}", flush=True)
+    for r in rows:
+        if r["problem"]:
+            print(f"{r['recipe']} {r['stage']}: {r['problem']}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+    return 0 if all(r["fits"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
