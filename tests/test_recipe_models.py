@@ -1,0 +1,73 @@
+"""Every shipped cluster recipe's training stages build on the real architecture of the recipe's
+model: its `trainable` patterns match parameters, its mesh fits the stage's rank count, and its
+tensor-parallel plan applies. Checked on the meta device over a fake process group of the
+stage's size, so a recipe that would stop at the start of a cluster job fails here instead.
+The architectures are benchmarks/recipe_models.py's (the published config.json fields).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _train_helpers import env
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted((REPO / "config" / "experiments").glob("*.yaml"))
+
+DRIVER = """
+import json, sys
+from pathlib import Path
+import torch, yaml
+from recipe_models import MODELS
+from vlmcore.config import load_config
+from vlmcore.parallel.mesh import build_mesh, resolve_dims
+from vlmcore.train.loop import build_meta_model
+from vlmcore.train.memory import _process_group
+from vlmcore.workflow import Experiment, validate_config
+
+repo, tmp = Path(sys.argv[1]), Path(sys.argv[2])
+out = {}
+for recipe in sys.argv[3:]:
+    config = validate_config(yaml.safe_load(Path(recipe).read_text()), repo / "workflow/schemas/config.schema.yaml")
+    exp = Experiment(config)
+    model_dir = tmp / Path(recipe).stem
+    MODELS[config["model"]["repo_id"]]().save_pretrained(model_dir)
+    for stage in exp.stages:
+        settings = dict(exp.stage_config(stage), model_path=str(model_dir), data_path=str(tmp), init_from=None)
+        (tmp / "stage.yaml").write_text(yaml.safe_dump(settings))
+        cfg = load_config(tmp / "stage.yaml", [])
+        ranks = exp.stage_ranks(stage)
+        with _process_group(ranks, fake=True):
+            dims = resolve_dims(cfg.parallel, ranks)
+            model, _ = build_meta_model(cfg, build_mesh(dims, torch.device("cpu")), dims)
+        out[f"{Path(recipe).stem}/{stage}"] = {
+            "ranks": ranks, "tp": dims.tp,
+            "params": sum(p.numel() for p in model.parameters()),
+            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+print("RESULT" + json.dumps(out))
+"""
+
+# Parameter counts of the published checkpoints (the model cards), without Qwen3.5's
+# multi-token-prediction layer, which vlmcore does not train.
+PARAMS = {"qwen3vl-2b": 2.13e9, "qwen3vl-8b": 8.77e9, "qwen35-9b": 9.4e9}
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory):
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(REPO), str(tmp_path_factory.mktemp("recipes")),
+                           *map(str, RECIPES)], capture_output=True, text=True, timeout=600,
+                          env=dict(env(), PYTHONPATH=f"{REPO / 'benchmarks'}:{env().get('PYTHONPATH', '')}"))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return json.loads(proc.stdout.split("RESULT")[-1])
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.stem)
+def test_recipe_stages_build_on_their_model(stages, recipe):
+    stage1, stage2 = stages[f"{recipe.stem}/stage1"], stages[f"{recipe.stem}/stage2"]
+    assert stage1["params"] == stage2["params"] == pytest.approx(PARAMS[recipe.stem.rsplit("-", 1)[0]], rel=0.03)
+    # Stage 1 aligns the projector alone (0.4% of Qwen3.5-9B, 4.7% of Qwen3-VL-2B with its three
+    # deepstack mergers); stage 2 trains everything.
+    assert 0 < stage1["trainable"] < stage1["params"] / 20
+    assert stage2["trainable"] == stage2["params"]
