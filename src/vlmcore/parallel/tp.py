@@ -99,8 +99,9 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
 
 
 def _check_even_sequence_split(tp: int):
-    """torch before 2.13 (seen on 2.11) fails in backward on an unevenly split sequence (a
-    strided all-gather result, 'view size is not compatible'); say what to change instead."""
+    """torch before 2.13 fails on an unevenly split sequence with 'view size is not compatible'
+    (a strided all-gather result; in backward on 2.11, already in forward on 2.12); say what to
+    change instead."""
     def check(module: nn.Module, args: tuple) -> None:
         seq_len = args[0].shape[1]
         if seq_len % tp:
