@@ -121,11 +121,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, use_qk_l2norm=True, chu
 
     state = q.new_zeros(n_heads, q.shape[-1], head_v_dim)
     out = []
-    for n in range(n_chunks):
-        state = state * keep_state[n]
-        u_n = u[:, n] - w[:, n] @ state
-        out.append(q_decayed[:, n] @ state + intra[:, n] @ u_n)
-        state = state * chunk_decay[:, n] + k_to_end[:, n].transpose(-1, -2) @ u_n
+    # Per-chunk views by unbind: its backward is one stack, where indexing chunk n would give
+    # every chunk's gradient a full-size zero tensor of its own.
+    per_chunk = zip(keep_state.unbind(0), u.unbind(1), w.unbind(1), q_decayed.unbind(1), intra.unbind(1),
+                    chunk_decay.unbind(1), k_to_end.transpose(-1, -2).unbind(1))
+    for keep, u_n, w_n, q_n, intra_n, decay_n, k_n in per_chunk:
+        state = state * keep
+        u_n = u_n - w_n @ state
+        out.append(q_n @ state + intra_n @ u_n)
+        state = state * decay_n + k_n @ u_n
     out = torch.stack(out, dim=1).permute(1, 2, 0, 3).reshape(n_chunks * chunk_size, n_heads, head_v_dim)
     return out[dest].to(out_dtype)
 
