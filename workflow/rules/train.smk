@@ -94,7 +94,8 @@ rule estimate_memory:
     log:
         f"{R}/logs/estimate_memory/{{stage}}.log",
     resources:
-        runtime=30,
+        # One core: about a minute for Qwen3-VL, much longer for Qwen3.5-9B (docs/performance.md).
+        runtime=60,
     conda:
         "../envs/vlmcore.yaml"
     shell:
