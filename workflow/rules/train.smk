@@ -94,7 +94,7 @@ rule estimate_memory:
     log:
         f"{R}/logs/estimate_memory/{{stage}}.log",
     resources:
-        # One core: about a minute for Qwen3-VL, much longer for Qwen3.5-9B (docs/performance.md).
+        # One core: about a minute for Qwen3-VL, about 12 for Qwen3.5-9B (docs/performance.md).
         runtime=60,
     conda:
         "../envs/vlmcore.yaml"
