@@ -1,27 +1,25 @@
 """Attention over packed rows, with the kernel chosen at run time.
 
 Inputs are (B, S, H, D) with grouped-query heads allowed (k/v may have fewer heads).
-`cu_seqlens` (int32, over the flattened B*S tokens) splits rows into independent segments:
+`cu_seqlens` (int32, over the flattened B*S tokens) splits rows into independent segments and
+`max_seqlen` is the longest of them, a Python int that the batch carries from the host (the
+kernels need it and reading it from the device would stall the GPU at every layer).
 
-- CUDA, bf16/fp16: `torch.nn.attention.varlen.varlen_attn` (flash) on the flattened tokens, or
-  flash-attn's `flash_attn_varlen_func` when torch has no varlen kernel;
+- CUDA, bf16/fp16: a varlen flash kernel on the flattened tokens: torch's
+  `torch.nn.attention.varlen.varlen_attn`, else flash-attn's `flash_attn_varlen_func`. Both are
+  custom ops that torch.compile traces, so attention stays inside a compiled block. Their calling
+  conventions differ between versions; `adapt_varlen_kernel` reads the signature once and calls
+  each the way it takes (see `VARLEN_SIGNATURES` in the tests for the real ones).
 - otherwise (CPU, fp32): SDPA over the block-diagonal mask, computed block by block, i.e. one SDPA
   call per segment (cheaper than a dense (S, S) mask: only the diagonal blocks are computed).
 Without `cu_seqlens` every row is one sequence and plain SDPA is used everywhere.
 """
 
+import inspect
+import os
+
 import torch
 import torch.nn.functional as F
-
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:
-    varlen_attn = None
-
-try:
-    from flash_attn import flash_attn_varlen_func
-except ImportError:
-    flash_attn_varlen_func = None
 
 
 def segment_ids(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
@@ -30,21 +28,110 @@ def segment_ids(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> torch.Ten
     return torch.bucketize(tokens, cu_seqlens[1:].to(tokens.dtype), right=True).view(batch, seq_len)
 
 
+def adapt_varlen_kernel(kernel):
+    """A call `(q, k, v, cu_seqlens, max_seqlen, causal, scale) -> out` on flattened (T, H, D)
+    tensors, for a varlen kernel with one of the known signatures:
+
+    - torch 2.10: `varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None)`,
+      no scale, no GQA;
+    - torch 2.11: `varlen_attn(..., max_k, *, return_aux, scale, window_size)`, no GQA;
+    - torch 2.12+: as 2.11 plus `enable_gqa`;
+    - flash-attn 2: `flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale,
+      causal, ...)`, GQA by k/v heads alone.
+    Where the kernel has no GQA flag k/v heads are repeated; where it takes no scale, q is scaled.
+    """
+    params = inspect.signature(kernel).parameters
+    if "softmax_scale" in params:  # flash-attn
+        def call(q, k, v, cu_seqlens, max_seqlen, causal, scale):
+            out = kernel(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale,
+                         causal=causal)
+            return out[0] if isinstance(out, tuple) else out  # some releases also return the lse
+        return call
+    if "is_causal" not in params and "window_size" not in params:
+        raise TypeError(f"{getattr(kernel, '__module__', '')}.{kernel.__name__}{inspect.signature(kernel)}: "
+                        "not a known varlen attention signature")
+    has_gqa, has_scale = "enable_gqa" in params, "scale" in params
+
+    def call(q, k, v, cu_seqlens, max_seqlen, causal, scale):
+        extra = {}
+        if k.shape[1] != q.shape[1]:
+            if has_gqa:
+                extra["enable_gqa"] = True
+            else:
+                k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        if scale is not None:
+            if has_scale:
+                extra["scale"] = scale
+            else:  # the kernel's own scale is D**-0.5
+                q = q * (scale * q.shape[-1] ** 0.5)
+        if "window_size" in params:
+            extra["window_size"] = (-1, 0) if causal else (-1, -1)
+        else:
+            extra["is_causal"] = causal
+        return kernel(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **extra)
+    return call
+
+
+def _installed_varlen_kernel():
+    """The best varlen kernel importable here, or None. VLMCORE_ATTENTION=flash_attn prefers flash-attn."""
+    torch_kernel = flash_kernel = None
+    try:
+        from torch.nn.attention.varlen import varlen_attn as torch_kernel
+    except ImportError:
+        pass
+    try:
+        from flash_attn import flash_attn_varlen_func as flash_kernel
+    except ImportError:
+        pass
+    if os.environ.get("VLMCORE_ATTENTION") == "flash_attn" and flash_kernel is not None:
+        return flash_kernel
+    return torch_kernel or flash_kernel
+
+
+_kernel = _installed_varlen_kernel()
+_varlen = adapt_varlen_kernel(_kernel) if _kernel is not None else None
+_force_varlen = False
+
+
+def set_varlen_kernel(kernel, force: bool = False):
+    """Installs `kernel` (any known signature; None for none) as the varlen kernel; `force` uses it
+    for every packed call, also on CPU and fp32 (tests run the CUDA calling path this way).
+    Returns the previous (kernel, force) for restoring."""
+    global _kernel, _varlen, _force_varlen
+    previous = (_kernel, _force_varlen)
+    _kernel, _force_varlen = kernel, force
+    _varlen = adapt_varlen_kernel(kernel) if kernel is not None else None
+    return previous
+
+
+def varlen_kernel():
+    return _kernel
+
+
 def use_varlen_kernel(x: torch.Tensor) -> bool:
     """The flash kernels run on CUDA in half precision only."""
-    has_kernel = varlen_attn is not None or flash_attn_varlen_func is not None
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and has_kernel
+    if _varlen is None:
+        return False
+    return _force_varlen or (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
 
 
-# Kept out of torch.compile graphs: segment lengths are read on the host and vary every batch.
-@torch.compiler.disable
-def attention(q, k, v, cu_seqlens=None, causal=True, scale=None) -> torch.Tensor:
+def attention(q, k, v, cu_seqlens=None, max_seqlen=None, causal=True, scale=None) -> torch.Tensor:
     """q (B, S, Hq, D), k/v (B, S, Hkv, D) -> (B, S, Hq, D)."""
     batch, seq_len, n_heads, _ = q.shape
     if cu_seqlens is None:
         return sdpa(q, k, v, causal, scale)
     if use_varlen_kernel(q):
-        return varlen(q, k, v, cu_seqlens, causal, scale).view(batch, seq_len, n_heads, -1)
+        if max_seqlen is None:  # outside training (a batch without it): one host read
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+        return _varlen(q, k, v, cu_seqlens, max_seqlen, causal, scale).view(batch, seq_len, n_heads, -1)
+    return segment_sdpa(q, k, v, cu_seqlens, causal, scale)
+
+
+# Kept out of torch.compile graphs: the segment lengths are read on the host (free on CPU).
+@torch.compiler.disable
+def segment_sdpa(q, k, v, cu_seqlens, causal, scale):
+    batch, seq_len, n_heads, _ = q.shape
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     segments = zip(*(t.flatten(0, 1).split(lengths) for t in (q, k, v)))
     out = [sdpa(qs[None], ks[None], vs[None], causal, scale)[0] for qs, ks, vs in segments]
@@ -57,17 +144,3 @@ def sdpa(q, k, v, causal, scale):
         is_causal=causal, scale=scale, enable_gqa=k.shape[2] != q.shape[2],
     )
     return out.transpose(1, 2)
-
-
-def varlen(q, k, v, cu_seqlens, causal, scale):
-    q, k, v = (t.flatten(0, 1) for t in (q, k, v))
-    # One host sync per call: the kernels need the longest segment as a Python int.
-    max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    if varlen_attn is not None:
-        return varlen_attn(
-            q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scale,
-            window_size=(-1, 0) if causal else (-1, -1), enable_gqa=k.shape[1] != q.shape[1],
-        )
-    return flash_attn_varlen_func(
-        q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, softmax_scale=scale, causal=causal
-    )

@@ -15,6 +15,29 @@ class ModelOutput:
     hidden_states: torch.Tensor | None = None
 
 
+def grid_list(image_grid_thw) -> list[list[int]]:
+    """Image grids as host ints: a (N, 3) tensor (read once; a sync if it is on the GPU) or the
+    list the training loop passes, which keeps them on the host."""
+    if image_grid_thw is None:
+        return []
+    return image_grid_thw.tolist() if torch.is_tensor(image_grid_thw) else [list(g) for g in image_grid_thw]
+
+
+def scatter_image_features(h: torch.Tensor, image_mask: torch.Tensor, features: torch.Tensor, grids) -> torch.Tensor:
+    """h with `features` written at the image tokens, in order. The count of image tokens must
+    match the features: checked on the host when h is there, and by a device-side assert on the
+    GPU (a host check would stall it; the data loader has checked every sample already)."""
+    if h.device.type == "cpu":
+        n_tokens = int(image_mask.sum())
+        if n_tokens != features.shape[0]:
+            raise ValueError(f"input_ids has {n_tokens} image tokens but the images give {features.shape[0]} "
+                             f"features (image_grid_thw {grids})")
+    else:
+        torch._assert_async(image_mask.sum() == features.shape[0],
+                            "input_ids and image_grid_thw disagree on the number of image tokens")
+    return h.masked_scatter(image_mask[..., None], features.to(h.dtype))
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32, scaled in the input dtype (as transformers' Qwen models do)."""
 

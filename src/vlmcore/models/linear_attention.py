@@ -11,10 +11,13 @@ the state and the convolution window start from zero at every segment, so packed
 not see each other.
 
 `gated_delta_rule` runs flash-linear-attention's `chunk_gated_delta_rule` when fla is
-importable and the tensors are on CUDA, and otherwise `chunk_gated_delta_rule` below: the
-same chunked algorithm in plain torch (fp32, differentiable, any device).
+importable, the tensors are on CUDA and the backend is not set to torch (`vlmcore.kernels`
+checks before training that fla is correct on the GPU), and otherwise `chunk_gated_delta_rule`
+below: the same chunked algorithm in plain torch (fp32, differentiable, any device, no host sync).
 `recurrent_gated_delta_rule` is the token-by-token definition, kept as the reference.
 """
+
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -93,10 +96,14 @@ def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, use_qk_l2norm=True, chu
     seg_chunks = (cu[1:] - cu[:-1] + chunk_size - 1) // chunk_size
     first_chunk = seg_chunks.cumsum(0) - seg_chunks
     dest = first_chunk[seg] * chunk_size + torch.arange(n_tokens, device=cu.device) - cu[seg]
-    # One host sync: the number of chunks sizes the padded layout.
-    n_chunks = int(seg_chunks.sum())
-    keep_state = torch.ones(n_chunks, device=q.device)
-    keep_state[first_chunk[seg_chunks > 0]] = 0.0
+    # The padded layout is sized by a bound known from the shapes (each segment adds at most one
+    # partial chunk), not the exact count, which would be a host read: the spare chunks at the end
+    # are all zero, so they neither write the state nor reach the output.
+    n_segments = cu_seqlens.shape[0] - 1
+    n_chunks = max(1, min(n_tokens, (n_tokens + n_segments * (chunk_size - 1)) // chunk_size))
+    keep_state = torch.ones(n_chunks + 1, device=q.device)
+    keep_state.scatter_(0, torch.where(seg_chunks > 0, first_chunk, n_chunks), 0.0)
+    keep_state = keep_state[:n_chunks]
 
     def chunked(t):  # (T, H, ...) -> (H, N, C, ...)
         padded = t.new_zeros(n_chunks * chunk_size, *t.shape[1:]).index_copy(0, dest, t)
@@ -151,14 +158,62 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens, use_qk_l2norm=True)
     return torch.stack(out).to(out_dtype)
 
 
-# Run eagerly under torch.compile: the chunk count is data dependent and fla's kernels are Triton already.
-@torch.compiler.disable
-def gated_delta_rule(q, k, v, g, beta, cu_seqlens, use_qk_l2norm=True):
-    """The gated delta rule with the fastest kernel available: fla on CUDA, else the torch chunked one."""
-    if fla_chunk_gated_delta_rule is not None and q.is_cuda:
-        out, _ = fla_chunk_gated_delta_rule(
-            q[None], k[None], v[None], g=g[None].float(), beta=beta[None],
-            cu_seqlens=cu_seqlens.long(), use_qk_l2norm_in_kernel=use_qk_l2norm,
-        )
+def adapt_fla_kernel(kernel):
+    """A call `(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, cu_seqlens_cpu) -> out` on (T, H, D)
+    tensors for fla's `chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
+    output_final_state=False, use_qk_l2norm_in_kernel=False, ..., cu_seqlens=None,
+    [cu_seqlens_cpu=None,] ...)` on (1, T, H, D) tensors, returning (out, final_state).
+    `cu_seqlens_cpu` (fla >= 0.5) spares fla a host read of the segment bounds."""
+    params = inspect.signature(kernel).parameters
+    for name in ("g", "beta", "cu_seqlens", "use_qk_l2norm_in_kernel"):
+        if name not in params:
+            raise TypeError(f"{kernel.__module__}.{kernel.__name__}{inspect.signature(kernel)}: no argument {name!r}; "
+                            "not a known fla chunk_gated_delta_rule signature")
+    takes_host_bounds = "cu_seqlens_cpu" in params
+
+    def call(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, cu_seqlens_cpu=None):
+        extra = {"cu_seqlens_cpu": cu_seqlens_cpu.long()} if takes_host_bounds and cu_seqlens_cpu is not None else {}
+        out, _ = kernel(q[None], k[None], v[None], g=g[None].float(), beta=beta[None], cu_seqlens=cu_seqlens.long(),
+                        use_qk_l2norm_in_kernel=use_qk_l2norm, **extra)
         return out[0]
+    return call
+
+
+_fla_kernel = fla_chunk_gated_delta_rule
+_fla = adapt_fla_kernel(_fla_kernel) if _fla_kernel is not None else None
+_force_fla = False
+
+
+def set_gdn_kernel(kernel, force: bool = False):
+    """Installs fla's `chunk_gated_delta_rule` (or a stand-in of its signature; None: the torch
+    chunked rule everywhere); `force` uses it also on CPU (tests). Returns the previous setting."""
+    global _fla_kernel, _fla, _force_fla
+    previous = (_fla_kernel, _force_fla)
+    _fla_kernel, _force_fla = kernel, force
+    _fla = adapt_fla_kernel(kernel) if kernel is not None else None
+    return previous
+
+
+def gdn_kernel():
+    return _fla_kernel
+
+
+def uses_fla(x: torch.Tensor) -> bool:
+    return _fla is not None and (x.is_cuda or _force_fla)
+
+
+def host_segments(cu_seqlens, x: torch.Tensor):
+    """The segment bounds on the host, read once per forward for fla (which would otherwise read
+    them in every layer); None when fla does not run."""
+    if cu_seqlens is None or not uses_fla(x):
+        return None
+    return cu_seqlens.cpu()
+
+
+# Run eagerly under torch.compile: fla's kernels are Triton already, and not traceable.
+@torch.compiler.disable
+def gated_delta_rule(q, k, v, g, beta, cu_seqlens, use_qk_l2norm=True, cu_seqlens_cpu=None):
+    """The gated delta rule with the fastest kernel available: fla on CUDA, else the torch chunked one."""
+    if uses_fla(q):
+        return _fla(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, cu_seqlens_cpu)
     return chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)

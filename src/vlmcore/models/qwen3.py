@@ -34,14 +34,14 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cu_seqlens):
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen=None):
         batch, seq_len, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of whole heads.
         q = self.q_norm(self.q_proj(x).view(batch, seq_len, -1, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(batch, seq_len, -1, self.head_dim))
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attention(q, k, v, cu_seqlens, causal=True)
+        out = attention(q, k, v, cu_seqlens, max_seqlen, causal=True)
         return self.o_proj(out.reshape(batch, seq_len, -1))
 
 
@@ -53,8 +53,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x, cos, sin, cu_seqlens):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens)
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen=max_seqlen)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -79,10 +79,10 @@ class TextModel(nn.Module):
         # sequence over the TP ranks (the residual stream between the blocks).
         self.split_sequence = nn.Identity()
 
-    def forward(self, h, cos, sin, cu_seqlens):
+    def forward(self, h, cos, sin, cu_seqlens, max_seqlen=None):
         h = self.split_sequence(h)
         for layer in self.layers:
-            h = layer(h, cos, sin, cu_seqlens)
+            h = layer(h, cos, sin, cu_seqlens, max_seqlen=max_seqlen)
         return self.norm(h)
 
 
@@ -105,7 +105,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.tie_weights()
 
     def forward(self, input_ids, pixel_values=None, image_grid_thw=None, position_ids=None,
-                cu_seqlens=None, return_hidden=False) -> ModelOutput:
+                cu_seqlens=None, max_seqlen=None, return_hidden=False) -> ModelOutput:
         if pixel_values is not None:
             raise ValueError("qwen3 is a text model: pixel_values must be None")
         if position_ids is None:
@@ -113,7 +113,7 @@ class Qwen3ForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         inv_freq = rope_inv_freq(self.config.rope_parameters, self.head_dim, "qwen3 config")
         cos, sin = rope_cos_sin(inv_freq, position_ids, h.dtype)
-        h = self.model(h, cos, sin, cu_seqlens)
+        h = self.model(h, cos, sin, cu_seqlens, max_seqlen)
         if return_hidden:
             return ModelOutput(hidden_states=h)
         return ModelOutput(logits=self.lm_head(h))

@@ -21,9 +21,10 @@ from torch.distributed.tensor import DTensor, Partial
 
 from .attention import attention
 from .layers import (
-    ModelOutput, SwiGLU, ZeroCenteredRMSNorm, apply_rotary, init_std, init_weights, mrope_cos_sin, rope_inv_freq,
+    ModelOutput, SwiGLU, ZeroCenteredRMSNorm, apply_rotary, grid_list, init_std, init_weights, mrope_cos_sin,
+    rope_inv_freq, scatter_image_features,
 )
-from .linear_attention import causal_depthwise_conv, gated_delta_rule, row_segments
+from .linear_attention import causal_depthwise_conv, gated_delta_rule, host_segments, row_segments
 from .qwen3 import check_text_config, text_position_ids
 from .qwen3_vl import VisionModel, mrope_position_ids
 
@@ -82,7 +83,7 @@ class GatedDeltaNet(nn.Module):
             return t
         return torch.cat([block.chunk(ranks)[rank] for block in t.split(sizes)])
 
-    def forward(self, x, cu_seqlens):
+    def forward(self, x, cu_seqlens, cu_seqlens_cpu=None):
         batch, seq_len, _ = x.shape
         cu_seqlens = row_segments(cu_seqlens, batch, seq_len, x.device)
         x = x.flatten(0, 1)
@@ -104,7 +105,7 @@ class GatedDeltaNet(nn.Module):
         # z before the kernel: under torch.compile the kernel is a graph break, and a DTensor view
         # (x) live across it cannot be rebuilt after it.
         z = self.in_proj_z(x).unflatten(-1, (-1, self.v_dim))
-        out = gated_delta_rule(q, k, v, g, beta, cu_seqlens)
+        out = gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
         out = self.norm(out, z)
         return self.out_proj(out.reshape(batch, seq_len, -1))
 
@@ -124,14 +125,14 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cu_seqlens):
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen=None):
         batch, seq_len, _ = x.shape
         q, gate = self.q_proj(x).view(batch, seq_len, -1, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.q_norm(q)
         k = self.k_norm(self.k_proj(x).view(batch, seq_len, -1, self.head_dim))
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attention(q, k, v, cu_seqlens, causal=True) * torch.sigmoid(gate)
+        out = attention(q, k, v, cu_seqlens, max_seqlen, causal=True) * torch.sigmoid(gate)
         return self.o_proj(out.reshape(batch, seq_len, -1))
 
 
@@ -149,12 +150,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x, cos, sin, cu_seqlens):
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen=None, cu_seqlens_cpu=None):
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
-            x = x + self.linear_attn(h, cu_seqlens)
+            x = x + self.linear_attn(h, cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
         else:
-            x = x + self.self_attn(h, cos, sin, cu_seqlens)
+            x = x + self.self_attn(h, cos, sin, cu_seqlens, max_seqlen=max_seqlen)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -184,11 +185,12 @@ class TextModel(nn.Module):
             position_ids = position_ids.expand(3, -1, -1)
         return mrope_cos_sin(inv_freq, position_ids, rope.get("mrope_section", DEFAULT_MROPE_SECTION), dtype)
 
-    def forward(self, h, position_ids, cu_seqlens):
+    def forward(self, h, position_ids, cu_seqlens, max_seqlen=None):
         cos, sin = self.rotary(position_ids, h.dtype)
+        bounds = host_segments(cu_seqlens, h)
         h = self.split_sequence(h)
         for layer in self.layers:
-            h = layer(h, cos, sin, cu_seqlens)
+            h = layer(h, cos, sin, cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_cpu=bounds)
         return self.norm(h)
 
 
@@ -226,20 +228,14 @@ class Qwen3_5ForConditionalGeneration(nn.Module):
             return h
         image_embeds, _ = self.model.visual(pixel_values, image_grid_thw)
         image_mask = input_ids == self.config.image_token_id
-        n_tokens = int(image_mask.sum())
-        if n_tokens != image_embeds.shape[0]:
-            raise ValueError(
-                f"input_ids has {n_tokens} image tokens (id {self.config.image_token_id}) but the images "
-                f"give {image_embeds.shape[0]} features (image_grid_thw {image_grid_thw.tolist()})"
-            )
-        return h.masked_scatter(image_mask[..., None], image_embeds.to(h.dtype))
+        return scatter_image_features(h, image_mask, image_embeds, grid_list(image_grid_thw))
 
     def forward(self, input_ids, pixel_values=None, image_grid_thw=None, position_ids=None,
-                cu_seqlens=None, return_hidden=False) -> ModelOutput:
+                cu_seqlens=None, max_seqlen=None, return_hidden=False) -> ModelOutput:
         h = self.embed(input_ids, pixel_values, image_grid_thw)
         if position_ids is None:
             position_ids = self.position_ids(input_ids, image_grid_thw, cu_seqlens)
-        h = self.model.language_model(h, position_ids, cu_seqlens)
+        h = self.model.language_model(h, position_ids, cu_seqlens, max_seqlen)
         if return_hidden:
             return ModelOutput(hidden_states=h)
         return ModelOutput(logits=self.lm_head(h))
@@ -264,12 +260,12 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.tie_weights()
 
     def forward(self, input_ids, pixel_values=None, image_grid_thw=None, position_ids=None,
-                cu_seqlens=None, return_hidden=False) -> ModelOutput:
+                cu_seqlens=None, max_seqlen=None, return_hidden=False) -> ModelOutput:
         if pixel_values is not None:
             raise ValueError("qwen3_5_text is a text model: pixel_values must be None")
         if position_ids is None:
             position_ids = text_position_ids(input_ids, cu_seqlens)
-        h = self.model(self.model.embed_tokens(input_ids), position_ids, cu_seqlens)
+        h = self.model(self.model.embed_tokens(input_ids), position_ids, cu_seqlens, max_seqlen)
         if return_hidden:
             return ModelOutput(hidden_states=h)
         return ModelOutput(logits=self.lm_head(h))

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import attention
-from .layers import ModelOutput, apply_rotary, init_std, init_weights, mrope_cos_sin, rope_inv_freq
+from .layers import (ModelOutput, apply_rotary, grid_list, init_std, init_weights, mrope_cos_sin, rope_inv_freq,
+                     scatter_image_features)
 from .qwen3 import TextModel, check_text_config
 
 DEFAULT_MROPE_SECTION = [24, 20, 20]  # transformers' value when the config has none
@@ -53,13 +54,13 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
         self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=True)
 
-    def forward(self, x, cos, sin, cu_seqlens):
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen=None):
         n = x.shape[0]
         q, k, v = self.qkv(x).view(1, n, 3, -1, self.head_dim).unbind(2)
         # Rotary in fp32, as transformers does for the vision tower.
         q = apply_rotary(q.float(), cos, sin).to(v.dtype)
         k = apply_rotary(k.float(), cos, sin).to(v.dtype)
-        out = attention(q, k, v, cu_seqlens, causal=False)
+        out = attention(q, k, v, cu_seqlens, max_seqlen, causal=False)
         return self.proj(out.reshape(n, -1))
 
 
@@ -82,8 +83,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(config)
         self.mlp = VisionMLP(config)
 
-    def forward(self, x, cos, sin, cu_seqlens):
-        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen=None):
+        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens, max_seqlen)
         return x + self.mlp(self.norm2(x))
 
 
@@ -156,8 +157,9 @@ class VisionModel(nn.Module):
         return emb.cos(), emb.sin()
 
     def forward(self, pixel_values, grid_thw):
-        """-> (image embeddings (N / merge**2, out_hidden), [DeepStack features of the same shape])."""
-        grids = grid_thw.tolist()
+        """-> (image embeddings (N / merge**2, out_hidden), [DeepStack features of the same shape]).
+        `grid_thw`: a (N, 3) tensor or a list of [t, h, w] (host ints: no GPU sync)."""
+        grids = grid_list(grid_thw)
         x = self.patch_embed(pixel_values)
         if x.shape[0] != sum(t * h * w for t, h, w in grids):
             raise ValueError(
@@ -167,11 +169,11 @@ class VisionModel(nn.Module):
         x = x + self.position_embeddings(grids).to(x.dtype)
         cos, sin = self.rotary(grids, x.device)
         # Each frame of each image attends only to itself.
-        lengths = torch.tensor([h * w for t, h, w in grids for _ in range(t)], device=x.device)
-        cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+        lengths = [h * w for t, h, w in grids for _ in range(t)]
+        cu_seqlens = F.pad(torch.tensor(lengths, device=x.device).cumsum(0, dtype=torch.int32), (1, 0))
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, cu_seqlens)
+            x = block(x, cos, sin, cu_seqlens, max(lengths))
             if i in self.deepstack_visual_indexes:
                 deepstack.append(self.deepstack_merger_list[self.deepstack_visual_indexes.index(i)](x))
         return self.merger(x), deepstack
@@ -180,11 +182,11 @@ class VisionModel(nn.Module):
 class LanguageModel(TextModel):
     """The Qwen3 decoder; DeepStack features are added at image positions after the first layers."""
 
-    def forward(self, h, cos, sin, cu_seqlens, image_mask=None, deepstack=()):
+    def forward(self, h, cos, sin, cu_seqlens, max_seqlen=None, image_mask=None, deepstack=()):
         full_shape, dtype = h.shape, h.dtype
         h = self.split_sequence(h)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cu_seqlens)
+            h = layer(h, cos, sin, cu_seqlens, max_seqlen=max_seqlen)
             if i < len(deepstack):
                 features = torch.zeros(full_shape, dtype=dtype, device=image_mask.device)
                 h = h + self.split_sequence(features.masked_scatter(image_mask[..., None], deepstack[i].to(dtype)))
@@ -210,7 +212,7 @@ def mrope_position_ids(input_ids, image_grid_thw, cu_seqlens, image_token_id: in
         bounds = list(range(0, batch * seq_len + 1, seq_len))
     else:
         bounds = cu_seqlens.tolist()
-    grids = iter([] if image_grid_thw is None else image_grid_thw.tolist())
+    grids = iter(grid_list(image_grid_thw))
     tokens = input_ids.flatten().tolist()
     out = []
     for start, end in zip(bounds[:-1], bounds[1:]):
@@ -268,24 +270,18 @@ class Qwen3VLForConditionalGeneration(nn.Module):
             return h, None, []
         image_embeds, deepstack = self.model.visual(pixel_values, image_grid_thw)
         image_mask = input_ids == self.config.image_token_id
-        n_tokens = int(image_mask.sum())
-        if n_tokens != image_embeds.shape[0]:
-            raise ValueError(
-                f"input_ids has {n_tokens} image tokens (id {self.config.image_token_id}) but the images "
-                f"give {image_embeds.shape[0]} features (image_grid_thw {image_grid_thw.tolist()})"
-            )
-        h = h.masked_scatter(image_mask[..., None], image_embeds.to(h.dtype))
+        h = scatter_image_features(h, image_mask, image_embeds, grid_list(image_grid_thw))
         return h, image_mask, deepstack
 
     def forward(self, input_ids, pixel_values=None, image_grid_thw=None, position_ids=None,
-                cu_seqlens=None, return_hidden=False) -> ModelOutput:
+                cu_seqlens=None, max_seqlen=None, return_hidden=False) -> ModelOutput:
         h, image_mask, deepstack = self.embed(input_ids, pixel_values, image_grid_thw)
         if position_ids is None:
             position_ids = self.position_ids(input_ids, image_grid_thw, cu_seqlens)
         rope = self.config.text_config.rope_parameters
         inv_freq = rope_inv_freq(rope, self.head_dim, "qwen3_vl text_config")
         cos, sin = mrope_cos_sin(inv_freq, position_ids, rope.get("mrope_section", DEFAULT_MROPE_SECTION), h.dtype)
-        h = self.model.language_model(h, cos, sin, cu_seqlens, image_mask, deepstack)
+        h = self.model.language_model(h, cos, sin, cu_seqlens, max_seqlen, image_mask, deepstack)
         if return_hidden:
             return ModelOutput(hidden_states=h)
         return ModelOutput(logits=self.lm_head(h))

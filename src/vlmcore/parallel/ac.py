@@ -15,6 +15,16 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
+# The varlen kernels' custom ops, where installed (torch >= 2.10; flash-attn >= 2.7).
+try:
+    import torch.nn.attention.varlen  # noqa: F401  (registers torch_attn::_varlen_attn)
+except ImportError:
+    pass
+for _namespace, _op in (("torch_attn", "_varlen_attn"), ("flash_attn", "_flash_attn_varlen_forward")):
+    try:
+        _SAVE_OPS.add(getattr(getattr(torch.ops, _namespace), _op).default)
+    except (AttributeError, RuntimeError):
+        pass
 
 
 def _save_matmuls(ctx, op, *args, **kwargs):

@@ -1,0 +1,301 @@
+"""The CUDA-only paths, checked on CPU.
+
+- Calling conventions: stand-ins with the real signatures of every supported varlen attention
+  kernel (torch 2.10, 2.11, 2.12+, flash-attn 2) and of fla's chunk_gated_delta_rule, computing
+  with plain SDPA / the reference rule, are called through the same adapters the GPU uses and
+  must give what the CPU path gives. (torch 2.11's signature took no `enable_gqa`: passing it was
+  the bug that killed every GPU run at step 1.)
+- No host sync: a training step of each family runs on fake CUDA tensors (FakeTensorMode), where
+  any read of a device value raises; the step's one read is counted.
+- No graph break: each decoder block compiles to one graph with attention inside it.
+"""
+
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _train_helpers import hf_config as tiny_config
+
+from vlmcore.models import attention as attn_module
+from vlmcore.models import build_model, linear_attention
+from vlmcore.models.attention import adapt_varlen_kernel, attention, segment_sdpa, set_varlen_kernel
+from vlmcore.models.linear_attention import chunk_gated_delta_rule, recurrent_gated_delta_rule, set_gdn_kernel
+
+
+def masked_sdpa(q, k, v, cu_seqlens, causal, scale):
+    """Reference on flattened (T, H, D) tensors: SDPA under the block-diagonal (and causal) mask.
+    No host read, so it also runs on fake tensors and under torch.compile."""
+    n = q.shape[0]
+    seg = torch.bucketize(torch.arange(n, device=q.device), cu_seqlens[1:].long(), right=True)
+    mask = seg[:, None] == seg[None, :]
+    if causal:
+        mask = mask & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                         scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return out.transpose(0, 1)
+
+
+def _check_call(q, k, v, cu, max_q, max_k, gqa_allowed):
+    assert q.dim() == 3 and k.dim() == 3, "varlen kernels take flattened (T, H, D) tensors"
+    assert max_q == max_k
+    assert isinstance(max_q, (int, torch.SymInt)), f"max_q must be a host int, got {type(max_q)}"
+    if not gqa_allowed and k.shape[1] != q.shape[1]:
+        raise ValueError(f"Expect query and key/value to have the same number of heads but got Hq={q.shape[1]} "
+                         f"and Hkv={k.shape[1]}")
+    if not torch.compiler.is_compiling() and not cu.is_meta:
+        assert max_q == int((cu[1:] - cu[:-1]).max()), "max_seqlen is not the longest segment"
+
+
+# The real signatures (torch/nn/attention/varlen.py of each release; flash_attn_interface.py).
+def varlen_attn_torch_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    _check_call(query, key, value, cu_seq_q, max_q, max_k, gqa_allowed=False)
+    return masked_sdpa(query, key, value, cu_seq_q, is_causal, None)
+
+
+def varlen_attn_torch_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                           window_size=(-1, -1)):
+    _check_call(query, key, value, cu_seq_q, max_q, max_k, gqa_allowed=False)
+    return masked_sdpa(query, key, value, cu_seq_q, tuple(window_size) == (-1, 0), scale)
+
+
+def varlen_attn_torch_2_12(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                           window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    _check_call(query, key, value, cu_seq_q, max_q, max_k, gqa_allowed=enable_gqa)
+    return masked_sdpa(query, key, value, cu_seq_q, tuple(window_size) == (-1, 0), scale)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    _check_call(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, gqa_allowed=True)
+    return masked_sdpa(q, k, v, cu_seqlens_q, causal, softmax_scale)
+
+
+VARLEN_KERNELS = [varlen_attn_torch_2_10, varlen_attn_torch_2_11, varlen_attn_torch_2_12, flash_attn_varlen_func]
+
+
+def fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                               state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
+                               cp_context=None, **kwargs):
+    """fla 0.6.0's signature; (B=1, T, H, D) tensors, returns (out, final_state)."""
+    assert q.dim() == 4 and q.shape[0] == 1, "fla takes (1, T, H, D) for packed sequences"
+    assert g.dtype == torch.float32 and cu_seqlens.dtype == torch.long
+    assert scale is None and initial_state is None
+    if cu_seqlens_cpu is not None:
+        assert cu_seqlens_cpu.device.type == "cpu" and cu_seqlens_cpu.dtype == torch.long
+    out = chunk_gated_delta_rule(q[0], k[0], v[0], g[0], beta[0], cu_seqlens, use_qk_l2norm_in_kernel)
+    return out[None], None
+
+
+@pytest.fixture
+def restore_kernels():
+    varlen, gdn = set_varlen_kernel(None), set_gdn_kernel(None)
+    yield
+    set_varlen_kernel(*varlen)
+    set_gdn_kernel(*gdn)
+
+
+def test_stand_ins_have_the_installed_torch_signature():
+    """The stand-in for this torch's release has its varlen_attn's exact signature."""
+    varlen = pytest.importorskip("torch.nn.attention.varlen", reason="torch < 2.10 has no varlen_attn")
+    real = inspect.signature(varlen.varlen_attn)
+    names = [[(p.name, p.kind, p.default) for p in inspect.signature(k).parameters.values()] for k in VARLEN_KERNELS]
+    assert [(p.name, p.kind, p.default) for p in real.parameters.values()] in names
+
+
+@pytest.mark.parametrize("kernel", VARLEN_KERNELS, ids=lambda k: k.__name__)
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("causal,scale", [(True, None), (False, None), (True, 0.3)])
+def test_varlen_adapter_matches_sdpa(kernel, kv_heads, causal, scale, restore_kernels):
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 5, 6, 13, 24], dtype=torch.int32)
+    q = torch.randn(2, 12, 4, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 12, kv_heads, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 12, kv_heads, 8, dtype=torch.float64, requires_grad=True)
+    expected = segment_sdpa(q, k, v, cu, causal, scale)
+    grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+
+    set_varlen_kernel(kernel, force=True)
+    out = attention(q, k, v, cu, max_seqlen=11, causal=causal, scale=scale)
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(torch.autograd.grad(out.square().sum(), (q, k, v)), grads):
+        torch.testing.assert_close(got, want)
+
+
+def test_unknown_varlen_signature_is_refused():
+    def other_kernel(q, k, v, offsets):
+        return q
+
+    with pytest.raises(TypeError, match="not a known varlen attention signature"):
+        adapt_varlen_kernel(other_kernel)
+
+
+def _batch(family, device="cpu"):
+    from vlmcore.train.random_data import RandomBatches
+    from vlmcore.train.step import to_device
+
+    config = tiny_config(family)
+    data = RandomBatches(config, seq_len=64, segments=3, image_fraction=1.0, micro_batch_size=2, dp_rank=0,
+                         dp_world=1, grad_accum_steps=1, seed=0, image_side=2)
+    return config, to_device(data.batch(0), torch.device(device))
+
+
+def _forward_backward(model, batch):
+    out = model(batch["input_ids"], pixel_values=batch.get("pixel_values"),
+                image_grid_thw=batch.get("image_grid_thw"), position_ids=batch.get("position_ids"),
+                cu_seqlens=batch["cu_seqlens"], max_seqlen=batch["max_seqlen"]).logits
+    out.float().square().mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_vl", "qwen3_5"])
+def test_models_on_the_gpu_calling_path_match_the_cpu_path(family, restore_kernels):
+    """Whole models through the varlen (torch 2.11 signature) and fla stand-ins equal the CPU
+    kernels: max_seqlen, the image grids and the segment bounds reach every attention call."""
+    config, batch = _batch(family)
+    torch.manual_seed(0)
+    model = build_model(config, device="cpu")
+    model.init_weights()
+    logits, grads = _forward_backward(model, batch)
+    model.zero_grad()
+    set_varlen_kernel(varlen_attn_torch_2_11, force=True)
+    set_gdn_kernel(fla_chunk_gated_delta_rule, force=True)
+    got_logits, got_grads = _forward_backward(model, batch)
+    torch.testing.assert_close(got_logits, logits)
+    assert got_grads.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(got_grads[name], grads[name], msg=name)
+
+
+def test_fla_adapter_matches_the_reference_rule(restore_kernels):
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 7, 30, 41], dtype=torch.int32)
+    q, k = torch.randn(41, 2, 8), torch.randn(41, 2, 8)
+    v = torch.randn(41, 2, 6)
+    g, beta = -torch.rand(41, 2), torch.rand(41, 2)
+    expected = recurrent_gated_delta_rule(q, k, v, g, beta, cu)
+    set_gdn_kernel(fla_chunk_gated_delta_rule, force=True)
+    torch.testing.assert_close(linear_attention.gated_delta_rule(q, k, v, g, beta, cu, cu_seqlens_cpu=cu.cpu()),
+                               expected, atol=1e-4, rtol=1e-4)
+
+
+def test_chunk_count_bound_keeps_the_rule_exact():
+    """The torch rule sizes its chunks from shapes (no host read): spare chunks change nothing."""
+    torch.manual_seed(0)
+    for bounds in ([0, 1, 2, 3, 130], [0, 64, 128], [0, 65], [0, 3, 3, 70]):
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        n = bounds[-1]
+        q, k, v = torch.randn(n, 2, 8), torch.randn(n, 2, 8), torch.randn(n, 2, 4)
+        g, beta = -torch.rand(n, 2), torch.rand(n, 2)
+        torch.testing.assert_close(chunk_gated_delta_rule(q, k, v, g, beta, cu),
+                                   recurrent_gated_delta_rule(q, k, v, g, beta, cu), atol=1e-4, rtol=1e-4)
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts what would wait for the GPU when the meta device stands for it: scalar reads and
+    copies to the host. Each answers zeros, so the step runs on."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads.append(f"{func} of {tuple(args[0].shape)}")
+            return 0
+        if func is torch.ops.aten._to_copy.default and args[0].is_meta and kwargs.get("device") is not None \
+                and torch.device(kwargs["device"]).type == "cpu":
+            self.reads.append(f"{func} to the host of {tuple(args[0].shape)}")
+            return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("family,forward_reads", [("qwen3", 0), ("qwen3_vl", 0), ("qwen3_5", 1)])
+def test_training_step_never_waits_for_the_gpu(family, forward_reads, restore_kernels, monkeypatch):
+    """A bf16 training step with the GPU kernels' calling path, on the meta device (which holds
+    no values, so any read of one is seen): forward/backward reads nothing from the device
+    (Qwen3.5: the segment bounds once, for fla), and the step reads once (norm and loss)."""
+    from vlmcore.train import step as step_module
+
+    set_varlen_kernel(varlen_attn_torch_2_11, force=True)
+    set_gdn_kernel(fla_chunk_gated_delta_rule, force=True)
+    step_reads = []
+    monkeypatch.setattr(step_module, "read_host", lambda *v: step_reads.append(len(v)) or [0.0] * len(v))
+    config, host_batch = _batch(family)
+    model = build_model(config, device="meta").to(torch.bfloat16)
+    # The GPU's fused AdamW reads nothing on the host; SGD stands for it on meta, where AdamW's
+    # non-fused paths would read their step counts.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_step = step_module.build_step(model, optimizer, set(), None, chunk_tokens=32, max_grad_norm=1.0)
+    batch = step_module.to_device(host_batch, torch.device("meta"))
+    assert isinstance(batch["max_seqlen"], int) and not torch.is_tensor(batch.get("image_grid_thw"))
+    with _HostReads() as reads:
+        step_module.forward_backward(model, [batch], 100.0, train_step.vision_dummy, 32)
+    assert len(reads.reads) == forward_reads, reads.reads
+    model.zero_grad()
+    with _HostReads() as reads:
+        result = train_step([batch], 100.0, set_lr=lambda opt: None)
+    assert len(reads.reads) == forward_reads, reads.reads
+    assert step_reads == [2] and result.applied
+
+
+def _block_inputs(family, block_kind):
+    config, batch = _batch(family)
+    model = build_model(config, device="cpu")
+    model.init_weights()
+    if block_kind == "vision":
+        vision = model.model.visual
+        grids = batch["image_grid_thw"]
+        x = torch.randn(sum(t * h * w for t, h, w in grids), vision.config.hidden_size)
+        cos, sin = vision.rotary(grids, x.device)
+        lengths = [h * w for t, h, w in grids for _ in range(t)]
+        cu = F.pad(torch.tensor(lengths).cumsum(0, dtype=torch.int32), (1, 0))
+        return vision.blocks[0], (x, cos, sin, cu), {"max_seqlen": max(lengths)}
+    text = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    layer = next(l for l in text.layers if getattr(l, "layer_type", "full_attention") == block_kind)
+    h = torch.randn(*batch["input_ids"].shape, config.get_text_config().hidden_size)
+    if family == "qwen3_5":
+        cos, sin = text.rotary(batch["position_ids"], h.dtype)
+    else:
+        from vlmcore.models.layers import mrope_cos_sin, rope_cos_sin, rope_inv_freq
+
+        text_config = config.get_text_config()
+        inv_freq = rope_inv_freq(text_config.rope_parameters, model.head_dim, "test")
+        if family == "qwen3":
+            cos, sin = rope_cos_sin(inv_freq, torch.arange(h.shape[1]).expand(h.shape[0], -1), h.dtype)
+        else:
+            cos, sin = mrope_cos_sin(inv_freq, batch["position_ids"], text_config.rope_parameters["mrope_section"],
+                                     h.dtype)
+    return layer, (h, cos, sin, batch["cu_seqlens"]), {"max_seqlen": batch["max_seqlen"]}
+
+
+@pytest.mark.parametrize("family,block_kind,breaks", [
+    ("qwen3", "full_attention", 0), ("qwen3_vl", "full_attention", 0), ("qwen3_vl", "vision", 0),
+    ("qwen3_5", "full_attention", 0),
+    # The Gated DeltaNet kernel (fla's Triton, not traceable) runs eagerly between two graphs:
+    # every break is that one call.
+    ("qwen3_5", "linear_attention", "gated_delta_rule"),
+])
+def test_blocks_compile_with_attention_inside(family, block_kind, breaks, restore_kernels):
+    torch._dynamo.reset()
+    set_varlen_kernel(varlen_attn_torch_2_12, force=True)
+    set_gdn_kernel(fla_chunk_gated_delta_rule, force=True)
+    block, args, kwargs = _block_inputs(family, block_kind)
+    explanation = torch._dynamo.explain(block)(*args, **kwargs)
+    if breaks == 0:
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+    else:
+        assert explanation.graph_break_count >= 1
+        assert all(breaks in reason.reason for reason in explanation.break_reasons), explanation.break_reasons
+
+
+def test_chunked_loss_compiles_to_one_graph():
+    from vlmcore.train.loss import _chunk_loss_and_grad
+
+    torch._dynamo.reset()
+    logits, target = torch.randn(16, 40, dtype=torch.bfloat16), torch.randint(0, 40, (16,))
+    explanation = torch._dynamo.explain(_chunk_loss_and_grad)(logits, target, target != 3, 40, None)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
