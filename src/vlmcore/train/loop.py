@@ -15,24 +15,21 @@ import resource
 import signal
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from vlmcore.config import ConfigError, TrainConfig, load_config, save_config, to_dict
 from vlmcore.parallel.mesh import build_mesh, device_for_rank, dp_rank, init_distributed, resolve_dims
-from vlmcore.parallel.parallelize import parallelize, vision_tower
+from vlmcore.parallel.parallelize import parallelize
 from vlmcore.train.checkpoint import (Checkpointer, load_hf_weights, load_model_weights, rng_state, save_final,
                                       set_rng_state)
-from vlmcore.train.loss import chunked_cross_entropy
 from vlmcore.train.metrics import MetricsLogger, batch_flops, peak_tflops
-from vlmcore.train.optim import build_optimizer, clean_name, freeze, lr_factor, schedule_total, set_lr
+from vlmcore.train.optim import build_optimizer, freeze, lr_factor, schedule_total, set_lr
 from vlmcore.train.run_dir import archive_stale_run
+from vlmcore.train.step import build_step, host_stats, to_device
 
 
 class TrainingError(RuntimeError):
@@ -83,61 +80,6 @@ def build_data(cfg: TrainConfig, model_config, rank: int, world: int):
                         seed=cfg.seed, num_workers=cfg.num_workers)
 
 
-def grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
-    """Global L2 norm of the gradients, correct for FSDP / TP (sharded DTensor) gradients:
-    one reduction per (mesh, placements) group, then combined."""
-    groups = defaultdict(list)
-    for p in params:
-        if p.grad is not None:
-            g = p.grad
-            groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
-    total = torch.zeros((), dtype=torch.float64)
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        total += norm.double().cpu() ** 2
-    return total.sqrt()
-
-
-def sum_partial_grads(params: list[torch.Tensor], group) -> None:
-    for p in params:
-        if p.grad is not None:
-            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            dist.all_reduce(local, group=group)
-
-
-class VisionDummy:
-    """Runs the vision tower on a tiny zero image, weighted by 0, for micro-batches without images.
-
-    The vision tower is one FSDP unit, so every rank must take part in its collectives at the
-    same point: for a text-only micro-batch this runs it right after the token embedding (a
-    forward hook), where an image batch runs it too, and adds `0 * output` to the embeddings, so
-    the backward graph has the same shape on every rank and the gradients are unchanged.
-    """
-
-    def __init__(self, model: torch.nn.Module, vision: torch.nn.Module):
-        self.vision = vision
-        self.config = model.config.vision_config
-        self.active = False
-        embed = next(m for n, m in model.named_modules() if n.endswith("embed_tokens") and "visual" not in n)
-        embed.register_forward_hook(self._hook)
-
-    def _hook(self, module, args, output):
-        if not self.active:
-            return output
-        v, device = self.config, output.device
-        merge = v.spatial_merge_size
-        pixels = torch.zeros(merge * merge, v.in_channels * v.temporal_patch_size * v.patch_size ** 2, device=device)
-        grid = torch.tensor([[1, merge, merge]], device=device)
-        leaves = torch.utils._pytree.tree_leaves(self.vision(pixels, grid))
-        return output + sum(t.float().sum() for t in leaves if torch.is_tensor(t) and t.is_floating_point()) * 0.0
-
-
-def _to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
 def _peak_mem_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
@@ -155,6 +97,24 @@ def train(cfg: TrainConfig) -> int:
         return _train(cfg, out, device)
     finally:
         dist.destroy_process_group()
+
+
+def check_kernels(cfg: TrainConfig, device: torch.device) -> dict:
+    """The attention and Gated DeltaNet backends of this run (vlmcore.kernels), set for the model
+    code; a version known to compute wrongly on this GPU stops the run here, before any work."""
+    from vlmcore import kernels
+    from vlmcore.models import load_config as load_model_config
+
+    text = load_model_config(cfg.model_path)
+    text = getattr(text, "text_config", None) or text
+    has_linear = "linear_attention" in (getattr(text, "layer_types", None) or [])
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    try:
+        backends = kernels.check(cfg.parallel.linear_attention, capability, has_linear)
+    except kernels.KernelError as e:
+        raise ConfigError(f"parallel.linear_attention: {e}") from None
+    kernels.apply(backends)
+    return backends
 
 
 def build_meta_model(cfg: TrainConfig, mesh, dims):
@@ -208,34 +168,6 @@ def resume(checkpointer: Checkpointer, path: Path, model, optimizer, data, state
         print(f"resumed from {path} at step {state['step']}")
 
 
-def forward_backward(model, micro: list[dict], label_tokens: float, vision_dummy, chunk_tokens: int) -> torch.Tensor:
-    """Accumulates the gradients of sum(token losses) / label_tokens over the micro-batches;
-    returns this rank's sum of token losses."""
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    for i, batch in enumerate(micro):
-        if isinstance(model, FSDPModule):
-            model.set_requires_gradient_sync(i == len(micro) - 1)  # reduce once, after the last
-        if vision_dummy is not None:
-            vision_dummy.active = batch.get("pixel_values") is None
-        output = model(batch["input_ids"], pixel_values=batch.get("pixel_values"),
-                       image_grid_thw=batch.get("image_grid_thw"), position_ids=batch.get("position_ids"),
-                       cu_seqlens=batch.get("cu_seqlens"), return_hidden=True)
-        local_sum, _ = chunked_cross_entropy(output.hidden_states, model.lm_head.weight, batch["labels"],
-                                             chunk_tokens)
-        (local_sum / label_tokens).backward()
-        loss_sum += local_sum.detach().double().cpu()
-        del output, local_sum
-    return loss_sum
-
-
-def clip_grads(params: list[torch.Tensor], norm: float, max_norm: float) -> None:
-    coef = max_norm / (norm + 1e-6)
-    if max_norm > 0 and coef < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
-
-
 def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     dims = resolve_dims(cfg.parallel, world)
@@ -245,7 +177,9 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(cfg.seed)
+    backends = check_kernels(cfg, device)  # before anything is written
     if rank == 0:
+        print("kernels: " + ", ".join(f"{part} {backend}" for part, backend in backends.items()))
         out.mkdir(parents=True, exist_ok=True)
         reason = archive_stale_run(out, cfg)  # checkpoints of another run are moved aside
         if reason:
@@ -256,11 +190,8 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
     model, partial_names = build_parallel_model(cfg, mesh, dims, device)
     model.train()
     optimizer = build_optimizer(model, cfg.optimizer, device)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    partial = [p for n, p in model.named_parameters() if clean_name(n) in partial_names and p.requires_grad]
-    tp_group = mesh["tp"].get_group() if dims.tp > 1 else None
-    vision = vision_tower(model)
-    vision_dummy = VisionDummy(model, vision) if vision is not None else None
+    train_step = build_step(model, optimizer, partial_names, mesh["tp"].get_group() if dims.tp > 1 else None,
+                            cfg.loss_chunk_tokens, cfg.max_grad_norm, compiled_loss=cfg.parallel.compile)
     data = build_data(cfg, model.config, data_rank, dims.dp)
 
     layout = {"world_size": world, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
@@ -285,46 +216,38 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
 
     while state["step"] < cfg.steps:
         t0 = time.perf_counter()
-        micro = [_to_device(next(batches), device) for _ in range(cfg.grad_accum_steps)]
+        host_micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
         data_wait = time.perf_counter() - t0
-        llm_flops, vision_flops = map(sum, zip(*(batch_flops(model.config, b) for b in micro)))
-        counts = torch.tensor([sum(int((b["labels"] != -100).sum()) for b in micro),
-                               sum(b["num_samples"] for b in micro), sum(b["input_ids"].numel() for b in micro),
-                               llm_flops, vision_flops], dtype=torch.float64)
-        dist.all_reduce(counts)
+        stats = host_stats(host_micro)
+        llm_flops, vision_flops = map(sum, zip(*(batch_flops(model.config, b) for b in host_micro)))
+        counts = torch.tensor([stats["label_tokens"], stats["samples"], stats["tokens"], llm_flops, vision_flops],
+                              dtype=torch.float64)
+        dist.all_reduce(counts)  # on the host (gloo): no GPU wait
         label_tokens, samples, tokens, llm_flops, vision_flops = (counts / dims.tp).tolist()
         if label_tokens == 0:
             raise TrainingError(f"step {state['step'] + 1}: the global batch has no label tokens")
 
-        loss_sum = forward_backward(model, micro, label_tokens, vision_dummy, cfg.loss_chunk_tokens)
-        if partial:
-            sum_partial_grads(partial, tp_group)
-        norm = grad_norm(trainable)
-        dist.all_reduce(loss_sum)
-        step_loss = float(loss_sum) / dims.tp / label_tokens
-
         done = state["step"] + 1 if cfg.schedule.unit == "steps" else state["samples"] + int(samples)
         factor = lr_factor(cfg.schedule, done, schedule_total(cfg))
-        if torch.isfinite(norm) and torch.isfinite(torch.tensor(step_loss)):
-            clip_grads(trainable, float(norm), cfg.max_grad_norm)
-            set_lr(optimizer, factor)
-            optimizer.step()
+        result = train_step([to_device(b, device) for b in host_micro], label_tokens,
+                            lambda opt: set_lr(opt, factor))
+        step_loss = result.loss_sum / dims.tp / label_tokens
+        if result.applied:
             nonfinite_in_a_row = 0
         else:
             state["skipped_steps"] += 1
             nonfinite_in_a_row += 1
-        optimizer.zero_grad(set_to_none=True)
         state["step"] += 1
         state["samples"] += int(samples)
         state["tokens"] += int(tokens)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        # Host time of the step: the step's one host read (norm and loss) waits for its backward,
+        # so from step to step this follows the GPU without a synchronize of its own.
         step_time = time.perf_counter() - t0
 
         llm_tflops = llm_flops / step_time / world / 1e12
         vision_tflops = vision_flops / step_time / world / 1e12
         logger.log({
-            "step": state["step"], "loss": step_loss, "grad_norm": float(norm), "lr": cfg.optimizer.lr * factor,
+            "step": state["step"], "loss": step_loss, "grad_norm": result.grad_norm, "lr": cfg.optimizer.lr * factor,
             "tokens": state["tokens"], "samples": state["samples"], "label_tokens": int(label_tokens),
             "tokens_per_s": tokens / step_time, "tokens_per_s_per_device": tokens / step_time / world,
             "tflops_per_device": llm_tflops + vision_tflops,

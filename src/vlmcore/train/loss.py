@@ -27,36 +27,55 @@ def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
     return tensor
 
 
+def _chunk_loss_and_grad(logits, target, valid, vocab_local: int, group):
+    """Sum of the chunk's token losses and d(sum)/d logits (softmax - one-hot on label tokens), in
+    the logits' dtype; statistics in fp32. `target` is the label minus this rank's first vocabulary
+    row: outside [0, vocab_local) under a vocabulary-parallel head when another rank holds it.
+    No host reads, so it runs on the GPU without a sync and compiles into two fused kernels."""
+    acc = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    mine = (target >= 0) & (target < vocab_local)
+    index = target.clamp(0, vocab_local - 1)[:, None]
+    top = _all_reduce(acc.amax(dim=-1), dist.ReduceOp.MAX, group)
+    sumexp = _all_reduce((acc - top[:, None]).exp().sum(dim=-1), dist.ReduceOp.SUM, group)
+    lse = top + sumexp.log()
+    target_logit = _all_reduce(acc.gather(1, index)[:, 0] * mine, dist.ReduceOp.SUM, group)
+    loss = ((lse - target_logit) * valid).sum()
+    grad = (acc - lse[:, None]).exp().scatter_add(1, index, -mine[:, None].to(acc.dtype))
+    return loss, (grad * valid[:, None]).to(logits.dtype)
+
+
+_compiled_chunk_loss_and_grad = None
+
+
+def _fused(group):
+    """The chunk computation compiled (one fused pass over the logits instead of half a dozen), for
+    a whole-vocabulary head; eager under a vocabulary-parallel one, whose all-reduces sit in between."""
+    global _compiled_chunk_loss_and_grad
+    if group is not None:
+        return _chunk_loss_and_grad
+    if _compiled_chunk_loss_and_grad is None:
+        _compiled_chunk_loss_and_grad = torch.compile(_chunk_loss_and_grad, dynamic=True)
+    return _compiled_chunk_loss_and_grad
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_tokens, group, vocab_start):
+    def forward(ctx, hidden, weight, labels, chunk_tokens, group, vocab_start, compiled):
         need_hidden_grad, need_weight_grad = ctx.needs_input_grad[:2]
-        vocab_local = weight.shape[0]
-        acc = torch.promote_types(weight.dtype, torch.float32)  # softmax statistics in fp32 at least
+        chunk_fn = _fused(group) if compiled else _chunk_loss_and_grad
+        acc = torch.promote_types(weight.dtype, torch.float32)  # loss and weight gradient in fp32 at least
         total = torch.zeros((), dtype=acc, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_hidden_grad else None
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight_grad else None
         for start in range(0, hidden.shape[0], chunk_tokens):
             end = min(start + chunk_tokens, hidden.shape[0])
             h = hidden[start:end]
-            logits = (h @ weight.t()).to(acc)
-            target = labels[start:end] - vocab_start
-            mine = (target >= 0) & (target < vocab_local)
-            top = _all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX, group)
-            sumexp = _all_reduce((logits - top[:, None]).exp().sum(dim=-1), dist.ReduceOp.SUM, group)
-            lse = top + sumexp.log()
-            target_logit = logits.gather(1, target.clamp(0, vocab_local - 1)[:, None])[:, 0] * mine
-            target_logit = _all_reduce(target_logit, dist.ReduceOp.SUM, group)
-            valid = labels[start:end] != IGNORE_INDEX
-            total += ((lse - target_logit) * valid).sum()
-            if grad_hidden is None and grad_weight is None:
-                continue
-            # d(sum of losses)/d logits = softmax - one-hot, on label tokens only.
-            grad_logits = logits.sub_(lse[:, None]).exp_()
-            rows = torch.nonzero(mine)[:, 0]
-            grad_logits[rows, target[rows]] -= 1.0
+            labels_chunk = labels[start:end]
+            loss, grad_logits = chunk_fn(h @ weight.t(), labels_chunk - vocab_start, labels_chunk != IGNORE_INDEX,
+                                         weight.shape[0], group)
+            total += loss
             # Matmuls in the compute dtype (bf16 on GPU, accumulating in fp32 inside the GEMM).
-            grad_logits = (grad_logits * valid[:, None]).to(hidden.dtype)
+            grad_logits = grad_logits.to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad_logits @ weight
             if grad_weight is not None:
@@ -72,16 +91,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden = _all_reduce(grad_hidden.mul_(grad_total.to(grad_hidden.dtype)), dist.ReduceOp.SUM, ctx.group)
         if grad_weight is not None:
             grad_weight = grad_weight.mul_(grad_total).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                          chunk_tokens: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+                          chunk_tokens: int = 1024, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of token losses in fp32, number of label tokens) for `hidden` (..., H) through the
     LM head `weight` (V, H); labels (...) are already shifted, IGNORE_INDEX where no loss.
 
     `weight` may be a DTensor sharded on the vocabulary (tensor parallel): then `hidden` must be
     replicated over the same mesh (a plain tensor or a DTensor, which is made Replicate).
+    `compiled` runs each chunk's softmax and gradient as one compiled kernel (whole-vocabulary heads).
     """
     group, vocab_start = None, 0
     if isinstance(weight, DTensor):
@@ -95,7 +115,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
         hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim).to_local()
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1).to(hidden.device)
-    loss_sum = _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, group, vocab_start)
+    loss_sum = _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, group, vocab_start, compiled)
     return loss_sum, (labels != IGNORE_INDEX).sum()
 
 

@@ -27,11 +27,10 @@ import torch.distributed as dist
 
 from vlmcore.config import ConfigError, TrainConfig, load_config
 from vlmcore.parallel.mesh import build_mesh, resolve_dims
-from vlmcore.parallel.parallelize import vision_tower
-from vlmcore.train.loop import (VisionDummy, build_meta_model, forward_backward, grad_norm, materialize,
-                                sum_partial_grads)
-from vlmcore.train.optim import build_optimizer, clean_name
+from vlmcore.train.loop import build_meta_model, materialize
+from vlmcore.train.optim import build_optimizer
 from vlmcore.train.random_data import RandomBatches
+from vlmcore.train.step import build_step, host_stats, to_device
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -196,7 +195,8 @@ def estimate_memory(cfg: TrainConfig, world_size: int, seq_len: int, image_side:
                              micro_batch_size=cfg.micro_batch_size, dp_rank=0, dp_world=dims.dp,
                              grad_accum_steps=micro_batches, seed=cfg.seed, image_side=image_side)
         micro = [data.batch(i) for i in range(micro_batches)]
-        label_tokens = float(sum(int((b["labels"] != -100).sum()) for b in micro)) * dims.dp
+        label_tokens = float(host_stats(micro)["label_tokens"]) * dims.dp
+        micro = [to_device(b, torch.device("cpu")) for b in micro]
         with _fake_mode_with_constant_batch(fake) as mode:
             if mode is not None:
                 convert = mode.fake_tensor_converter.from_real_tensor
@@ -234,10 +234,8 @@ def _peak_of_two_steps(cfg, model, partial_names, mesh, dims, micro, label_token
     # tensors count the fused step's in-place outputs as new memory.
     for group in optimizer.param_groups:
         group["foreach"] = False
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    partial = [p for n, p in model.named_parameters() if clean_name(n) in partial_names and p.requires_grad]
-    vision = vision_tower(model)
-    vision_dummy = VisionDummy(model, vision) if vision is not None else None
+    step = build_step(model, optimizer, partial_names, mesh["tp"].get_group() if dims.tp > 1 else None,
+                      cfg.loss_chunk_tokens, cfg.max_grad_norm)
 
     tracker = PeakTracker(mod=model, optm=optimizer)
     tracker.track_inputs(tuple(micro))
@@ -247,12 +245,7 @@ def _peak_of_two_steps(cfg, model, partial_names, mesh, dims, micro, label_token
         # here, after the tracker has put its own hooks first.
         hook = model.register_forward_pre_hook(lambda *_: tracker.reset_mod_stats(), prepend=True)
         for _ in range(2):  # the second step holds the optimizer state from its start
-            forward_backward(model, micro, label_tokens, vision_dummy, cfg.loss_chunk_tokens)
-            if partial:
-                sum_partial_grads(partial, mesh["tp"].get_group())
-            grad_norm(trainable)  # clipping then scales the gradients in place
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            step(micro, label_tokens, set_lr=lambda optimizer: None)
     hook.remove()
     peak = tracker.get_tracker_snapshot("peak")[device]
     return {str(getattr(kind, "value", kind)): int(n) for kind, n in peak.items()}

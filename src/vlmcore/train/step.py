@@ -1,0 +1,184 @@
+"""One training step, the same for the training loop, the memory estimate and the benchmark.
+
+forward/backward over the micro-batches -> TP-partial gradients summed -> global gradient norm ->
+the step's one host read (norm and loss together) -> clipping, learning rate, AdamW -> zero grads.
+
+The GPU is never waited for inside forward/backward: what the kernels need on the host (the
+longest packed segment, the image grids, the label count) is taken from the batch while it is
+still on the host (`to_device`), and losses and norms stay on the device until the one read.
+"""
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from vlmcore.train.loss import IGNORE_INDEX, chunked_cross_entropy
+
+# Batch entries that stay on the host: the model reads them as Python numbers.
+HOST_KEYS = ("max_seqlen", "num_samples")
+
+
+def host_stats(micro: list[dict]) -> dict:
+    """Label tokens, samples and tokens of host-side micro-batches (read before they move)."""
+    return {"label_tokens": sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro),
+            "samples": sum(b["num_samples"] for b in micro),
+            "tokens": sum(b["input_ids"].numel() for b in micro)}
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """The batch on `device`, with its host metadata kept on the host: `max_seqlen` (an int, added
+    from `cu_seqlens` if the batch lacks it) and `image_grid_thw` as a list of [t, h, w]."""
+    out = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    if "cu_seqlens" in batch and "max_seqlen" not in batch:
+        cu = batch["cu_seqlens"]
+        out["max_seqlen"] = int((cu[1:] - cu[:-1]).max())
+    if torch.is_tensor(batch.get("image_grid_thw")):
+        out["image_grid_thw"] = batch["image_grid_thw"].tolist()
+    return out
+
+
+def read_host(*values: torch.Tensor) -> list[float]:
+    """The step's one device-to-host read. Fake tensors (the memory estimate) have no values:
+    they read as zeros, and the step goes on as a finite one would."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if any(isinstance(v, FakeTensor) for v in values):
+        return [0.0] * len(values)
+    return torch.stack([v.double() for v in values]).tolist()
+
+
+def grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm of the gradients (a device tensor), correct for FSDP / TP (sharded DTensor)
+    gradients: one reduction per (mesh, placements) group, then combined."""
+    groups = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            g = p.grad
+            groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
+    squares = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, foreach=None)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm.double() ** 2)
+    if not squares:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.stack(squares).sum().sqrt()
+
+
+def sum_partial_grads(params: list[torch.Tensor], group) -> None:
+    for p in params:
+        if p.grad is not None:
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            dist.all_reduce(local, group=group)
+
+
+def forward_backward(model, micro: list[dict], label_tokens: float, vision_dummy, chunk_tokens: int,
+                     compiled_loss: bool = False) -> torch.Tensor:
+    """Accumulates the gradients of sum(token losses) / label_tokens over the micro-batches (on
+    the device, from `to_device`); returns this rank's sum of token losses, on the device."""
+    loss_sum = None
+    for i, batch in enumerate(micro):
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(i == len(micro) - 1)  # reduce once, after the last
+        if vision_dummy is not None:
+            vision_dummy.active = batch.get("pixel_values") is None
+        output = model(batch["input_ids"], pixel_values=batch.get("pixel_values"),
+                       image_grid_thw=batch.get("image_grid_thw"), position_ids=batch.get("position_ids"),
+                       cu_seqlens=batch.get("cu_seqlens"), max_seqlen=batch.get("max_seqlen"), return_hidden=True)
+        local_sum, _ = chunked_cross_entropy(output.hidden_states, model.lm_head.weight, batch["labels"],
+                                             chunk_tokens, compiled=compiled_loss)
+        (local_sum / label_tokens).backward()
+        local_sum = local_sum.detach().double()
+        loss_sum = local_sum if loss_sum is None else loss_sum + local_sum
+        del output
+    return loss_sum
+
+
+@dataclass
+class StepResult:
+    loss_sum: float  # sum of token losses over all ranks and micro-batches (divide by label tokens)
+    grad_norm: float  # before clipping
+    applied: bool  # False: non-finite loss or norm, the optimizer step was skipped
+
+
+@dataclass
+class Step:
+    """What a training step works on, built once per run (see `build_step`)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    trainable: list
+    partial: list  # parameters whose gradients are partial sums over the TP ranks
+    tp_group: object
+    vision_dummy: object
+    chunk_tokens: int
+    max_grad_norm: float
+    compiled_loss: bool = False
+
+    def __call__(self, micro: list[dict], label_tokens: float, set_lr) -> StepResult:
+        """One optimizer step over the device micro-batches; `set_lr(optimizer)` sets this step's lr."""
+        loss_sum = forward_backward(self.model, micro, label_tokens, self.vision_dummy, self.chunk_tokens,
+                                    self.compiled_loss)
+        if self.partial:
+            sum_partial_grads(self.partial, self.tp_group)
+        norm = grad_norm(self.trainable).to(loss_sum.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(loss_sum)
+        norm_value, loss_value = read_host(norm, loss_sum)
+        finite = math.isfinite(norm_value) and math.isfinite(loss_value)
+        if finite:
+            clip_grads(self.trainable, norm_value, self.max_grad_norm)
+            set_lr(self.optimizer)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss_value, norm_value, finite)
+
+
+def clip_grads(params: list[torch.Tensor], norm: float, max_norm: float) -> None:
+    """Scales the gradients to `max_norm` when `norm` (the global norm, on the host) exceeds it."""
+    coef = max_norm / (norm + 1e-6)
+    if max_norm > 0 and coef < 1.0:
+        torch._foreach_mul_([p.grad for p in params if p.grad is not None], coef)
+
+
+def build_step(model, optimizer, partial_names: set, tp_group, chunk_tokens: int, max_grad_norm: float,
+               compiled_loss: bool = False) -> Step:
+    from vlmcore.train.optim import clean_name
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    partial = [p for n, p in model.named_parameters() if clean_name(n) in partial_names and p.requires_grad]
+    vision = model.model.visual if hasattr(model.model, "visual") else None
+    vision_dummy = VisionDummy(model, vision) if vision is not None else None
+    return Step(model, optimizer, trainable, partial, tp_group, vision_dummy, chunk_tokens, max_grad_norm,
+                compiled_loss)
+
+
+class VisionDummy:
+    """Runs the vision tower on a tiny zero image, weighted by 0, for micro-batches without images.
+
+    The vision tower is one FSDP unit, so every rank must take part in its collectives at the
+    same point: for a text-only micro-batch this runs it right after the token embedding (a
+    forward hook), where an image batch runs it too, and adds `0 * output` to the embeddings, so
+    the backward graph has the same shape on every rank and the gradients are unchanged.
+    """
+
+    def __init__(self, model: torch.nn.Module, vision: torch.nn.Module):
+        self.vision = vision
+        self.config = model.config.vision_config
+        self.active = False
+        model.model.language_model.embed_tokens.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        if not self.active:
+            return output
+        v, device = self.config, output.device
+        merge = v.spatial_merge_size
+        pixels = torch.zeros(merge * merge, v.in_channels * v.temporal_patch_size * v.patch_size ** 2, device=device)
+        leaves = torch.utils._pytree.tree_leaves(self.vision(pixels, [[1, merge, merge]]))
+        return output + sum(t.float().sum() for t in leaves if torch.is_tensor(t) and t.is_floating_point()) * 0.0
