@@ -15,6 +15,7 @@ COMMANDS = {
     "pack": ("vlmcore.data.pack", "tokenize and pack samples into fixed-budget sequences"),
     "train": ("vlmcore.train.loop", "run one training stage (under torchrun or as one process)"),
     "memory": ("vlmcore.train.memory", "estimate a training stage's peak memory per device, no GPU needed"),
+    "kernels": ("vlmcore.kernels", "check the GPU kernels' versions (torch, Triton, fla, tilelang, flash-attn)"),
     "export": ("vlmcore.export", "training checkpoint -> Hugging Face directory"),
     "eval": ("vlmcore.eval.runner", "lm-eval on an exported directory"),
     "report": ("vlmcore.report.scaling", "scaling CSV, plots and SCALABILITY.md"),

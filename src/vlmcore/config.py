@@ -49,6 +49,9 @@ class ParallelConfig:
     sequence_parallel: bool = True  # under tp > 1: norms and the residual stream split on the sequence
     activation_checkpointing: str = "none"  # none | selective | full
     compile: bool = False
+    # Gated DeltaNet kernels (Qwen3.5) on GPU: auto = fla where it is installed and correct on this
+    # GPU (vlmcore.kernels), else the pure-torch chunked rule; fla = fla or stop; torch = pure torch.
+    linear_attention: str = "auto"
 
 
 @dataclass
@@ -117,6 +120,7 @@ _CHOICES = {
     "parallel.mode": ("fsdp", "ddp"),
     "parallel.vision": ("fsdp",),
     "parallel.activation_checkpointing": ("none", "selective", "full"),
+    "parallel.linear_attention": ("auto", "fla", "torch"),
     "precision.param_dtype": _DTYPES,
     "precision.reduce_dtype": _DTYPES,
     "data.kind": ("packed", "random"),

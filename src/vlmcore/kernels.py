@@ -1,0 +1,208 @@
+"""The GPU kernels' versions, checked before a job starts, never after the queue wait.
+
+`vlmcore train` checks them on its GPU before building the model; the workflow checks them on
+the login node when it is parsed (for the cluster's GPU, `train.gpu_capability`), so a broken
+combination stops `snakemake` before any job is queued. `vlmcore kernels` prints the report.
+
+Known bad combinations (docs/hpc.md has the versions each cluster needs):
+- flash-linear-attention on Hopper (compute capability 9.x) with Triton >= 3.4.0 and < 3.7.1:
+  the backward of the gated chunk kernel (`chunk_bwd_dqkwg`) gives wrong gradients (fla issue
+  640). fla 0.6 refuses at the first backward, older releases silently train on wrong gradients.
+  Correct: Triton >= 3.7.1, or tilelang installed for fla's TileLang backend of that kernel.
+- torch's varlen attention: its signature changed in every release from 2.10 to 2.12; the
+  installed kernel's signature is checked against the ones vlmcore calls (models/attention.py).
+"""
+
+import argparse
+import importlib.metadata
+import os
+import sys
+
+from packaging.version import Version
+
+LINEAR_ATTENTION_BACKENDS = ("auto", "fla", "torch")
+TRITON_HOPPER_BAD = (Version("3.4.0"), Version("3.7.1"))
+
+
+class KernelError(RuntimeError):
+    pass
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _fla_has_tilelang_backend() -> bool:
+    """fla ships a TileLang backend for the Hopper bug's kernel (fla >= 0.5); without it tilelang
+    does not help. Read from the installed file list: importing fla needs a GPU's Triton."""
+    for dist in ("fla-core", "flash-linear-attention"):
+        try:
+            files = importlib.metadata.files(dist) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if any(str(f).replace("\\", "/").startswith("fla/ops/common/backends/tilelang/") for f in files):
+            return True
+    return False
+
+
+def installed_versions() -> dict:
+    """Versions of the packages whose kernels vlmcore calls (None: not installed), read from the
+    package metadata: nothing is imported, so this runs on a login node without a GPU."""
+    fla = _version("fla-core") or _version("flash-linear-attention")
+    return {
+        "torch": _version("torch"),
+        "triton": _version("triton") or _version("pytorch-triton"),
+        "fla": fla,
+        "tilelang": _version("tilelang"),
+        "flash_attn": _version("flash-attn") or _version("flash_attn"),
+        "fla_tilelang_backend": _fla_has_tilelang_backend(),
+        "fla_dispatch_disabled": os.environ.get("FLA_DISABLE_BACKEND_DISPATCH", "0") not in ("", "0"),
+    }
+
+
+def _base(version: str) -> Version:
+    return Version(Version(version).base_version)
+
+
+def fla_problem(versions: dict, capability: tuple[int, int] | None) -> str | None:
+    """Why fla's Gated DeltaNet kernels would train wrongly on a GPU of `capability`, or None."""
+    if versions.get("fla") is None or capability is None or capability[0] != 9 or versions.get("triton") is None:
+        return None
+    triton = _base(versions["triton"])
+    if not TRITON_HOPPER_BAD[0] <= triton < TRITON_HOPPER_BAD[1]:
+        return None
+    if versions.get("tilelang") and versions.get("fla_tilelang_backend") and not versions.get("fla_dispatch_disabled"):
+        return None
+    return (f"flash-linear-attention {versions['fla']} with Triton {versions['triton']} on a Hopper GPU "
+            f"(sm_{capability[0]}{capability[1]}) computes wrong Gated DeltaNet gradients (fla issue 640: "
+            "chunk_bwd_dqkwg on Triton >= 3.4.0, < 3.7.1). Fix one of: `pip install tilelang` (fla >= 0.5 then "
+            "runs that kernel in TileLang; unset FLA_DISABLE_BACKEND_DISPATCH), Triton >= 3.7.1 with a torch built "
+            "for it, or train.linear_attention: torch (the pure-torch kernel: correct, slower)")
+
+
+def linear_attention_backend(requested: str, versions: dict, capability: tuple[int, int] | None) -> str:
+    """'fla' or 'torch' for the Gated DeltaNet layers on a GPU of `capability` (None: no GPU);
+    raises KernelError where the request cannot run correctly."""
+    if requested not in LINEAR_ATTENTION_BACKENDS:
+        raise KernelError(f"linear_attention: must be one of {', '.join(LINEAR_ATTENTION_BACKENDS)}, got {requested!r}")
+    if requested == "torch" or capability is None:
+        return "torch"
+    if versions.get("fla") is None:
+        if requested == "fla":
+            raise KernelError("linear_attention: fla is asked for but flash-linear-attention is not installed "
+                              "(pip install 'vlmcore[gpu]', see docs/hpc.md)")
+        return "torch"
+    problem = fla_problem(versions, capability)
+    if problem:
+        raise KernelError(problem)
+    return "fla"
+
+
+def attention_backend(capability: tuple[int, int] | None) -> str:
+    """Which kernel packed attention runs; raises KernelError for a varlen kernel vlmcore cannot call."""
+    if capability is None:
+        return "sdpa (per packed segment)"
+    from vlmcore.models import attention
+
+    kernel = attention.varlen_kernel()
+    if kernel is None:
+        return "sdpa (per packed segment; no varlen kernel: install torch >= 2.10 or flash-attn)"
+    try:
+        attention.adapt_varlen_kernel(kernel)
+    except TypeError as e:
+        raise KernelError(f"attention: {e}") from None
+    return f"{kernel.__module__}.{kernel.__name__}"
+
+
+def check(requested_linear_attention: str, capability: tuple[int, int] | None, has_linear_attention: bool,
+          versions: dict | None = None) -> dict:
+    """The backends a run will use, or KernelError naming the fix. `capability` None: no GPU."""
+    versions = versions or installed_versions()
+    chosen = {"attention": attention_backend(capability)}
+    if has_linear_attention:
+        chosen["linear_attention"] = linear_attention_backend(requested_linear_attention, versions, capability)
+    return chosen
+
+
+def apply(backends: dict) -> None:
+    """Makes the model code use the chosen linear-attention backend."""
+    from vlmcore.models import linear_attention
+
+    if backends.get("linear_attention") == "torch":
+        linear_attention.set_gdn_kernel(None)
+
+
+def parse_capability(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    try:
+        major, minor = (int(x) for x in str(text).split("."))
+    except ValueError:
+        raise KernelError(f"gpu capability: expected MAJOR.MINOR such as 9.0, got {text!r}") from None
+    return major, minor
+
+
+def report(versions: dict, backends: dict, capability) -> str:
+    gpu = f"sm_{capability[0]}{capability[1]}" if capability else "none"
+    lines = [f"GPU: {gpu}"]
+    lines += [f"{name}: {versions[name] or 'not installed'}" for name in ("torch", "triton", "fla", "tilelang", "flash_attn")]
+    lines += [f"{part}: {backend}" for part, backend in backends.items()]
+    return "\n".join(lines)
+
+
+def model_has_linear_attention(model: dict) -> bool:
+    """From the workflow's `model` section, before the download: the staged snapshot's config.json
+    where it is there, else the model's name (Qwen3.5 is the family with Gated DeltaNet layers)."""
+    import json
+    from pathlib import Path
+
+    config_json = Path(model.get("staged_path") or "", "config.json")
+    if model.get("staged_path") and config_json.is_file():
+        config = json.loads(config_json.read_text())
+        text = config.get("text_config") or config
+        return "linear_attention" in (text.get("layer_types") or [])
+    name = (model.get("repo_id") or "").lower()
+    return "qwen3.5" in name or "qwen3_5" in name
+
+
+def check_workflow(config: dict, stage_settings: dict) -> None:
+    """The workflow's check on the login node: every training stage's kernels on the cluster's GPU
+    (`train.gpu_capability`); raises KernelError naming the stage before any job is queued."""
+    capability = parse_capability(config["train"].get("gpu_capability"))
+    if capability is None:
+        return
+    has_linear = model_has_linear_attention(config["model"])
+    versions = installed_versions()
+    for stage, settings in stage_settings.items():
+        requested = settings.get("parallel", {}).get("linear_attention", "auto")
+        try:
+            check(requested, capability, has_linear, versions)
+        except KernelError as e:
+            raise KernelError(f"train.stages.{stage} on train.gpu_capability {capability[0]}.{capability[1]}: {e}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpu-capability", help="compute capability of the GPUs the job will run on, e.g. 9.0 "
+                        "for H100, H200 and GH200 (default: this machine's GPU, none without one)")
+    parser.add_argument("--linear-attention", default="auto", choices=LINEAR_ATTENTION_BACKENDS,
+                        help="Gated DeltaNet backend as in the training config")
+    parser.add_argument("--no-linear-attention", action="store_true", help="the model has no linear attention")
+
+
+def run(args) -> int:
+    try:
+        capability = parse_capability(args.gpu_capability)
+        if capability is None:
+            import torch
+
+            capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+        versions = installed_versions()
+        backends = check(args.linear_attention, capability, not args.no_linear_attention, versions)
+    except KernelError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report(versions, backends, capability))
+    return 0
