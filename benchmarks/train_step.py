@@ -1,13 +1,18 @@
 """Training-step throughput: vlmcore's engine vs transformers, same model, same packed batch,
-same AdamW, one device.
+same AdamW, one device; and vlmcore's real training loop (`vlmcore train` on random data).
 
     python benchmarks/train_step.py --preset tiny --family qwen3_vl       # CPU
     python benchmarks/train_step.py --preset 2b --family qwen3_vl --compile   # one GPU, bf16
+    python benchmarks/train_step.py --preset 2b --all    # the whole table: Qwen3-VL and Qwen3,
+                                                         # eager and compiled, bare step, real loop
 
-vlmcore runs its real step (FSDP2 over one rank with the mixed-precision policy, chunked
-cross-entropy, AdamW); transformers runs `model(**batch, labels=...)` + `loss.backward()` +
-AdamW, in bf16 autocast over fp32 weights on GPU. Prints a table and writes
-benchmarks/results/train_step_<device>_<preset>_<family>.json.
+vlmcore runs its real step (`vlmcore.train.step`: FSDP2 over one rank with the mixed-precision
+policy, chunked cross-entropy, AdamW, one host read); transformers runs `model(**batch, labels=...)`
++ `loss.backward()` + AdamW, in bf16 autocast over fp32 weights on GPU. The real loop runs
+`vlmcore train` for warmup + steps steps and takes the median step time of its metrics.jsonl.
+Prints a table and writes benchmarks/results/train_step_<device>_<preset>_<family>.json
+(`--all`: train_step_<device>_<preset>_all.json, one row per case, for the next run to compare).
+On a GPU machine: `pip install --no-deps -e .` over its CUDA torch (docs/performance.md).
 """
 
 import argparse
@@ -89,31 +94,61 @@ def peak_memory_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
 
 
-def bench_vlmcore(cfg, batch, device, args):
+def bench_vlmcore(cfg, host_batch, device, args):
     import torch.distributed as dist
 
     from vlmcore.parallel.mesh import build_mesh, init_distributed, resolve_dims
-    from vlmcore.train.loop import build_parallel_model, forward_backward
+    from vlmcore.train.loop import build_parallel_model, check_kernels
     from vlmcore.train.metrics import batch_flops
     from vlmcore.train.optim import build_optimizer
+    from vlmcore.train.step import build_step, host_stats, to_device
 
     init_distributed(device)
+    check_kernels(cfg, device)
     dims = resolve_dims(cfg.parallel, dist.get_world_size())
-    model, _ = build_parallel_model(cfg, build_mesh(dims, device), dims, device)
+    model, partial = build_parallel_model(cfg, build_mesh(dims, device), dims, device)
     optimizer = build_optimizer(model, cfg.optimizer, device)
-    flops = sum(batch_flops(model.config, batch))
-    labels = int((batch["labels"] != -100).sum())
+    train_step = build_step(model, optimizer, partial, None, cfg.loss_chunk_tokens, cfg.max_grad_norm,
+                            compiled_loss=cfg.parallel.compile)
+    flops = sum(batch_flops(model.config, host_batch))
+    labels = host_stats([host_batch])["label_tokens"]
+    batch = to_device(host_batch, device)
 
     def step():
-        forward_backward(model, [batch], labels, None, cfg.loss_chunk_tokens)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step([batch], labels, set_lr=lambda optimizer: None)
 
     seconds = time_steps(step, args.warmup, args.steps, device)
     result = {"step_s": seconds, "peak_mem_gib": peak_memory_gib(device), "flops_per_step": flops}
     del model, optimizer
     dist.destroy_process_group()
     return result
+
+
+def bench_loop(cfg, device, args, seq_len: int, image_side: int, family: str) -> dict:
+    """`vlmcore train` on random batches like the bare step's: median step time after warmup."""
+    import subprocess
+
+    import yaml
+
+    out = Path(cfg.output_dir).parent / f"loop_{family}_{int(args.compile)}"
+    config = {"model_path": cfg.model_path, "output_dir": str(out), "steps": args.warmup + args.steps,
+              "save_final": False, "checkpoint": {"enabled": False}, "metrics": {"tensorboard": False},
+              "loss_chunk_tokens": cfg.loss_chunk_tokens, "max_grad_norm": cfg.max_grad_norm,
+              "optimizer": {"lr": cfg.optimizer.lr},
+              "parallel": {"compile": args.compile, "activation_checkpointing": args.activation_checkpointing},
+              "precision": {"param_dtype": cfg.precision.param_dtype},
+              "data": {"kind": "random", "seq_len": seq_len, "segments": max(1, seq_len // 512),
+                       "image_fraction": 1.0, "image_side": image_side}}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    (out.parent / f"{out.name}.yaml").write_text(yaml.safe_dump(config))
+    proc = subprocess.run([sys.executable, "-m", "vlmcore.cli", "train", str(out.parent / f"{out.name}.yaml")],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"vlmcore train failed:\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][args.warmup:]
+    return {"step_s": statistics.median(r["step_time_s"] for r in rows),
+            "peak_mem_gib": max(r["peak_mem_gb"] for r in rows) * 1e9 / 2**30 if device.type == "cuda" else None,
+            "data_wait_share": statistics.median(r["data_wait_s"] / r["step_time_s"] for r in rows)}
 
 
 def bench_transformers(path, batch, device, args, image_token_id):
@@ -149,70 +184,108 @@ def bench_transformers(path, batch, device, args, image_token_id):
     return result
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=PRESETS, default="tiny")
-    parser.add_argument("--family", choices=("qwen3", "qwen3_vl"), default="qwen3_vl")
-    parser.add_argument("--seq-len", type=int, default=None, help="packed tokens per step (default: preset's)")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--compile", action="store_true")
-    parser.add_argument("--activation-checkpointing", default="none", choices=("none", "selective", "full"))
-    parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = parser.parse_args()
+def run_case(args, family: str, device: torch.device) -> dict:
+    """Bare step (vlmcore, transformers) and the real loop of one family, on one batch."""
+    import transformers
 
     from vlmcore.config import TrainConfig
     from vlmcore.train.random_data import RandomBatches
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     preset = PRESETS[args.preset]
     seq_len = args.seq_len or preset["seq_len"]
     bf16 = device.type == "cuda"
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model"
-        write_snapshot(args.family, preset, path)
+        write_snapshot(family, preset, path)
         cfg = TrainConfig(model_path=str(path), output_dir=str(Path(tmp) / "out"))
         cfg.parallel.compile = args.compile
         cfg.parallel.activation_checkpointing = args.activation_checkpointing
         cfg.precision.param_dtype = "bfloat16" if bf16 else "float32"
         cfg.optimizer.lr = 1e-4
         cfg.loss_chunk_tokens = 2048
-        import transformers
-
         model_config = transformers.AutoConfig.from_pretrained(path)
         batch = RandomBatches(model_config, seq_len=seq_len, segments=max(1, seq_len // 512), image_fraction=1.0,
                               micro_batch_size=1, dp_rank=0, dp_world=1, grad_accum_steps=1, seed=0,
                               image_side=preset["image_side"]).batch(0)
-        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         results = {"vlmcore": bench_vlmcore(cfg, batch, device, args)}
+        flops = results["vlmcore"]["flops_per_step"]
         if not args.skip_transformers:
-            results["transformers"] = bench_transformers(path, batch, device, args,
+            device_batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            results["transformers"] = bench_transformers(path, device_batch, device, args,
                                                          getattr(model_config, "image_token_id", None))
+        if not args.skip_loop:
+            results["vlmcore train"] = bench_loop(cfg, device, args, seq_len, preset["image_side"], family)
+        if args.memory_estimate:
+            from vlmcore.train.memory import estimate_memory
 
+            estimate = estimate_memory(cfg, 1, seq_len, preset["image_side"], segments=max(1, seq_len // 512))
+            results["vlmcore"]["estimated_peak_gib"] = estimate["peak_bytes"] / 2**30
     from vlmcore.train.metrics import peak_tflops
 
     peak = peak_tflops(device, None)
     tokens = batch["input_ids"].numel()
-    flops = results["vlmcore"]["flops_per_step"]
-    name = torch.cuda.get_device_name() if bf16 else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
-    print(f"{args.family} {args.preset} {tokens} packed tokens, {name}, compile={args.compile}")
-    print(f"{'engine':<14}{'step s':>10}{'tokens/s':>12}{'TFLOPS':>10}{'MFU %':>8}{'peak GiB':>9}")
-    for engine, r in results.items():
+    for r in results.values():
         r["tokens_per_s"] = tokens / r["step_s"]
         r["tflops"] = flops / r["step_s"] / 1e12
         r["mfu"] = 100 * r["tflops"] / peak if peak else None
-        mfu = f"{r['mfu']:.1f}" if r["mfu"] is not None else "-"
-        mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
-        print(f"{engine:<14}{r['step_s']:>10.3f}{r['tokens_per_s']:>12.0f}{r['tflops']:>10.2f}{mfu:>8}{mem:>9}")
-    if "transformers" in results:
-        speedup = results["transformers"]["step_s"] / results["vlmcore"]["step_s"]
-        print(f"vlmcore / transformers tokens/s: {speedup:.2f}x")
+    return {"family": family, "compile": args.compile, "tokens": tokens, "flops_per_step": flops,
+            "results": results}
+
+
+def print_rows(cases: list[dict], name: str, preset: str) -> None:
+    print(f"{preset} preset, {name}, torch {torch.__version__}")
+    print(f"{'family':<10}{'compile':>8}  {'engine':<15}{'step s':>9}{'tokens/s':>11}{'TFLOPS':>9}{'MFU %':>7}"
+          f"{'peak GiB':>9}{'est GiB':>8}{'vs HF':>7}")
+    for case in cases:
+        hf = case["results"].get("transformers")
+        for engine, r in case["results"].items():
+            fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
+            ratio = fmt(hf["step_s"] / r["step_s"], ".2f") + "x" if hf and engine != "transformers" else "-"
+            print(f"{case['family']:<10}{str(case['compile']):>8}  {engine:<15}{r['step_s']:>9.3f}"
+                  f"{r['tokens_per_s']:>11.0f}{r['tflops']:>9.2f}{fmt(r['mfu'], '.1f'):>7}"
+                  f"{fmt(r.get('peak_mem_gib'), '.1f'):>9}{fmt(r.get('estimated_peak_gib'), '.1f'):>8}{ratio:>7}")
+        loop, bare = case["results"].get("vlmcore train"), case["results"]["vlmcore"]
+        if loop:
+            print(f"{'':<20}real loop / bare step time: {loop['step_s'] / bare['step_s']:.3f}, "
+                  f"data wait {100 * loop['data_wait_share']:.1f}% of the loop's step")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=PRESETS, default="tiny")
+    parser.add_argument("--family", choices=("qwen3", "qwen3_vl"), default="qwen3_vl")
+    parser.add_argument("--all", action="store_true", help="Qwen3-VL and Qwen3, eager and compiled, with the "
+                        "real loop and the memory estimate: the whole table")
+    parser.add_argument("--seq-len", type=int, default=None, help="packed tokens per step (default: preset's)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--activation-checkpointing", default="none", choices=("none", "selective", "full"))
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--skip-loop", action="store_true", help="no `vlmcore train` run")
+    parser.add_argument("--memory-estimate", action="store_true", help="also `vlmcore memory`'s estimate")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    bf16 = device.type == "cuda"
+    name = torch.cuda.get_device_name() if bf16 else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    if args.all:
+        args.memory_estimate = True
+        cases = []
+        for family in ("qwen3_vl", "qwen3"):
+            for compiled in (False, True):
+                args.compile = compiled
+                cases.append(run_case(args, family, device))
+        tag = f"{'cuda' if bf16 else 'cpu'}_{args.preset}_all"
+    else:
+        cases = [run_case(args, args.family, device)]
+        tag = f"{'cuda' if bf16 else 'cpu'}_{args.preset}_{args.family}{'_compile' if args.compile else ''}"
+    print_rows(cases, name, args.preset)
     args.out.mkdir(parents=True, exist_ok=True)
-    tag = f"{'cuda' if bf16 else 'cpu'}_{args.preset}_{args.family}{'_compile' if args.compile else ''}"
     (args.out / f"train_step_{tag}.json").write_text(json.dumps(
-        {"device": name, "family": args.family, "preset": args.preset, "tokens": tokens, "compile": args.compile,
-         "torch": torch.__version__, "results": results}, indent=2))
+        {"device": name, "preset": args.preset, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+         "cases": cases}, indent=2))
     return 0
 
 
