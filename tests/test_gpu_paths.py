@@ -182,15 +182,20 @@ def test_fla_adapter_matches_the_reference_rule(restore_kernels):
 
 
 def test_chunk_count_bound_keeps_the_rule_exact():
-    """The torch rule sizes its chunks from shapes (no host read): spare chunks change nothing."""
+    """On a GPU the torch rule sizes its chunks from shapes (no host read): spare chunks change
+    nothing. On the meta device (no values) it needs no read either."""
     torch.manual_seed(0)
     for bounds in ([0, 1, 2, 3, 130], [0, 64, 128], [0, 65], [0, 3, 3, 70]):
         cu = torch.tensor(bounds, dtype=torch.int32)
         n = bounds[-1]
         q, k, v = torch.randn(n, 2, 8), torch.randn(n, 2, 8), torch.randn(n, 2, 4)
         g, beta = -torch.rand(n, 2), torch.rand(n, 2)
-        torch.testing.assert_close(chunk_gated_delta_rule(q, k, v, g, beta, cu),
-                                   recurrent_gated_delta_rule(q, k, v, g, beta, cu), atol=1e-4, rtol=1e-4)
+        expected = recurrent_gated_delta_rule(q, k, v, g, beta, cu)
+        with torch.device("meta"):
+            shape = chunk_gated_delta_rule(*(t.to("meta") for t in (q, k, v, g, beta, cu))).shape
+        assert shape == expected.shape
+        torch.testing.assert_close(chunk_gated_delta_rule(q, k, v, g, beta, cu, bound_chunks=True), expected,
+                                   atol=1e-4, rtol=1e-4)
 
 
 class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):

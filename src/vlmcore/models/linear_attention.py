@@ -79,7 +79,8 @@ def _prepare(q, k, v, g, beta, use_qk_l2norm):
     return q * q.shape[-1] ** -0.5, k, v, g, beta
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, use_qk_l2norm=True, chunk_size=CHUNK_SIZE):
+def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, use_qk_l2norm=True, chunk_size=CHUNK_SIZE,
+                           bound_chunks: bool | None = None):
     """Gated delta rule by chunks: exact within a chunk by a triangular solve, a scan across chunks.
 
     q, k (T, H, Dk), v (T, H, Dv), g and beta (T, H) -> (T, H, Dv) in v's dtype.
@@ -96,11 +97,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, use_qk_l2norm=True, chu
     seg_chunks = (cu[1:] - cu[:-1] + chunk_size - 1) // chunk_size
     first_chunk = seg_chunks.cumsum(0) - seg_chunks
     dest = first_chunk[seg] * chunk_size + torch.arange(n_tokens, device=cu.device) - cu[seg]
-    # The padded layout is sized by a bound known from the shapes (each segment adds at most one
-    # partial chunk), not the exact count, which would be a host read: the spare chunks at the end
-    # are all zero, so they neither write the state nor reach the output.
-    n_segments = cu_seqlens.shape[0] - 1
-    n_chunks = max(1, min(n_tokens, (n_tokens + n_segments * (chunk_size - 1)) // chunk_size))
+    # On a GPU the padded layout is sized by a bound known from the shapes (each segment adds at
+    # most one partial chunk), not the exact count, which would be a host read; the spare chunks at
+    # the end are all zero, so they neither write the state nor reach the output. On the host the
+    # exact count is free (`bound_chunks` None: the bound unless on the host).
+    if not (bound_chunks if bound_chunks is not None else cu.device.type != "cpu"):
+        n_chunks = int(seg_chunks.sum())
+    else:
+        n_segments = cu_seqlens.shape[0] - 1
+        n_chunks = max(1, min(n_tokens, (n_tokens + n_segments * (chunk_size - 1)) // chunk_size))
     keep_state = torch.ones(n_chunks + 1, device=q.device)
     keep_state.scatter_(0, torch.where(seg_chunks > 0, first_chunk, n_chunks), 0.0)
     keep_state = keep_state[:n_chunks]
