@@ -21,6 +21,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from .layers import GpuKernel
+
 
 def segment_ids(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
     """(B, S) index of the segment each token belongs to."""
@@ -88,31 +90,12 @@ def _installed_varlen_kernel():
     return torch_kernel or flash_kernel
 
 
-_kernel = _installed_varlen_kernel()
-_varlen = adapt_varlen_kernel(_kernel) if _kernel is not None else None
-_force_varlen = False
-
-
-def set_varlen_kernel(kernel, force: bool = False):
-    """Installs `kernel` (any known signature; None for none) as the varlen kernel; `force` uses it
-    for every packed call, also on CPU and fp32 (tests run the CUDA calling path this way).
-    Returns the previous (kernel, force) for restoring."""
-    global _kernel, _varlen, _force_varlen
-    previous = (_kernel, _force_varlen)
-    _kernel, _force_varlen = kernel, force
-    _varlen = adapt_varlen_kernel(kernel) if kernel is not None else None
-    return previous
+VARLEN = GpuKernel(adapt_varlen_kernel, _installed_varlen_kernel())
+set_varlen_kernel = VARLEN.set
 
 
 def varlen_kernel():
-    return _kernel
-
-
-def use_varlen_kernel(x: torch.Tensor) -> bool:
-    """The flash kernels run on CUDA in half precision only."""
-    if _varlen is None:
-        return False
-    return _force_varlen or (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
+    return VARLEN.kernel
 
 
 def attention(q, k, v, cu_seqlens=None, max_seqlen=None, causal=True, scale=None) -> torch.Tensor:
@@ -120,11 +103,11 @@ def attention(q, k, v, cu_seqlens=None, max_seqlen=None, causal=True, scale=None
     batch, seq_len, n_heads, _ = q.shape
     if cu_seqlens is None:
         return sdpa(q, k, v, causal, scale)
-    if use_varlen_kernel(q):
+    if VARLEN.runs_on(q, half_precision_only=True):  # the flash kernels take bf16/fp16 only
         if max_seqlen is None:  # outside training (a batch without it): one host read
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         q, k, v = (t.flatten(0, 1) for t in (q, k, v))
-        return _varlen(q, k, v, cu_seqlens, max_seqlen, causal, scale).view(batch, seq_len, n_heads, -1)
+        return VARLEN.call(q, k, v, cu_seqlens, max_seqlen, causal, scale).view(batch, seq_len, n_heads, -1)
     return segment_sdpa(q, k, v, cu_seqlens, causal, scale)
 
 

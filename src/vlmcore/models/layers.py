@@ -15,6 +15,29 @@ class ModelOutput:
     hidden_states: torch.Tensor | None = None
 
 
+class GpuKernel:
+    """An optional GPU kernel, called through an adapter of its signature (`adapt(kernel)`).
+    `set` swaps it (None: none) and returns the previous setting; `force` also uses it off the
+    GPU and in fp32, which is how tests run the CUDA calling path on CPU."""
+
+    def __init__(self, adapt, kernel=None):
+        self.adapt = adapt
+        self.kernel, self.call, self.force = None, None, False
+        self.set(kernel)
+
+    def set(self, kernel, force: bool = False):
+        previous = (self.kernel, self.force)
+        self.kernel, self.force = kernel, force
+        self.call = self.adapt(kernel) if kernel is not None else None
+        return previous
+
+    def runs_on(self, x: torch.Tensor, half_precision_only: bool = False) -> bool:
+        if self.call is None:
+            return False
+        half = x.dtype in (torch.bfloat16, torch.float16)
+        return self.force or (x.is_cuda and (half or not half_precision_only))
+
+
 def grid_list(image_grid_thw) -> list[list[int]]:
     """Image grids as host ints: a (N, 3) tensor (read once; a sync if it is on the GPU) or the
     list the training loop passes, which keeps them on the host."""

@@ -22,6 +22,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from .layers import GpuKernel
+
 try:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 except ImportError:
@@ -184,33 +186,14 @@ def adapt_fla_kernel(kernel):
     return call
 
 
-_fla_kernel = fla_chunk_gated_delta_rule
-_fla = adapt_fla_kernel(_fla_kernel) if _fla_kernel is not None else None
-_force_fla = False
-
-
-def set_gdn_kernel(kernel, force: bool = False):
-    """Installs fla's `chunk_gated_delta_rule` (or a stand-in of its signature; None: the torch
-    chunked rule everywhere); `force` uses it also on CPU (tests). Returns the previous setting."""
-    global _fla_kernel, _fla, _force_fla
-    previous = (_fla_kernel, _force_fla)
-    _fla_kernel, _force_fla = kernel, force
-    _fla = adapt_fla_kernel(kernel) if kernel is not None else None
-    return previous
-
-
-def gdn_kernel():
-    return _fla_kernel
-
-
-def uses_fla(x: torch.Tensor) -> bool:
-    return _fla is not None and (x.is_cuda or _force_fla)
+FLA = GpuKernel(adapt_fla_kernel, fla_chunk_gated_delta_rule)
+set_gdn_kernel = FLA.set  # None: the torch chunked rule everywhere
 
 
 def host_segments(cu_seqlens, x: torch.Tensor):
     """The segment bounds on the host, read once per forward for fla (which would otherwise read
     them in every layer); None when fla does not run."""
-    if cu_seqlens is None or not uses_fla(x):
+    if cu_seqlens is None or not FLA.runs_on(x):
         return None
     return cu_seqlens.cpu()
 
@@ -219,6 +202,6 @@ def host_segments(cu_seqlens, x: torch.Tensor):
 @torch.compiler.disable
 def gated_delta_rule(q, k, v, g, beta, cu_seqlens, use_qk_l2norm=True, cu_seqlens_cpu=None):
     """The gated delta rule with the fastest kernel available: fla on CUDA, else the torch chunked one."""
-    if uses_fla(q):
-        return _fla(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, cu_seqlens_cpu)
+    if FLA.runs_on(q):
+        return FLA.call(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, cu_seqlens_cpu)
     return chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
