@@ -4,6 +4,7 @@ import pytest
 from torch import nn
 
 from vlmcore.config import ConfigError, OptimizerConfig, ScheduleConfig
+from vlmcore.models.layers import VisionLanguageParts
 from vlmcore.train.optim import freeze, lr_factor, param_groups
 
 
@@ -41,8 +42,8 @@ def test_constant():
     assert [lr_factor(cfg, s, 10) for s in (1, 2, 3, 10)] == [0.5, 1.0, 1.0, 1.0]
 
 
-class TinyVLM(nn.Module):
-    """Parameter names as in Qwen3-VL."""
+class TinyVLM(VisionLanguageParts, nn.Module):
+    """Parameter names and parts as in Qwen3-VL."""
 
     def __init__(self):
         super().__init__()
@@ -51,6 +52,7 @@ class TinyVLM(nn.Module):
         self.model.visual.blocks = nn.ModuleList([nn.Linear(4, 4)])
         self.model.visual.pos_embed = nn.Embedding(4, 4)
         self.model.visual.merger = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 8))
+        self.model.visual.deepstack_merger_list = nn.ModuleList()
         self.model.language_model = nn.Module()
         self.model.language_model.embed_tokens = nn.Embedding(10, 8)
         self.model.language_model.layers = nn.ModuleList([nn.Linear(8, 8)])

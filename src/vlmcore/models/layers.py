@@ -15,6 +15,35 @@ class ModelOutput:
     hidden_states: torch.Tensor | None = None
 
 
+class TextModelParts:
+    """The named parts of a text-only model (`self.model` is the decoder stack), which parallelism,
+    freezing and parameter groups act on: found through these accessors, never by module paths."""
+
+    def text_model(self) -> nn.Module:
+        """The decoder stack: `embed_tokens`, `layers`, `norm`, `split_sequence`."""
+        return self.model
+
+    def vision_tower(self) -> nn.Module | None:
+        return None
+
+    def projectors(self) -> list[nn.Module]:
+        """The modules that map vision features into the LLM (inside the vision tower)."""
+        return []
+
+
+class VisionLanguageParts(TextModelParts):
+    """The named parts of a VL model: `model.language_model`, `model.visual` and its mergers."""
+
+    def text_model(self) -> nn.Module:
+        return self.model.language_model
+
+    def vision_tower(self) -> nn.Module:
+        return self.model.visual
+
+    def projectors(self) -> list[nn.Module]:
+        return [self.model.visual.merger, *self.model.visual.deepstack_merger_list]
+
+
 class GpuKernel:
     """An optional GPU kernel, called through an adapter of its signature (`adapt(kernel)`).
     `set` swaps it (None: none) and returns the previous setting; `force` also uses it off the

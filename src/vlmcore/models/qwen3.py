@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from .attention import attention, segment_ids
-from .layers import ModelOutput, RMSNorm, SwiGLU, apply_rotary, init_std, init_weights, rope_cos_sin, rope_inv_freq
+from .layers import (ModelOutput, RMSNorm, SwiGLU, TextModelParts, apply_rotary, init_std, init_weights, rope_cos_sin,
+                     rope_inv_freq)
 
 
 def check_text_config(config, where: str):
@@ -86,7 +87,7 @@ class TextModel(nn.Module):
         return self.norm(h)
 
 
-class Qwen3ForCausalLM(nn.Module):
+class Qwen3ForCausalLM(TextModelParts, nn.Module):
     def __init__(self, config):
         super().__init__()
         check_text_config(config, "qwen3 config")

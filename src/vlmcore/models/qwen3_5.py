@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor, Partial
 
 from .attention import attention
 from .layers import (
-    ModelOutput, SwiGLU, ZeroCenteredRMSNorm, apply_rotary, grid_list, init_std, init_weights, mrope_cos_sin,
-    rope_inv_freq, scatter_image_features,
+    ModelOutput, SwiGLU, TextModelParts, VisionLanguageParts, ZeroCenteredRMSNorm, apply_rotary, grid_list, init_std,
+    init_weights, mrope_cos_sin, rope_inv_freq, scatter_image_features,
 )
 from .linear_attention import causal_depthwise_conv, gated_delta_rule, host_segments, row_segments
 from .qwen3 import check_text_config, text_position_ids
@@ -201,7 +201,7 @@ class Qwen3_5Model(nn.Module):
         self.language_model = TextModel(config.text_config)
 
 
-class Qwen3_5ForConditionalGeneration(nn.Module):
+class Qwen3_5ForConditionalGeneration(VisionLanguageParts, nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
@@ -241,7 +241,7 @@ class Qwen3_5ForConditionalGeneration(nn.Module):
         return ModelOutput(logits=self.lm_head(h))
 
 
-class Qwen3_5ForCausalLM(nn.Module):
+class Qwen3_5ForCausalLM(TextModelParts, nn.Module):
     """The text-only variant (`model_type` "qwen3_5_text"): `model.*`, `lm_head.weight`."""
 
     def __init__(self, config):

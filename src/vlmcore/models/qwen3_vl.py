@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import attention
-from .layers import (ModelOutput, apply_rotary, grid_list, init_std, init_weights, mrope_cos_sin, rope_inv_freq,
-                     scatter_image_features)
+from .layers import (ModelOutput, VisionLanguageParts, apply_rotary, grid_list, init_std, init_weights, mrope_cos_sin,
+                     rope_inv_freq, scatter_image_features)
 from .qwen3 import TextModel, check_text_config
 
 DEFAULT_MROPE_SECTION = [24, 20, 20]  # transformers' value when the config has none
@@ -239,7 +239,7 @@ def mrope_position_ids(input_ids, image_grid_thw, cu_seqlens, image_token_id: in
     return torch.cat(out, dim=1).view(3, batch, seq_len).to(input_ids.device)
 
 
-class Qwen3VLForConditionalGeneration(nn.Module):
+class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
     def __init__(self, config):
         super().__init__()
         check_text_config(config.text_config, "qwen3_vl text_config")

@@ -14,24 +14,14 @@ from vlmcore.parallel.tp import apply_tp
 
 
 def decoder_blocks(model: nn.Module) -> nn.Module:
-    """The ModuleList / ModuleDict of LLM decoder blocks (`...layers`, outside the vision tower)."""
-    for name, module in model.named_modules():
-        if name.endswith("layers") and "visual" not in name and isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-            return module
-    raise ValueError(f"{type(model).__name__}: no decoder `layers` found")
-
-
-def vision_tower(model: nn.Module) -> nn.Module | None:
-    for name, module in model.named_modules():
-        if name.split(".")[-1] == "visual":
-            return module
-    return None
+    """The ModuleList of LLM decoder blocks."""
+    return model.text_model().layers
 
 
 def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, dims: ParallelDims) -> list[str]:
     """Returns the names of parameters whose gradients must be summed over the TP ranks."""
     blocks = decoder_blocks(model)
-    vision = vision_tower(model)
+    vision = model.vision_tower()
     partial = []
     if dims.tp > 1:
         partial = apply_tp(model, blocks, mesh["tp"], cfg.parallel.sequence_parallel)

@@ -136,10 +136,10 @@ def apply_tp(model: nn.Module, blocks: nn.Module, tp_mesh: DeviceMesh, sequence_
                         if hasattr(block.self_attn, norm.split(".")[1])]
         if hasattr(block, "linear_attn"):
             partial += [f"{blocks_name}.{index}.linear_attn.{name}" for name in LINEAR_ATTN_PARTIAL]
-    embed = next(m for n, m in model.named_modules() if n.endswith("embed_tokens"))
+    text_model = model.text_model()
+    embed = text_model.embed_tokens
     parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     if sequence_parallel:
-        text_model = next(m for m in model.modules() if hasattr(m, "split_sequence") and m.layers is blocks)
         if torch.__version__ < (2, 13):
             text_model.split_sequence.register_forward_pre_hook(_check_even_sequence_split(tp_mesh.size()))
         parallelize_module(text_model.split_sequence, tp_mesh, PrepareModuleInput(

@@ -10,8 +10,6 @@ from vlmcore.config import ConfigError, OptimizerConfig, ScheduleConfig, TrainCo
 
 # Wrappers that AC and compile put into parameter names.
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
-PROJECTOR_PREFIXES = ("model.visual.merger.", "model.visual.deepstack_merger_list.")
-VISION_PREFIX = "model.visual."
 
 
 def clean_name(name: str) -> str:
@@ -40,14 +38,14 @@ def freeze(model: nn.Module, patterns: list[str]) -> int:
     return trainable
 
 
-def param_kind(name: str) -> str:
-    """'projector', 'vision' or 'llm' from an HF parameter name."""
-    name = clean_name(name)
-    if name.startswith(PROJECTOR_PREFIXES):
-        return "projector"
-    if name.startswith(VISION_PREFIX):
-        return "vision"
-    return "llm"
+def param_kinds(model: nn.Module) -> dict[int, str]:
+    """'projector' or 'vision' by parameter id, from the model's own parts; the rest is 'llm'."""
+    kinds = {}
+    vision = model.vision_tower()
+    if vision is not None:
+        kinds.update({id(p): "vision" for p in vision.parameters()})
+    kinds.update({id(p): "projector" for module in model.projectors() for p in module.parameters()})
+    return kinds
 
 
 def decays(name: str, param: torch.Tensor) -> bool:
@@ -60,10 +58,11 @@ def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
     lrs = {"llm": cfg.lr, "vision": cfg.lr if cfg.vision_lr is None else cfg.vision_lr,
            "projector": cfg.lr if cfg.projector_lr is None else cfg.projector_lr}
     groups = {}
+    kinds = param_kinds(model)
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        kind, decay = param_kind(name), decays(name, param)
+        kind, decay = kinds.get(id(param), "llm"), decays(name, param)
         key = f"{kind}{'' if decay else '_no_decay'}"
         group = groups.setdefault(key, {"name": key, "params": [], "base_lr": lrs[kind], "lr": lrs[kind],
                                          "weight_decay": cfg.weight_decay if decay else 0.0})

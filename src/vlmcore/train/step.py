@@ -153,8 +153,7 @@ def build_step(model, optimizer, partial_names: set, tp_group, chunk_tokens: int
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     partial = [p for n, p in model.named_parameters() if clean_name(n) in partial_names and p.requires_grad]
-    vision = model.model.visual if hasattr(model.model, "visual") else None
-    vision_dummy = VisionDummy(model, vision) if vision is not None else None
+    vision_dummy = VisionDummy(model) if model.vision_tower() is not None else None
     return Step(model, optimizer, trainable, partial, tp_group, vision_dummy, chunk_tokens, max_grad_norm,
                 compiled_loss)
 
@@ -168,11 +167,11 @@ class VisionDummy:
     the backward graph has the same shape on every rank and the gradients are unchanged.
     """
 
-    def __init__(self, model: torch.nn.Module, vision: torch.nn.Module):
-        self.vision = vision
+    def __init__(self, model: torch.nn.Module):
+        self.vision = model.vision_tower()
         self.config = model.config.vision_config
         self.active = False
-        model.model.language_model.embed_tokens.register_forward_hook(self._hook)
+        model.text_model().embed_tokens.register_forward_hook(self._hook)
 
     def _hook(self, module, args, output):
         if not self.active:
