@@ -18,12 +18,9 @@ MANIFEST = "manifest.json"
 DEFAULT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 
 
-def sha256_of(path: Path, chunk_size: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
+def sha256_of(path: Path) -> str:
     with open(path, "rb") as f:
-        while chunk := f.read(chunk_size):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def snapshot_files(directory: Path) -> list[Path]:

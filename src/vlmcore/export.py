@@ -27,6 +27,7 @@ from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 
 import vlmcore
+from vlmcore.download import sha256_of
 
 PROVENANCE = "provenance.json"
 # Snapshot files that describe the source weights, not the exported ones.
@@ -109,10 +110,6 @@ def untrained_tensors(model_dir, names) -> dict[str, torch.Tensor]:
         with safe_open(file, framework="pt") as f:
             out.update({name: f.get_tensor(name) for name in f.keys() if name in names})
     return out
-
-
-def sha256_of(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def git_commit() -> dict:

@@ -21,10 +21,10 @@ import torch
 from transformers import AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
+from vlmcore.data import IGNORE_INDEX
 from vlmcore.data.processor import load_processor
 
 IMAGE_PLACEHOLDER = "<image>"
-IGNORE_INDEX = -100
 
 
 class EncodingError(ValueError):

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-IGNORE_INDEX = -100
+from vlmcore.data import IGNORE_INDEX
 
 
 def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:

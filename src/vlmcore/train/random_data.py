@@ -9,7 +9,7 @@ what the exactness tests compare.
 
 import torch
 
-IGNORE_INDEX = -100
+from vlmcore.data import IGNORE_INDEX
 
 
 class RandomBatches:

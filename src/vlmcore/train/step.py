@@ -52,16 +52,22 @@ def read_host(*values: torch.Tensor) -> list[float]:
     return torch.stack([v.double() for v in values]).tolist()
 
 
-def grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
-    """Global L2 norm of the gradients (a device tensor), correct for FSDP / TP (sharded DTensor)
-    gradients: one reduction per (mesh, placements) group, then combined."""
+def _by_layout(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The gradients grouped by (mesh, placements): DTensor ops take one layout at a time (under TP
+    the vision tower and the LLM are sharded over different meshes)."""
     groups = defaultdict(list)
     for p in params:
         if p.grad is not None:
             g = p.grad
             groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
+    return list(groups.values())
+
+
+def grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm of the gradients (a device tensor), correct for FSDP / TP (sharded DTensor)
+    gradients: one reduction per layout, then combined."""
     squares = []
-    for grads in groups.values():
+    for grads in _by_layout(params):
         norm = torch.nn.utils.get_total_norm(grads, foreach=None)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
@@ -144,7 +150,8 @@ def clip_grads(params: list[torch.Tensor], norm: float, max_norm: float) -> None
     """Scales the gradients to `max_norm` when `norm` (the global norm, on the host) exceeds it."""
     coef = max_norm / (norm + 1e-6)
     if max_norm > 0 and coef < 1.0:
-        torch._foreach_mul_([p.grad for p in params if p.grad is not None], coef)
+        for grads in _by_layout(params):
+            torch._foreach_mul_(grads, coef)
 
 
 def build_step(model, optimizer, partial_names: set, tp_group, chunk_tokens: int, max_grad_norm: float,
