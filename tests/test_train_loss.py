@@ -52,3 +52,21 @@ def test_global_normalisation_is_independent_of_the_split():
         part_sum, _ = chunked_cross_entropy(hidden[part], weight, labels[part])
         (part_sum / count).backward()
     torch.testing.assert_close(weight.grad, whole)
+
+
+@pytest.mark.slow
+def test_compiled_chunks_match_the_eager_loss():
+    """parallel.compile runs each chunk's softmax and gradient as one compiled kernel."""
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 19, 16, requires_grad=True)
+    weight = torch.randn(40, 16, requires_grad=True)
+    labels = torch.randint(0, 40, (2, 19))
+    labels[0, :5] = IGNORE_INDEX
+    results = []
+    for compiled in (False, True):
+        loss_sum, _ = chunked_cross_entropy(hidden, weight, labels, chunk_tokens=8, compiled=compiled)
+        loss_sum.backward()
+        results.append((loss_sum.detach(), hidden.grad.clone(), weight.grad.clone()))
+        hidden.grad = weight.grad = None
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager)
