@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from vlmcore.config import ConfigError, TrainConfig, load_config, save_config, to_dict
+from vlmcore.config import ConfigError, TrainConfig, load_config, save_config, to_dict, warnings_of
 from vlmcore.parallel.mesh import build_mesh, device_for_rank, dp_rank, init_distributed, resolve_dims
 from vlmcore.parallel.parallelize import parallelize, vision_tower
 from vlmcore.train.checkpoint import (Checkpointer, load_hf_weights, load_model_weights, rng_state, save_final,
@@ -47,7 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     try:
-        return train(load_config(args.config, args.set))
+        cfg = load_config(args.config, args.set, paths_must_exist=True)
+        if os.environ.get("RANK", "0") == "0":
+            for warning in warnings_of(cfg):
+                print(f"warning: {args.config}: {warning}", file=sys.stderr)
+        return train(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
