@@ -312,6 +312,13 @@ def warnings_of(cfg: TrainConfig) -> list[str]:
     return found
 
 
+def from_dict(data: dict) -> TrainConfig:
+    """A validated TrainConfig from a mapping with the YAML key names (paths not checked)."""
+    cfg = _from_dict(TrainConfig, data)
+    validate(cfg)
+    return cfg
+
+
 def load_config(path: str | Path | None, overrides: list[str] = (), paths_must_exist: bool = False) -> TrainConfig:
     """YAML file (or defaults when None) + `--set` overrides -> validated TrainConfig."""
     data = {}
@@ -327,8 +334,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (), paths_must_e
     for key, value in parse_overrides(list(overrides)):
         _set_dotted(data, key, value)
     try:
-        cfg = _from_dict(TrainConfig, data)
-        validate(cfg)
+        cfg = from_dict(data)
         if paths_must_exist:
             check_paths(cfg)
     except ConfigError as e:
