@@ -81,6 +81,30 @@ def test_sigkill_resumes_from_the_last_complete_checkpoint(setup):
     assert (out / "checkpoints" / "latest").read_text() == f"step_{STEPS}"
 
 
+def crash_after_last_checkpoint(tmp_path, snapshot, name):
+    """A run that saved its last step (every step checkpointed, keep 2), then died writing final/."""
+    out = tmp_path / name
+    cfg = write_config(tmp_path / f"{name}.yaml", snapshot, out, steps=STEPS, checkpoint={"interval": 1, "keep": 2})
+    out.mkdir()
+    (out / "final.tmp").write_text("a file where save_final wants a directory: it raises")
+    proc = train(1, cfg, check=False)
+    assert proc.returncode == 1 and "NotADirectoryError" in proc.stderr, proc.stderr[-3000:]
+    assert (out / "checkpoints" / "latest").read_text() == f"step_{STEPS}"
+    assert not (out / "final").exists() and not (out / "done").exists()
+    (out / "final.tmp").unlink()
+    return cfg, out
+
+
+def test_crash_before_final_is_finished_without_retraining(setup):
+    tmp_path, snapshot = setup
+    cfg, out = crash_after_last_checkpoint(tmp_path, snapshot, "crashed")
+    proc = train(1, cfg)
+    assert f"resumed from {out / 'checkpoints' / f'step_{STEPS}'} at step {STEPS}" in proc.stdout
+    assert "no training" in proc.stdout and "loss" not in proc.stdout
+    assert (out / "done").exists() and not (out / "previous").exists()
+    assert_same_run(tmp_path, out)
+
+
 def test_done_stage_exits_at_once(setup):
     tmp_path, _ = setup
     proc = train(1, tmp_path / "full.yaml")

@@ -32,7 +32,7 @@ from vlmcore.train.checkpoint import (Checkpointer, load_hf_weights, load_model_
 from vlmcore.train.loss import chunked_cross_entropy
 from vlmcore.train.metrics import MetricsLogger, batch_flops, peak_tflops
 from vlmcore.train.optim import build_optimizer, clean_name, freeze, lr_factor, schedule_total, set_lr
-from vlmcore.train.run_dir import archive_stale_run
+from vlmcore.train.run_dir import archive_stale_run, mark_done, mark_unfinished
 
 
 class TrainingError(RuntimeError):
@@ -254,6 +254,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
         reason = archive_stale_run(out, cfg)  # checkpoints of another run are moved aside
         if reason:
             print(reason)
+        mark_unfinished(out)
         save_config(cfg, out / "config.yaml")
     dist.barrier()
 
@@ -275,6 +276,8 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
     if latest is not None:
         resume(checkpointer, latest, model, optimizer, data, state, layout)
     state.update({f"layout_{k}": v for k, v in layout.items()})
+    if state["step"] == cfg.steps and rank == 0:
+        print(f"step {cfg.steps} was reached before final/ and done were written: writing them, no training")
 
     logger = MetricsLogger(out, rank == 0, cfg.metrics.tensorboard, cfg.metrics.wandb, to_dict(cfg), state["step"])
     peak = peak_tflops(device, cfg.metrics.peak_tflops)
@@ -360,7 +363,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
         save_final(out, model, {"model_path": cfg.model_path, "step": state["step"], "tokens": state["tokens"],
                                 "samples": state["samples"], "stage_config": to_dict(cfg)})
     if rank == 0:
-        (out / "done").touch()
+        mark_done(out)
     return 0
 
 
