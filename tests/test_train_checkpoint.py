@@ -105,6 +105,20 @@ def test_crash_before_final_is_finished_without_retraining(setup):
     assert_same_run(tmp_path, out)
 
 
+def test_truncated_latest_checkpoint_falls_back_to_the_one_before(setup):
+    tmp_path, snapshot = setup
+    cfg, out = crash_after_last_checkpoint(tmp_path, snapshot, "truncated")
+    (data,) = (out / "checkpoints" / f"step_{STEPS}").glob("*.distcp")
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+    proc = train(1, cfg)
+    assert f"step_{STEPS} is damaged, not resumed from: {data.name} is truncated" in proc.stdout
+    assert f"resumed from {out / 'checkpoints' / f'step_{STEPS - 1}'} at step {STEPS - 1}" in proc.stdout
+    assert_same_run(tmp_path, out)
+    kept = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert kept == ["latest", f"step_{STEPS - 1}", f"step_{STEPS}"]
+
+
 def test_done_stage_exits_at_once(setup):
     tmp_path, _ = setup
     proc = train(1, tmp_path / "full.yaml")
