@@ -48,12 +48,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     try:
         cfg = load_config(args.config, args.set, paths_must_exist=True)
-        if os.environ.get("RANK", "0") == "0":
-            for warning in warnings_of(cfg):
-                print(f"warning: {args.config}: {warning}", file=sys.stderr)
-        return train(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    if os.environ.get("RANK", "0") == "0":
+        for warning in warnings_of(cfg):
+            print(f"warning: {args.config}: {warning}", file=sys.stderr)
+    try:
+        return train(cfg)
+    except ConfigError as e:  # a setting that does not fit the model or the world size
+        print(f"error: {args.config}: {e}", file=sys.stderr)
         return 2
     except TrainingError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -249,15 +253,6 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(cfg.seed)
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        reason = archive_stale_run(out, cfg)  # checkpoints of another run are moved aside
-        if reason:
-            print(reason)
-        mark_unfinished(out)
-        save_config(cfg, out / "config.yaml")
-    dist.barrier()
-
     model, partial_names = build_parallel_model(cfg, mesh, dims, device)
     model.train()
     optimizer = build_optimizer(model, cfg.optimizer, device)
@@ -267,6 +262,16 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
     vision = vision_tower(model)
     vision_dummy = VisionDummy(model, vision) if vision is not None else None
     data = build_data(cfg, model.config, data_rank, dims.dp)
+
+    # Written only now: a setting that does not fit the model (trainable, tp) leaves nothing behind.
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        reason = archive_stale_run(out, cfg)  # checkpoints of another run are moved aside
+        if reason:
+            print(reason)
+        mark_unfinished(out)
+        save_config(cfg, out / "config.yaml")
+    dist.barrier()
 
     layout = {"world_size": world, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
               "grad_accum_steps": cfg.grad_accum_steps, "micro_batch_size": cfg.micro_batch_size}
