@@ -1,6 +1,8 @@
-"""Checkpoints: atomic layout, resume after SIGTERM / SIGUSR1 and after SIGKILL bit for bit,
-and resharding to other world sizes and TP degrees."""
+"""Checkpoints: atomic layout, resume after SIGTERM / SIGUSR1 and after SIGKILL bit for bit, a
+crash between the last checkpoint and final/, a truncated latest checkpoint, and resharding to
+other world sizes and TP degrees."""
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -81,10 +83,12 @@ def test_sigkill_resumes_from_the_last_complete_checkpoint(setup):
     assert (out / "checkpoints" / "latest").read_text() == f"step_{STEPS}"
 
 
-def crash_after_last_checkpoint(tmp_path, snapshot, name):
+@pytest.fixture(scope="module")
+def crashed(setup):
     """A run that saved its last step (every step checkpointed, keep 2), then died writing final/."""
-    out = tmp_path / name
-    cfg = write_config(tmp_path / f"{name}.yaml", snapshot, out, steps=STEPS, checkpoint={"interval": 1, "keep": 2})
+    tmp_path, snapshot = setup
+    out = tmp_path / "crashed"
+    cfg = write_config(tmp_path / "crashed.yaml", snapshot, out, steps=STEPS, checkpoint={"interval": 1, "keep": 2})
     out.mkdir()
     (out / "final.tmp").write_text("a file where save_final wants a directory: it raises")
     proc = train(1, cfg, check=False)
@@ -92,12 +96,20 @@ def crash_after_last_checkpoint(tmp_path, snapshot, name):
     assert (out / "checkpoints" / "latest").read_text() == f"step_{STEPS}"
     assert not (out / "final").exists() and not (out / "done").exists()
     (out / "final.tmp").unlink()
+    return out
+
+
+def copy_of_crashed(setup, crashed, name):
+    tmp_path, snapshot = setup
+    out = tmp_path / name
+    shutil.copytree(crashed, out)
+    cfg = write_config(tmp_path / f"{name}.yaml", snapshot, out, steps=STEPS, checkpoint={"interval": 1, "keep": 2})
     return cfg, out
 
 
-def test_crash_before_final_is_finished_without_retraining(setup):
-    tmp_path, snapshot = setup
-    cfg, out = crash_after_last_checkpoint(tmp_path, snapshot, "crashed")
+def test_crash_before_final_is_finished_without_retraining(setup, crashed):
+    tmp_path, _ = setup
+    cfg, out = copy_of_crashed(setup, crashed, "finished")
     proc = train(1, cfg)
     assert f"resumed from {out / 'checkpoints' / f'step_{STEPS}'} at step {STEPS}" in proc.stdout
     assert "no training" in proc.stdout and "loss" not in proc.stdout
@@ -105,9 +117,9 @@ def test_crash_before_final_is_finished_without_retraining(setup):
     assert_same_run(tmp_path, out)
 
 
-def test_truncated_latest_checkpoint_falls_back_to_the_one_before(setup):
-    tmp_path, snapshot = setup
-    cfg, out = crash_after_last_checkpoint(tmp_path, snapshot, "truncated")
+def test_truncated_latest_checkpoint_falls_back_to_the_one_before(setup, crashed):
+    tmp_path, _ = setup
+    cfg, out = copy_of_crashed(setup, crashed, "truncated")
     (data,) = (out / "checkpoints" / f"step_{STEPS}").glob("*.distcp")
     with open(data, "r+b") as f:
         f.truncate(data.stat().st_size // 2)
