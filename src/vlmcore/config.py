@@ -274,7 +274,11 @@ def _check_data(data: DataConfig) -> None:
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Checks every range and choice (not the paths: see check_paths); raises ConfigError naming the key."""
+    """Checks every choice and range (not the paths: see check_paths); raises ConfigError naming the key."""
+    for dotted, choices in _CHOICES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        _need(value in choices, dotted, f"must be one of {', '.join(choices)}, got {value!r}")
     _check_run(cfg)
     _check_optimizer(cfg.optimizer)
     _check_schedule(cfg)
@@ -284,10 +288,6 @@ def validate(cfg: TrainConfig) -> None:
     _need(cfg.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {cfg.checkpoint.keep}")
     peak = cfg.metrics.peak_tflops
     _need(peak is None or (math.isfinite(peak) and peak > 0), "metrics.peak_tflops", f"must be > 0 or null, got {peak}")
-    for dotted, choices in _CHOICES.items():
-        section, key = dotted.split(".")
-        value = getattr(getattr(cfg, section), key)
-        _need(value in choices, dotted, f"must be one of {', '.join(choices)}, got {value!r}")
 
 
 def check_paths(cfg: TrainConfig) -> None:
