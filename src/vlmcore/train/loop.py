@@ -46,12 +46,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    # Every rank reads the same file: one rank says what is wrong with it.
+    first_rank = os.environ.get("RANK", "0") == "0"
     try:
         cfg = load_config(args.config, args.set, paths_must_exist=True)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if first_rank:
+            print(f"error: {e}", file=sys.stderr)
         return 2
-    if os.environ.get("RANK", "0") == "0":
+    if first_rank:
         for warning in warnings_of(cfg):
             print(f"warning: {args.config}: {warning}", file=sys.stderr)
     try:
