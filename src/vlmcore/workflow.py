@@ -11,6 +11,8 @@ from pathlib import Path
 
 import yaml
 
+from vlmcore import config as train_config
+
 
 class ConfigError(ValueError):
     pass
@@ -106,14 +108,12 @@ def _written_at(config: dict, stage: str, key: str) -> str:
 def _check_stage_settings(config: dict):
     """Each stage's vlmcore train settings (train.common + the stage) pass TrainConfig's own
     checks, so a typo or a bad range stops the workflow before any job runs."""
-    from vlmcore import config as train_config
-
-    problems = []
     exp = Experiment(config)
+    written = {f"train.stages.{stage}": config["train"]["stages"][stage] for stage in exp.stages}
+    written["train.common"] = config["train"].get("common", {})
+    problems = [f"{where}.{key}: set by the workflow, remove it"
+                for where, settings in written.items() for key in WORKFLOW_PATHS if key in settings]
     for stage in exp.stages:
-        for where, settings in ((f"train.stages.{stage}", config["train"]["stages"][stage]),
-                                ("train.common", config["train"].get("common", {}))):
-            problems += [f"{where}.{key}: set by the workflow, remove it" for key in WORKFLOW_PATHS if key in settings]
         try:
             train_config.from_dict(exp.stage_config(stage))
         except train_config.ConfigError as e:
