@@ -62,7 +62,7 @@ def write_config(path: Path, model_path: Path, output_dir: Path, **overrides) ->
     cfg = {"model_path": str(model_path), "output_dir": str(output_dir), "steps": 4, "micro_batch_size": 1,
            "grad_accum_steps": 1, "seed": 0, "trainable": [],
            "optimizer": {"lr": 1.0e-3, "weight_decay": 0.01},
-           "schedule": {"name": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.1},
+           "schedule": {"name": "cosine", "warmup_steps": min(2, overrides.get("steps", 4)), "min_lr_ratio": 0.1},
            "checkpoint": {"interval": 0, "keep": 2},
            "metrics": {"tensorboard": False},
            "data": {"kind": "random", "seq_len": 32, "segments": 3, "image_fraction": 0.5}}

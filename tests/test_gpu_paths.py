@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from _train_helpers import hf_config as tiny_config
 
-from vlmcore.models import attention as attn_module
 from vlmcore.models import build_model, linear_attention
 from vlmcore.models.attention import adapt_varlen_kernel, attention, segment_sdpa, set_varlen_kernel
 from vlmcore.models.linear_attention import chunk_gated_delta_rule, recurrent_gated_delta_rule, set_gdn_kernel

@@ -1,6 +1,8 @@
-"""Checkpoints: atomic layout, resume after SIGTERM / SIGUSR1 and after SIGKILL bit for bit,
-and resharding to other world sizes and TP degrees."""
+"""Checkpoints: atomic layout, resume after SIGTERM / SIGUSR1 and after SIGKILL bit for bit, a
+crash between the last checkpoint and final/, a truncated latest checkpoint, and resharding to
+other world sizes and TP degrees."""
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,6 +81,54 @@ def test_sigkill_resumes_from_the_last_complete_checkpoint(setup):
     kept = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert kept == ["latest", "step_20", f"step_{STEPS}"]  # keep: 2
     assert (out / "checkpoints" / "latest").read_text() == f"step_{STEPS}"
+
+
+@pytest.fixture(scope="module")
+def crashed(setup):
+    """A run that saved its last step (every step checkpointed, keep 2), then died writing final/."""
+    tmp_path, snapshot = setup
+    out = tmp_path / "crashed"
+    cfg = write_config(tmp_path / "crashed.yaml", snapshot, out, steps=STEPS, checkpoint={"interval": 1, "keep": 2})
+    out.mkdir()
+    (out / "final.tmp").write_text("a file where save_final wants a directory: it raises")
+    proc = train(1, cfg, check=False)
+    assert proc.returncode == 1 and "NotADirectoryError" in proc.stderr, proc.stderr[-3000:]
+    assert (out / "checkpoints" / "latest").read_text() == f"step_{STEPS}"
+    assert not (out / "final").exists() and not (out / "done").exists()
+    (out / "final.tmp").unlink()
+    return out
+
+
+def copy_of_crashed(setup, crashed, name):
+    tmp_path, snapshot = setup
+    out = tmp_path / name
+    shutil.copytree(crashed, out)
+    cfg = write_config(tmp_path / f"{name}.yaml", snapshot, out, steps=STEPS, checkpoint={"interval": 1, "keep": 2})
+    return cfg, out
+
+
+def test_crash_before_final_is_finished_without_retraining(setup, crashed):
+    tmp_path, _ = setup
+    cfg, out = copy_of_crashed(setup, crashed, "finished")
+    proc = train(1, cfg)
+    assert f"resumed from {out / 'checkpoints' / f'step_{STEPS}'} at step {STEPS}" in proc.stdout
+    assert "no training" in proc.stdout and "loss" not in proc.stdout
+    assert (out / "done").exists() and not (out / "previous").exists()
+    assert_same_run(tmp_path, out)
+
+
+def test_truncated_latest_checkpoint_falls_back_to_the_one_before(setup, crashed):
+    tmp_path, _ = setup
+    cfg, out = copy_of_crashed(setup, crashed, "truncated")
+    (data,) = (out / "checkpoints" / f"step_{STEPS}").glob("*.distcp")
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+    proc = train(1, cfg)
+    assert f"step_{STEPS} is damaged, not resumed from: {data.name} is truncated" in proc.stdout
+    assert f"resumed from {out / 'checkpoints' / f'step_{STEPS - 1}'} at step {STEPS - 1}" in proc.stdout
+    assert_same_run(tmp_path, out)
+    kept = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert kept == ["latest", f"step_{STEPS - 1}", f"step_{STEPS}"]
 
 
 def test_done_stage_exits_at_once(setup):

@@ -117,7 +117,9 @@ def test_bad_config_is_a_clear_error(snapshots, tmp_path, capsys, override, mess
 
     cfg = write_config(tmp_path / "c.yaml", snapshots["qwen3"], tmp_path / "out", steps=1)
     assert main(["train", str(cfg), "--set", override]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"error: {cfg}: {message}" in err
+    assert not (tmp_path / "out").exists()  # refused before anything is written
 
 
 def wandb_history(run_file):

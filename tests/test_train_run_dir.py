@@ -1,7 +1,7 @@
 """Checkpoints are resumed only by the run they belong to; other runs are moved aside, not lost."""
 
 from vlmcore.config import load_config, save_config
-from vlmcore.train.run_dir import archive_stale_run, stale_run_reason
+from vlmcore.train.run_dir import archive_stale_run, mark_done, mark_unfinished, stale_run_reason
 
 
 def cfg_with(overrides):
@@ -50,3 +50,14 @@ def test_changed_settings_start_a_new_run_and_name_what_changed(tmp_path):
     archive_stale_run(tmp_path, cfg_with(["steps=100", "seed=4"]))
     assert (tmp_path / "previous/checkpoints/step_70").is_dir()
     assert not (tmp_path / "previous/checkpoints/step_50").exists()
+
+
+def test_run_that_crashed_after_its_last_checkpoint_is_finished_not_redone(tmp_path):
+    cfg = cfg_with(["steps=60"])
+    write_run(tmp_path, cfg, 60)
+    mark_unfinished(tmp_path)  # the run never got to write done
+    assert stale_run_reason(tmp_path, cfg) is None
+    # ... unless it is asked to stop before the step it reached
+    assert "already reached step 60 of 50" in stale_run_reason(tmp_path, cfg_with(["steps=50"]))
+    mark_done(tmp_path)
+    assert (tmp_path / "done").is_file() and "already reached step 60" in stale_run_reason(tmp_path, cfg)

@@ -89,3 +89,59 @@ def test_snakemake_rejects_an_invalid_value_before_running_anything(tmp_path):
     assert proc.returncode != 0
     assert "experiment" in proc.stderr + proc.stdout
     assert not (tmp_path / "results").exists()
+
+
+def stage(name, **settings):
+    return lambda c: c["train"]["stages"][name].update(settings)
+
+
+def common(**settings):
+    return lambda c: c["train"]["common"].update(settings)
+
+
+# A stage's vlmcore train settings go through TrainConfig's own checks; the error names the key
+# where it was written: the stage's settings or train.common.
+@pytest.mark.parametrize("mutate, key", [
+    (stage("stage1", stepz=5), "train.stages.stage1.stepz"),
+    (stage("stage1", dtype="float8"), "train.stages.stage1.dtype"),
+    (stage("stage1", schedule={"name": "cosinee"}), "train.stages.stage1.schedule.name"),
+    (stage("stage1", steps=3), "train.stages.stage1.schedule.warmup_steps"),
+    (stage("stage1", steps="many"), "train.stages.stage1.steps"),
+    (stage("stage1", trainable="model.*"), "train.stages.stage1.trainable"),
+    (stage("stage2", optimizer={"lr": -1.0e-3}), "train.stages.stage2.optimizer.lr"),
+    (stage("stage2", optimizer={"projector_lr": -1.0e-3}), "train.stages.stage2.optimizer.projector_lr"),
+    (stage("stage2", optimizer={"betas": [0.9, 1.0]}), "train.stages.stage2.optimizer.betas"),
+    (stage("stage2", data={"image_fraction": 2}), "train.stages.stage2.data.image_fraction"),
+    (stage("stage2", model_path="elsewhere"), "train.stages.stage2.model_path"),
+    (common(precision={"param_dtype": "float8"}), "train.common.precision.param_dtype"),
+    (common(optimizer={"vision_lr": -1.0e-4}), "train.common.optimizer.vision_lr"),
+    (common(optimizer={"weight_decay": -0.1}), "train.common.optimizer.weight_decay"),
+    (common(checkpoint={"keep": 0}), "train.common.checkpoint.keep"),
+    (common(schedule={"min_lr_ratio": 2}), "train.common.schedule.min_lr_ratio"),
+    (common(output_dir="elsewhere"), "train.common.output_dir"),
+])
+def test_stage_settings_are_checked_by_the_train_config_rules(mutate, key):
+    config = demo_config()
+    mutate(config)
+    with pytest.raises(ConfigError) as err:
+        validate_config(config, SCHEMA)
+    assert f"\n  {key}: " in str(err.value), str(err.value)
+
+
+def test_scaling_runs_cut_a_warmup_longer_than_their_steps():
+    exp = Experiment(validate_config(demo_config(), SCHEMA))
+    assert exp.stage_config("stage2")["schedule"]["warmup_steps"] == 20
+    assert exp.scaling_config(1)["schedule"]["warmup_steps"] == 8
+
+
+def test_snakemake_rejects_an_unknown_stage_key_before_running_anything(tmp_path):
+    configfile = tmp_path / "typo.yaml"
+    configfile.write_text(yaml.safe_dump({"train": {"stages": {"stage1": {"stepz": 5}}}}))
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--directory", str(tmp_path),
+         "--snakefile", str(REPO / "Snakefile"), "--configfile", str(REPO / "config/config.yaml"), str(configfile)],
+        capture_output=True, text=True, cwd=REPO,
+    )
+    assert proc.returncode != 0
+    assert "train.stages.stage1.stepz: unknown key" in proc.stderr + proc.stdout
+    assert not (tmp_path / "results").exists()

@@ -5,6 +5,7 @@ workflow-written YAML is found at once instead of deep inside the training loop.
 """
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -14,7 +15,11 @@ import yaml
 
 
 class ConfigError(ValueError):
-    pass
+    """A bad config value; `key` is the dotted config key it is about (None: the whole file)."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
 
 
 @dataclass
@@ -138,25 +143,25 @@ def _convert(value, tp, key):
         return _convert(value, inner, key)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}", key)
         return _from_dict(tp, value, key + ".")
     if origin is list:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
+            raise ConfigError(f"{key}: expected a list, got {value!r}", key)
         (inner,) = typing.get_args(tp)
         return [_convert(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is tuple:
         inner = typing.get_args(tp)
         if not isinstance(value, (list, tuple)) or len(value) != len(inner):
-            raise ConfigError(f"{key}: expected a list of {len(inner)} values, got {value!r}")
+            raise ConfigError(f"{key}: expected a list of {len(inner)} values, got {value!r}", key)
         return tuple(_convert(v, t, f"{key}[{i}]") for i, (v, t) in enumerate(zip(value, inner)))
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+            raise ConfigError(f"{key}: expected true or false, got {value!r}", key)
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+            raise ConfigError(f"{key}: expected an integer, got {value!r}", key)
         return value
     if tp is float:
         # YAML 1.1 reads `1e-3` (no dot) as a string.
@@ -166,11 +171,11 @@ def _convert(value, tp, key):
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
+            raise ConfigError(f"{key}: expected a number, got {value!r}", key)
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
+            raise ConfigError(f"{key}: expected a string, got {value!r}", key)
         return value
     raise TypeError(f"unsupported config annotation {tp} for {key}")
 
@@ -182,7 +187,7 @@ def _from_dict(cls, data: dict, prefix: str = ""):
     for raw_key, value in data.items():
         name = _KEY_ALIASES.get(raw_key, raw_key)
         if name not in names:
-            raise ConfigError(f"{prefix}{raw_key}: unknown key (known: {', '.join(sorted(names))})")
+            raise ConfigError(f"{prefix}{raw_key}: unknown key (known: {', '.join(sorted(names))})", prefix + raw_key)
         kwargs[name] = _convert(value, hints[name], prefix + raw_key)
     return cls(**kwargs)
 
@@ -209,42 +214,116 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, object]]:
     return parsed
 
 
-def validate(cfg: TrainConfig) -> None:
-    def need(ok: bool, key: str, message: str):
-        if not ok:
-            raise ConfigError(f"{key}: {message}")
+def _need(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}", key)
 
-    need(bool(cfg.model_path), "model_path", "is required")
-    need(bool(cfg.output_dir), "output_dir", "is required")
-    need(cfg.data.kind == "random" or bool(cfg.data_path), "data_path", "is required unless data.kind is random")
-    need(cfg.steps > 0, "steps", f"must be > 0, got {cfg.steps}")
-    need(cfg.micro_batch_size > 0, "micro_batch_size", "must be > 0")
-    need(cfg.grad_accum_steps > 0, "grad_accum_steps", "must be > 0")
-    need(cfg.num_workers >= 0, "num_workers", "must be >= 0")
-    need(cfg.max_grad_norm >= 0, "max_grad_norm", "must be >= 0")
-    need(cfg.loss_chunk_tokens > 0, "loss_chunk_tokens", "must be > 0")
-    need(cfg.max_nonfinite_steps > 0, "max_nonfinite_steps", "must be > 0")
-    need(cfg.optimizer.lr >= 0, "optimizer.lr", "must be >= 0")
-    need(0 <= cfg.schedule.min_lr_ratio <= 1, "schedule.min_lr_ratio", "must be in [0, 1]")
-    need(0 < cfg.schedule.decay_fraction <= 1, "schedule.decay_fraction", "must be in (0, 1]")
-    need(cfg.schedule.warmup_steps >= 0, "schedule.warmup_steps", "must be >= 0")
-    if cfg.schedule.unit == "samples":
-        need(cfg.schedule.total_samples is not None and cfg.schedule.total_samples > 0,
-             "schedule.total_samples", "is required (> 0) when schedule.unit is samples")
+
+def _check_run(cfg: TrainConfig) -> None:
+    _need(bool(cfg.model_path), "model_path", "is required")
+    _need(bool(cfg.output_dir), "output_dir", "is required")
+    _need(cfg.data.kind == "random" or bool(cfg.data_path), "data_path", "is required unless data.kind is random")
+    _need(cfg.steps > 0, "steps", f"must be > 0, got {cfg.steps}")
+    _need(cfg.micro_batch_size > 0, "micro_batch_size", f"must be > 0, got {cfg.micro_batch_size}")
+    _need(cfg.grad_accum_steps > 0, "grad_accum_steps", f"must be > 0, got {cfg.grad_accum_steps}")
+    _need(cfg.seed >= 0, "seed", f"must be >= 0, got {cfg.seed}")
+    _need(cfg.num_workers >= 0, "num_workers", f"must be >= 0, got {cfg.num_workers}")
+    _need(math.isfinite(cfg.max_grad_norm) and cfg.max_grad_norm >= 0, "max_grad_norm",
+          f"must be >= 0 (0 = no clipping), got {cfg.max_grad_norm}")
+    _need(cfg.loss_chunk_tokens > 0, "loss_chunk_tokens", f"must be > 0, got {cfg.loss_chunk_tokens}")
+    _need(cfg.max_nonfinite_steps > 0, "max_nonfinite_steps", f"must be > 0, got {cfg.max_nonfinite_steps}")
+
+
+def _check_optimizer(opt: OptimizerConfig) -> None:
+    # A negative learning rate trains by gradient ascent without any other sign of trouble.
+    for key in ("lr", "vision_lr", "projector_lr"):
+        lr = getattr(opt, key)
+        if lr is not None:
+            _need(math.isfinite(lr) and lr >= 0, f"optimizer.{key}", f"must be a finite number >= 0, got {lr}")
+    _need(math.isfinite(opt.weight_decay) and opt.weight_decay >= 0, "optimizer.weight_decay",
+          f"must be >= 0, got {opt.weight_decay}")
+    _need(all(0 <= b < 1 for b in opt.betas), "optimizer.betas", f"both must be in [0, 1), got {list(opt.betas)}")
+    _need(math.isfinite(opt.eps) and opt.eps > 0, "optimizer.eps", f"must be > 0, got {opt.eps}")
+
+
+def _check_schedule(cfg: TrainConfig) -> None:
+    sched = cfg.schedule
+    _need(0 <= sched.min_lr_ratio <= 1, "schedule.min_lr_ratio", f"must be in [0, 1], got {sched.min_lr_ratio}")
+    _need(0 < sched.decay_fraction <= 1, "schedule.decay_fraction", f"must be in (0, 1], got {sched.decay_fraction}")
+    _need(sched.warmup_steps >= 0, "schedule.warmup_steps", f"must be >= 0, got {sched.warmup_steps}")
+    _need(sched.warmup_samples >= 0, "schedule.warmup_samples", f"must be >= 0, got {sched.warmup_samples}")
+    if sched.unit == "steps":
+        _need(sched.warmup_steps <= cfg.steps, "schedule.warmup_steps",
+              f"must be <= steps ({cfg.steps}): the warmup is longer than the run, got {sched.warmup_steps}")
+    if sched.unit == "samples":
+        _need(sched.total_samples is not None and sched.total_samples > 0,
+              "schedule.total_samples", "is required (> 0) when schedule.unit is samples")
+        _need(sched.warmup_samples <= sched.total_samples, "schedule.warmup_samples",
+              f"must be <= schedule.total_samples ({sched.total_samples}): the warmup is longer than the run, "
+              f"got {sched.warmup_samples}")
+
+
+def _check_parallel(par: ParallelConfig) -> None:
     for key in ("dp_replicate", "tp"):
-        need(getattr(cfg.parallel, key) >= 1, f"parallel.{key}", "must be >= 1")
-    need(cfg.parallel.dp_shard == -1 or cfg.parallel.dp_shard >= 1, "parallel.dp_shard", "must be -1 or >= 1")
-    need(cfg.checkpoint.interval >= 0, "checkpoint.interval", "must be >= 0")
-    need(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
-    need(cfg.data.seq_len > 1, "data.seq_len", "must be > 1")
-    need(1 <= cfg.data.segments <= cfg.data.seq_len // 2, "data.segments", "must be in [1, seq_len/2]")
+        _need(getattr(par, key) >= 1, f"parallel.{key}", f"must be >= 1, got {getattr(par, key)}")
+    _need(par.dp_shard == -1 or par.dp_shard >= 1, "parallel.dp_shard", f"must be -1 or >= 1, got {par.dp_shard}")
+
+
+def _check_data(data: DataConfig) -> None:
+    _need(data.seq_len > 1, "data.seq_len", f"must be > 1, got {data.seq_len}")
+    _need(1 <= data.segments <= data.seq_len // 2, "data.segments",
+          f"must be in [1, seq_len/2 = {data.seq_len // 2}], got {data.segments}")
+    _need(0 <= data.image_fraction <= 1, "data.image_fraction", f"must be in [0, 1], got {data.image_fraction}")
+    _need(data.image_side >= 1, "data.image_side", f"must be >= 1, got {data.image_side}")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Checks every choice and range (not the paths: see check_paths); raises ConfigError naming the key."""
     for dotted, choices in _CHOICES.items():
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
-        need(value in choices, dotted, f"must be one of {', '.join(choices)}, got {value!r}")
+        _need(value in choices, dotted, f"must be one of {', '.join(choices)}, got {value!r}")
+    _check_run(cfg)
+    _check_optimizer(cfg.optimizer)
+    _check_schedule(cfg)
+    _check_parallel(cfg.parallel)
+    _check_data(cfg.data)
+    _need(cfg.checkpoint.interval >= 0, "checkpoint.interval", f"must be >= 0, got {cfg.checkpoint.interval}")
+    _need(cfg.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {cfg.checkpoint.keep}")
+    peak = cfg.metrics.peak_tflops
+    _need(peak is None or (math.isfinite(peak) and peak > 0), "metrics.peak_tflops", f"must be > 0 or null, got {peak}")
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+def check_paths(cfg: TrainConfig) -> None:
+    """The inputs a run reads must exist: checked when a run starts, not when the workflow plans
+    (the earlier jobs create them)."""
+    model = Path(cfg.model_path)
+    _need(model.is_dir(), "model_path", f"{model} is not a directory")
+    _need((model / "config.json").is_file(), "model_path", f"{model} has no config.json (not an HF snapshot)")
+    if cfg.init_from:
+        _need((Path(cfg.init_from) / ".metadata").is_file(), "init_from",
+              f"{cfg.init_from} is not a checkpoint directory (no .metadata), e.g. a previous stage's final/")
+    if cfg.data.kind == "packed":
+        _need(Path(cfg.data_path).is_dir(), "data_path", f"{cfg.data_path} is not a directory")
+
+
+def warnings_of(cfg: TrainConfig) -> list[str]:
+    """Legal settings that are probably mistakes."""
+    found = []
+    for key in ("lr", "vision_lr", "projector_lr"):
+        if getattr(cfg.optimizer, key) == 0:
+            found.append(f"optimizer.{key} is 0: its parameters will not change")
+    return found
+
+
+def from_dict(data: dict) -> TrainConfig:
+    """A validated TrainConfig from a mapping with the YAML key names (paths not checked)."""
+    cfg = _from_dict(TrainConfig, data)
+    validate(cfg)
+    return cfg
+
+
+def load_config(path: str | Path | None, overrides: list[str] = (), paths_must_exist: bool = False) -> TrainConfig:
     """YAML file (or defaults when None) + `--set` overrides -> validated TrainConfig."""
     data = {}
     where = "config"
@@ -259,10 +338,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     for key, value in parse_overrides(list(overrides)):
         _set_dotted(data, key, value)
     try:
-        cfg = _from_dict(TrainConfig, data)
-        validate(cfg)
+        cfg = from_dict(data)
+        if paths_must_exist:
+            check_paths(cfg)
     except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
+        raise ConfigError(f"{where}: {e}", e.key) from None
     return cfg
 
 

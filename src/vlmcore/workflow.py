@@ -11,6 +11,8 @@ from pathlib import Path
 
 import yaml
 
+from vlmcore import config as train_config
+
 
 class ConfigError(ValueError):
     pass
@@ -50,6 +52,7 @@ def validate_config(config: dict, schema_path) -> dict:
         raise ConfigError("invalid workflow config:\n" + "\n".join(lines))
     _fill_defaults(schema, config)
     _check_references(config)
+    _check_stage_settings(config)
     return config
 
 
@@ -80,6 +83,47 @@ def _check_references(config: dict):
         problems.append(f"scaling.dataset: {scaling['dataset']!r} is not in data.datasets")
     if scaling.get("stage") and scaling["stage"] not in seen:
         problems.append(f"scaling.stage: {scaling['stage']!r} is not a stage")
+    if problems:
+        raise ConfigError("invalid workflow config:\n  " + "\n  ".join(problems))
+
+
+# Filled in by Experiment.stage_config; a value given in the config would be ignored.
+WORKFLOW_PATHS = ("model_path", "data_path", "output_dir")
+
+
+def _written_at(config: dict, stage: str, key: str) -> str:
+    """The config key a stage setting comes from: the stage's own settings or train.common."""
+    parts = key.split("[")[0].split(".")
+    train = config["train"]
+    for where, node in ((f"train.stages.{stage}", train["stages"][stage]), ("train.common", train.get("common", {}))):
+        for part in parts:
+            if not isinstance(node, dict) or part not in node:
+                break
+            node = node[part]
+        else:
+            return f"{where}.{key}"
+    return f"train.stages.{stage}.{key}"
+
+
+def _check_stage_settings(config: dict):
+    """Each stage's vlmcore train settings (train.common + the stage) pass TrainConfig's own
+    checks, so a typo or a bad range stops the workflow before any job runs."""
+    exp = Experiment(config)
+    written = {f"train.stages.{stage}": config["train"]["stages"][stage] for stage in exp.stages}
+    written["train.common"] = config["train"].get("common", {})
+    problems = [f"{where}.{key}: set by the workflow, remove it"
+                for where, settings in written.items() for key in WORKFLOW_PATHS if key in settings]
+    for stage in exp.stages:
+        try:
+            train_config.from_dict(exp.stage_config(stage))
+        except train_config.ConfigError as e:
+            message = str(e).removeprefix(f"{e.key}: ")
+            problems.append(f"{_written_at(config, stage, e.key)}: {message}")
+    if not problems:
+        try:
+            train_config.from_dict(exp.scaling_config(1))
+        except train_config.ConfigError as e:
+            problems.append(f"scaling: the settings of stage {exp.scaling_stage()} do not fit a scaling run: {e}")
     if problems:
         raise ConfigError("invalid workflow config:\n  " + "\n  ".join(problems))
 
@@ -180,6 +224,10 @@ class Experiment:
             save_final=False,
         )
         settings["checkpoint"] = deep_merge(settings.get("checkpoint", {}), {"enabled": False})
+        # A scaling point measures speed over a few steps: a longer warmup is cut to fit them.
+        schedule = settings.get("schedule", {})
+        if schedule.get("warmup_steps", 0) > settings["steps"]:
+            settings["schedule"] = dict(schedule, warmup_steps=settings["steps"])
         return settings
 
 

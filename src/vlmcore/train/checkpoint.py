@@ -13,6 +13,10 @@ world size or another dp/tp layout reads it.
 
 Per-rank state (loader position, RNG) is stored under keys that name the rank and is only
 restored when the layout matches; the model and optimizer always are.
+
+A checkpoint damaged after it was written (a file cut short by a full disk or a bad copy) is
+found before loading, from the sizes its `.metadata` records, and skipped for the one before it:
+`keep` > 1 is what makes that possible.
 """
 
 import json
@@ -49,6 +53,26 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the DCP checkpoint at `path` cannot be loaded, or None: each file must hold the bytes
+    `.metadata` says it does. Cheap (no tensor is read), and finds missing and truncated files;
+    a flipped bit of the same size would need checksums, which cost a full read per save."""
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a missing or cut .metadata fails in the unpickler, in many ways
+        return f".metadata cannot be read ({type(e).__name__}: {e})"
+    needed = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size < size:
+            return f"{name} is truncated ({file.stat().st_size} of {size} bytes)"
+    return None
+
+
 class Checkpointer:
     def __init__(self, output_dir: str | Path, keep: int, async_save: bool = False):
         self.dir = Path(output_dir) / "checkpoints"
@@ -63,15 +87,18 @@ class Checkpointer:
         dist.barrier()
 
     def latest(self) -> Path | None:
-        """The last complete checkpoint, or None."""
-        marker = self.dir / "latest"
-        if marker.exists():
-            path = self.dir / marker.read_text().strip()
-            if (path / ".metadata").exists():
+        """The last complete, intact checkpoint, or None; damaged ones are reported and skipped.
+
+        Renamed step_N directories are complete (`latest` is written after the rename, so a
+        crash in between leaves a complete step_N that it does not name yet)."""
+        renamed = [p for p in self.dir.glob("step_*") if p.suffix != ".tmp"]
+        for path in sorted(renamed, key=_step_of, reverse=True):
+            problem = checkpoint_problem(path)
+            if problem is None:
                 return path
-        # `latest` is written after the rename: a crash in between leaves a complete step_N.
-        complete = [p for p in self.dir.glob("step_*") if p.suffix != ".tmp" and (p / ".metadata").exists()]
-        return max(complete, key=_step_of) if complete else None
+            if _is_rank0():
+                print(f"{path} is damaged, not resumed from: {problem}", flush=True)
+        return None
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict,
              rank_state: dict) -> None:

@@ -21,14 +21,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from vlmcore.config import ConfigError, TrainConfig, load_config, save_config, to_dict
+from vlmcore.config import ConfigError, TrainConfig, load_config, save_config, to_dict, warnings_of
 from vlmcore.parallel.mesh import build_mesh, device_for_rank, dp_rank, init_distributed, resolve_dims
 from vlmcore.parallel.parallelize import parallelize
 from vlmcore.train.checkpoint import (Checkpointer, load_hf_weights, load_model_weights, rng_state, save_final,
                                       set_rng_state)
 from vlmcore.train.metrics import MetricsLogger, batch_flops, peak_tflops
 from vlmcore.train.optim import build_optimizer, freeze, lr_factor, schedule_total, set_lr
-from vlmcore.train.run_dir import archive_stale_run
+from vlmcore.train.run_dir import archive_stale_run, mark_done, mark_unfinished
 from vlmcore.train.step import build_step, host_stats, to_device
 
 
@@ -43,10 +43,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    # Every rank reads the same file: one rank says what is wrong with it.
+    first_rank = os.environ.get("RANK", "0") == "0"
     try:
-        return train(load_config(args.config, args.set))
+        cfg = load_config(args.config, args.set, paths_must_exist=True)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if first_rank:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    if first_rank:
+        for warning in warnings_of(cfg):
+            print(f"warning: {args.config}: {warning}", file=sys.stderr)
+    try:
+        return train(cfg)
+    except ConfigError as e:  # a setting that does not fit the model or the world size
+        print(f"error: {args.config}: {e}", file=sys.stderr)
         return 2
     except TrainingError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -180,19 +191,22 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
     backends = check_kernels(cfg, device)  # before anything is written
     if rank == 0:
         print("kernels: " + ", ".join(f"{part} {backend}" for part, backend in backends.items()))
-        out.mkdir(parents=True, exist_ok=True)
-        reason = archive_stale_run(out, cfg)  # checkpoints of another run are moved aside
-        if reason:
-            print(reason)
-        save_config(cfg, out / "config.yaml")
-    dist.barrier()
-
     model, partial_names = build_parallel_model(cfg, mesh, dims, device)
     model.train()
     optimizer = build_optimizer(model, cfg.optimizer, device)
     train_step = build_step(model, optimizer, partial_names, mesh["tp"].get_group() if dims.tp > 1 else None,
                             cfg.loss_chunk_tokens, cfg.max_grad_norm, compiled_loss=cfg.parallel.compile)
     data = build_data(cfg, model.config, data_rank, dims.dp)
+
+    # Written only now: a setting that does not fit the model (trainable, tp) leaves nothing behind.
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        reason = archive_stale_run(out, cfg)  # checkpoints of another run are moved aside
+        if reason:
+            print(reason)
+        mark_unfinished(out)
+        save_config(cfg, out / "config.yaml")
+    dist.barrier()
 
     layout = {"world_size": world, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
               "grad_accum_steps": cfg.grad_accum_steps, "micro_batch_size": cfg.micro_batch_size}
@@ -202,6 +216,8 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
     if latest is not None:
         resume(checkpointer, latest, model, optimizer, data, state, layout)
     state.update({f"layout_{k}": v for k, v in layout.items()})
+    if state["step"] == cfg.steps and rank == 0:
+        print(f"step {cfg.steps} was reached before final/ and done were written: writing them, no training")
 
     logger = MetricsLogger(out, rank == 0, cfg.metrics.tensorboard, cfg.metrics.wandb, to_dict(cfg), state["step"])
     peak = peak_tflops(device, cfg.metrics.peak_tflops)
@@ -279,7 +295,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
         save_final(out, model, {"model_path": cfg.model_path, "step": state["step"], "tokens": state["tokens"],
                                 "samples": state["samples"], "stage_config": to_dict(cfg)})
     if rank == 0:
-        (out / "done").touch()
+        mark_done(out)
     return 0
 
 

@@ -4,6 +4,10 @@ Resuming is automatic, but only a run with the same settings may continue: a sta
 Snakemake reruns because its settings changed, or because the user forced it (its `final/`
 and `done` are then deleted but its checkpoints are not), must start from scratch. The
 earlier run is moved aside to `previous/`, never deleted, so nothing is lost by mistake.
+
+A checkpoint of the last step alone does not say which: a run that crashed after saving it but
+before writing `final/` and `done` must be finished, not redone. The `unfinished` marker tells
+them apart: it exists from a run's start until just before its `done` is written.
 """
 
 import shutil
@@ -17,6 +21,7 @@ from vlmcore.config import TrainConfig, to_dict
 # saves, how it is logged and fed. Anything else (data, model, optimizer, layout-independent
 # hyperparameters) makes it another run.
 RESUMABLE_CHANGES = {"steps", "checkpoint", "metrics", "num_workers", "output_dir"}
+UNFINISHED = "unfinished"
 
 
 def _latest_step(out: Path) -> int | None:
@@ -32,7 +37,8 @@ def stale_run_reason(out, cfg: TrainConfig) -> str | None:
     step = _latest_step(out)
     if step is None:
         return None
-    if step >= cfg.steps:
+    finished = not (out / UNFINISHED).exists()
+    if step > cfg.steps or (step == cfg.steps and finished):
         return f"the run in {out} already reached step {step} of {cfg.steps} and its outputs were removed: starting a new run"
     saved = out / "config.yaml"
     if saved.is_file():
@@ -58,3 +64,13 @@ def archive_stale_run(out, cfg: TrainConfig) -> str | None:
         if (out / name).exists():
             shutil.move(out / name, previous / name)
     return reason
+
+
+def mark_unfinished(out) -> None:
+    (Path(out) / UNFINISHED).touch()
+
+
+def mark_done(out) -> None:
+    """`done`, after removing the marker: a crash in between leaves a run that counts as finished."""
+    (Path(out) / UNFINISHED).unlink(missing_ok=True)
+    (Path(out) / "done").touch()
