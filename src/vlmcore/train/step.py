@@ -19,10 +19,6 @@ from torch.distributed.tensor import DTensor
 
 from vlmcore.train.loss import IGNORE_INDEX, chunked_cross_entropy
 
-# Batch entries that stay on the host: the model reads them as Python numbers.
-HOST_KEYS = ("max_seqlen", "num_samples")
-
-
 def host_stats(micro: list[dict]) -> dict:
     """Label tokens, samples and tokens of host-side micro-batches (read before they move)."""
     return {"label_tokens": sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro),
