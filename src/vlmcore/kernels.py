@@ -80,7 +80,7 @@ def fla_problem(versions: dict, capability: tuple[int, int] | None) -> str | Non
             f"(sm_{capability[0]}{capability[1]}) computes wrong Gated DeltaNet gradients (fla issue 640: "
             "chunk_bwd_dqkwg on Triton >= 3.4.0, < 3.7.1). Fix one of: `pip install tilelang` (fla >= 0.5 then "
             "runs that kernel in TileLang; unset FLA_DISABLE_BACKEND_DISPATCH), Triton >= 3.7.1 with a torch built "
-            "for it, or train.linear_attention: torch (the pure-torch kernel: correct, slower)")
+            "for it, or parallel.linear_attention: torch in the stage (the pure-torch kernel: correct, slower)")
 
 
 def linear_attention_backend(requested: str, versions: dict, capability: tuple[int, int] | None) -> str:
