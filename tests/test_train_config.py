@@ -15,7 +15,7 @@ trainable: ["model.visual.merger.*", "model.visual.deepstack_merger_list.*"]
 optimizer: {lr: 1.0e-3, vision_lr: null, projector_lr: null, weight_decay: 0.01, betas: [0.9, 0.95], eps: 1.0e-8}
 schedule: {name: cosine, warmup_steps: 10, min_lr_ratio: 0.1}
 max_grad_norm: 1.0
-parallel: {dp_replicate: 1, dp_shard: -1, tp: 1, mode: fsdp, vision: fsdp, activation_checkpointing: none, compile: false}
+parallel: {dp_replicate: 1, dp_shard: -1, tp: 1, mode: fsdp, activation_checkpointing: none, compile: false}
 precision: {param_dtype: float32, reduce_dtype: float32}
 checkpoint: {interval: 50, keep: 2, async: false}
 save_final: true

@@ -12,10 +12,7 @@ from pathlib import Path
 import yaml
 
 from vlmcore import config as train_config
-
-
-class ConfigError(ValueError):
-    pass
+from vlmcore.config import ConfigError
 
 
 def _fill_defaults(schema: dict, value):
@@ -116,13 +113,13 @@ def _check_stage_settings(config: dict):
     for stage in exp.stages:
         try:
             train_config.from_dict(exp.stage_config(stage))
-        except train_config.ConfigError as e:
+        except ConfigError as e:
             message = str(e).removeprefix(f"{e.key}: ")
             problems.append(f"{_written_at(config, stage, e.key)}: {message}")
     if not problems:
         try:
             train_config.from_dict(exp.scaling_config(1))
-        except train_config.ConfigError as e:
+        except ConfigError as e:
             problems.append(f"scaling: the settings of stage {exp.scaling_stage()} do not fit a scaling run: {e}")
     if problems:
         raise ConfigError("invalid workflow config:\n  " + "\n  ".join(problems))

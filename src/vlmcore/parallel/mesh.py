@@ -28,9 +28,7 @@ class ParallelDims:
 def resolve_dims(cfg: ParallelConfig, world_size: int) -> ParallelDims:
     """Fills in `dp_shard: -1` and checks the product against the world size."""
     replicate, shard, tp = cfg.dp_replicate, cfg.dp_shard, cfg.tp
-    if cfg.mode == "ddp":
-        if shard not in (-1, 1):
-            raise ConfigError(f"parallel.dp_shard: must be 1 or -1 with parallel.mode ddp, got {shard}")
+    if cfg.mode == "ddp":  # dp_shard is 1 or -1 (vlmcore.config.RULES)
         shard, replicate = 1, -1 if replicate == 1 else replicate
     if replicate == -1:
         replicate = world_size // tp if world_size % tp == 0 else 0
