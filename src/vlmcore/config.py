@@ -48,7 +48,7 @@ class OptimizerConfig:
     vision_lr: float | None = setting(None, "peak learning rate of the vision tower; null = lr", ge=0)
     projector_lr: float | None = setting(None, "peak learning rate of the vision-language projector; null = lr", ge=0)
     weight_decay: float = setting(0.01, "AdamW decoupled weight decay (not on norms, biases, embeddings)", ge=0)
-    betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas, each", ge=0, lt=1)
+    betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas (first and second moment)", ge=0, lt=1)
     eps: float = setting(1.0e-8, "AdamW epsilon", gt=0)
 
 
