@@ -134,10 +134,10 @@ def _check_stage_settings(config: dict):
             try:
                 resolve_dims(train_config.from_dict(exp.scaling_config(world_size)).parallel, world_size)
             except ConfigError as e:
-                problems.append(f"scaling.world_sizes: stage {exp.scaling_stage()}'s settings do not fit a scaling "
-                                f"run of {world_size} ranks: {e}")
-    if problems:
-        raise ConfigError("invalid workflow config:\n  " + "\n  ".join(problems))
+                problems.append(f"scaling.world_sizes: the settings of stage {exp.scaling_stage()} do not fit a "
+                                f"scaling run: {e}")
+    if problems:  # a bad train.common key fails every stage: named once
+        raise ConfigError("invalid workflow config:\n  " + "\n  ".join(dict.fromkeys(problems)))
 
 
 def deep_merge(base: dict, override: dict) -> dict:
