@@ -287,8 +287,8 @@ def test_every_declared_range_and_choice_is_refused(key, value):
         "optimizer.lr is 1 or more: AdamW moves every weight by about that much per step"]),
     (["schedule.min_lr_ratio=1"], ["schedule.min_lr_ratio is 1: the cosine or wsd schedule never decays"]),
     (["schedule.min_lr_ratio=1", "schedule.name=constant"], []),
-    (["precision.param_dtype=float16"], [
-        "precision.param_dtype is float16: without loss scaling small gradients underflow; bfloat16 has float32's range"]),
+    (["precision.param_dtype=float16"], ["precision.param_dtype is float16: without loss scaling small gradients "
+                                         "underflow; bfloat16 has float32's range"]),
     (["max_grad_norm=0", "schedule.warmup_steps=24"], []),  # documented meanings: no clipping; a warmup-only run
     ([], []),
 ])

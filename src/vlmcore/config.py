@@ -69,7 +69,8 @@ class ParallelConfig:
     dp_replicate: int = setting(1, "data-parallel replicas (HSDP when > 1 with mode fsdp)", ge=1)
     dp_shard: int = setting(-1, "FSDP shards; -1 = whatever is left of the world size", ge=1, also=(-1,))
     tp: int = setting(1, "tensor-parallel ranks (inside a node)", ge=1)
-    mode: Literal["fsdp", "ddp"] = setting("fsdp", "fsdp: FSDP2 (HSDP when dp_replicate > 1); ddp: replicate everything")
+    mode: Literal["fsdp", "ddp"] = setting(
+        "fsdp", "fsdp: FSDP2 (HSDP when dp_replicate > 1); ddp: replicate everything")
     sequence_parallel: bool = setting(True, "under tp > 1: norms and the residual stream split on the sequence")
     activation_checkpointing: Literal["none", "selective", "full"] = setting(
         "none", "recompute activations in backward: selective (the cheap ops) or full (every block)")
@@ -124,7 +125,8 @@ class TrainConfig:
     trainable: list[str] = setting(None, "fnmatch patterns of the trained parameters; [] = all of them", factory=list)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    max_grad_norm: float = setting(1.0, "global gradient-norm clipping; 0 = no clipping (the norm is still logged)", ge=0)
+    max_grad_norm: float = setting(1.0, "global gradient-norm clipping; 0 = no clipping (the norm is still logged)",
+                                   ge=0)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -138,7 +140,8 @@ class TrainConfig:
 
 
 def _each_lr(text: str, suspicious):
-    return [(f"optimizer.{k}", text, lambda v, c: v is not None and suspicious(v)) for k in ("lr", "vision_lr", "projector_lr")]
+    return [(f"optimizer.{k}", text, lambda v, c: v is not None and suspicious(v))
+            for k in ("lr", "vision_lr", "projector_lr")]
 
 
 # Rules between keys, checked after each key's own type and range: (key, what is allowed, ok(value, config)).
@@ -152,11 +155,13 @@ RULES = [
      lambda v, c: c.schedule.unit != "samples" or v is not None),
     ("schedule.warmup_samples", "must be <= schedule.total_samples when schedule.unit is samples",
      lambda v, c: c.schedule.unit != "samples" or v <= c.schedule.total_samples),
-    ("parallel.dp_shard", "must be 1 or -1 when parallel.mode is ddp", lambda v, c: c.parallel.mode != "ddp" or v in (1, -1)),
+    ("parallel.dp_shard", "must be 1 or -1 when parallel.mode is ddp",
+     lambda v, c: c.parallel.mode != "ddp" or v in (1, -1)),
     ("data.segments", "must be <= data.seq_len / 2", lambda v, c: v <= c.data.seq_len // 2),
     ("data.image_side", "must leave room for an image (image_side**2 + 4 tokens) in data.seq_len / data.segments "
      "when data.kind is random and data.image_fraction > 0",
-     lambda v, c: c.data.kind != "random" or c.data.image_fraction == 0 or v**2 + 4 <= c.data.seq_len // c.data.segments),
+     lambda v, c: c.data.kind != "random" or c.data.image_fraction == 0
+     or v**2 + 4 <= c.data.seq_len // c.data.segments),
 ]
 # Legal settings that are probably mistakes: (key, why, suspicious(value, config)).
 WARNINGS = [
@@ -164,7 +169,8 @@ WARNINGS = [
     *_each_lr("is 1 or more: AdamW moves every weight by about that much per step", lambda lr: lr >= 1),
     ("schedule.min_lr_ratio", "is 1: the cosine or wsd schedule never decays",
      lambda v, c: v == 1 and c.schedule.name != "constant"),
-    ("precision.param_dtype", "is float16: without loss scaling small gradients underflow; bfloat16 has float32's range",
+    ("precision.param_dtype",
+     "is float16: without loss scaling small gradients underflow; bfloat16 has float32's range",
      lambda v, c: v == "float16"),
 ]
 
@@ -306,7 +312,8 @@ def validate(cfg: TrainConfig) -> None:
         if f.metadata.get("bounds") and not all(v is None or _in_range(v, f.metadata) for v in values):
             each = "each " if isinstance(value, tuple) else ""
             number = "a finite number " if isinstance(values[0], float) else ""
-            raise ConfigError(f"{name}: {each}must be {number}{range_text(f.metadata)}, got {values if each else value}", name)
+            shown = values if each else value
+            raise ConfigError(f"{name}: {each}must be {number}{range_text(f.metadata)}, got {shown}", name)
     for name, allowed, ok in RULES:
         value = _value(cfg, name)
         if not ok(value, cfg):

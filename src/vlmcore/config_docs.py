@@ -48,9 +48,8 @@ def train_table() -> str:
     """Every key of vlmcore.config.TrainConfig, then the rules between keys and the warnings."""
     lines = ["| key | allowed | default | meaning |", "|---|---|---|---|"]
     for name, f, tp, default in config.leaves(config.TrainConfig()):
-        allowed = " ".join(t for t in (_type_text(tp), config.range_text(f.metadata)) if t)
-        if typing.get_origin(tp) is tuple:
-            allowed = allowed.replace("] in", "], each in")
+        each = ", each" if typing.get_origin(tp) is tuple else ""
+        allowed = " ".join(t for t in (_type_text(tp) + each, config.range_text(f.metadata)) if t)
         lines.append(f"| `{name}` | {_cell(allowed)} | {_default(default)} | {_cell(f.metadata['doc'])} |")
     lines += ["", "Refused as well (rules between keys):", ""]
     lines += [f"- `{name}` {_cell(allowed)}" for name, allowed, _ in config.RULES]
@@ -74,7 +73,8 @@ def _schema_bounds(node: dict) -> str:
     if "minimum" in node and "maximum" in node:
         text = f" in [{node['minimum']}, {node['maximum']}]"
     else:
-        text = "".join(f" {op} {node[word]}" for word, op in (("minimum", ">="), ("exclusiveMinimum", ">")) if word in node)
+        lower = (("minimum", ">="), ("exclusiveMinimum", ">"))
+        text = "".join(f" {op} {node[word]}" for word, op in lower if word in node)
     if node.get("minItems", node.get("minProperties")) == 1:
         text += ", not empty"
     if node.get("uniqueItems"):
