@@ -22,7 +22,8 @@ _TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "string",
 
 
 def _cell(text) -> str:
-    return " ".join(str(text).split()).replace("|", "\\|")
+    """One table cell: one line, `|` and `<` escaped (`<name>` would read as an HTML tag)."""
+    return " ".join(str(text).split()).replace("|", "\\|").replace("<", "\\<")
 
 
 def _default(value) -> str:
