@@ -1,6 +1,16 @@
-import pytest
+import math
+import typing
+from pathlib import Path
 
-from vlmcore.config import ConfigError, TrainConfig, load_config, save_config
+import pytest
+import yaml
+
+from vlmcore import config_docs
+from vlmcore.config import ConfigError, TrainConfig, from_dict, leaves, load_config, save_config
+from vlmcore.config_docs import render
+
+REPO = Path(__file__).resolve().parents[1]
+SCHEMA = REPO / "workflow/schemas/config.schema.yaml"
 
 WORKFLOW_YAML = """
 model_path: results/demo/model
@@ -15,7 +25,7 @@ trainable: ["model.visual.merger.*", "model.visual.deepstack_merger_list.*"]
 optimizer: {lr: 1.0e-3, vision_lr: null, projector_lr: null, weight_decay: 0.01, betas: [0.9, 0.95], eps: 1.0e-8}
 schedule: {name: cosine, warmup_steps: 10, min_lr_ratio: 0.1}
 max_grad_norm: 1.0
-parallel: {dp_replicate: 1, dp_shard: -1, tp: 1, mode: fsdp, vision: fsdp, activation_checkpointing: none, compile: false}
+parallel: {dp_replicate: 1, dp_shard: -1, tp: 1, mode: fsdp, activation_checkpointing: none, compile: false}
 precision: {param_dtype: float32, reduce_dtype: float32}
 checkpoint: {interval: 50, keep: 2, async: false}
 save_final: true
@@ -142,6 +152,32 @@ BAD_VALUES = [
     ("model_path=data", "model_path"),
     ("init_from=nowhere", "init_from"),
     ("init_from=model", "init_from"),
+    # the rules between keys, the other ranges, and the shapes a typo gives
+    ("parallel.vision=fsdp", "parallel.vision"),  # removed: fsdp was its only value
+    ("parallel.mode=ddp parallel.dp_shard=2", "parallel.dp_shard"),
+    ("parallel.dp_shard=-2", "parallel.dp_shard"),
+    ("parallel.linear_attention=triton", "parallel.linear_attention"),
+    ("parallel.sequence_parallel=1", "parallel.sequence_parallel"),
+    ("data.kind=random data.seq_len=16 data.segments=4", "data.image_side"),
+    ("data.segments=200", "data.segments"),
+    ("seed=4294967296", "seed"),
+    ("optimizer.weight_decay=.inf", "optimizer.weight_decay"),
+    ("optimizer.eps=.nan", "optimizer.eps"),
+    ("optimizer.vision_lr=.inf", "optimizer.vision_lr"),
+    ("max_grad_norm=.inf", "max_grad_norm"),
+    ("schedule.min_lr_ratio=-0.1", "schedule.min_lr_ratio"),
+    ("schedule.decay_fraction=1.5", "schedule.decay_fraction"),
+    ("schedule.total_samples=-5", "schedule.total_samples"),
+    ("metrics.peak_tflops=-5", "metrics.peak_tflops"),
+    ("optimizer=fast", "optimizer"),
+    ("precision=bfloat16", "precision"),
+    ("checkpoint.interval=1.5", "checkpoint.interval"),
+    ("steps=1e3", "steps"),
+    ("grad_accum_steps=-3", "grad_accum_steps"),
+    ("num_workers=two", "num_workers"),
+    ("trainable=[1]", "trainable[0]"),
+    ("model_path=''", "model_path"),
+    ("data_path=''", "data_path"),
 ]
 
 
@@ -190,3 +226,87 @@ def test_zero_learning_rate_is_accepted_with_a_warning(run_dir, monkeypatch, cap
     err = capsys.readouterr().err
     assert code == 0 and cfg.optimizer.lr == 0
     assert f"warning: {run_dir}: optimizer.lr is 0" in err and "vision_lr" not in err
+
+
+
+@pytest.mark.parametrize("override, message", [
+    ("schedule.name=cosinee", "schedule.name: must be one of cosine, wsd, constant, got 'cosinee'"),
+    ("optimizer.lr=-1e-3", "optimizer.lr: must be a finite number >= 0, got -0.001"),
+    ("optimizer.lr=.nan", "optimizer.lr: must be a finite number >= 0, got nan"),
+    ("optimizer.betas=[0.9,1.0]", "optimizer.betas: each must be a finite number in [0, 1), got [0.9, 1.0]"),
+    ("schedule.decay_fraction=0", "schedule.decay_fraction: must be a finite number in (0, 1], got 0.0"),
+    ("parallel.dp_shard=0", "parallel.dp_shard: must be >= 1 or -1, got 0"),
+    ("steps=0", "steps: must be >= 1, got 0"),
+    ("schedule.warmup_steps=300", "schedule.warmup_steps: must be <= steps when schedule.unit is steps "
+                                  "(no warmup longer than the run), got 300"),
+    ("checkpoint.asynk=true", "checkpoint.asynk: unknown key (known: async, enabled, interval, keep)"),
+])
+def test_refusals_say_what_is_allowed(workflow_config, override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(workflow_config, [override])
+    assert str(e.value) == f"{workflow_config}: {message}"
+
+
+def _out_of_range(metadata):
+    """Values just outside a key's declared range."""
+    bounds = metadata["bounds"]
+    bad = [bounds[op] for op in ("gt", "lt") if op in bounds]
+    bad += [bounds["ge"] - 1] if "ge" in bounds else []
+    return bad + ([bounds["le"] + 1] if "le" in bounds else [])
+
+
+def _declared_cases():
+    """(key, bad value) of every declared range and choice, and non-finite numbers."""
+    cases = []
+    for name, f, tp, default in leaves(TrainConfig()):
+        bad = ["bogus"] if typing.get_origin(tp) is typing.Literal else []
+        bad += _out_of_range(f.metadata) if f.metadata.get("bounds") else []
+        bad += [math.nan, math.inf] if float in (tp, *typing.get_args(tp)) else []
+        cases += [(name, [v, v] if isinstance(default, tuple) else v) for v in bad]
+    return cases
+
+
+@pytest.mark.parametrize("key, value", _declared_cases())
+def test_every_declared_range_and_choice_is_refused(key, value):
+    """Generated from the declarations, so a key added with a range is checked without a new case."""
+    data = yaml.safe_load(WORKFLOW_YAML)
+    node = data
+    for part in key.split(".")[:-1]:
+        node = node.setdefault(part, {})
+    node[key.split(".")[-1]] = value
+    with pytest.raises(ConfigError) as e:
+        from_dict(data)
+    each = "each " if isinstance(value, list) else ""
+    assert e.value.key == key and str(e.value).startswith(f"{key}: {each}must be "), str(e.value)
+
+
+@pytest.mark.parametrize("overrides, warnings", [
+    (["optimizer.vision_lr=0"], ["optimizer.vision_lr is 0: its parameters will not change"]),
+    (["optimizer.lr=2", "optimizer.projector_lr=0"], [
+        "optimizer.projector_lr is 0: its parameters will not change",
+        "optimizer.lr is 1 or more: AdamW moves every weight by about that much per step"]),
+    (["schedule.min_lr_ratio=1"], ["schedule.min_lr_ratio is 1: the cosine or wsd schedule never decays"]),
+    (["schedule.min_lr_ratio=1", "schedule.name=constant"], []),
+    (["precision.param_dtype=float16"], ["precision.param_dtype is float16: without loss scaling small gradients "
+                                         "underflow; bfloat16 has float32's range"]),
+    (["max_grad_norm=0", "schedule.warmup_steps=24"], []),  # documented meanings: no clipping; a warmup-only run
+    ([], []),
+])
+def test_suspicious_values_are_accepted_with_a_warning_each(run_dir, monkeypatch, capsys, overrides, warnings):
+    code, cfg = train_cli(monkeypatch, run_dir, overrides)
+    assert code == 0 and cfg is not None
+    assert capsys.readouterr().err.splitlines() == [f"warning: {run_dir}: {w}" for w in warnings]
+
+
+def test_docs_config_md_is_the_generated_one(tmp_path):
+    """docs/config.md lists every key as declared; `python -m vlmcore.config_docs` rewrites it."""
+    doc = REPO / "docs/config.md"
+    assert render(doc.read_text(), yaml.safe_load(SCHEMA.read_text())) == doc.read_text(), \
+        "docs/config.md is stale: run python -m vlmcore.config_docs"
+    for name, f, _, _ in leaves(TrainConfig()):
+        assert f.metadata["doc"] and f"| `{name}` |" in doc.read_text()
+    stale = tmp_path / "config.md"
+    stale.write_text(doc.read_text().replace("| `steps` | int >= 1 |", "| `steps` | int |"))
+    args = ["--doc", str(stale), "--schema", str(SCHEMA)]
+    assert config_docs.main(args + ["--check"]) == 1
+    assert config_docs.main(args) == 0 and stale.read_text() == doc.read_text()

@@ -145,3 +145,75 @@ def test_snakemake_rejects_an_unknown_stage_key_before_running_anything(tmp_path
     assert proc.returncode != 0
     assert "train.stages.stage1.stepz: unknown key" in proc.stderr + proc.stdout
     assert not (tmp_path / "results").exists()
+
+
+def workflow(section, **settings):
+    return lambda c: c.setdefault(section, {}).update(settings)
+
+
+def without(section, key):
+    return lambda c: c[section].pop(key)
+
+
+# Each invalid experiment is refused with one line naming the key, before anything is planned.
+@pytest.mark.parametrize("mutate, key", [
+    # the workflow keys, by the schema
+    (workflow("scaling", world_sizes=[]), "scaling.world_sizes"),
+    (workflow("scaling", world_sizes=[1, 1]), "scaling.world_sizes"),
+    (workflow("scaling", world_sizes=[0]), "scaling.world_sizes.0"),
+    (workflow("scaling", steps=1), "scaling.steps"),
+    (workflow("eval", tasks=[]), "eval.tasks"),
+    (workflow("eval", device="gpu"), "eval.device"),
+    (workflow("eval", limit=0), "eval.limit"),
+    (workflow("export", max_shard_size="5 gigs"), "export.max_shard_size"),
+    (workflow("pack", overlong="skip"), "pack.overlong"),
+    (workflow("pack", max_patches=0), "pack.max_patches"),
+    (workflow("train", nodes=0), "train.nodes"),
+    (workflow("train", gpu_capability="9"), "train.gpu_capability"),
+    (workflow("train", gpu_memory_gib=0), "train.gpu_memory_gib"),
+    (lambda c: c["data"]["datasets"]["captions"].update(shard_size=0), "data.datasets.captions.shard_size"),
+    (lambda c: c["data"]["datasets"]["captions"].update(max_bad_fraction=1.5),
+     "data.datasets.captions.max_bad_fraction"),
+    (lambda c: c["data"]["datasets"]["captions"].update(sources=[]), "data.datasets.captions.sources"),
+    (stage("stage1", nodes=0), "train.stages.stage1.nodes"),
+    (lambda c: c["train"]["stages"]["stage1"].pop("steps"), "train.stages.stage1"),
+    # the cross references
+    (workflow("scaling", world_sizes=[3]), "scaling.world_sizes"),
+    (workflow("export", stage="stage9"), "export.stage"),
+    (workflow("scaling", stage="nope"), "scaling.stage"),
+    (workflow("scaling", dataset="nope"), "scaling.dataset"),
+    (without("data", "synthetic"), "data.synthetic"),
+    # the stages' vlmcore train settings, by TrainConfig's rules and the stage's ranks
+    (common(parallel={"tp": 3}), "train.common.parallel"),
+    (stage("stage2", parallel={"dp_shard": 4}), "train.stages.stage2.parallel"),
+    (stage("stage1", parallel={"mode": "ddp", "dp_shard": 2}), "train.stages.stage1.parallel.dp_shard"),
+    (stage("stage1", parallel={"vision": "fsdp"}), "train.stages.stage1.parallel.vision"),
+    (stage("stage1", schedule={"unit": "samples"}), "train.stages.stage1.schedule.total_samples"),
+    (common(seed=-1), "train.common.seed"),
+    (common(data={"kind": "random", "seq_len": 8, "image_side": 2}), "train.common.data.image_side"),
+    # fits the stages (2 ranks: dp_shard 1 x tp 2) but not the 1-rank scaling point
+    (common(parallel={"tp": 2}), "scaling.world_sizes"),
+])
+def test_invalid_experiments_are_refused_in_one_line_naming_the_key(mutate, key):
+    config = demo_config()
+    mutate(config)
+    with pytest.raises(ConfigError) as err:
+        validate_config(config, SCHEMA)
+    message = str(err.value)
+    assert message.startswith("invalid workflow config:\n  ") and f"\n  {key}: " in message, message
+    assert len(message.splitlines()) == 2, message
+
+
+def test_suspicious_stage_settings_are_printed_as_warnings(capsys):
+    validate_config(demo_config(), SCHEMA)
+    assert capsys.readouterr().err == ""
+    config = demo_config()
+    stage("stage2", optimizer={"lr": 0})(config)
+    common(precision={"param_dtype": "float16"})(config)
+    validate_config(config, SCHEMA)
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: train.stages.stage1: precision.param_dtype is float16: without loss scaling small gradients "
+        "underflow; bfloat16 has float32's range",
+        "warning: train.stages.stage2: optimizer.lr is 0: its parameters will not change",
+        "warning: train.stages.stage2: precision.param_dtype is float16: without loss scaling small gradients "
+        "underflow; bfloat16 has float32's range"]

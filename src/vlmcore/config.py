@@ -1,15 +1,20 @@
 """Typed run config of one training stage: dataclasses, YAML load, `--set` overrides, validation.
 
+Each key is declared once, here: its type (a `Literal` for a choice), default, allowed range and
+meaning. `validate` checks those ranges and the `RULES` between keys, and docs/config.md's table
+is generated from the same declarations (`python -m vlmcore.config_docs`), so they cannot drift.
 Every error names the config key (and the file when there is one), so a typo in a
 workflow-written YAML is found at once instead of deep inside the training loop.
 """
 
 import dataclasses
 import math
+import operator
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import yaml
 
@@ -22,119 +27,167 @@ class ConfigError(ValueError):
         self.key = key
 
 
+Dtype = Literal["float32", "bfloat16", "float16"]
+LinearAttentionBackend = Literal["auto", "fla", "torch"]
+_BOUNDS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="), "lt": (operator.lt, "<")}
+
+
+def setting(default, doc: str, *, ge=None, gt=None, le=None, lt=None, also=(), factory=None):
+    """A config key: its default, its meaning (its line in docs/config.md) and its allowed range,
+    which `validate` checks: the bounds ge/gt/le/lt (a float must also be finite), or a value in `also`."""
+    bounds = {op: v for op, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
+    metadata = {"doc": doc, "bounds": bounds, "also": also}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class OptimizerConfig:
-    lr: float = 1.0e-3
-    vision_lr: float | None = None  # None = lr
-    projector_lr: float | None = None  # None = lr
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1.0e-8
+    lr: float = setting(1.0e-3, "AdamW peak learning rate (of every parameter group without its own)", ge=0)
+    vision_lr: float | None = setting(None, "peak learning rate of the vision tower; null = lr", ge=0)
+    projector_lr: float | None = setting(None, "peak learning rate of the vision-language projector; null = lr", ge=0)
+    weight_decay: float = setting(0.01, "AdamW decoupled weight decay (not on norms, biases, embeddings)", ge=0)
+    betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas (first and second moment)", ge=0, lt=1)
+    eps: float = setting(1.0e-8, "AdamW epsilon", gt=0)
 
 
 @dataclass
 class ScheduleConfig:
-    name: str = "cosine"  # cosine | wsd | constant
-    unit: str = "steps"  # steps | samples: what warmup, decay and the run length are counted in
-    warmup_steps: int = 0
-    warmup_samples: int = 0
-    total_samples: int | None = None  # unit=samples: length of the run in samples
-    min_lr_ratio: float = 0.1
-    decay_fraction: float = 0.2  # wsd: share of the run spent in the cooldown
-    cooldown: str = "linear"  # wsd: linear | cosine | 1-sqrt
+    name: Literal["cosine", "wsd", "constant"] = setting("cosine", "learning-rate schedule after the linear warmup")
+    unit: Literal["steps", "samples"] = setting("steps", "what the warmup, the decay and the run length are counted in")
+    warmup_steps: int = setting(0, "linear warmup length (unit steps)", ge=0)
+    warmup_samples: int = setting(0, "linear warmup length (unit samples)", ge=0)
+    total_samples: int | None = setting(None, "length of the run in samples (unit samples)", gt=0)
+    min_lr_ratio: float = setting(0.1, "final learning rate of cosine and wsd, as a share of the peak", ge=0, le=1)
+    decay_fraction: float = setting(0.2, "wsd: share of the run spent in the cooldown", gt=0, le=1)
+    cooldown: Literal["linear", "cosine", "1-sqrt"] = setting("linear", "wsd: shape of the cooldown")
 
 
 @dataclass
 class ParallelConfig:
-    dp_replicate: int = 1
-    dp_shard: int = -1  # -1 = whatever is left of the world size
-    tp: int = 1
-    mode: str = "fsdp"  # fsdp (HSDP when dp_replicate > 1) | ddp
-    vision: str = "fsdp"  # fsdp: the vision tower is one FSDP unit over the dp ranks (all ranks under tp)
-    sequence_parallel: bool = True  # under tp > 1: norms and the residual stream split on the sequence
-    activation_checkpointing: str = "none"  # none | selective | full
-    compile: bool = False
-    # Gated DeltaNet kernels (Qwen3.5) on GPU: auto = fla where it is installed and correct on this
-    # GPU (vlmcore.kernels), else the pure-torch chunked rule; fla = fla or stop; torch = pure torch.
-    linear_attention: str = "auto"
+    dp_replicate: int = setting(1, "data-parallel replicas (HSDP when > 1 with mode fsdp)", ge=1)
+    dp_shard: int = setting(-1, "FSDP shards; -1 = whatever is left of the world size", ge=1, also=(-1,))
+    tp: int = setting(1, "tensor-parallel ranks (inside a node)", ge=1)
+    mode: Literal["fsdp", "ddp"] = setting(
+        "fsdp", "fsdp: FSDP2 (HSDP when dp_replicate > 1); ddp: replicate everything")
+    sequence_parallel: bool = setting(True, "under tp > 1: norms and the residual stream split on the sequence")
+    activation_checkpointing: Literal["none", "selective", "full"] = setting(
+        "none", "recompute activations in backward: selective (the cheap ops) or full (every block)")
+    compile: bool = setting(False, "torch.compile each block and the chunked cross-entropy")
+    linear_attention: LinearAttentionBackend = setting(
+        "auto", "Qwen3.5 Gated DeltaNet kernels on GPU: auto = fla where installed and correct on this GPU "
+        "(docs/hpc.md), else torch; fla = fla or stop; torch = the pure-torch chunked rule")
 
 
 @dataclass
 class PrecisionConfig:
-    param_dtype: str = "float32"
-    reduce_dtype: str = "float32"
+    param_dtype: Dtype = setting("float32", "dtype of the forward and backward computation (FSDP2 mixed precision)")
+    reduce_dtype: Dtype = setting("float32", "dtype of the gradient reduction across ranks")
 
 
 @dataclass
 class CheckpointConfig:
-    enabled: bool = True  # false: no checkpoints at all (scaling runs)
-    interval: int = 50  # 0 = only at the end and on signal
-    keep: int = 2
-    async_save: bool = False  # YAML key `async`
+    enabled: bool = setting(True, "false: no checkpoints at all (scaling runs)")
+    interval: int = setting(50, "steps between checkpoints; 0 = only at the end and on a signal", ge=0)
+    keep: int = setting(2, "checkpoints kept; older ones are deleted", ge=1)
+    async_save: bool = setting(False, "save in the background while training goes on")  # YAML key `async`
 
 
 @dataclass
 class MetricsConfig:
-    tensorboard: bool = True
-    wandb: bool = False  # always offline
-    peak_tflops: float | None = None  # per device; None = from the device table
+    tensorboard: bool = setting(True, "write TensorBoard event files in output_dir")
+    wandb: bool = setting(False, "log to Weights & Biases, always offline")
+    peak_tflops: float | None = setting(None, "peak TFLOP/s of one device for the MFU; null = from the device table",
+                                    gt=0)
 
 
 @dataclass
 class DataConfig:
-    kind: str = "packed"  # packed: data_path is a packed Energon dataset | random: synthetic batches
-    seq_len: int = 256  # random: tokens per row
-    segments: int = 2  # random: samples packed per row
-    image_fraction: float = 0.5  # random, VL models: share of rows that carry an image
-    image_side: int = 2  # random, VL models: merged patches per side of an image (side**2 LLM tokens)
+    kind: Literal["packed", "random"] = setting(
+        "packed", "packed: data_path is a packed Energon dataset; random: synthetic rows (benchmarks, engine tests)")
+    seq_len: int = setting(256, "random: tokens per row", ge=2)
+    segments: int = setting(2, "random: samples packed per row", ge=1)
+    image_fraction: float = setting(0.5, "random, VL models: share of rows that carry an image", ge=0, le=1)
+    image_side: int = setting(2, "random, VL models: merged patches per side of an image (side**2 LLM tokens)", ge=1)
 
 
 @dataclass
 class TrainConfig:
-    model_path: str = ""
-    output_dir: str = ""
-    data_path: str | None = None
-    init_from: str | None = None
-    steps: int = 100
-    micro_batch_size: int = 1
-    grad_accum_steps: int = 1
-    seed: int = 0
-    trainable: list[str] = field(default_factory=list)  # fnmatch patterns; empty = everything
+    model_path: str = setting("", "HF snapshot: architecture, tokenizer, and the weights unless init_from")
+    output_dir: str = setting("", "run directory: checkpoints, final/, metrics, the resolved config.yaml")
+    data_path: str | None = setting(None, "packed Energon dataset (data.kind packed)")
+    init_from: str | None = setting(None, "a previous stage's final/ (DCP) to start from; null = model_path's weights")
+    steps: int = setting(100, "optimizer steps of the run", ge=1)
+    micro_batch_size: int = setting(1, "packed rows per micro-batch per data-parallel rank", ge=1)
+    grad_accum_steps: int = setting(1, "micro-batches per optimizer step", ge=1)
+    seed: int = setting(0, "seed of the data order and of the random data", ge=0, le=2**32 - 1)
+    trainable: list[str] = setting(None, "fnmatch patterns of the trained parameters; [] = all of them", factory=list)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    max_grad_norm: float = 1.0  # 0 = no clipping (the norm is still logged)
+    max_grad_norm: float = setting(1.0, "global gradient-norm clipping; 0 = no clipping (the norm is still logged)",
+                                   ge=0)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    save_final: bool = True
-    num_workers: int = 0
-    deterministic: bool = False
+    save_final: bool = setting(True, "write final/ and the done marker at the end")
+    num_workers: int = setting(0, "data-loader worker processes per rank", ge=0)
+    deterministic: bool = setting(False, "deterministic torch algorithms (slower)")
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    loss_chunk_tokens: int = 1024  # tokens per cross-entropy chunk (bounds the logits in memory)
-    max_nonfinite_steps: int = 5  # consecutive skipped steps before the run saves and stops
+    loss_chunk_tokens: int = setting(1024, "tokens per cross-entropy chunk (bounds the logits in memory)", ge=1)
+    max_nonfinite_steps: int = setting(5, "consecutive skipped (non-finite) steps before the run saves and stops", ge=1)
+
+
+def _each_lr(text: str, suspicious):
+    return [(f"optimizer.{k}", text, lambda v, c: v is not None and suspicious(v))
+            for k in ("lr", "vision_lr", "projector_lr")]
+
+
+# Rules between keys, checked after each key's own type and range: (key, what is allowed, ok(value, config)).
+RULES = [
+    ("model_path", "is required", lambda v, c: v != ""),
+    ("output_dir", "is required", lambda v, c: v != ""),
+    ("data_path", "is required unless data.kind is random", lambda v, c: bool(v) or c.data.kind == "random"),
+    ("schedule.warmup_steps", "must be <= steps when schedule.unit is steps (no warmup longer than the run)",
+     lambda v, c: c.schedule.unit != "steps" or v <= c.steps),
+    ("schedule.total_samples", "is required when schedule.unit is samples",
+     lambda v, c: c.schedule.unit != "samples" or v is not None),
+    ("schedule.warmup_samples", "must be <= schedule.total_samples when schedule.unit is samples",
+     lambda v, c: c.schedule.unit != "samples" or v <= c.schedule.total_samples),
+    ("parallel.dp_shard", "must be 1 or -1 when parallel.mode is ddp",
+     lambda v, c: c.parallel.mode != "ddp" or v in (1, -1)),
+    ("data.segments", "must be <= data.seq_len / 2", lambda v, c: v <= c.data.seq_len // 2),
+    ("data.image_side", "must leave room for an image (image_side**2 + 4 tokens) in data.seq_len / data.segments "
+     "when data.kind is random and data.image_fraction > 0",
+     lambda v, c: c.data.kind != "random" or c.data.image_fraction == 0
+     or v**2 + 4 <= c.data.seq_len // c.data.segments),
+]
+# Legal settings that are probably mistakes: (key, why, suspicious(value, config)).
+WARNINGS = [
+    *_each_lr("is 0: its parameters will not change", lambda lr: lr == 0),
+    *_each_lr("is 1 or more: AdamW moves every weight by about that much per step", lambda lr: lr >= 1),
+    ("schedule.min_lr_ratio", "is 1: the cosine or wsd schedule never decays",
+     lambda v, c: v == 1 and c.schedule.name != "constant"),
+    ("precision.param_dtype",
+     "is float16: without loss scaling small gradients underflow; bfloat16 has float32's range",
+     lambda v, c: v == "float16"),
+]
 
 
 # YAML keys that are not valid Python identifiers.
 _KEY_ALIASES = {"async": "async_save"}
-_DTYPES = ("float32", "bfloat16", "float16")
-_CHOICES = {
-    "schedule.name": ("cosine", "wsd", "constant"),
-    "schedule.unit": ("steps", "samples"),
-    "schedule.cooldown": ("linear", "cosine", "1-sqrt"),
-    "parallel.mode": ("fsdp", "ddp"),
-    "parallel.vision": ("fsdp",),
-    "parallel.activation_checkpointing": ("none", "selective", "full"),
-    "parallel.linear_attention": ("auto", "fla", "torch"),
-    "precision.param_dtype": _DTYPES,
-    "precision.reduce_dtype": _DTYPES,
-    "data.kind": ("packed", "random"),
-}
+_YAML_NAMES = {v: k for k, v in _KEY_ALIASES.items()}
 
 
 def _convert(value, tp, key):
     """Checks `value` against the annotation `tp`, converting YAML scalars where lossless."""
     origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}: must be one of {', '.join(choices)}, got {value!r}", key)
+        return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
@@ -187,7 +240,8 @@ def _from_dict(cls, data: dict, prefix: str = ""):
     for raw_key, value in data.items():
         name = _KEY_ALIASES.get(raw_key, raw_key)
         if name not in names:
-            raise ConfigError(f"{prefix}{raw_key}: unknown key (known: {', '.join(sorted(names))})", prefix + raw_key)
+            known = ", ".join(sorted(_YAML_NAMES.get(n, n) for n in names))
+            raise ConfigError(f"{prefix}{raw_key}: unknown key (known: {known})", prefix + raw_key)
         kwargs[name] = _convert(value, hints[name], prefix + raw_key)
     return cls(**kwargs)
 
@@ -214,84 +268,61 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, object]]:
     return parsed
 
 
-def _need(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {message}", key)
+def leaves(cfg, prefix: str = ""):
+    """(dotted YAML key, field, annotation, value) of every key of a config, in declaration order."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        name, value = prefix + _YAML_NAMES.get(f.name, f.name), getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from leaves(value, name + ".")
+        else:
+            yield name, f, hints[f.name], value
 
 
-def _check_run(cfg: TrainConfig) -> None:
-    _need(bool(cfg.model_path), "model_path", "is required")
-    _need(bool(cfg.output_dir), "output_dir", "is required")
-    _need(cfg.data.kind == "random" or bool(cfg.data_path), "data_path", "is required unless data.kind is random")
-    _need(cfg.steps > 0, "steps", f"must be > 0, got {cfg.steps}")
-    _need(cfg.micro_batch_size > 0, "micro_batch_size", f"must be > 0, got {cfg.micro_batch_size}")
-    _need(cfg.grad_accum_steps > 0, "grad_accum_steps", f"must be > 0, got {cfg.grad_accum_steps}")
-    _need(cfg.seed >= 0, "seed", f"must be >= 0, got {cfg.seed}")
-    _need(cfg.num_workers >= 0, "num_workers", f"must be >= 0, got {cfg.num_workers}")
-    _need(math.isfinite(cfg.max_grad_norm) and cfg.max_grad_norm >= 0, "max_grad_norm",
-          f"must be >= 0 (0 = no clipping), got {cfg.max_grad_norm}")
-    _need(cfg.loss_chunk_tokens > 0, "loss_chunk_tokens", f"must be > 0, got {cfg.loss_chunk_tokens}")
-    _need(cfg.max_nonfinite_steps > 0, "max_nonfinite_steps", f"must be > 0, got {cfg.max_nonfinite_steps}")
+def range_text(metadata) -> str:
+    """The allowed range of a key as docs and errors write it: `>= 0`, `in [0, 1)`, `>= 1 or -1`."""
+    bounds = metadata.get("bounds", {})
+    low, high = [[op for op in ops if op in bounds] for ops in (("ge", "gt"), ("le", "lt"))]
+    if low and high:
+        text = f"in {'[' if low == ['ge'] else '('}{bounds[low[0]]}, {bounds[high[0]]}{']' if high == ['le'] else ')'}"
+    else:
+        text = " ".join(f"{_BOUNDS[op][1]} {v}" for op, v in bounds.items())
+    return text + "".join(f" or {v}" for v in metadata.get("also", ()))
 
 
-def _check_optimizer(opt: OptimizerConfig) -> None:
-    # A negative learning rate trains by gradient ascent without any other sign of trouble.
-    for key in ("lr", "vision_lr", "projector_lr"):
-        lr = getattr(opt, key)
-        if lr is not None:
-            _need(math.isfinite(lr) and lr >= 0, f"optimizer.{key}", f"must be a finite number >= 0, got {lr}")
-    _need(math.isfinite(opt.weight_decay) and opt.weight_decay >= 0, "optimizer.weight_decay",
-          f"must be >= 0, got {opt.weight_decay}")
-    _need(all(0 <= b < 1 for b in opt.betas), "optimizer.betas", f"both must be in [0, 1), got {list(opt.betas)}")
-    _need(math.isfinite(opt.eps) and opt.eps > 0, "optimizer.eps", f"must be > 0, got {opt.eps}")
+def _in_range(value, metadata) -> bool:
+    if value in metadata["also"]:
+        return True
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    return all(_BOUNDS[op][0](value, bound) for op, bound in metadata["bounds"].items())
 
 
-def _check_schedule(cfg: TrainConfig) -> None:
-    sched = cfg.schedule
-    _need(0 <= sched.min_lr_ratio <= 1, "schedule.min_lr_ratio", f"must be in [0, 1], got {sched.min_lr_ratio}")
-    _need(0 < sched.decay_fraction <= 1, "schedule.decay_fraction", f"must be in (0, 1], got {sched.decay_fraction}")
-    _need(sched.warmup_steps >= 0, "schedule.warmup_steps", f"must be >= 0, got {sched.warmup_steps}")
-    _need(sched.warmup_samples >= 0, "schedule.warmup_samples", f"must be >= 0, got {sched.warmup_samples}")
-    if sched.unit == "steps":
-        _need(sched.warmup_steps <= cfg.steps, "schedule.warmup_steps",
-              f"must be <= steps ({cfg.steps}): the warmup is longer than the run, got {sched.warmup_steps}")
-    if sched.unit == "samples":
-        _need(sched.total_samples is not None and sched.total_samples > 0,
-              "schedule.total_samples", "is required (> 0) when schedule.unit is samples")
-        _need(sched.warmup_samples <= sched.total_samples, "schedule.warmup_samples",
-              f"must be <= schedule.total_samples ({sched.total_samples}): the warmup is longer than the run, "
-              f"got {sched.warmup_samples}")
-
-
-def _check_parallel(par: ParallelConfig) -> None:
-    for key in ("dp_replicate", "tp"):
-        _need(getattr(par, key) >= 1, f"parallel.{key}", f"must be >= 1, got {getattr(par, key)}")
-    _need(par.dp_shard == -1 or par.dp_shard >= 1, "parallel.dp_shard", f"must be -1 or >= 1, got {par.dp_shard}")
-
-
-def _check_data(data: DataConfig) -> None:
-    _need(data.seq_len > 1, "data.seq_len", f"must be > 1, got {data.seq_len}")
-    _need(1 <= data.segments <= data.seq_len // 2, "data.segments",
-          f"must be in [1, seq_len/2 = {data.seq_len // 2}], got {data.segments}")
-    _need(0 <= data.image_fraction <= 1, "data.image_fraction", f"must be in [0, 1], got {data.image_fraction}")
-    _need(data.image_side >= 1, "data.image_side", f"must be >= 1, got {data.image_side}")
+def _value(cfg, dotted: str):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, _KEY_ALIASES.get(part, part))
+    return cfg
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Checks every choice and range (not the paths: see check_paths); raises ConfigError naming the key."""
-    for dotted, choices in _CHOICES.items():
-        section, key = dotted.split(".")
-        value = getattr(getattr(cfg, section), key)
-        _need(value in choices, dotted, f"must be one of {', '.join(choices)}, got {value!r}")
-    _check_run(cfg)
-    _check_optimizer(cfg.optimizer)
-    _check_schedule(cfg)
-    _check_parallel(cfg.parallel)
-    _check_data(cfg.data)
-    _need(cfg.checkpoint.interval >= 0, "checkpoint.interval", f"must be >= 0, got {cfg.checkpoint.interval}")
-    _need(cfg.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {cfg.checkpoint.keep}")
-    peak = cfg.metrics.peak_tflops
-    _need(peak is None or (math.isfinite(peak) and peak > 0), "metrics.peak_tflops", f"must be > 0 or null, got {peak}")
+    """Checks every key's declared range, then the RULES between keys (not the paths: see
+    check_paths); raises ConfigError naming the key. The types and choices are checked on loading."""
+    for name, f, _, value in leaves(cfg):
+        values = list(value) if isinstance(value, tuple) else [value]
+        if f.metadata.get("bounds") and not all(v is None or _in_range(v, f.metadata) for v in values):
+            each = "each " if isinstance(value, tuple) else ""
+            number = "a finite number " if isinstance(values[0], float) else ""
+            shown = values if each else value
+            raise ConfigError(f"{name}: {each}must be {number}{range_text(f.metadata)}, got {shown}", name)
+    for name, allowed, ok in RULES:
+        value = _value(cfg, name)
+        if not ok(value, cfg):
+            raise ConfigError(f"{name}: {allowed}, got {value!r}", name)
+
+
+def _need(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}", key)
 
 
 def check_paths(cfg: TrainConfig) -> None:
@@ -309,11 +340,7 @@ def check_paths(cfg: TrainConfig) -> None:
 
 def warnings_of(cfg: TrainConfig) -> list[str]:
     """Legal settings that are probably mistakes."""
-    found = []
-    for key in ("lr", "vision_lr", "projector_lr"):
-        if getattr(cfg.optimizer, key) == 0:
-            found.append(f"optimizer.{key} is 0: its parameters will not change")
-    return found
+    return [f"{name} {why}" for name, why, suspicious in WARNINGS if suspicious(_value(cfg, name), cfg)]
 
 
 def from_dict(data: dict) -> TrainConfig:
@@ -351,8 +378,7 @@ def to_dict(cfg: TrainConfig) -> dict:
 
     def convert(obj):
         if dataclasses.is_dataclass(obj):
-            inverse = {v: k for k, v in _KEY_ALIASES.items()}
-            return {inverse.get(f.name, f.name): convert(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+            return {_YAML_NAMES.get(f.name, f.name): convert(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
         if isinstance(obj, (list, tuple)):
             return [convert(v) for v in obj]
         return obj

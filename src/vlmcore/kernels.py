@@ -17,10 +17,13 @@ import argparse
 import importlib.metadata
 import os
 import sys
+import typing
 
 from packaging.version import Version
 
-LINEAR_ATTENTION_BACKENDS = ("auto", "fla", "torch")
+from vlmcore.config import LinearAttentionBackend
+
+LINEAR_ATTENTION_BACKENDS = typing.get_args(LinearAttentionBackend)
 TRITON_HOPPER_BAD = (Version("3.4.0"), Version("3.7.1"))
 
 

@@ -7,15 +7,14 @@ command gets, so the same logic is testable without Snakemake.
 import copy
 import json
 import shlex
+import sys
 from pathlib import Path
 
 import yaml
 
 from vlmcore import config as train_config
-
-
-class ConfigError(ValueError):
-    pass
+from vlmcore.config import ConfigError
+from vlmcore.parallel.dims import resolve_dims
 
 
 def _fill_defaults(schema: dict, value):
@@ -83,6 +82,11 @@ def _check_references(config: dict):
         problems.append(f"scaling.dataset: {scaling['dataset']!r} is not in data.datasets")
     if scaling.get("stage") and scaling["stage"] not in seen:
         problems.append(f"scaling.stage: {scaling['stage']!r} is not a stage")
+    per_node = config["train"]["nproc_per_node"]
+    for world_size in scaling.get("world_sizes", []):
+        if world_size > per_node and world_size % per_node:
+            problems.append(f"scaling.world_sizes: {world_size} is neither a multiple of train.nproc_per_node "
+                            f"({per_node}) nor fits in one node")
     if problems:
         raise ConfigError("invalid workflow config:\n  " + "\n  ".join(problems))
 
@@ -107,7 +111,9 @@ def _written_at(config: dict, stage: str, key: str) -> str:
 
 def _check_stage_settings(config: dict):
     """Each stage's vlmcore train settings (train.common + the stage) pass TrainConfig's own
-    checks, so a typo or a bad range stops the workflow before any job runs."""
+    checks and their parallel layout fits the stage's ranks (and each scaling point), so a typo,
+    a bad range or a mesh that does not divide stops the workflow before any job runs. The
+    warnings of a suspicious setting are printed."""
     exp = Experiment(config)
     written = {f"train.stages.{stage}": config["train"]["stages"][stage] for stage in exp.stages}
     written["train.common"] = config["train"].get("common", {})
@@ -115,17 +121,23 @@ def _check_stage_settings(config: dict):
                 for where, settings in written.items() for key in WORKFLOW_PATHS if key in settings]
     for stage in exp.stages:
         try:
-            train_config.from_dict(exp.stage_config(stage))
-        except train_config.ConfigError as e:
+            cfg = train_config.from_dict(exp.stage_config(stage))
+            resolve_dims(cfg.parallel, exp.stage_ranks(stage))
+        except ConfigError as e:
             message = str(e).removeprefix(f"{e.key}: ")
             problems.append(f"{_written_at(config, stage, e.key)}: {message}")
+            continue
+        for warning in train_config.warnings_of(cfg):
+            print(f"warning: train.stages.{stage}: {warning}", file=sys.stderr)
     if not problems:
-        try:
-            train_config.from_dict(exp.scaling_config(1))
-        except train_config.ConfigError as e:
-            problems.append(f"scaling: the settings of stage {exp.scaling_stage()} do not fit a scaling run: {e}")
-    if problems:
-        raise ConfigError("invalid workflow config:\n  " + "\n  ".join(problems))
+        for world_size in config["scaling"]["world_sizes"]:
+            try:
+                resolve_dims(train_config.from_dict(exp.scaling_config(world_size)).parallel, world_size)
+            except ConfigError as e:
+                problems.append(f"scaling.world_sizes: the settings of stage {exp.scaling_stage()} do not fit a "
+                                f"scaling run: {e}")
+    if problems:  # a bad train.common key fails every stage: named once
+        raise ConfigError("invalid workflow config:\n  " + "\n  ".join(dict.fromkeys(problems)))
 
 
 def deep_merge(base: dict, override: dict) -> dict:

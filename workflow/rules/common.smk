@@ -16,10 +16,8 @@ LAUNCHER = f"{workflow.basedir}/workflow/scripts/launch_torchrun.sh"
 
 
 def scaling_geometry(world_size):
-    """(nodes, processes per node) of one scaling point."""
+    """(nodes, processes per node) of one scaling point (validate_config checked that it divides)."""
     per_node = min(world_size, config["train"]["nproc_per_node"])
-    if world_size % per_node:
-        raise ValueError(f"scaling.world_sizes: {world_size} is not a multiple of train.nproc_per_node={per_node}")
     return world_size // per_node, per_node
 
 
