@@ -134,6 +134,10 @@ def iter_shard_samples(shard: Path):
                 sample.data[part] = tar.extractfile(member).read()
             if sample is not None:
                 yield sample
+                read += 1
+            tar.fileobj.seek(tar.offset)  # tarfile ends quietly at a bad header: the end must be zeros
+            if tar.fileobj.read(tarfile.BLOCKSIZE).strip(b"\0"):
+                raise tarfile.ReadError(f"no valid tar header at byte {tar.offset}")
     except (tarfile.TarError, OSError) as e:
         raise DataError(f"{shard}: unreadable after {read} samples ({type(e).__name__}: {e}); "
                         "the shard is damaged or cut short, write it again") from e
