@@ -266,3 +266,32 @@ def test_unreadable_source_refused_by_name(tmp_path, source, caplog):
         assert main(["prepare", "--source", str(path), "--out", str(out)]) == 1
         assert str(path) in caplog.text and "Traceback" not in caplog.text
     assert not (out / ".nv-meta").exists() and not (out / "stats.json").exists()
+
+
+@pytest.mark.slow
+def test_training_on_a_pack_with_a_bad_image_logs_the_count(tmp_path):
+    """`vlmcore train` on a packed dataset whose packs each hold one image cut after its header:
+    every step trains on the other samples and metrics.jsonl counts the bad ones by reason."""
+    from _train_helpers import train, write_config
+    from vlmcore.download import build_tiny_model
+
+    build_tiny_model(tmp_path / "model", overrides={"text_config": {"num_hidden_layers": 1}, "vision_config": {"depth": 1}})
+    generate(tmp_path / "raw", num_train=8, num_eval=1, seed=4)
+    prepare([tmp_path / "raw" / "conversations.jsonl"], tmp_path / "data")
+    pack(tmp_path / "data", tmp_path / "model", tmp_path / "good", seq_len=SEQ_LEN, max_patches=256)
+    packed = tmp_path / "packed"
+    shutil.copytree(tmp_path / "good" / "model", packed / "model")
+    shutil.copy(tmp_path / "good" / "pack_config.json", packed)
+    with webdataset.ShardWriter(str(packed / "shard-%06d.tar"), maxcount=100, verbose=0) as writer:
+        for shard in shard_paths(tmp_path / "good"):
+            for s in iter_shard_samples(shard):
+                first_image = json.loads(s.data["json"])["segments"][0]["images"][0]
+                writer.write({"__key__": s.key, **s.data, first_image: cut_after_header(s.data[first_image])})
+    energon_prepare(packed)
+
+    config = write_config(tmp_path / "stage.yaml", tmp_path / "model", tmp_path / "out", steps=2, data_path=str(packed),
+                          data={"kind": "packed"})
+    train(1, config)
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_samples"] for r in records] == [1, 1]
+    assert all(r["skipped_samples_by_reason"] == {"corrupt_image": 1} and r["label_tokens"] > 0 for r in records)

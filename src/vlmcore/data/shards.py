@@ -73,13 +73,14 @@ def shard_paths(dataset_dir) -> list[Path]:
         raise DataError(f"{dataset_dir} is not a prepared Energon dataset (no .nv-meta/.info.json)")
     shards = [dataset_dir / name for name in json.loads(info.read_text())["shard_counts"]]
     for shard in shards:
-        index = shard.with_suffix(".tar.idx")
-        if not shard.is_file() or not index.is_file():
-            raise DataError(f"{shard if not shard.is_file() else index}: missing; write the dataset again")
-        with TarIndexReader(shard) as offsets:
-            end = offsets[len(offsets) - 1] if len(offsets) else 0  # where the last sample ends
+        if not shard.is_file():
+            raise DataError(f"{shard}: missing; write the dataset again")
+        end = 1  # where the last sample ends: from the index `energon prepare` wrote, else not empty
+        if shard.with_suffix(".tar.idx").is_file():
+            with TarIndexReader(shard) as offsets:
+                end = offsets[len(offsets) - 1] if len(offsets) else 0
         if shard.stat().st_size < end:
-            raise DataError(f"{shard}: truncated ({shard.stat().st_size} bytes, its index ends at {end}); "
+            raise DataError(f"{shard}: truncated ({shard.stat().st_size} bytes, its samples end at {end}); "
                             "write the dataset again")
     return shards
 
