@@ -38,7 +38,6 @@ REFUSED = [
     (["pack", "--data", "{dir}", "--model", "{dir}", "--out", "{dir}", "--seq-len", "64", "--max-patches", "64"], "--out"),
     (["train", "{missing}"], "config"),
     (["memory", "{file}", "--world-size", "0"], "--world-size"),
-    (["memory", "{file}", "--world-size", "1", "--gpu-memory-gib", "0"], "--gpu-memory-gib"),
     (["memory", "{file}", "--world-size", "1", "--seq-len", "-5"], "--seq-len"),
     (["kernels", "--gpu-capability", "hopper"], "--gpu-capability"),
     (["export", "--checkpoint", "{missing}", "--model", "{dir}", "--out", "{out}"], "--checkpoint"),

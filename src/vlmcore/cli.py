@@ -40,7 +40,6 @@ def _number(kind, allowed: str, ok):
 
 positive_int = _number(int, "an integer >= 1", lambda v: v >= 1)
 non_negative_int = _number(int, "an integer >= 0", lambda v: v >= 0)
-positive_float = _number(float, "a number > 0", lambda v: v > 0 and v != float("inf"))
 fraction = _number(float, "a fraction in [0, 1]", lambda v: 0 <= v <= 1)
 
 

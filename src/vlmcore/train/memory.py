@@ -34,7 +34,7 @@ from vlmcore.train.step import build_step, host_stats, to_device
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from vlmcore.cli import existing_file, positive_float, positive_int
+    from vlmcore.cli import existing_file, positive_int
 
     parser.add_argument("config", type=existing_file, help="YAML run config of a training stage (as for `vlmcore train`)")
     parser.add_argument("--world-size", type=positive_int, required=True, help="ranks the stage would run on")
@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "in each row (default: as large as the dataset's max_patches allows, else data.image_side)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, dotted keys for sections (repeatable)")
-    parser.add_argument("--gpu-memory-gib", type=positive_float, help="memory of one GPU: exit 1, saying what to change, "
+    parser.add_argument("--gpu-memory-gib", type=float, help="memory of one GPU: exit 1, saying what to change, "
                         f"if the estimate does not fit in it with {HEADROOM:.0%} kept free")
     parser.add_argument("--json", type=Path, help="also write the estimate here")
 
@@ -56,6 +56,8 @@ HEADROOM = 0.10
 
 def run(args) -> int:
     try:
+        if args.gpu_memory_gib is not None and args.gpu_memory_gib <= 0:
+            raise ConfigError(f"--gpu-memory-gib: must be positive, got {args.gpu_memory_gib}")
         cfg = load_config(args.config, args.set)
         result = estimate_stage(cfg, args.world_size, args.seq_len, args.image_side)
     except ConfigError as e:
