@@ -144,17 +144,21 @@ BAD_SEGMENTS = {
     "segment_without_sample": (lambda c, s: s[0].pop("sample"), {"malformed_segment": 1}, -1),
     "image_tag_without_image": (lambda c, s: s[1].update(image_sizes=[], images=[]), {"image_tag_mismatch": 1}, -1),
     "pack_json_cut_short": (lambda c, s: c.update(json=c["json"][:40]), {"malformed_json": 1}, 0),
-    "pack_json_not_utf8": (lambda c, s: c.update(json=b"\xff\xfe" + c["json"]), {"malformed_json": 1}, 0),
+    "pack_json_not_utf8": (lambda c, s: c.update(json=b"\xff\xfe" + c["json"]), {"non_utf8_text": 1}, 0),
+    "pack_json_without_segments": (lambda c, s: c.update(json=b'{"segment": []}'), {"malformed_json": 1}, 0),
     "every_image_bad": (junk_all_images, "all corrupt_image", 0),
 }
 
 
 @pytest.mark.parametrize("case", BAD_SEGMENTS)
-def test_bad_segment_is_skipped_and_counted(demo, case, caplog):
+def test_bad_segment_is_skipped_and_counted(demo, case, caplog, monkeypatch):
+    from vlmcore.data import loader
+
+    monkeypatch.setattr(loader, "_logged", Counter())  # the first few of each reason are logged
     edit, skipped, left = BAD_SEGMENTS[case]
     crude, segments = first_pack(demo)
     edit(crude, segments)
-    if "json" in crude and case not in ("pack_json_cut_short", "pack_json_not_utf8"):
+    if not case.startswith("pack_json"):
         crude["json"] = json.dumps({"segments": segments}).encode()
     if skipped == "all corrupt_image":
         skipped = {"corrupt_image": len(segments)}

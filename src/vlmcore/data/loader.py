@@ -40,7 +40,7 @@ from megatron.energon import (
 from vlmcore.data.encoder import IGNORE_INDEX, EncodingError, SampleEncoder, TextEncoding
 from vlmcore.data.pack import PACK_MODEL_DIR, measure_sample
 from vlmcore.data.packing import best_fit_decreasing
-from vlmcore.data.quality import BadSample, load_image
+from vlmcore.data.quality import LOGGED_PER_REASON, BadSample, load_image, load_json
 from vlmcore.data.shards import shard_paths
 from vlmcore.models import load_config, position_ids
 
@@ -124,17 +124,19 @@ class PackedTaskEncoder(DefaultTaskEncoder):
         """A bad segment (malformed, an image missing or not decoding, an encoding error) is left
         out and counted in the row's `skipped`; the pack's other segments still train."""
         skipped = Counter()
+        segments = []
         try:
-            segments = json.loads(stored.meta)["segments"]
-        except (ValueError, KeyError, TypeError) as e:
-            segments = []
-            self.skip(skipped, BadSample("malformed_json", str(e)), stored.__key__)
+            segments = load_json(stored.meta)["segments"]
+        except BadSample as e:
+            skip(skipped, e.reason, f"pack {stored.__key__}", e)
+        except (KeyError, TypeError) as e:
+            skip(skipped, "malformed_json", f"pack {stored.__key__}", e)
         encoded = []
         for i, segment in enumerate(segments):
             try:
                 encoded.append(self.encode_segment(stored, segment))
             except (BadSample, EncodingError) as e:
-                self.skip(skipped, e, f"{stored.__key__} segment {i}")
+                skip(skipped, e.reason, f"pack {stored.__key__} segment {i}", e)
         return self.assemble_row(basic_keys(stored), encoded, skipped)
 
     def encode_segment(self, stored: StoredSample, segment: dict) -> tuple[str, TextEncoding, list[bytes]]:
@@ -153,11 +155,6 @@ class PackedTaskEncoder(DefaultTaskEncoder):
             )
         return segment["key"], enc, [stored.parts[name] for name in segment["images"]]
 
-    @staticmethod
-    def skip(skipped: Counter, error: BadSample | EncodingError, where: str) -> None:
-        skipped[error.reason] += 1
-        logger.warning("skipping sample %s (%s): %s", where, error.reason, error)
-
     def assemble_row(self, keys: dict, segments: list[tuple[str, TextEncoding, list[bytes]]], skipped: Counter) -> PackedRow:
         """Concatenate encoded samples (key, encoding, kept images' bytes) into one padded row;
         a sample whose images do not decode is left out and counted in `skipped`."""
@@ -167,7 +164,7 @@ class PackedTaskEncoder(DefaultTaskEncoder):
                 try:
                     images = [load_image(data) for data in image_bytes]
                 except BadSample as e:
-                    self.skip(skipped, e, f"{keys.get('__key__')} sample {key}")
+                    skip(skipped, e.reason, f"sample {key}", e)
                     continue
                 values, grid = self.encoder.pixel_values(images)
                 if grid.tolist() != [list(g) for g in enc.image_grid_thw]:
@@ -177,6 +174,7 @@ class PackedTaskEncoder(DefaultTaskEncoder):
             ids += enc.input_ids
             labels += enc.labels
             seq_lens.append(len(enc.input_ids))
+        num_samples = len(seq_lens)
         padding = self.seq_len - len(ids)
         if padding < 0:
             raise ValueError(f"{keys.get('__key__')}: {len(ids)} tokens do not fit seq_len {self.seq_len}")
@@ -196,7 +194,7 @@ class PackedTaskEncoder(DefaultTaskEncoder):
             seq_lens=seq_lens,
             pixel_values=torch.cat(pixels) if pixels else None,
             image_grid_thw=image_grid_thw,
-            num_samples=len(seq_lens) - (padding > 0),
+            num_samples=num_samples,
             skipped=dict(skipped),
         )
 
@@ -215,6 +213,17 @@ class PackedTaskEncoder(DefaultTaskEncoder):
             batch["pixel_values"] = torch.cat([row.pixel_values for row in with_images])
             batch["image_grid_thw"] = torch.cat([row.image_grid_thw for row in with_images])
         return batch
+
+
+def skip(skipped: Counter, reason: str, where: str, error: Exception) -> None:
+    """Count a bad sample left out of a row; the first few of each reason are logged."""
+    skipped[reason] += 1
+    _logged[reason] += 1
+    if _logged[reason] <= LOGGED_PER_REASON:
+        logger.warning("loader: skipping %s (%s): %s", where, reason, error)
+
+
+_logged = Counter()  # per loader process
 
 
 def basic_keys(sample) -> dict:
@@ -242,13 +251,11 @@ class OnlinePackingTaskEncoder(PackedTaskEncoder):
     def encode_sample(self, stored: StoredSample) -> EncodedSample:
         counts = {"truncated": 0, "dropped_overlong": 0}
         try:
-            meta = json.loads(stored.meta)
-            enc, kept, _ = measure_sample(meta, stored.parts, self.encoder, self.seq_len, self.max_patches,
-                                          self.overlong, counts)
+            enc, kept, _ = measure_sample(load_json(stored.meta), stored.parts, self.encoder, self.seq_len,
+                                          self.max_patches, self.overlong, counts)
         except (BadSample, EncodingError) as e:
+            skip(Counter(), e.reason, f"sample {stored.__key__}", e)
             return EncodedSample(**basic_keys(stored), encoding=None, images=[], skipped=e.reason)
-        except ValueError:  # JSONDecodeError, UnicodeDecodeError
-            return EncodedSample(**basic_keys(stored), encoding=None, images=[], skipped="malformed_json")
         return EncodedSample(**basic_keys(stored), encoding=enc, images=[stored.parts[name] for name in kept], skipped=None)
 
     def select_samples_to_pack(self, samples: list[EncodedSample]) -> list[list[EncodedSample]]:
@@ -257,15 +264,14 @@ class OnlinePackingTaskEncoder(PackedTaskEncoder):
         patches = [s.encoding.num_patches for s in good]
         packs = [[good[i] for i in b] for b in best_fit_decreasing(tokens, patches, self.seq_len, self.max_patches)]
         bad = [s for s in samples if s.skipped is not None]
-        return [packs[0] + bad] + packs[1:] if packs else [bad] if bad else []  # bad ones ride along, counted
+        if bad:  # they ride along in a pack, to be counted in its row
+            packs = [packs[0] + bad, *packs[1:]] if packs else [bad]
+        return packs
 
     @stateless
     def pack_selected_samples(self, samples: list[EncodedSample]) -> PackedRow:
         keys = {"__key__": ",".join(s.__key__ for s in samples), "__restore_key__": ()}
         skipped = Counter(s.skipped for s in samples if s.skipped is not None)
-        for s in samples:
-            if s.skipped is not None:
-                logger.warning("skipping sample %s (%s)", s.__key__, s.skipped)
         return self.assemble_row(keys, [(s.__key__, s.encoding, s.images) for s in samples if s.skipped is None], skipped)
 
 

@@ -6,6 +6,7 @@ fraction exceeds `max_bad_fraction` the stage fails with the counts.
 """
 
 import io
+import json
 import logging
 import warnings
 from collections import Counter
@@ -93,6 +94,13 @@ def decode_utf8(raw: bytes) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise BadSample("non_utf8_text", str(e)) from e
+
+
+def load_json(raw: bytes):
+    try:
+        return json.loads(decode_utf8(raw))
+    except json.JSONDecodeError as e:
+        raise BadSample("malformed_json", str(e)) from e
 
 
 def load_image(data: bytes) -> Image.Image:
