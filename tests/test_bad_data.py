@@ -36,10 +36,10 @@ def demo(tmp_path_factory):
     return root
 
 
-def damaged_copy(src, dst, how: str):
-    """A copy of a dataset whose second shard is cut in half, emptied or deleted."""
+def damaged_copy(src, dst, how: str, shard: str = "shard-000001.tar"):
+    """A copy of a dataset with one shard cut in half, emptied or deleted."""
     shutil.copytree(src, dst)
-    shard = dst / "shard-000001.tar"
+    shard = dst / shard
     if how == "truncated":
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     elif how == "empty":
@@ -62,6 +62,14 @@ def first_pack(demo, min_segments: int = 2):
 def cut_after_header(png: bytes) -> bytes:
     """The PNG with its header intact and its pixel data cut short: opens, does not decode."""
     return png[: max(len(png) // 2, 64)]
+
+
+def test_directory_that_is_not_a_prepared_dataset_refused_by_pack(demo, tmp_path, caplog):
+    (tmp_path / "raw").mkdir()
+    out = tmp_path / "packed"
+    assert main(["pack", "--data", str(tmp_path / "raw"), "--model", str(demo / "model"), "--out", str(out),
+                 "--seq-len", str(SEQ_LEN), "--max-patches", "256"]) == 1
+    assert f"{tmp_path / 'raw'} is not a prepared Energon dataset" in caplog.text and not out.exists()
 
 
 @pytest.mark.parametrize("how", ["truncated", "empty", "missing"])
@@ -299,3 +307,11 @@ def test_training_on_a_pack_with_a_bad_image_logs_the_count(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_samples"] for r in records] == [1, 1]
     assert all(r["skipped_samples_by_reason"] == {"corrupt_image": 1} and r["label_tokens"] > 0 for r in records)
+
+    # A truncated shard: refused by name when the loader is built, before any step or output.
+    shard = damaged_copy(packed, tmp_path / "damaged", "truncated", "shard-000000.tar")
+    config = write_config(tmp_path / "damaged.yaml", tmp_path / "model", tmp_path / "out2", steps=2,
+                          data_path=str(tmp_path / "damaged"), data={"kind": "packed"})
+    proc = train(1, config, check=False)
+    assert proc.returncode == 1 and f"error: {shard}: truncated" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out2").exists()

@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    from vlmcore.data.quality import DataError
+
     # Every rank reads the same file: one rank says what is wrong with it.
     first_rank = os.environ.get("RANK", "0") == "0"
     try:
@@ -62,7 +64,7 @@ def run(args) -> int:
     except ConfigError as e:  # a setting that does not fit the model or the world size
         print(f"error: {args.config}: {e}", file=sys.stderr)
         return 2
-    except TrainingError as e:
+    except (TrainingError, DataError) as e:  # DataError: a damaged shard, refused before any step
         print(f"error: {e}", file=sys.stderr)
         return 1
 
