@@ -1,12 +1,61 @@
 """`vlmcore <command>`: every pipeline stage is usable on its own.
 
 Each command lives in the module that does the work; the module defines
-`add_arguments(parser)` and `run(args) -> int | None`. This file only dispatches.
+`add_arguments(parser)` and `run(args) -> int | None`. This file dispatches, and holds the
+argument types that check numbers and paths as they are parsed: a bad value stops the command
+before it writes anything, with one line naming the flag and exit code 2. A bad combination of
+arguments, found in `run` before any work, raises UsageError to the same effect. `main` returns
+the exit code in every case, so tests call it in-process.
 """
 
 import argparse
 import importlib
 import sys
+from pathlib import Path
+
+
+class UsageError(Exception):
+    """Arguments that do not go together: `vlmcore` prints the one-line error, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line (argparse would add the whole usage): the command, the flag, what is allowed."""
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _number(kind, allowed: str, ok):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}")
+        return value
+
+    parse.__name__ = allowed  # what argparse names in its own messages
+    return parse
+
+
+positive_int = _number(int, "an integer >= 1", lambda v: v >= 1)
+non_negative_int = _number(int, "an integer >= 0", lambda v: v >= 0)
+fraction = _number(float, "a fraction in [0, 1]", lambda v: 0 <= v <= 1)
+
+
+def _existing(what: str, ok):
+    def parse(text: str) -> str:
+        if not ok(Path(text)):
+            raise argparse.ArgumentTypeError(f"{text} is not {what}" if Path(text).exists() else f"{text} does not exist")
+        return text
+
+    parse.__name__ = what
+    return parse
+
+
+existing_path = _existing("a file or directory", Path.exists)
+existing_dir = _existing("a directory", Path.is_dir)
+existing_file = _existing("a file", Path.is_file)
 
 COMMANDS = {
     "download": ("vlmcore.download", "download an HF snapshot, verify a staged one, or build the tiny demo model"),
@@ -23,7 +72,7 @@ COMMANDS = {
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="vlmcore", description=__doc__.splitlines()[0])
+    parser = Parser(prog="vlmcore", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     argv = sys.argv[1:] if argv is None else list(argv)
     # Import only the module of the command asked for: torch/transformers imports are slow.
@@ -33,9 +82,16 @@ def main(argv=None) -> int:
         if name == wanted:
             module = importlib.import_module(module_name)
             module.add_arguments(p)
-            p.set_defaults(_run=module.run)
-    args = parser.parse_args(argv)
-    return int(args._run(args) or 0)
+            p.set_defaults(_run=module.run, _parser=p)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or a bad argument argparse has named: its exit code
+        return int(e.code or 0)
+    try:
+        return int(args._run(args) or 0)
+    except UsageError as e:
+        print(f"{args._parser.prog}: error: {e} (see --help)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

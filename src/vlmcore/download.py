@@ -168,16 +168,30 @@ def build_tiny_model(out, seed: int = 0, overrides: dict | None = None) -> dict:
     return manifest
 
 
+def json_object(text: str) -> dict:
+    import argparse
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 def add_arguments(parser):
+    from vlmcore.cli import existing_dir, non_negative_int
+
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--repo-id", help="Hugging Face repo id, downloaded at --revision")
-    source.add_argument("--staged", help="a snapshot copied in by hand: verify it against its manifest.json and use it")
+    source.add_argument("--staged", type=existing_dir, help="a snapshot copied in by hand: verify it against its manifest.json and use it")
     source.add_argument("--tiny", action="store_true", help="build the tiny random demo model (no network)")
-    source.add_argument("--verify", help="only verify an existing snapshot directory against its manifest")
+    source.add_argument("--verify", type=existing_dir, help="only verify an existing snapshot directory against its manifest")
     parser.add_argument("--revision", help="commit hash or tag to pin (required with --repo-id)")
     parser.add_argument("--out", help="snapshot directory to write")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights and tokenizer corpus")
-    parser.add_argument("--tiny-config", default="{}", help="JSON overrides of the tiny model, e.g. '{\"text_config\": {\"num_hidden_layers\": 2}}'")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the tiny model's weights and tokenizer corpus")
+    parser.add_argument("--tiny-config", default={}, type=json_object, help="JSON overrides of the tiny model, e.g. '{\"text_config\": {\"num_hidden_layers\": 2}}'")
 
 
 def run(args):
@@ -185,10 +199,14 @@ def run(args):
         manifest = verify_snapshot(args.verify, revision=args.revision)
         print(f"{args.verify}: {len(manifest['files'])} files match the manifest ({manifest['repo_id']}@{manifest['revision']})")
         return 0
+    from vlmcore.cli import UsageError
+
     if not args.out:
-        raise SystemExit("vlmcore download: --out is required")
+        raise UsageError("--out is required unless --verify")
+    if args.repo_id and not args.revision:
+        raise UsageError("--revision: required with --repo-id (a commit hash or tag)")
     if args.tiny:
-        manifest = build_tiny_model(args.out, seed=args.seed, overrides=json.loads(args.tiny_config))
+        manifest = build_tiny_model(args.out, seed=args.seed, overrides=args.tiny_config)
     elif args.staged:
         manifest = use_staged_snapshot(args.staged, args.out, revision=args.revision)
     else:

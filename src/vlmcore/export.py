@@ -205,15 +205,29 @@ def export_hf(checkpoint_dir, model_dir, out, stage_configs=(), data_stats=(), m
     return out
 
 
+def shard_size(text: str) -> str:
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        ok = parse_size_to_int(text) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"must be a size such as 5GB or 500MB, got {text!r}")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", required=True, help="a stage's final/ directory (DCP, keys model.<hf name>)")
-    parser.add_argument("--model", required=True, help="the HF snapshot the training started from (config, tokenizer, processor)")
+    from vlmcore.cli import existing_dir, existing_file
+
+    parser.add_argument("--checkpoint", required=True, type=existing_dir, help="a stage's final/ directory (DCP, keys model.<hf name>)")
+    parser.add_argument("--model", required=True, type=existing_dir, help="the HF snapshot the training started from (config, tokenizer, processor)")
     parser.add_argument("--out", required=True, help="HF directory to write (replaced atomically)")
-    parser.add_argument("--stage-config", action="append", default=[],
+    parser.add_argument("--stage-config", action="append", default=[], type=existing_file,
                         help="train/<stage>/config.yaml of every stage, recorded in provenance.json (repeatable)")
-    parser.add_argument("--data-stats", action="append", default=[],
+    parser.add_argument("--data-stats", action="append", default=[], type=existing_file,
                         help="packed/<dataset>/stats.json of the training data, fingerprinted in provenance.json (repeatable)")
-    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB or 500MB")
+    parser.add_argument("--max-shard-size", default="5GB", type=shard_size, help="largest safetensors shard, e.g. 5GB or 500MB")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating weights to this dtype (default: the snapshot's)")
 
 

@@ -187,8 +187,16 @@ def check_workflow(config: dict, stage_settings: dict) -> None:
             raise KernelError(f"train.stages.{stage} on train.gpu_capability {capability[0]}.{capability[1]}: {e}") from None
 
 
+def capability_arg(text: str) -> str:
+    try:
+        parse_capability(text)
+    except KernelError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("gpu capability: ")) from None
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gpu-capability", help="compute capability of the GPUs the job will run on, e.g. 9.0 "
+    parser.add_argument("--gpu-capability", type=capability_arg, help="compute capability of the GPUs the job will run on, e.g. 9.0 "
                         "for H100, H200 and GH200 (default: this machine's GPU, none without one)")
     parser.add_argument("--linear-attention", default="auto", choices=LINEAR_ATTENTION_BACKENDS,
                         help="Gated DeltaNet backend as in the training config")

@@ -18,10 +18,10 @@ the stream restarts from a new shuffle (seeded from `seed` and the number of bat
 far), so no sample order is replayed but the exact continuation is lost.
 """
 
-import io
 import json
 import logging
 import pickle
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -30,19 +30,18 @@ from megatron.energon import (
     Cooker,
     DefaultTaskEncoder,
     Sample,
-    SkipSample,
     WorkerConfig,
     edataclass,
     get_savable_loader,
     get_train_dataset,
     stateless,
 )
-from PIL import Image
 
 from vlmcore.data.encoder import IGNORE_INDEX, EncodingError, SampleEncoder, TextEncoding
 from vlmcore.data.pack import PACK_MODEL_DIR, measure_sample
 from vlmcore.data.packing import best_fit_decreasing
-from vlmcore.data.quality import BadSample
+from vlmcore.data.quality import LOGGED_PER_REASON, BadSample, load_image, load_json
+from vlmcore.data.shards import shard_paths
 from vlmcore.models import load_config, position_ids
 
 logger = logging.getLogger(__name__)
@@ -57,18 +56,20 @@ class PackedRow(Sample):
     pixel_values: torch.Tensor | None
     image_grid_thw: torch.Tensor | None
     num_samples: int
+    skipped: dict[str, int]  # bad samples left out of this row, by reason
 
 
 @edataclass
 class StoredSample(Sample):
-    meta: dict  # the `json` part
+    meta: bytes  # the `json` part
     parts: dict[str, bytes]  # the other parts (images), still compressed
 
 
 @edataclass
 class EncodedSample(Sample):
-    encoding: TextEncoding
+    encoding: TextEncoding | None
     images: list[bytes]  # compressed, decoded only when the sample's pack is emitted
+    skipped: str | None  # the reason a bad sample is left out; it still rides in a pack, to be counted
 
 
 def packed_dataset_files(path) -> tuple[Path, dict]:
@@ -114,31 +115,57 @@ class PackedTaskEncoder(DefaultTaskEncoder):
 
     @stateless
     def cook(self, crude: dict) -> StoredSample:
-        """Parse only: the shuffle buffer after the cooker then holds compressed samples."""
-        return StoredSample(**basic_keys(crude), meta=json.loads(crude["json"]),
+        """Nothing decoded: the shuffle buffer after the cooker holds compressed samples."""
+        return StoredSample(**basic_keys(crude), meta=crude["json"],
                             parts={k: v for k, v in crude.items() if not k.startswith("__") and k != "json"})
 
     @stateless
     def encode_sample(self, stored: StoredSample) -> PackedRow:
+        """A bad segment (malformed, an image missing or not decoding, an encoding error) is left
+        out and counted in the row's `skipped`; the pack's other segments still train."""
+        skipped = Counter()
         segments = []
-        for segment in stored.meta["segments"]:
-            sizes = [tuple(size) for size in segment["image_sizes"]]
-            enc = self.encoder.encode_text(segment["sample"], sizes)
-            enc = self.encoder.truncate(enc, segment["num_tokens"])
-            if len(enc.input_ids) != segment["num_tokens"]:
-                raise ValueError(
-                    f"pack {stored.__key__}, sample {segment['key']}: encodes to {len(enc.input_ids)} tokens but was "
-                    f"packed as {segment['num_tokens']}; the packed dataset's model/ files changed since `vlmcore pack`"
-                )
-            segments.append((enc, [stored.parts[name] for name in segment["images"]]))
-        return self.assemble_row(basic_keys(stored), segments)
+        try:
+            segments = load_json(stored.meta)["segments"]
+        except BadSample as e:
+            skip(skipped, e.reason, f"pack {stored.__key__}", e)
+        except (KeyError, TypeError) as e:
+            skip(skipped, "malformed_json", f"pack {stored.__key__}", e)
+        encoded = []
+        for i, segment in enumerate(segments):
+            try:
+                encoded.append(self.encode_segment(stored, segment))
+            except (BadSample, EncodingError) as e:
+                skip(skipped, e.reason, f"pack {stored.__key__} segment {i}", e)
+        return self.assemble_row(basic_keys(stored), encoded, skipped)
 
-    def assemble_row(self, keys: dict, segments: list[tuple[TextEncoding, list[bytes]]]) -> PackedRow:
-        """Concatenate encoded samples (with their kept images' bytes) into one padded row."""
+    def encode_segment(self, stored: StoredSample, segment: dict) -> tuple[str, TextEncoding, list[bytes]]:
+        try:
+            sizes = [tuple(size) for size in segment["image_sizes"]]
+            enc = self.encoder.truncate(self.encoder.encode_text(segment["sample"], sizes), segment["num_tokens"])
+            missing = [name for name in segment["images"] if name not in stored.parts]
+        except (KeyError, TypeError, AttributeError) as e:
+            raise BadSample("malformed_segment", f"{type(e).__name__}: {e}") from e
+        if missing:
+            raise BadSample("missing_image", f"parts {missing}")
+        if len(enc.input_ids) != segment["num_tokens"]:
+            raise ValueError(
+                f"pack {stored.__key__}, sample {segment['key']}: encodes to {len(enc.input_ids)} tokens but was "
+                f"packed as {segment['num_tokens']}; the packed dataset's model/ files changed since `vlmcore pack`"
+            )
+        return segment["key"], enc, [stored.parts[name] for name in segment["images"]]
+
+    def assemble_row(self, keys: dict, segments: list[tuple[str, TextEncoding, list[bytes]]], skipped: Counter) -> PackedRow:
+        """Concatenate encoded samples (key, encoding, kept images' bytes) into one padded row;
+        a sample whose images do not decode is left out and counted in `skipped`."""
         ids, labels, seq_lens, grids, pixels = [], [], [], [], []
-        for enc, image_bytes in segments:
+        for key, enc, image_bytes in segments:
             if image_bytes:
-                images = [Image.open(io.BytesIO(data)) for data in image_bytes]
+                try:
+                    images = [load_image(data) for data in image_bytes]
+                except BadSample as e:
+                    skip(skipped, e.reason, f"sample {key}", e)
+                    continue
                 values, grid = self.encoder.pixel_values(images)
                 if grid.tolist() != [list(g) for g in enc.image_grid_thw]:
                     raise ValueError(f"{keys.get('__key__')}: image grids {grid.tolist()} != {enc.image_grid_thw}")
@@ -147,6 +174,7 @@ class PackedTaskEncoder(DefaultTaskEncoder):
             ids += enc.input_ids
             labels += enc.labels
             seq_lens.append(len(enc.input_ids))
+        num_samples = len(seq_lens)
         padding = self.seq_len - len(ids)
         if padding < 0:
             raise ValueError(f"{keys.get('__key__')}: {len(ids)} tokens do not fit seq_len {self.seq_len}")
@@ -166,7 +194,8 @@ class PackedTaskEncoder(DefaultTaskEncoder):
             seq_lens=seq_lens,
             pixel_values=torch.cat(pixels) if pixels else None,
             image_grid_thw=image_grid_thw,
-            num_samples=len(segments),
+            num_samples=num_samples,
+            skipped=dict(skipped),
         )
 
     def batch(self, rows: list[PackedRow]) -> dict:
@@ -177,12 +206,24 @@ class PackedTaskEncoder(DefaultTaskEncoder):
             "position_ids": torch.stack([row.position_ids for row in rows], dim=-2),
             "cu_seqlens": torch.tensor([0] + seq_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32),
             "num_samples": sum(row.num_samples for row in rows),
+            "skipped_samples": dict(sum((Counter(row.skipped) for row in rows), Counter())),
         }
         with_images = [row for row in rows if row.pixel_values is not None]
         if with_images:
             batch["pixel_values"] = torch.cat([row.pixel_values for row in with_images])
             batch["image_grid_thw"] = torch.cat([row.image_grid_thw for row in with_images])
         return batch
+
+
+def skip(skipped: Counter, reason: str, where: str, error: Exception) -> None:
+    """Count a bad sample left out of a row; the first few of each reason are logged."""
+    skipped[reason] += 1
+    _logged[reason] += 1
+    if _logged[reason] <= LOGGED_PER_REASON:
+        logger.warning("loader: skipping %s (%s): %s", where, reason, error)
+
+
+_logged = Counter()  # per loader process
 
 
 def basic_keys(sample) -> dict:
@@ -197,7 +238,8 @@ class OnlinePackingTaskEncoder(PackedTaskEncoder):
     """Packs a prepared (unpacked) dataset on the fly: best fit decreasing over a buffer.
 
     The buffer holds token ids and the images' compressed bytes; pixels are computed only for
-    the samples of the pack being emitted. Skipped samples are logged by Energon, not counted.
+    the samples of the pack being emitted. A bad sample joins a pack with no tokens, to be
+    counted in that row's `skipped`.
     """
 
     def __init__(self, model_dir, seq_len: int, max_patches: int, overlong: str):
@@ -209,22 +251,28 @@ class OnlinePackingTaskEncoder(PackedTaskEncoder):
     def encode_sample(self, stored: StoredSample) -> EncodedSample:
         counts = {"truncated": 0, "dropped_overlong": 0}
         try:
-            enc, kept, _ = measure_sample(stored.meta, stored.parts, self.encoder, self.seq_len, self.max_patches,
-                                          self.overlong, counts)
+            enc, kept, _ = measure_sample(load_json(stored.meta), stored.parts, self.encoder, self.seq_len,
+                                          self.max_patches, self.overlong, counts)
         except (BadSample, EncodingError) as e:
-            logger.warning("skipping sample %s: %s", stored.__key__, e)
-            raise SkipSample() from e
-        return EncodedSample(**basic_keys(stored), encoding=enc, images=[stored.parts[name] for name in kept])
+            skip(Counter(), e.reason, f"sample {stored.__key__}", e)
+            return EncodedSample(**basic_keys(stored), encoding=None, images=[], skipped=e.reason)
+        return EncodedSample(**basic_keys(stored), encoding=enc, images=[stored.parts[name] for name in kept], skipped=None)
 
     def select_samples_to_pack(self, samples: list[EncodedSample]) -> list[list[EncodedSample]]:
-        tokens = [len(s.encoding.input_ids) for s in samples]
-        patches = [s.encoding.num_patches for s in samples]
-        return [[samples[i] for i in b] for b in best_fit_decreasing(tokens, patches, self.seq_len, self.max_patches)]
+        good = [s for s in samples if s.skipped is None]
+        tokens = [len(s.encoding.input_ids) for s in good]
+        patches = [s.encoding.num_patches for s in good]
+        packs = [[good[i] for i in b] for b in best_fit_decreasing(tokens, patches, self.seq_len, self.max_patches)]
+        bad = [s for s in samples if s.skipped is not None]
+        if bad:  # they ride along in a pack, to be counted in its row
+            packs = [packs[0] + bad, *packs[1:]] if packs else [bad]
+        return packs
 
     @stateless
     def pack_selected_samples(self, samples: list[EncodedSample]) -> PackedRow:
         keys = {"__key__": ",".join(s.__key__ for s in samples), "__restore_key__": ()}
-        return self.assemble_row(keys, [(s.encoding, s.images) for s in samples])
+        skipped = Counter(s.skipped for s in samples if s.skipped is not None)
+        return self.assemble_row(keys, [(s.__key__, s.encoding, s.images) for s in samples if s.skipped is None], skipped)
 
 
 class PackedLoader:
@@ -238,6 +286,8 @@ class PackedLoader:
         self.layout = {"dp_rank": dp_rank, "dp_world": dp_world, "micro_batch_size": micro_batch_size, "num_workers": num_workers}
         self.seed = seed
         self.batches_yielded = 0
+        for dataset_dir in dataset_entries(path):
+            shard_paths(dataset_dir)  # a missing or truncated shard is refused by name, before any work
         self.loader = self._make_loader(seed)
 
     def _make_loader(self, seed_offset: int):

@@ -24,9 +24,10 @@ import webdataset
 from PIL import Image
 from tqdm import tqdm
 
+from vlmcore.cli import UsageError, existing_dir, fraction, non_negative_int, positive_int
 from vlmcore.data.encoder import IGNORE_INDEX, EncodingError, SampleEncoder, TextEncoding
 from vlmcore.data.packing import best_fit_decreasing, packing_stats
-from vlmcore.data.quality import BadDataLog, BadSample, TooMuchBadData, decode_utf8
+from vlmcore.data.quality import BadDataLog, BadSample, DataError, TooMuchBadData, decode_utf8
 from vlmcore.data.shards import Part, energon_prepare, iter_shard_samples, shard_paths
 
 logger = logging.getLogger(__name__)
@@ -201,24 +202,29 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", required=True, help="prepared Energon dataset (data/<dataset>)")
-    parser.add_argument("--model", required=True, help="model snapshot directory (tokenizer, chat template, processor)")
+    parser.add_argument("--data", required=True, type=existing_dir, help="prepared Energon dataset (data/<dataset>)")
+    parser.add_argument("--model", required=True, type=existing_dir, help="model snapshot directory (tokenizer, chat template, processor)")
     parser.add_argument("--out", required=True, help="output packed dataset directory (packed/<dataset>)")
-    parser.add_argument("--seq-len", type=int, required=True, help="tokens per packed sequence")
-    parser.add_argument("--max-patches", type=int, required=True, help="image patches per packed sequence (vision tower budget)")
+    parser.add_argument("--seq-len", type=positive_int, required=True, help="tokens per packed sequence")
+    parser.add_argument("--max-patches", type=non_negative_int, required=True, help="image patches per packed sequence (vision tower budget)")
     parser.add_argument("--overlong", choices=["truncate", "drop"], default="truncate", help="what to do with samples longer than --seq-len")
-    parser.add_argument("--shard-size", type=int, default=1000, help="packs per tar shard")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the pack order")
-    parser.add_argument("--max-bad-fraction", type=float, default=0.05, help="fail when more of the samples are bad")
+    parser.add_argument("--shard-size", type=positive_int, default=1000, help="packs per tar shard")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the pack order")
+    parser.add_argument("--max-bad-fraction", type=fraction, default=0.05, help="fail when more of the samples are bad")
 
 
 def run(args) -> int:
+    if Path(args.out).resolve() == Path(args.data).resolve():
+        raise UsageError("--out: must not be --data (its shards would be replaced)")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         stats = pack(args.data, args.model, args.out, args.seq_len, args.max_patches, args.overlong,
                      args.shard_size, args.seed, args.max_bad_fraction)
     except TooMuchBadData as e:
         logger.error("%s (details in %s/stats.json)", e, args.out)
+        return 1
+    except DataError as e:
+        logger.error("%s", e)
         return 1
     print(json.dumps({k: stats[k] for k in ("packs", "samples", "efficiency", "truncated", "dropped_overlong")}))
     return 0

@@ -30,10 +30,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from vlmcore.cli import existing_path, fraction, positive_int
 from vlmcore.data.quality import (
     RESERVED_MARKERS,
     BadDataLog,
     BadSample,
+    DataError,
     TooMuchBadData,
     check_image,
     decode_utf8,
@@ -65,14 +67,17 @@ class ImageFiles:
         self.members = {}
         self.rejected_members = []
         if self.root.is_file():
-            self.tar = tarfile.open(self.root, "r:*")
-            for member in self.tar.getmembers():
-                if not member.isfile():
-                    continue
-                try:
-                    self.members[safe_relative_path(member.name)] = member
-                except BadSample:
-                    self.rejected_members.append(member.name)
+            try:
+                self.tar = tarfile.open(self.root, "r:*")
+                for member in self.tar:
+                    if not member.isfile():
+                        continue
+                    try:
+                        self.members[safe_relative_path(member.name)] = member
+                    except BadSample:
+                        self.rejected_members.append(member.name)
+            except (tarfile.TarError, OSError, EOFError) as e:  # cut short: the images after the cut count as missing
+                logger.warning("%s: unreadable after %d members (%s); later images count as missing_image", root, len(self.members), e)
             if self.rejected_members:
                 logger.warning("%s: rejected %d tar members leaving the archive: %s", root, len(self.rejected_members), self.rejected_members[:5])
 
@@ -81,7 +86,10 @@ class ImageFiles:
         if self.tar is not None:
             if name not in self.members:
                 raise BadSample("missing_image", f"{name} not in {self.root}")
-            return self.tar.extractfile(self.members[name]).read()
+            try:
+                return self.tar.extractfile(self.members[name]).read()
+            except (tarfile.TarError, OSError, EOFError) as e:
+                raise BadSample("missing_image", f"{name} cut short in {self.root}: {e}") from e
         path = self.root / name
         if not path.is_file():
             raise BadSample("missing_image", str(path))
@@ -92,14 +100,17 @@ def read_rows(path: Path, log: BadDataLog):
     """Yield (where, row) for every row of a source; unreadable rows are counted and skipped."""
     if path.is_dir() or path.suffix == ".parquet":
         # Raw Arrow rows: image features arrive undecoded, as {"bytes", "path"} dicts.
-        if path.is_dir():
-            import datasets
+        try:
+            if path.is_dir():
+                import datasets
 
-            batches = datasets.load_from_disk(str(path)).data.table.to_batches(max_chunksize=256)
-        else:
-            import pyarrow.parquet as pq
+                batches = datasets.load_from_disk(str(path)).data.table.to_batches(max_chunksize=256)
+            else:
+                import pyarrow.parquet as pq
 
-            batches = pq.ParquetFile(path).iter_batches(batch_size=256)
+                batches = pq.ParquetFile(path).iter_batches(batch_size=256)
+        except (OSError, ValueError) as e:  # ArrowInvalid is a ValueError
+            raise DataError(f"{path}: not a readable {'datasets directory' if path.is_dir() else 'parquet file'}: {e}") from e
         i = 0
         for batch in batches:
             for row in batch.to_pylist():
@@ -126,13 +137,13 @@ def read_rows(path: Path, log: BadDataLog):
         try:
             rows = json.loads(decode_utf8(path.read_bytes()))
         except (BadSample, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: not a readable UTF-8 JSON file: {e}") from e
+            raise DataError(f"{path}: not a readable UTF-8 JSON file: {e}") from e
         if not isinstance(rows, list):
-            raise ValueError(f"{path}: a .json source must hold a list of rows")
+            raise DataError(f"{path}: a .json source must hold a list of rows")
         for i, row in enumerate(rows):
             yield f"{path}[{i}]", row
     else:
-        raise ValueError(f"{path}: unknown source type (expected .jsonl, .json, .parquet or a datasets.save_to_disk directory)")
+        raise DataError(f"{path}: unknown source type (expected .jsonl, .json, .parquet or a datasets.save_to_disk directory)")
 
 
 def decode_base64(text: str) -> bytes:
@@ -184,6 +195,8 @@ def row_to_sample(row, files: ImageFiles, max_image_pixels: int, log: BadDataLog
     elif "caption" in row:
         if not isinstance(row["caption"], str) or not row["caption"].strip():
             raise BadSample("empty_text", "empty caption")
+        if not refs:  # trained on, it would teach describing an image that is not there
+            raise BadSample("missing_image", "a caption row needs an image")
         messages = [{"role": "user", "content": "<image>" * len(refs)}, {"role": "assistant", "content": row["caption"]}]
     elif "text" in row:
         text = row["text"]
@@ -228,11 +241,12 @@ def prepare(sources, out_dir, images=None, shard_size: int = 1000, max_bad_fract
     """Write the shards of all `sources` ([KIND:]PATH) into `out_dir`, index them with Energon, return the stats."""
     out_dir = Path(out_dir)
     log = BadDataLog("prepare", max_bad_fraction)
+    missing = [str(source) for _, source in map(parse_source, sources) if not source.exists()]
+    if missing:  # before anything is written
+        raise DataError(f"sources not found: {', '.join(missing)}")
     writer = ShardWriter(out_dir, shard_size)
     text_chars, images_per_sample, kinds, rejected_members = [], [], {"conversation": 0, "text": 0}, 0
     for kind, source in map(parse_source, sources):
-        if not source.exists():
-            raise FileNotFoundError(f"source {source} does not exist")
         files = ImageFiles(images if images is not None else (source if source.is_dir() else source.parent))
         rejected_members += len(files.rejected_members)
         for where, row in tqdm(read_rows(source, log), desc=f"prepare {source.name}", unit="sample"):
@@ -269,15 +283,20 @@ def prepare(sources, out_dir, images=None, shard_size: int = 1000, max_bad_fract
     return stats
 
 
+def source_arg(spec: str) -> str:
+    existing_path(str(parse_source(spec)[1]))
+    return spec
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--source", action="append", required=True,
+    parser.add_argument("--source", action="append", required=True, type=source_arg,
                         help="[KIND:]PATH of a source file or save_to_disk directory (repeatable); KIND: captions, conversations, text")
     parser.add_argument("--out", required=True, help="output dataset directory (data/<dataset>)")
-    parser.add_argument("--images", help="directory or tar file that relative image paths refer to (default: next to each source)")
-    parser.add_argument("--shard-size", type=int, default=1000, help="samples per tar shard")
-    parser.add_argument("--max-bad-fraction", type=float, default=0.05, help="fail when more of the samples are bad")
-    parser.add_argument("--workers", type=int, default=1, help="processes for indexing the shards (energon prepare)")
-    parser.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS, help="larger images are skipped (decompression bombs)")
+    parser.add_argument("--images", type=existing_path, help="directory or tar file that relative image paths refer to (default: next to each source)")
+    parser.add_argument("--shard-size", type=positive_int, default=1000, help="samples per tar shard")
+    parser.add_argument("--max-bad-fraction", type=fraction, default=0.05, help="fail when more of the samples are bad")
+    parser.add_argument("--workers", type=positive_int, default=1, help="processes for indexing the shards (energon prepare)")
+    parser.add_argument("--max-image-pixels", type=positive_int, default=DEFAULT_MAX_IMAGE_PIXELS, help="larger images are skipped (decompression bombs)")
 
 
 def run(args) -> int:
@@ -287,6 +306,9 @@ def run(args) -> int:
                         args.max_image_pixels, args.workers)
     except TooMuchBadData as e:
         logger.error("%s (details in %s/stats.json)", e, args.out)
+        return 1
+    except DataError as e:
+        logger.error("%s", e)
         return 1
     print(json.dumps({k: stats[k] for k in ("samples", "images", "shards")} | {"skipped": stats["bad"]["skipped"]}))
     return 0

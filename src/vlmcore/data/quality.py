@@ -6,6 +6,7 @@ fraction exceeds `max_bad_fraction` the stage fails with the counts.
 """
 
 import io
+import json
 import logging
 import warnings
 from collections import Counter
@@ -29,7 +30,11 @@ class BadSample(Exception):
         self.detail = detail
 
 
-class TooMuchBadData(RuntimeError):
+class DataError(RuntimeError):
+    """Input a stage cannot read at all (a truncated shard, a missing dataset); names the file."""
+
+
+class TooMuchBadData(DataError):
     pass
 
 
@@ -89,6 +94,23 @@ def decode_utf8(raw: bytes) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise BadSample("non_utf8_text", str(e)) from e
+
+
+def load_json(raw: bytes):
+    try:
+        return json.loads(decode_utf8(raw))
+    except json.JSONDecodeError as e:
+        raise BadSample("malformed_json", str(e)) from e
+
+
+def load_image(data: bytes) -> Image.Image:
+    """The fully decoded image, or BadSample("corrupt_image") (a header alone can look valid)."""
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+        return image
+    except Exception as e:  # PIL raises many types for broken files
+        raise BadSample("corrupt_image", f"{type(e).__name__}: {e}") from e
 
 
 def check_image(data: bytes, max_pixels: int, min_side: int = 2) -> tuple[bytes, str, tuple[int, int], str | None]:

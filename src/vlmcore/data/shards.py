@@ -13,7 +13,7 @@ from pathlib import Path
 
 import webdataset
 
-from vlmcore.data.quality import BadSample, safe_relative_path
+from vlmcore.data.quality import BadSample, DataError, safe_relative_path
 
 
 class ShardWriter:
@@ -62,12 +62,27 @@ def energon_prepare(dataset_dir, workers: int = 1) -> None:
 
 
 def shard_paths(dataset_dir) -> list[Path]:
-    """The shards of a prepared dataset, in the order `energon prepare` recorded."""
+    """The shards of a prepared dataset, in the order `energon prepare` recorded, each checked to be
+    as long as its index says: a missing, empty or truncated shard is refused here, by name, not
+    met as a bare tarfile error halfway through a stage."""
+    from megatron.energon.flavors.webdataset.itar import TarIndexReader
+
     dataset_dir = Path(dataset_dir)
     info = dataset_dir / ".nv-meta" / ".info.json"
     if not info.is_file():
-        raise FileNotFoundError(f"{dataset_dir} is not a prepared Energon dataset (no .nv-meta/.info.json)")
-    return [dataset_dir / name for name in json.loads(info.read_text())["shard_counts"]]
+        raise DataError(f"{dataset_dir} is not a prepared Energon dataset (no .nv-meta/.info.json)")
+    shards = [dataset_dir / name for name in json.loads(info.read_text())["shard_counts"]]
+    for shard in shards:
+        if not shard.is_file():
+            raise DataError(f"{shard}: missing; write the dataset again")
+        end = 1  # where the last sample ends: from the index `energon prepare` wrote, else not empty
+        if shard.with_suffix(".tar.idx").is_file():
+            with TarIndexReader(shard) as offsets:
+                end = offsets[len(offsets) - 1] if len(offsets) else 0
+        if shard.stat().st_size < end:
+            raise DataError(f"{shard}: truncated ({shard.stat().st_size} bytes, its samples end at {end}); "
+                            "write the dataset again")
+    return shards
 
 
 @dataclass
@@ -96,23 +111,34 @@ def iter_shard_samples(shard: Path):
     """Yield the samples of one tar in order, with their parts read into memory.
 
     Member names that are absolute or climb out of the dataset directory are recorded in
-    `unsafe_names`; callers reject such samples. Nothing is ever extracted to disk.
+    `unsafe_names`; callers reject such samples. Nothing is ever extracted to disk. A tar that
+    cannot be read on (damaged, cut short) raises DataError naming the shard.
     """
-    with tarfile.open(shard, "r:") as tar:
-        sample = None
-        for member in tar:
-            if not member.isfile():
-                continue
-            key, part = split_member_name(member.name)
-            if sample is None or key != sample.key:
-                if sample is not None:
-                    yield sample
-                sample = ShardSample(shard, key, {}, {}, [])
-            try:
-                safe_relative_path(member.name)
-            except BadSample:
-                sample.unsafe_names.append(member.name)
-            sample.parts[part] = Part(member.offset_data, member.size)
-            sample.data[part] = tar.extractfile(member).read()
-        if sample is not None:
-            yield sample
+    read = 0
+    try:
+        with tarfile.open(shard, "r:") as tar:
+            sample = None
+            for member in tar:
+                if not member.isfile():
+                    continue
+                key, part = split_member_name(member.name)
+                if sample is None or key != sample.key:
+                    if sample is not None:
+                        yield sample
+                        read += 1
+                    sample = ShardSample(shard, key, {}, {}, [])
+                try:
+                    safe_relative_path(member.name)
+                except BadSample:
+                    sample.unsafe_names.append(member.name)
+                sample.parts[part] = Part(member.offset_data, member.size)
+                sample.data[part] = tar.extractfile(member).read()
+            if sample is not None:
+                yield sample
+                read += 1
+            tar.fileobj.seek(tar.offset)  # tarfile ends quietly at a bad header: the end must be zeros
+            if tar.fileobj.read(tarfile.BLOCKSIZE).strip(b"\0"):
+                raise tarfile.ReadError(f"no valid tar header at byte {tar.offset}")
+    except (tarfile.TarError, OSError) as e:
+        raise DataError(f"{shard}: unreadable after {read} samples ({type(e).__name__}: {e}); "
+                        "the shard is damaged or cut short, write it again") from e

@@ -20,6 +20,9 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
+from vlmcore.cli import UsageError, non_negative_int, positive_int
+
+
 COLORS = {
     "red": (220, 30, 30),
     "green": (30, 170, 40),
@@ -180,14 +183,16 @@ def generate(out_dir, num_train: int, num_eval: int, seed: int = 0, min_size: in
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output directory (raw/)")
-    parser.add_argument("--num-train", type=int, default=512, help="number of training images")
-    parser.add_argument("--num-eval", type=int, default=96, help="number of held-out eval questions")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--min-size", type=int, default=32, help="smallest image side in pixels")
-    parser.add_argument("--max-size", type=int, default=112, help="largest image side in pixels")
+    parser.add_argument("--num-train", type=positive_int, default=512, help="number of training images")
+    parser.add_argument("--num-eval", type=non_negative_int, default=96, help="number of held-out eval questions")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--min-size", type=positive_int, default=32, help="smallest image side in pixels")
+    parser.add_argument("--max-size", type=positive_int, default=112, help="largest image side in pixels")
 
 
 def run(args) -> int:
+    if not 8 <= args.min_size <= args.max_size:
+        raise UsageError(f"--min-size, --max-size: must satisfy 8 <= min <= max, got {args.min_size}, {args.max_size}")
     meta = generate(args.out, args.num_train, args.num_eval, args.seed, args.min_size, args.max_size)
     print(json.dumps(meta))
     return 0

@@ -103,22 +103,30 @@ def evaluate(model_dir, tasks: list[str], out, vqa_data=None, limit=None, batch_
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="exported HF directory (vlmcore export)")
+    from vlmcore.cli import existing_dir, existing_file, non_negative_int, positive_int
+
+    parser.add_argument("--model", required=True, type=existing_dir, help="exported HF directory (vlmcore export)")
     parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task names (e.g. demo_vqa,arc_challenge)")
     parser.add_argument("--out", required=True, help="output directory (results.json, results.csv, samples)")
-    parser.add_argument("--vqa-data", help="raw/eval.jsonl of the demo, for the demo_vqa and demo_vqa_gen tasks")
-    parser.add_argument("--limit", type=int, help="at most this many examples per task")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--vqa-data", type=existing_file, help="raw/eval.jsonl of the demo, for the demo_vqa and demo_vqa_gen tasks")
+    parser.add_argument("--limit", type=positive_int, help="at most this many examples per task")
+    parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:0, ...")
     parser.add_argument("--dtype", default="auto", help="model dtype (auto = as saved, float32, bfloat16)")
-    parser.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own)")
-    parser.add_argument("--include-path", action="append", default=[], help="extra directory of lm-eval task YAMLs (repeatable)")
+    parser.add_argument("--num-fewshot", type=non_negative_int, help="few-shot examples (default: each task's own)")
+    parser.add_argument("--include-path", action="append", default=[], type=existing_dir, help="extra directory of lm-eval task YAMLs (repeatable)")
     parser.add_argument("--apply-chat-template", action="store_true",
                         help="render every task through the chat template (image tasks always use it)")
 
 
 def run(args) -> int:
+    from vlmcore.cli import UsageError
+
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise UsageError(f"--tasks: no task names in {args.tasks!r}")
+    if {"demo_vqa", "demo_vqa_gen"} & set(tasks) and args.vqa_data is None:
+        raise UsageError("--vqa-data: required by the tasks demo_vqa and demo_vqa_gen (raw/eval.jsonl of `vlmcore synth`)")
     result = evaluate(args.model, tasks, args.out, vqa_data=args.vqa_data, limit=args.limit, batch_size=args.batch_size,
                       device=args.device, dtype=args.dtype, include_path=args.include_path,
                       apply_chat_template=args.apply_chat_template, num_fewshot=args.num_fewshot)

@@ -161,26 +161,35 @@ def write_report(out, scaling=None, imports=(), train=None, evals=None, hardware
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from vlmcore.cli import existing_path, non_negative_int
+
     parser.add_argument("--scaling", action="append", default=[], metavar="LABEL=PATH",
                         help="a scaling run's metrics.jsonl or its directory, e.g. ws4=scaling/ws4 (repeatable)")
-    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="PATH",
+    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="PATH", type=existing_path,
                         help="points from runs done elsewhere: a scaling.csv, a metrics.jsonl, or a directory searched for metrics.jsonl (repeatable)")
     parser.add_argument("--train", action="append", default=[], metavar="STAGE=PATH",
                         help="a training stage's metrics.jsonl, in stage order (repeatable)")
     parser.add_argument("--eval", action="append", default=[], metavar="[LABEL=]PATH",
                         help="results.json of `vlmcore eval` (or its directory), optionally labelled (repeatable)")
     parser.add_argument("--hardware", default="unknown", help="hardware description for SCALABILITY.md")
-    parser.add_argument("--warmup-steps", type=int, default=1, help="first steps of each scaling run left out of the means")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=1, help="first steps of each scaling run left out of the means")
     parser.add_argument("--title", default="Scaling", help="title of the report and its plots")
     parser.add_argument("--out", required=True, help="report directory")
 
 
 def run(args) -> int:
-    if args.warmup_steps < 0:
-        raise SystemExit("--warmup-steps must be >= 0")
-    scaling = parse_labelled(args.scaling, "--scaling")
-    train = parse_labelled(args.train, "--train")
-    evals = parse_labelled(args.eval, "--eval", default_label=eval_label)
+    from vlmcore.cli import UsageError
+
+    try:
+        scaling = parse_labelled(args.scaling, "--scaling")
+        train = parse_labelled(args.train, "--train")
+        evals = parse_labelled(args.eval, "--eval", default_label=eval_label)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    for option, pairs in (("--scaling", scaling), ("--train", train), ("--eval", evals)):
+        missing = [path for path in pairs.values() if not Path(path).exists()]
+        if missing:
+            raise UsageError(f"{option}: {', '.join(missing)} does not exist")
     md = write_report(args.out, scaling, args.imports, train, evals, args.hardware, args.warmup_steps, args.title)
     print(f"wrote {md}")
     return 0

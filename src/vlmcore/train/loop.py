@@ -15,6 +15,7 @@ import resource
 import signal
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -37,12 +38,16 @@ class TrainingError(RuntimeError):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="YAML run config (see vlmcore.config.TrainConfig)")
+    from vlmcore.cli import existing_file
+
+    parser.add_argument("config", type=existing_file, help="YAML run config (see vlmcore.config.TrainConfig)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, dotted keys for sections (repeatable)")
 
 
 def run(args) -> int:
+    from vlmcore.data.quality import DataError
+
     # Every rank reads the same file: one rank says what is wrong with it.
     first_rank = os.environ.get("RANK", "0") == "0"
     try:
@@ -59,7 +64,7 @@ def run(args) -> int:
     except ConfigError as e:  # a setting that does not fit the model or the world size
         print(f"error: {args.config}: {e}", file=sys.stderr)
         return 2
-    except TrainingError as e:
+    except (TrainingError, DataError) as e:  # DataError: a damaged shard, refused before any step
         print(f"error: {e}", file=sys.stderr)
         return 1
 
@@ -89,6 +94,13 @@ def build_data(cfg: TrainConfig, model_config, rank: int, world: int):
 
     return build_loader(cfg.data_path, dp_rank=rank, dp_world=world, micro_batch_size=cfg.micro_batch_size,
                         seed=cfg.seed, num_workers=cfg.num_workers)
+
+
+def _gather_counts(counts: Counter, tp: int) -> dict:
+    """The sum over all ranks of per-rank counts by name (TP ranks read the same data)."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, dict(counts))
+    return {name: n // tp for name, n in sorted(sum(map(Counter, gathered), Counter()).items())}
 
 
 def _peak_mem_gb(device: torch.device) -> float:
@@ -236,10 +248,11 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
         data_wait = time.perf_counter() - t0
         stats = host_stats(host_micro)
         llm_flops, vision_flops = map(sum, zip(*(batch_flops(model.config, b) for b in host_micro)))
-        counts = torch.tensor([stats["label_tokens"], stats["samples"], stats["tokens"], llm_flops, vision_flops],
-                              dtype=torch.float64)
+        skipped = sum((Counter(b.get("skipped_samples", {})) for b in host_micro), Counter())  # bad samples
+        counts = torch.tensor([stats["label_tokens"], stats["samples"], stats["tokens"], llm_flops, vision_flops,
+                               sum(skipped.values())], dtype=torch.float64)
         dist.all_reduce(counts)  # on the host (gloo): no GPU wait
-        label_tokens, samples, tokens, llm_flops, vision_flops = (counts / dims.tp).tolist()
+        label_tokens, samples, tokens, llm_flops, vision_flops, skipped_samples = (counts / dims.tp).tolist()
         if label_tokens == 0:
             raise TrainingError(f"step {state['step'] + 1}: the global batch has no label tokens")
 
@@ -270,7 +283,8 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
             "mfu": 100 * (llm_tflops + vision_tflops) / peak if peak else None,
             "llm_tflops_per_device": llm_tflops, "vision_tflops_per_device": vision_tflops,
             "peak_mem_gb": _peak_mem_gb(device), "data_wait_s": data_wait, "step_time_s": step_time,
-            "world_size": world, "skipped_steps": state["skipped_steps"],
+            "world_size": world, "skipped_steps": state["skipped_steps"], "skipped_samples": int(skipped_samples),
+            **({"skipped_samples_by_reason": _gather_counts(skipped, dims.tp)} if skipped_samples else {}),
         })
 
         if nonfinite_in_a_row >= cfg.max_nonfinite_steps:

@@ -34,11 +34,13 @@ from vlmcore.train.step import build_step, host_stats, to_device
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="YAML run config of a training stage (as for `vlmcore train`)")
-    parser.add_argument("--world-size", type=int, required=True, help="ranks the stage would run on")
-    parser.add_argument("--seq-len", type=int, help="tokens per packed row (default: the packed dataset's "
+    from vlmcore.cli import existing_file, positive_int
+
+    parser.add_argument("config", type=existing_file, help="YAML run config of a training stage (as for `vlmcore train`)")
+    parser.add_argument("--world-size", type=positive_int, required=True, help="ranks the stage would run on")
+    parser.add_argument("--seq-len", type=positive_int, help="tokens per packed row (default: the packed dataset's "
                         "pack_config.json, else data.seq_len)")
-    parser.add_argument("--image-side", type=int, help="VL models: merged patches per side of the one image "
+    parser.add_argument("--image-side", type=positive_int, help="VL models: merged patches per side of the one image "
                         "in each row (default: as large as the dataset's max_patches allows, else data.image_side)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, dotted keys for sections (repeatable)")
