@@ -175,6 +175,9 @@ def without(section, key):
     (lambda c: c["data"]["datasets"]["captions"].update(max_bad_fraction=1.5),
      "data.datasets.captions.max_bad_fraction"),
     (lambda c: c["data"]["datasets"]["captions"].update(sources=[]), "data.datasets.captions.sources"),
+    # KIND is the row format; parquet is a file type, not a kind
+    (lambda c: c["data"]["datasets"]["captions"].update(sources=["parquet:rows.parquet"]),
+     "data.datasets.captions.sources.0"),
     (stage("stage1", nodes=0), "train.stages.stage1.nodes"),
     (lambda c: c["train"]["stages"]["stage1"].pop("steps"), "train.stages.stage1"),
     # the cross references
