@@ -26,11 +26,11 @@ MODEL_CLASSES = {
     "qwen3_5_text": Qwen3_5ForCausalLM,
 }
 
-__all__ = ["MODEL_CLASSES", "ModelOutput", "build_model", "from_pretrained", "load_config",
+__all__ = ["MODEL_CLASSES", "ModelOutput", "build_model", "from_pretrained", "load_hf_config",
            "load_weights", "position_ids", "save_pretrained"]
 
 
-def load_config(path) -> PretrainedConfig:
+def load_hf_config(path) -> PretrainedConfig:
     """The transformers config object of a snapshot directory (no remote code)."""
     if not (Path(path) / "config.json").exists():
         raise FileNotFoundError(f"{path}: no config.json")
@@ -45,7 +45,7 @@ def model_class(config: PretrainedConfig):
 
 def build_model(path_or_config, device="meta") -> torch.nn.Module:
     """The model of a snapshot directory or config, without weights (meta device by default)."""
-    config = path_or_config if isinstance(path_or_config, PretrainedConfig) else load_config(path_or_config)
+    config = path_or_config if isinstance(path_or_config, PretrainedConfig) else load_hf_config(path_or_config)
     cls = model_class(config)
     with torch.device(device):
         return cls(config)

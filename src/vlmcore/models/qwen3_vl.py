@@ -5,10 +5,8 @@ grid, 2-D rotary, pre-norm blocks with a fused `attn.qkv`, a patch merger to the
 DeepStack mergers whose outputs are added to the hidden states of the first LLM layers at image
 positions. LLM: the Qwen3 decoder with interleaved multimodal RoPE (t, h, w).
 
-Tensor parallelism of the fused `attn.qkv` (out = [q | k | v], each num_heads * head_dim rows):
-shard it column-wise only after viewing the weight as (3, num_heads, head_dim, in) and splitting
-dim 1, so every rank keeps whole heads of q, k and v; `attn.proj` is then row-parallel. The
-default plan keeps the vision tower data-parallel only.
+The vision tower has no tensor-parallel plan: under TP it is sharded by FSDP over all ranks
+(vlmcore.parallel.tp).
 """
 
 import torch

@@ -26,7 +26,7 @@ from vlmcore.parallel.mesh import build_mesh, device_for_rank, dp_rank, init_dis
 from vlmcore.parallel.parallelize import parallelize
 from vlmcore.train.checkpoint import (Checkpointer, load_hf_weights, load_model_weights, rng_state, save_final,
                                       set_rng_state)
-from vlmcore.train.metrics import MetricsLogger, batch_flops, peak_tflops
+from vlmcore.train.metrics_log import MetricsLogger, batch_flops, peak_tflops
 from vlmcore.train.optim import build_optimizer, freeze, lr_factor, schedule_total, set_lr
 from vlmcore.train.run_dir import archive_stale_run, mark_done, mark_unfinished
 from vlmcore.train.step import build_step, host_stats, to_device
@@ -114,9 +114,9 @@ def check_kernels(cfg: TrainConfig, device: torch.device) -> dict:
     """The attention and Gated DeltaNet backends of this run (vlmcore.kernels), set for the model
     code; a version known to compute wrongly on this GPU stops the run here, before any work."""
     from vlmcore import kernels
-    from vlmcore.models import load_config as load_model_config
+    from vlmcore.models import load_hf_config
 
-    text = load_model_config(cfg.model_path)
+    text = load_hf_config(cfg.model_path)
     text = getattr(text, "text_config", None) or text
     has_linear = "linear_attention" in (getattr(text, "layer_types", None) or [])
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
