@@ -35,7 +35,7 @@ def worker(root: Path) -> None:
     from vlmcore.parallel.mesh import init_distributed
     from vlmcore.parallel.parallelize import decoder_blocks
     from vlmcore.parallel.tp import apply_tp
-    from vlmcore.train.checkpoint import load_hf_weights
+    from vlmcore.models import load_hf_weights
     from vlmcore.train.step import sum_partial_grads
     from vlmcore.train.optim import clean_name
     from vlmcore.train.random_data import RandomBatches

@@ -2,10 +2,10 @@
 
     model = build_model(path)              # on the meta device, no memory used
     ... parallelize ...
-    model.to_empty(device="cuda"); load_weights(model, path)   # or model.init_weights()
+    model.to_empty(device="cuda"); load_hf_weights(model, path)   # or model.init_weights()
 
 `from_pretrained` does all of it on one device. Plain `to_empty` unties a tied `lm_head` from the
-embedding (FSDP2-sharded models keep the tie); `init_weights` and `load_weights` tie it again.
+embedding (FSDP2-sharded models keep the tie); `init_weights` and `load_hf_weights` tie it again.
 """
 
 from pathlib import Path
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from .hf import load_weights, save_pretrained
+from .hf import load_hf_weights, save_pretrained
 from .layers import ModelOutput
 from .qwen3 import Qwen3ForCausalLM, text_position_ids
 from .qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
@@ -27,7 +27,7 @@ MODEL_CLASSES = {
 }
 
 __all__ = ["MODEL_CLASSES", "ModelOutput", "build_model", "from_pretrained", "load_hf_config",
-           "load_weights", "position_ids", "save_pretrained"]
+           "load_hf_weights", "position_ids", "save_pretrained"]
 
 
 def load_hf_config(path) -> PretrainedConfig:
@@ -62,7 +62,7 @@ def from_pretrained(path, dtype=None, device=None) -> torch.nn.Module:
     model.to(dtype or config_dtype(model.config))
     model.to_empty(device=device or "cpu")
     model.tie_weights()
-    load_weights(model, path)
+    load_hf_weights(model, path)
     return model
 
 

@@ -24,8 +24,8 @@ import torch.distributed.checkpoint as dcp
 from vlmcore.config import ConfigError, TrainConfig, load_config, save_config, to_dict, warnings_of
 from vlmcore.parallel.mesh import build_mesh, device_for_rank, dp_rank, init_distributed, resolve_dims
 from vlmcore.parallel.parallelize import parallelize
-from vlmcore.train.checkpoint import (Checkpointer, load_hf_weights, load_model_weights, rng_state, save_final,
-                                      set_rng_state)
+from vlmcore.models import build_model, load_hf_config, load_hf_weights
+from vlmcore.train.checkpoint import Checkpointer, load_model_weights, rng_state, save_final, set_rng_state
 from vlmcore.train.metrics_log import MetricsLogger, batch_flops, peak_tflops
 from vlmcore.train.optim import build_optimizer, freeze, lr_factor, schedule_total, set_lr
 from vlmcore.train.run_dir import archive_stale_run, mark_done, mark_unfinished
@@ -114,7 +114,6 @@ def check_kernels(cfg: TrainConfig, device: torch.device) -> dict:
     """The attention and Gated DeltaNet backends of this run (vlmcore.kernels), set for the model
     code; a version known to compute wrongly on this GPU stops the run here, before any work."""
     from vlmcore import kernels
-    from vlmcore.models import load_hf_config
 
     text = load_hf_config(cfg.model_path)
     text = getattr(text, "text_config", None) or text
@@ -131,8 +130,6 @@ def check_kernels(cfg: TrainConfig, device: torch.device) -> dict:
 def build_meta_model(cfg: TrainConfig, mesh, dims):
     """The stage's model on the meta device (no memory): frozen by `trainable` and parallelized.
     Returns the model and the names of parameters with TP-partial gradients."""
-    from vlmcore.models import build_model
-
     model = build_model(cfg.model_path, device="meta")
     freeze(model, cfg.trainable)
     return model, set(parallelize(model, cfg, mesh, dims))
