@@ -33,7 +33,6 @@ def worker(root: Path) -> None:
 
     from vlmcore.models import build_model, from_pretrained
     from vlmcore.parallel.mesh import init_distributed
-    from vlmcore.parallel.parallelize import decoder_blocks
     from vlmcore.parallel.tp import apply_tp
     from vlmcore.models import load_hf_weights
     from vlmcore.train.step import sum_partial_grads
@@ -55,7 +54,7 @@ def worker(root: Path) -> None:
         ref_grads = {n: p.grad for n, p in reference.named_parameters()}
 
         model = build_model(path, device="meta")
-        partial = set(apply_tp(model, decoder_blocks(model), mesh, sequence_parallel))
+        partial = set(apply_tp(model, mesh, sequence_parallel))
         model.to_empty(device="cpu")
         with torch.no_grad():
             model.init_weights()
@@ -72,7 +71,7 @@ def worker(root: Path) -> None:
             worst = max(worst, (grad - ref_grads[name]).abs().max().item())
         report[f"{kind}-sp{int(sequence_parallel)}"] = {"loss": loss, "ref_loss": ref_loss, "max_grad_diff": worst, "sharded": sharded,
                         "partial": len(partial), "linear_sharded": linear_sharded,
-                        "linear_layers": sum(hasattr(b, "linear_attn") for b in decoder_blocks(model))}
+                        "linear_layers": sum(hasattr(b, "linear_attn") for b in model.decoder_layers())}
     if dist.get_rank() == 0:
         (root / "report.json").write_text(json.dumps(report))
     dist.destroy_process_group()

@@ -122,12 +122,13 @@ def _set_local_heads(block: nn.Module, tp_mesh: DeviceMesh) -> None:
         block.linear_attn.head_shard = (tp_mesh.get_local_rank(), tp_mesh.size())
 
 
-def apply_tp(model: nn.Module, blocks: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> list[str]:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> list[str]:
     """Shards `model` in place over `tp_mesh`; returns the names of parameters whose gradients
     are partial sums over the TP ranks."""
     check_tp(model.config, tp_mesh.size())
     partial = []
-    blocks_name = next(n for n, m in model.named_modules() if m is blocks)
+    blocks = model.decoder_layers()
+    blocks_name = next(n for n, m in model.named_modules() if m is blocks)  # the name of this module
     for index, block in blocks.named_children():
         parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))
         _set_local_heads(block, tp_mesh)
@@ -136,8 +137,7 @@ def apply_tp(model: nn.Module, blocks: nn.Module, tp_mesh: DeviceMesh, sequence_
                         if hasattr(block.self_attn, norm.split(".")[1])]
         if hasattr(block, "linear_attn"):
             partial += [f"{blocks_name}.{index}.linear_attn.{name}" for name in LINEAR_ATTN_PARTIAL]
-    text_model = model.text_model()
-    embed = text_model.embed_tokens
+    text_model, embed = model.text_model(), model.token_embedding()
     parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     if sequence_parallel:
         if torch.__version__ < (2, 13):

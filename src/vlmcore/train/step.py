@@ -174,7 +174,7 @@ class VisionDummy:
         self.vision = model.vision_tower()
         self.config = model.config.vision_config
         self.active = False
-        model.text_model().embed_tokens.register_forward_hook(self._hook)
+        model.token_embedding().register_forward_hook(self._hook)
 
     def _hook(self, module, args, output):
         if not self.active:
