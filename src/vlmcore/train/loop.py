@@ -176,15 +176,86 @@ def resume(checkpointer: Checkpointer, path: Path, model, optimizer, data, state
         print(f"resumed from {path} at step {state['step']}")
 
 
-def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dims = resolve_dims(cfg.parallel, world)
-    mesh = build_mesh(dims, device)
-    data_rank = dp_rank(dims)
+def set_seed_and_determinism(cfg: TrainConfig) -> None:
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(cfg.seed)
+
+
+def prepare_output_dir(cfg: TrainConfig, out: Path) -> None:
+    """Rank 0 moves another run's checkpoints aside, marks the run unfinished and saves its config."""
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        reason = archive_stale_run(out, cfg)
+        if reason:
+            print(reason)
+        mark_unfinished(out)
+        save_config(cfg, out / "config.yaml")
+    dist.barrier()
+
+
+def start_state(cfg: TrainConfig, out: Path, dims, model, optimizer, data):
+    """The checkpointer (None when disabled) and the run's counters, resumed from the latest
+    intact checkpoint if there is one."""
+    layout = {"world_size": dims.world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
+              "tp": dims.tp, "grad_accum_steps": cfg.grad_accum_steps, "micro_batch_size": cfg.micro_batch_size}
+    state = {"step": 0, "samples": 0, "tokens": 0, "skipped_steps": 0, **{f"layout_{k}": 0 for k in layout}}
+    checkpointer = Checkpointer(out, cfg.checkpoint.keep, cfg.checkpoint.async_save) if cfg.checkpoint.enabled else None
+    latest = checkpointer.latest() if checkpointer else None
+    if latest is not None:
+        resume(checkpointer, latest, model, optimizer, data, state, layout)
+    state.update({f"layout_{k}": v for k, v in layout.items()})
+    if state["step"] == cfg.steps and dist.get_rank() == 0:
+        print(f"step {cfg.steps} was reached before final/ and done were written: writing them, no training")
+    return checkpointer, state
+
+
+def global_counts(host_micro: list[dict], model_config, tp: int, step: int) -> dict:
+    """Label tokens, samples, tokens and FLOPs of the global batch, summed on the host (gloo: no
+    GPU wait); tp peers hold the same batch, hence the division."""
+    stats = host_stats(host_micro)
+    llm_flops, vision_flops = map(sum, zip(*(batch_flops(model_config, b) for b in host_micro)))
+    keys = ("label_tokens", "samples", "tokens", "llm_flops", "vision_flops")
+    counts = torch.tensor([*(stats[k] for k in keys[:3]), llm_flops, vision_flops], dtype=torch.float64)
+    dist.all_reduce(counts)
+    counts = dict(zip(keys, (counts / tp).tolist()))
+    if counts["label_tokens"] == 0:
+        raise TrainingError(f"step {step + 1}: the global batch has no label tokens")
+    return counts
+
+
+def step_record(cfg: TrainConfig, state: dict, result, counts: dict, lr_scale: float, step_time: float,
+                data_wait: float, peak: float | None, device: torch.device, tp: int) -> dict:
+    """One line of metrics.jsonl."""
+    world = dist.get_world_size()
+    llm_tflops = counts["llm_flops"] / step_time / world / 1e12
+    vision_tflops = counts["vision_flops"] / step_time / world / 1e12
+    tokens = counts["tokens"]
+    return {
+        "step": state["step"], "loss": result.loss_sum / tp / counts["label_tokens"], "grad_norm": result.grad_norm,
+        "lr": cfg.optimizer.lr * lr_scale, "tokens": state["tokens"], "samples": state["samples"],
+        "label_tokens": int(counts["label_tokens"]),
+        "tokens_per_s": tokens / step_time, "tokens_per_s_per_device": tokens / step_time / world,
+        "tflops_per_device": llm_tflops + vision_tflops,
+        "mfu": 100 * (llm_tflops + vision_tflops) / peak if peak else None,
+        "llm_tflops_per_device": llm_tflops, "vision_tflops_per_device": vision_tflops,
+        "peak_mem_gb": _peak_mem_gb(device), "data_wait_s": data_wait, "step_time_s": step_time,
+        "world_size": world, "skipped_steps": state["skipped_steps"],
+    }
+
+
+def agreed_signal(stop: _StopSignal) -> int:
+    """The stop signal any rank received (0: none), the same on every rank."""
+    flag = torch.tensor([stop.signum])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
+
+
+def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
+    rank, dims = dist.get_rank(), resolve_dims(cfg.parallel, dist.get_world_size())
+    mesh = build_mesh(dims, device)
+    set_seed_and_determinism(cfg)
     backends = check_kernels(cfg, device)  # before anything is written
     if rank == 0:
         print("kernels: " + ", ".join(f"{part} {backend}" for part, backend in backends.items()))
@@ -193,34 +264,13 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
     optimizer = build_optimizer(model, cfg.optimizer, device)
     train_step = build_step(model, optimizer, partial_names, mesh["tp"].get_group() if dims.tp > 1 else None,
                             cfg.loss_chunk_tokens, cfg.max_grad_norm, compiled_loss=cfg.parallel.compile)
-    data = build_data(cfg, model.config, data_rank, dims.dp)
-
+    data = build_data(cfg, model.config, dp_rank(dims), dims.dp)
     # Written only now: a setting that does not fit the model (trainable, tp) leaves nothing behind.
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        reason = archive_stale_run(out, cfg)  # checkpoints of another run are moved aside
-        if reason:
-            print(reason)
-        mark_unfinished(out)
-        save_config(cfg, out / "config.yaml")
-    dist.barrier()
-
-    layout = {"world_size": world, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
-              "grad_accum_steps": cfg.grad_accum_steps, "micro_batch_size": cfg.micro_batch_size}
-    state = {"step": 0, "samples": 0, "tokens": 0, "skipped_steps": 0, **{f"layout_{k}": 0 for k in layout}}
-    checkpointer = Checkpointer(out, cfg.checkpoint.keep, cfg.checkpoint.async_save) if cfg.checkpoint.enabled else None
-    latest = checkpointer.latest() if checkpointer else None
-    if latest is not None:
-        resume(checkpointer, latest, model, optimizer, data, state, layout)
-    state.update({f"layout_{k}": v for k, v in layout.items()})
-    if state["step"] == cfg.steps and rank == 0:
-        print(f"step {cfg.steps} was reached before final/ and done were written: writing them, no training")
-
+    prepare_output_dir(cfg, out)
+    checkpointer, state = start_state(cfg, out, dims, model, optimizer, data)
     logger = MetricsLogger(out, rank == 0, cfg.metrics.tensorboard, cfg.metrics.wandb, to_dict(cfg), state["step"])
     peak = peak_tflops(device, cfg.metrics.peak_tflops)
-    stop = _StopSignal()
-    batches = iter(data)
-    nonfinite_in_a_row = 0
+    stop, batches, nonfinite_in_a_row = _StopSignal(), iter(data), 0
 
     def save_checkpoint():
         if checkpointer is not None:
@@ -231,60 +281,34 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
         t0 = time.perf_counter()
         host_micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
         data_wait = time.perf_counter() - t0
-        stats = host_stats(host_micro)
-        llm_flops, vision_flops = map(sum, zip(*(batch_flops(model.config, b) for b in host_micro)))
-        counts = torch.tensor([stats["label_tokens"], stats["samples"], stats["tokens"], llm_flops, vision_flops],
-                              dtype=torch.float64)
-        dist.all_reduce(counts)  # on the host (gloo): no GPU wait
-        label_tokens, samples, tokens, llm_flops, vision_flops = (counts / dims.tp).tolist()
-        if label_tokens == 0:
-            raise TrainingError(f"step {state['step'] + 1}: the global batch has no label tokens")
-
-        done = state["step"] + 1 if cfg.schedule.unit == "steps" else state["samples"] + int(samples)
+        counts = global_counts(host_micro, model.config, dims.tp, state["step"])
+        done = state["step"] + 1 if cfg.schedule.unit == "steps" else state["samples"] + int(counts["samples"])
         factor = lr_factor(cfg.schedule, done, schedule_total(cfg))
-        result = train_step([to_device(b, device) for b in host_micro], label_tokens,
+        result = train_step([to_device(b, device) for b in host_micro], counts["label_tokens"],
                             lambda opt: set_lr(opt, factor))
-        step_loss = result.loss_sum / dims.tp / label_tokens
-        if result.applied:
-            nonfinite_in_a_row = 0
-        else:
-            state["skipped_steps"] += 1
-            nonfinite_in_a_row += 1
+        nonfinite_in_a_row = 0 if result.applied else nonfinite_in_a_row + 1
+        state["skipped_steps"] += not result.applied
         state["step"] += 1
-        state["samples"] += int(samples)
-        state["tokens"] += int(tokens)
+        state["samples"] += int(counts["samples"])
+        state["tokens"] += int(counts["tokens"])
         # Host time of the step: the step's one host read (norm and loss) waits for its backward,
         # so from step to step this follows the GPU without a synchronize of its own.
         step_time = time.perf_counter() - t0
-
-        llm_tflops = llm_flops / step_time / world / 1e12
-        vision_tflops = vision_flops / step_time / world / 1e12
-        logger.log({
-            "step": state["step"], "loss": step_loss, "grad_norm": result.grad_norm, "lr": cfg.optimizer.lr * factor,
-            "tokens": state["tokens"], "samples": state["samples"], "label_tokens": int(label_tokens),
-            "tokens_per_s": tokens / step_time, "tokens_per_s_per_device": tokens / step_time / world,
-            "tflops_per_device": llm_tflops + vision_tflops,
-            "mfu": 100 * (llm_tflops + vision_tflops) / peak if peak else None,
-            "llm_tflops_per_device": llm_tflops, "vision_tflops_per_device": vision_tflops,
-            "peak_mem_gb": _peak_mem_gb(device), "data_wait_s": data_wait, "step_time_s": step_time,
-            "world_size": world, "skipped_steps": state["skipped_steps"],
-        })
+        logger.log(step_record(cfg, state, result, counts, factor, step_time, data_wait, peak, device, dims.tp))
 
         if nonfinite_in_a_row >= cfg.max_nonfinite_steps:
             save_checkpoint()
             _finish(checkpointer, logger)
             raise TrainingError(f"step {state['step']}: {nonfinite_in_a_row} steps in a row with a non-finite "
                                 f"loss or gradient norm; checkpoint saved, stopping (max_nonfinite_steps)")
-        flag = torch.tensor([stop.signum])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item():
+        signum = agreed_signal(stop)
+        if signum:
             save_checkpoint()
             _finish(checkpointer, logger)
             if rank == 0:
-                print(f"signal {flag.item()}: checkpoint saved at step {state['step']}, exiting to be resumed")
-            return 128 + int(flag.item())
-        last = state["step"] == cfg.steps
-        if (cfg.checkpoint.interval and state["step"] % cfg.checkpoint.interval == 0) or last:
+                print(f"signal {signum}: checkpoint saved at step {state['step']}, exiting to be resumed")
+            return 128 + signum
+        if (cfg.checkpoint.interval and state["step"] % cfg.checkpoint.interval == 0) or state["step"] == cfg.steps:
             save_checkpoint()
 
     _finish(checkpointer, logger)
