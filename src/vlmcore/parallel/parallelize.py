@@ -13,8 +13,9 @@ from vlmcore.parallel.mesh import ParallelDims, dp_mesh
 from vlmcore.parallel.tp import apply_tp
 
 
-def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, dims: ParallelDims) -> list[str]:
-    """Returns the names of parameters whose gradients must be summed over the TP ranks."""
+def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, dims: ParallelDims) -> list:
+    """Returns the (module, attribute name) of the parameters whose gradients must be summed over
+    the TP ranks."""
     blocks, vision = model.decoder_layers(), model.vision_tower()
     partial = []
     if dims.tp > 1:

@@ -129,10 +129,10 @@ def check_kernels(cfg: TrainConfig, device: torch.device) -> dict:
 
 def build_meta_model(cfg: TrainConfig, mesh, dims):
     """The stage's model on the meta device (no memory): frozen by `trainable` and parallelized.
-    Returns the model and the names of parameters with TP-partial gradients."""
+    Returns the model and its parameters with TP-partial gradients (`apply_tp`)."""
     model = build_model(cfg.model_path, device="meta")
     freeze(model, cfg.trainable)
-    return model, set(parallelize(model, cfg, mesh, dims))
+    return model, parallelize(model, cfg, mesh, dims)
 
 
 def materialize(model, device: torch.device) -> None:
@@ -144,8 +144,8 @@ def materialize(model, device: torch.device) -> None:
 
 def build_parallel_model(cfg: TrainConfig, mesh, dims, device: torch.device):
     """The stage's model, sharded and loaded: the previous stage's final/, else the snapshot's
-    safetensors. Returns the model and the names of parameters with TP-partial gradients."""
-    model, partial_names = build_meta_model(cfg, mesh, dims)
+    safetensors. Returns the model and its parameters with TP-partial gradients (`apply_tp`)."""
+    model, partial_params = build_meta_model(cfg, mesh, dims)
     materialize(model, device)
     if cfg.init_from:
         load_model_weights(model, cfg.init_from)
@@ -153,7 +153,7 @@ def build_parallel_model(cfg: TrainConfig, mesh, dims, device: torch.device):
         load_hf_weights(model, cfg.model_path)
     elif dist.get_rank() == 0:
         print(f"{cfg.model_path}: no safetensors, training from random init")
-    return model, partial_names
+    return model, partial_params
 
 
 def resume(checkpointer: Checkpointer, path: Path, model, optimizer, data, state: dict, layout: dict) -> None:
@@ -259,10 +259,10 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
     backends = check_kernels(cfg, device)  # before anything is written
     if rank == 0:
         print("kernels: " + ", ".join(f"{part} {backend}" for part, backend in backends.items()))
-    model, partial_names = build_parallel_model(cfg, mesh, dims, device)
+    model, partial_params = build_parallel_model(cfg, mesh, dims, device)
     model.train()
     optimizer = build_optimizer(model, cfg.optimizer, device)
-    train_step = build_step(model, optimizer, partial_names, mesh["tp"].get_group() if dims.tp > 1 else None,
+    train_step = build_step(model, optimizer, partial_params, mesh["tp"].get_group() if dims.tp > 1 else None,
                             cfg.loss_chunk_tokens, cfg.max_grad_norm, compiled_loss=cfg.parallel.compile)
     data = build_data(cfg, model.config, dp_rank(dims), dims.dp)
     # Written only now: a setting that does not fit the model (trainable, tp) leaves nothing behind.
