@@ -61,8 +61,7 @@ def from_pretrained(path, dtype=None, device=None) -> torch.nn.Module:
     model = build_model(path, device="meta")
     model.to(dtype or config_dtype(model.config))
     model.to_empty(device=device or "cpu")
-    model.tie_weights()
-    load_hf_weights(model, path)
+    load_hf_weights(model, path)  # ties a tied lm_head again
     return model
 
 
