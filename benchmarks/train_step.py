@@ -99,7 +99,7 @@ def bench_vlmcore(cfg, host_batch, device, args):
 
     from vlmcore.parallel.mesh import build_mesh, init_distributed, resolve_dims
     from vlmcore.train.loop import build_parallel_model, check_kernels
-    from vlmcore.train.metrics import batch_flops
+    from vlmcore.train.metrics_log import batch_flops
     from vlmcore.train.optim import build_optimizer
     from vlmcore.train.step import build_step, host_stats, to_device
 
@@ -220,7 +220,7 @@ def run_case(args, family: str, device: torch.device) -> dict:
 
             estimate = estimate_memory(cfg, 1, seq_len, preset["image_side"], segments=max(1, seq_len // 512))
             results["vlmcore"]["estimated_peak_gib"] = estimate["peak_bytes"] / 2**30
-    from vlmcore.train.metrics import peak_tflops
+    from vlmcore.train.metrics_log import peak_tflops
 
     peak = peak_tflops(device, None)
     tokens = batch["input_ids"].numel()

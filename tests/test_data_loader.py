@@ -12,7 +12,7 @@ from vlmcore.data.loader import build_loader, write_blend
 from vlmcore.data.pack import pack
 from vlmcore.data.prepare import prepare
 from vlmcore.data.synthetic import generate
-from vlmcore.models import load_config, position_ids
+from vlmcore.models import load_hf_config, position_ids
 
 SEQ_LEN = 128
 
@@ -43,7 +43,7 @@ def assert_same_batches(a, b):
 
 def test_batch_format(packed):
     loader = build_loader(packed / "packed" / "conversations", dp_rank=0, dp_world=1, micro_batch_size=2, seed=0, num_workers=0)
-    config = load_config(packed / "model")
+    config = load_hf_config(packed / "model")
     for batch in take(loader, 4):
         ids, labels, pos, cu = batch["input_ids"], batch["labels"], batch["position_ids"], batch["cu_seqlens"]
         assert ids.shape == labels.shape == (2, SEQ_LEN) and ids.dtype == labels.dtype == torch.int64

@@ -88,7 +88,7 @@ def test_weights_load_into_a_model_sharded_on_meta(tmp_path):
             fully_shard(layer)
         fully_shard(model)
         model.to_empty(device="cpu")
-        models.load_weights(model, tmp_path / "hf")
+        models.load_hf_weights(model, tmp_path / "hf")
         assert model.lm_head.weight is model.model.embed_tokens.weight
         ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(5))
         assert max_rel(model(ids).logits, hf(input_ids=ids).logits) < 1e-4

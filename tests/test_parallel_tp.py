@@ -33,11 +33,9 @@ def worker(root: Path) -> None:
 
     from vlmcore.models import build_model, from_pretrained
     from vlmcore.parallel.mesh import init_distributed
-    from vlmcore.parallel.parallelize import decoder_blocks
     from vlmcore.parallel.tp import apply_tp
-    from vlmcore.train.checkpoint import load_hf_weights
+    from vlmcore.models import load_hf_weights
     from vlmcore.train.step import sum_partial_grads
-    from vlmcore.train.optim import clean_name
     from vlmcore.train.random_data import RandomBatches
 
     init_distributed(torch.device("cpu"))
@@ -55,13 +53,13 @@ def worker(root: Path) -> None:
         ref_grads = {n: p.grad for n, p in reference.named_parameters()}
 
         model = build_model(path, device="meta")
-        partial = set(apply_tp(model, decoder_blocks(model), mesh, sequence_parallel))
+        partial = apply_tp(model, mesh, sequence_parallel)
         model.to_empty(device="cpu")
         with torch.no_grad():
             model.init_weights()
         load_hf_weights(model, path)
         loss = loss_and_grads(model, batch)
-        sum_partial_grads([p for n, p in model.named_parameters() if clean_name(n) in partial], mesh.get_group())
+        sum_partial_grads([getattr(m, name) for m, name in partial], mesh.get_group())
         worst, sharded, linear_sharded = 0.0, 0, 0
         for name, param in model.named_parameters():
             grad = param.grad
@@ -72,7 +70,7 @@ def worker(root: Path) -> None:
             worst = max(worst, (grad - ref_grads[name]).abs().max().item())
         report[f"{kind}-sp{int(sequence_parallel)}"] = {"loss": loss, "ref_loss": ref_loss, "max_grad_diff": worst, "sharded": sharded,
                         "partial": len(partial), "linear_sharded": linear_sharded,
-                        "linear_layers": sum(hasattr(b, "linear_attn") for b in decoder_blocks(model))}
+                        "linear_layers": sum(hasattr(b, "linear_attn") for b in model.decoder_layers())}
     if dist.get_rank() == 0:
         (root / "report.json").write_text(json.dumps(report))
     dist.destroy_process_group()

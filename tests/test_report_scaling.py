@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from vlmcore import cli
-from vlmcore.report.metrics import import_points, read_metrics, scaling_table, summarize_point
+from vlmcore.report.tables import import_points, read_metrics, scaling_table, summarize_point
 
 
 def write_metrics(path: Path, world_size: int, per_device: list[float], mem: list[float], mfu=None) -> Path:

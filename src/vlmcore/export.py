@@ -28,34 +28,17 @@ from safetensors import safe_open
 
 import vlmcore
 from vlmcore.download import sha256_of
+from vlmcore.models.hf import IGNORED_PREFIXES, snapshot_tensor_info
 
 PROVENANCE = "provenance.json"
 # Snapshot files that describe the source weights, not the exported ones.
 NOT_COPIED_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".pt", ".pth", ".bin.index.json")
 NOT_COPIED_NAMES = {"manifest.json"}
-SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
-                      "I64": "int64", "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def snapshot_tensor_info(model_dir) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """name -> (shape, dtype) of every tensor in a snapshot's safetensors files (headers only)."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_dir}: no *.safetensors weights")
-    info = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                tensor_slice = f.get_slice(name)
-                info[name] = (tuple(tensor_slice.get_shape()), getattr(torch, SAFETENSORS_DTYPES[tensor_slice.get_dtype()]))
-    return info
 
 
 def untrained_prefixes(model_dir) -> tuple[str, ...]:
     """Name prefixes of snapshot tensors the native model does not train (Qwen3.5's MTP head)."""
-    from vlmcore.models.hf import IGNORED_PREFIXES
-
     config = json.loads((Path(model_dir) / "config.json").read_text())
     return IGNORED_PREFIXES.get(config.get("model_type"), ())
 

@@ -42,7 +42,7 @@ from vlmcore.data.pack import PACK_MODEL_DIR, measure_sample
 from vlmcore.data.packing import best_fit_decreasing
 from vlmcore.data.quality import LOGGED_PER_REASON, BadSample, load_image, load_json
 from vlmcore.data.shards import shard_paths
-from vlmcore.models import load_config, position_ids
+from vlmcore.models import load_hf_config, position_ids
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class PackedTaskEncoder(DefaultTaskEncoder):
     def __init__(self, model_dir, seq_len: int):
         super().__init__()
         self.encoder = SampleEncoder(model_dir)
-        self.model_config = load_config(model_dir)
+        self.model_config = load_hf_config(model_dir)
         self.seq_len = seq_len
         self.cookers = [Cooker(self.cook)]
 

@@ -2,10 +2,10 @@
 
     model = build_model(path)              # on the meta device, no memory used
     ... parallelize ...
-    model.to_empty(device="cuda"); load_weights(model, path)   # or model.init_weights()
+    model.to_empty(device="cuda"); load_hf_weights(model, path)   # or model.init_weights()
 
 `from_pretrained` does all of it on one device. Plain `to_empty` unties a tied `lm_head` from the
-embedding (FSDP2-sharded models keep the tie); `init_weights` and `load_weights` tie it again.
+embedding (FSDP2-sharded models keep the tie); `init_weights` and `load_hf_weights` tie it again.
 """
 
 from pathlib import Path
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from .hf import load_weights, save_pretrained
+from .hf import load_hf_weights, save_pretrained
 from .layers import ModelOutput
 from .qwen3 import Qwen3ForCausalLM, text_position_ids
 from .qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
@@ -26,11 +26,11 @@ MODEL_CLASSES = {
     "qwen3_5_text": Qwen3_5ForCausalLM,
 }
 
-__all__ = ["MODEL_CLASSES", "ModelOutput", "build_model", "from_pretrained", "load_config",
-           "load_weights", "position_ids", "save_pretrained"]
+__all__ = ["MODEL_CLASSES", "ModelOutput", "build_model", "from_pretrained", "load_hf_config",
+           "load_hf_weights", "position_ids", "save_pretrained"]
 
 
-def load_config(path) -> PretrainedConfig:
+def load_hf_config(path) -> PretrainedConfig:
     """The transformers config object of a snapshot directory (no remote code)."""
     if not (Path(path) / "config.json").exists():
         raise FileNotFoundError(f"{path}: no config.json")
@@ -45,7 +45,7 @@ def model_class(config: PretrainedConfig):
 
 def build_model(path_or_config, device="meta") -> torch.nn.Module:
     """The model of a snapshot directory or config, without weights (meta device by default)."""
-    config = path_or_config if isinstance(path_or_config, PretrainedConfig) else load_config(path_or_config)
+    config = path_or_config if isinstance(path_or_config, PretrainedConfig) else load_hf_config(path_or_config)
     cls = model_class(config)
     with torch.device(device):
         return cls(config)
@@ -61,8 +61,7 @@ def from_pretrained(path, dtype=None, device=None) -> torch.nn.Module:
     model = build_model(path, device="meta")
     model.to(dtype or config_dtype(model.config))
     model.to_empty(device=device or "cpu")
-    model.tie_weights()
-    load_weights(model, path)
+    load_hf_weights(model, path)  # ties a tied lm_head again
     return model
 
 

@@ -1,23 +1,25 @@
-"""Hugging Face snapshot IO: safetensors (single or sharded with an index) in and out.
+"""Hugging Face snapshot IO, the one way in and out for training, export, tests and benchmarks:
+weights are read with `load_hf_weights` (safetensors only, through torch.distributed.checkpoint, so
+a sharded model reads only its own slices) and written with huggingface_hub's
+`save_torch_state_dict` (here in `save_pretrained`, and in `vlmcore export`).
 
 Parameter names are transformers' own, so a snapshot's state dict maps 1:1 onto the native
 models; the only special case is a tied `lm_head.weight`, which is not stored.
 """
 
 import copy
-import json
 import shutil
 from pathlib import Path
 
 import torch
-from huggingface_hub import split_torch_state_dict_into_shards
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
-from safetensors.torch import save_file
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor
 from transformers import GenerationConfig
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 # Files of a snapshot that belong to the tokenizer / processor and travel with the weights.
 SIDE_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -28,63 +30,47 @@ SIDE_FILES = (
 # Checkpoint tensors a family legitimately carries but the native model does not use
 # (Qwen3.5's multi-token-prediction head).
 IGNORED_PREFIXES = {"qwen3_5": ("mtp.",), "qwen3_5_text": ("mtp.",)}
+SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
+                      "I64": "int64", "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
 
-def weight_files(path: Path) -> dict[str, Path]:
-    """Name -> safetensors file holding it, from the index or the single file."""
-    if (path / INDEX_FILE).exists():
-        index = json.loads((path / INDEX_FILE).read_text())
-        return {name: path / file for name, file in index["weight_map"].items()}
-    if (path / SINGLE_FILE).exists():
-        with safe_open(path / SINGLE_FILE, framework="pt") as f:
-            return {name: path / SINGLE_FILE for name in f.keys()}
-    raise FileNotFoundError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors weights are read)")
+def snapshot_tensor_info(path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, dtype) of every tensor in a snapshot's safetensors files (headers only)."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights (only safetensors weights are read)")
+    info = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                tensor_slice = f.get_slice(name)
+                info[name] = (tuple(tensor_slice.get_shape()), getattr(torch, SAFETENSORS_DTYPES[tensor_slice.get_dtype()]))
+    return info
 
 
-def expected_names(model) -> set[str]:
-    names = set(model.state_dict())
-    if model.config.tie_word_embeddings:
-        names.discard("lm_head.weight")
-    return names
+def load_hf_weights(model, path) -> None:
+    """Copy a snapshot's tensors into `model` (materialized, possibly sharded with FSDP2 / TP):
+    each rank reads only the slices of its own shards, cast to the parameter's dtype.
 
-
-def load_weights(model, path) -> None:
-    """Copy a snapshot's tensors into `model` (materialized, possibly sharded with DTensor).
-
-    Fails, listing them, on missing, unexpected or mis-shaped tensors. Tensors are cast to the
-    parameter's dtype; DTensor parameters receive their own shard of the full tensor.
-    """
-    path = Path(path)
-    files = weight_files(path)
-    params = model.state_dict()
-    expected = expected_names(model)
+    Fails, listing them, on missing, unexpected or mis-shaped tensors; tensors the family carries
+    but the model does not use (IGNORED_PREFIXES) are skipped. A tied `lm_head` is tied again."""
+    path, tied = Path(path), model.config.tie_word_embeddings
+    found = snapshot_tensor_info(path)
+    state = get_model_state_dict(model)
+    if tied:
+        state.pop("lm_head.weight")  # stored once, as the input embedding
     ignored = IGNORED_PREFIXES.get(model.config.model_type, ())
-    found = {n for n in files if not n.startswith(ignored)}
-    if model.config.tie_word_embeddings:
-        found.discard("lm_head.weight")
-    missing, unexpected = sorted(expected - found), sorted(found - expected)
+    names = {n for n in found if not n.startswith(ignored) and not (tied and n == "lm_head.weight")}
+    missing, unexpected = sorted(set(state) - names), sorted(names - set(state))
     if missing or unexpected:
         raise ValueError(f"{path}: weights do not match the {model.config.model_type} model: "
                          f"missing {missing}, unexpected {unexpected}")
-    by_file: dict[Path, list[str]] = {}
-    for name in sorted(expected):
-        by_file.setdefault(files[name], []).append(name)
-    mismatched = []
-    with torch.no_grad():
-        for file, names in by_file.items():
-            with safe_open(file, framework="pt") as f:
-                for name in names:
-                    param = params[name]
-                    shape = tuple(f.get_slice(name).get_shape())
-                    if shape != tuple(param.shape):
-                        mismatched.append(f"{name}: checkpoint {shape} vs model {tuple(param.shape)}")
-                        continue
-                    tensor = f.get_tensor(name).to(param.dtype)
-                    if isinstance(param, DTensor):
-                        tensor = distribute_tensor(tensor.to(param.device), param.device_mesh, param.placements)
-                    param.copy_(tensor)
+    mismatched = [f"{n}: checkpoint {found[n][0]} vs model {tuple(t.shape)}" for n, t in sorted(state.items())
+                  if found[n][0] != tuple(t.shape)]
     if mismatched:
         raise ValueError(f"{path}: tensors with the wrong shape: {mismatched}")
+    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)), no_dist=not dist.is_initialized())
+    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
     model.tie_weights()
 
 
@@ -102,23 +88,12 @@ def full_state_dict(model, state_dict=None) -> dict[str, torch.Tensor]:
 
 
 def save_pretrained(model, path, source_dir=None, max_shard_size="5GB", state_dict=None) -> None:
-    """Write an HF directory: sharded safetensors (+ index), config.json, generation config and,
-    from `source_dir`, the tokenizer, chat template and processor files."""
+    """Write an HF directory: safetensors shards (+ index, replacing earlier ones), config.json,
+    generation config and, from `source_dir`, the tokenizer, chat template and processor files."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = full_state_dict(model, state_dict)
-    for old in [*path.glob("model*.safetensors"), path / INDEX_FILE]:
-        old.unlink(missing_ok=True)
-    split = split_torch_state_dict_into_shards(
-        tensors, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size
-    )
-    for file, names in split.filename_to_tensors.items():
-        save_file({n: tensors[n] for n in names}, path / file, metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                 "weight_map": split.tensor_to_filename}
-        (path / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
+    save_torch_state_dict(tensors, path, max_shard_size=max_shard_size)
     config = copy.deepcopy(model.config)
     config.dtype = next(t.dtype for t in tensors.values() if t.is_floating_point())
     config.save_pretrained(path)

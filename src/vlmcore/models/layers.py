@@ -16,19 +16,38 @@ class ModelOutput:
 
 
 class TextModelParts:
-    """The named parts of a text-only model (`self.model` is the decoder stack), which parallelism,
-    freezing and parameter groups act on: found through these accessors, never by module paths."""
+    """The named parts of a text-only model (`self.model` is the decoder stack, `self.lm_head` the
+    output projection), which parallelism, freezing and parameter groups act on: found through
+    these accessors, never by module paths."""
 
     def text_model(self) -> nn.Module:
         """The decoder stack: `embed_tokens`, `layers`, `norm`, `split_sequence`."""
         return self.model
 
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.text_model().layers
+
+    def token_embedding(self) -> nn.Embedding:
+        return self.text_model().embed_tokens
+
     def vision_tower(self) -> nn.Module | None:
+        return None
+
+    def vision_layers(self) -> nn.ModuleList | None:
+        """The vision tower's transformer blocks."""
         return None
 
     def projectors(self) -> list[nn.Module]:
         """The modules that map vision features into the LLM (inside the vision tower)."""
         return []
+
+    def tie_weights(self):
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.token_embedding().weight
+
+    def init_weights(self):
+        init_weights(self, init_std(self.config))
+        self.tie_weights()
 
 
 class VisionLanguageParts(TextModelParts):
@@ -39,6 +58,9 @@ class VisionLanguageParts(TextModelParts):
 
     def vision_tower(self) -> nn.Module:
         return self.model.visual
+
+    def vision_layers(self) -> nn.ModuleList:
+        return self.model.visual.blocks
 
     def projectors(self) -> list[nn.Module]:
         return [self.model.visual.merger, *self.model.visual.deepstack_merger_list]

@@ -8,8 +8,7 @@ import torch
 from torch import nn
 
 from .attention import attention, segment_ids
-from .layers import (ModelOutput, RMSNorm, SwiGLU, TextModelParts, apply_rotary, init_std, init_weights, rope_cos_sin,
-                     rope_inv_freq)
+from .layers import ModelOutput, RMSNorm, SwiGLU, TextModelParts, apply_rotary, rope_cos_sin, rope_inv_freq
 
 
 def check_text_config(config, where: str):
@@ -95,14 +94,6 @@ class Qwen3ForCausalLM(TextModelParts, nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.model = TextModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
-
-    def tie_weights(self):
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def init_weights(self):
-        init_weights(self, init_std(self.config))
         self.tie_weights()
 
     def forward(self, input_ids, pixel_values=None, image_grid_thw=None, position_ids=None,

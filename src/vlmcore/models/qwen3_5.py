@@ -21,12 +21,12 @@ from torch.distributed.tensor import DTensor, Partial
 
 from .attention import attention
 from .layers import (
-    ModelOutput, SwiGLU, TextModelParts, VisionLanguageParts, ZeroCenteredRMSNorm, apply_rotary, grid_list, init_std,
-    init_weights, mrope_cos_sin, rope_inv_freq, scatter_image_features,
+    ModelOutput, SwiGLU, TextModelParts, VisionLanguageParts, ZeroCenteredRMSNorm, apply_rotary, grid_list,
+    mrope_cos_sin, rope_inv_freq, scatter_image_features,
 )
 from .linear_attention import causal_depthwise_conv, gated_delta_rule, host_segments, row_segments
 from .qwen3 import check_text_config, text_position_ids
-from .qwen3_vl import VisionModel, mrope_position_ids
+from .qwen3_vl import Qwen3VLForConditionalGeneration, VisionModel
 
 DEFAULT_MROPE_SECTION = [11, 11, 10]  # transformers' value when the config has none
 
@@ -209,18 +209,7 @@ class Qwen3_5ForConditionalGeneration(VisionLanguageParts, nn.Module):
         self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
         self.tie_weights()
 
-    def tie_weights(self):
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.language_model.embed_tokens.weight
-
-    def init_weights(self):
-        init_weights(self, init_std(self.config))
-        self.tie_weights()
-
-    def position_ids(self, input_ids, image_grid_thw=None, cu_seqlens=None):
-        return mrope_position_ids(
-            input_ids, image_grid_thw, cu_seqlens, self.config.image_token_id, self.config.vision_config.spatial_merge_size
-        )
+    position_ids = Qwen3VLForConditionalGeneration.position_ids  # the same M-RoPE positions
 
     def embed(self, input_ids, pixel_values, image_grid_thw):
         h = self.model.language_model.embed_tokens(input_ids)
@@ -249,14 +238,6 @@ class Qwen3_5ForCausalLM(TextModelParts, nn.Module):
         self.config = config
         self.model = TextModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
-
-    def tie_weights(self):
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def init_weights(self):
-        init_weights(self, init_std(self.config))
         self.tie_weights()
 
     def forward(self, input_ids, pixel_values=None, image_grid_thw=None, position_ids=None,

@@ -5,10 +5,8 @@ grid, 2-D rotary, pre-norm blocks with a fused `attn.qkv`, a patch merger to the
 DeepStack mergers whose outputs are added to the hidden states of the first LLM layers at image
 positions. LLM: the Qwen3 decoder with interleaved multimodal RoPE (t, h, w).
 
-Tensor parallelism of the fused `attn.qkv` (out = [q | k | v], each num_heads * head_dim rows):
-shard it column-wise only after viewing the weight as (3, num_heads, head_dim, in) and splitting
-dim 1, so every rank keeps whole heads of q, k and v; `attn.proj` is then row-parallel. The
-default plan keeps the vision tower data-parallel only.
+The vision tower has no tensor-parallel plan: under TP it is sharded by FSDP over all ranks
+(vlmcore.parallel.tp).
 """
 
 import torch
@@ -16,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import attention
-from .layers import (ModelOutput, VisionLanguageParts, apply_rotary, grid_list, init_std, init_weights, mrope_cos_sin,
+from .layers import (ModelOutput, VisionLanguageParts, apply_rotary, grid_list, mrope_cos_sin,
                      rope_inv_freq, scatter_image_features)
 from .qwen3 import TextModel, check_text_config
 
@@ -248,14 +246,6 @@ class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.model = Qwen3VLModel(config)
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
-        self.tie_weights()
-
-    def tie_weights(self):
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.language_model.embed_tokens.weight
-
-    def init_weights(self):
-        init_weights(self, init_std(self.config))
         self.tie_weights()
 
     def position_ids(self, input_ids, image_grid_thw=None, cu_seqlens=None):

@@ -13,20 +13,14 @@ from vlmcore.parallel.mesh import ParallelDims, dp_mesh
 from vlmcore.parallel.tp import apply_tp
 
 
-def decoder_blocks(model: nn.Module) -> nn.Module:
-    """The ModuleList of LLM decoder blocks."""
-    return model.text_model().layers
-
-
-def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, dims: ParallelDims) -> list[str]:
-    """Returns the names of parameters whose gradients must be summed over the TP ranks."""
-    blocks = decoder_blocks(model)
-    vision = model.vision_tower()
+def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, dims: ParallelDims) -> list:
+    """Returns the (module, attribute name) of the parameters whose gradients must be summed over
+    the TP ranks."""
+    blocks, vision = model.decoder_layers(), model.vision_tower()
     partial = []
     if dims.tp > 1:
-        partial = apply_tp(model, blocks, mesh["tp"], cfg.parallel.sequence_parallel)
-    vision_blocks = [vision.blocks] if vision is not None and hasattr(vision, "blocks") else []
-    for stack in [blocks] + vision_blocks:
+        partial = apply_tp(model, mesh["tp"], cfg.parallel.sequence_parallel)
+    for stack in [blocks] + ([model.vision_layers()] if vision is not None else []):
         apply_ac(stack, cfg.parallel.activation_checkpointing)
         if cfg.parallel.compile:
             apply_compile(stack)

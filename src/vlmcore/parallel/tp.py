@@ -23,7 +23,8 @@ ranks instead): every TP rank computes the same thing.
 
 Parameters that are whole on every TP rank but used for local heads only (per-head q/k norms,
 the gated norm and the rows read by the linear-attention mixers) get partial gradients on each
-rank; `apply_tp` returns their names for the loop to all-reduce once per optimizer step.
+rank; `apply_tp` returns them, as (module, attribute name) since FSDP later replaces the
+parameter objects on the same modules, for the train step to all-reduce once per optimizer step.
 """
 
 import torch
@@ -122,22 +123,19 @@ def _set_local_heads(block: nn.Module, tp_mesh: DeviceMesh) -> None:
         block.linear_attn.head_shard = (tp_mesh.get_local_rank(), tp_mesh.size())
 
 
-def apply_tp(model: nn.Module, blocks: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> list[str]:
-    """Shards `model` in place over `tp_mesh`; returns the names of parameters whose gradients
-    are partial sums over the TP ranks."""
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> list[tuple[nn.Module, str]]:
+    """Shards `model` in place over `tp_mesh`; returns the (module, attribute name) of every
+    parameter whose gradient is a partial sum over the TP ranks."""
     check_tp(model.config, tp_mesh.size())
     partial = []
-    blocks_name = next(n for n, m in model.named_modules() if m is blocks)
-    for index, block in blocks.named_children():
+    for block in model.decoder_layers():
         parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))
         _set_local_heads(block, tp_mesh)
-        if hasattr(block, "self_attn"):
-            partial += [f"{blocks_name}.{index}.{norm}.weight" for norm in HEAD_NORMS
-                        if hasattr(block.self_attn, norm.split(".")[1])]
-        if hasattr(block, "linear_attn"):
-            partial += [f"{blocks_name}.{index}.linear_attn.{name}" for name in LINEAR_ATTN_PARTIAL]
-    text_model = model.text_model()
-    embed = text_model.embed_tokens
+        names = [f"{norm}.weight" for norm in HEAD_NORMS if hasattr(block, "self_attn")
+                 and hasattr(block.self_attn, norm.split(".")[1])]
+        names += [f"linear_attn.{name}" for name in LINEAR_ATTN_PARTIAL if hasattr(block, "linear_attn")]
+        partial += [(block.get_submodule(path), attr) for path, _, attr in (n.rpartition(".") for n in names)]
+    text_model, embed = model.text_model(), model.token_embedding()
     parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     if sequence_parallel:
         if torch.__version__ < (2, 13):

@@ -1,11 +1,11 @@
 """`vlmcore report`: scaling.csv, PNG plots and SCALABILITY.md.
 
 Inputs: this experiment's scaling runs (`--scaling ws2=scaling/ws2`), points imported from runs
-done elsewhere (`--import`, see vlmcore/report/metrics.py), the training stages' metrics
+done elsewhere (`--import`, see vlmcore/report/tables.py), the training stages' metrics
 (`--train stage1=train/stage1/metrics.jsonl`) and eval results (`--eval [label=]eval/results.json`).
 
 Output directory:
-  scaling.csv            one row per scaling point (columns: vlmcore.report.metrics.SCALING_COLUMNS)
+  scaling.csv            one row per scaling point (columns: vlmcore.report.tables.SCALING_COLUMNS)
   training.csv           one row per training stage (when --train is given)
   eval.csv               tidy eval table across runs (when --eval is given)
   plots/*.png            scaling_throughput, scaling_efficiency, scaling_flops, scaling_memory,
@@ -25,7 +25,7 @@ import vlmcore
 from vlmcore.eval.results import gather
 from vlmcore.export import git_commit
 from vlmcore.report import plots
-from vlmcore.report.metrics import import_points, point_from_metrics, read_metrics, scaling_table, settings_of
+from vlmcore.report.tables import import_points, point_from_metrics, read_metrics, scaling_table, settings_of
 
 
 def parse_labelled(values: list[str], option: str, default_label=None) -> dict[str, str]:

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 
 
 def _is_rank0() -> bool:
@@ -180,12 +180,3 @@ def load_model_weights(model: nn.Module, init_from: str | Path) -> None:
     dcp.load(state, checkpoint_id=str(init_from))
     set_model_state_dict(model, state["model"])
 
-
-def load_hf_weights(model: nn.Module, model_path: str | Path) -> None:
-    """Loads an HF snapshot's safetensors into the (sharded) model: every rank reads only the
-    slices of its own shards, so no rank holds a full copy."""
-    model_sd = get_model_state_dict(model)
-    if getattr(model.config, "tie_word_embeddings", False):
-        model_sd.pop("lm_head.weight")  # stored once, as the input embedding
-    dcp.load(model_sd, storage_reader=dcp.HuggingFaceStorageReader(str(model_path)))
-    set_model_state_dict(model, model_sd, options=StateDictOptions(strict=False))

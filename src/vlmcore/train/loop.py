@@ -25,9 +25,9 @@ import torch.distributed.checkpoint as dcp
 from vlmcore.config import ConfigError, TrainConfig, load_config, save_config, to_dict, warnings_of
 from vlmcore.parallel.mesh import build_mesh, device_for_rank, dp_rank, init_distributed, resolve_dims
 from vlmcore.parallel.parallelize import parallelize
-from vlmcore.train.checkpoint import (Checkpointer, load_hf_weights, load_model_weights, rng_state, save_final,
-                                      set_rng_state)
-from vlmcore.train.metrics import MetricsLogger, batch_flops, peak_tflops
+from vlmcore.models import build_model, load_hf_config, load_hf_weights
+from vlmcore.train.checkpoint import Checkpointer, load_model_weights, rng_state, save_final, set_rng_state
+from vlmcore.train.metrics_log import MetricsLogger, batch_flops, peak_tflops
 from vlmcore.train.optim import build_optimizer, freeze, lr_factor, schedule_total, set_lr
 from vlmcore.train.run_dir import archive_stale_run, mark_done, mark_unfinished
 from vlmcore.train.step import build_step, host_stats, to_device
@@ -126,9 +126,8 @@ def check_kernels(cfg: TrainConfig, device: torch.device) -> dict:
     """The attention and Gated DeltaNet backends of this run (vlmcore.kernels), set for the model
     code; a version known to compute wrongly on this GPU stops the run here, before any work."""
     from vlmcore import kernels
-    from vlmcore.models import load_config as load_model_config
 
-    text = load_model_config(cfg.model_path)
+    text = load_hf_config(cfg.model_path)
     text = getattr(text, "text_config", None) or text
     has_linear = "linear_attention" in (getattr(text, "layer_types", None) or [])
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
@@ -142,12 +141,10 @@ def check_kernels(cfg: TrainConfig, device: torch.device) -> dict:
 
 def build_meta_model(cfg: TrainConfig, mesh, dims):
     """The stage's model on the meta device (no memory): frozen by `trainable` and parallelized.
-    Returns the model and the names of parameters with TP-partial gradients."""
-    from vlmcore.models import build_model
-
+    Returns the model and its parameters with TP-partial gradients (`apply_tp`)."""
     model = build_model(cfg.model_path, device="meta")
     freeze(model, cfg.trainable)
-    return model, set(parallelize(model, cfg, mesh, dims))
+    return model, parallelize(model, cfg, mesh, dims)
 
 
 def materialize(model, device: torch.device) -> None:
@@ -159,8 +156,8 @@ def materialize(model, device: torch.device) -> None:
 
 def build_parallel_model(cfg: TrainConfig, mesh, dims, device: torch.device):
     """The stage's model, sharded and loaded: the previous stage's final/, else the snapshot's
-    safetensors. Returns the model and the names of parameters with TP-partial gradients."""
-    model, partial_names = build_meta_model(cfg, mesh, dims)
+    safetensors. Returns the model and its parameters with TP-partial gradients (`apply_tp`)."""
+    model, partial_params = build_meta_model(cfg, mesh, dims)
     materialize(model, device)
     if cfg.init_from:
         load_model_weights(model, cfg.init_from)
@@ -168,7 +165,7 @@ def build_parallel_model(cfg: TrainConfig, mesh, dims, device: torch.device):
         load_hf_weights(model, cfg.model_path)
     elif dist.get_rank() == 0:
         print(f"{cfg.model_path}: no safetensors, training from random init")
-    return model, partial_names
+    return model, partial_params
 
 
 def resume(checkpointer: Checkpointer, path: Path, model, optimizer, data, state: dict, layout: dict) -> None:
@@ -191,51 +188,107 @@ def resume(checkpointer: Checkpointer, path: Path, model, optimizer, data, state
         print(f"resumed from {path} at step {state['step']}")
 
 
-def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dims = resolve_dims(cfg.parallel, world)
-    mesh = build_mesh(dims, device)
-    data_rank = dp_rank(dims)
+def set_seed_and_determinism(cfg: TrainConfig) -> None:
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(cfg.seed)
-    backends = check_kernels(cfg, device)  # before anything is written
-    if rank == 0:
-        print("kernels: " + ", ".join(f"{part} {backend}" for part, backend in backends.items()))
-    model, partial_names = build_parallel_model(cfg, mesh, dims, device)
-    model.train()
-    optimizer = build_optimizer(model, cfg.optimizer, device)
-    train_step = build_step(model, optimizer, partial_names, mesh["tp"].get_group() if dims.tp > 1 else None,
-                            cfg.loss_chunk_tokens, cfg.max_grad_norm, compiled_loss=cfg.parallel.compile)
-    data = build_data(cfg, model.config, data_rank, dims.dp)
 
-    # Written only now: a setting that does not fit the model (trainable, tp) leaves nothing behind.
-    if rank == 0:
+
+def prepare_output_dir(cfg: TrainConfig, out: Path) -> None:
+    """Rank 0 moves another run's checkpoints aside, marks the run unfinished and saves its config."""
+    if dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
-        reason = archive_stale_run(out, cfg)  # checkpoints of another run are moved aside
+        reason = archive_stale_run(out, cfg)
         if reason:
             print(reason)
         mark_unfinished(out)
         save_config(cfg, out / "config.yaml")
     dist.barrier()
 
-    layout = {"world_size": world, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
-              "grad_accum_steps": cfg.grad_accum_steps, "micro_batch_size": cfg.micro_batch_size}
+
+def start_state(cfg: TrainConfig, out: Path, dims, model, optimizer, data):
+    """The checkpointer (None when disabled) and the run's counters, resumed from the latest
+    intact checkpoint if there is one."""
+    layout = {"world_size": dims.world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
+              "tp": dims.tp, "grad_accum_steps": cfg.grad_accum_steps, "micro_batch_size": cfg.micro_batch_size}
     state = {"step": 0, "samples": 0, "tokens": 0, "skipped_steps": 0, **{f"layout_{k}": 0 for k in layout}}
     checkpointer = Checkpointer(out, cfg.checkpoint.keep, cfg.checkpoint.async_save) if cfg.checkpoint.enabled else None
     latest = checkpointer.latest() if checkpointer else None
     if latest is not None:
         resume(checkpointer, latest, model, optimizer, data, state, layout)
     state.update({f"layout_{k}": v for k, v in layout.items()})
-    if state["step"] == cfg.steps and rank == 0:
+    if state["step"] == cfg.steps and dist.get_rank() == 0:
         print(f"step {cfg.steps} was reached before final/ and done were written: writing them, no training")
+    return checkpointer, state
 
+
+def global_counts(host_micro: list[dict], model_config, tp: int, step: int) -> dict:
+    """Label tokens, samples, tokens and FLOPs of the global batch, summed on the host (gloo: no
+    GPU wait); tp peers hold the same batch, hence the division."""
+    stats = host_stats(host_micro)
+    llm_flops, vision_flops = map(sum, zip(*(batch_flops(model_config, b) for b in host_micro)))
+    skipped = sum((Counter(b.get("skipped_samples", {})) for b in host_micro), Counter())  # bad samples
+    keys = ("label_tokens", "samples", "tokens", "llm_flops", "vision_flops", "skipped_samples")
+    counts = torch.tensor([*(stats[k] for k in keys[:3]), llm_flops, vision_flops, sum(skipped.values())],
+                          dtype=torch.float64)
+    dist.all_reduce(counts)
+    counts = dict(zip(keys, (counts / tp).tolist()))
+    if counts["label_tokens"] == 0:
+        raise TrainingError(f"step {step + 1}: the global batch has no label tokens")
+    # By reason only on steps that have any: every rank sees the same global sum, so all gather or none.
+    if counts["skipped_samples"]:
+        counts["skipped_samples_by_reason"] = _gather_counts(skipped, tp)
+    return counts
+
+
+def step_record(cfg: TrainConfig, state: dict, result, counts: dict, lr_scale: float, step_time: float,
+                data_wait: float, peak: float | None, device: torch.device, tp: int) -> dict:
+    """One line of metrics.jsonl."""
+    world = dist.get_world_size()
+    llm_tflops = counts["llm_flops"] / step_time / world / 1e12
+    vision_tflops = counts["vision_flops"] / step_time / world / 1e12
+    tokens = counts["tokens"]
+    return {
+        "step": state["step"], "loss": result.loss_sum / tp / counts["label_tokens"], "grad_norm": result.grad_norm,
+        "lr": cfg.optimizer.lr * lr_scale, "tokens": state["tokens"], "samples": state["samples"],
+        "label_tokens": int(counts["label_tokens"]),
+        "tokens_per_s": tokens / step_time, "tokens_per_s_per_device": tokens / step_time / world,
+        "tflops_per_device": llm_tflops + vision_tflops,
+        "mfu": 100 * (llm_tflops + vision_tflops) / peak if peak else None,
+        "llm_tflops_per_device": llm_tflops, "vision_tflops_per_device": vision_tflops,
+        "peak_mem_gb": _peak_mem_gb(device), "data_wait_s": data_wait, "step_time_s": step_time,
+        "world_size": world, "skipped_steps": state["skipped_steps"], "skipped_samples": int(counts["skipped_samples"]),
+        **({"skipped_samples_by_reason": counts["skipped_samples_by_reason"]} if counts["skipped_samples"] else {}),
+    }
+
+
+def agreed_signal(stop: _StopSignal) -> int:
+    """The stop signal any rank received (0: none), the same on every rank."""
+    flag = torch.tensor([stop.signum])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
+
+
+def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
+    rank, dims = dist.get_rank(), resolve_dims(cfg.parallel, dist.get_world_size())
+    mesh = build_mesh(dims, device)
+    set_seed_and_determinism(cfg)
+    backends = check_kernels(cfg, device)  # before anything is written
+    if rank == 0:
+        print("kernels: " + ", ".join(f"{part} {backend}" for part, backend in backends.items()))
+    model, partial_params = build_parallel_model(cfg, mesh, dims, device)
+    model.train()
+    optimizer = build_optimizer(model, cfg.optimizer, device)
+    train_step = build_step(model, optimizer, partial_params, mesh["tp"].get_group() if dims.tp > 1 else None,
+                            cfg.loss_chunk_tokens, cfg.max_grad_norm, compiled_loss=cfg.parallel.compile)
+    data = build_data(cfg, model.config, dp_rank(dims), dims.dp)
+    # Written only now: a setting that does not fit the model (trainable, tp) leaves nothing behind.
+    prepare_output_dir(cfg, out)
+    checkpointer, state = start_state(cfg, out, dims, model, optimizer, data)
     logger = MetricsLogger(out, rank == 0, cfg.metrics.tensorboard, cfg.metrics.wandb, to_dict(cfg), state["step"])
     peak = peak_tflops(device, cfg.metrics.peak_tflops)
-    stop = _StopSignal()
-    batches = iter(data)
-    nonfinite_in_a_row = 0
+    stop, batches, nonfinite_in_a_row = _StopSignal(), iter(data), 0
 
     def save_checkpoint():
         if checkpointer is not None:
@@ -246,62 +299,34 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
         t0 = time.perf_counter()
         host_micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
         data_wait = time.perf_counter() - t0
-        stats = host_stats(host_micro)
-        llm_flops, vision_flops = map(sum, zip(*(batch_flops(model.config, b) for b in host_micro)))
-        skipped = sum((Counter(b.get("skipped_samples", {})) for b in host_micro), Counter())  # bad samples
-        counts = torch.tensor([stats["label_tokens"], stats["samples"], stats["tokens"], llm_flops, vision_flops,
-                               sum(skipped.values())], dtype=torch.float64)
-        dist.all_reduce(counts)  # on the host (gloo): no GPU wait
-        label_tokens, samples, tokens, llm_flops, vision_flops, skipped_samples = (counts / dims.tp).tolist()
-        if label_tokens == 0:
-            raise TrainingError(f"step {state['step'] + 1}: the global batch has no label tokens")
-
-        done = state["step"] + 1 if cfg.schedule.unit == "steps" else state["samples"] + int(samples)
+        counts = global_counts(host_micro, model.config, dims.tp, state["step"])
+        done = state["step"] + 1 if cfg.schedule.unit == "steps" else state["samples"] + int(counts["samples"])
         factor = lr_factor(cfg.schedule, done, schedule_total(cfg))
-        result = train_step([to_device(b, device) for b in host_micro], label_tokens,
+        result = train_step([to_device(b, device) for b in host_micro], counts["label_tokens"],
                             lambda opt: set_lr(opt, factor))
-        step_loss = result.loss_sum / dims.tp / label_tokens
-        if result.applied:
-            nonfinite_in_a_row = 0
-        else:
-            state["skipped_steps"] += 1
-            nonfinite_in_a_row += 1
+        nonfinite_in_a_row = 0 if result.applied else nonfinite_in_a_row + 1
+        state["skipped_steps"] += not result.applied
         state["step"] += 1
-        state["samples"] += int(samples)
-        state["tokens"] += int(tokens)
+        state["samples"] += int(counts["samples"])
+        state["tokens"] += int(counts["tokens"])
         # Host time of the step: the step's one host read (norm and loss) waits for its backward,
         # so from step to step this follows the GPU without a synchronize of its own.
         step_time = time.perf_counter() - t0
-
-        llm_tflops = llm_flops / step_time / world / 1e12
-        vision_tflops = vision_flops / step_time / world / 1e12
-        logger.log({
-            "step": state["step"], "loss": step_loss, "grad_norm": result.grad_norm, "lr": cfg.optimizer.lr * factor,
-            "tokens": state["tokens"], "samples": state["samples"], "label_tokens": int(label_tokens),
-            "tokens_per_s": tokens / step_time, "tokens_per_s_per_device": tokens / step_time / world,
-            "tflops_per_device": llm_tflops + vision_tflops,
-            "mfu": 100 * (llm_tflops + vision_tflops) / peak if peak else None,
-            "llm_tflops_per_device": llm_tflops, "vision_tflops_per_device": vision_tflops,
-            "peak_mem_gb": _peak_mem_gb(device), "data_wait_s": data_wait, "step_time_s": step_time,
-            "world_size": world, "skipped_steps": state["skipped_steps"], "skipped_samples": int(skipped_samples),
-            **({"skipped_samples_by_reason": _gather_counts(skipped, dims.tp)} if skipped_samples else {}),
-        })
+        logger.log(step_record(cfg, state, result, counts, factor, step_time, data_wait, peak, device, dims.tp))
 
         if nonfinite_in_a_row >= cfg.max_nonfinite_steps:
             save_checkpoint()
             _finish(checkpointer, logger)
             raise TrainingError(f"step {state['step']}: {nonfinite_in_a_row} steps in a row with a non-finite "
                                 f"loss or gradient norm; checkpoint saved, stopping (max_nonfinite_steps)")
-        flag = torch.tensor([stop.signum])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item():
+        signum = agreed_signal(stop)
+        if signum:
             save_checkpoint()
             _finish(checkpointer, logger)
             if rank == 0:
-                print(f"signal {flag.item()}: checkpoint saved at step {state['step']}, exiting to be resumed")
-            return 128 + int(flag.item())
-        last = state["step"] == cfg.steps
-        if (cfg.checkpoint.interval and state["step"] % cfg.checkpoint.interval == 0) or last:
+                print(f"signal {signum}: checkpoint saved at step {state['step']}, exiting to be resumed")
+            return 128 + signum
+        if (cfg.checkpoint.interval and state["step"] % cfg.checkpoint.interval == 0) or state["step"] == cfg.steps:
             save_checkpoint()
 
     _finish(checkpointer, logger)

@@ -189,7 +189,7 @@ def estimate_memory(cfg: TrainConfig, world_size: int, seq_len: int, image_side:
         # The mesh and the parallelized meta model are built on real (meta) tensors; only the
         # materialized shards, the optimizer state and the steps are fake.
         mesh = build_mesh(dims, torch.device("cpu"))
-        model, partial_names = build_meta_model(cfg, mesh, dims)
+        model, partial_params = build_meta_model(cfg, mesh, dims)
         # Rank 0's micro-batches, every row with an image. Two micro-batches hold as much as
         # more would: from the second on, the unsynced gradients of the first are held too.
         micro_batches = min(cfg.grad_accum_steps, 2)
@@ -204,7 +204,7 @@ def estimate_memory(cfg: TrainConfig, world_size: int, seq_len: int, image_side:
                 convert = mode.fake_tensor_converter.from_real_tensor
                 micro = [{k: convert(mode, v, make_constant=not v.is_floating_point())
                           if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in micro]
-            peak = _peak_of_two_steps(cfg, model, partial_names, mesh, dims, micro, label_tokens)
+            peak = _peak_of_two_steps(cfg, model, partial_params, mesh, dims, micro, label_tokens)
     return {"world_size": world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
             "seq_len": seq_len, "segments": segments or cfg.data.segments, "micro_batch_size": cfg.micro_batch_size,
             "image_side": image_side,
@@ -213,7 +213,7 @@ def estimate_memory(cfg: TrainConfig, world_size: int, seq_len: int, image_side:
             "peak_bytes": peak.pop("Total"), "peak_bytes_by_kind": peak}
 
 
-def _peak_of_two_steps(cfg, model, partial_names, mesh, dims, micro, label_tokens) -> dict[str, int]:
+def _peak_of_two_steps(cfg, model, partial_params, mesh, dims, micro, label_tokens) -> dict[str, int]:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 
@@ -236,7 +236,7 @@ def _peak_of_two_steps(cfg, model, partial_names, mesh, dims, micro, label_token
     # tensors count the fused step's in-place outputs as new memory.
     for group in optimizer.param_groups:
         group["foreach"] = False
-    step = build_step(model, optimizer, partial_names, mesh["tp"].get_group() if dims.tp > 1 else None,
+    step = build_step(model, optimizer, partial_params, mesh["tp"].get_group() if dims.tp > 1 else None,
                       cfg.loss_chunk_tokens, cfg.max_grad_norm)
 
     tracker = PeakTracker(mod=model, optm=optimizer)

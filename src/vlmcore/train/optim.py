@@ -48,21 +48,20 @@ def param_kinds(model: nn.Module) -> dict[int, str]:
     return kinds
 
 
-def decays(name: str, param: torch.Tensor) -> bool:
-    """No weight decay on norms, biases (1-D tensors) and embeddings."""
-    name = clean_name(name)
-    return param.ndim >= 2 and not any("embed" in part for part in name.split(".")[-2:])
+def embedding_tables(model: nn.Module) -> set[int]:
+    """Ids of the embedding tables (tokens, vision positions), which take no weight decay."""
+    return {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
 
 
 def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
     lrs = {"llm": cfg.lr, "vision": cfg.lr if cfg.vision_lr is None else cfg.vision_lr,
            "projector": cfg.lr if cfg.projector_lr is None else cfg.projector_lr}
     groups = {}
-    kinds = param_kinds(model)
-    for name, param in model.named_parameters():
+    kinds, embeddings = param_kinds(model), embedding_tables(model)
+    for param in model.parameters():
         if not param.requires_grad:
             continue
-        kind, decay = kinds.get(id(param), "llm"), decays(name, param)
+        kind, decay = kinds.get(id(param), "llm"), param.ndim >= 2 and id(param) not in embeddings  # not norms, biases
         key = f"{kind}{'' if decay else '_no_decay'}"
         group = groups.setdefault(key, {"name": key, "params": [], "base_lr": lrs[kind], "lr": lrs[kind],
                                          "weight_decay": cfg.weight_decay if decay else 0.0})

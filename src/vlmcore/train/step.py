@@ -150,12 +150,11 @@ def clip_grads(params: list[torch.Tensor], norm: float, max_norm: float) -> None
             torch._foreach_mul_(grads, coef)
 
 
-def build_step(model, optimizer, partial_names: set, tp_group, chunk_tokens: int, max_grad_norm: float,
+def build_step(model, optimizer, partial_params: list, tp_group, chunk_tokens: int, max_grad_norm: float,
                compiled_loss: bool = False) -> Step:
-    from vlmcore.train.optim import clean_name
-
+    """`partial_params`: (module, attribute name) of the TP-partial parameters (`apply_tp`)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
-    partial = [p for n, p in model.named_parameters() if clean_name(n) in partial_names and p.requires_grad]
+    partial = [getattr(m, name) for m, name in partial_params if getattr(m, name).requires_grad]
     vision_dummy = VisionDummy(model) if model.vision_tower() is not None else None
     return Step(model, optimizer, trainable, partial, tp_group, vision_dummy, chunk_tokens, max_grad_norm,
                 compiled_loss)
@@ -174,7 +173,7 @@ class VisionDummy:
         self.vision = model.vision_tower()
         self.config = model.config.vision_config
         self.active = False
-        model.text_model().embed_tokens.register_forward_hook(self._hook)
+        model.token_embedding().register_forward_hook(self._hook)
 
     def _hook(self, module, args, output):
         if not self.active:
