@@ -24,8 +24,8 @@ import torch.distributed.checkpoint as dcp
 from vlmcore.config import ConfigError, TrainConfig, load_config, save_config, to_dict, warnings_of
 from vlmcore.parallel.mesh import build_mesh, device_for_rank, dp_rank, init_distributed, resolve_dims
 from vlmcore.parallel.parallelize import parallelize
-from vlmcore.train.checkpoint import (Checkpointer, load_hf_weights, load_model_weights, rng_state, save_final,
-                                      set_rng_state)
+from vlmcore.train.checkpoint import (CheckpointError, Checkpointer, load_hf_weights, load_model_weights, rng_state,
+                                      save_final, set_rng_state)
 from vlmcore.train.metrics import MetricsLogger, batch_flops, peak_tflops
 from vlmcore.train.optim import build_optimizer, freeze, lr_factor, schedule_total, set_lr
 from vlmcore.train.run_dir import archive_stale_run, mark_done, mark_unfinished
@@ -59,7 +59,7 @@ def run(args) -> int:
     except ConfigError as e:  # a setting that does not fit the model or the world size
         print(f"error: {args.config}: {e}", file=sys.stderr)
         return 2
-    except TrainingError as e:
+    except (TrainingError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 
