@@ -42,14 +42,16 @@ def flip_byte(path, offset):
         f.write(bytes([byte ^ 0xFF]))
 
 
-def test_changed_bytes_are_found_by_the_manifest_and_skipped(tmp_path, one_process_group):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_changed_bytes_are_found_by_the_manifest_and_skipped(tmp_path, one_process_group, async_save):
     model = torch.nn.Linear(32, 32)
     optimizer = torch.optim.AdamW(model.parameters())
-    checkpointer = Checkpointer(tmp_path, keep=2)
+    checkpointer = Checkpointer(tmp_path, keep=2, async_save=async_save)
     for step in (1, 2):
         model(torch.randn(2, 32)).sum().backward()
         optimizer.step()
         checkpointer.save(step, model, optimizer, {"step": step}, {"seen": torch.tensor(step)})
+    checkpointer.wait()
     latest = tmp_path / "checkpoints" / "step_2"
     assert sorted(p.name for p in latest.iterdir()) == [".metadata", "__0_0.distcp", MANIFEST]
     assert checkpoint_problem(latest, (0, 1)) is None and checkpointer.latest() == latest
