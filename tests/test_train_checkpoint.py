@@ -119,34 +119,32 @@ def test_crash_before_final_is_finished_without_retraining(setup, crashed):
     assert_same_run(tmp_path, out)
 
 
-def test_truncated_latest_checkpoint_falls_back_to_the_one_before(setup, crashed):
-    tmp_path, _ = setup
-    cfg, out = copy_of_crashed(setup, crashed, "truncated")
-    (data,) = (out / "checkpoints" / f"step_{STEPS}").glob("*.distcp")
+def cut_in_half(data):
     with open(data, "r+b") as f:
         f.truncate(data.stat().st_size // 2)
-    proc = train(1, cfg)
-    assert f"step_{STEPS} is damaged, not resumed from: {data.name} is truncated" in proc.stdout
-    assert f"resumed from {out / 'checkpoints' / f'step_{STEPS - 1}'} at step {STEPS - 1}" in proc.stdout
-    assert_same_run(tmp_path, out)
-    kept = sorted(p.name for p in (out / "checkpoints").iterdir())
-    assert kept == ["latest", f"step_{STEPS - 1}", f"step_{STEPS}"]
 
 
-def test_changed_bytes_in_the_latest_checkpoint_fall_back_to_the_one_before(setup, crashed):
+def change_a_byte(data):
     """Same size, other bytes (a bad copy, a storage fault): only the manifest's sha256 sees it."""
-    tmp_path, _ = setup
-    cfg, out = copy_of_crashed(setup, crashed, "flipped")
-    (data,) = (out / "checkpoints" / f"step_{STEPS}").glob("*.distcp")
     with open(data, "r+b") as f:
         f.seek(data.stat().st_size // 2)
         byte = f.read(1)[0]
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte ^ 0xFF]))
+
+
+@pytest.mark.parametrize("damage, problem", [(cut_in_half, "is truncated"), (change_a_byte, "does not match its sha256")])
+def test_damaged_latest_checkpoint_falls_back_to_the_one_before(setup, crashed, damage, problem):
+    tmp_path, _ = setup
+    cfg, out = copy_of_crashed(setup, crashed, damage.__name__)
+    (data,) = (out / "checkpoints" / f"step_{STEPS}").glob("*.distcp")
+    damage(data)
     proc = train(1, cfg)
-    assert f"step_{STEPS} is damaged, not resumed from: {data.name} does not match its sha256" in proc.stdout
+    assert f"step_{STEPS} is damaged, not resumed from: {data.name} {problem}" in proc.stdout
     assert f"resumed from {out / 'checkpoints' / f'step_{STEPS - 1}'} at step {STEPS - 1}" in proc.stdout
     assert_same_run(tmp_path, out)
+    kept = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert kept == ["latest", f"step_{STEPS - 1}", f"step_{STEPS}"]
 
 
 def test_full_disk_during_a_save_keeps_the_checkpoint_before_it(setup, crashed):
