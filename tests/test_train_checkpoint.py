@@ -1,7 +1,8 @@
 """Checkpoints: atomic layout, resume after SIGTERM / SIGUSR1 and after SIGKILL bit for bit, a
-crash between the last checkpoint and final/, a truncated latest checkpoint, and resharding to
-other world sizes and TP degrees."""
+crash between the last checkpoint and final/, a truncated or bit-flipped latest checkpoint, a
+save on a full disk, and resharding to other world sizes and TP degrees."""
 
+import os
 import shutil
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from safetensors.torch import load_file
 
 from _train_helpers import (REPO, env, load_dcp, read_metrics, start_train, tiny_snapshot, train,
                             write_config)
+from vlmcore.train.checkpoint import checkpoint_problem
 
 pytestmark = pytest.mark.slow
 STEPS = 24
@@ -117,18 +119,64 @@ def test_crash_before_final_is_finished_without_retraining(setup, crashed):
     assert_same_run(tmp_path, out)
 
 
-def test_truncated_latest_checkpoint_falls_back_to_the_one_before(setup, crashed):
-    tmp_path, _ = setup
-    cfg, out = copy_of_crashed(setup, crashed, "truncated")
-    (data,) = (out / "checkpoints" / f"step_{STEPS}").glob("*.distcp")
+def cut_in_half(data):
     with open(data, "r+b") as f:
         f.truncate(data.stat().st_size // 2)
+
+
+def change_a_byte(data):
+    """Same size, other bytes (a bad copy, a storage fault): only the manifest's sha256 sees it."""
+    with open(data, "r+b") as f:
+        f.seek(data.stat().st_size // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0xFF]))
+
+
+@pytest.mark.parametrize("damage, problem", [(cut_in_half, "is truncated"), (change_a_byte, "does not match its sha256")])
+def test_damaged_latest_checkpoint_falls_back_to_the_one_before(setup, crashed, damage, problem):
+    tmp_path, _ = setup
+    cfg, out = copy_of_crashed(setup, crashed, damage.__name__)
+    (data,) = (out / "checkpoints" / f"step_{STEPS}").glob("*.distcp")
+    damage(data)
     proc = train(1, cfg)
-    assert f"step_{STEPS} is damaged, not resumed from: {data.name} is truncated" in proc.stdout
+    assert f"step_{STEPS} is damaged, not resumed from: {data.name} {problem}" in proc.stdout
     assert f"resumed from {out / 'checkpoints' / f'step_{STEPS - 1}'} at step {STEPS - 1}" in proc.stdout
     assert_same_run(tmp_path, out)
     kept = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert kept == ["latest", f"step_{STEPS - 1}", f"step_{STEPS}"]
+
+
+def test_full_disk_during_a_save_keeps_the_checkpoint_before_it(setup, crashed):
+    """The run resumes at step 23 on a disk with room for less than one more checkpoint: saving
+    step 24 fails with a message that says so, step 23 stays intact, and once there is room the
+    rerun resumes from it and ends bit for bit like the uninterrupted run."""
+    tmp_path, snapshot = setup
+    disk = tmp_path / "small_disk"
+    disk.mkdir()
+    used = sum(f.stat().st_size for f in crashed.rglob("*") if f.is_file() and f"step_{STEPS}" not in f.parts)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={used + 2**20}", "tmpfs", str(disk)],
+                           capture_output=True, text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"a small tmpfs cannot be mounted here (needs root): {mount.stderr.strip()}")
+    try:
+        out = disk / "run"
+        shutil.copytree(crashed, out, ignore=shutil.ignore_patterns(f"step_{STEPS}"))
+        (out / "checkpoints" / "latest").write_text(f"step_{STEPS - 1}")
+        cfg = write_config(tmp_path / "full_disk.yaml", snapshot, out, steps=STEPS,
+                           checkpoint={"interval": 1, "keep": 2})
+        proc = train(1, cfg, check=False)
+        failed = out / "checkpoints" / f"step_{STEPS}.tmp"
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert f"error: checkpoint {failed} could not be written: the disk is full" in proc.stderr
+        assert (out / "checkpoints" / "latest").read_text() == f"step_{STEPS - 1}"
+        assert checkpoint_problem(out / "checkpoints" / f"step_{STEPS - 1}", (0, 1)) is None
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        proc = train(1, cfg)
+        assert f"resumed from {out / 'checkpoints' / f'step_{STEPS - 1}'} at step {STEPS - 1}" in proc.stdout
+        assert_same_run(tmp_path, out)
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_done_stage_exits_at_once(setup):

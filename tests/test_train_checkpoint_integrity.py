@@ -1,9 +1,12 @@
-"""A damaged checkpoint is recognised from its .metadata before anything is loaded."""
+"""A damaged checkpoint is recognised before anything is loaded: from its .metadata, and from the
+sizes and sha256 that manifest.json records."""
 
+import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from vlmcore.train.checkpoint import checkpoint_problem
+from vlmcore.train.checkpoint import MANIFEST, Checkpointer, checkpoint_problem
 
 
 def test_missing_and_truncated_files_are_found(tmp_path):
@@ -22,3 +25,48 @@ def test_missing_and_truncated_files_are_found(tmp_path):
     assert checkpoint_problem(path).startswith(".metadata cannot be read")
     metadata.unlink()
     assert checkpoint_problem(path).startswith(".metadata cannot be read")
+
+
+@pytest.fixture
+def one_process_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def flip_byte(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0xFF]))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_changed_bytes_are_found_by_the_manifest_and_skipped(tmp_path, one_process_group, async_save):
+    model = torch.nn.Linear(32, 32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    checkpointer = Checkpointer(tmp_path, keep=2, async_save=async_save)
+    for step in (1, 2):
+        model(torch.randn(2, 32)).sum().backward()
+        optimizer.step()
+        checkpointer.save(step, model, optimizer, {"step": step}, {"seen": torch.tensor(step)})
+    checkpointer.wait()
+    latest = tmp_path / "checkpoints" / "step_2"
+    assert sorted(p.name for p in latest.iterdir()) == [".metadata", "__0_0.distcp", MANIFEST]
+    assert checkpoint_problem(latest, (0, 1)) is None and checkpointer.latest() == latest
+
+    (data,) = latest.glob("*.distcp")
+    flip_byte(data, data.stat().st_size // 2)
+    assert checkpoint_problem(latest) is None  # sizes alone cannot see it
+    changed = f"{data.name} does not match its sha256 in {MANIFEST}: its bytes changed after the save"
+    assert checkpoint_problem(latest, (0, 1)) == changed
+    # n ranks share the hashing: file i is read by rank i mod n ([.metadata, __0_0.distcp] here)
+    assert checkpoint_problem(latest, (0, 2)) is None and checkpoint_problem(latest, (1, 2)) == changed
+    assert checkpointer.latest() == tmp_path / "checkpoints" / "step_1"
+
+    metadata = tmp_path / "checkpoints" / "step_1" / ".metadata"
+    size = metadata.stat().st_size
+    metadata.write_bytes(metadata.read_bytes() + b"\0")
+    assert checkpoint_problem(metadata.parent) == f".metadata has {size + 1} bytes, {MANIFEST} records {size}"
+    assert checkpointer.latest() is None

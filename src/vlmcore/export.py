@@ -8,7 +8,8 @@ tokenizer, chat template, processor configs) and records where it all came from 
 `provenance.json`.
 
 The directory is assembled under a hidden temporary name next to `--out` and renamed into place
-last, so a crashed export never leaves a directory that looks complete.
+last, so a crashed export never leaves a directory that looks complete; the next export removes
+what a killed one left.
 """
 
 import argparse
@@ -164,8 +165,9 @@ def export_hf(checkpoint_dir, model_dir, out, stage_configs=(), data_stats=(), m
     provenance = build_provenance(checkpoint_dir, model_dir, stage_configs, data_stats, dtype)
     provenance["copied_from_snapshot"] = sorted(carried)
 
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):  # left by a killed export
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         save_torch_state_dict(weights, tmp, max_shard_size=max_shard_size)

@@ -14,9 +14,11 @@ world size or another dp/tp layout reads it.
 Per-rank state (loader position, RNG) is stored under keys that name the rank and is only
 restored when the layout matches; the model and optimizer always are.
 
-A checkpoint damaged after it was written (a file cut short by a full disk or a bad copy) is
-found before loading, from the sizes its `.metadata` records, and skipped for the one before it:
-`keep` > 1 is what makes that possible.
+Before the rename, `manifest.json` records the size and sha256 of every file (each rank hashes
+the files it wrote, most often still in its page cache). A checkpoint damaged after it was written
+(a file cut short by a full disk, a bad copy, flipped bytes) is found before loading and skipped for
+the one before it: `keep` > 1 is what makes that possible. Sizes are checked for every checkpoint;
+the hashes only of the one about to be loaded, with its files shared out among the ranks.
 """
 
 import json
@@ -28,8 +30,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
+
+from vlmcore.download import sha256_of
+
+MANIFEST = "manifest.json"
 
 
 def _is_rank0() -> bool:
@@ -53,10 +60,11 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def checkpoint_problem(path: Path) -> str | None:
+def checkpoint_problem(path: Path, hash_part: tuple[int, int] | None = None) -> str | None:
     """Why the DCP checkpoint at `path` cannot be loaded, or None: each file must hold the bytes
-    `.metadata` says it does. Cheap (no tensor is read), and finds missing and truncated files;
-    a flipped bit of the same size would need checksums, which cost a full read per save."""
+    `.metadata` and `manifest.json` say it does (cheap: no tensor is read). `hash_part` (i, n):
+    also compare the sha256 of the manifest's files i, i + n, ... (n ranks share the full read).
+    A checkpoint without a manifest (written by an older vlmcore) is checked against `.metadata`."""
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # a missing or cut .metadata fails in the unpickler, in many ways
@@ -70,7 +78,46 @@ def checkpoint_problem(path: Path) -> str | None:
             return f"{name} is missing"
         if file.stat().st_size < size:
             return f"{name} is truncated ({file.stat().st_size} of {size} bytes)"
+    manifest = json.loads((path / MANIFEST).read_text()) if (path / MANIFEST).is_file() else {}
+    for name, (size, _) in sorted(manifest.items()):
+        if not (path / name).is_file():
+            return f"{name} is missing"
+        if (path / name).stat().st_size != size:
+            return f"{name} has {(path / name).stat().st_size} bytes, {MANIFEST} records {size}"
+    if hash_part is not None:
+        part, parts = hash_part
+        for name, (_, digest) in sorted(manifest.items())[part::parts]:
+            if sha256_of(path / name) != digest:
+                return f"{name} does not match its sha256 in {MANIFEST}: its bytes changed after the save"
     return None
+
+
+def file_digests(path: Path) -> dict[str, list]:
+    """{name: [size, sha256]} of the files this rank wrote into the DCP directory `path`:
+    DCP's file writer names them `__<rank>_<n>.distcp`; rank 0 also takes every other file."""
+    rank = dist.get_rank()
+    digests = {}
+    for file in sorted(p for p in path.iterdir() if p.is_file()):
+        writer = int(file.name.split("_")[2]) if file.name.startswith("__") else 0
+        if writer == rank:
+            digests[file.name] = [file.stat().st_size, sha256_of(file)]
+    return digests
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def save_failure(tmp: Path, error: Exception) -> str:
+    """The message of a failed save: torch's writer often loses the errno of a full disk
+    ("unexpected pos ..."), so the free space is compared with the size of a checkpoint."""
+    free = shutil.disk_usage(tmp.parent).free
+    size = max((sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) for d in tmp.parent.glob("step_*")),
+               default=0)
+    room = f"{free / 2**20:.1f} MiB free, a checkpoint takes {size / 2**20:.1f} MiB"
+    cause = (str(error).strip().splitlines() or [""])[-1]
+    return (f"checkpoint {tmp} could not be written: {'the disk is full, ' if free < size else ''}{room}; the "
+            f"checkpoints before it are intact and a rerun resumes from the latest ({type(error).__name__}: {cause})")
 
 
 class Checkpointer:
@@ -93,7 +140,9 @@ class Checkpointer:
         crash in between leaves a complete step_N that it does not name yet)."""
         renamed = [p for p in self.dir.glob("step_*") if p.suffix != ".tmp"]
         for path in sorted(renamed, key=_step_of, reverse=True):
-            problem = checkpoint_problem(path)
+            problems = [None] * dist.get_world_size()
+            dist.all_gather_object(problems, checkpoint_problem(path, (dist.get_rank(), dist.get_world_size())))
+            problem = next((p for p in problems if p), None)
             if problem is None:
                 return path
             if _is_rank0():
@@ -113,8 +162,7 @@ class Checkpointer:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group)
             self._pending = (future, tmp, final)
         else:
-            dcp.save(state, checkpoint_id=str(tmp))
-            self._publish(tmp, final)
+            self._complete(lambda: dcp.save(state, checkpoint_id=str(tmp)), tmp, final)
 
     def wait(self) -> None:
         """Finishes an async save in flight (rename + latest)."""
@@ -122,12 +170,22 @@ class Checkpointer:
             return
         future, tmp, final = self._pending
         self._pending = None
-        future.result()
-        self._publish(tmp, final)
+        self._complete(future.result, tmp, final)
+
+    def _complete(self, write, tmp: Path, final: Path) -> None:
+        """`write` (the DCP save), then the publish; a failure says where and how much room is left."""
+        try:
+            write()
+            self._publish(tmp, final)
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            raise CheckpointError(save_failure(tmp, e)) from e
 
     def _publish(self, tmp: Path, final: Path) -> None:
-        dist.barrier()
+        digests = [None] * dist.get_world_size()
+        dist.all_gather_object(digests, file_digests(tmp))  # also waits for every rank's save
         if _is_rank0():
+            manifest = {name: entry for part in digests for name, entry in part.items()}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)

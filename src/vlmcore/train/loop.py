@@ -26,7 +26,8 @@ from vlmcore.config import ConfigError, TrainConfig, load_config, save_config, t
 from vlmcore.parallel.mesh import build_mesh, device_for_rank, dp_rank, init_distributed, resolve_dims
 from vlmcore.parallel.parallelize import parallelize
 from vlmcore.models import build_model, load_hf_config, load_hf_weights
-from vlmcore.train.checkpoint import Checkpointer, load_model_weights, rng_state, save_final, set_rng_state
+from vlmcore.train.checkpoint import (CheckpointError, Checkpointer, load_model_weights, rng_state, save_final,
+                                      set_rng_state)
 from vlmcore.train.metrics_log import MetricsLogger, batch_flops, peak_tflops
 from vlmcore.train.optim import build_optimizer, freeze, lr_factor, schedule_total, set_lr
 from vlmcore.train.run_dir import archive_stale_run, mark_done, mark_unfinished
@@ -64,7 +65,7 @@ def run(args) -> int:
     except ConfigError as e:  # a setting that does not fit the model or the world size
         print(f"error: {args.config}: {e}", file=sys.stderr)
         return 2
-    except (TrainingError, DataError) as e:  # DataError: a damaged shard, refused before any step
+    except (TrainingError, DataError, CheckpointError) as e:  # DataError: a damaged shard, refused before any step
         print(f"error: {e}", file=sys.stderr)
         return 1
 
