@@ -85,6 +85,27 @@ def test_rows_hold_the_encoded_samples(packed):
         assert sum(tuple(ids[a:b].tolist()) in segments_by_tokens for a, b in zip(cu[:-1], cu[1:])) == batch["num_samples"]
 
 
+def test_row_pixels_equal_the_image_processor(packed):
+    """A batch of two packed rows carries uint8 patches that the step turns into exactly the image
+    processor's pixel_values for the rows' images, in order."""
+    from vlmcore.data.loader import PackedTaskEncoder
+    from vlmcore.data.quality import load_image
+    from vlmcore.data.shards import iter_shard_samples, shard_paths
+    from vlmcore.train.step import to_device
+
+    path = packed / "packed" / "conversations"
+    task_encoder = PackedTaskEncoder(path / "model", SEQ_LEN)
+    stored = [task_encoder.cook({"__key__": s.key, "__restore_key__": (), **s.data})
+              for s in iter_shard_samples(shard_paths(path)[0])][:2]
+    batch = task_encoder.batch([task_encoder.encode_sample(s) for s in stored])
+    images = [load_image(s.parts[name]) for s in stored for seg in json.loads(s.meta)["segments"] for name in seg["images"]]
+    assert len(images) >= 2
+    expected = task_encoder.encoder.pixel_values(images)
+    assert batch["pixel_values"].dtype == torch.uint8
+    assert torch.equal(batch["image_grid_thw"], expected[1])
+    assert torch.equal(to_device(batch, torch.device("cpu"))["pixel_values"], expected[0])
+
+
 def check_resume(path, num_workers):
     kwargs = dict(dp_rank=0, dp_world=1, micro_batch_size=2, seed=3, num_workers=num_workers)
     loader = build_loader(path, **kwargs)
