@@ -13,6 +13,7 @@ from vlmcore.data.pack import pack
 from vlmcore.data.prepare import prepare
 from vlmcore.data.synthetic import generate
 from vlmcore.models import load_hf_config, position_ids
+from vlmcore.train.step import to_device
 
 SEQ_LEN = 128
 
@@ -52,7 +53,9 @@ def test_batch_format(packed):
         assert SEQ_LEN in cu.tolist()  # segments end at the row boundary
         assert torch.equal(pos, position_ids(config, ids, batch["image_grid_thw"], cu))
         grid = batch["image_grid_thw"]
-        assert grid.dtype == torch.int64 and batch["pixel_values"].shape == (int(grid.prod(-1).sum()), 3 * 2 * 16 * 16)
+        assert batch["pixel_values"].dtype == torch.uint8 and batch["pixel_values"].shape == (int(grid.prod(-1).sum()), 3 * 16 * 16)
+        pixel_values = to_device(batch, torch.device("cpu"))["pixel_values"]  # what the model gets
+        assert grid.dtype == torch.int64 and pixel_values.shape == (int(grid.prod(-1).sum()), 3 * 2 * 16 * 16)
         assert int((ids == config.image_token_id).sum()) == batch["pixel_values"].shape[0] // 4
         # No target crosses a segment boundary: the last position of every segment has no label.
         flat = labels.flatten()
@@ -91,7 +94,6 @@ def test_row_pixels_equal_the_image_processor(packed):
     from vlmcore.data.loader import PackedTaskEncoder
     from vlmcore.data.quality import load_image
     from vlmcore.data.shards import iter_shard_samples, shard_paths
-    from vlmcore.train.step import to_device
 
     path = packed / "packed" / "conversations"
     task_encoder = PackedTaskEncoder(path / "model", SEQ_LEN)

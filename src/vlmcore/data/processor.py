@@ -4,10 +4,10 @@
 publishes (patch 16, merge 2, mean/std 0.5), naming the PIL image processor.
 
 `ImagePatcher` is the training loader's image path: the image processor's RGB conversion, smart
-resize (PIL, the processor's resample) and patch order, with the patches kept as uint8 and written
-straight into the row's buffer; `normalize_patches` does the rest on the device. Together they
-give exactly the processor's float32 `pixel_values` at a quarter of the bytes, and without its
-float copies on the CPU.
+resize (PIL, the processor's resample) and patch order, with the patches kept as uint8, one frame
+(an image's patches are the same for every temporal slot), and written straight into the row's
+buffer; `normalize_patches` does the rest on the device. Together they give exactly the
+processor's float32 `pixel_values` from an eighth of the bytes, without its float copies on the CPU.
 
 transformers 5.x cannot build any `Qwen3VLProcessor` without torchvision: the processor always
 loads a video processor, and video processors need torchvision. `load_processor` therefore uses
@@ -114,11 +114,12 @@ class ImagePatcher:
         self.min_pixels = image_processor.size["shortest_edge"]
         self.max_pixels = image_processor.size["longest_edge"]
         self.resample = int(image_processor.resample)
-        self.patch_dim = 3 * self.temporal_patch_size * self.patch_size**2
+        self.patch_dim = 3 * self.patch_size**2  # uint8 values per patch: one frame of (C, P, P)
         # What the device needs to finish the processor's work (`normalize_patches`).
         self.normalize = {"rescale_factor": float(image_processor.rescale_factor),
                           "mean": [float(m) for m in image_processor.image_mean],
-                          "std": [float(s) for s in image_processor.image_std]}
+                          "std": [float(s) for s in image_processor.image_std],
+                          "temporal_patch_size": self.temporal_patch_size}
 
     def resized(self, image: Image.Image) -> Image.Image:
         """RGB (transparency on white) at the smart-resize size, as the processor resizes it."""
@@ -132,21 +133,23 @@ class ImagePatcher:
 
     def write_patches(self, image: Image.Image, out: np.ndarray) -> None:
         """The patches of a `resized` image into `out` (num_patches, patch_dim) uint8, in one copy:
-        merge groups in row-major order, inside them patches row-major, each patch (C, T, P, P)
-        with the image repeated over T."""
+        merge groups in row-major order, inside them patches row-major, each patch (C, P, P)."""
         p, m = self.patch_size, self.merge_size
         pixels = np.asarray(image)  # (H, W, C)
         gh, gw = image.height // (p * m), image.width // (p * m)
         src = pixels.reshape(gh, m, p, gw, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5)  # (gh, gw, mh, mw, C, ph, pw)
-        out.reshape(gh, gw, m, m, 3, self.temporal_patch_size, p, p)[...] = src[:, :, :, :, :, None]
+        out.reshape(gh, gw, m, m, 3, p, p)[...] = src
 
 
-def normalize_patches(patches: torch.Tensor, rescale_factor: float, mean: list[float], std: list[float]) -> torch.Tensor:
-    """uint8 patches (N, C*T*P*P) -> the image processor's float32 `pixel_values`, bit for bit: its
-    rescale (in float64, then float32) is a 256-entry table, its normalisation the same float32 ops."""
+def normalize_patches(patches: torch.Tensor, rescale_factor: float, mean: list[float], std: list[float],
+                      temporal_patch_size: int) -> torch.Tensor:
+    """uint8 patches (N, C*P*P) -> the image processor's float32 `pixel_values` (N, C*T*P*P), bit for
+    bit: its rescale (float64, then float32) is a 256-entry table, its normalisation the same float32
+    ops, and each patch is repeated over the T temporal slots as the processor repeats an image."""
     table = (torch.arange(256, dtype=torch.float64) * rescale_factor).float().to(patches.device)
-    channels = len(mean)
-    values = table[patches.int()].view(patches.shape[0], channels, -1)
-    mean = torch.tensor(mean, dtype=torch.float32, device=patches.device).view(1, channels, 1)
-    std = torch.tensor(std, dtype=torch.float32, device=patches.device).view(1, channels, 1)
-    return ((values - mean) / std).view(patches.shape)
+    n, channels = patches.shape[0], len(mean)
+    values = table[patches.int()].view(n, channels, 1, -1)
+    mean = torch.tensor(mean, dtype=torch.float32, device=patches.device).view(1, channels, 1, 1)
+    std = torch.tensor(std, dtype=torch.float32, device=patches.device).view(1, channels, 1, 1)
+    values = (values - mean) / std
+    return values.expand(n, channels, temporal_patch_size, values.shape[-1]).reshape(n, -1)
