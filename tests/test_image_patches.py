@@ -12,7 +12,7 @@ from vlmcore.train.step import to_device
 # (width, height, PIL mode): sizes that are and are not multiples of 32, upscaled (below
 # min_pixels) and downscaled (above max_pixels), a very wide one, and modes the processor converts.
 CASES = [(64, 64, "RGB"), (100, 70, "RGB"), (33, 47, "L"), (1000, 30, "RGB"), (31, 900, "RGB"), (200, 150, "RGBA"),
-         (90, 60, "P"), (800, 600, "RGB"), (16, 16, "LA"), (300, 301, "CMYK")]
+         (90, 60, "P"), (800, 600, "RGB"), (16, 16, "LA"), (300, 301, "CMYK"), (70, 50, "RGB+tRNS")]
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +27,10 @@ def random_image(width: int, height: int, mode: str, seed: int) -> Image.Image:
     smooth = np.linspace(0, 255, width, dtype=np.float32)[None, :, None] * np.ones((height, 1, 4), np.float32)
     noisy = np.clip(smooth + rng.normal(0, 40, (height, width, 4)), 0, 255).astype(np.uint8)
     image = Image.fromarray(noisy, "RGBA")
+    if mode == "RGB+tRNS":  # an RGB PNG with a transparent colour
+        image = Image.fromarray(noisy[..., :3] // 64 * 64)
+        image.info["transparency"] = tuple(int(c) for c in np.asarray(image)[0, 0])
+        return image
     return image.convert("P", palette=Image.Palette.ADAPTIVE) if mode == "P" else image.convert(mode)
 
 

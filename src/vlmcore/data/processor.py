@@ -123,7 +123,10 @@ class ImagePatcher:
 
     def resized(self, image: Image.Image) -> Image.Image:
         """RGB (transparency on white) at the smart-resize size, as the processor resizes it."""
-        rgb = Image.fromarray(convert_to_rgb(image, return_numpy=True))
+        if image.mode == "RGB" and image.info.get("transparency") is None:
+            rgb = image  # convert_to_rgb would return a copy of it
+        else:
+            rgb = Image.fromarray(convert_to_rgb(image, return_numpy=True))
         height, width = smart_resize(rgb.height, rgb.width, factor=self.patch_size * self.merge_size,
                                      min_pixels=self.min_pixels, max_pixels=self.max_pixels)
         return rgb.resize((width, height), resample=self.resample)
