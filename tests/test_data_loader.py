@@ -13,6 +13,7 @@ from vlmcore.data.pack import pack
 from vlmcore.data.prepare import prepare
 from vlmcore.data.synthetic import generate
 from vlmcore.models import load_hf_config, position_ids
+from vlmcore.train.step import to_device
 
 SEQ_LEN = 128
 
@@ -52,7 +53,9 @@ def test_batch_format(packed):
         assert SEQ_LEN in cu.tolist()  # segments end at the row boundary
         assert torch.equal(pos, position_ids(config, ids, batch["image_grid_thw"], cu))
         grid = batch["image_grid_thw"]
-        assert grid.dtype == torch.int64 and batch["pixel_values"].shape == (int(grid.prod(-1).sum()), 3 * 2 * 16 * 16)
+        assert batch["pixel_values"].dtype == torch.uint8 and batch["pixel_values"].shape == (int(grid.prod(-1).sum()), 3 * 16 * 16)
+        pixel_values = to_device(batch, torch.device("cpu"))["pixel_values"]  # what the model gets
+        assert grid.dtype == torch.int64 and pixel_values.shape == (int(grid.prod(-1).sum()), 3 * 2 * 16 * 16)
         assert int((ids == config.image_token_id).sum()) == batch["pixel_values"].shape[0] // 4
         # No target crosses a segment boundary: the last position of every segment has no label.
         flat = labels.flatten()
@@ -83,6 +86,26 @@ def test_rows_hold_the_encoded_samples(packed):
             else:  # row padding
                 assert (ids[a:b] == encoder.pad_id).all() and (labels[a:b] == IGNORE_INDEX).all()
         assert sum(tuple(ids[a:b].tolist()) in segments_by_tokens for a, b in zip(cu[:-1], cu[1:])) == batch["num_samples"]
+
+
+def test_row_pixels_equal_the_image_processor(packed):
+    """A batch of two packed rows carries uint8 patches that the step turns into exactly the image
+    processor's pixel_values for the rows' images, in order."""
+    from vlmcore.data.loader import PackedTaskEncoder
+    from vlmcore.data.quality import load_image
+    from vlmcore.data.shards import iter_shard_samples, shard_paths
+
+    path = packed / "packed" / "conversations"
+    task_encoder = PackedTaskEncoder(path / "model", SEQ_LEN)
+    stored = [task_encoder.cook({"__key__": s.key, "__restore_key__": (), **s.data})
+              for s in iter_shard_samples(shard_paths(path)[0])][:2]
+    batch = task_encoder.batch([task_encoder.encode_sample(s) for s in stored])
+    images = [load_image(s.parts[name]) for s in stored for seg in json.loads(s.meta)["segments"] for name in seg["images"]]
+    assert len(images) >= 2
+    expected = task_encoder.encoder.pixel_values(images)
+    assert batch["pixel_values"].dtype == torch.uint8
+    assert torch.equal(batch["image_grid_thw"], expected[1])
+    assert torch.equal(to_device(batch, torch.device("cpu"))["pixel_values"], expected[0])
 
 
 def check_resume(path, num_workers):

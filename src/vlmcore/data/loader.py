@@ -2,9 +2,11 @@
 
 Packs are crude samples: the cooker only parses them (so the shuffle buffer holds compressed
 samples); `encode_sample` (in the loader workers) tokenizes every segment with the
-model files copied into the packed dataset, preprocesses the images with the transformers image
-processor, concatenates the segments, pads the row to `seq_len` (the padding is a segment of its
-own, with no loss), and computes the per-segment position ids with `vlmcore.models.position_ids`.
+model files copied into the packed dataset, decodes and resizes the images as the transformers image
+processor does and writes their uint8 patches into one buffer per row (`ImagePatcher`; the step
+normalises them on the device), concatenates the segments, pads the row to `seq_len` (the padding
+is a segment of its own, with no loss), and computes the per-segment position ids with
+`vlmcore.models.position_ids`.
 
 `build_loader` also accepts an Energon metadataset YAML (`write_blend`) that blends several packed
 datasets made with the same model and `seq_len`. `build_online_loader` is the alternative to
@@ -40,6 +42,7 @@ from megatron.energon import (
 from vlmcore.data.encoder import IGNORE_INDEX, EncodingError, SampleEncoder, TextEncoding
 from vlmcore.data.pack import PACK_MODEL_DIR, measure_sample
 from vlmcore.data.packing import best_fit_decreasing
+from vlmcore.data.processor import ImagePatcher
 from vlmcore.data.quality import LOGGED_PER_REASON, BadSample, load_image, load_json
 from vlmcore.data.shards import shard_paths
 from vlmcore.models import load_hf_config, position_ids
@@ -53,7 +56,7 @@ class PackedRow(Sample):
     labels: torch.Tensor  # (S,)
     position_ids: torch.Tensor  # (3, S) for M-RoPE models, (S,) otherwise
     seq_lens: list[int]  # segment lengths, padding last
-    pixel_values: torch.Tensor | None
+    pixel_values: torch.Tensor | None  # uint8 patches (`ImagePatcher`), normalised on the device
     image_grid_thw: torch.Tensor | None
     num_samples: int
     skipped: dict[str, int]  # bad samples left out of this row, by reason
@@ -109,6 +112,7 @@ class PackedTaskEncoder(DefaultTaskEncoder):
     def __init__(self, model_dir, seq_len: int):
         super().__init__()
         self.encoder = SampleEncoder(model_dir)
+        self.patcher = ImagePatcher(self.encoder.processor.image_processor) if self.encoder.processor else None
         self.model_config = load_hf_config(model_dir)
         self.seq_len = seq_len
         self.cookers = [Cooker(self.cook)]
@@ -158,19 +162,19 @@ class PackedTaskEncoder(DefaultTaskEncoder):
     def assemble_row(self, keys: dict, segments: list[tuple[str, TextEncoding, list[bytes]]], skipped: Counter) -> PackedRow:
         """Concatenate encoded samples (key, encoding, kept images' bytes) into one padded row;
         a sample whose images do not decode is left out and counted in `skipped`."""
-        ids, labels, seq_lens, grids, pixels = [], [], [], [], []
+        ids, labels, seq_lens, images = [], [], [], []
         for key, enc, image_bytes in segments:
             if image_bytes:
                 try:
-                    images = [load_image(data) for data in image_bytes]
+                    decoded = [load_image(data) for data in image_bytes]
                 except BadSample as e:
                     skip(skipped, e.reason, f"sample {key}", e)
                     continue
-                values, grid = self.encoder.pixel_values(images)
-                if grid.tolist() != [list(g) for g in enc.image_grid_thw]:
-                    raise ValueError(f"{keys.get('__key__')}: image grids {grid.tolist()} != {enc.image_grid_thw}")
-                pixels.append(values)
-                grids.append(grid)
+                resized = [self.patcher.resized(image) for image in decoded]
+                grids = [self.patcher.grid(image) for image in resized]
+                if grids != [tuple(g) for g in enc.image_grid_thw]:
+                    raise ValueError(f"{keys.get('__key__')}: image grids {grids} != {enc.image_grid_thw}")
+                images += resized
             ids += enc.input_ids
             labels += enc.labels
             seq_lens.append(len(enc.input_ids))
@@ -183,7 +187,7 @@ class PackedTaskEncoder(DefaultTaskEncoder):
             labels += [IGNORE_INDEX] * padding
             seq_lens.append(padding)
         input_ids = torch.tensor(ids, dtype=torch.long)
-        image_grid_thw = torch.cat(grids) if grids else None
+        pixel_values, image_grid_thw = self.row_patches(images) if images else (None, None)
         cu_seqlens = torch.tensor([0] + seq_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         positions = position_ids(self.model_config, input_ids[None], image_grid_thw, cu_seqlens)
         return PackedRow(
@@ -192,11 +196,22 @@ class PackedTaskEncoder(DefaultTaskEncoder):
             labels=torch.tensor(labels, dtype=torch.long),
             position_ids=positions[:, 0] if positions.dim() == 3 else positions[0],
             seq_lens=seq_lens,
-            pixel_values=torch.cat(pixels) if pixels else None,
+            pixel_values=pixel_values,
             image_grid_thw=image_grid_thw,
             num_samples=num_samples,
             skipped=dict(skipped),
         )
+
+    def row_patches(self, images: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """The resized images' uint8 patches, written once into the row's one buffer, and their grids."""
+        grids = [self.patcher.grid(image) for image in images]
+        image_grid_thw = torch.tensor(grids, dtype=torch.long)
+        pixel_values = torch.empty(int(image_grid_thw.prod(-1).sum()), self.patcher.patch_dim, dtype=torch.uint8)
+        start = 0
+        for image, (t, h, w) in zip(images, grids):
+            self.patcher.write_patches(image, pixel_values[start:start + t * h * w].numpy())
+            start += t * h * w
+        return pixel_values, image_grid_thw
 
     def batch(self, rows: list[PackedRow]) -> dict:
         seq_lens = [n for row in rows for n in row.seq_lens]
@@ -210,7 +225,9 @@ class PackedTaskEncoder(DefaultTaskEncoder):
         }
         with_images = [row for row in rows if row.pixel_values is not None]
         if with_images:
-            batch["pixel_values"] = torch.cat([row.pixel_values for row in with_images])
+            pixels = [row.pixel_values for row in with_images]
+            batch["pixel_values"] = pixels[0] if len(pixels) == 1 else torch.cat(pixels)
+            batch["pixel_normalize"] = self.patcher.normalize
             batch["image_grid_thw"] = torch.cat([row.image_grid_thw for row in with_images])
         return batch
 

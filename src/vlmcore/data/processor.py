@@ -3,6 +3,12 @@
 `write_processor_files` writes the image, video and processor configs with the values Qwen3-VL
 publishes (patch 16, merge 2, mean/std 0.5), naming the PIL image processor.
 
+`ImagePatcher` is the training loader's image path: the image processor's RGB conversion, smart
+resize (PIL, the processor's resample) and patch order, with the patches kept as uint8, one frame
+(an image's patches are the same for every temporal slot), and written straight into the row's
+buffer; `normalize_patches` does the rest on the device. Together they give exactly the
+processor's float32 `pixel_values` from an eighth of the bytes, without its float copies on the CPU.
+
 transformers 5.x cannot build any `Qwen3VLProcessor` without torchvision: the processor always
 loads a video processor, and video processors need torchvision. `load_processor` therefore uses
 `AutoProcessor` when torchvision is there and otherwise builds the same transformers class with
@@ -12,7 +18,12 @@ no video processor (images and text behave identically; videos are unsupported).
 import json
 from pathlib import Path
 
+import numpy as np
+import torch
+from PIL import Image
 from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+from transformers.image_transforms import convert_to_rgb
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.utils import is_torchvision_available
 
@@ -88,3 +99,60 @@ def load_processor(model_dir):
     return ImageOnlyQwen3VLProcessor(
         image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=tokenizer.chat_template
     )
+
+
+class ImagePatcher:
+    """uint8 patches of images, in the order and at the size of the snapshot's image processor."""
+
+    def __init__(self, image_processor):
+        for key in ("do_convert_rgb", "do_resize", "do_rescale", "do_normalize"):
+            if not getattr(image_processor, key):
+                raise ValueError(f"preprocessor_config.json: {key}=false is not supported by the training loader")
+        self.patch_size = image_processor.patch_size
+        self.merge_size = image_processor.merge_size
+        self.temporal_patch_size = image_processor.temporal_patch_size
+        self.min_pixels = image_processor.size["shortest_edge"]
+        self.max_pixels = image_processor.size["longest_edge"]
+        self.resample = int(image_processor.resample)
+        self.patch_dim = 3 * self.patch_size**2  # uint8 values per patch: one frame of (C, P, P)
+        # What the device needs to finish the processor's work (`normalize_patches`).
+        self.normalize = {"rescale_factor": float(image_processor.rescale_factor),
+                          "mean": [float(m) for m in image_processor.image_mean],
+                          "std": [float(s) for s in image_processor.image_std],
+                          "temporal_patch_size": self.temporal_patch_size}
+
+    def resized(self, image: Image.Image) -> Image.Image:
+        """RGB (transparency on white) at the smart-resize size, as the processor resizes it."""
+        if image.mode == "RGB" and image.info.get("transparency") is None:
+            rgb = image  # convert_to_rgb would return a copy of it
+        else:
+            rgb = Image.fromarray(convert_to_rgb(image, return_numpy=True))
+        height, width = smart_resize(rgb.height, rgb.width, factor=self.patch_size * self.merge_size,
+                                     min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+        return rgb.resize((width, height), resample=self.resample)
+
+    def grid(self, image: Image.Image) -> tuple[int, int, int]:
+        return 1, image.height // self.patch_size, image.width // self.patch_size
+
+    def write_patches(self, image: Image.Image, out: np.ndarray) -> None:
+        """The patches of a `resized` image into `out` (num_patches, patch_dim) uint8, in one copy:
+        merge groups in row-major order, inside them patches row-major, each patch (C, P, P)."""
+        p, m = self.patch_size, self.merge_size
+        pixels = np.asarray(image)  # (H, W, C)
+        gh, gw = image.height // (p * m), image.width // (p * m)
+        src = pixels.reshape(gh, m, p, gw, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5)  # (gh, gw, mh, mw, C, ph, pw)
+        out.reshape(gh, gw, m, m, 3, p, p)[...] = src
+
+
+def normalize_patches(patches: torch.Tensor, rescale_factor: float, mean: list[float], std: list[float],
+                      temporal_patch_size: int) -> torch.Tensor:
+    """uint8 patches (N, C*P*P) -> the image processor's float32 `pixel_values` (N, C*T*P*P), bit for
+    bit: its rescale (float64, then float32) is a 256-entry table, its normalisation the same float32
+    ops, and each patch is repeated over the T temporal slots as the processor repeats an image."""
+    table = (torch.arange(256, dtype=torch.float64) * rescale_factor).float().to(patches.device)
+    n, channels = patches.shape[0], len(mean)
+    values = table[patches.int()].view(n, channels, 1, -1)
+    mean = torch.tensor(mean, dtype=torch.float32, device=patches.device).view(1, channels, 1, 1)
+    std = torch.tensor(std, dtype=torch.float32, device=patches.device).view(1, channels, 1, 1)
+    values = (values - mean) / std
+    return values.expand(n, channels, temporal_patch_size, values.shape[-1]).reshape(n, -1)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from vlmcore.data.processor import normalize_patches
 from vlmcore.train.loss import IGNORE_INDEX, chunked_cross_entropy
 
 def host_stats(micro: list[dict]) -> dict:
@@ -28,8 +29,11 @@ def host_stats(micro: list[dict]) -> dict:
 
 def to_device(batch: dict, device: torch.device) -> dict:
     """The batch on `device`, with its host metadata kept on the host: `max_seqlen` (an int, added
-    from `cu_seqlens` if the batch lacks it) and `image_grid_thw` as a list of [t, h, w]."""
+    from `cu_seqlens` if the batch lacks it) and `image_grid_thw` as a list of [t, h, w]. The
+    loader's uint8 `pixel_values` become the image processor's float32 values on the device."""
     out = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    if "pixel_normalize" in out:
+        out["pixel_values"] = normalize_patches(out["pixel_values"], **out.pop("pixel_normalize"))
     if "cu_seqlens" in batch and "max_seqlen" not in batch:
         cu = batch["cu_seqlens"]
         out["max_seqlen"] = int((cu[1:] - cu[:-1]).max())
