@@ -45,7 +45,7 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(batch, seq_len, -1))
 
 
-class DecoderLayer(nn.Module):
+class Qwen3DecoderLayer(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -69,11 +69,11 @@ def text_position_ids(input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None) 
     return flat - cu_seqlens.long()[seg]
 
 
-class TextModel(nn.Module):
+class Qwen3TextModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Identity on one device; under sequence parallelism the TP plan makes it split the
         # sequence over the TP ranks (the residual stream between the blocks).
@@ -92,7 +92,7 @@ class Qwen3ForCausalLM(TextModelParts, nn.Module):
         check_text_config(config, "qwen3 config")
         self.config = config
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.model = TextModel(config)
+        self.model = Qwen3TextModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 

@@ -136,7 +136,7 @@ class GatedAttention(nn.Module):
         return self.o_proj(out.reshape(batch, seq_len, -1))
 
 
-class DecoderLayer(nn.Module):
+class Qwen3_5DecoderLayer(nn.Module):
     def __init__(self, config, layer_type: str):
         super().__init__()
         self.layer_type = layer_type
@@ -159,7 +159,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class TextModel(nn.Module):
+class Qwen3_5TextModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         check_text_config(config, "qwen3_5 text config")
@@ -168,7 +168,7 @@ class TextModel(nn.Module):
                              f"{config.num_hidden_layers} layers")
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.layers = nn.ModuleList(DecoderLayer(config, t) for t in config.layer_types)
+        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, t) for t in config.layer_types)
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         # Identity on one device; under sequence parallelism the TP plan makes it split the
         # sequence over the TP ranks (the residual stream between the blocks).
@@ -198,7 +198,7 @@ class Qwen3_5Model(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.visual = VisionModel(config.vision_config)
-        self.language_model = TextModel(config.text_config)
+        self.language_model = Qwen3_5TextModel(config.text_config)
 
 
 class Qwen3_5ForConditionalGeneration(VisionLanguageParts, nn.Module):
@@ -236,7 +236,7 @@ class Qwen3_5ForCausalLM(TextModelParts, nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.model = TextModel(config)
+        self.model = Qwen3_5TextModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 

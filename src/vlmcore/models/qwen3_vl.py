@@ -16,7 +16,7 @@ from torch import nn
 from .attention import attention
 from .layers import (ModelOutput, VisionLanguageParts, apply_rotary, grid_list, mrope_cos_sin,
                      rope_inv_freq, scatter_image_features)
-from .qwen3 import TextModel, check_text_config
+from .qwen3 import Qwen3TextModel, check_text_config
 
 DEFAULT_MROPE_SECTION = [24, 20, 20]  # transformers' value when the config has none
 VISION_ACTIVATIONS = {
@@ -177,7 +177,7 @@ class VisionModel(nn.Module):
         return self.merger(x), deepstack
 
 
-class LanguageModel(TextModel):
+class LanguageModel(Qwen3TextModel):
     """The Qwen3 decoder; DeepStack features are added at image positions after the first layers."""
 
     def forward(self, h, cos, sin, cu_seqlens, max_seqlen=None, image_mask=None, deepstack=()):
