@@ -53,13 +53,13 @@ def read_host(*values: torch.Tensor) -> list[float]:
 
 
 def _by_layout(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """The gradients grouped by (mesh, placements): DTensor ops take one layout at a time (under TP
-    the vision tower and the LLM are sharded over different meshes)."""
+    """The parameters that have gradients, grouped by the gradients' (mesh, placements): DTensor ops
+    take one layout at a time (under TP the vision tower and the LLM are sharded over different meshes)."""
     groups = defaultdict(list)
     for p in params:
         if p.grad is not None:
             g = p.grad
-            groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
+            groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(p)
     return list(groups.values())
 
 
@@ -67,8 +67,8 @@ def grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
     """Global L2 norm of the gradients (a device tensor), correct for FSDP / TP (sharded DTensor)
     gradients: one reduction per layout, then combined."""
     squares = []
-    for grads in _by_layout(params):
-        norm = torch.nn.utils.get_total_norm(grads, foreach=None)
+    for group in _by_layout(params):
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=None)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares.append(norm.double() ** 2)
@@ -147,11 +147,12 @@ class Step:
 
 
 def clip_grads(params: list[torch.Tensor], norm: float, max_norm: float) -> None:
-    """Scales the gradients to `max_norm` when `norm` (the global norm, on the host) exceeds it."""
-    coef = max_norm / (norm + 1e-6)
-    if max_norm > 0 and coef < 1.0:
-        for grads in _by_layout(params):
-            torch._foreach_mul_(grads, coef)
+    """torch's clipping by a known global norm, one gradient layout at a time; decided on the host
+    (`norm` was read already), so a step within `max_norm` launches nothing."""
+    if max_norm > 0 and max_norm / (norm + 1e-6) < 1.0:
+        total = torch.tensor(norm, dtype=torch.float64)
+        for group in _by_layout(params):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=None)
 
 
 def build_step(model, optimizer, partial_params: list, tp_group, chunk_tokens: int, max_grad_norm: float,
