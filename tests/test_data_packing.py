@@ -3,10 +3,13 @@
 import io
 import json
 import random
+import shutil
 import tarfile
 
 import pytest
+from PIL import Image
 
+import vlmcore.data.pack
 from _data_helpers import make_demo_model_dir, write_jsonl
 from vlmcore.cli import main
 from vlmcore.data.pack import pack
@@ -114,3 +117,67 @@ def test_unsafe_shard_members_are_rejected(demo, tmp_path):
     stats = json.loads((out / "stats.json").read_text())
     assert stats["bad"]["skipped_by_reason"] == {"unsafe_tar_member": 2}
     assert stats["samples"] == 2
+
+
+def rewrite_member(shard, name: str, data: bytes) -> None:
+    """Replace one member of a tar shard in place (same member order)."""
+    with tarfile.open(shard) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar]
+    with tarfile.open(shard, "w") as tar:
+        for member, content in members:
+            content = data if member.name == name else content
+            member.size = len(content)
+            tar.addfile(member, io.BytesIO(content))
+
+
+def test_image_truncated_after_its_header_is_bad_at_pack_time(demo, tmp_path):
+    root, model = demo
+    data = tmp_path / "data"
+    shutil.copytree(root / "data", data)
+    shard = shard_paths(data)[0]
+    victim = next(s for s in iter_shard_samples(shard) if "img0.png" in s.data)
+    png = victim.data["img0.png"]
+    truncated = png[: len(png) // 2]
+    assert Image.open(io.BytesIO(truncated)).size  # the header alone still reads
+    rewrite_member(shard, f"{victim.key}.img0.png", truncated)
+
+    out = tmp_path / "packed"
+    stats = pack(data, model, out, seq_len=1024, max_patches=4096, shard_size=8, max_bad_fraction=0.1)
+    assert stats["bad"]["skipped_by_reason"] == {"corrupt_image": 1}
+    assert stats["samples"] == 44
+    segments = 0
+    for packed_shard in shard_paths(out):
+        for s in iter_shard_samples(packed_shard):
+            for segment in json.loads(s.data["json"])["segments"]:
+                segments += 1
+                assert segment["key"] != victim.key
+                for name, size in zip(segment["images"], segment["image_sizes"]):
+                    image = Image.open(io.BytesIO(s.data[name]))
+                    image.load()
+                    assert image.size == tuple(size)
+    assert segments == 44
+
+
+def test_killed_pack_never_leaves_an_output_that_looks_finished(demo, tmp_path, monkeypatch):
+    root, model = demo
+    out = tmp_path / "packed"
+    pack(root / "data", model, out, seq_len=1024, max_patches=4096, shard_size=8, max_bad_fraction=0.1)
+    finished = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    def killed(_):  # a kill after every shard is written, just before the dataset is indexed
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(vlmcore.data.pack, "energon_prepare", killed)
+    with pytest.raises(KeyboardInterrupt):
+        pack(root / "data", model, out, seq_len=512, max_patches=4096, shard_size=8, max_bad_fraction=0.1)
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == finished
+    partial = out.with_name("packed.partial")
+    assert list(partial.glob("shard-*.tar"))
+    with pytest.raises(FileNotFoundError, match="not a prepared Energon dataset"):
+        shard_paths(partial)
+
+    monkeypatch.undo()
+    pack(root / "data", model, out, seq_len=512, max_patches=4096, shard_size=8, max_bad_fraction=0.1)
+    assert json.loads((out / "pack_config.json").read_text())["seq_len"] == 512
+    assert not partial.exists() and not out.with_name("packed.old").exists()
+    assert len(shard_paths(out)) == len(list(out.glob("shard-*.tar")))

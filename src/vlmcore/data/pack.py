@@ -1,18 +1,20 @@
 """`vlmcore pack`: a prepared dataset -> a packed Energon dataset of fixed-budget sequences.
 
-Pass 1 reads every sample, measures it with the model's processor (token count after image-token
-expansion, image patches from the image size alone: no pixels are decoded) and applies the
-overlong policy. The samples are then packed by best fit decreasing under `seq_len` tokens and
+Pass 1 reads every sample, decodes its images in full (a file truncated after its header is
+counted as bad here, never met by the loader), measures it with the model's processor (token
+count after image-token expansion, image patches from the image size) and applies the overlong
+policy. The samples are then packed by best fit decreasing under `seq_len` tokens and
 `max_patches` image patches. Pass 2 copies each pack's samples into one webdataset sample
 (`json` = the segments, plus the images), read back from the input shards by offset, so memory
 holds only the per-sample sizes. Tokenization happens again in the loader (crude samples).
 
 The packed dataset carries a copy of the model's tokenizer/processor files under `model/`, so
 the loader encodes exactly as measured here. stats.json reports efficiency, drops and truncations.
+Everything is written into `<out>.partial` and renamed to `<out>` at the end, so a killed pack
+never leaves a directory that looks finished.
 """
 
 import argparse
-import io
 import json
 import logging
 import random
@@ -26,7 +28,7 @@ from tqdm import tqdm
 
 from vlmcore.data.encoder import IGNORE_INDEX, EncodingError, SampleEncoder, TextEncoding
 from vlmcore.data.packing import best_fit_decreasing, packing_stats
-from vlmcore.data.quality import BadDataLog, BadSample, TooMuchBadData, decode_utf8
+from vlmcore.data.quality import BadDataLog, BadSample, TooMuchBadData, check_image, decode_utf8
 from vlmcore.data.shards import Part, energon_prepare, iter_shard_samples, shard_paths
 
 logger = logging.getLogger(__name__)
@@ -72,9 +74,9 @@ def measure_sample(sample: dict, parts: dict, encoder: SampleEncoder, seq_len: i
         if name not in parts:
             raise BadSample("missing_image", f"part {name}")
         try:
-            sizes.append(Image.open(io.BytesIO(parts[name])).size)  # reads the header only
-        except Exception as e:  # PIL raises many types for broken files
-            raise BadSample("corrupt_image", f"{name}: {type(e).__name__}: {e}") from e
+            sizes.append(check_image(parts[name], Image.MAX_IMAGE_PIXELS)[2])  # decodes every pixel
+        except BadSample as e:
+            raise BadSample(e.reason, f"{name}: {e.detail}") from e
     enc = encoder.encode_text(sample, sizes)
     if enc.num_patches > max_patches:
         counts["dropped_overlong"] += 1
@@ -171,9 +173,9 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
             except (BadSample, EncodingError) as e:
                 log.skip(e.reason, f"{shard.name}:{shard_sample.key}", str(e))
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for old in out_dir.glob("shard-*.tar*"):
-        old.unlink()
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
     tokens = [item.num_tokens for item in items]
     patches = [item.num_patches for item in items]
     bins = best_fit_decreasing(tokens, patches, seq_len, max_patches)
@@ -189,15 +191,30 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
         **counts,
         "bad": log.as_dict(),
     }
-    (out_dir / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
-    log.check()
-    if not items:
-        raise TooMuchBadData(f"pack: no usable samples in {data_dir}")
-    write_packs(out_dir, bins, items, shard_size)
-    copy_model_files(model_dir, out_dir)
-    (out_dir / "pack_config.json").write_text(json.dumps({"seq_len": seq_len, "max_patches": max_patches}) + "\n")
-    energon_prepare(out_dir)
+    (partial / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    try:
+        log.check()
+        if not items:
+            raise TooMuchBadData(f"pack: no usable samples in {data_dir}")
+    except TooMuchBadData:
+        replace_dir(partial, out_dir)  # only stats.json, to explain the failure: no reader takes it for a dataset
+        raise
+    write_packs(partial, bins, items, shard_size)
+    copy_model_files(model_dir, partial)
+    (partial / "pack_config.json").write_text(json.dumps({"seq_len": seq_len, "max_patches": max_patches}) + "\n")
+    energon_prepare(partial)
+    replace_dir(partial, out_dir)
     return stats
+
+
+def replace_dir(new: Path, target: Path) -> None:
+    """Rename `new` to `target`; an old `target` is moved aside first and deleted after."""
+    old = target.with_name(target.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        target.rename(old)
+    new.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
