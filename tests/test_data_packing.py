@@ -52,6 +52,40 @@ def test_bfd_respects_a_tight_patch_budget():
         best_fit_decreasing([10, 9000], [0, 0], 8192, 8192)
 
 
+def reference_best_fit_decreasing(tokens, patches, seq_len, max_patches):
+    """The rule in its plainest form (a linear scan per sample): least free tokens among the bins
+    with room for both, oldest bin on a tie."""
+    bins, free = [], []  # free: [free tokens, free patches] per bin
+    for i in sorted(range(len(tokens)), key=lambda i: (-tokens[i], -patches[i], i)):
+        fits = [b for b, (ft, fp) in enumerate(free) if ft >= tokens[i] and fp >= patches[i] and ft > 0]
+        if fits:
+            b = min(fits, key=lambda b: (free[b][0], b))
+        else:
+            b = len(bins)
+            bins.append([])
+            free.append([seq_len, max_patches])
+        bins[b].append(i)
+        free[b][0] -= tokens[i]
+        free[b][1] -= patches[i]
+    return bins
+
+
+def test_bfd_matches_the_plain_rule_when_either_budget_binds():
+    for seed in range(40):
+        rng = random.Random(seed)
+        seq_len = rng.choice([16, 100, 1024])
+        max_patches = rng.choice([0, 8, 100, 3 * seq_len])
+        n = rng.randint(1, 400)
+        tokens = [rng.randint(1, seq_len) if rng.random() < 0.3 else rng.randint(1, max(1, seq_len // 8)) for _ in range(n)]
+        patches = [min(max_patches, rng.choice([0, 0, 1, 4, max_patches // 3, max_patches // 2, max_patches])) for _ in range(n)]
+        expected = reference_best_fit_decreasing(tokens, patches, seq_len, max_patches)
+        assert best_fit_decreasing(tokens, patches, seq_len, max_patches) == expected, seed
+    tokens, patches = long_tailed_mix(2000, seed=3)
+    for max_patches in (3 * 8192, 8192):  # the patch budget binds often at 8192
+        expected = reference_best_fit_decreasing(tokens, patches, 8192, max_patches)
+        assert best_fit_decreasing(tokens, patches, 8192, max_patches) == expected
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     root = tmp_path_factory.mktemp("pack")
