@@ -215,3 +215,29 @@ def test_killed_pack_never_leaves_an_output_that_looks_finished(demo, tmp_path, 
     assert json.loads((out / "pack_config.json").read_text())["seq_len"] == 512
     assert not partial.exists() and not out.with_name("packed.old").exists()
     assert len(shard_paths(out)) == len(list(out.glob("shard-*.tar")))
+
+
+def packed_members(out) -> dict:
+    return {(shard.name, s.key): s.data for shard in shard_paths(out) for s in iter_shard_samples(shard)}
+
+
+@pytest.mark.slow  # two spawned measuring processes import transformers: ~15 s on 2 busy cores
+def test_packs_hold_the_stored_samples_and_do_not_depend_on_workers(demo, tmp_path):
+    """Pass 2 reads each sample back by offset: its json and images exactly as stored, the sizes
+    of all its images, the kept ones; 2 measuring processes pack the same."""
+    root, model = demo
+    one, two = tmp_path / "one", tmp_path / "two"
+    stats = pack(root / "data", model, one, seq_len=160, max_patches=96, shard_size=8, max_bad_fraction=0.1, workers=1)
+    assert pack(root / "data", model, two, seq_len=160, max_patches=96, shard_size=8, max_bad_fraction=0.1, workers=2) == stats
+    assert packed_members(one) == packed_members(two)
+
+    stored = {s.key: s.data for shard in shard_paths(root / "data") for s in iter_shard_samples(shard)}
+    assert stats["truncated"] == 1 and stats["samples"] == 44
+    for data in packed_members(one).values():
+        for segment in json.loads(data["json"])["segments"]:
+            source = stored[segment["key"]]
+            sample = json.loads(source["json"])
+            names = sample.pop("images", [])
+            assert segment["sample"] == sample
+            assert segment["image_sizes"] == [list(Image.open(io.BytesIO(source[n])).size) for n in names]
+            assert [data[n] for n in segment["images"]] == [source[n] for n in names[: len(segment["images"])]]

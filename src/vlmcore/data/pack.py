@@ -3,10 +3,12 @@
 Pass 1 reads every sample, decodes its images in full (a file truncated after its header is
 counted as bad here, never met by the loader), measures it with the model's processor (token
 count after image-token expansion, image patches from the image size) and applies the overlong
-policy. The samples are then packed by best fit decreasing under `seq_len` tokens and
-`max_patches` image patches. Pass 2 copies each pack's samples into one webdataset sample
-(`json` = the segments, plus the images), read back from the input shards by offset, so memory
-holds only the per-sample sizes. Tokenization happens again in the loader (crude samples).
+policy; shards are measured in parallel by `workers` processes, results kept in shard order.
+Memory holds only compact arrays per sample (where its json and images lie in its shard, its
+tokens and patches: about 75 bytes). The samples are then packed by best fit decreasing under
+`seq_len` tokens and `max_patches` image patches. Pass 2 copies each pack's samples into one
+webdataset sample (`json` = the segments, plus the images), their json and images read back
+from the input shards by offset. Tokenization happens again in the loader (crude samples).
 
 The packed dataset carries a copy of the model's tokenizer/processor files under `model/`, so
 the loader encodes exactly as measured here. stats.json reports efficiency, drops and truncations.
@@ -17,11 +19,14 @@ never leaves a directory that looks finished.
 import argparse
 import json
 import logging
+import multiprocessing
 import random
 import shutil
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import webdataset
 from PIL import Image
 from tqdm import tqdm
@@ -29,7 +34,7 @@ from tqdm import tqdm
 from vlmcore.data.encoder import IGNORE_INDEX, EncodingError, SampleEncoder, TextEncoding
 from vlmcore.data.packing import best_fit_decreasing, packing_stats
 from vlmcore.data.quality import BadDataLog, BadSample, TooMuchBadData, check_image, decode_utf8
-from vlmcore.data.shards import Part, energon_prepare, iter_shard_samples, shard_paths
+from vlmcore.data.shards import energon_prepare, iter_shard_samples, shard_paths
 
 logger = logging.getLogger(__name__)
 
@@ -49,16 +54,24 @@ MODEL_FILES = [
 PACK_MODEL_DIR = "model"
 
 
+# Per-sample state of pass 1, kept in compact arrays (about 50 bytes a sample, 20 an image, plus
+# its key): where its json part lies in its shard, its images, and its budget.
+SAMPLE = np.dtype([
+    ("shard", "<u4"), ("json_offset", "<u8"), ("json_size", "<u4"), ("key_offset", "<u8"), ("key_size", "<u2"),
+    ("first_image", "<u8"), ("num_images", "<u2"), ("kept_images", "<u2"), ("tokens", "<u4"), ("patches", "<u4"),
+])  # fmt: skip
+IMAGE = np.dtype([("offset", "<u8"), ("size", "<u4"), ("width", "<u4"), ("height", "<u4")])
+MAX_OPEN_SHARDS = 64
+
+
 @dataclass
-class Measured:
-    shard: Path
-    key: str
-    sample: dict
-    image_sizes: list[tuple[int, int]]  # all images, also those cut off by truncation
-    images: list[Part]  # the images that are kept
-    image_exts: list[str]
-    num_tokens: int
-    num_patches: int
+class MeasuredShard:
+    samples: np.ndarray  # SAMPLE; key_offset and first_image count from this shard's start
+    images: np.ndarray  # IMAGE, every image of every kept sample, in order
+    keys: bytes
+    seen: int
+    bad: list[tuple[str, str, str]]  # (reason, where, detail)
+    counts: dict
 
 
 def measure_sample(sample: dict, parts: dict, encoder: SampleEncoder, seq_len: int, max_patches: int,
@@ -94,8 +107,11 @@ def measure_sample(sample: dict, parts: dict, encoder: SampleEncoder, seq_len: i
     return enc, names[: len(enc.image_grid_thw)], sizes
 
 
-def measure(shard_sample, encoder: SampleEncoder, seq_len: int, max_patches: int, overlong: str, counts: dict) -> Measured:
-    """Size one shard sample as the loader will encode it; raises BadSample/EncodingError to skip it."""
+def measure(shard_sample, encoder: SampleEncoder, seq_len: int, max_patches: int, overlong: str,
+            counts: dict) -> tuple[TextEncoding, list[str], list[tuple[int, int]]]:
+    """Size one shard sample as the loader will encode it; raises BadSample/EncodingError to skip it.
+
+    Returns the encoding, the names of all its images and their sizes."""
     if shard_sample.unsafe_names:
         raise BadSample("unsafe_tar_member", repr(shard_sample.unsafe_names[0]))
     if "json" not in shard_sample.data:
@@ -104,42 +120,97 @@ def measure(shard_sample, encoder: SampleEncoder, seq_len: int, max_patches: int
         sample = json.loads(decode_utf8(shard_sample.data["json"]))
     except json.JSONDecodeError as e:
         raise BadSample("malformed_json", str(e)) from e
-    enc, kept, sizes = measure_sample(sample, shard_sample.data, encoder, seq_len, max_patches, overlong, counts)
-    return Measured(
-        shard=shard_sample.shard,
-        key=shard_sample.key,
-        sample={k: v for k, v in sample.items() if k != "images"},
-        image_sizes=sizes,
-        images=[shard_sample.parts[n] for n in kept],
-        image_exts=[n.rsplit(".", 1)[-1] for n in kept],
-        num_tokens=len(enc.input_ids),
-        num_patches=enc.num_patches,
-    )
+    enc, _, sizes = measure_sample(sample, shard_sample.data, encoder, seq_len, max_patches, overlong, counts)
+    return enc, sample.get("images", []), sizes
 
 
-def write_packs(out_dir: Path, bins: list[list[int]], items: list[Measured], shard_size: int) -> None:
-    open_shards = {}
+_worker = {}  # per measuring process: the encoder and the pack settings
+
+
+def start_worker(model_dir, seq_len: int, max_patches: int, overlong: str) -> None:
+    _worker.update(encoder=SampleEncoder(model_dir), seq_len=seq_len, max_patches=max_patches, overlong=overlong)
+
+
+def measure_shard(job: tuple[int, Path]) -> MeasuredShard:
+    shard_index, shard = job
+    samples, images, keys, bad = [], [], bytearray(), []
+    counts = {"truncated": 0, "dropped_overlong": 0}
+    seen = 0
+    for shard_sample in iter_shard_samples(shard):
+        seen += 1
+        try:
+            enc, names, sizes = measure(shard_sample, _worker["encoder"], _worker["seq_len"], _worker["max_patches"],
+                                        _worker["overlong"], counts)
+        except (BadSample, EncodingError) as e:
+            bad.append((e.reason, f"{shard.name}:{shard_sample.key}", str(e)))
+            continue
+        key = shard_sample.key.encode()
+        json_part = shard_sample.parts["json"]
+        samples.append((shard_index, json_part.offset, json_part.size, len(keys), len(key), len(images), len(names),
+                        len(enc.image_grid_thw), len(enc.input_ids), enc.num_patches))
+        keys += key
+        images += [(shard_sample.parts[n].offset, shard_sample.parts[n].size, w, h) for n, (w, h) in zip(names, sizes)]
+    return MeasuredShard(np.array(samples, SAMPLE), np.array(images, IMAGE), bytes(keys), seen, bad, counts)
+
+
+def measure_shards(shards: list[Path], model_dir, seq_len: int, max_patches: int, overlong: str, workers: int):
+    """MeasuredShard per shard, in shard order, from `workers` processes."""
+    settings = (model_dir, seq_len, max_patches, overlong)
+    jobs = list(enumerate(shards))
+    if workers <= 1:
+        start_worker(*settings)
+        yield from map(measure_shard, jobs)
+        return
+    with multiprocessing.get_context("spawn").Pool(workers, start_worker, settings) as pool:
+        yield from pool.imap(measure_shard, jobs)
+
+
+def concatenate(measured: list[MeasuredShard]) -> tuple[np.ndarray, np.ndarray, bytes]:
+    key_start = image_start = 0
+    for m in measured:
+        m.samples["key_offset"] += key_start
+        m.samples["first_image"] += image_start
+        key_start += len(m.keys)
+        image_start += len(m.images)
+    return (np.concatenate([np.zeros(0, SAMPLE)] + [m.samples for m in measured]),
+            np.concatenate([np.zeros(0, IMAGE)] + [m.images for m in measured]), b"".join(m.keys for m in measured))
+
+
+def write_packs(out_dir: Path, bins: list[list[int]], shards: list[Path], samples: np.ndarray, images: np.ndarray,
+                keys: bytes, shard_size: int) -> None:
+    """Each pack as one webdataset sample, its samples' json and images read back by offset."""
+    open_shards = OrderedDict()  # the most recently read MAX_OPEN_SHARDS input shards
+
+    def read(shard: int, offset: int, size: int) -> bytes:
+        if shard in open_shards:
+            open_shards.move_to_end(shard)
+        else:
+            if len(open_shards) == MAX_OPEN_SHARDS:
+                open_shards.popitem(last=False)[1].close()
+            open_shards[shard] = open(shards[shard], "rb")
+        f = open_shards[shard]
+        f.seek(offset)
+        return f.read(size)
+
     with webdataset.ShardWriter(str(out_dir / "shard-%06d.tar"), maxcount=shard_size, verbose=0) as writer:
         for pack_index, members in enumerate(tqdm(bins, desc="write packs", unit="pack")):
             record = {"__key__": f"{pack_index:09d}"}
             segments = []
             for s, i in enumerate(members):
-                item = items[i]
-                if item.shard not in open_shards:
-                    open_shards[item.shard] = open(item.shard, "rb")
-                f = open_shards[item.shard]
+                shard, json_offset, json_size, key_offset, key_size, first, num, kept, tokens, _ = samples[i].tolist()
+                sample = json.loads(read(shard, json_offset, json_size))
+                image_names = sample.pop("images", [])
                 names = []
-                for k, (part, ext) in enumerate(zip(item.images, item.image_exts)):
-                    f.seek(part.offset)
-                    names.append(f"s{s}_img{k}.{ext}")
-                    record[names[-1]] = f.read(part.size)
+                for k, (offset, size, _, _) in enumerate(images[first : first + kept].tolist()):
+                    names.append(f"s{s}_img{k}.{image_names[k].rsplit('.', 1)[-1]}")
+                    record[names[-1]] = read(shard, offset, size)
                 segments.append(
                     {
-                        "key": item.key,
-                        "sample": item.sample,
-                        "image_sizes": item.image_sizes,
+                        "key": keys[key_offset : key_offset + key_size].decode(),
+                        "sample": sample,
+                        "image_sizes": [(w, h) for _, _, w, h in images[first : first + num].tolist()],
                         "images": names,
-                        "num_tokens": item.num_tokens,
+                        "num_tokens": tokens,
                     }
                 )
             record["json"] = json.dumps({"segments": segments}).encode()
@@ -157,27 +228,30 @@ def copy_model_files(model_dir: Path, out_dir: Path) -> None:
 
 
 def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong: str = "truncate",
-         shard_size: int = 1000, seed: int = 0, max_bad_fraction: float = 0.05) -> dict:
+         shard_size: int = 1000, seed: int = 0, max_bad_fraction: float = 0.05, workers: int = 1) -> dict:
     if overlong not in ("truncate", "drop"):
         raise ValueError(f"overlong must be 'truncate' or 'drop', got {overlong!r}")
     data_dir, model_dir, out_dir = Path(data_dir), Path(model_dir), Path(out_dir)
-    encoder = SampleEncoder(model_dir)
+    shards = shard_paths(data_dir)
+    workers = max(1, min(workers, len(shards)))
     log = BadDataLog("pack", max_bad_fraction)
     counts = {"truncated": 0, "dropped_overlong": 0}
-    items: list[Measured] = []
-    for shard in shard_paths(data_dir):
-        for shard_sample in tqdm(iter_shard_samples(shard), desc=f"measure {shard.name}", unit="sample"):
-            log.seen += 1
-            try:
-                items.append(measure(shard_sample, encoder, seq_len, max_patches, overlong, counts))
-            except (BadSample, EncodingError) as e:
-                log.skip(e.reason, f"{shard.name}:{shard_sample.key}", str(e))
+    measured = []
+    for m in tqdm(measure_shards(shards, model_dir, seq_len, max_patches, overlong, workers), total=len(shards),
+                  desc=f"measure ({workers} workers)", unit="shard"):
+        log.seen += m.seen
+        for reason, where, detail in m.bad:
+            log.skip(reason, where, detail)
+        for k in counts:
+            counts[k] += m.counts[k]
+        measured.append(m)
+    samples, images, keys = concatenate(measured)
+    del measured
 
     partial = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    tokens = [item.num_tokens for item in items]
-    patches = [item.num_patches for item in items]
+    tokens, patches = samples["tokens"], samples["patches"]
     bins = best_fit_decreasing(tokens, patches, seq_len, max_patches)
     # Packs leave BFD largest-first; shuffle so the stream does not start with all the long ones.
     random.Random(seed).shuffle(bins)
@@ -194,12 +268,12 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
     (partial / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
     try:
         log.check()
-        if not items:
+        if not len(samples):
             raise TooMuchBadData(f"pack: no usable samples in {data_dir}")
     except TooMuchBadData:
         replace_dir(partial, out_dir)  # only stats.json, to explain the failure: no reader takes it for a dataset
         raise
-    write_packs(partial, bins, items, shard_size)
+    write_packs(partial, bins, shards, samples, images, keys, shard_size)
     copy_model_files(model_dir, partial)
     (partial / "pack_config.json").write_text(json.dumps({"seq_len": seq_len, "max_patches": max_patches}) + "\n")
     energon_prepare(partial)

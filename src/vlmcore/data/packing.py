@@ -81,15 +81,17 @@ def best_fit_decreasing(tokens, patches, seq_len: int, max_patches: int) -> list
 
 def packing_stats(bins: list[list[int]], tokens, patches, seq_len: int, max_patches: int) -> dict:
     """Efficiency = real tokens over capacity (bins x seq_len)."""
-    used_tokens = sum(int(tokens[i]) for b in bins for i in b)
-    used_patches = sum(int(patches[i]) for b in bins for i in b)
+    members = np.fromiter((i for b in bins for i in b), dtype=np.int64)
+    bin_of = np.repeat(np.arange(len(bins)), [len(b) for b in bins])
+    member_patches = np.asarray(patches, dtype=np.int64)[members]
+    used_tokens = int(np.asarray(tokens, dtype=np.int64)[members].sum())
     capacity = max(len(bins), 1)
     return {
         "packs": len(bins),
-        "samples": sum(len(b) for b in bins),
+        "samples": len(members),
         "tokens": used_tokens,
         "efficiency": used_tokens / (capacity * seq_len),
-        "patch_utilization": used_patches / (capacity * max_patches) if max_patches else 0.0,
-        "samples_per_pack": sum(len(b) for b in bins) / capacity,
-        "max_patches_in_a_pack": max((sum(int(patches[i]) for i in b) for b in bins), default=0),
+        "patch_utilization": int(member_patches.sum()) / (capacity * max_patches) if max_patches else 0.0,
+        "samples_per_pack": len(members) / capacity,
+        "max_patches_in_a_pack": int(np.bincount(bin_of, member_patches, minlength=1).max()) if len(bins) else 0,
     }
