@@ -20,6 +20,7 @@ import argparse
 import json
 import logging
 import multiprocessing
+import os
 import random
 import shutil
 from collections import OrderedDict
@@ -301,13 +302,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-size", type=int, default=1000, help="packs per tar shard")
     parser.add_argument("--seed", type=int, default=0, help="seed of the pack order")
     parser.add_argument("--max-bad-fraction", type=float, default=0.05, help="fail when more of the samples are bad")
+    parser.add_argument("--workers", type=int, default=os.cpu_count(), help="measuring processes (at most one per shard)")
 
 
 def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         stats = pack(args.data, args.model, args.out, args.seq_len, args.max_patches, args.overlong,
-                     args.shard_size, args.seed, args.max_bad_fraction)
+                     args.shard_size, args.seed, args.max_bad_fraction, args.workers)
     except TooMuchBadData as e:
         logger.error("%s (details in %s/stats.json)", e, args.out)
         return 1
