@@ -2,6 +2,8 @@
 
     python benchmarks/data.py                      # both parts, CPU
     python benchmarks/data.py --part packing       # packing only (seconds)
+    python benchmarks/data.py --part bfd-scaling   # best fit decreasing at 100k..1.6M samples
+    python benchmarks/data.py --part pack --pack-samples 10000 100000 --workers 1 2
 
 Packing: one long-tailed mix of samples (log-normal text lengths, 0-2 images of 64-4096
 patches, 4 patches per image token), seq_len 8192, image-patch budget 3 x 8192, compared:
@@ -16,6 +18,18 @@ compressed image bytes (assumed 10x smaller than raw RGB); offline keeps two int
 Loader: the demo model and synthetic conversations, packed at seq_len 1024, read through
 `build_loader` with 0, 1 and 2 workers (samples/s, real tokens/s), next to the rate at which a
 forward+backward of the demo model consumes the same batches on this machine.
+
+BFD scaling: the offline packer alone on the same mix at 100k, 400k and 1.6M samples with the
+patch budget binding (seq_len 8192, 3 x 8192 patches): CPU seconds per million samples should
+stay flat (the old scan was quadratic there: 1.6M in 92 s).
+
+Pack at scale: `vlmcore pack` end to end on a synthetic prepared dataset written straight into
+tar shards (the demo's scenes and texts over a pool of 256 images, half captions half
+conversations, 1000 samples per shard; its .nv-meta/.info.json is written directly rather than
+by `energon prepare`, which is not part of pack). Seq_len 1024, demo model. Reports the wall time
+of each phase, the CPU seconds of all processes, the peak memory of the process tree (sampled
+every 0.1 s) and of the main process, and extrapolates to 10M samples on N cores: the measure
+pass divides by the cores, best fit and writing (one process) do not.
 Writes benchmarks/results/data_<part>.json and prints a table.
 """
 
@@ -23,6 +37,9 @@ import argparse
 import json
 import os
 import random
+import re
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -104,6 +121,116 @@ def bench_packing(n: int, seq_len: int, max_patches: int, buffer_size: int) -> l
     return rows
 
 
+def bench_bfd_scaling(sizes: list[int], seq_len: int, max_patches: int) -> list[dict]:
+    rows = []
+    for n in sizes:
+        tokens, patches = long_tailed_mix(n)
+        t0 = time.process_time()
+        bins = best_fit_decreasing(tokens, patches, seq_len, max_patches)
+        seconds = time.process_time() - t0
+        rows.append({"samples": n, "packs": len(bins), "efficiency": sum(tokens) / (len(bins) * seq_len),
+                     "max_patches_in_a_pack": max(sum(patches[i] for i in b) for b in bins),
+                     "cpu_seconds": seconds, "cpu_seconds_per_million": seconds / n * 1e6})
+    return rows
+
+
+def write_synthetic_prepared(out_dir: Path, n: int, shard_size: int = 1000, seed: int = 0) -> None:
+    """A prepared dataset of `n` demo-like samples, fast: 256 images drawn once, reused."""
+    import io
+    import tarfile
+
+    from vlmcore.data.synthetic import caption_for, conversation_for, draw_scene, random_scene
+
+    rng = random.Random(seed)
+    pool = []
+    for _ in range(256):
+        scene = random_scene(rng, 32, 112)
+        png = io.BytesIO()
+        draw_scene(scene).save(png, format="PNG")
+        pool.append((scene, png.getvalue()))
+    out_dir.mkdir(parents=True)
+    counts, tar = {}, None
+    for i in range(n):
+        if i % shard_size == 0:
+            if tar:
+                tar.close()
+            name = f"shard-{i // shard_size:06d}.tar"
+            tar, counts[name] = tarfile.open(out_dir / name, "w"), 0
+        scene, png = pool[rng.randrange(len(pool))]
+        if i % 2 == 0:
+            messages = [{"role": "user", "content": "<image>"}, {"role": "assistant", "content": caption_for(scene, rng)}]
+            images = [png]
+        elif i % 10 == 9:
+            other, other_png = pool[rng.randrange(len(pool))]
+            messages, images = conversation_for([scene, other], rng), [png, other_png]
+        else:
+            messages, images = conversation_for([scene], rng), [png]
+        names = [f"img{k}.png" for k in range(len(images))]
+        parts = [("json", json.dumps({"messages": messages, "images": names}).encode()), *zip(names, images)]
+        for part, data in parts:
+            info = tarfile.TarInfo(f"{i:09d}.{part}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        counts[name] += 1
+    tar.close()
+    (out_dir / ".nv-meta").mkdir()
+    (out_dir / ".nv-meta" / ".info.json").write_text(json.dumps({"shard_counts": counts}))
+
+
+def bench_pack(sizes: list[int], worker_counts: list[int], seq_len: int, max_patches: int, cores: int) -> list[dict]:
+    import psutil
+
+    from vlmcore.download import build_tiny_model
+
+    root = Path(tempfile.mkdtemp(prefix="vlmcore-bench-pack-"))
+    build_tiny_model(root / "model")
+    rows = []
+    for n in sizes:
+        data = root / f"data_{n}"
+        t0 = time.perf_counter()
+        write_synthetic_prepared(data, n)
+        generate_seconds = time.perf_counter() - t0
+        for workers in worker_counts:
+            out = root / f"packed_{n}_{workers}"
+            cmd = [sys.executable, "-m", "vlmcore.cli", "pack", "--data", str(data), "--model", str(root / "model"),
+                   "--out", str(out), "--seq-len", str(seq_len), "--max-patches", str(max_patches),
+                   "--workers", str(workers)]
+            env = {**os.environ, "TQDM_DISABLE": "1"}
+            t0 = time.perf_counter()
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            main = psutil.Process(proc.pid)
+            peak_main = peak_tree = 0
+            while proc.poll() is None:
+                try:  # workers count by their unique memory: the libraries they map are shared
+                    rss = main.memory_info().rss
+                    unique = sum(p.memory_full_info().uss for p in main.children(recursive=True))
+                    peak_main, peak_tree = max(peak_main, rss), max(peak_tree, rss + unique)
+                except psutil.Error:
+                    pass
+                time.sleep(0.2)
+            stdout, stderr = proc.communicate()
+            wall = time.perf_counter() - t0
+            if proc.returncode:
+                raise RuntimeError(f"pack failed:\n{stderr[-3000:]}")
+            found = re.search(r"measure: .* in ([0-9.]+) s \(([0-9.]+) CPU s", stderr)
+            measure_wall, measure_cpu = float(found.group(1)), float(found.group(2))
+            best_fit, write = (float(re.search(rf"{name}: .* in ([0-9.]+) s", stderr).group(1)) for name in ("best fit", "write"))
+            stats = json.loads(stdout.strip().splitlines()[-1])
+            rest = wall - measure_wall - best_fit - write  # start-up, energon prepare of the output, model files
+            # Extrapolation: the measure pass by CPU seconds over the cores; best fit, writing and
+            # the rest run in one process, by wall time here (shared machine: pessimistic), linear in n.
+            rows.append({
+                "samples": n, "workers": workers, "generate_s": generate_seconds, "wall_s": wall,
+                "measure_s": measure_wall, "measure_cpu_s": measure_cpu, "best_fit_s": best_fit, "write_s": write,
+                "rest_s": rest, "measure_samples_per_s_per_core": n / measure_cpu, "samples_per_s": n / wall,
+                "peak_main_mb": peak_main / 2**20, "peak_total_mb": peak_tree / 2**20,
+                "main_bytes_per_sample": peak_main / n, "packs": stats["packs"], "efficiency": stats["efficiency"],
+                f"extrapolated_10M_s_on_{cores}_cores": 1e7 * (measure_cpu / n / cores + (best_fit + write + rest) / n),
+            })
+            print_table(rows[-1:])
+    return rows
+
+
 def bench_loader(num_train: int, seq_len: int, max_patches: int, batches: int, worker_counts: list[int]) -> list[dict]:
     from vlmcore.data.loader import build_loader
     from vlmcore.data.pack import pack
@@ -169,7 +296,10 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["packing", "loader", "all"], default="all")
+    parser.add_argument("--part", choices=["packing", "loader", "bfd-scaling", "pack", "all"], default="all")
+    parser.add_argument("--pack-samples", type=int, nargs="+", default=[10000, 100000], help="sizes for --part pack")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="measuring processes for --part pack")
+    parser.add_argument("--cores", type=int, default=32, help="cores of the node the pack part extrapolates to")
     parser.add_argument("--samples", type=int, default=20000, help="samples in the packing mix")
     parser.add_argument("--num-train", type=int, default=512, help="synthetic conversations for the loader part")
     parser.add_argument("--batches", type=int, default=30, help="batches timed per worker count")
@@ -179,6 +309,14 @@ def main() -> None:
         rows = bench_packing(args.samples, seq_len=8192, max_patches=3 * 8192, buffer_size=1000)
         print_table(rows)
         (RESULTS / "data_packing.json").write_text(json.dumps(rows, indent=2) + "\n")
+    if args.part in ("bfd-scaling", "all"):
+        rows = bench_bfd_scaling([100000, 400000, 1600000], seq_len=8192, max_patches=3 * 8192)
+        print_table(rows)
+        (RESULTS / "data_bfd_scaling.json").write_text(json.dumps(rows, indent=2) + "\n")
+    if args.part == "pack":  # minutes: not part of "all"
+        rows = bench_pack(args.pack_samples, args.workers, seq_len=1024, max_patches=4096, cores=args.cores)
+        name = "_".join(str(n) for n in args.pack_samples)
+        (RESULTS / f"data_pack_{name}.json").write_text(json.dumps(rows, indent=2) + "\n")
     if args.part in ("loader", "all"):
         rows = bench_loader(args.num_train, seq_len=1024, max_patches=4096, batches=args.batches, worker_counts=[0, 1, 2])
         print_table(rows)

@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import random
 import shutil
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,7 @@ class MeasuredShard:
     seen: int
     bad: list[tuple[str, str, str]]  # (reason, where, detail)
     counts: dict
+    cpu_seconds: float
 
 
 def measure_sample(sample: dict, parts: dict, encoder: SampleEncoder, seq_len: int, max_patches: int,
@@ -134,6 +136,7 @@ def start_worker(model_dir, seq_len: int, max_patches: int, overlong: str) -> No
 
 def measure_shard(job: tuple[int, Path]) -> MeasuredShard:
     shard_index, shard = job
+    start = time.process_time()
     samples, images, keys, bad = [], [], bytearray(), []
     counts = {"truncated": 0, "dropped_overlong": 0}
     seen = 0
@@ -151,7 +154,8 @@ def measure_shard(job: tuple[int, Path]) -> MeasuredShard:
                         len(enc.image_grid_thw), len(enc.input_ids), enc.num_patches))
         keys += key
         images += [(shard_sample.parts[n].offset, shard_sample.parts[n].size, w, h) for n, (w, h) in zip(names, sizes)]
-    return MeasuredShard(np.array(samples, SAMPLE), np.array(images, IMAGE), bytes(keys), seen, bad, counts)
+    return MeasuredShard(np.array(samples, SAMPLE), np.array(images, IMAGE), bytes(keys), seen, bad, counts,
+                         time.process_time() - start)
 
 
 def measure_shards(shards: list[Path], model_dir, seq_len: int, max_patches: int, overlong: str, workers: int):
@@ -235,6 +239,7 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
     data_dir, model_dir, out_dir = Path(data_dir), Path(model_dir), Path(out_dir)
     shards = shard_paths(data_dir)
     workers = max(1, min(workers, len(shards)))
+    start = time.perf_counter()
     log = BadDataLog("pack", max_bad_fraction)
     counts = {"truncated": 0, "dropped_overlong": 0}
     measured = []
@@ -247,13 +252,17 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
             counts[k] += m.counts[k]
         measured.append(m)
     samples, images, keys = concatenate(measured)
+    logger.info("measure: %d samples kept of %d in %.1f s (%.1f CPU s in %d workers)", len(samples), log.seen,
+                time.perf_counter() - start, sum(m.cpu_seconds for m in measured), workers)
     del measured
 
     partial = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     tokens, patches = samples["tokens"], samples["patches"]
+    start, cpu = time.perf_counter(), time.process_time()
     bins = best_fit_decreasing(tokens, patches, seq_len, max_patches)
+    logger.info("best fit: %d packs in %.1f s (%.1f CPU s)", len(bins), time.perf_counter() - start, time.process_time() - cpu)
     # Packs leave BFD largest-first; shuffle so the stream does not start with all the long ones.
     random.Random(seed).shuffle(bins)
     stats = {
@@ -274,7 +283,9 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
     except TooMuchBadData:
         replace_dir(partial, out_dir)  # only stats.json, to explain the failure: no reader takes it for a dataset
         raise
+    start, cpu = time.perf_counter(), time.process_time()
     write_packs(partial, bins, shards, samples, images, keys, shard_size)
+    logger.info("write: %d packs in %.1f s (%.1f CPU s)", len(bins), time.perf_counter() - start, time.process_time() - cpu)
     copy_model_files(model_dir, partial)
     (partial / "pack_config.json").write_text(json.dumps({"seq_len": seq_len, "max_patches": max_patches}) + "\n")
     energon_prepare(partial)
