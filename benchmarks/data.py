@@ -212,20 +212,24 @@ def bench_pack(sizes: list[int], worker_counts: list[int], seq_len: int, max_pat
             wall = time.perf_counter() - t0
             if proc.returncode:
                 raise RuntimeError(f"pack failed:\n{stderr[-3000:]}")
-            found = re.search(r"measure: .* in ([0-9.]+) s \(([0-9.]+) CPU s", stderr)
-            measure_wall, measure_cpu = float(found.group(1)), float(found.group(2))
-            best_fit, write = (float(re.search(rf"{name}: .* in ([0-9.]+) s", stderr).group(1)) for name in ("best fit", "write"))
+            phases = {name: re.search(rf"{name}: .* in ([0-9.]+) s \\(([0-9.]+) CPU s", stderr).groups()
+                      for name in ("measure", "best fit", "write", "index")}
+            wall_s = {name: float(w) for name, (w, _) in phases.items()}
+            cpu_s = {name: float(c) for name, (_, c) in phases.items()}
+            state = int(re.search(r"state ([0-9]+) bytes", stderr).group(1))
             stats = json.loads(stdout.strip().splitlines()[-1])
-            rest = wall - measure_wall - best_fit - write  # start-up, energon prepare of the output, model files
-            # Extrapolation: the measure pass by CPU seconds over the cores; best fit, writing and
-            # the rest run in one process, by wall time here (shared machine: pessimistic), linear in n.
+            startup = wall - sum(wall_s.values())  # imports, model files: constant
+            # Extrapolation by CPU seconds (this machine is shared, its wall times are not this
+            # process's): the measure pass over the cores, the other phases in one process.
+            serial_cpu = cpu_s["best fit"] + cpu_s["write"] + cpu_s["index"]
             rows.append({
                 "samples": n, "workers": workers, "generate_s": generate_seconds, "wall_s": wall,
-                "measure_s": measure_wall, "measure_cpu_s": measure_cpu, "best_fit_s": best_fit, "write_s": write,
-                "rest_s": rest, "measure_samples_per_s_per_core": n / measure_cpu, "samples_per_s": n / wall,
+                **{f"{name.replace(' ', '_')}_s": wall_s[name] for name in phases},
+                **{f"{name.replace(' ', '_')}_cpu_s": cpu_s[name] for name in phases},
+                "measure_samples_per_s_per_core": n / cpu_s["measure"], "samples_per_s": n / wall,
                 "peak_main_mb": peak_main / 2**20, "peak_total_mb": peak_tree / 2**20,
-                "main_bytes_per_sample": peak_main / n, "packs": stats["packs"], "efficiency": stats["efficiency"],
-                f"extrapolated_10M_s_on_{cores}_cores": 1e7 * (measure_cpu / n / cores + (best_fit + write + rest) / n),
+                "state_bytes_per_sample": state / n, "packs": stats["packs"], "efficiency": stats["efficiency"],
+                f"extrapolated_10M_s_on_{cores}_cores": 1e7 * (cpu_s["measure"] / n / cores + serial_cpu / n) + startup,
             })
             print_table(rows[-1:])
     return rows

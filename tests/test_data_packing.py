@@ -221,7 +221,6 @@ def packed_members(out) -> dict:
     return {(shard.name, s.key): s.data for shard in shard_paths(out) for s in iter_shard_samples(shard)}
 
 
-@pytest.mark.slow  # two spawned measuring processes import transformers: ~15 s on 2 busy cores
 def test_packs_hold_the_stored_samples_and_do_not_depend_on_workers(demo, tmp_path):
     """Pass 2 reads each sample back by offset: its json and images exactly as stored, the sizes
     of all its images, the kept ones; 2 measuring processes pack the same."""

@@ -166,7 +166,8 @@ def measure_shards(shards: list[Path], model_dir, seq_len: int, max_patches: int
         start_worker(*settings)
         yield from map(measure_shard, jobs)
         return
-    with multiprocessing.get_context("spawn").Pool(workers, start_worker, settings) as pool:
+    # fork: the workers share the parent's imported libraries instead of loading their own copy
+    with multiprocessing.get_context("fork").Pool(workers, start_worker, settings) as pool:
         yield from pool.imap(measure_shard, jobs)
 
 
@@ -252,8 +253,9 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
             counts[k] += m.counts[k]
         measured.append(m)
     samples, images, keys = concatenate(measured)
-    logger.info("measure: %d samples kept of %d in %.1f s (%.1f CPU s in %d workers)", len(samples), log.seen,
-                time.perf_counter() - start, sum(m.cpu_seconds for m in measured), workers)
+    logger.info("measure: %d samples kept of %d in %.1f s (%.1f CPU s in %d workers), state %d bytes", len(samples),
+                log.seen, time.perf_counter() - start, sum(m.cpu_seconds for m in measured), workers,
+                samples.nbytes + images.nbytes + len(keys))
     del measured
 
     partial = out_dir.with_name(out_dir.name + ".partial")
@@ -288,7 +290,9 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
     logger.info("write: %d packs in %.1f s (%.1f CPU s)", len(bins), time.perf_counter() - start, time.process_time() - cpu)
     copy_model_files(model_dir, partial)
     (partial / "pack_config.json").write_text(json.dumps({"seq_len": seq_len, "max_patches": max_patches}) + "\n")
+    start, cpu = time.perf_counter(), time.process_time()
     energon_prepare(partial)
+    logger.info("index: %d packs in %.1f s (%.1f CPU s)", len(bins), time.perf_counter() - start, time.process_time() - cpu)
     replace_dir(partial, out_dir)
     return stats
 
