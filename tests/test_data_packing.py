@@ -240,3 +240,35 @@ def test_packs_hold_the_stored_samples_and_do_not_depend_on_workers(demo, tmp_pa
             assert segment["sample"] == sample
             assert segment["image_sizes"] == [list(Image.open(io.BytesIO(source[n])).size) for n in names]
             assert [data[n] for n in segment["images"]] == [source[n] for n in names[: len(segment["images"])]]
+
+
+def test_rerun_after_a_kill_while_measuring_measures_only_the_shards_left(demo, tmp_path, monkeypatch):
+    root, model = demo
+    shards = shard_paths(root / "data")
+    expected = tmp_path / "expected"
+    pack(root / "data", model, expected, seq_len=160, max_patches=96, shard_size=8, max_bad_fraction=0.1)
+    measure_shard = vlmcore.data.pack.measure_shard
+    measured = []
+
+    def killed_at_the_third_shard(job):
+        if len(measured) == 2:
+            raise KeyboardInterrupt
+        measured.append(job[1].name)
+        return measure_shard(job)
+
+    out = tmp_path / "packed"
+    monkeypatch.setattr(vlmcore.data.pack, "measure_shard", killed_at_the_third_shard)
+    with pytest.raises(KeyboardInterrupt):
+        pack(root / "data", model, out, seq_len=160, max_patches=96, shard_size=8, max_bad_fraction=0.1)
+    assert not out.exists() and measured == [shards[0].name, shards[1].name]
+
+    def counted(job):
+        measured.append(job[1].name)
+        return measure_shard(job)
+
+    monkeypatch.setattr(vlmcore.data.pack, "measure_shard", counted)
+    stats = pack(root / "data", model, out, seq_len=160, max_patches=96, shard_size=8, max_bad_fraction=0.1)
+    assert measured == [s.name for s in shards]  # the first two were not measured again
+    assert stats == json.loads((expected / "stats.json").read_text())
+    assert packed_members(out) == packed_members(expected)
+    assert not out.with_name("packed.measured").exists()

@@ -13,7 +13,8 @@ from the input shards by offset. Tokenization happens again in the loader (crude
 The packed dataset carries a copy of the model's tokenizer/processor files under `model/`, so
 the loader encodes exactly as measured here. stats.json reports efficiency, drops and truncations.
 Everything is written into `<out>.partial` and renamed to `<out>` at the end, so a killed pack
-never leaves a directory that looks finished.
+never leaves a directory that looks finished. Each shard's measurements are kept in
+`<out>.measured` until the pack is done: a rerun after a kill measures only the shards left.
 """
 
 import argparse
@@ -158,17 +159,47 @@ def measure_shard(job: tuple[int, Path]) -> MeasuredShard:
                          time.process_time() - start)
 
 
-def measure_shards(shards: list[Path], model_dir, seq_len: int, max_patches: int, overlong: str, workers: int):
-    """MeasuredShard per shard, in shard order, from `workers` processes."""
+def measure_shards(shards: list[Path], model_dir: Path, seq_len: int, max_patches: int, overlong: str, workers: int,
+                   cache: Path) -> list[MeasuredShard]:
+    """MeasuredShard per shard, in shard order, from `workers` processes. Each shard's result is
+    saved in `cache` as it comes, so a rerun after a kill measures only the shards left."""
     settings = (model_dir, seq_len, max_patches, overlong)
-    jobs = list(enumerate(shards))
+    inputs = shards + [model_dir / name for name in MODEL_FILES if (model_dir / name).is_file()]
+    identity = json.dumps({"settings": [str(model_dir), seq_len, max_patches, overlong],
+                           "files": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in inputs]})
+    if not (cache / "identity.json").is_file() or (cache / "identity.json").read_text() != identity:
+        shutil.rmtree(cache, ignore_errors=True)
+        cache.mkdir(parents=True)
+        (cache / "identity.json").write_text(identity)
+    jobs = [(i, shard) for i, shard in enumerate(shards) if not (cache / f"{i:06d}.npz").is_file()]
+    progress = tqdm(desc=f"measure ({workers} workers)", unit="shard", total=len(shards), initial=len(shards) - len(jobs))
     if workers <= 1:
         start_worker(*settings)
-        yield from map(measure_shard, jobs)
-        return
-    # fork: the workers share the parent's imported libraries instead of loading their own copy
-    with multiprocessing.get_context("fork").Pool(workers, start_worker, settings) as pool:
-        yield from pool.imap(measure_shard, jobs)
+        for i, shard in jobs:
+            save_measured(cache / f"{i:06d}.npz", measure_shard((i, shard)))
+            progress.update()
+    else:
+        # fork: the workers share the parent's imported libraries instead of loading their own copy
+        with multiprocessing.get_context("fork").Pool(workers, start_worker, settings) as pool:
+            for (i, _), measured in zip(jobs, pool.imap(measure_shard, jobs)):
+                save_measured(cache / f"{i:06d}.npz", measured)
+                progress.update()
+    progress.close()
+    return [load_measured(cache / f"{i:06d}.npz") for i in range(len(shards))]
+
+
+def save_measured(path: Path, m: MeasuredShard) -> None:
+    info = {"seen": m.seen, "bad": m.bad, "counts": m.counts, "cpu_seconds": m.cpu_seconds}
+    with open(path.with_suffix(".tmp"), "wb") as f:
+        np.savez(f, samples=m.samples, images=m.images, keys=np.frombuffer(m.keys, np.uint8), info=np.array(json.dumps(info)))
+    path.with_suffix(".tmp").replace(path)
+
+
+def load_measured(path: Path) -> MeasuredShard:
+    with np.load(path) as saved:
+        info = json.loads(str(saved["info"]))
+        return MeasuredShard(saved["samples"], saved["images"], saved["keys"].tobytes(), info["seen"],
+                             [tuple(bad) for bad in info["bad"]], info["counts"], info["cpu_seconds"])
 
 
 def concatenate(measured: list[MeasuredShard]) -> tuple[np.ndarray, np.ndarray, bytes]:
@@ -243,15 +274,14 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
     start = time.perf_counter()
     log = BadDataLog("pack", max_bad_fraction)
     counts = {"truncated": 0, "dropped_overlong": 0}
-    measured = []
-    for m in tqdm(measure_shards(shards, model_dir, seq_len, max_patches, overlong, workers), total=len(shards),
-                  desc=f"measure ({workers} workers)", unit="shard"):
+    cache = out_dir.with_name(out_dir.name + ".measured")
+    measured = measure_shards(shards, model_dir, seq_len, max_patches, overlong, workers, cache)
+    for m in measured:
         log.seen += m.seen
         for reason, where, detail in m.bad:
             log.skip(reason, where, detail)
         for k in counts:
             counts[k] += m.counts[k]
-        measured.append(m)
     samples, images, keys = concatenate(measured)
     logger.info("measure: %d samples kept of %d in %.1f s (%.1f CPU s in %d workers), state %d bytes", len(samples),
                 log.seen, time.perf_counter() - start, sum(m.cpu_seconds for m in measured), workers,
@@ -284,6 +314,7 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
             raise TooMuchBadData(f"pack: no usable samples in {data_dir}")
     except TooMuchBadData:
         replace_dir(partial, out_dir)  # only stats.json, to explain the failure: no reader takes it for a dataset
+        shutil.rmtree(cache)
         raise
     start, cpu = time.perf_counter(), time.process_time()
     write_packs(partial, bins, shards, samples, images, keys, shard_size)
@@ -294,6 +325,7 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
     energon_prepare(partial)
     logger.info("index: %d packs in %.1f s (%.1f CPU s)", len(bins), time.perf_counter() - start, time.process_time() - cpu)
     replace_dir(partial, out_dir)
+    shutil.rmtree(cache)
     return stats
 
 
