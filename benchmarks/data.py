@@ -210,9 +210,10 @@ def bench_pack(sizes: list[int], worker_counts: list[int], seq_len: int, max_pat
                 time.sleep(0.2)
             stdout, stderr = proc.communicate()
             wall = time.perf_counter() - t0
+            (root / f"pack_{n}_{workers}.log").write_text(stderr)
             if proc.returncode:
                 raise RuntimeError(f"pack failed:\n{stderr[-3000:]}")
-            phases = {name: re.search(rf"{name}: .* in ([0-9.]+) s \\(([0-9.]+) CPU s", stderr).groups()
+            phases = {name: re.search(rf"{name}: .* in ([0-9.]+) s \(([0-9.]+) CPU s", stderr).groups()
                       for name in ("measure", "best fit", "write", "index")}
             wall_s = {name: float(w) for name, (w, _) in phases.items()}
             cpu_s = {name: float(c) for name, (_, c) in phases.items()}
