@@ -207,7 +207,7 @@ def test_killed_pack_never_leaves_an_output_that_looks_finished(demo, tmp_path, 
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == finished
     partial = out.with_name("packed.partial")
     assert list(partial.glob("shard-*.tar"))
-    with pytest.raises(FileNotFoundError, match="not a prepared Energon dataset"):
+    with pytest.raises(Exception, match="not a prepared Energon dataset"):  # no index: no reader takes it
         shard_paths(partial)
 
     monkeypatch.undo()
