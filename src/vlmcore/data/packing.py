@@ -20,7 +20,7 @@ def best_fit_decreasing(tokens, patches, seq_len: int, max_patches: int) -> list
     if len(bad):
         i = int(bad[0])
         raise ValueError(f"sample {i} ({tokens[i]} tokens, {patches[i]} patches) does not fit a bin of {seq_len} tokens, {max_patches} patches")
-    order = np.lexsort((-patches, -tokens)).tolist()  # stable: ties keep index order
+    order = np.lexsort((-patches, -tokens))  # stable: ties keep index order
     size = 1 << seq_len.bit_length()  # leaves 0..seq_len
     tree = [-1] * (2 * size)  # max free patches per bucket (leaf) and subtree; -1: empty
     buckets: list[list[int]] = [[] for _ in range(seq_len + 1)]  # open bins by free tokens, in bin order
@@ -54,7 +54,7 @@ def best_fit_decreasing(tokens, patches, seq_len: int, max_patches: int) -> list
             i = 2 * i if tree[2 * i] >= p else 2 * i + 1
         return i - size
 
-    for i, t, p in zip(order, tokens[order].tolist(), patches[order].tolist()):
+    for i, t, p in in_order(order, tokens, patches):
         b = -1
         f = first_bucket(t, p)
         while f >= 0:
@@ -77,6 +77,13 @@ def best_fit_decreasing(tokens, patches, seq_len: int, max_patches: int) -> list
             insort(buckets[f - t], b)
             raise_leaf(f - t, free_patches[b])
     return bins
+
+
+def in_order(order: np.ndarray, tokens: np.ndarray, patches: np.ndarray, chunk: int = 1 << 16):
+    """(index, tokens, patches) in `order` as Python ints, converted a chunk at a time."""
+    for start in range(0, len(order), chunk):
+        part = order[start : start + chunk]
+        yield from zip(part.tolist(), tokens[part].tolist(), patches[part].tolist())
 
 
 def packing_stats(bins: list[list[int]], tokens, patches, seq_len: int, max_patches: int) -> dict:
