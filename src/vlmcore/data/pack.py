@@ -8,7 +8,8 @@ Memory holds only compact arrays per sample (where its json and images lie in it
 tokens and patches: about 75 bytes). The samples are then packed by best fit decreasing under
 `seq_len` tokens and `max_patches` image patches. Pass 2 copies each pack's samples into one
 webdataset sample (`json` = the segments, plus the images), their json and images read back
-from the input shards by offset. Tokenization happens again in the loader (crude samples).
+from the input shards by offset; `workers` processes write an output shard each at a time.
+Tokenization happens again in the loader (crude samples).
 
 The packed dataset carries a copy of the model's tokenizer/processor files under `model/`, so
 the loader encodes exactly as measured here. stats.json reports efficiency, drops and truncations.
@@ -23,6 +24,7 @@ import logging
 import multiprocessing
 import os
 import random
+import resource
 import shutil
 import time
 from collections import OrderedDict
@@ -164,6 +166,7 @@ def measure_shards(shards: list[Path], model_dir: Path, seq_len: int, max_patche
     """MeasuredShard per shard, in shard order, from `workers` processes. Each shard's result is
     saved in `cache` as it comes, so a rerun after a kill measures only the shards left."""
     settings = (model_dir, seq_len, max_patches, overlong)
+    workers = min(workers, len(shards))
     inputs = shards + [model_dir / name for name in MODEL_FILES if (model_dir / name).is_file()]
     identity = json.dumps({"settings": [str(model_dir), seq_len, max_patches, overlong],
                            "files": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in inputs]})
@@ -213,9 +216,30 @@ def concatenate(measured: list[MeasuredShard]) -> tuple[np.ndarray, np.ndarray, 
             np.concatenate([np.zeros(0, IMAGE)] + [m.images for m in measured]), b"".join(m.keys for m in measured))
 
 
+_writing = {}  # what the writing processes read: set before they fork, so nothing is copied to them
+
+
 def write_packs(out_dir: Path, bins: list[list[int]], shards: list[Path], samples: np.ndarray, images: np.ndarray,
-                keys: bytes, shard_size: int) -> None:
-    """Each pack as one webdataset sample, its samples' json and images read back by offset."""
+                keys: bytes, shard_size: int, workers: int) -> float:
+    """Each pack as one webdataset sample in `shard_size`-pack tar shards, written by `workers`
+    processes; returns their CPU seconds."""
+    _writing.update(out_dir=out_dir, bins=bins, shards=shards, samples=samples, images=images, keys=keys,
+                    shard_size=shard_size)
+    jobs = range((len(bins) + shard_size - 1) // shard_size)
+    workers = min(workers, len(jobs))
+    try:
+        if workers <= 1:
+            return sum(map(write_shard, tqdm(jobs, desc="write", unit="shard")))
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            return sum(tqdm(pool.imap_unordered(write_shard, jobs), desc="write", unit="shard", total=len(jobs)))
+    finally:
+        _writing.clear()
+
+
+def write_shard(index: int) -> float:
+    """Output shard `index`: its packs, each sample's json and images read back by offset."""
+    start = time.process_time()
+    samples, images, keys = _writing["samples"], _writing["images"], _writing["keys"]
     open_shards = OrderedDict()  # the most recently read MAX_OPEN_SHARDS input shards
 
     def read(shard: int, offset: int, size: int) -> bytes:
@@ -224,16 +248,17 @@ def write_packs(out_dir: Path, bins: list[list[int]], shards: list[Path], sample
         else:
             if len(open_shards) == MAX_OPEN_SHARDS:
                 open_shards.popitem(last=False)[1].close()
-            open_shards[shard] = open(shards[shard], "rb")
+            open_shards[shard] = open(_writing["shards"][shard], "rb")
         f = open_shards[shard]
         f.seek(offset)
         return f.read(size)
 
-    with webdataset.ShardWriter(str(out_dir / "shard-%06d.tar"), maxcount=shard_size, verbose=0) as writer:
-        for pack_index, members in enumerate(tqdm(bins, desc="write packs", unit="pack")):
+    first_pack = index * _writing["shard_size"]
+    with webdataset.TarWriter(str(_writing["out_dir"] / f"shard-{index:06d}.tar")) as writer:
+        for pack_index in range(first_pack, min(first_pack + _writing["shard_size"], len(_writing["bins"]))):
             record = {"__key__": f"{pack_index:09d}"}
             segments = []
-            for s, i in enumerate(members):
+            for s, i in enumerate(_writing["bins"][pack_index]):
                 shard, json_offset, json_size, key_offset, key_size, first, num, kept, tokens, _ = samples[i].tolist()
                 sample = json.loads(read(shard, json_offset, json_size))
                 image_names = sample.pop("images", [])
@@ -254,6 +279,13 @@ def write_packs(out_dir: Path, bins: list[list[int]], shards: list[Path], sample
             writer.write(record)
     for f in open_shards.values():
         f.close()
+    return time.process_time() - start
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and of its finished child processes."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def copy_model_files(model_dir: Path, out_dir: Path) -> None:
@@ -270,7 +302,7 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
         raise ValueError(f"overlong must be 'truncate' or 'drop', got {overlong!r}")
     data_dir, model_dir, out_dir = Path(data_dir), Path(model_dir), Path(out_dir)
     shards = shard_paths(data_dir)
-    workers = max(1, min(workers, len(shards)))
+    workers = max(1, workers)
     start = time.perf_counter()
     log = BadDataLog("pack", max_bad_fraction)
     counts = {"truncated": 0, "dropped_overlong": 0}
@@ -316,14 +348,14 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
         replace_dir(partial, out_dir)  # only stats.json, to explain the failure: no reader takes it for a dataset
         shutil.rmtree(cache)
         raise
-    start, cpu = time.perf_counter(), time.process_time()
-    write_packs(partial, bins, shards, samples, images, keys, shard_size)
-    logger.info("write: %d packs in %.1f s (%.1f CPU s)", len(bins), time.perf_counter() - start, time.process_time() - cpu)
+    start = time.perf_counter()
+    cpu = write_packs(partial, bins, shards, samples, images, keys, shard_size, workers)
+    logger.info("write: %d packs in %.1f s (%.1f CPU s in %d workers)", len(bins), time.perf_counter() - start, cpu, workers)
     copy_model_files(model_dir, partial)
     (partial / "pack_config.json").write_text(json.dumps({"seq_len": seq_len, "max_patches": max_patches}) + "\n")
-    start, cpu = time.perf_counter(), time.process_time()
+    start, cpu = time.perf_counter(), cpu_seconds()
     energon_prepare(partial)
-    logger.info("index: %d packs in %.1f s (%.1f CPU s)", len(bins), time.perf_counter() - start, time.process_time() - cpu)
+    logger.info("index: %d packs in %.1f s (%.1f CPU s)", len(bins), time.perf_counter() - start, cpu_seconds() - cpu)
     replace_dir(partial, out_dir)
     shutil.rmtree(cache)
     return stats
