@@ -198,7 +198,7 @@ def test_killed_pack_never_leaves_an_output_that_looks_finished(demo, tmp_path, 
     pack(root / "data", model, out, seq_len=1024, max_patches=4096, shard_size=8, max_bad_fraction=0.1)
     finished = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
 
-    def killed(_):  # a kill after every shard is written, just before the dataset is indexed
+    def killed(*_):  # a kill after every shard is written, just before the dataset is indexed
         raise KeyboardInterrupt
 
     monkeypatch.setattr(vlmcore.data.pack, "energon_prepare", killed)

@@ -354,7 +354,7 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
     copy_model_files(model_dir, partial)
     (partial / "pack_config.json").write_text(json.dumps({"seq_len": seq_len, "max_patches": max_patches}) + "\n")
     start, cpu = time.perf_counter(), cpu_seconds()
-    energon_prepare(partial)
+    energon_prepare(partial, workers)
     logger.info("index: %d packs in %.1f s (%.1f CPU s)", len(bins), time.perf_counter() - start, cpu_seconds() - cpu)
     replace_dir(partial, out_dir)
     shutil.rmtree(cache)
