@@ -29,8 +29,8 @@ conversations, 1000 samples per shard; its .nv-meta/.info.json is written direct
 by `energon prepare`, which is not part of pack). Seq_len 1024, demo model. Reports the wall time
 and CPU seconds of each phase, the peak memory of the main process and of the whole tree (the
 workers by their unique memory, sampled every 0.2 s), the per-sample state, and extrapolates to
-10M samples on N cores by CPU seconds: measuring and writing divide by the cores, best fit and
-the output's `energon prepare` do not.
+10M samples on N cores by CPU seconds: measuring, writing and the output's `energon prepare`
+divide by the cores, best fit does not.
 Writes benchmarks/results/data_<part>.json and prints a table.
 """
 
@@ -222,9 +222,9 @@ def bench_pack(sizes: list[int], worker_counts: list[int], seq_len: int, max_pat
             stats = json.loads(stdout.strip().splitlines()[-1])
             startup = wall - sum(wall_s.values())  # imports, model files: constant
             # Extrapolation by CPU seconds (this machine is shared, its wall times are not this
-            # process's): measuring and writing over the cores, best fit and the index in one process.
-            parallel_cpu = cpu_s["measure"] + cpu_s["write"]
-            serial_cpu = cpu_s["best fit"] + cpu_s["index"]
+            # process's): measuring, writing and indexing over the cores, best fit in one process.
+            parallel_cpu = cpu_s["measure"] + cpu_s["write"] + cpu_s["index"]
+            serial_cpu = cpu_s["best fit"]
             rows.append({
                 "samples": n, "workers": workers, "generate_s": generate_seconds, "wall_s": wall,
                 **{f"{name.replace(' ', '_')}_s": wall_s[name] for name in phases},
