@@ -2,6 +2,8 @@
 
     python benchmarks/data.py                      # both parts, CPU
     python benchmarks/data.py --part packing       # packing only (seconds)
+    python benchmarks/data.py --part bfd-scaling   # best fit decreasing at 100k..1.6M samples
+    python benchmarks/data.py --part pack --pack-samples 10000 100000 --workers 1 2
 
 Packing: one long-tailed mix of samples (log-normal text lengths, 0-2 images of 64-4096
 patches, 4 patches per image token), seq_len 8192, image-patch budget 3 x 8192, compared:
@@ -18,6 +20,19 @@ a high-resolution 2048x1536 case), packed into 8,192-token rows for a model with
 processor defaults, read through `build_loader` with 0, 1 and 2 workers: rows/s, CPU seconds per
 row (this process and its workers) and rows/s per core, and how many times one H100's need (2B
 model, 0.35 s per row) the cores a GPU gets on MN5 (20) and JUPITER (72) deliver.
+
+BFD scaling: the offline packer alone on the same mix at 100k, 400k and 1.6M samples with the
+patch budget binding (seq_len 8192, 3 x 8192 patches): CPU seconds per million samples should
+stay flat (the old scan was quadratic there: 1.6M in 92 s).
+
+Pack at scale: `vlmcore pack` end to end on a synthetic prepared dataset written straight into
+tar shards (the demo's scenes and texts over a pool of 256 images, half captions half
+conversations, 1000 samples per shard; its .nv-meta/.info.json is written directly rather than
+by `energon prepare`, which is not part of pack). Seq_len 1024, demo model. Reports the wall time
+and CPU seconds of each phase, the peak memory of the main process and of the whole tree (the
+workers by their unique memory, sampled every 0.2 s), the per-sample state, and extrapolates to
+10M samples on N cores by CPU seconds: measuring, writing and the output's `energon prepare`
+divide by the cores, best fit does not.
 Writes benchmarks/results/data_<part>.json and prints a table.
 """
 
@@ -25,13 +40,14 @@ import argparse
 import json
 import os
 import random
+import re
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-import torch  # noqa: E402
 
 from vlmcore.data.packing import best_fit_decreasing  # noqa: E402
 
@@ -103,6 +119,122 @@ def bench_packing(n: int, seq_len: int, max_patches: int, buffer_size: int) -> l
             "memory_held_mb": held_bytes / 2**20,
             "seconds": seconds,
         })
+    return rows
+
+
+def bench_bfd_scaling(sizes: list[int], seq_len: int, max_patches: int) -> list[dict]:
+    rows = []
+    for n in sizes:
+        tokens, patches = long_tailed_mix(n)
+        t0 = time.process_time()
+        bins = best_fit_decreasing(tokens, patches, seq_len, max_patches)
+        seconds = time.process_time() - t0
+        rows.append({"samples": n, "packs": len(bins), "efficiency": sum(tokens) / (len(bins) * seq_len),
+                     "max_patches_in_a_pack": max(sum(patches[i] for i in b) for b in bins),
+                     "cpu_seconds": seconds, "cpu_seconds_per_million": seconds / n * 1e6})
+    return rows
+
+
+def write_synthetic_prepared(out_dir: Path, n: int, shard_size: int = 1000, seed: int = 0) -> None:
+    """A prepared dataset of `n` demo-like samples, fast: 256 images drawn once, reused."""
+    import io
+    import tarfile
+
+    from vlmcore.data.synthetic import caption_for, conversation_for, draw_scene, random_scene
+
+    rng = random.Random(seed)
+    pool = []
+    for _ in range(256):
+        scene = random_scene(rng, 32, 112)
+        png = io.BytesIO()
+        draw_scene(scene).save(png, format="PNG")
+        pool.append((scene, png.getvalue()))
+    out_dir.mkdir(parents=True)
+    counts, tar = {}, None
+    for i in range(n):
+        if i % shard_size == 0:
+            if tar:
+                tar.close()
+            name = f"shard-{i // shard_size:06d}.tar"
+            tar, counts[name] = tarfile.open(out_dir / name, "w"), 0
+        scene, png = pool[rng.randrange(len(pool))]
+        if i % 2 == 0:
+            messages = [{"role": "user", "content": "<image>"}, {"role": "assistant", "content": caption_for(scene, rng)}]
+            images = [png]
+        elif i % 10 == 9:
+            other, other_png = pool[rng.randrange(len(pool))]
+            messages, images = conversation_for([scene, other], rng), [png, other_png]
+        else:
+            messages, images = conversation_for([scene], rng), [png]
+        names = [f"img{k}.png" for k in range(len(images))]
+        parts = [("json", json.dumps({"messages": messages, "images": names}).encode()), *zip(names, images)]
+        for part, data in parts:
+            info = tarfile.TarInfo(f"{i:09d}.{part}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        counts[name] += 1
+    tar.close()
+    (out_dir / ".nv-meta").mkdir()
+    (out_dir / ".nv-meta" / ".info.json").write_text(json.dumps({"shard_counts": counts}))
+
+
+def bench_pack(sizes: list[int], worker_counts: list[int], seq_len: int, max_patches: int, cores: int) -> list[dict]:
+    import psutil
+
+    from vlmcore.download import build_tiny_model
+
+    root = Path(tempfile.mkdtemp(prefix="vlmcore-bench-pack-"))
+    build_tiny_model(root / "model")
+    rows = []
+    for n in sizes:
+        data = root / f"data_{n}"
+        t0 = time.perf_counter()
+        write_synthetic_prepared(data, n)
+        generate_seconds = time.perf_counter() - t0
+        for workers in worker_counts:
+            out = root / f"packed_{n}_{workers}"
+            cmd = [sys.executable, "-m", "vlmcore.cli", "pack", "--data", str(data), "--model", str(root / "model"),
+                   "--out", str(out), "--seq-len", str(seq_len), "--max-patches", str(max_patches),
+                   "--workers", str(workers)]
+            env = {**os.environ, "TQDM_DISABLE": "1"}
+            t0 = time.perf_counter()
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            main = psutil.Process(proc.pid)
+            peak_main = peak_tree = 0
+            while proc.poll() is None:
+                try:  # workers count by their unique memory: the libraries they map are shared
+                    rss = main.memory_info().rss
+                    unique = sum(p.memory_full_info().uss for p in main.children(recursive=True))
+                    peak_main, peak_tree = max(peak_main, rss), max(peak_tree, rss + unique)
+                except psutil.Error:
+                    pass
+                time.sleep(0.2)
+            stdout, stderr = proc.communicate()
+            wall = time.perf_counter() - t0
+            (root / f"pack_{n}_{workers}.log").write_text(stderr)
+            if proc.returncode:
+                raise RuntimeError(f"pack failed:\n{stderr[-3000:]}")
+            phases = {name: re.search(rf"{name}: .* in ([0-9.]+) s \(([0-9.]+) CPU s", stderr).groups()
+                      for name in ("measure", "best fit", "write", "index")}
+            wall_s = {name: float(w) for name, (w, _) in phases.items()}
+            cpu_s = {name: float(c) for name, (_, c) in phases.items()}
+            state = int(re.search(r"state ([0-9]+) bytes", stderr).group(1))
+            stats = json.loads(stdout.strip().splitlines()[-1])
+            startup = wall - sum(wall_s.values())  # imports, model files: constant
+            # Extrapolation by CPU seconds (this machine is shared, its wall times are not this
+            # process's): measuring, writing and indexing over the cores, best fit in one process.
+            parallel_cpu = cpu_s["measure"] + cpu_s["write"] + cpu_s["index"]
+            serial_cpu = cpu_s["best fit"]
+            rows.append({
+                "samples": n, "workers": workers, "generate_s": generate_seconds, "wall_s": wall,
+                **{f"{name.replace(' ', '_')}_s": wall_s[name] for name in phases},
+                **{f"{name.replace(' ', '_')}_cpu_s": cpu_s[name] for name in phases},
+                "measure_samples_per_s_per_core": n / cpu_s["measure"], "samples_per_s": n / wall,
+                "peak_main_mb": peak_main / 2**20, "peak_total_mb": peak_tree / 2**20,
+                "state_bytes_per_sample": state / n, "packs": stats["packs"], "efficiency": stats["efficiency"],
+                f"extrapolated_10M_s_on_{cores}_cores": 1e7 * (parallel_cpu / n / cores + serial_cpu / n) + startup,
+            })
+            print_table(rows[-1:])
     return rows
 
 
@@ -219,7 +351,10 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["packing", "loader", "all"], default="all")
+    parser.add_argument("--part", choices=["packing", "loader", "bfd-scaling", "pack", "all"], default="all")
+    parser.add_argument("--pack-samples", type=int, nargs="+", default=[10000, 100000], help="sizes for --part pack")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="measuring processes for --part pack")
+    parser.add_argument("--cores", type=int, default=32, help="cores of the node the pack part extrapolates to")
     parser.add_argument("--samples", type=int, default=20000, help="samples in the packing mix")
     parser.add_argument("--loader-samples", type=int, default=256, help="image-caption samples for the loader part")
     parser.add_argument("--rows", type=int, default=16, help="8,192-token rows timed per image mix and worker count")
@@ -229,6 +364,14 @@ def main() -> None:
         rows = bench_packing(args.samples, seq_len=8192, max_patches=3 * 8192, buffer_size=1000)
         print_table(rows)
         (RESULTS / "data_packing.json").write_text(json.dumps(rows, indent=2) + "\n")
+    if args.part in ("bfd-scaling", "all"):
+        rows = bench_bfd_scaling([100000, 400000, 1600000], seq_len=8192, max_patches=3 * 8192)
+        print_table(rows)
+        (RESULTS / "data_bfd_scaling.json").write_text(json.dumps(rows, indent=2) + "\n")
+    if args.part == "pack":  # minutes: not part of "all"
+        rows = bench_pack(args.pack_samples, args.workers, seq_len=1024, max_patches=4096, cores=args.cores)
+        name = "_".join(str(n) for n in args.pack_samples)
+        (RESULTS / f"data_pack_{name}.json").write_text(json.dumps(rows, indent=2) + "\n")
     if args.part in ("loader", "all"):
         rows = bench_loader(args.rows, worker_counts=[0, 1, 2], samples=args.loader_samples)
         print_table(rows)

@@ -3,10 +3,13 @@
 import io
 import json
 import random
+import shutil
 import tarfile
 
 import pytest
+from PIL import Image
 
+import vlmcore.data.pack
 from _data_helpers import make_demo_model_dir, write_jsonl
 from vlmcore.cli import main
 from vlmcore.data.pack import pack
@@ -47,6 +50,40 @@ def test_bfd_respects_a_tight_patch_budget():
     assert sorted(i for b in bins for i in b) == list(range(len(tokens)))
     with pytest.raises(ValueError, match="does not fit"):
         best_fit_decreasing([10, 9000], [0, 0], 8192, 8192)
+
+
+def reference_best_fit_decreasing(tokens, patches, seq_len, max_patches):
+    """The rule in its plainest form (a linear scan per sample): least free tokens among the bins
+    with room for both, oldest bin on a tie."""
+    bins, free = [], []  # free: [free tokens, free patches] per bin
+    for i in sorted(range(len(tokens)), key=lambda i: (-tokens[i], -patches[i], i)):
+        fits = [b for b, (ft, fp) in enumerate(free) if ft >= tokens[i] and fp >= patches[i] and ft > 0]
+        if fits:
+            b = min(fits, key=lambda b: (free[b][0], b))
+        else:
+            b = len(bins)
+            bins.append([])
+            free.append([seq_len, max_patches])
+        bins[b].append(i)
+        free[b][0] -= tokens[i]
+        free[b][1] -= patches[i]
+    return bins
+
+
+def test_bfd_matches_the_plain_rule_when_either_budget_binds():
+    for seed in range(40):
+        rng = random.Random(seed)
+        seq_len = rng.choice([16, 100, 1024])
+        max_patches = rng.choice([0, 8, 100, 3 * seq_len])
+        n = rng.randint(1, 400)
+        tokens = [rng.randint(1, seq_len) if rng.random() < 0.3 else rng.randint(1, max(1, seq_len // 8)) for _ in range(n)]
+        patches = [min(max_patches, rng.choice([0, 0, 1, 4, max_patches // 3, max_patches // 2, max_patches])) for _ in range(n)]
+        expected = reference_best_fit_decreasing(tokens, patches, seq_len, max_patches)
+        assert best_fit_decreasing(tokens, patches, seq_len, max_patches) == expected, seed
+    tokens, patches = long_tailed_mix(2000, seed=3)
+    for max_patches in (3 * 8192, 8192):  # the patch budget binds often at 8192
+        expected = reference_best_fit_decreasing(tokens, patches, 8192, max_patches)
+        assert best_fit_decreasing(tokens, patches, 8192, max_patches) == expected
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +151,124 @@ def test_unsafe_shard_members_are_rejected(demo, tmp_path):
     stats = json.loads((out / "stats.json").read_text())
     assert stats["bad"]["skipped_by_reason"] == {"unsafe_tar_member": 2}
     assert stats["samples"] == 2
+
+
+def rewrite_member(shard, name: str, data: bytes) -> None:
+    """Replace one member of a tar shard in place (same member order)."""
+    with tarfile.open(shard) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar]
+    with tarfile.open(shard, "w") as tar:
+        for member, content in members:
+            content = data if member.name == name else content
+            member.size = len(content)
+            tar.addfile(member, io.BytesIO(content))
+
+
+def test_image_truncated_after_its_header_is_bad_at_pack_time(demo, tmp_path):
+    root, model = demo
+    data = tmp_path / "data"
+    shutil.copytree(root / "data", data)
+    shard = shard_paths(data)[0]
+    victim = next(s for s in iter_shard_samples(shard) if "img0.png" in s.data)
+    png = victim.data["img0.png"]
+    truncated = png[: len(png) // 2]
+    assert Image.open(io.BytesIO(truncated)).size  # the header alone still reads
+    rewrite_member(shard, f"{victim.key}.img0.png", truncated)
+
+    out = tmp_path / "packed"
+    stats = pack(data, model, out, seq_len=1024, max_patches=4096, shard_size=8, max_bad_fraction=0.1)
+    assert stats["bad"]["skipped_by_reason"] == {"corrupt_image": 1}
+    assert stats["samples"] == 44
+    segments = 0
+    for packed_shard in shard_paths(out):
+        for s in iter_shard_samples(packed_shard):
+            for segment in json.loads(s.data["json"])["segments"]:
+                segments += 1
+                assert segment["key"] != victim.key
+                for name, size in zip(segment["images"], segment["image_sizes"]):
+                    image = Image.open(io.BytesIO(s.data[name]))
+                    image.load()
+                    assert image.size == tuple(size)
+    assert segments == 44
+
+
+def test_killed_pack_never_leaves_an_output_that_looks_finished(demo, tmp_path, monkeypatch):
+    root, model = demo
+    out = tmp_path / "packed"
+    pack(root / "data", model, out, seq_len=1024, max_patches=4096, shard_size=8, max_bad_fraction=0.1)
+    finished = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    def killed(*_):  # a kill after every shard is written, just before the dataset is indexed
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(vlmcore.data.pack, "energon_prepare", killed)
+    with pytest.raises(KeyboardInterrupt):
+        pack(root / "data", model, out, seq_len=512, max_patches=4096, shard_size=8, max_bad_fraction=0.1)
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == finished
+    partial = out.with_name("packed.partial")
+    assert list(partial.glob("shard-*.tar"))
+    with pytest.raises(Exception, match="not a prepared Energon dataset"):  # no index: no reader takes it
+        shard_paths(partial)
+
+    monkeypatch.undo()
+    pack(root / "data", model, out, seq_len=512, max_patches=4096, shard_size=8, max_bad_fraction=0.1)
+    assert json.loads((out / "pack_config.json").read_text())["seq_len"] == 512
+    assert not partial.exists() and not out.with_name("packed.old").exists()
+    assert len(shard_paths(out)) == len(list(out.glob("shard-*.tar")))
+
+
+def packed_members(out) -> dict:
+    return {(shard.name, s.key): s.data for shard in shard_paths(out) for s in iter_shard_samples(shard)}
+
+
+def test_packs_hold_the_stored_samples_and_do_not_depend_on_workers(demo, tmp_path):
+    """Pass 2 reads each sample back by offset: its json and images exactly as stored, the sizes
+    of all its images, the kept ones; 2 measuring processes pack the same."""
+    root, model = demo
+    one, two = tmp_path / "one", tmp_path / "two"
+    stats = pack(root / "data", model, one, seq_len=160, max_patches=96, shard_size=8, max_bad_fraction=0.1, workers=1)
+    assert pack(root / "data", model, two, seq_len=160, max_patches=96, shard_size=8, max_bad_fraction=0.1, workers=2) == stats
+    assert packed_members(one) == packed_members(two)
+
+    stored = {s.key: s.data for shard in shard_paths(root / "data") for s in iter_shard_samples(shard)}
+    assert stats["truncated"] == 1 and stats["samples"] == 44
+    for data in packed_members(one).values():
+        for segment in json.loads(data["json"])["segments"]:
+            source = stored[segment["key"]]
+            sample = json.loads(source["json"])
+            names = sample.pop("images", [])
+            assert segment["sample"] == sample
+            assert segment["image_sizes"] == [list(Image.open(io.BytesIO(source[n])).size) for n in names]
+            assert [data[n] for n in segment["images"]] == [source[n] for n in names[: len(segment["images"])]]
+
+
+def test_rerun_after_a_kill_while_measuring_measures_only_the_shards_left(demo, tmp_path, monkeypatch):
+    root, model = demo
+    shards = shard_paths(root / "data")
+    expected = tmp_path / "expected"
+    pack(root / "data", model, expected, seq_len=160, max_patches=96, shard_size=8, max_bad_fraction=0.1)
+    measure_shard = vlmcore.data.pack.measure_shard
+    measured = []
+
+    def killed_at_the_third_shard(job):
+        if len(measured) == 2:
+            raise KeyboardInterrupt
+        measured.append(job[1].name)
+        return measure_shard(job)
+
+    out = tmp_path / "packed"
+    monkeypatch.setattr(vlmcore.data.pack, "measure_shard", killed_at_the_third_shard)
+    with pytest.raises(KeyboardInterrupt):
+        pack(root / "data", model, out, seq_len=160, max_patches=96, shard_size=8, max_bad_fraction=0.1)
+    assert not out.exists() and measured == [shards[0].name, shards[1].name]
+
+    def counted(job):
+        measured.append(job[1].name)
+        return measure_shard(job)
+
+    monkeypatch.setattr(vlmcore.data.pack, "measure_shard", counted)
+    stats = pack(root / "data", model, out, seq_len=160, max_patches=96, shard_size=8, max_bad_fraction=0.1)
+    assert measured == [s.name for s in shards]  # the first two were not measured again
+    assert stats == json.loads((expected / "stats.json").read_text())
+    assert packed_members(out) == packed_members(expected)
+    assert not out.with_name("packed.measured").exists()

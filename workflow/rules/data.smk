@@ -56,4 +56,4 @@ rule pack_data:
     shell:
         "vlmcore pack --data {input.data} --model {params.model} --out {output}"
         " --seq-len {params.pack[seq_len]} --max-patches {params.pack[max_patches]}"
-        " --overlong {params.pack[overlong]} > {log} 2>&1"
+        " --overlong {params.pack[overlong]} --workers {threads} > {log} 2>&1"

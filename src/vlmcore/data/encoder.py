@@ -91,11 +91,14 @@ class SampleEncoder:
             raise EncodingError("bad_aspect_ratio", f"image {width}x{height}: {e}") from e
         return 1, h // self.patch_size, w // self.patch_size
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def render(self, conversations: list[list[dict]], add_generation_prompt: bool = False) -> list[str]:
+        """The chat template applied to a batch of conversations in one call."""
+        if not conversations:
+            return []
         if self.processor is None:  # text templates expect string contents
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.apply_chat_template(conversations, tokenize=False, add_generation_prompt=add_generation_prompt)
         return self.processor.apply_chat_template(
-            to_chat_messages(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            [to_chat_messages(m) for m in conversations], tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
     def expand_image_tokens(self, text: str, grids: list[tuple[int, int, int]]) -> str:
@@ -124,13 +127,14 @@ class SampleEncoder:
         num_tags = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
         if num_tags != len(grids):
             raise EncodingError("image_tag_mismatch", f"{num_tags} <image> tags but {len(grids)} images")
-        full = self.render(messages)
+        # Two template calls per sample: the whole conversation with the prefixes through each
+        # assistant turn (the last one is the whole conversation when it ends it), and the
+        # prefixes before each assistant turn with the generation prompt.
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        full, *throughs = self.render([messages] + [messages[: i + 1] for i in turns if i + 1 < len(messages)])
+        throughs += [full] * (len(turns) - len(throughs))
         spans = []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            before = self.render(messages[:i], add_generation_prompt=True)
-            through = self.render(messages[: i + 1])
+        for before, through in zip(self.render([messages[:i] for i in turns], add_generation_prompt=True), throughs):
             if not (full.startswith(through) and through.startswith(before)):
                 raise EncodingError(
                     "template_not_prefix_stable",

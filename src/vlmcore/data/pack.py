@@ -1,25 +1,37 @@
 """`vlmcore pack`: a prepared dataset -> a packed Energon dataset of fixed-budget sequences.
 
-Pass 1 reads every sample, measures it with the model's processor (token count after image-token
-expansion, image patches from the image size alone: no pixels are decoded) and applies the
-overlong policy. The samples are then packed by best fit decreasing under `seq_len` tokens and
-`max_patches` image patches. Pass 2 copies each pack's samples into one webdataset sample
-(`json` = the segments, plus the images), read back from the input shards by offset, so memory
-holds only the per-sample sizes. Tokenization happens again in the loader (crude samples).
+Pass 1 reads every sample, decodes its images in full (a file truncated after its header is
+counted as bad here, never met by the loader), measures it with the model's processor (token
+count after image-token expansion, image patches from the image size) and applies the overlong
+policy; shards are measured in parallel by `workers` processes, results kept in shard order.
+Memory holds only compact arrays per sample (where its json and images lie in its shard, its
+tokens and patches: about 75 bytes). The samples are then packed by best fit decreasing under
+`seq_len` tokens and `max_patches` image patches. Pass 2 copies each pack's samples into one
+webdataset sample (`json` = the segments, plus the images), their json and images read back
+from the input shards by offset; `workers` processes write an output shard each at a time.
+Tokenization happens again in the loader (crude samples).
 
 The packed dataset carries a copy of the model's tokenizer/processor files under `model/`, so
 the loader encodes exactly as measured here. stats.json reports efficiency, drops and truncations.
+Everything is written into `<out>.partial` and renamed to `<out>` at the end, so a killed pack
+never leaves a directory that looks finished. Each shard's measurements are kept in
+`<out>.measured` until the pack is done: a rerun after a kill measures only the shards left.
 """
 
 import argparse
-import io
 import json
 import logging
+import multiprocessing
+import os
 import random
+import resource
 import shutil
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import webdataset
 from PIL import Image
 from tqdm import tqdm
@@ -27,8 +39,8 @@ from tqdm import tqdm
 from vlmcore.cli import UsageError, existing_dir, fraction, non_negative_int, positive_int
 from vlmcore.data.encoder import IGNORE_INDEX, EncodingError, SampleEncoder, TextEncoding
 from vlmcore.data.packing import best_fit_decreasing, packing_stats
-from vlmcore.data.quality import BadDataLog, BadSample, DataError, TooMuchBadData, decode_utf8
-from vlmcore.data.shards import Part, energon_prepare, iter_shard_samples, shard_paths
+from vlmcore.data.quality import BadDataLog, BadSample, DataError, TooMuchBadData, check_image, decode_utf8
+from vlmcore.data.shards import energon_prepare, iter_shard_samples, shard_paths
 
 logger = logging.getLogger(__name__)
 
@@ -48,16 +60,25 @@ MODEL_FILES = [
 PACK_MODEL_DIR = "model"
 
 
+# Per-sample state of pass 1, kept in compact arrays (about 50 bytes a sample, 20 an image, plus
+# its key): where its json part lies in its shard, its images, and its budget.
+SAMPLE = np.dtype([
+    ("shard", "<u4"), ("json_offset", "<u8"), ("json_size", "<u4"), ("key_offset", "<u8"), ("key_size", "<u2"),
+    ("first_image", "<u8"), ("num_images", "<u2"), ("kept_images", "<u2"), ("tokens", "<u4"), ("patches", "<u4"),
+])  # fmt: skip
+IMAGE = np.dtype([("offset", "<u8"), ("size", "<u4"), ("width", "<u4"), ("height", "<u4")])
+MAX_OPEN_SHARDS = 64
+
+
 @dataclass
-class Measured:
-    shard: Path
-    key: str
-    sample: dict
-    image_sizes: list[tuple[int, int]]  # all images, also those cut off by truncation
-    images: list[Part]  # the images that are kept
-    image_exts: list[str]
-    num_tokens: int
-    num_patches: int
+class MeasuredShard:
+    samples: np.ndarray  # SAMPLE; key_offset and first_image count from this shard's start
+    images: np.ndarray  # IMAGE, every image of every kept sample, in order
+    keys: bytes
+    seen: int
+    bad: list[tuple[str, str, str]]  # (reason, where, detail)
+    counts: dict
+    cpu_seconds: float
 
 
 def measure_sample(sample: dict, parts: dict, encoder: SampleEncoder, seq_len: int, max_patches: int,
@@ -73,9 +94,9 @@ def measure_sample(sample: dict, parts: dict, encoder: SampleEncoder, seq_len: i
         if name not in parts:
             raise BadSample("missing_image", f"part {name}")
         try:
-            sizes.append(Image.open(io.BytesIO(parts[name])).size)  # reads the header only
-        except Exception as e:  # PIL raises many types for broken files
-            raise BadSample("corrupt_image", f"{name}: {type(e).__name__}: {e}") from e
+            sizes.append(check_image(parts[name], Image.MAX_IMAGE_PIXELS)[2])  # decodes every pixel
+        except BadSample as e:
+            raise BadSample(e.reason, f"{name}: {e.detail}") from e
     enc = encoder.encode_text(sample, sizes)
     if enc.num_patches > max_patches:
         counts["dropped_overlong"] += 1
@@ -93,8 +114,11 @@ def measure_sample(sample: dict, parts: dict, encoder: SampleEncoder, seq_len: i
     return enc, names[: len(enc.image_grid_thw)], sizes
 
 
-def measure(shard_sample, encoder: SampleEncoder, seq_len: int, max_patches: int, overlong: str, counts: dict) -> Measured:
-    """Size one shard sample as the loader will encode it; raises BadSample/EncodingError to skip it."""
+def measure(shard_sample, encoder: SampleEncoder, seq_len: int, max_patches: int, overlong: str,
+            counts: dict) -> tuple[TextEncoding, list[str], list[tuple[int, int]]]:
+    """Size one shard sample as the loader will encode it; raises BadSample/EncodingError to skip it.
+
+    Returns the encoding, the names of all its images and their sizes."""
     if shard_sample.unsafe_names:
         raise BadSample("unsafe_tar_member", repr(shard_sample.unsafe_names[0]))
     if "json" not in shard_sample.data:
@@ -103,48 +127,166 @@ def measure(shard_sample, encoder: SampleEncoder, seq_len: int, max_patches: int
         sample = json.loads(decode_utf8(shard_sample.data["json"]))
     except json.JSONDecodeError as e:
         raise BadSample("malformed_json", str(e)) from e
-    enc, kept, sizes = measure_sample(sample, shard_sample.data, encoder, seq_len, max_patches, overlong, counts)
-    return Measured(
-        shard=shard_sample.shard,
-        key=shard_sample.key,
-        sample={k: v for k, v in sample.items() if k != "images"},
-        image_sizes=sizes,
-        images=[shard_sample.parts[n] for n in kept],
-        image_exts=[n.rsplit(".", 1)[-1] for n in kept],
-        num_tokens=len(enc.input_ids),
-        num_patches=enc.num_patches,
-    )
+    enc, _, sizes = measure_sample(sample, shard_sample.data, encoder, seq_len, max_patches, overlong, counts)
+    return enc, sample.get("images", []), sizes
 
 
-def write_packs(out_dir: Path, bins: list[list[int]], items: list[Measured], shard_size: int) -> None:
-    open_shards = {}
-    with webdataset.ShardWriter(str(out_dir / "shard-%06d.tar"), maxcount=shard_size, verbose=0) as writer:
-        for pack_index, members in enumerate(tqdm(bins, desc="write packs", unit="pack")):
+_worker = {}  # per measuring process: the encoder and the pack settings
+
+
+def start_worker(model_dir, seq_len: int, max_patches: int, overlong: str) -> None:
+    _worker.update(encoder=SampleEncoder(model_dir), seq_len=seq_len, max_patches=max_patches, overlong=overlong)
+
+
+def measure_shard(job: tuple[int, Path]) -> MeasuredShard:
+    shard_index, shard = job
+    start = time.process_time()
+    samples, images, keys, bad = [], [], bytearray(), []
+    counts = {"truncated": 0, "dropped_overlong": 0}
+    seen = 0
+    for shard_sample in iter_shard_samples(shard):
+        seen += 1
+        try:
+            enc, names, sizes = measure(shard_sample, _worker["encoder"], _worker["seq_len"], _worker["max_patches"],
+                                        _worker["overlong"], counts)
+        except (BadSample, EncodingError) as e:
+            bad.append((e.reason, f"{shard.name}:{shard_sample.key}", str(e)))
+            continue
+        key = shard_sample.key.encode()
+        json_part = shard_sample.parts["json"]
+        samples.append((shard_index, json_part.offset, json_part.size, len(keys), len(key), len(images), len(names),
+                        len(enc.image_grid_thw), len(enc.input_ids), enc.num_patches))
+        keys += key
+        images += [(shard_sample.parts[n].offset, shard_sample.parts[n].size, w, h) for n, (w, h) in zip(names, sizes)]
+    return MeasuredShard(np.array(samples, SAMPLE), np.array(images, IMAGE), bytes(keys), seen, bad, counts,
+                         time.process_time() - start)
+
+
+def measure_shards(shards: list[Path], model_dir: Path, seq_len: int, max_patches: int, overlong: str, workers: int,
+                   cache: Path) -> list[MeasuredShard]:
+    """MeasuredShard per shard, in shard order, from `workers` processes. Each shard's result is
+    saved in `cache` as it comes, so a rerun after a kill measures only the shards left."""
+    settings = (model_dir, seq_len, max_patches, overlong)
+    workers = min(workers, len(shards))
+    inputs = shards + [model_dir / name for name in MODEL_FILES if (model_dir / name).is_file()]
+    identity = json.dumps({"settings": [str(model_dir), seq_len, max_patches, overlong],
+                           "files": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in inputs]})
+    if not (cache / "identity.json").is_file() or (cache / "identity.json").read_text() != identity:
+        shutil.rmtree(cache, ignore_errors=True)
+        cache.mkdir(parents=True)
+        (cache / "identity.json").write_text(identity)
+    jobs = [(i, shard) for i, shard in enumerate(shards) if not (cache / f"{i:06d}.npz").is_file()]
+    progress = tqdm(desc=f"measure ({workers} workers)", unit="shard", total=len(shards), initial=len(shards) - len(jobs))
+    if workers <= 1:
+        start_worker(*settings)
+        for i, shard in jobs:
+            save_measured(cache / f"{i:06d}.npz", measure_shard((i, shard)))
+            progress.update()
+    else:
+        # fork: the workers share the parent's imported libraries instead of loading their own copy
+        with multiprocessing.get_context("fork").Pool(workers, start_worker, settings) as pool:
+            for (i, _), measured in zip(jobs, pool.imap(measure_shard, jobs)):
+                save_measured(cache / f"{i:06d}.npz", measured)
+                progress.update()
+    progress.close()
+    return [load_measured(cache / f"{i:06d}.npz") for i in range(len(shards))]
+
+
+def save_measured(path: Path, m: MeasuredShard) -> None:
+    info = {"seen": m.seen, "bad": m.bad, "counts": m.counts, "cpu_seconds": m.cpu_seconds}
+    with open(path.with_suffix(".tmp"), "wb") as f:
+        np.savez(f, samples=m.samples, images=m.images, keys=np.frombuffer(m.keys, np.uint8), info=np.array(json.dumps(info)))
+    path.with_suffix(".tmp").replace(path)
+
+
+def load_measured(path: Path) -> MeasuredShard:
+    with np.load(path) as saved:
+        info = json.loads(str(saved["info"]))
+        return MeasuredShard(saved["samples"], saved["images"], saved["keys"].tobytes(), info["seen"],
+                             [tuple(bad) for bad in info["bad"]], info["counts"], info["cpu_seconds"])
+
+
+def concatenate(measured: list[MeasuredShard]) -> tuple[np.ndarray, np.ndarray, bytes]:
+    key_start = image_start = 0
+    for m in measured:
+        m.samples["key_offset"] += key_start
+        m.samples["first_image"] += image_start
+        key_start += len(m.keys)
+        image_start += len(m.images)
+    return (np.concatenate([np.zeros(0, SAMPLE)] + [m.samples for m in measured]),
+            np.concatenate([np.zeros(0, IMAGE)] + [m.images for m in measured]), b"".join(m.keys for m in measured))
+
+
+_writing = {}  # what the writing processes read: set before they fork, so nothing is copied to them
+
+
+def write_packs(out_dir: Path, bins: list[list[int]], shards: list[Path], samples: np.ndarray, images: np.ndarray,
+                keys: bytes, shard_size: int, workers: int) -> float:
+    """Each pack as one webdataset sample in `shard_size`-pack tar shards, written by `workers`
+    processes; returns their CPU seconds."""
+    _writing.update(out_dir=out_dir, bins=bins, shards=shards, samples=samples, images=images, keys=keys,
+                    shard_size=shard_size)
+    jobs = range((len(bins) + shard_size - 1) // shard_size)
+    workers = min(workers, len(jobs))
+    try:
+        if workers <= 1:
+            return sum(map(write_shard, tqdm(jobs, desc="write", unit="shard")))
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            return sum(tqdm(pool.imap_unordered(write_shard, jobs), desc="write", unit="shard", total=len(jobs)))
+    finally:
+        _writing.clear()
+
+
+def write_shard(index: int) -> float:
+    """Output shard `index`: its packs, each sample's json and images read back by offset."""
+    start = time.process_time()
+    samples, images, keys = _writing["samples"], _writing["images"], _writing["keys"]
+    open_shards = OrderedDict()  # the most recently read MAX_OPEN_SHARDS input shards
+
+    def read(shard: int, offset: int, size: int) -> bytes:
+        if shard in open_shards:
+            open_shards.move_to_end(shard)
+        else:
+            if len(open_shards) == MAX_OPEN_SHARDS:
+                open_shards.popitem(last=False)[1].close()
+            open_shards[shard] = open(_writing["shards"][shard], "rb")
+        f = open_shards[shard]
+        f.seek(offset)
+        return f.read(size)
+
+    first_pack = index * _writing["shard_size"]
+    with webdataset.TarWriter(str(_writing["out_dir"] / f"shard-{index:06d}.tar")) as writer:
+        for pack_index in range(first_pack, min(first_pack + _writing["shard_size"], len(_writing["bins"]))):
             record = {"__key__": f"{pack_index:09d}"}
             segments = []
-            for s, i in enumerate(members):
-                item = items[i]
-                if item.shard not in open_shards:
-                    open_shards[item.shard] = open(item.shard, "rb")
-                f = open_shards[item.shard]
+            for s, i in enumerate(_writing["bins"][pack_index]):
+                shard, json_offset, json_size, key_offset, key_size, first, num, kept, tokens, _ = samples[i].tolist()
+                sample = json.loads(read(shard, json_offset, json_size))
+                image_names = sample.pop("images", [])
                 names = []
-                for k, (part, ext) in enumerate(zip(item.images, item.image_exts)):
-                    f.seek(part.offset)
-                    names.append(f"s{s}_img{k}.{ext}")
-                    record[names[-1]] = f.read(part.size)
+                for k, (offset, size, _, _) in enumerate(images[first : first + kept].tolist()):
+                    names.append(f"s{s}_img{k}.{image_names[k].rsplit('.', 1)[-1]}")
+                    record[names[-1]] = read(shard, offset, size)
                 segments.append(
                     {
-                        "key": item.key,
-                        "sample": item.sample,
-                        "image_sizes": item.image_sizes,
+                        "key": keys[key_offset : key_offset + key_size].decode(),
+                        "sample": sample,
+                        "image_sizes": [(w, h) for _, _, w, h in images[first : first + num].tolist()],
                         "images": names,
-                        "num_tokens": item.num_tokens,
+                        "num_tokens": tokens,
                     }
                 )
             record["json"] = json.dumps({"segments": segments}).encode()
             writer.write(record)
     for f in open_shards.values():
         f.close()
+    return time.process_time() - start
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and of its finished child processes."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def copy_model_files(model_dir: Path, out_dir: Path) -> None:
@@ -156,28 +298,36 @@ def copy_model_files(model_dir: Path, out_dir: Path) -> None:
 
 
 def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong: str = "truncate",
-         shard_size: int = 1000, seed: int = 0, max_bad_fraction: float = 0.05) -> dict:
+         shard_size: int = 1000, seed: int = 0, max_bad_fraction: float = 0.05, workers: int = 1) -> dict:
     if overlong not in ("truncate", "drop"):
         raise ValueError(f"overlong must be 'truncate' or 'drop', got {overlong!r}")
     data_dir, model_dir, out_dir = Path(data_dir), Path(model_dir), Path(out_dir)
-    encoder = SampleEncoder(model_dir)
+    shards = shard_paths(data_dir)
+    workers = max(1, workers)
+    start = time.perf_counter()
     log = BadDataLog("pack", max_bad_fraction)
     counts = {"truncated": 0, "dropped_overlong": 0}
-    items: list[Measured] = []
-    for shard in shard_paths(data_dir):
-        for shard_sample in tqdm(iter_shard_samples(shard), desc=f"measure {shard.name}", unit="sample"):
-            log.seen += 1
-            try:
-                items.append(measure(shard_sample, encoder, seq_len, max_patches, overlong, counts))
-            except (BadSample, EncodingError) as e:
-                log.skip(e.reason, f"{shard.name}:{shard_sample.key}", str(e))
+    cache = out_dir.with_name(out_dir.name + ".measured")
+    measured = measure_shards(shards, model_dir, seq_len, max_patches, overlong, workers, cache)
+    for m in measured:
+        log.seen += m.seen
+        for reason, where, detail in m.bad:
+            log.skip(reason, where, detail)
+        for k in counts:
+            counts[k] += m.counts[k]
+    samples, images, keys = concatenate(measured)
+    logger.info("measure: %d samples kept of %d in %.1f s (%.1f CPU s in %d workers), state %d bytes", len(samples),
+                log.seen, time.perf_counter() - start, sum(m.cpu_seconds for m in measured), workers,
+                samples.nbytes + images.nbytes + len(keys))
+    del measured
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for old in out_dir.glob("shard-*.tar*"):
-        old.unlink()
-    tokens = [item.num_tokens for item in items]
-    patches = [item.num_patches for item in items]
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    tokens, patches = samples["tokens"], samples["patches"]
+    start, cpu = time.perf_counter(), time.process_time()
     bins = best_fit_decreasing(tokens, patches, seq_len, max_patches)
+    logger.info("best fit: %d packs in %.1f s (%.1f CPU s)", len(bins), time.perf_counter() - start, time.process_time() - cpu)
     # Packs leave BFD largest-first; shuffle so the stream does not start with all the long ones.
     random.Random(seed).shuffle(bins)
     stats = {
@@ -190,15 +340,36 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
         **counts,
         "bad": log.as_dict(),
     }
-    (out_dir / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
-    log.check()
-    if not items:
-        raise TooMuchBadData(f"pack: no usable samples in {data_dir}")
-    write_packs(out_dir, bins, items, shard_size)
-    copy_model_files(model_dir, out_dir)
-    (out_dir / "pack_config.json").write_text(json.dumps({"seq_len": seq_len, "max_patches": max_patches}) + "\n")
-    energon_prepare(out_dir)
+    (partial / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    try:
+        log.check()
+        if not len(samples):
+            raise TooMuchBadData(f"pack: no usable samples in {data_dir}")
+    except TooMuchBadData:
+        replace_dir(partial, out_dir)  # only stats.json, to explain the failure: no reader takes it for a dataset
+        shutil.rmtree(cache)
+        raise
+    start = time.perf_counter()
+    cpu = write_packs(partial, bins, shards, samples, images, keys, shard_size, workers)
+    logger.info("write: %d packs in %.1f s (%.1f CPU s in %d workers)", len(bins), time.perf_counter() - start, cpu, workers)
+    copy_model_files(model_dir, partial)
+    (partial / "pack_config.json").write_text(json.dumps({"seq_len": seq_len, "max_patches": max_patches}) + "\n")
+    start, cpu = time.perf_counter(), cpu_seconds()
+    energon_prepare(partial, workers)
+    logger.info("index: %d packs in %.1f s (%.1f CPU s)", len(bins), time.perf_counter() - start, cpu_seconds() - cpu)
+    replace_dir(partial, out_dir)
+    shutil.rmtree(cache)
     return stats
+
+
+def replace_dir(new: Path, target: Path) -> None:
+    """Rename `new` to `target`; an old `target` is moved aside first and deleted after."""
+    old = target.with_name(target.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        target.rename(old)
+    new.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -211,6 +382,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-size", type=positive_int, default=1000, help="packs per tar shard")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the pack order")
     parser.add_argument("--max-bad-fraction", type=fraction, default=0.05, help="fail when more of the samples are bad")
+    parser.add_argument("--workers", type=positive_int, default=os.cpu_count(), help="measuring, writing and indexing processes (measuring: at most one per shard)")
 
 
 def run(args) -> int:
@@ -219,7 +391,7 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         stats = pack(args.data, args.model, args.out, args.seq_len, args.max_patches, args.overlong,
-                     args.shard_size, args.seed, args.max_bad_fraction)
+                     args.shard_size, args.seed, args.max_bad_fraction, args.workers)
     except TooMuchBadData as e:
         logger.error("%s (details in %s/stats.json)", e, args.out)
         return 1
