@@ -49,7 +49,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from vlmcore.data.packing import best_fit_decreasing  # noqa: E402
+from vlmcore.data.bin_packing import best_fit_decreasing  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 PATCH_DIM = 3 * 2 * 16 * 16

@@ -13,7 +13,7 @@ import vlmcore.data.pack
 from _data_helpers import make_demo_model_dir, write_jsonl
 from vlmcore.cli import main
 from vlmcore.data.pack import pack
-from vlmcore.data.packing import best_fit_decreasing, packing_stats
+from vlmcore.data.bin_packing import best_fit_decreasing, packing_stats
 from vlmcore.data.prepare import prepare
 from vlmcore.data.shards import iter_shard_samples, shard_paths
 from vlmcore.data.synthetic import generate

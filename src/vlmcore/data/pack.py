@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from vlmcore.cli import UsageError, existing_dir, fraction, non_negative_int, positive_int
 from vlmcore.data.encoder import IGNORE_INDEX, EncodingError, SampleEncoder, TextEncoding
-from vlmcore.data.packing import best_fit_decreasing, packing_stats
+from vlmcore.data.bin_packing import best_fit_decreasing, packing_stats
 from vlmcore.data.quality import BadDataLog, BadSample, DataError, TooMuchBadData, check_image, decode_utf8
 from vlmcore.data.shards import energon_prepare, iter_shard_samples, shard_paths
 
