@@ -1,9 +1,12 @@
 """Best-fit-decreasing packing and `vlmcore pack`: budgets, efficiency, overlong samples, bad shards."""
 
+import argparse
 import io
 import json
 import random
 import shutil
+import subprocess
+import sys
 import tarfile
 
 import pytest
@@ -272,3 +275,38 @@ def test_rerun_after_a_kill_while_measuring_measures_only_the_shards_left(demo, 
     assert stats == json.loads((expected / "stats.json").read_text())
     assert packed_members(out) == packed_members(expected)
     assert not out.with_name("packed.measured").exists()
+
+
+def test_measure_pass_scattered_over_jobs_packs_the_same_bytes(demo, tmp_path):
+    """The workflow's scatter: N `vlmcore pack --measure-group g/N` processes at once fill
+    <out>.measured, the pack after them measures nothing and writes what one job writes."""
+    root, model = demo
+    single = tmp_path / "single"
+    stats = pack(root / "data", model, single, seq_len=160, max_patches=96, shard_size=8, max_bad_fraction=0.1)
+    out = tmp_path / "scattered"
+    args = ["--data", str(root / "data"), "--model", str(model), "--out", str(out), "--seq-len", "160",
+            "--max-patches", "96", "--shard-size", "8", "--max-bad-fraction", "0.1", "--workers", "1"]
+    groups = 3
+    jobs = [subprocess.Popen([sys.executable, "-m", "vlmcore.cli", "pack", *args, "--measure-group", f"{g}/{groups}"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for g in range(groups)]
+    for job in jobs:
+        stdout, stderr = job.communicate(timeout=300)
+        assert job.returncode == 0, stderr
+    measured = out.with_name("scattered.measured")
+    assert sorted(p.name for p in measured.glob("*.npz")) == [f"{i:06d}.npz" for i in range(len(shard_paths(root / "data")))]
+    assert not out.exists()
+
+    def measuring_again(job):
+        raise AssertionError(f"shard {job[1]} measured again")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(vlmcore.data.pack, "measure_shard", measuring_again)
+        assert pack(root / "data", model, out, seq_len=160, max_patches=96, shard_size=8, max_bad_fraction=0.1) == stats
+    assert packed_members(out) == packed_members(single)
+    assert not measured.exists()
+
+
+@pytest.mark.parametrize("value", ["1", "2/2", "a/3", "-1/2"])
+def test_measure_group_must_be_g_of_n(value):
+    with pytest.raises(argparse.ArgumentTypeError, match="G/N"):
+        vlmcore.data.pack.measure_group(value)

@@ -76,6 +76,21 @@ def test_model_and_data_stages(demo):
         assert 0.9 < stats["efficiency"] <= 1.0
 
 
+def test_scattered_measure_pass_packs_what_one_job_packs(demo, tmp_path):
+    """The demo measures each dataset in pack.measure_jobs = 2 jobs; one `vlmcore pack` of the
+    same prepared data gives the same bytes."""
+    from vlmcore.data.pack import pack
+    from vlmcore.data.shards import iter_shard_samples, shard_paths
+
+    def members(out):
+        return {(shard.name, s.key): s.data for shard in shard_paths(out) for s in iter_shard_samples(shard)}
+
+    pack(demo / RESULTS / "data" / "captions", demo / RESULTS / "model", tmp_path / "captions",
+         seq_len=1024, max_patches=4096, workers=1)
+    assert members(tmp_path / "captions") == members(demo / RESULTS / "packed" / "captions")
+    assert not (demo / RESULTS / "packed" / "captions.measured").exists()
+
+
 def test_stage1_trains_only_the_projector(demo):
     from torch.distributed.checkpoint import FileSystemReader
 

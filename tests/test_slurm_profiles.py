@@ -76,15 +76,18 @@ def test_recipe_dry_runs_and_places_rules(tmp_path, recipe):
         assert job["runtime"] == str(config["train"]["runtime_minutes"])
         assert job["slurm_extra"] == "--ntasks-per-node=4 --signal=USR1@600"
     assert jobs["evaluate"][0]["gres"] == "gpu:1"
+    # the measure pass of each dataset that is packed, scattered over pack.measure_jobs CPU jobs
+    assert len(jobs["pack_measure"]) == config["pack"]["measure_jobs"] * len(jobs["pack_data"])
     if cluster == "mn5":
-        gpu_rules, cpu_rules = ("train_stage", "scaling_run", "evaluate"), ("prepare_data", "pack_data", "export_hf")
+        gpu_rules, cpu_rules = ("train_stage", "scaling_run", "evaluate"), ("prepare_data", "pack_measure", "pack_data",
+                                                                             "export_hf")
         for rule in gpu_rules:
             assert {(j["slurm_partition"], j["qos"], j["cpus_per_task"]) for j in jobs[rule]} == {("acc", "acc_ehpc", "20")}
         for rule in cpu_rules:
             assert {(j["slurm_partition"], j["qos"]) for j in jobs[rule]} == {("gpp", "gp_ehpc")}
             assert "gres" not in jobs[rule][0]
     else:
-        for rule in ("train_stage", "scaling_run", "evaluate", "prepare_data", "pack_data", "export_hf"):
+        for rule in ("train_stage", "scaling_run", "evaluate", "prepare_data", "pack_measure", "pack_data", "export_hf"):
             assert {(j["slurm_partition"], j["cpus_per_task"]) for j in jobs[rule]} == {("booster", "72")}
             assert "qos" not in jobs[rule][0]
         assert "gres" not in jobs["pack_data"][0]

@@ -30,10 +30,13 @@ def test_lint_is_clean():
     [
         ("model", {"download_model": 1}),
         ("data", {"synth_data": 1, "prepare_data": 2}),
-        ("packed", {"download_model": 1, "synth_data": 1, "prepare_data": 2, "pack_data": 2}),
-        ("train", {"download_model": 1, "synth_data": 1, "prepare_data": 2, "pack_data": 2, "train_stage": 2}),
-        ("scaling", {"download_model": 1, "synth_data": 1, "prepare_data": 1, "pack_data": 1, "scaling_run": 2}),
-        ("train_all", {"download_model": 1, "synth_data": 1, "prepare_data": 2, "pack_data": 2, "train_stage": 2,
+        ("packed", {"download_model": 1, "synth_data": 1, "prepare_data": 2, "pack_measure": 4, "pack_data": 2}),
+        ("train", {"download_model": 1, "synth_data": 1, "prepare_data": 2, "pack_measure": 4, "pack_data": 2,
+                   "train_stage": 2}),
+        ("scaling", {"download_model": 1, "synth_data": 1, "prepare_data": 1, "pack_measure": 2, "pack_data": 1,
+                     "scaling_run": 2}),
+        ("train_all", {"download_model": 1, "synth_data": 1, "prepare_data": 2, "pack_measure": 4, "pack_data": 2,
+                       "train_stage": 2,
                        "export_hf": 1, "evaluate": 1, "scaling_run": 2, "scaling_report": 1}),
     ],
 )

@@ -37,10 +37,45 @@ rule prepare_data:
         " --max-bad-fraction {params.max_bad} --workers {threads} > {log} 2>&1"
 
 
+MEASURE_JOBS = config["pack"]["measure_jobs"]
+
+
+# The measure pass scattered over pack.measure_jobs jobs (only when > 1): each fills its share of
+# packed/<dataset>.measured, which pack_data gathers and removes. temp(): once pack_data is done,
+# the markers are gone and nothing reruns for them.
+rule pack_measure:
+    input:
+        data=f"{R}/data/{{dataset}}",
+        model=f"{R}/model/manifest.json",
+    output:
+        temp(f"{R}/packed/{{dataset}}.measured/group-{{group}}-of-{MEASURE_JOBS}.done"),
+    params:
+        model=lambda wc, input: os.path.dirname(input.model),
+        out=lambda wc: f"{R}/packed/{wc.dataset}",
+        pack=config["pack"],
+        groups=MEASURE_JOBS,
+    log:
+        f"{R}/logs/pack_measure/{{dataset}}-{{group}}.log",
+    wildcard_constraints:
+        group=r"\d+",
+    threads: 2
+    resources:
+        runtime=120,
+    conda:
+        "../envs/vlmcore.yaml"
+    shell:
+        "vlmcore pack --data {input.data} --model {params.model} --out {params.out}"
+        " --seq-len {params.pack[seq_len]} --max-patches {params.pack[max_patches]}"
+        " --overlong {params.pack[overlong]} --workers {threads}"
+        " --measure-group {wildcards.group}/{params.groups} > {log} 2>&1 && touch {output}"
+
+
 rule pack_data:
     input:
         data=f"{R}/data/{{dataset}}",
         model=f"{R}/model/manifest.json",
+        measured=lambda wc: [f"{R}/packed/{wc.dataset}.measured/group-{g}-of-{MEASURE_JOBS}.done"
+                             for g in range(MEASURE_JOBS)] if MEASURE_JOBS > 1 else [],
     output:
         directory(f"{R}/packed/{{dataset}}"),
     params:

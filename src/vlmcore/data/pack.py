@@ -163,19 +163,25 @@ def measure_shard(job: tuple[int, Path]) -> MeasuredShard:
 
 
 def measure_shards(shards: list[Path], model_dir: Path, seq_len: int, max_patches: int, overlong: str, workers: int,
-                   cache: Path) -> list[MeasuredShard]:
+                   cache: Path, group: tuple[int, int] = (0, 1)) -> list[MeasuredShard]:
     """MeasuredShard per shard, in shard order, from `workers` processes. Each shard's result is
-    saved in `cache` as it comes, so a rerun after a kill measures only the shards left."""
+    saved in `cache` as it comes, so a rerun after a kill measures only the shards left.
+    `group` (g, n): measure only the shards whose index is g modulo n and return nothing; n such
+    jobs, run at once, fill the same cache (the workflow's scatter of the measure pass)."""
     settings = (model_dir, seq_len, max_patches, overlong)
-    workers = min(workers, len(shards))
     inputs = shards + [model_dir / name for name in MODEL_FILES if (model_dir / name).is_file()]
     identity = json.dumps({"settings": [str(model_dir), seq_len, max_patches, overlong],
                            "files": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in inputs]})
-    if not (cache / "identity.json").is_file() or (cache / "identity.json").read_text() != identity:
-        shutil.rmtree(cache, ignore_errors=True)
-        cache.mkdir(parents=True)
-        (cache / "identity.json").write_text(identity)
-    jobs = [(i, shard) for i, shard in enumerate(shards) if not (cache / f"{i:06d}.npz").is_file()]
+    stamp = cache / "identity.json"
+    if stamp.is_file() and stamp.read_text() != identity:  # measured from other inputs or settings
+        shutil.rmtree(cache)
+    if not stamp.is_file():  # scattered jobs may get here together: each writes the same stamp, atomically
+        cache.mkdir(parents=True, exist_ok=True)
+        stamp.with_suffix(f".tmp{os.getpid()}").write_text(identity)
+        stamp.with_suffix(f".tmp{os.getpid()}").replace(stamp)
+    g, n = group
+    jobs = [(i, shard) for i, shard in enumerate(shards) if i % n == g and not (cache / f"{i:06d}.npz").is_file()]
+    workers = min(workers, max(len(jobs), 1))
     progress = tqdm(desc=f"measure ({workers} workers)", unit="shard", total=len(shards), initial=len(shards) - len(jobs))
     if workers <= 1:
         start_worker(*settings)
@@ -189,6 +195,8 @@ def measure_shards(shards: list[Path], model_dir: Path, seq_len: int, max_patche
                 save_measured(cache / f"{i:06d}.npz", measured)
                 progress.update()
     progress.close()
+    if n > 1:
+        return []
     return [load_measured(cache / f"{i:06d}.npz") for i in range(len(shards))]
 
 
@@ -298,7 +306,11 @@ def copy_model_files(model_dir: Path, out_dir: Path) -> None:
 
 
 def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong: str = "truncate",
-         shard_size: int = 1000, seed: int = 0, max_bad_fraction: float = 0.05, workers: int = 1) -> dict:
+         shard_size: int = 1000, seed: int = 0, max_bad_fraction: float = 0.05, workers: int = 1,
+         measure_group: tuple[int, int] = (0, 1)) -> dict:
+    """Packs the prepared dataset `data_dir` into `out_dir`. With `measure_group` (g, n), n > 1, it
+    only measures its share of the shards into `<out_dir>.measured` (see `measure_shards`); the
+    pack that follows uses those measurements and gives the same bytes as a pack in one job."""
     if overlong not in ("truncate", "drop"):
         raise ValueError(f"overlong must be 'truncate' or 'drop', got {overlong!r}")
     data_dir, model_dir, out_dir = Path(data_dir), Path(model_dir), Path(out_dir)
@@ -308,7 +320,10 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
     log = BadDataLog("pack", max_bad_fraction)
     counts = {"truncated": 0, "dropped_overlong": 0}
     cache = out_dir.with_name(out_dir.name + ".measured")
-    measured = measure_shards(shards, model_dir, seq_len, max_patches, overlong, workers, cache)
+    measured = measure_shards(shards, model_dir, seq_len, max_patches, overlong, workers, cache, measure_group)
+    if measure_group[1] > 1:
+        logger.info("measure group %d of %d: done in %.1f s", *measure_group, time.perf_counter() - start)
+        return {"measure_group": list(measure_group)}
     for m in measured:
         log.seen += m.seen
         for reason, where, detail in m.bad:
@@ -372,6 +387,14 @@ def replace_dir(new: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def measure_group(text: str) -> tuple[int, int]:
+    """`G/N` with 0 <= G < N."""
+    g, sep, n = text.partition("/")
+    if not (sep and g.isdigit() and n.isdigit() and int(g) < int(n)):
+        raise argparse.ArgumentTypeError(f"must be G/N with 0 <= G < N, got {text!r}")
+    return int(g), int(n)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True, type=existing_dir, help="prepared Energon dataset (data/<dataset>)")
     parser.add_argument("--model", required=True, type=existing_dir, help="model snapshot directory (tokenizer, chat template, processor)")
@@ -382,6 +405,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-size", type=positive_int, default=1000, help="packs per tar shard")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the pack order")
     parser.add_argument("--max-bad-fraction", type=fraction, default=0.05, help="fail when more of the samples are bad")
+    parser.add_argument("--measure-group", type=measure_group, default=(0, 1), metavar="G/N",
+                        help="only measure the shards whose index is G modulo N into <out>.measured, for a later pack "
+                             "(the workflow's scatter of the measure pass over N jobs)")
     parser.add_argument("--workers", type=positive_int, default=os.cpu_count(), help="measuring, writing and indexing processes (measuring: at most one per shard)")
 
 
@@ -391,12 +417,15 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         stats = pack(args.data, args.model, args.out, args.seq_len, args.max_patches, args.overlong,
-                     args.shard_size, args.seed, args.max_bad_fraction, args.workers)
+                     args.shard_size, args.seed, args.max_bad_fraction, args.workers, args.measure_group)
     except TooMuchBadData as e:
         logger.error("%s (details in %s/stats.json)", e, args.out)
         return 1
     except DataError as e:
         logger.error("%s", e)
         return 1
+    if "measure_group" in stats:
+        print(json.dumps(stats))
+        return 0
     print(json.dumps({k: stats[k] for k in ("packs", "samples", "efficiency", "truncated", "dropped_overlong")}))
     return 0
