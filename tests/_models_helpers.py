@@ -19,20 +19,31 @@ def qwen3_config(tied=True, heads=4, kv_heads=2, head_dim=16, layers=2):
     )
 
 
-def qwen3_vl_config(deepstack=(0, 1), heads=4, kv_heads=2, head_dim=16, tied=False, layers=3):
+def qwen3_vl_config(deepstack=(0, 1), heads=4, kv_heads=2, head_dim=16, tied=False, layers=3,
+                    config_class=Qwen3VLConfig, **text):
     half = head_dim // 2
     section = [half - 2 * (half // 4), half // 4, half // 4]
-    return Qwen3VLConfig(
+    return config_class(
         vision_config=dict(VISION, deepstack_visual_indexes=list(deepstack)),
         text_config=dict(
             vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
             rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": section,
-                             "mrope_interleaved": True},
+                             "mrope_interleaved": True}, **text,
         ),
         image_token_id=IMAGE, video_token_id=253, vision_start_token_id=VISION_START,
         vision_end_token_id=VISION_END, tie_word_embeddings=tied,
     )
+
+
+def qwen3_vl_moe_config(num_experts=8, top_k=2, **shape):
+    """Qwen3-VL-MoE: the Qwen3-VL tiny config with sparse MLPs. moe_intermediate_size 48 makes the
+    on-disk expert shapes (E, H, 2I) = (E, 64, 96) and (E, I, H) differ from the in-memory ones."""
+    from transformers import Qwen3VLMoeConfig
+
+    return qwen3_vl_config(config_class=Qwen3VLMoeConfig, **{**dict(
+        num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=48, router_aux_loss_coef=0.02),
+        **shape})
 
 
 def vl_sample(grids, text_lens, generator, merge=2):
@@ -49,6 +60,16 @@ def vl_sample(grids, text_lens, generator, merge=2):
         pixels.append(torch.randn(t * h * w, PATCH_DIM, generator=generator))
     grid = torch.tensor(grids, dtype=torch.long) if grids else None
     return torch.cat(ids), (torch.cat(pixels) if pixels else None), grid
+
+
+def pack(samples):
+    """One row holding the samples back to back, with cu_seqlens and the images in order."""
+    ids = torch.cat([s[0] for s in samples])[None]
+    pixels = [s[1] for s in samples if s[1] is not None]
+    grids = [s[2] for s in samples if s[2] is not None]
+    lengths = torch.tensor([len(s[0]) for s in samples])
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    return ids, torch.cat(pixels), torch.cat(grids), cu
 
 
 def hf_vl_logits(hf_model, ids, pixels, grid):

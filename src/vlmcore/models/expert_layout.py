@@ -3,13 +3,26 @@
 In memory every family holds transformers 5's fused tensors, per MoE layer:
     mlp.experts.gate_up_proj (E, 2I, H)     rows [gate | up]
     mlp.experts.down_proj    (E, H, I)
-On disk, what the released checkpoints (and transformers' `save_pretrained`, which writes them
-back in the checkpoint's layout) use:
+On disk, what the released checkpoints use (the family's layout, `EXPERT_LAYOUTS`):
     per_expert        mlp.experts.{e}.gate_proj.weight (I, H), .up_proj.weight (I, H), .down_proj.weight (H, I)
                       (Qwen3-MoE; transformers' conversion "qwen2_moe")
     fused_transposed  mlp.experts.gate_up_proj (E, H, 2I), mlp.experts.down_proj (E, I, H)
-                      (Qwen3-VL-MoE; transformers' conversion "qwen3_vl_moe": Transpose(1, 2))
+                      (Qwen3-VL-MoE; transformers' conversion "qwen3_vl_moe": Transpose(1, 2, check_dims=True))
     fused             as in memory
+Qwen3-VL-30B-A3B-Instruct, as released, stores per layer
+    model.language_model.layers.{l}.mlp.experts.gate_up_proj  (128, 2048, 1536)   = (E, H, 2I)
+    model.language_model.layers.{l}.mlp.experts.down_proj     (128, 768, 2048)    = (E, I, H)
+with H 2048, I (moe_intermediate_size) 768: the transposed layout of transformers <= 4.57's
+`Qwen3VLMoeTextExperts` (sources: VeOmni docs/transformers_v5/transformers_v5_moe_weight_loading.md,
+"qwen3_vl_moe ... [num_experts, H, 2 * I] / [num_experts, I, H]"; public model-card surveys that
+read the safetensors headers give the same shapes). transformers 5 loads it through
+conversion_mapping.py's `Transpose(1, 2, check_dims=True)`, which transposes only a tensor whose
+shape differs from the parameter's; its reverse on save compares the in-memory tensor with the
+parameter, so never transposes: transformers 5's `save_pretrained` writes qwen3_vl_moe experts
+in the fused (in-memory) layout, and loads both. The loader here does the same
+(`snapshot_layout`: the family's layout, else fused, whichever matches every expert tensor's
+name and shape; never ambiguous, since gate_up is square only when 2I = H and down only when
+I = H), and writing back uses the source snapshot's layout, so a round trip is bit-exact.
 A sharded model reads only its own block of each expert tensor (`read_block`), so no rank ever
 holds a whole layer's experts.
 """
@@ -26,6 +39,18 @@ _FUSED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 def layout_of(model_type: str) -> str:
     return EXPERT_LAYOUTS.get(model_type, "fused")
+
+
+def snapshot_layout(model_type: str, memory_shapes: dict, disk_shapes: dict) -> str:
+    """The layout of a snapshot's experts: the family's own, else fused (what transformers 5
+    writes), the first in which every in-memory expert tensor (`memory_shapes`: name -> shape)
+    has its disk tensors among `disk_shapes` (name -> shape); the family's when none does (the
+    loader then names what is missing)."""
+    for layout in dict.fromkeys((layout_of(model_type), "fused")):
+        if all(disk_shapes.get(n) == s for name, shape in memory_shapes.items()
+               for n, s in disk_tensors(name, shape, layout).items()):
+            return layout
+    return layout_of(model_type)
 
 
 def is_expert_tensor(name: str) -> bool:
@@ -45,9 +70,11 @@ def disk_tensors(name: str, shape, layout: str) -> dict[str, tuple[int, ...]]:
     return {f"{prefix}.{e}.down_proj.weight": (rows, cols) for e in range(experts)}
 
 
-def to_disk(weights: dict[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
-    """Whole in-memory tensors -> the family's disk layout (for export)."""
-    layout = layout_of(model_type)
+def to_disk(weights: dict[str, torch.Tensor], model_type: str, disk_shapes: dict | None = None) -> dict[str, torch.Tensor]:
+    """Whole in-memory tensors -> the disk layout of the snapshot whose tensor shapes are
+    `disk_shapes` (name -> shape), or the family's without it (for export)."""
+    memory_shapes = {n: tuple(t.shape) for n, t in weights.items() if is_expert_tensor(n)}
+    layout = layout_of(model_type) if disk_shapes is None else snapshot_layout(model_type, memory_shapes, disk_shapes)
     if layout == "fused":
         return weights
     out = {}

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import GenerationConfig
 
-from .expert_layout import disk_tensors, is_expert_tensor, layout_of, read_block, to_disk
+from .expert_layout import disk_tensors, is_expert_tensor, read_block, snapshot_layout, to_disk
 
 # Files of a snapshot that belong to the tokenizer / processor and travel with the weights.
 SIDE_FILES = (
@@ -70,8 +70,10 @@ def load_hf_weights(model, path) -> None:
     state = get_model_state_dict(model)
     if tied:
         state.pop("lm_head.weight")  # stored once, as the input embedding
-    layout = layout_of(model.config.model_type)
-    experts = {n: state.pop(n) for n in list(state) if layout != "fused" and is_expert_tensor(n)}
+    expert_names = [n for n in state if is_expert_tensor(n)]
+    layout = snapshot_layout(model.config.model_type, {n: tuple(state[n].shape) for n in expert_names},
+                             {n: shape for n, (shape, _, _) in headers.items()})
+    experts = {n: state.pop(n) for n in expert_names if layout != "fused"}
     expected = {n: tuple(t.shape) for n, t in state.items()}
     for name, tensor in experts.items():
         expected.update(disk_tensors(name, tensor.shape, layout))
@@ -121,10 +123,14 @@ def full_state_dict(model, state_dict=None) -> dict[str, torch.Tensor]:
 
 def save_pretrained(model, path, source_dir=None, max_shard_size="5GB", state_dict=None) -> None:
     """Write an HF directory: safetensors shards (+ index, replacing earlier ones), config.json,
-    generation config and, from `source_dir`, the tokenizer, chat template and processor files."""
+    generation config and, from `source_dir`, the tokenizer, chat template and processor files.
+    MoE experts are written in `source_dir`'s layout when it has weights, else in the family's."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = to_disk(full_state_dict(model, state_dict), model.config.model_type)
+    source_shapes = None
+    if source_dir is not None and any(Path(source_dir).glob("*.safetensors")):
+        source_shapes = {n: shape for n, (shape, _) in snapshot_tensor_info(source_dir).items()}
+    tensors = to_disk(full_state_dict(model, state_dict), model.config.model_type, source_shapes)
     save_torch_state_dict(tensors, path, max_shard_size=max_shard_size)
     config = copy.deepcopy(model.config)
     config.dtype = next(t.dtype for t in tensors.values() if t.is_floating_point())
