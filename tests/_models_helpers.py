@@ -72,6 +72,35 @@ def pack(samples):
     return ids, torch.cat(pixels), torch.cat(grids), cu
 
 
+def hf_and_native(hf_class, config, path):
+    """A random HF reference model (seed 0) and the native model loaded from its saved snapshot."""
+    torch.manual_seed(0)
+    hf = hf_class(config).eval()
+    hf.save_pretrained(path)
+    from vlmcore.models import from_pretrained
+
+    return hf, from_pretrained(path).eval()
+
+
+def assert_packed_row_equals_samples_alone(native, samples):
+    """One row packing the vl_sample()s (cu_seqlens) gives the logits and token-loss gradients of
+    each sample run alone."""
+    ids, pixels, grid, cu = pack(samples)
+    packed = native(ids, pixels, grid, cu_seqlens=cu).logits
+    sum(token_loss(packed[:, a:b], ids[:, a:b]) for a, b in zip(cu[:-1], cu[1:])).backward()
+    packed_grads = {n: p.grad.clone() for n, p in native.named_parameters()}
+    native.zero_grad()
+    alone, loss = [], 0
+    for s_ids, s_pix, s_grid in samples:
+        logits = native(s_ids[None], s_pix, s_grid).logits
+        alone.append(logits)
+        loss = loss + token_loss(logits, s_ids[None])
+    loss.backward()
+    assert max_rel(packed, torch.cat(alone, dim=1)) < 1e-5
+    for name, p in native.named_parameters():
+        assert max_rel(packed_grads[name], p.grad) < 1e-4, name
+
+
 def hf_vl_logits(hf_model, ids, pixels, grid):
     """The HF model's logits for one batch (ids (B, S))."""
     return hf_model(

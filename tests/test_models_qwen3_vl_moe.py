@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3VLMoeForConditionalGeneration
 
 import vlmcore.models as models
-from _models_helpers import (IMAGE, grad_diffs, hf_vl_logits, max_rel, pack, qwen3_vl_moe_config, token_loss,
-                             vl_sample)
+from _models_helpers import (IMAGE, assert_packed_row_equals_samples_alone, grad_diffs, hf_and_native, hf_vl_logits,
+                             max_rel, qwen3_vl_moe_config, token_loss, vl_sample)
 from vlmcore.export import load_final_state_dict
 from vlmcore.models.expert_layout import snapshot_layout
 from vlmcore.models.moe import load_balancing_loss, moe_blocks
@@ -33,11 +33,7 @@ BATCHES = {
 
 
 def pair(tmp_path, **shape):
-    """An HF reference model and the native model loaded from its saved snapshot."""
-    torch.manual_seed(0)
-    hf = Qwen3VLMoeForConditionalGeneration(qwen3_vl_moe_config(**shape)).eval()
-    hf.save_pretrained(tmp_path / "hf")
-    return hf, models.from_pretrained(tmp_path / "hf").eval()
+    return hf_and_native(Qwen3VLMoeForConditionalGeneration, qwen3_vl_moe_config(**shape), tmp_path / "hf")
 
 
 @pytest.mark.parametrize("shape,batch", [(s, "two-odd-images") for s in SHAPES] + [("top2-deepstack2", "text-only")])
@@ -77,20 +73,7 @@ def test_packed_row_with_images_equals_samples_run_alone(tmp_path):
     _, native = pair(tmp_path, **SHAPES["top2-deepstack2"])
     g = torch.Generator().manual_seed(4)
     samples = [vl_sample([(1, 4, 6)], [3, 5], g), vl_sample([], [9], g), vl_sample([(1, 6, 2), (1, 2, 4)], [2, 3, 1], g)]
-    ids, pixels, grid, cu = pack(samples)
-    packed = native(ids, pixels, grid, cu_seqlens=cu).logits
-    sum(token_loss(packed[:, a:b], ids[:, a:b]) for a, b in zip(cu[:-1], cu[1:])).backward()
-    packed_grads = {n: p.grad.clone() for n, p in native.named_parameters()}
-    native.zero_grad()
-    alone, loss = [], 0
-    for s_ids, s_pix, s_grid in samples:
-        logits = native(s_ids[None], s_pix, s_grid).logits
-        alone.append(logits)
-        loss = loss + token_loss(logits, s_ids[None])
-    loss.backward()
-    assert max_rel(packed, torch.cat(alone, dim=1)) < 1e-5
-    for name, p in native.named_parameters():
-        assert max_rel(packed_grads[name], p.grad) < 1e-4, name
+    assert_packed_row_equals_samples_alone(native, samples)
 
 
 def released_layout_copy(src, dst):
