@@ -18,7 +18,7 @@ import vlmcore.models as models
 from _models_helpers import (IMAGE, assert_packed_row_equals_samples_alone, grad_diffs, hf_and_native, hf_vl_logits,
                              max_rel, qwen3_vl_moe_config, token_loss, vl_sample)
 from vlmcore.export import load_final_state_dict
-from vlmcore.models.expert_layout import snapshot_layout
+from vlmcore.models.expert_layout import disk_tensors, is_expert_tensor, layout_of, snapshot_layout
 from vlmcore.models.moe import load_balancing_loss, moe_blocks
 
 SHAPES = {
@@ -140,3 +140,35 @@ def test_mis_shaped_experts_are_named(tmp_path):
     model = models.build_model(qwen3_vl_moe_config(moe_intermediate_size=40), device="cpu")
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts\.gate_up_proj: checkpoint \(8, 96, 64\)"):
         models.load_hf_weights(model, tmp_path / "hf")
+
+
+def test_qwen3_vl_30b_a3b_has_transformers_names_and_the_released_expert_shapes():
+    """At the released sizes (on the meta device): every parameter has transformers' name and
+    shape, and the experts map to the tensors the released index holds, (128, 2048, 1536) and
+    (128, 768, 2048) per layer (models/expert_layout.py gives the sources)."""
+    from transformers import Qwen3VLMoeConfig
+
+    config = Qwen3VLMoeConfig(
+        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048,
+                           num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24]),
+        text_config=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                         num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32,
+                         num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20],
+                                          "mrope_interleaved": True}),
+        tie_word_embeddings=False)
+    native = models.build_model(config)
+    with torch.device("meta"):
+        hf = Qwen3VLMoeForConditionalGeneration(config)
+    shapes = lambda m: {n: tuple(t.shape) for n, t in m.state_dict().items()}
+    assert shapes(native) == shapes(hf)
+    experts = {n: s for n, s in shapes(native).items() if is_expert_tensor(n)}
+    assert len(experts) == 2 * 48
+    disk = {}
+    for name, shape in experts.items():
+        disk.update(disk_tensors(name, shape, layout_of("qwen3_vl_moe")))
+    assert disk["model.language_model.layers.47.mlp.experts.gate_up_proj"] == (128, 2048, 1536)
+    assert disk["model.language_model.layers.0.mlp.experts.down_proj"] == (128, 768, 2048)
+    assert snapshot_layout("qwen3_vl_moe", experts, disk) == "fused_transposed"
+    total = sum(p.numel() for p in native.parameters())
+    assert 31.0e9 < total < 31.2e9, total  # "30B-A3B": 31.07B parameters
