@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
 import vlmcore.models as models
-from _models_helpers import IMAGE, VISION, VISION_END, VISION_START, hf_vl_logits, logits_loss_then_grad_diffs, max_rel, token_loss, vl_sample
+from _models_helpers import (
+    IMAGE, VISION, VISION_END, VISION_START, hf_vl_logits, logits_loss_then_grad_diffs, max_rel, pack, token_loss, vl_sample,
+)
 from vlmcore.models.qwen3_5 import Qwen3_5ForCausalLM as NativeCausalLM
 
 LAYERS = ["linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention"]
@@ -107,15 +109,6 @@ def test_position_ids_match_transformers_rope_index(tmp_path):
     ref, _ = hf.model.get_rope_index(ids, (ids == IMAGE).int(), grid)
     assert torch.equal(models.position_ids(native.config, ids, grid, None), ref)
     assert torch.equal(native.position_ids(ids, grid), ref)
-
-
-def pack(samples):
-    """One row holding the samples back to back, with cu_seqlens and the images in order."""
-    ids = torch.cat([s[0] for s in samples])[None]
-    pixels = [s[1] for s in samples if s[1] is not None]
-    grids = [s[2] for s in samples if s[2] is not None]
-    cu = F.pad(torch.tensor([len(s[0]) for s in samples]).cumsum(0), (1, 0)).to(torch.int32)
-    return ids, torch.cat(pixels), torch.cat(grids), cu
 
 
 def test_packed_row_equals_samples_run_alone(tmp_path):
