@@ -88,6 +88,20 @@ def grad_diffs(model_a, model_b):
     return out
 
 
+def meta_parameter_count(config, hf_class) -> int:
+    """Builds the native model and `hf_class` of `config` on the meta device, checks that they
+    have the same parameter names and shapes, and returns the parameter count."""
+    import vlmcore.models as models
+
+    native = models.build_model(config)
+    with torch.device("meta"):
+        hf = hf_class(config)
+    assert all(p.is_meta for p in native.parameters())
+    hf_shapes = {n: p.shape for n, p in hf.named_parameters()}
+    assert {n: p.shape for n, p in native.named_parameters()} == hf_shapes
+    return sum(p.numel() for p in native.parameters())
+
+
 def max_rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 

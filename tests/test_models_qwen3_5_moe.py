@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration
+from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration
 
 import vlmcore.models as models
 from _export_helpers import write_final_checkpoint
 from _models_helpers import (
-    IMAGE, grad_diffs, max_rel, pack, qwen3_5_moe_config, qwen3_5_moe_text_config, token_loss, vl_sample,
+    IMAGE, grad_diffs, max_rel, meta_parameter_count, pack, qwen3_5_moe_config, qwen3_5_moe_text_config, token_loss, vl_sample,
 )
 from vlmcore.export import export_hf
 from vlmcore.models.moe import SparseMoeBlock, load_balancing_loss, moe_blocks
@@ -188,12 +188,5 @@ def test_35b_a3b_config_builds_on_meta_with_transformers_parameters():
                                  "mrope_section": [11, 11, 10], "mrope_interleaved": True})
     vision = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048,
                   num_position_embeddings=2304)
-    from transformers import Qwen3_5MoeConfig
-
     config = Qwen3_5MoeConfig(text_config=text, vision_config=vision)
-    native = models.build_model(config)
-    with torch.device("meta"):
-        hf = Qwen3_5MoeForConditionalGeneration(config)
-    hf_shapes = {n: p.shape for n, p in hf.named_parameters()}
-    assert {n: p.shape for n, p in native.named_parameters()} == hf_shapes
-    assert 34e9 < sum(p.numel() for p in native.parameters()) < 37e9
+    assert 34e9 < meta_parameter_count(config, Qwen3_5MoeForConditionalGeneration) < 37e9
