@@ -15,12 +15,13 @@ holds a whole layer's experts.
 
 Qwen3.5-MoE snapshots come in two layouts, so its layout is read off each snapshot's tensor
 names (`stored_layout`) and an export writes back the one its source snapshot used:
-  - released checkpoints (Qwen/Qwen3.5-35B-A3B, -122B-A10B, -397B-A17B) store the language
-    model's experts fused as in memory: `model.language_model.layers.{i}.mlp.experts.gate_up_proj`
-    (E, 2I, H) = (256, 1024, 2048) and `.down_proj` (E, H, I) = (256, 2048, 512) for 35B-A3B, no
-    `.weight` suffix (their model.safetensors.index.json, as quoted in sgl-project/sglang-jax
-    issue 1251 and read by vLLM's qwen3_5_moe.py loader, which splits `gate_up_proj` on dim -2);
-    only the unused MTP head (`mtp.*`) of Qwen3.5 keeps per-expert tensors (ISEEKYAN/mbridge PR 145).
+  - released checkpoints store the language model's experts fused as in memory, no `.weight`
+    suffix: `model.language_model.layers.{i}.mlp.experts.gate_up_proj` (E, 2I, H) and `.down_proj`
+    (E, H, I); Qwen/Qwen3.5-35B-A3B (256, 1024, 2048) and (256, 2048, 512) (its
+    model.safetensors.index.json as checked in sgl-project/sglang-jax issue 1251, shapes in
+    paiml/realizar issue 134), Qwen/Qwen3.5-397B-A17B gate_up_proj (512, 2048, 4096)
+    (THUDM/slime PR 1799); vLLM's qwen3_5_moe.py loader splits `gate_up_proj` on dim -2. Only
+    the unused MTP head (`mtp.*`) of Qwen3.5 keeps per-expert tensors (ISEEKYAN/mbridge PR 145).
   - transformers 5 has no conversion for "qwen3_5_moe", but the text model inside it
     ("qwen3_5_moe_text") gets qwen2_moe's per-expert merge (conversion_mapping.py), scoped to
     `model.language_model`: it loads both layouts, and its `save_pretrained` writes per-expert
