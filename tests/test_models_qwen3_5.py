@@ -11,7 +11,8 @@ from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditiona
 
 import vlmcore.models as models
 from _models_helpers import (
-    IMAGE, VISION, VISION_END, VISION_START, hf_vl_logits, logits_loss_then_grad_diffs, max_rel, meta_parameter_count, pack, token_loss, vl_sample,
+    IMAGE, VISION, VISION_END, VISION_START, hf_vl_logits, logits_loss_then_grad_diffs, max_rel, meta_parameter_count, pack,
+    qwen3_5_moe_config, token_loss, vl_sample,
 )
 from vlmcore.models.qwen3_5 import Qwen3_5ForCausalLM as NativeCausalLM
 
@@ -189,15 +190,19 @@ def test_save_load_roundtrip_and_transformers_reads_it(tmp_path):
         assert max_rel(again(ids, pixels, grid).logits, hf_vl_logits(hf, ids, pixels, grid)) < 1e-4
 
 
-def test_init_weights_matches_transformers_initialisation():
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_init_weights_matches_transformers_initialisation(family):
     """Same distribution per parameter as transformers' own init: exact for constants, moments for random."""
-    config = vl_config()
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    config, hf_class = {"qwen3_5": (vl_config(), Qwen3_5ForConditionalGeneration),
+                        "qwen3_5_moe": (qwen3_5_moe_config(), Qwen3_5MoeForConditionalGeneration)}[family]
     native = models.build_model(config)
     native.to_empty(device="cpu")
     torch.manual_seed(0)
     native.init_weights()
     torch.manual_seed(0)
-    hf = Qwen3_5ForConditionalGeneration(config)
+    hf = hf_class(config)
     hf_params = dict(hf.named_parameters())
     for name, p in native.named_parameters():
         ref = hf_params[name]
