@@ -16,9 +16,9 @@ from transformers import Qwen3VLMoeForConditionalGeneration
 
 import vlmcore.models as models
 from _models_helpers import (IMAGE, assert_packed_row_equals_samples_alone, grad_diffs, hf_and_native, hf_vl_logits,
-                             max_rel, qwen3_vl_moe_config, token_loss, vl_sample)
+                             max_rel, meta_parameter_count, qwen3_vl_moe_config, token_loss, vl_sample)
 from vlmcore.export import load_final_state_dict
-from vlmcore.models.expert_layout import disk_tensors, is_expert_tensor, layout_of, snapshot_layout
+from vlmcore.models.expert_layout import disk_tensors, is_expert_tensor, layout_of, stored_layout
 from vlmcore.models.moe import load_balancing_loss, moe_blocks
 
 SHAPES = {
@@ -129,10 +129,11 @@ def test_expert_layout_is_read_off_the_shapes_even_when_one_tensor_is_square(hid
     """gate_up (E, 2I, H) is square when 2I = H, down (E, H, I) when I = H: never both, so the
     pair always tells the layout."""
     memory = {"l.0.mlp.experts.gate_up_proj": (4, 2 * inter, hidden), "l.0.mlp.experts.down_proj": (4, hidden, inter)}
-    transposed = {n: (e, c, r) for n, (e, r, c) in memory.items()}
-    assert snapshot_layout("qwen3_vl_moe", memory, transposed) == "fused_transposed"
-    assert snapshot_layout("qwen3_vl_moe", memory, memory) == "fused"
-    assert snapshot_layout("qwen3_vl_moe", memory, {}) == "fused_transposed"  # nothing matches: the family's
+    tensors = {n: torch.empty(shape, device="meta") for n, shape in memory.items()}
+    transposed = {n: ((e, c, r),) for n, (e, r, c) in memory.items()}
+    assert stored_layout("qwen3_vl_moe", tensors, transposed) == "fused_transposed"
+    assert stored_layout("qwen3_vl_moe", tensors, {n: (shape,) for n, shape in memory.items()}) == "fused"
+    assert stored_layout("qwen3_vl_moe", tensors, {}) == "fused_transposed"  # nothing matches: the family's
 
 
 def test_mis_shaped_experts_are_named(tmp_path):
@@ -157,18 +158,12 @@ def test_qwen3_vl_30b_a3b_has_transformers_names_and_the_released_expert_shapes(
                          rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20],
                                           "mrope_interleaved": True}),
         tie_word_embeddings=False)
-    native = models.build_model(config)
-    with torch.device("meta"):
-        hf = Qwen3VLMoeForConditionalGeneration(config)
-    shapes = lambda m: {n: tuple(t.shape) for n, t in m.state_dict().items()}
-    assert shapes(native) == shapes(hf)
-    experts = {n: s for n, s in shapes(native).items() if is_expert_tensor(n)}
+    assert meta_parameter_count(config, Qwen3VLMoeForConditionalGeneration) == 31_070_754_032  # "30B-A3B"
+    experts = {n: t for n, t in models.build_model(config).state_dict().items() if is_expert_tensor(n)}
     assert len(experts) == 2 * 48
     disk = {}
-    for name, shape in experts.items():
-        disk.update(disk_tensors(name, shape, layout_of("qwen3_vl_moe")))
-    assert disk["model.language_model.layers.47.mlp.experts.gate_up_proj"] == (128, 2048, 1536)
-    assert disk["model.language_model.layers.0.mlp.experts.down_proj"] == (128, 768, 2048)
-    assert snapshot_layout("qwen3_vl_moe", experts, disk) == "fused_transposed"
-    total = sum(p.numel() for p in native.parameters())
-    assert 31.0e9 < total < 31.2e9, total  # "30B-A3B": 31.07B parameters
+    for name, tensor in experts.items():
+        disk.update({n: (shape,) for n, shape in disk_tensors(name, tensor.shape, layout_of("qwen3_vl_moe")).items()})
+    assert disk["model.language_model.layers.47.mlp.experts.gate_up_proj"] == ((128, 2048, 1536),)
+    assert disk["model.language_model.layers.0.mlp.experts.down_proj"] == ((128, 768, 2048),)
+    assert stored_layout("qwen3_vl_moe", experts, disk) == "fused_transposed"

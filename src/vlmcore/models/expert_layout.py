@@ -3,28 +3,47 @@
 In memory every family holds transformers 5's fused tensors, per MoE layer:
     mlp.experts.gate_up_proj (E, 2I, H)     rows [gate | up]
     mlp.experts.down_proj    (E, H, I)
-On disk, what the released checkpoints use (the family's layout, `EXPERT_LAYOUTS`):
+On disk, what the released checkpoints (and transformers' `save_pretrained`) use:
     per_expert        mlp.experts.{e}.gate_proj.weight (I, H), .up_proj.weight (I, H), .down_proj.weight (H, I)
                       (Qwen3-MoE; transformers' conversion "qwen2_moe")
     fused_transposed  mlp.experts.gate_up_proj (E, H, 2I), mlp.experts.down_proj (E, I, H)
-                      (Qwen3-VL-MoE; transformers' conversion "qwen3_vl_moe": Transpose(1, 2, check_dims=True))
+                      (Qwen3-VL-MoE's released checkpoints; transformers' conversion "qwen3_vl_moe")
     fused             as in memory
-Qwen3-VL-30B-A3B-Instruct, as released, stores per layer
-    model.language_model.layers.{l}.mlp.experts.gate_up_proj  (128, 2048, 1536)   = (E, H, 2I)
-    model.language_model.layers.{l}.mlp.experts.down_proj     (128, 768, 2048)    = (E, I, H)
-with H 2048, I (moe_intermediate_size) 768: the transposed layout of transformers <= 4.57's
-`Qwen3VLMoeTextExperts` (sources: VeOmni docs/transformers_v5/transformers_v5_moe_weight_loading.md,
-"qwen3_vl_moe ... [num_experts, H, 2 * I] / [num_experts, I, H]"; public model-card surveys that
-read the safetensors headers give the same shapes). transformers 5 loads it through
-conversion_mapping.py's `Transpose(1, 2, check_dims=True)`, which transposes only a tensor whose
-shape differs from the parameter's; its reverse on save compares the in-memory tensor with the
-parameter, so never transposes: transformers 5's `save_pretrained` writes qwen3_vl_moe experts
-in the fused (in-memory) layout, and loads both. The loader here does the same
-(`snapshot_layout`: the family's layout, else fused, whichever matches every expert tensor's
-name and shape; never ambiguous, since gate_up is square only when 2I = H and down only when
-I = H), and writing back uses the source snapshot's layout, so a round trip is bit-exact.
+                      (Qwen3.5-MoE's released checkpoints)
 A sharded model reads only its own block of each expert tensor (`read_block`), so no rank ever
-holds a whole layer's experts.
+holds a whole layer's experts. A snapshot's layout is read off its tensors (`stored_layout`) and
+an export writes back the one its source snapshot used.
+
+Qwen3-VL-MoE snapshots come in both fused layouts, under the same names:
+  - released checkpoints store them transposed: Qwen/Qwen3-VL-30B-A3B-Instruct has, per layer,
+    `model.language_model.layers.{i}.mlp.experts.gate_up_proj` (128, 2048, 1536) = (E, H, 2I) and
+    `.down_proj` (128, 768, 2048) = (E, I, H), H 2048, I 768: the layout of transformers <= 4.57's
+    Qwen3VLMoeTextExperts (ByteDance-Seed/VeOmni docs/transformers_v5/transformers_v5_moe_weight_loading.md,
+    "qwen3_vl_moe ... [num_experts, H, 2 * I] / [num_experts, I, H]"; public reads of the
+    safetensors headers give the same shapes).
+  - transformers 5 loads them with conversion_mapping.py's "qwen3_vl_moe":
+    `Transpose(1, 2, check_dims=True)`, which transposes only a tensor whose shape differs from the
+    parameter's. On save its reverse compares the in-memory tensor with the parameter, so it never
+    transposes: transformers 5's `save_pretrained` writes qwen3_vl_moe experts fused as in memory
+    (checked in tests/test_models_qwen3_vl_moe.py).
+  So for the fused families the shapes decide (the family's layout first): never ambiguous, as
+  gate_up is square only when 2I = H and down only when I = H.
+
+Qwen3.5-MoE snapshots come in two layouts, told apart by the tensor names:
+  - released checkpoints store the language model's experts fused as in memory, no `.weight`
+    suffix: `model.language_model.layers.{i}.mlp.experts.gate_up_proj` (E, 2I, H) and `.down_proj`
+    (E, H, I); Qwen/Qwen3.5-35B-A3B (256, 1024, 2048) and (256, 2048, 512) (its
+    model.safetensors.index.json as checked in sgl-project/sglang-jax issue 1251, shapes in
+    paiml/realizar issue 134), Qwen/Qwen3.5-397B-A17B gate_up_proj (512, 2048, 4096)
+    (THUDM/slime PR 1799); vLLM's qwen3_5_moe.py loader splits `gate_up_proj` on dim -2. Only
+    the unused MTP head (`mtp.*`) of Qwen3.5 keeps per-expert tensors (ISEEKYAN/mbridge PR 145).
+  - transformers 5 has no conversion for "qwen3_5_moe", but the text model inside it
+    ("qwen3_5_moe_text") gets qwen2_moe's per-expert merge (conversion_mapping.py), scoped to
+    `model.language_model`: it loads both layouts, and its `save_pretrained` writes per-expert
+    tensors for both Qwen3_5MoeForConditionalGeneration and Qwen3_5MoeForCausalLM (checked with
+    transformers 5 in tests/test_models_qwen3_5_moe.py).
+Without a source snapshot, Qwen3.5-MoE writes the released (fused) layout and its text-only
+variant what transformers writes (per expert).
 """
 
 import re
@@ -33,7 +52,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-EXPERT_LAYOUTS = {"qwen3_moe": "per_expert", "qwen3_vl_moe": "fused_transposed"}
+EXPERT_LAYOUTS = {"qwen3_moe": "per_expert", "qwen3_vl_moe": "fused_transposed", "qwen3_5_moe": "fused",
+                  "qwen3_5_moe_text": "per_expert"}
 _FUSED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
@@ -41,20 +61,33 @@ def layout_of(model_type: str) -> str:
     return EXPERT_LAYOUTS.get(model_type, "fused")
 
 
-def snapshot_layout(model_type: str, memory_shapes: dict, disk_shapes: dict) -> str:
-    """The layout of a snapshot's experts: the family's own, else fused (what transformers 5
-    writes), the first in which every in-memory expert tensor (`memory_shapes`: name -> shape)
-    has its disk tensors among `disk_shapes` (name -> shape); the family's when none does (the
-    loader then names what is missing)."""
-    for layout in dict.fromkeys((layout_of(model_type), "fused")):
-        if all(disk_shapes.get(n) == s for name, shape in memory_shapes.items()
-               for n, s in disk_tensors(name, shape, layout).items()):
-            return layout
-    return layout_of(model_type)
-
-
 def is_expert_tensor(name: str) -> bool:
     return _FUSED.match(name) is not None
+
+
+def stored_layout(model_type: str, model_tensors, snapshot=None) -> str:
+    """The layout of the experts of a `model_type` model (in-memory name -> tensor) in a snapshot
+    (disk name -> (shape, ...)): per expert where the snapshot has the first expert tensor's
+    per-expert modules; where it has the in-memory names, the fused layout (the family's, else
+    plain fused) whose shapes every expert tensor matches (a per-expert family: plain fused);
+    else, and without a snapshot, the family's."""
+    family = layout_of(model_type)
+    experts = {n: tuple(t.shape) for n, t in model_tensors.items() if is_expert_tensor(n)}
+    if not experts or snapshot is None:
+        return family
+    first = next(iter(experts))
+    if first in snapshot:
+        if family == "per_expert":
+            return "fused"
+        for layout in dict.fromkeys((family, "fused")):
+            if all(n in snapshot and tuple(snapshot[n][0]) == shape
+                   for name, memory_shape in experts.items()
+                   for n, shape in disk_tensors(name, memory_shape, layout).items()):
+                return layout
+        return family
+    if f"{_FUSED.match(first).group(1)}.0.down_proj.weight" in snapshot:
+        return "per_expert"
+    return family
 
 
 def disk_tensors(name: str, shape, layout: str) -> dict[str, tuple[int, ...]]:
@@ -70,11 +103,9 @@ def disk_tensors(name: str, shape, layout: str) -> dict[str, tuple[int, ...]]:
     return {f"{prefix}.{e}.down_proj.weight": (rows, cols) for e in range(experts)}
 
 
-def to_disk(weights: dict[str, torch.Tensor], model_type: str, disk_shapes: dict | None = None) -> dict[str, torch.Tensor]:
-    """Whole in-memory tensors -> the disk layout of the snapshot whose tensor shapes are
-    `disk_shapes` (name -> shape), or the family's without it (for export)."""
-    memory_shapes = {n: tuple(t.shape) for n, t in weights.items() if is_expert_tensor(n)}
-    layout = layout_of(model_type) if disk_shapes is None else snapshot_layout(model_type, memory_shapes, disk_shapes)
+def to_disk(weights: dict[str, torch.Tensor], model_type: str, layout: str | None = None) -> dict[str, torch.Tensor]:
+    """Whole in-memory tensors -> `layout` on disk (by default the family's), for export."""
+    layout = layout or layout_of(model_type)
     if layout == "fused":
         return weights
     out = {}
