@@ -81,9 +81,9 @@ def hf_and_native(hf_class, config, path):
     return hf, from_pretrained(path).eval()
 
 
-def assert_packed_row_equals_samples_alone(native, samples):
-    """One row packing the vl_sample()s (cu_seqlens) gives the logits and token-loss gradients of
-    each sample run alone."""
+def packed_and_alone(native, samples):
+    """Logits of one row packing the vl_sample()s (cu_seqlens) and of each sample alone, and the
+    packed row's token-loss gradients; the samples' own are left in the parameters' .grad."""
     ids, pixels, grid, cu = pack(samples)
     packed = native(ids, pixels, grid, cu_seqlens=cu).logits
     sum(token_loss(packed[:, a:b], ids[:, a:b]) for a, b in zip(cu[:-1], cu[1:])).backward()
@@ -95,7 +95,12 @@ def assert_packed_row_equals_samples_alone(native, samples):
         alone.append(logits)
         loss = loss + token_loss(logits, s_ids[None])
     loss.backward()
-    assert max_rel(packed, torch.cat(alone, dim=1)) < 1e-5
+    return packed, torch.cat(alone, dim=1), packed_grads
+
+
+def assert_packed_row_equals_samples_alone(native, samples):
+    packed, alone, packed_grads = packed_and_alone(native, samples)
+    assert max_rel(packed, alone) < 1e-5
     for name, p in native.named_parameters():
         assert max_rel(packed_grads[name], p.grad) < 1e-4, name
 
