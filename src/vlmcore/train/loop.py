@@ -124,18 +124,20 @@ def train(cfg: TrainConfig) -> int:
 
 
 def check_kernels(cfg: TrainConfig, device: torch.device) -> dict:
-    """The attention and Gated DeltaNet backends of this run (vlmcore.kernels), set for the model
+    """The attention, Gated DeltaNet and MoE experts backends of this run (vlmcore.kernels), set for the model
     code; a version known to compute wrongly on this GPU stops the run here, before any work."""
     from vlmcore import kernels
 
     text = load_hf_config(cfg.model_path)
     text = getattr(text, "text_config", None) or text
     has_linear = "linear_attention" in (getattr(text, "layer_types", None) or [])
+    has_experts = bool(getattr(text, "num_experts", 0))
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     try:
-        backends = kernels.check(cfg.parallel.linear_attention, capability, has_linear)
+        backends = kernels.check(cfg.parallel.linear_attention, capability, has_linear, has_experts=has_experts)
     except kernels.KernelError as e:
-        raise ConfigError(f"parallel.linear_attention: {e}") from None
+        key = "parallel.linear_attention" if str(e).startswith("linear_attention") else "model_path"
+        raise ConfigError(f"{key}: {e}") from None
     kernels.apply(backends)
     return backends
 
