@@ -50,11 +50,12 @@ def test_each_part_is_credited_to_its_module():
     assert 4 * DELAY <= times["vision_time_s"] < 6 * DELAY
     assert 4 * DELAY <= times["llm_time_s"] < 6 * DELAY
     assert 0.9 * wall <= times["vision_time_s"] + times["llm_time_s"] <= wall
-    assert timer.read() == {"vision_time_s": 0.0, "llm_time_s": 0.0}  # read starts over
+    assert times["vision_patches"] == sum(b["pixel_values"].shape[0] for b in micro)
+    assert timer.read() == {"vision_time_s": 0.0, "llm_time_s": 0.0, "vision_patches": 0}  # read starts over
 
     with torch.no_grad():  # a forward without backward is left out
         model(micro[0]["input_ids"], pixel_values=micro[0]["pixel_values"], image_grid_thw=micro[0]["image_grid_thw"])
-    assert timer.read() == {"vision_time_s": 0.0, "llm_time_s": 0.0}
+    assert timer.read() == {"vision_time_s": 0.0, "llm_time_s": 0.0, "vision_patches": 0}
 
 
 def test_text_only_model_has_no_vision_time():
@@ -72,7 +73,7 @@ def test_a_run_logs_the_module_times_unless_switched_off(tmp_path):
     proc = train(1, write_config(tmp_path / "on.yaml", snapshot, on, steps=2, grad_accum_steps=2, save_final=False,
                                  checkpoint={"enabled": False}))
     for m in read_metrics(on):
-        assert m["vision_time_s"] > 0 and m["llm_time_s"] > 0
+        assert m["vision_time_s"] > 0 and m["llm_time_s"] > 0 and m["vision_patches"] > 0
         assert m["vision_time_s"] + m["llm_time_s"] < m["step_time_s"]
     assert "s llm " in proc.stdout  # the console line shows them
     train(1, write_config(tmp_path / "off.yaml", snapshot, off, steps=1, save_final=False,

@@ -14,7 +14,8 @@ summed over the step's micro-batches. The vision time is the tower with its merg
 FSDP all-gathers; the LLM time is everything else of forward and backward (token embedding,
 decoder layers, LM head, chunked loss). The optimizer step, gradient norm and clipping are in
 neither. A micro-batch without images still runs the tower on a dummy image (step.VisionDummy),
-which is timed like any other; a model without a vision tower has no `vision_time_s`.
+which is timed like any other (its patches counted); a model without a vision tower has no
+`vision_time_s` and no `vision_patches`.
 
 Nothing waits for the GPU: CUDA events are recorded on the current stream, and `read` is called
 after the step's one host read (step.read_host), when every event of the step has completed.
@@ -55,6 +56,7 @@ class ModuleTimer:
 
     def _vision_start(self, module, args):
         self.micro[-1]["vision_start"] = self._mark()
+        self.micro[-1]["patches"] = args[0].shape[0]  # a shape: no GPU wait
 
     def _vision_end(self, module, args, output):
         marks = self.micro[-1]
@@ -71,9 +73,11 @@ class ModuleTimer:
                 lambda: marks.__setitem__("end", self._mark())))
 
     def read(self) -> dict:
-        """{"vision_time_s", "llm_time_s"} of the micro-batches since the last read (forward-only
-        calls, which have no backward end, are left out); then starts over."""
+        """{"vision_time_s", "llm_time_s", "vision_patches"} of the micro-batches since the last
+        read (forward-only calls, which have no backward end, are left out); then starts over.
+        `vision_patches`: the patches this rank's vision tower took (the cost model's input)."""
         vision = llm = 0.0
+        patches = 0
         for m in self.micro:
             if "end" not in m:
                 continue
@@ -84,8 +88,9 @@ class ModuleTimer:
                 if "vision_backward" in m:
                     v += self._elapsed(m["vision_backward"], m["end"])
             vision, llm = vision + v, llm + total - v
+            patches += m.get("patches", 0)
         self.micro = []
         times = {"llm_time_s": llm}
         if self.vision is not None:
-            times["vision_time_s"] = vision
+            times |= {"vision_time_s": vision, "vision_patches": patches}
         return times
