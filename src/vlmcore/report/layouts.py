@@ -187,7 +187,7 @@ def measured_workload(metrics, settings: dict, warmup_steps: int) -> Workload | 
     try:
         config = load_hf_config(settings["model_path"])
     except (KeyError, OSError, ValueError) as e:
-        raise ValueError(f"model_path {settings.get('model_path')!r} of the run: {e}") from None
+        raise ValueError(f"no model config ({e})") from None
     return workload_of(config, vision_s=measured["vision_time_s"].mean() * world,
                        llm_s=measured["llm_time_s"].mean() * world,
                        patches=measured["vision_patches"].mean() * world / llm_tp,  # TP peers share a batch
