@@ -16,10 +16,10 @@ from vlmcore.train.step import forward_backward, host_stats, to_device
 DELAY = 0.25  # seconds added to each of four places; the tiny model's own compute is a few ms
 
 
-def batches(model, image_fraction: float, n: int) -> list[dict]:
+def batches(model, image_fraction: float, n: int, device: str = "cpu") -> list[dict]:
     data = RandomBatches(model.config, seq_len=32, segments=2, image_fraction=image_fraction, micro_batch_size=1,
                          dp_rank=0, dp_world=1, grad_accum_steps=n, seed=0)
-    return [to_device(b, torch.device("cpu")) for b, _ in zip(data, range(n))]
+    return [to_device(b, torch.device(device)) for b, _ in zip(data, range(n))]
 
 
 def delay_forward_and_backward(module: torch.nn.Module) -> None:
@@ -32,18 +32,22 @@ def delay_forward_and_backward(module: torch.nn.Module) -> None:
     module.register_forward_hook(hook)
 
 
-def test_each_part_is_credited_to_its_module():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA events need a GPU"))])
+def test_each_part_is_credited_to_its_module(device):
+    """On a GPU the host's sleeps leave the GPU idle between the events, so they are timed too."""
     torch.manual_seed(0)
-    model = build_model(hf_config("qwen3_vl"), device="cpu")
-    timer = ModuleTimer(model, torch.device("cpu"))
+    model = build_model(hf_config("qwen3_vl"), device=device)
+    timer = ModuleTimer(model, torch.device(device))
     delay_forward_and_backward(model.vision_layers()[0])
     delay_forward_and_backward(model.decoder_layers()[0])
-    micro = batches(model, image_fraction=1.0, n=2)
+    micro = batches(model, image_fraction=1.0, n=2, device=device)
     assert all(b.get("pixel_values") is not None for b in micro)
     label_tokens = host_stats(micro)["label_tokens"]
 
     start = time.perf_counter()
-    forward_backward(model, micro, label_tokens, None, chunk_tokens=64)
+    loss = forward_backward(model, micro, label_tokens, None, chunk_tokens=64)
+    loss.item()  # the step's one host read
     wall = time.perf_counter() - start
     times = timer.read()
     # Two micro-batches, each with DELAY in the vision forward and backward and in the LLM's.

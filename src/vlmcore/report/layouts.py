@@ -10,15 +10,17 @@ node (B_in, NVLink) and between nodes (B_out, InfiniBand), the TP efficiency e k
 A module m on n ranks with tensor parallel degree t (its FSDP group has d = n / t ranks):
 
     compute_m(n, t) = S_m / n / e^log2(t)                        (same work per rank, thinner matmuls)
-    fsdp_m(n, t)    = (P_m / t) (2 M b + b_r) (d - 1) / d / B    (all-gather in forward and backward per
-                                                                  micro-batch, reduce-scatter of grads)
+    fsdp_m(n, t)    = (P_m / t) (g_m M b + b_r) (d - 1) / d / B  (g_m all-gathers per micro-batch, one
+                                                                  reduce-scatter of the gradients per step)
     time_m(n, t)    = max(compute_m, fsdp_m)                     (FSDP prefetch overlaps its traffic)
     tp_v(n, t)      = 8 depth_v (t - 1) (patches / n) h_v b / B_in
                       (per vision block, forward and backward: 4 + 4 all-gathers / reduce-scatters of
                        the activations of the t ranks' patches, each rank moving (t-1)/t of them)
 
 with M micro-batches per step, b bytes per parameter and activation (bf16: 2), b_r per reduced
-gradient (fp32: 4), B = B_in when the group fits in a node, else B_out.
+gradient (fp32: 4), B = B_in when the group fits in a node, else B_out. g_l = 2 (the LLM's blocks
+are gathered for forward and again for backward), g_v = 1 (vlmcore's vision tower is one FSDP
+unit kept unsharded from forward to backward, parallel/fsdp.py).
 
     colocated, vision TP t:  step = time_v(W, t) + tp_v(W, t) + time_l(W, t_l)
         every rank runs the vision tower then the LLM, one after the other.
@@ -101,11 +103,12 @@ def _bandwidth(cluster: Cluster, ranks: int) -> float:
     return (cluster.intra_node_gbs if ranks <= cluster.gpus_per_node else cluster.inter_node_gbs) * 1e9
 
 
-def module_time(compute_s: float, params: int, ranks: int, tp: int, w: Workload, c: Cluster) -> float:
-    """max(compute, FSDP traffic) of a module on `ranks` ranks with tensor parallel `tp`."""
+def module_time(compute_s: float, params: int, ranks: int, tp: int, gathers: int, w: Workload, c: Cluster) -> float:
+    """max(compute, FSDP traffic) of a module on `ranks` ranks with tensor parallel `tp`, its
+    parameters all-gathered `gathers` times per micro-batch."""
     compute = compute_s / ranks / c.tp_efficiency ** math.log2(tp)
     shard = ranks // tp
-    per_param = 2 * w.micro_batches * c.dtype_bytes + c.reduce_bytes
+    per_param = gathers * w.micro_batches * c.dtype_bytes + c.reduce_bytes
     fsdp = params / tp * per_param * (shard - 1) / shard / _bandwidth(c, ranks)
     return max(compute, fsdp)
 
@@ -115,15 +118,15 @@ def vision_tp_traffic(w: Workload, c: Cluster, world: int, tp: int) -> float:
 
 
 def colocated(w: Workload, c: Cluster, world: int, vision_tp: int) -> Prediction:
-    vision = module_time(w.vision_s, w.vision_params, world, vision_tp, w, c) + vision_tp_traffic(w, c, world, vision_tp)
-    llm = module_time(w.llm_s, w.llm_params, world, w.llm_tp, w, c)
+    vision = module_time(w.vision_s, w.vision_params, world, vision_tp, 1, w, c) + vision_tp_traffic(w, c, world, vision_tp)
+    llm = module_time(w.llm_s, w.llm_params, world, w.llm_tp, 2, w, c)
     return Prediction(f"colocated, vision TP {vision_tp}", vision_tp, world, world, vision, llm, 0.0, vision + llm)
 
 
 def disjoint(w: Workload, c: Cluster, world: int, vision_ranks: int) -> Prediction:
     k, rest = vision_ranks, world - vision_ranks
-    vision = module_time(w.vision_s, w.vision_params, k, 1, w, c)
-    llm = module_time(w.llm_s, w.llm_params, rest, w.llm_tp, w, c)
+    vision = module_time(w.vision_s, w.vision_params, k, 1, 1, w, c)
+    llm = module_time(w.llm_s, w.llm_params, rest, w.llm_tp, 2, w, c)
     bridge_bytes = 2 * w.bridge_tensors * w.image_tokens * w.bridge_hidden * c.dtype_bytes
     bridge = bridge_bytes / (min(k, rest) * _bandwidth(c, world))
     step = max(vision, llm) + min(vision, llm) / w.micro_batches + bridge
@@ -169,6 +172,19 @@ def workload_of(config, vision_s: float, llm_s: float, patches: float, micro_bat
                     image_tokens=patches / v.spatial_merge_size ** 2, bridge_hidden=v.out_hidden_size,
                     bridge_tensors=1 + len(getattr(v, "deepstack_visual_indexes", None) or []),
                     micro_batches=micro_batches, micro_batch_size=micro_batch_size, llm_tp=llm_tp)
+
+
+def flops_workload(config, rows: int, seq_len: int, image_grids: list, achieved_tflops: float, micro_batches: int = 1,
+                   micro_batch_size: int = 1, llm_tp: int = 1) -> Workload:
+    """A Workload before any run, from FLOPs (vlmcore.models.flops): `rows` packed rows per step,
+    each one segment of `seq_len` tokens holding the images `image_grids` ([t, h, w] in patches),
+    at `achieved_tflops` per device."""
+    from vlmcore.models.flops import llm_flops, vision_flops
+
+    return workload_of(config, vision_s=seconds_from_flops(rows * vision_flops(config, image_grids), achieved_tflops),
+                       llm_s=seconds_from_flops(rows * llm_flops(config, [seq_len]), achieved_tflops),
+                       patches=rows * sum(t * h * w for t, h, w in image_grids), micro_batches=micro_batches,
+                       micro_batch_size=micro_batch_size, llm_tp=llm_tp)
 
 
 def measured_workload(metrics, settings: dict, warmup_steps: int) -> Workload | None:
