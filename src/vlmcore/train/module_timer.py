@@ -61,16 +61,23 @@ class ModuleTimer:
     def _vision_end(self, module, args, output):
         marks = self.micro[-1]
         marks["vision_end"] = self._mark()
+
+        def gradient_arrived(grad):  # the last of the outputs' gradients to arrive wins
+            marks["vision_backward"] = self._mark()
+
         for t in torch.utils._pytree.tree_leaves(output):
             if torch.is_tensor(t) and t.requires_grad:
-                t.register_hook(lambda grad: marks.__setitem__("vision_backward", self._mark()))
+                t.register_hook(gradient_arrived)
 
     def _model_end(self, module, args, output):
         marks = self.micro[-1]
+
+        def backward_ended():
+            marks["end"] = self._mark()
+
         out = output.hidden_states if output.hidden_states is not None else output.logits
-        if out.requires_grad:
-            out.register_hook(lambda grad: Variable._execution_engine.queue_callback(
-                lambda: marks.__setitem__("end", self._mark())))
+        if out.requires_grad:  # the first gradient of the backward pass: queue its end
+            out.register_hook(lambda grad: Variable._execution_engine.queue_callback(backward_ended))
 
     def read(self) -> dict:
         """{"vision_time_s", "llm_time_s", "vision_patches"} of the micro-batches since the last
