@@ -26,7 +26,7 @@ unit kept unsharded from forward to backward, parallel/fsdp.py).
         every rank runs the vision tower then the LLM, one after the other.
     disjoint, k vision ranks: V = time_v(k, 1),  L = time_l(W - k, t_l)
         step = max(V, L) + min(V, L) / M + bridge
-        bridge = 2 n_t image_tokens h_out b / (min(k, W - k) B_out)
+        bridge = 2 n_t image_tokens h_out b / (min(k, W - k) B)      (B of the whole world)
         the encoder ranks work on micro-batch i + 1 while the LLM ranks work on micro-batch i
         (with M = 1 nothing overlaps: V + L); the bridge sends the n_t merged image-embedding
         tensors (1 + DeepStack levels) forward and their gradients back.
