@@ -1,6 +1,6 @@
 """The vision tower and the LLM timed apart (vlmcore.train.module_timer): each part of forward
 and backward is credited to the module that runs it, on the real model and the real
-forward/backward of a training step; a real run logs the times, and the switch turns them off."""
+forward/backward of a training step; the switch turns them off in a real run."""
 
 import time
 
@@ -71,15 +71,11 @@ def test_text_only_model_has_no_vision_time():
     assert times.keys() == {"llm_time_s"} and times["llm_time_s"] > 0
 
 
-def test_a_run_logs_the_module_times_unless_switched_off(tmp_path):
+def test_a_run_without_module_times(tmp_path):
+    """metrics.module_times: false leaves the fields out (a run with them on: test_train_loop.py,
+    test_stage_outputs and test_text_and_hybrid_families_train)."""
     snapshot = tiny_snapshot("qwen3_vl", tmp_path / "model")
-    on, off = tmp_path / "on", tmp_path / "off"
-    proc = train(1, write_config(tmp_path / "on.yaml", snapshot, on, steps=2, grad_accum_steps=2, save_final=False,
-                                 checkpoint={"enabled": False}))
-    for m in read_metrics(on):
-        assert m["vision_time_s"] > 0 and m["llm_time_s"] > 0 and m["vision_patches"] > 0
-        assert m["vision_time_s"] + m["llm_time_s"] < m["step_time_s"]
-    assert "s llm " in proc.stdout  # the console line shows them
-    train(1, write_config(tmp_path / "off.yaml", snapshot, off, steps=1, save_final=False,
+    train(1, write_config(tmp_path / "off.yaml", snapshot, tmp_path / "off", steps=1, save_final=False,
                           checkpoint={"enabled": False}, metrics={"tensorboard": False, "module_times": False}))
-    assert [m.keys() & {"vision_time_s", "llm_time_s"} for m in read_metrics(off)] == [set()]
+    metrics = read_metrics(tmp_path / "off")
+    assert len(metrics) == 1 and not metrics[0].keys() & {"vision_time_s", "llm_time_s", "vision_patches"}
