@@ -60,6 +60,8 @@ def test_candidates_respect_the_degrees():
     layouts = [p.layout for p in candidates(w, CLUSTER, world=16)]
     # heads 6: no vision TP 4; LLM TP 2: 16 - k even; rows 8: k and (16 - k) / 2 divide 8 -> k = 8 (4 LLM DP ranks)
     assert layouts == ["colocated, vision TP 1", "colocated, vision TP 2", "disjoint, 8 vision + 8 LLM ranks"]
+    # The LLM's compute was measured at its TP 2: no efficiency loss counted again (1 s / 16 ranks).
+    assert [p.llm_s for p in candidates(w, CLUSTER, world=16)[:2]] == pytest.approx([1 / 16, 1 / 16])
 
 
 def test_workload_of_a_model_config():

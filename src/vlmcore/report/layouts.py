@@ -9,7 +9,7 @@ node (B_in, NVLink) and between nodes (B_out, InfiniBand), the TP efficiency e k
 
 A module m on n ranks with tensor parallel degree t (its FSDP group has d = n / t ranks):
 
-    compute_m(n, t) = S_m / n / e^log2(t)                        (same work per rank, thinner matmuls)
+    compute_m(n, t) = S_m / n / e^log2(t / t_0)                  (same work per rank, thinner matmuls)
     fsdp_m(n, t)    = (P_m / t) (g_m M b + b_r) (d - 1) / d / B  (g_m all-gathers per micro-batch, one
                                                                   reduce-scatter of the gradients per step)
     time_m(n, t)    = max(compute_m, fsdp_m)                     (FSDP prefetch overlaps its traffic)
@@ -17,7 +17,8 @@ A module m on n ranks with tensor parallel degree t (its FSDP group has d = n / 
                       (per vision block, forward and backward: 4 + 4 all-gathers / reduce-scatters of
                        the activations of the t ranks' patches, each rank moving (t-1)/t of them)
 
-with M micro-batches per step, b bytes per parameter and activation (bf16: 2), b_r per reduced
+with t_0 the TP degree S_m was measured at (vision 1; LLM t_l, which it keeps in every layout),
+M micro-batches per step, b bytes per parameter and activation (bf16: 2), b_r per reduced
 gradient (fp32: 4), B = B_in when the group fits in a node, else B_out. g_l = 2 (the LLM's blocks
 are gathered for forward and again for backward), g_v = 1 (vlmcore's vision tower is one FSDP
 unit kept unsharded from forward to backward, parallel/fsdp.py).
@@ -103,10 +104,11 @@ def _bandwidth(cluster: Cluster, ranks: int) -> float:
     return (cluster.intra_node_gbs if ranks <= cluster.gpus_per_node else cluster.inter_node_gbs) * 1e9
 
 
-def module_time(compute_s: float, params: int, ranks: int, tp: int, gathers: int, w: Workload, c: Cluster) -> float:
-    """max(compute, FSDP traffic) of a module on `ranks` ranks with tensor parallel `tp`, its
-    parameters all-gathered `gathers` times per micro-batch."""
-    compute = compute_s / ranks / c.tp_efficiency ** math.log2(tp)
+def module_time(compute_s: float, params: int, ranks: int, tp: int, measured_tp: int, gathers: int, w: Workload,
+                c: Cluster) -> float:
+    """max(compute, FSDP traffic) of a module on `ranks` ranks with tensor parallel `tp` (its
+    compute measured at `measured_tp`), its parameters all-gathered `gathers` times per micro-batch."""
+    compute = compute_s / ranks / c.tp_efficiency ** math.log2(tp / measured_tp)
     shard = ranks // tp
     per_param = gathers * w.micro_batches * c.dtype_bytes + c.reduce_bytes
     fsdp = params / tp * per_param * (shard - 1) / shard / _bandwidth(c, ranks)
@@ -118,15 +120,15 @@ def vision_tp_traffic(w: Workload, c: Cluster, world: int, tp: int) -> float:
 
 
 def colocated(w: Workload, c: Cluster, world: int, vision_tp: int) -> Prediction:
-    vision = module_time(w.vision_s, w.vision_params, world, vision_tp, 1, w, c) + vision_tp_traffic(w, c, world, vision_tp)
-    llm = module_time(w.llm_s, w.llm_params, world, w.llm_tp, 2, w, c)
+    vision = module_time(w.vision_s, w.vision_params, world, vision_tp, 1, 1, w, c) + vision_tp_traffic(w, c, world, vision_tp)
+    llm = module_time(w.llm_s, w.llm_params, world, w.llm_tp, w.llm_tp, 2, w, c)
     return Prediction(f"colocated, vision TP {vision_tp}", vision_tp, world, world, vision, llm, 0.0, vision + llm)
 
 
 def disjoint(w: Workload, c: Cluster, world: int, vision_ranks: int) -> Prediction:
     k, rest = vision_ranks, world - vision_ranks
-    vision = module_time(w.vision_s, w.vision_params, k, 1, 1, w, c)
-    llm = module_time(w.llm_s, w.llm_params, rest, w.llm_tp, 2, w, c)
+    vision = module_time(w.vision_s, w.vision_params, k, 1, 1, 1, w, c)
+    llm = module_time(w.llm_s, w.llm_params, rest, w.llm_tp, w.llm_tp, 2, w, c)
     bridge_bytes = 2 * w.bridge_tensors * w.image_tokens * w.bridge_hidden * c.dtype_bytes
     bridge = bridge_bytes / (min(k, rest) * _bandwidth(c, world))
     step = max(vision, llm) + min(vision, llm) / w.micro_batches + bridge
