@@ -18,8 +18,16 @@ Qwen3.5's linear-attention (Gated DeltaNet) mixers are split over heads too: `in
 column-parallel, `out_proj` row-parallel. Their fused `in_proj_qkv` ([q | k | v], unequal
 blocks) and its `conv1d` cannot be one DTensor shard, so they stay whole on every TP rank
 (still sharded by FSDP) and each rank reads its heads' rows of them (`GatedDeltaNet.head_shard`),
-as it does for `A_log` and `dt_bias`. The vision tower is not tensor parallel (FSDP over all
-ranks instead): every TP rank computes the same thing.
+as it does for `A_log` and `dt_bias`.
+
+The vision tower has its own layout (`parallel.modules.vision`, by default tp 1: every language
+TP rank computes the same thing). With its own tp (`apply_vision_tp`), each vision block's
+attention `proj` and MLP `linear_fc2` are row-parallel and `linear_fc1` column-parallel. The
+fused `attn.qkv` ([q | k | v] rows) stays whole (a three-block row split is no shard that DCP can
+save): each rank computes it and keeps its heads of q, k and v, whose gradient the backward
+all-gathers, so its weight gradient is whole, like the norms'. The residual stream stays
+replicated (no sequence parallelism): the vision TP group runs the tower on the same images
+(vlmcore.parallel.bridge).
 
 Parameters that are whole on every TP rank but used for local heads only (per-head q/k norms,
 the gated norm and the rows read by the linear-attention mixers) get partial gradients on each
@@ -30,7 +38,7 @@ parameter objects on the same modules, for the train step to all-reduce once per
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -64,6 +72,33 @@ def check_tp(config, tp: int) -> None:
         value = getattr(text, key)
         if value % tp:
             raise ConfigError(f"parallel.tp: {tp} does not divide the model's {key} ({value})")
+
+
+def check_vision_tp(config, tp: int) -> None:
+    vision = config.vision_config
+    for key in ("num_heads", "intermediate_size"):
+        if getattr(vision, key) % tp:
+            raise ConfigError(f"parallel.modules.vision.tp: {tp} does not divide the vision tower's {key} "
+                              f"({getattr(vision, key)})", "parallel.modules.vision.tp")
+
+
+def _own_heads(tp_mesh: DeviceMesh):
+    """Forward hook of the fused qkv: (n, 3 x hidden) whole -> (n, 3 x hidden / tp), this rank's
+    heads of each of q, k, v; the backward all-gathers their gradient."""
+    def hook(module: nn.Module, args: tuple, qkv: torch.Tensor) -> torch.Tensor:
+        n = qkv.shape[0]
+        whole = DTensor.from_local(qkv.view(n, 3, -1), tp_mesh, [Replicate()], run_check=False)
+        return whole.redistribute(tp_mesh, [Shard(2)]).to_local().reshape(n, -1)
+    return hook
+
+
+def apply_vision_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shards the vision blocks of `model` in place over `tp_mesh` (no partial gradients)."""
+    check_vision_tp(model.config, tp_mesh.size())
+    for block in model.vision_layers():
+        block.attn.qkv.register_forward_hook(_own_heads(tp_mesh))
+        parallelize_module(block, tp_mesh, {"attn.proj": RowwiseParallel(), "mlp.linear_fc1": ColwiseParallel(),
+                                            "mlp.linear_fc2": RowwiseParallel()})
 
 
 def _gather(args: int) -> PrepareModuleInput:
