@@ -66,15 +66,18 @@ class ScheduleConfig:
 
 @dataclass
 class ModuleLayout:
-    """One module's parallel layout; an unset key is derived (see resolve_layouts in parallel/dims.py)."""
+    """One module's parallel layout (vlmcore.parallel.dims.resolve_layouts)."""
 
-    tp: int | None = setting(None, "tensor-parallel ranks of this module; null = derived", ge=1)
-    dp_shard: int | None = setting(None, "FSDP shards of this module; -1 = what is left of its ranks; null = derived",
-                                   ge=1, also=(-1,))
-    dp_replicate: int | None = setting(None, "data-parallel replicas of this module; null = derived", ge=1)
+    tp: int | None = setting(None, "tensor-parallel ranks of this module; null: parallel.tp (language), 1 (vision)",
+                             ge=1)
+    dp_shard: int | None = setting(None, "FSDP shards of this module; -1 = what is left of its ranks; null: "
+                                   "parallel.dp_shard (language), -1 (vision)", ge=1, also=(-1,))
+    dp_replicate: int | None = setting(
+        None, "data-parallel replicas of this module (HSDP when > 1); null: parallel.dp_replicate (language; vision "
+        "too when the language tp is 1, else 1)", ge=1)
     ranks: Literal["all"] | list[int] = setting(
-        "all", "all: on every rank, with the other modules (colocated); [start, end): on these ranks only "
-        "(disjoint; the modules' ranges must tile the world)")
+        "all", "all: on every rank, with the other module (colocated); [start, end): on these ranks only "
+        "(disjoint: the two ranges tile the world; not implemented yet, refused when a run starts)")
 
 
 @dataclass
@@ -97,7 +100,7 @@ class ParallelConfig:
     linear_attention: LinearAttentionBackend = setting(
         "auto", "Qwen3.5 Gated DeltaNet kernels on GPU: auto = fla where installed and correct on this GPU "
         "(docs/hpc.md), else torch; fla = fla or stop; torch = the pure-torch chunked rule")
-    # Unset: the language model takes the keys above, the vision tower tp 1 on every rank (docs/hpc.md).
+    # Each module's own layout (docs/hpc.md, "Per-module layouts"); unset: the keys above.
     modules: ModulesConfig = field(default_factory=ModulesConfig)
 
 

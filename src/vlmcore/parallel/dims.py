@@ -62,9 +62,10 @@ def _is_set(layout: ModuleLayout) -> bool:
 
 def resolve_layouts(cfg: ParallelConfig, world_size: int) -> dict[str, tuple[ParallelDims, range]]:
     """Each module's (dims, ranks). Unset keys of `parallel.modules.language` are the top-level
-    `parallel` keys; an unset vision layout is tp 1 over all ranks (the language model's data
-    parallelism when it has tp 1, else plain FSDP over the world), set keys default to tp 1,
-    dp_replicate 1, dp_shard -1. Ranks: every module on all ranks, or ranges that tile the world."""
+    `parallel` keys; of `parallel.modules.vision`: tp 1, dp_shard -1 and the language model's
+    dp_replicate when it has tp 1, else 1 (unset altogether: the language model's data parallelism
+    without TP, else FSDP over all ranks). Ranks: every module on all ranks, or ranges that tile
+    the world."""
     language, vision = cfg.modules.language, cfg.modules.vision
     ranks = {module: _module_ranks(getattr(cfg.modules, module), world_size, module) for module in MODULES}
     if language.ranks != "all":
@@ -78,12 +79,10 @@ def resolve_layouts(cfg: ParallelConfig, world_size: int) -> dict[str, tuple[Par
     pick = lambda value, default: default if value is None else value  # noqa: E731
     lang = _fit(pick(language.dp_replicate, cfg.dp_replicate), pick(language.dp_shard, cfg.dp_shard),
                 pick(language.tp, cfg.tp), cfg.mode, len(ranks["language"]), key, where)
-    if not _is_set(vision):
-        vis = ParallelDims(lang.dp_replicate, lang.dp_shard, 1) if lang.tp == 1 else ParallelDims(1, world_size, 1)
-    else:
-        where = f"the world size {world_size}" if vision.ranks == "all" else f"its {len(ranks['vision'])} ranks"
-        vis = _fit(pick(vision.dp_replicate, 1), pick(vision.dp_shard, -1), pick(vision.tp, 1), cfg.mode,
-                   len(ranks["vision"]), "parallel.modules.vision", where)
+    where = f"the world size {world_size}" if vision.ranks == "all" else f"its {len(ranks['vision'])} ranks"
+    replicate = lang.dp_replicate if lang.tp == 1 and vision.ranks == "all" else 1
+    vis = _fit(pick(vision.dp_replicate, replicate), pick(vision.dp_shard, -1), pick(vision.tp, 1), cfg.mode,
+               len(ranks["vision"]), "parallel.modules.vision", where)
     return {"language": (lang, ranks["language"]), "vision": (vis, ranks["vision"])}
 
 
@@ -102,3 +101,10 @@ def check_layouts(cfg: TrainConfig, world_size: int) -> dict[str, tuple[Parallel
                 f"data-parallel ranks = {rows} rows) is not divisible by {lcm}, the LCM of the module data-parallel "
                 f"sizes ({', '.join(f'{m} {n}' for m, n in sizes.items())})", "micro_batch_size")
     return layouts
+
+
+def refuse_disjoint(cfg: ParallelConfig) -> None:
+    """Disjoint layouts pass the checks above (the workflow plans them) but cannot run yet."""
+    if cfg.modules.vision.ranks != "all":
+        raise ConfigError("parallel.modules.vision.ranks: disjoint layouts (the vision tower and the language model "
+                          "on their own ranks) are not implemented yet; use all", "parallel.modules.vision.ranks")

@@ -10,7 +10,7 @@ from vlmcore.config import ConfigError, ModuleLayout, TrainConfig
 from vlmcore.parallel.ac import apply_ac
 from vlmcore.parallel.bridge import VisionBridge, count_images_once
 from vlmcore.parallel.compile import apply_compile
-from vlmcore.parallel.dims import check_layouts
+from vlmcore.parallel.dims import check_layouts, refuse_disjoint
 from vlmcore.parallel.fsdp import apply_fsdp
 from vlmcore.parallel.mesh import ParallelDims, build_mesh, dp_mesh
 from vlmcore.parallel.tp import apply_tp, apply_vision_tp
@@ -38,9 +38,7 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, dims: Para
     if dims.tp > 1:
         partial = apply_tp(model, mesh["tp"], cfg.parallel.sequence_parallel)
     layouts = check_layouts(cfg, dims.world_size)
-    if cfg.parallel.modules.vision.ranks != "all":
-        raise ConfigError("parallel.modules.vision.ranks: disjoint layouts (the vision tower and the language model "
-                          "on their own ranks) are not implemented yet; use all", "parallel.modules.vision.ranks")
+    refuse_disjoint(cfg.parallel)
     if vision is None and cfg.parallel.modules.vision != ModuleLayout():
         raise ConfigError(f"parallel.modules.vision: the {model.config.model_type} model has no vision tower",
                           "parallel.modules.vision")
