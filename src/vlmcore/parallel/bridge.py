@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
@@ -43,8 +44,9 @@ class VisionBridge:
     def gather_images(self, module, args):
         pixels, grids = args[0], grid_list(args[1])
         size = self.tp_mesh.size()
-        all_grids = [None] * size
-        dist.all_gather_object(all_grids, grids, group=self.group)
+        all_grids = [grids] * size  # the memory estimate's fake tensors: every rank holds a batch like this one
+        if not isinstance(pixels, FakeTensor):
+            dist.all_gather_object(all_grids, grids, group=self.group)
         counts = [sum(t * h * w for t, h, w in g) for g in all_grids]
         padded = F.pad(pixels, (0, 0, 0, max(counts) - pixels.shape[0]))
         gathered = [torch.empty_like(padded) for _ in range(size)]
