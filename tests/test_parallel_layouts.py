@@ -78,3 +78,21 @@ def test_disjoint_layouts_are_planned_but_refused_when_a_run_starts():
     with pytest.raises(ConfigError, match=r"^parallel.modules.vision.ranks: disjoint layouts .* not implemented yet"):
         refuse_disjoint(disjoint.parallel)
     refuse_disjoint(config({"modules": {"vision": {"tp": 2}}}).parallel)
+
+
+@pytest.mark.slow
+def test_memory_estimate_of_a_vision_layout(tmp_path):
+    """`vlmcore memory` with the vision tower on its own tp (the layout bridge on fake tensors,
+    every rank of a vision TP group holding a batch like rank 0's): the tower is gathered 1/tp
+    per rank for its attention and MLP, its sharded states spread over world / tp ranks only, and
+    a rank holds the activations of its group's images."""
+    from _train_helpers import tiny_snapshot, write_config
+    from test_train_memory import estimates
+
+    config = write_config(tmp_path / "vl.yaml", tiny_snapshot("qwen3_vl", tmp_path / "vl"), tmp_path / "out",
+                          data={"kind": "random", "seq_len": 96, "segments": 2})
+    default, vision_tp = [r["peak_bytes_by_kind"] for r in estimates(
+        config, ([], 2, 48, 2, True), (["parallel.modules.vision.tp=2"], 2, 48, 2, True))]
+    assert vision_tp["Unsharded Param"] < default["Unsharded Param"]
+    assert vision_tp["Sharded Param"] > default["Sharded Param"]
+    assert vision_tp["Activation"] > default["Activation"]
