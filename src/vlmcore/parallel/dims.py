@@ -56,6 +56,10 @@ def _module_ranks(layout: ModuleLayout, world_size: int, module: str) -> range:
     return range(start, end)
 
 
+def _pick(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
 def _is_set(layout: ModuleLayout) -> bool:
     return layout != ModuleLayout()
 
@@ -76,12 +80,11 @@ def resolve_layouts(cfg: ParallelConfig, world_size: int) -> dict[str, tuple[Par
                               f"world of {world_size} ranks", "parallel.modules.vision.ranks")
     key = "parallel.modules.language" if _is_set(language) else "parallel"
     where = f"the world size {world_size}" if language.ranks == "all" else f"its {len(ranks['language'])} ranks"
-    pick = lambda value, default: default if value is None else value  # noqa: E731
-    lang = _fit(pick(language.dp_replicate, cfg.dp_replicate), pick(language.dp_shard, cfg.dp_shard),
-                pick(language.tp, cfg.tp), cfg.mode, len(ranks["language"]), key, where)
+    lang = _fit(_pick(language.dp_replicate, cfg.dp_replicate), _pick(language.dp_shard, cfg.dp_shard),
+                _pick(language.tp, cfg.tp), cfg.mode, len(ranks["language"]), key, where)
     where = f"the world size {world_size}" if vision.ranks == "all" else f"its {len(ranks['vision'])} ranks"
     replicate = lang.dp_replicate if lang.tp == 1 and vision.ranks == "all" else 1
-    vis = _fit(pick(vision.dp_replicate, replicate), pick(vision.dp_shard, -1), pick(vision.tp, 1), cfg.mode,
+    vis = _fit(_pick(vision.dp_replicate, replicate), _pick(vision.dp_shard, -1), _pick(vision.tp, 1), cfg.mode,
                len(ranks["vision"]), "parallel.modules.vision", where)
     return {"language": (lang, ranks["language"]), "vision": (vis, ranks["vision"])}
 
