@@ -7,7 +7,7 @@ must run the tower on the same patches, so before the tower they gather their im
 language data-parallel rank's once, in rank order), run it on the union, and each keeps the
 rows of its own micro-batch. The tower's output is the same on all of them; in backward each
 rank has the gradient of its own rows only, so the gradient of the union is the sum over the
-group (an all-reduce, from the DTensor round trip below), and the tower's backward, TP
+group (an all-reduce in backward), and the tower's backward, TP
 collectives included, runs on the same values on every rank of the group.
 
 Whatever the vision layout, each language micro-batch's images are computed `language tp` times
@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from vlmcore.models.layers import grid_list
+from vlmcore.parallel.tp import sum_grad_over
 
 
 class VisionBridge:
@@ -58,9 +58,7 @@ class VisionBridge:
 
     def keep_own_rows(self, module, args, output):
         embeds, deepstack = output
-        union = torch.cat([embeds, *deepstack], dim=1)  # one tensor: one all-reduce in backward
-        union = DTensor.from_local(union, self.tp_mesh, [Replicate()], run_check=False).to_local(
-            grad_placements=[Partial()])
+        union = sum_grad_over(torch.cat([embeds, *deepstack], dim=1), self.tp_mesh)  # one all-reduce in backward
         embeds, *deepstack = union.narrow(0, *self.rows).split(embeds.shape[1], dim=1)
         return embeds, deepstack
 

@@ -24,8 +24,7 @@ The vision tower has its own layout (`parallel.modules.vision`, by default tp 1:
 TP rank computes the same thing). With its own tp (`apply_vision_tp`), each vision block's
 attention `proj` and MLP `linear_fc2` are row-parallel and `linear_fc1` column-parallel. The
 fused `attn.qkv` ([q | k | v] rows) stays whole (a three-block row split is no shard that DCP can
-save): each rank computes it and keeps its heads of q, k and v, whose gradient the backward
-all-gathers, so its weight gradient is whole, like the norms'. The residual stream stays
+save): each rank computes its heads of q, k and v from their rows (`OwnHeadsLinear`). The residual stream stays
 replicated (no sequence parallelism): the vision TP group runs the tower on the same images
 (vlmcore.parallel.bridge).
 
@@ -36,9 +35,10 @@ parameter objects on the same modules, for the train step to all-reduce once per
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -82,21 +82,33 @@ def check_vision_tp(config, tp: int) -> None:
                               f"({getattr(vision, key)})", "parallel.modules.vision.tp")
 
 
-def _own_heads(tp_mesh: DeviceMesh):
-    """Forward hook of the fused qkv: (n, 3 x hidden) whole -> (n, 3 x hidden / tp), this rank's
-    heads of each of q, k, v; the backward all-gathers their gradient."""
-    def hook(module: nn.Module, args: tuple, qkv: torch.Tensor) -> torch.Tensor:
-        n = qkv.shape[0]
-        whole = DTensor.from_local(qkv.view(n, 3, -1), tp_mesh, [Replicate()], run_check=False)
-        return whole.redistribute(tp_mesh, [Shard(2)]).to_local().reshape(n, -1)
-    return hook
+def sum_grad_over(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """t, whose gradient is summed over the ranks of `mesh` in backward (each rank's is partial)."""
+    return DTensor.from_local(t, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+class OwnHeadsLinear(nn.Linear):
+    """The vision attention's fused qkv under vision TP: its weight stays whole (FSDP-sharded) and
+    each rank computes its heads of q, k and v from their rows of it; in backward the rows'
+    gradients are all-gathered, so the weight's gradient is whole on every rank, like the norms'."""
+
+    tp_mesh: DeviceMesh
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Each rank's gradient of x covers its heads only: summed over the TP ranks.
+        return F.linear(sum_grad_over(x, self.tp_mesh), self.own_rows(self.weight), self.own_rows(self.bias))
+
+    def own_rows(self, t: torch.Tensor) -> torch.Tensor:
+        whole = DTensor.from_local(t.view(3, -1, *t.shape[1:]), self.tp_mesh, [Replicate()], run_check=False)
+        return whole.redistribute(self.tp_mesh, [Shard(1)]).to_local().flatten(0, 1)
 
 
 def apply_vision_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Shards the vision blocks of `model` in place over `tp_mesh` (no partial gradients)."""
     check_vision_tp(model.config, tp_mesh.size())
     for block in model.vision_layers():
-        block.attn.qkv.register_forward_hook(_own_heads(tp_mesh))
+        # Same parameters and state-dict names, another forward (as fully_shard swaps classes).
+        block.attn.qkv.__class__, block.attn.qkv.tp_mesh = OwnHeadsLinear, tp_mesh
         parallelize_module(block, tp_mesh, {"attn.proj": RowwiseParallel(), "mlp.linear_fc1": ColwiseParallel(),
                                             "mlp.linear_fc2": RowwiseParallel()})
 
