@@ -111,9 +111,9 @@ def _written_at(config: dict, stage: str, key: str) -> str:
 
 def _check_stage_settings(config: dict):
     """Each stage's vlmcore train settings (train.common + the stage) pass TrainConfig's own
-    checks and their parallel layouts (each module's) fit the stage's ranks (and each scaling point), so a typo,
-    a bad range or a mesh that does not divide stops the workflow before any job runs. The
-    warnings of a suspicious setting are printed."""
+    checks and their parallel layouts (each module's) fit the stage's ranks (and each scaling
+    point), so a typo, a bad range or a mesh that does not divide stops the workflow before any
+    job runs. The warnings of a suspicious setting are printed."""
     exp = Experiment(config)
     written = {f"train.stages.{stage}": config["train"]["stages"][stage] for stage in exp.stages}
     written["train.common"] = config["train"].get("common", {})

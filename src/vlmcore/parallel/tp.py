@@ -23,10 +23,10 @@ as it does for `A_log` and `dt_bias`.
 The vision tower has its own layout (`parallel.modules.vision`, by default tp 1: every language
 TP rank computes the same thing). With its own tp (`apply_vision_tp`), each vision block's
 attention `proj` and MLP `linear_fc2` are row-parallel and `linear_fc1` column-parallel. The
-fused `attn.qkv` ([q | k | v] rows) stays whole (a three-block row split is no shard that DCP can
-save): each rank computes its heads of q, k and v from their rows (`OwnHeadsLinear`). The residual stream stays
-replicated (no sequence parallelism): the vision TP group runs the tower on the same images
-(vlmcore.parallel.bridge).
+fused `attn.qkv` ([q | k | v] rows) stays whole (a three-block row split is no shard that DCP
+can save): each rank computes its heads of q, k and v from their rows (`OwnHeadsLinear`). The
+residual stream stays replicated (no sequence parallelism): the vision TP group runs the tower
+on the same images (vlmcore.parallel.bridge).
 
 Parameters that are whole on every TP rank but used for local heads only (per-head q/k norms,
 the gated norm and the rows read by the linear-attention mixers) get partial gradients on each
