@@ -25,18 +25,20 @@ def test_lint_is_clean():
     assert "Congratulations" in proc.stdout + proc.stderr
 
 
+# The demo packs each of its 2 datasets in 2 measure jobs, 1 plan job, 2 write jobs and the pack job.
+PACK = {"pack_measure": 4, "pack_plan": 2, "pack_write": 4, "pack_data": 2}
+
+
 @pytest.mark.parametrize(
     "target, expected",
     [
         ("model", {"download_model": 1}),
         ("data", {"synth_data": 1, "prepare_data": 2}),
-        ("packed", {"download_model": 1, "synth_data": 1, "prepare_data": 2, "pack_measure": 4, "pack_data": 2}),
-        ("train", {"download_model": 1, "synth_data": 1, "prepare_data": 2, "pack_measure": 4, "pack_data": 2,
-                   "train_stage": 2}),
-        ("scaling", {"download_model": 1, "synth_data": 1, "prepare_data": 1, "pack_measure": 2, "pack_data": 1,
-                     "scaling_run": 2}),
-        ("train_all", {"download_model": 1, "synth_data": 1, "prepare_data": 2, "pack_measure": 4, "pack_data": 2,
-                       "train_stage": 2,
+        ("packed", {"download_model": 1, "synth_data": 1, "prepare_data": 2, **PACK}),
+        ("train", {"download_model": 1, "synth_data": 1, "prepare_data": 2, **PACK, "train_stage": 2}),
+        ("scaling", {"download_model": 1, "synth_data": 1, "prepare_data": 1, "pack_measure": 2, "pack_plan": 1,
+                     "pack_write": 2, "pack_data": 1, "scaling_run": 2}),
+        ("train_all", {"download_model": 1, "synth_data": 1, "prepare_data": 2, **PACK, "train_stage": 2,
                        "export_hf": 1, "evaluate": 1, "scaling_run": 2, "scaling_report": 1}),
     ],
 )
