@@ -6,16 +6,19 @@ count after image-token expansion, image patches from the image size) and applie
 policy; shards are measured in parallel by `workers` processes, results kept in shard order.
 Memory holds only compact arrays per sample (where its json and images lie in its shard, its
 tokens and patches: about 75 bytes). The samples are then packed by best fit decreasing under
-`seq_len` tokens and `max_patches` image patches. Pass 2 copies each pack's samples into one
-webdataset sample (`json` = the segments, plus the images), their json and images read back
-from the input shards by offset; `workers` processes write an output shard each at a time.
-Tokenization happens again in the loader (crude samples).
+`seq_len` tokens and `max_patches` image patches, and the packs saved as arrays (the plan).
+Pass 2 copies each pack's samples into one webdataset sample (`json` = the segments, plus the
+images), their json and images read back from the input shards by offset; `workers` processes
+write an output shard each at a time. Tokenization happens again in the loader (crude samples).
 
 The packed dataset carries a copy of the model's tokenizer/processor files under `model/`, so
 the loader encodes exactly as measured here. stats.json reports efficiency, drops and truncations.
 Everything is written into `<out>.partial` and renamed to `<out>` at the end, so a killed pack
-never leaves a directory that looks finished. Each shard's measurements are kept in
-`<out>.measured` until the pack is done: a rerun after a kill measures only the shards left.
+never leaves a directory that looks finished. A killed pack resumes: each shard's measurements
+are kept in `<out>.measured` until the plan is made, the plan in `<out>.partial/plan` until the
+pack is done, and an output shard gets its name only once it is complete. The same steps, split
+into jobs (`--measure-group`, `--plan-only`, `--write-group`), are the workflow's scatter of a
+pack over CPU jobs (docs/hpc.md section 12).
 """
 
 import argparse
