@@ -462,6 +462,7 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
     logger.info("index: %d packs in %.1f s (%.1f CPU s)", stats["packs"], time.perf_counter() - start, cpu_seconds() - cpu)
     shutil.rmtree(partial / PLAN_DIR)
     replace_dir(partial, out_dir)
+    shutil.rmtree(cache, ignore_errors=True)  # of measure jobs rerun after the plan was made
     return stats
 
 
