@@ -39,7 +39,7 @@ rule prepare_data:
 
 MEASURE_JOBS = config["pack"]["measure_jobs"]
 WRITE_JOBS = config["pack"]["write_jobs"]
-# What decides the packs (a change reruns the pack; the job split does not).
+# The settings that decide the packs' bytes, the same in every job of a dataset's pack.
 PACK_SETTINGS = "--seq-len {seq_len} --max-patches {max_patches} --overlong {overlong} --shard-size {shard_size}".format(
     **config["pack"]
 )
