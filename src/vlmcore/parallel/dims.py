@@ -1,5 +1,9 @@
 """The `dp_replicate x dp_shard x tp` sizes a parallel config gives on a world size. No torch,
-so the workflow checks every stage's layout on the login node, before any job is queued."""
+so the workflow checks every stage's layout on the login node, before any job is queued.
+
+Expert parallelism is carved out of the shard ranks: `dp_shard = dp_shard_mod_ep x ep`. Each
+group of `ep` consecutive shard ranks splits the experts between its ranks (and exchanges tokens);
+the `dp_shard_mod_ep` ranks orthogonal to it FSDP-shard each expert shard further."""
 
 from dataclasses import dataclass
 
@@ -11,6 +15,11 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     tp: int
+    ep: int = 1
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        return self.dp_shard // self.ep
 
     @property
     def dp(self) -> int:
@@ -30,9 +39,12 @@ def resolve_dims(cfg: ParallelConfig, world_size: int) -> ParallelDims:
         replicate = world_size // tp if world_size % tp == 0 else 0
     if shard == -1:
         shard = world_size // (replicate * tp) if world_size % (replicate * tp) == 0 else 0
-    dims = ParallelDims(replicate, shard, tp)
+    dims = ParallelDims(replicate, shard, tp, cfg.ep)
     if shard < 1 or dims.world_size != world_size:
         raise ConfigError(
             f"parallel: dp_replicate ({cfg.dp_replicate}) x dp_shard ({cfg.dp_shard}) x tp ({cfg.tp}) "
             f"does not fit the world size {world_size}", "parallel")
+    if shard % cfg.ep:
+        raise ConfigError(f"parallel.ep: {cfg.ep} does not divide the data-parallel shard ranks (dp_shard {shard} "
+                          f"on {world_size} ranks)", "parallel.ep")
     return dims

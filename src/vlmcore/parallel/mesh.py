@@ -1,4 +1,5 @@
-"""Process group and the `dp_replicate x dp_shard x tp` device mesh."""
+"""Process group and the `dp_replicate x dp_shard x tp` device mesh (dp_shard being
+`dp_shard_mod_ep x ep`, flattened: see parallel/dims.py)."""
 
 import os
 
@@ -30,15 +31,20 @@ def init_distributed(device: torch.device) -> None:
 
 
 def build_mesh(dims: ParallelDims, device: torch.device) -> DeviceMesh:
-    return init_device_mesh(device.type, (dims.dp_replicate, dims.dp_shard, dims.tp),
-                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    """Dimensions dp_replicate, dp_shard_mod_ep, ep, tp (tp innermost), and dp_shard, the flattened
+    (dp_shard_mod_ep, ep): FSDP shards over it, experts over `ep` and `dp_shard_mod_ep`."""
+    mesh = init_device_mesh(device.type, (dims.dp_replicate, dims.dp_shard_mod_ep, dims.ep, dims.tp),
+                            mesh_dim_names=("dp_replicate", "dp_shard_mod_ep", "ep", "tp"))
+    mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+    return mesh
 
 
-def dp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
-    """The mesh FSDP2 shards over: 1-D (FSDP) or 2-D replicate x shard (HSDP / DDP)."""
+def dp_mesh(mesh: DeviceMesh, dims: ParallelDims, shard: str = "dp_shard") -> DeviceMesh:
+    """The mesh FSDP2 shards over: 1-D (FSDP) or 2-D replicate x shard (HSDP / DDP). The experts'
+    is the one orthogonal to EP (`shard="dp_shard_mod_ep"`)."""
     if dims.dp_replicate == 1:
-        return mesh["dp_shard"]
-    return mesh["dp_replicate", "dp_shard"]
+        return mesh[shard]
+    return mesh["dp_replicate", shard]
 
 
 def dp_rank(dims: ParallelDims) -> int:
