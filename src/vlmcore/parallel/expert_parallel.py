@@ -5,7 +5,8 @@ tokens travel to the ranks holding their experts and back.
 Dispatch, per MoE block (the `SparseMoeBlock.dispatch` hook: rows already sorted by expert):
   1. all-to-all of the tokens-per-expert counts: each rank learns how many rows it gets from
      every peer for each of its local experts;
-  2. one host read of the split sizes (all-to-all takes them as host integers);
+  2. one host read of the split sizes per block (all-to-all takes them as host integers; in the
+     memory estimate's fake run, which has no values, the routing is taken as balanced);
   3. all-to-all of the rows (differentiable: its backward is the reverse all-to-all), which
      arrive grouped by source rank, then by local expert; regrouped by local expert, run through
      the local experts, put back in arrival order;
@@ -22,6 +23,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -59,7 +61,7 @@ def all_to_all_dispatch(x: torch.Tensor, counts: torch.Tensor, experts: GroupedE
     local = experts.num_experts // ep
     received = torch.empty_like(counts)  # received[src * L + l]: rows from rank src for local expert l
     dist.all_to_all_single(received, counts, group=group)
-    send, recv = torch.stack([counts.view(ep, local).sum(1), received.view(ep, local).sum(1)]).tolist()
+    send, recv = _split_sizes(counts.view(ep, local).sum(1), received.view(ep, local).sum(1), x.shape[0])
     rows = all_to_all_single(x.new_empty(sum(recv), x.shape[1]), x, recv, send, group=group)
     expert = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(ep), received,
                                      output_size=rows.shape[0])
@@ -67,3 +69,13 @@ def all_to_all_dispatch(x: torch.Tensor, counts: torch.Tensor, experts: GroupedE
     y = experts(rows[order], received.view(ep, local).sum(0))
     y = torch.zeros_like(y).index_copy(0, order, y)
     return all_to_all_single(y.new_empty(x.shape[0], y.shape[1]), y, send, recv, group=group)
+
+
+def _split_sizes(send: torch.Tensor, recv: torch.Tensor, rows: int) -> list[list[int]]:
+    """Rows sent to and received from each peer, read on the host. A fake tensor (the memory
+    estimate) has no values: each peer then gets an equal part of the rows (balanced routing)."""
+    if isinstance(send, FakeTensor):
+        ep = send.shape[0]
+        even = [rows // ep + (r < rows % ep) for r in range(ep)]
+        return [even, even]
+    return torch.stack([send, recv]).tolist()
