@@ -30,10 +30,10 @@ LAYOUTS = {
     "tp2_accum4": (2, {"grad_accum_steps": 4, "parallel": {"tp": 2}}),
     "ep2_tp2_accum2": (4, {"grad_accum_steps": 2, "parallel": {"ep": 2, "tp": 2}}),
 }
-# The other families (vision tower; Qwen3.5's linear attention and shared expert) under the two
+# The VL families (vision tower, DeepStack; Qwen3.5-MoE's linear attention and shared expert) under the two
 # 4-process layouts, which hold EP, FSDP over the ranks orthogonal to it, and TP between them.
 CASES = [("qwen3_moe", name) for name in ("ep2_accum2", "ep2_fsdp2", "tp2_accum4")]
-CASES += [(kind, name) for kind in ("qwen3_5_moe",) for name in ("ep2_fsdp2", "ep2_tp2_accum2")]
+CASES += [(kind, name) for kind in ("qwen3_vl_moe", "qwen3_5_moe") for name in ("ep2_fsdp2", "ep2_tp2_accum2")]
 
 
 def run_layout(tmp_path, snapshot, name, nproc, overrides):
