@@ -27,11 +27,13 @@ GLOBAL_MICRO_BATCHES = 4
 RESUME_AT = 3  # the EP x FSDP run writes a checkpoint here; an EP=1 run resumes from it
 
 LAYOUTS = {
-    "ep2_accum2": (2, {"grad_accum_steps": 2, "parallel": {"ep": 2}}),
+    # Activation checkpointing recomputes the all-to-alls in backward, on every rank alike.
+    "ep2_accum2": (2, {"grad_accum_steps": 2, "parallel": {"ep": 2, "activation_checkpointing": "full"}}),
     "ep2_fsdp2": (4, {"grad_accum_steps": 1, "parallel": {"ep": 2},
                       "checkpoint": {"enabled": True, "interval": RESUME_AT, "keep": 2}}),
     "tp2_accum4": (2, {"grad_accum_steps": 4, "parallel": {"tp": 2}}),
-    "ep2_tp2_accum2": (4, {"grad_accum_steps": 2, "parallel": {"ep": 2, "tp": 2}}),
+    "ep2_tp2_accum2": (4, {"grad_accum_steps": 2, "parallel": {"ep": 2, "tp": 2,
+                                                               "activation_checkpointing": "selective"}}),
 }
 # The VL families (vision tower, DeepStack; Qwen3.5-MoE's linear attention and shared expert) under the two
 # 4-process layouts, which hold EP, FSDP over the ranks orthogonal to it, and TP between them.
