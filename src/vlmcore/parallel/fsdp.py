@@ -13,10 +13,10 @@ from vlmcore.models.moe import moe_blocks
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], vision: nn.Module | None, mesh: DeviceMesh,
-               vision_mesh: DeviceMesh, vision_replicas: int, param_dtype: torch.dtype,
-               reduce_dtype: torch.dtype, expert_mesh: DeviceMesh | None = None) -> None:
-    """`vision_mesh` may span more ranks than `mesh` (all of them, under TP): then each gradient
-    of the vision tower arrives `vision_replicas` times (once per TP rank), hence the divisor."""
+               vision_mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+               expert_mesh: DeviceMesh | None = None) -> None:
+    """`vision_mesh`: the vision tower's own data-parallel mesh (vlmcore.parallel.bridge);
+    `expert_mesh`: the experts' under expert parallelism."""
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in blocks:
         if expert_mesh is not None:
@@ -34,6 +34,7 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], vision: nn.Module | No
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # The loss is already divided by the global number of label tokens: reduce by SUM.
-            module.set_gradient_divide_factor(float(vision_replicas) if module is vision else 1.0)
+            # (The vision tower's repeated images are counted once by vlmcore.parallel.bridge.)
+            module.set_gradient_divide_factor(1.0)
             # Plain SUM collectives (no PREMUL_SUM: gloo lacks it).
             module.set_force_sum_reduction_for_comms(True)
