@@ -136,6 +136,7 @@ BAD_VALUES = [
     ("checkpoint.keep=0", "checkpoint.keep"),
     ("checkpoint.async=1", "checkpoint.async"),
     ("parallel.tp=0", "parallel.tp"),
+    ("parallel.ep=0", "parallel.ep"),
     ("parallel.dp_replicate=0", "parallel.dp_replicate"),
     ("parallel.dp_shard=0", "parallel.dp_shard"),
     ("parallel.mode=zero3", "parallel.mode"),

@@ -190,6 +190,7 @@ def without(section, key):
     (common(parallel={"tp": 3}), "train.common.parallel"),
     (stage("stage2", parallel={"dp_shard": 4}), "train.stages.stage2.parallel"),
     (stage("stage1", parallel={"mode": "ddp", "dp_shard": 2}), "train.stages.stage1.parallel.dp_shard"),
+    (stage("stage1", parallel={"ep": 4}), "train.stages.stage1.parallel.ep"),  # 2 ranks: dp_shard 2
     (stage("stage1", parallel={"vision": "fsdp"}), "train.stages.stage1.parallel.vision"),
     (stage("stage1", schedule={"unit": "samples"}), "train.stages.stage1.schedule.total_samples"),
     (common(seed=-1), "train.common.seed"),

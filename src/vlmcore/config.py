@@ -91,6 +91,8 @@ class ParallelConfig:
     dp_replicate: int = setting(1, "data-parallel replicas (HSDP when > 1 with mode fsdp)", ge=1)
     dp_shard: int = setting(-1, "FSDP shards; -1 = whatever is left of the world size", ge=1, also=(-1,))
     tp: int = setting(1, "tensor-parallel ranks (inside a node)", ge=1)
+    ep: int = setting(1, "expert-parallel ranks (MoE models): each holds num_experts / ep experts; carved out of "
+                      "dp_shard, which it must divide", ge=1)
     mode: Literal["fsdp", "ddp"] = setting(
         "fsdp", "fsdp: FSDP2 (HSDP when dp_replicate > 1); ddp: replicate everything")
     sequence_parallel: bool = setting(True, "under tp > 1: norms and the residual stream split on the sequence")

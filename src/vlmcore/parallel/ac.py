@@ -4,7 +4,7 @@ outputs, recompute the cheap element-wise ops in between)."""
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
@@ -25,6 +25,14 @@ for _namespace, _op in (("torch_attn", "_varlen_attn"), ("flash_attn", "_flash_a
         _SAVE_OPS.add(getattr(getattr(torch.ops, _namespace), _op).default)
     except (AttributeError, RuntimeError):
         pass
+
+# Profiler annotations are not computation. FSDP2 wraps its hooks in them, and a nested FSDP unit
+# inside a block (the experts under expert parallelism) runs its hooks a different number of times
+# in the recompute than in forward, which selective checkpointing's per-op replay counts take for
+# a changed graph ("record_function invocation index ... not found in storage", as reported for
+# torchtitan's FSDP + EP in pytorch/torchtitan#3427; pytorch/pytorch#196862 proposes this exclusion).
+SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
+                        torch.ops.profiler._record_function_exit._RecordFunction})
 
 
 def _save_matmuls(ctx, op, *args, **kwargs):

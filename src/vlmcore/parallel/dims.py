@@ -1,7 +1,13 @@
 """The `dp_replicate x dp_shard x tp` sizes a parallel config gives on a world size, for the run
 (the language model's layout) and for each module (`parallel.modules`). No torch, so the
-workflow checks every stage's layouts on the login node, before any job is queued."""
+workflow checks every stage's layouts on the login node, before any job is queued.
 
+Expert parallelism (the language model's) is carved out of the shard ranks: `dp_shard =
+dp_shard_mod_ep x ep`. Each group of `ep` consecutive shard ranks splits the experts between its
+ranks (and exchanges tokens); the `dp_shard_mod_ep` ranks orthogonal to it FSDP-shard each expert
+shard further."""
+
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -15,6 +21,11 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     tp: int
+    ep: int = 1
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        return self.dp_shard // self.ep
 
     @property
     def dp(self) -> int:
@@ -82,6 +93,10 @@ def resolve_layouts(cfg: ParallelConfig, world_size: int) -> dict[str, tuple[Par
     where = f"the world size {world_size}" if language.ranks == "all" else f"its {len(ranks['language'])} ranks"
     lang = _fit(_pick(language.dp_replicate, cfg.dp_replicate), _pick(language.dp_shard, cfg.dp_shard),
                 _pick(language.tp, cfg.tp), cfg.mode, len(ranks["language"]), key, where)
+    if lang.dp_shard % cfg.ep:
+        raise ConfigError(f"parallel.ep: {cfg.ep} does not divide the data-parallel shard ranks (dp_shard "
+                          f"{lang.dp_shard} on {len(ranks['language'])} ranks)", "parallel.ep")
+    lang = dataclasses.replace(lang, ep=cfg.ep)
     where = f"the world size {world_size}" if vision.ranks == "all" else f"its {len(ranks['vision'])} ranks"
     replicate = lang.dp_replicate if lang.tp == 1 and vision.ranks == "all" else 1
     vis = _fit(_pick(vision.dp_replicate, replicate), _pick(vision.dp_shard, -1), _pick(vision.tp, 1), cfg.mode,

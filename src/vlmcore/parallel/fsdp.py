@@ -1,18 +1,27 @@
 """FSDP2 (fully_shard) wrapping: one unit per decoder block, the vision tower as one unit, the
 rest (embeddings, final norm, LM head) in the root unit. On a 2-D mesh the same call gives HSDP,
-and with a shard size of 1 it is plain data parallelism (DDP)."""
+and with a shard size of 1 it is plain data parallelism (DDP). Under expert parallelism each
+block's experts (already sharded over `ep`) are a unit of their own over the data-parallel ranks
+orthogonal to EP."""
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from vlmcore.models.moe import moe_blocks
+
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], vision: nn.Module | None, mesh: DeviceMesh,
-               vision_mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
-    """`vision_mesh`: the vision tower's own data-parallel mesh (vlmcore.parallel.bridge)."""
+               vision_mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+               expert_mesh: DeviceMesh | None = None) -> None:
+    """`vision_mesh`: the vision tower's own data-parallel mesh (vlmcore.parallel.bridge);
+    `expert_mesh`: the experts' under expert parallelism."""
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in blocks:
+        if expert_mesh is not None:
+            for moe in moe_blocks(block):
+                fully_shard(moe.experts, mesh=expert_mesh, mp_policy=mp_policy)
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
     if vision is not None:
         # Kept unsharded from forward to backward: no all-gather during backward, whose position

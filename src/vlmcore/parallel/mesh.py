@@ -1,4 +1,5 @@
-"""Process group and the `dp_replicate x dp_shard x tp` device mesh."""
+"""Process group and the `dp_replicate x dp_shard x tp` device mesh (dp_shard being
+`dp_shard_mod_ep x ep`, flattened: see parallel/dims.py)."""
 
 import os
 
@@ -31,16 +32,22 @@ def init_distributed(device: torch.device) -> None:
 
 def build_mesh(dims: ParallelDims, device: torch.device, prefix: str = "") -> DeviceMesh:
     """The run's mesh; a module with its own layout gets its own mesh of the same ranks, its
-    dimensions named with a prefix (`vision_tp`)."""
-    return init_device_mesh(device.type, (dims.dp_replicate, dims.dp_shard, dims.tp),
-                            mesh_dim_names=tuple(prefix + name for name in ("dp_replicate", "dp_shard", "tp")))
+    dimensions named with a prefix (`vision_tp`). Dimensions dp_replicate, dp_shard_mod_ep, ep, tp
+    (tp innermost), and dp_shard, the flattened (dp_shard_mod_ep, ep): FSDP shards over it, the
+    experts over `ep` and `dp_shard_mod_ep`."""
+    names = tuple(prefix + name for name in ("dp_replicate", "dp_shard_mod_ep", "ep", "tp"))
+    mesh = init_device_mesh(device.type, (dims.dp_replicate, dims.dp_shard_mod_ep, dims.ep, dims.tp),
+                            mesh_dim_names=names)
+    mesh[names[1], names[2]]._flatten(prefix + "dp_shard")
+    return mesh
 
 
-def dp_mesh(mesh: DeviceMesh, dims: ParallelDims, prefix: str = "") -> DeviceMesh:
-    """The mesh FSDP2 shards over: 1-D (FSDP) or 2-D replicate x shard (HSDP / DDP)."""
+def dp_mesh(mesh: DeviceMesh, dims: ParallelDims, prefix: str = "", shard: str = "dp_shard") -> DeviceMesh:
+    """The mesh FSDP2 shards over: 1-D (FSDP) or 2-D replicate x shard (HSDP / DDP). The experts'
+    is the one orthogonal to EP (`shard="dp_shard_mod_ep"`)."""
     if dims.dp_replicate == 1:
-        return mesh[prefix + "dp_shard"]
-    return mesh[prefix + "dp_replicate", prefix + "dp_shard"]
+        return mesh[prefix + shard]
+    return mesh[prefix + "dp_replicate", prefix + shard]
 
 
 def dp_rank(dims: ParallelDims) -> int:

@@ -1,6 +1,8 @@
-"""Applies the parallelisms in their required order: TP, activation checkpointing, per-block
+"""Applies the parallelisms in their required order: TP, EP, activation checkpointing, per-block
 compile, then FSDP2 (FSDP, HSDP or DDP by the mesh). The language model takes the run's mesh;
 the vision tower its own layout (`parallel.modules.vision`) on the same ranks."""
+
+import dataclasses
 
 import torch
 from torch import nn
@@ -11,6 +13,7 @@ from vlmcore.parallel.ac import apply_ac
 from vlmcore.parallel.bridge import VisionBridge, count_images_once
 from vlmcore.parallel.compile import apply_compile
 from vlmcore.parallel.dims import check_layouts, refuse_disjoint
+from vlmcore.parallel.expert_parallel import apply_ep
 from vlmcore.parallel.fsdp import apply_fsdp
 from vlmcore.parallel.mesh import ParallelDims, build_mesh, dp_mesh
 from vlmcore.parallel.tp import apply_tp, apply_vision_tp
@@ -20,7 +23,7 @@ def parallelize_vision(model: nn.Module, vision_dims: ParallelDims, mesh: Device
     """TP-shards the vision tower on its own mesh of the same ranks (the run's mesh when the
     layouts are the same); returns the mesh FSDP2 shards it over."""
     vision, prefix = mesh, ""
-    if vision_dims != dims:
+    if vision_dims != dataclasses.replace(dims, ep=1):  # (the vision tower has no experts)
         prefix = "vision_"
         vision = build_mesh(vision_dims, torch.device(mesh.device_type), prefix)
     if vision_dims.tp > 1:
@@ -37,6 +40,8 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, dims: Para
     partial = []
     if dims.tp > 1:
         partial = apply_tp(model, mesh["tp"], cfg.parallel.sequence_parallel)
+    if dims.ep > 1:
+        apply_ep(model, mesh["ep"])
     layouts = check_layouts(cfg, dims.world_size)
     refuse_disjoint(cfg.parallel)
     if vision is None and cfg.parallel.modules.vision != ModuleLayout():
@@ -47,7 +52,8 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, dims: Para
         apply_ac(stack, cfg.parallel.activation_checkpointing)
         if cfg.parallel.compile:
             apply_compile(stack)
+    expert_mesh = dp_mesh(mesh, dims, shard="dp_shard_mod_ep") if dims.ep > 1 else None
     apply_fsdp(model, list(blocks.children()), vision, dp_mesh(mesh, dims), vision_dp_mesh,
                param_dtype=getattr(torch, cfg.precision.param_dtype),
-               reduce_dtype=getattr(torch, cfg.precision.reduce_dtype))
+               reduce_dtype=getattr(torch, cfg.precision.reduce_dtype), expert_mesh=expert_mesh)
     return partial

@@ -42,14 +42,16 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from vlmcore.config import ConfigError
+from vlmcore.models.moe import SparseMoeBlock
 
-SUPPORTED = ("qwen3", "qwen3_vl", "qwen3_5")
+SUPPORTED = ("qwen3", "qwen3_vl", "qwen3_5", "qwen3_moe", "qwen3_vl_moe", "qwen3_5_moe")
 
 HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 # Whole on every TP rank, used for this rank's heads only.
@@ -65,7 +67,9 @@ def check_tp(config, tp: int) -> None:
         raise ConfigError(f"parallel.tp: no tensor-parallel plan for model_type {config.model_type!r} "
                          f"(supported: {', '.join(SUPPORTED)})")
     text = _text_config(config)
-    keys = ["num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"]
+    keys = ["num_attention_heads", "num_key_value_heads", "vocab_size"]
+    if getattr(text, "intermediate_size", None) is not None:  # dense MLPs (absent on all-MoE Qwen3.5-MoE)
+        keys.append("intermediate_size")
     if "linear_attention" in (getattr(text, "layer_types", None) or []):
         keys += ["linear_num_key_heads", "linear_num_value_heads"]
     for key in keys:
@@ -139,7 +143,13 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
             desired_input_layouts=(Replicate(), None), use_local_output=False)
         plan.update({f"linear_attn.{name}": ColwiseParallel() for name in ("in_proj_z", "in_proj_a", "in_proj_b")})
         plan["linear_attn.out_proj"] = row_out
-    if hasattr(block, "mlp"):
+    if isinstance(getattr(block, "mlp", None), SparseMoeBlock):
+        # Not split: every TP rank routes and runs the whole tokens (its experts are split by EP).
+        if sequence_parallel:
+            plan["mlp"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False)
+    elif hasattr(block, "mlp"):
         if sequence_parallel:
             plan["mlp"] = _gather(1)
         plan.update({"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": row_out})
