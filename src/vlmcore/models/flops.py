@@ -94,9 +94,8 @@ def moe_active_params(text) -> int:
 def mlp_params(text) -> int:
     """Matmul weights of the MLPs of all layers one token goes through: dense 3 * H * I, or the
     active part of a MoE block."""
-    n_moe = sum(is_moe_layer(text, layer) for layer in range(text.num_hidden_layers))
-    dense = 3 * text.hidden_size * text.intermediate_size if n_moe < text.num_hidden_layers else 0
-    return n_moe * moe_active_params(text) + (text.num_hidden_layers - n_moe) * dense
+    return sum(moe_active_params(text) if is_moe_layer(text, layer) else 3 * text.hidden_size * text.intermediate_size
+               for layer in range(text.num_hidden_layers))
 
 
 def llm_matmul_params(config) -> int:
