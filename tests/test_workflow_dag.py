@@ -47,3 +47,16 @@ def test_each_target_plans_its_stages(tmp_path, target, expected):
     stats = job_stats(proc.stdout)
     stats.pop(target, None)
     assert stats == expected
+
+
+def test_moe_demo_plans_the_demo_with_a_tiny_moe_model(tmp_path):
+    """config/demo-moe.yaml: the demo's whole DAG, its tiny model a Qwen3-VL-MoE."""
+    proc = snakemake("-n", "-p", "--profile", str(REPO / "profiles/local"), "--snakefile", str(REPO / "Snakefile"),
+                     "--configfile", str(REPO / "config/demo-moe.yaml"), "--directory", str(tmp_path), "train_all")
+    assert proc.returncode == 0, proc.stderr
+    stats = job_stats(proc.stdout)
+    stats.pop("train_all", None)
+    assert stats == {"download_model": 1, "synth_data": 1, "prepare_data": 2, "pack_measure": 4, "pack_data": 2,
+                     "train_stage": 2, "export_hf": 1, "evaluate": 1, "scaling_run": 2, "scaling_report": 1}
+    assert "vlmcore download --tiny --tiny-family qwen3_vl_moe " in proc.stdout
+    assert "results/demo-moe/model" in proc.stdout
