@@ -21,6 +21,9 @@ TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
 VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
               temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64)
+# Mixture-of-experts text settings: 4 experts, 2 per token, a strong load-balancing coefficient
+# so that its gradients show in the exactness comparisons.
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, router_aux_loss_coef=0.05)
 SPECIAL = dict(image_token_id=250, video_token_id=253, vision_start_token_id=251, vision_end_token_id=252)
 
 
@@ -29,6 +32,8 @@ def hf_config(kind: str):
 
     if kind == "qwen3":
         return transformers.Qwen3Config(**TEXT, tie_word_embeddings=True)
+    if kind == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**TEXT, **MOE, norm_topk_prob=True, tie_word_embeddings=False)
     if kind == "qwen3_vl":
         rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
         return transformers.Qwen3VLConfig(vision_config=dict(VISION, deepstack_visual_indexes=[0]),
@@ -51,7 +56,7 @@ def tiny_snapshot(kind: str, path: Path, seed: int = 0) -> Path:
         return path
     torch.manual_seed(seed)
     config = hf_config(kind)
-    cls = {"qwen3": transformers.Qwen3ForCausalLM, "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+    cls = {"qwen3": transformers.Qwen3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM, "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
            "qwen3_5": transformers.Qwen3_5ForConditionalGeneration}[kind]
     cls(config).save_pretrained(path)
     return path

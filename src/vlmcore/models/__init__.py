@@ -1,4 +1,4 @@
-"""Native PyTorch Qwen3, Qwen3-VL and Qwen3.5 models that read and write HF snapshots.
+"""Native PyTorch Qwen3, Qwen3-VL and Qwen3.5 models (and their mixture-of-experts variants) that read and write HF snapshots.
 
     model = build_model(path)              # on the meta device, no memory used
     ... parallelize ...
@@ -21,6 +21,7 @@ from .qwen3_vl import Qwen3VLForConditionalGeneration, mrope_position_ids
 
 MODEL_CLASSES = {
     "qwen3": Qwen3ForCausalLM,
+    "qwen3_moe": Qwen3ForCausalLM,
     "qwen3_vl": Qwen3VLForConditionalGeneration,
     "qwen3_5": Qwen3_5ForConditionalGeneration,
     "qwen3_5_text": Qwen3_5ForCausalLM,
@@ -67,7 +68,7 @@ def from_pretrained(path, dtype=None, device=None) -> torch.nn.Module:
 
 def position_ids(config, input_ids, image_grid_thw=None, cu_seqlens=None) -> torch.Tensor:
     """The positions the model computes when given none: (B, S) for text models, (3, B, S) for M-RoPE."""
-    if config.model_type in ("qwen3", "qwen3_5_text"):
+    if config.model_type in ("qwen3", "qwen3_moe", "qwen3_5_text"):
         return text_position_ids(input_ids, cu_seqlens)
     if config.model_type in ("qwen3_vl", "qwen3_5"):
         merge = config.vision_config.spatial_merge_size

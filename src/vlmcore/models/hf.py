@@ -3,8 +3,9 @@ weights are read with `load_hf_weights` (safetensors only, through torch.distrib
 a sharded model reads only its own slices) and written with huggingface_hub's
 `save_torch_state_dict` (here in `save_pretrained`, and in `vlmcore export`).
 
-Parameter names are transformers' own, so a snapshot's state dict maps 1:1 onto the native
-models; the only special case is a tied `lm_head.weight`, which is not stored.
+Parameter names are transformers' own (in-memory) names, so a snapshot's state dict maps 1:1 onto
+the native models, except a tied `lm_head.weight`, which is not stored, and MoE experts, which
+some families store per expert or transposed (models/expert_layout.py).
 """
 
 import copy
@@ -18,7 +19,10 @@ from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import GenerationConfig
+
+from .expert_layout import disk_tensors, is_expert_tensor, layout_of, read_block, to_disk
 
 # Files of a snapshot that belong to the tokenizer / processor and travel with the weights.
 SIDE_FILES = (
@@ -36,6 +40,10 @@ SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F
 
 def snapshot_tensor_info(path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """name -> (shape, dtype) of every tensor in a snapshot's safetensors files (headers only)."""
+    return {name: (shape, dtype) for name, (shape, dtype, _) in _snapshot_headers(path).items()}
+
+
+def _snapshot_headers(path) -> dict[str, tuple[tuple[int, ...], torch.dtype, Path]]:
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors weights (only safetensors weights are read)")
@@ -44,34 +52,58 @@ def snapshot_tensor_info(path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 tensor_slice = f.get_slice(name)
-                info[name] = (tuple(tensor_slice.get_shape()), getattr(torch, SAFETENSORS_DTYPES[tensor_slice.get_dtype()]))
+                dtype = getattr(torch, SAFETENSORS_DTYPES[tensor_slice.get_dtype()])
+                info[name] = (tuple(tensor_slice.get_shape()), dtype, file)
     return info
 
 
 def load_hf_weights(model, path) -> None:
-    """Copy a snapshot's tensors into `model` (materialized, possibly sharded with FSDP2 / TP):
+    """Copy a snapshot's tensors into `model` (materialized, possibly sharded with FSDP2 / TP / EP):
     each rank reads only the slices of its own shards, cast to the parameter's dtype.
 
     Fails, listing them, on missing, unexpected or mis-shaped tensors; tensors the family carries
-    but the model does not use (IGNORED_PREFIXES) are skipped. A tied `lm_head` is tied again."""
+    but the model does not use (IGNORED_PREFIXES) are skipped. A tied `lm_head` is tied again.
+    MoE experts stored in another layout than the model's (models/expert_layout.py) are read
+    block by block from the safetensors files; everything else through DCP's HF reader."""
     path, tied = Path(path), model.config.tie_word_embeddings
-    found = snapshot_tensor_info(path)
+    headers = _snapshot_headers(path)
     state = get_model_state_dict(model)
     if tied:
         state.pop("lm_head.weight")  # stored once, as the input embedding
+    layout = layout_of(model.config.model_type)
+    experts = {n: state.pop(n) for n in list(state) if layout != "fused" and is_expert_tensor(n)}
+    expected = {n: tuple(t.shape) for n, t in state.items()}
+    for name, tensor in experts.items():
+        expected.update(disk_tensors(name, tensor.shape, layout))
     ignored = IGNORED_PREFIXES.get(model.config.model_type, ())
-    names = {n for n in found if not n.startswith(ignored) and not (tied and n == "lm_head.weight")}
-    missing, unexpected = sorted(set(state) - names), sorted(names - set(state))
+    names = {n for n in headers if not n.startswith(ignored) and not (tied and n == "lm_head.weight")}
+    missing, unexpected = sorted(set(expected) - names), sorted(names - set(expected))
     if missing or unexpected:
         raise ValueError(f"{path}: weights do not match the {model.config.model_type} model: "
                          f"missing {missing}, unexpected {unexpected}")
-    mismatched = [f"{n}: checkpoint {found[n][0]} vs model {tuple(t.shape)}" for n, t in sorted(state.items())
-                  if found[n][0] != tuple(t.shape)]
+    mismatched = [f"{n}: checkpoint {headers[n][0]} vs model {shape}" for n, shape in sorted(expected.items())
+                  if headers[n][0] != shape]
     if mismatched:
         raise ValueError(f"{path}: tensors with the wrong shape: {mismatched}")
-    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)), no_dist=not dist.is_initialized())
-    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+    if state:
+        dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)), no_dist=not dist.is_initialized())
+    files = {n: file for n, (_, _, file) in headers.items()}
+    for name, tensor in experts.items():
+        _read_expert_block(files, name, tensor, layout)
+    set_model_state_dict(model, {**state, **experts}, options=StateDictOptions(strict=False))
     model.tie_weights()
+
+
+def _read_expert_block(files, name: str, tensor: torch.Tensor, layout: str) -> None:
+    """Fills this rank's block of the (possibly sharded) expert tensor from the snapshot."""
+    if isinstance(tensor, DTensor):
+        size, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        local = tensor.to_local()
+    else:
+        size, offset, local = tuple(tensor.shape), (0,) * tensor.dim(), tensor
+    if local.numel():
+        with torch.no_grad():
+            local.copy_(read_block(files, name, tuple(tensor.shape), layout, offset, size))
 
 
 def full_state_dict(model, state_dict=None) -> dict[str, torch.Tensor]:
@@ -92,7 +124,7 @@ def save_pretrained(model, path, source_dir=None, max_shard_size="5GB", state_di
     generation config and, from `source_dir`, the tokenizer, chat template and processor files."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = full_state_dict(model, state_dict)
+    tensors = to_disk(full_state_dict(model, state_dict), model.config.model_type)
     save_torch_state_dict(tensors, path, max_shard_size=max_shard_size)
     config = copy.deepcopy(model.config)
     config.dtype = next(t.dtype for t in tensors.values() if t.is_floating_point())

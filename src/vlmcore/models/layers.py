@@ -126,7 +126,7 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def reset_own_parameters(self):
+    def reset_own_parameters(self, std: float = 0.02):
         nn.init.ones_(self.weight)
 
 
@@ -144,7 +144,7 @@ class ZeroCenteredRMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x * (1.0 + self.weight.float())).to(dtype)
 
-    def reset_own_parameters(self):
+    def reset_own_parameters(self, std: float = 0.02):
         nn.init.zeros_(self.weight)
 
 
@@ -226,7 +226,7 @@ def init_weights(model: nn.Module, std: float):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
         elif hasattr(m, "reset_own_parameters"):
-            m.reset_own_parameters()
+            m.reset_own_parameters(std)
 
 
 def init_std(config) -> float:

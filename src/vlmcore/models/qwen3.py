@@ -1,4 +1,5 @@
-"""Qwen3 text decoder (transformers `Qwen3ForCausalLM` layout).
+"""Qwen3 text decoder (transformers `Qwen3ForCausalLM` layout), and Qwen3-MoE (`Qwen3MoeForCausalLM`):
+the same model with sparse mixture-of-experts MLPs (models/moe.py).
 
 Tensor parallelism: q/k/v/gate/up are column-parallel and o/down row-parallel over whole heads;
 q_norm/k_norm act per head (shape head_dim), so they are replicated.
@@ -8,7 +9,8 @@ import torch
 from torch import nn
 
 from .attention import attention, segment_ids
-from .layers import ModelOutput, RMSNorm, SwiGLU, TextModelParts, apply_rotary, rope_cos_sin, rope_inv_freq
+from .moe import feed_forward
+from .layers import ModelOutput, RMSNorm, TextModelParts, apply_rotary, rope_cos_sin, rope_inv_freq
 
 
 def check_text_config(config, where: str):
@@ -46,12 +48,12 @@ class Attention(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.mlp = feed_forward(config, layer_idx)
 
     def forward(self, x, cos, sin, cu_seqlens, max_seqlen=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen=max_seqlen)
@@ -73,7 +75,7 @@ class Qwen3TextModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Identity on one device; under sequence parallelism the TP plan makes it split the
         # sequence over the TP ranks (the residual stream between the blocks).

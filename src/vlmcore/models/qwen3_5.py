@@ -45,7 +45,7 @@ class GatedRMSNorm(nn.Module):
         x = self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
         return (x * F.silu(gate.float())).to(dtype)
 
-    def reset_own_parameters(self):
+    def reset_own_parameters(self, std: float = 0.02):
         nn.init.ones_(self.weight)
 
 
@@ -71,7 +71,7 @@ class GatedDeltaNet(nn.Module):
         self.head_shard = (0, 1)
         self.reset_own_parameters()
 
-    def reset_own_parameters(self):
+    def reset_own_parameters(self, std: float = 0.02):
         nn.init.ones_(self.dt_bias)
         with torch.no_grad():
             self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log())

@@ -261,6 +261,7 @@ def step_record(cfg: TrainConfig, state: dict, result, counts: dict, lr_scale: f
         "peak_mem_gb": _peak_mem_gb(device), "data_wait_s": data_wait, "step_time_s": step_time,
         "world_size": world, "skipped_steps": state["skipped_steps"], "skipped_samples": int(counts["skipped_samples"]),
         **({"skipped_samples_by_reason": counts["skipped_samples_by_reason"]} if counts["skipped_samples"] else {}),
+        **(result.moe or {}),  # moe_aux_loss, moe_load_imbalance
     }
 
 

@@ -3,6 +3,11 @@
 forward/backward over the micro-batches -> TP-partial gradients summed -> global gradient norm ->
 the step's one host read (norm and loss together) -> clipping, learning rate, AdamW -> zero grads.
 
+Mixture-of-experts models add the load-balancing loss of each micro-batch (transformers' formula
+over the micro-batch's tokens, models/moe.py) times the config's `router_aux_loss_coef`, weighted
+1 / (micro-batches x data-parallel ranks): every micro-batch has the same number of tokens, so this
+is the token-weighted mean over the global batch, and any split of it gives the same gradients.
+
 The GPU is never waited for inside forward/backward: what the kernels need on the host (the
 longest packed segment, the image grids, the label count) is taken from the batch while it is
 still on the host (`to_device`), and losses and norms stay on the device until the one read.
@@ -18,7 +23,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from vlmcore.data.processor import normalize_patches
+from vlmcore.models.moe import clear_routing, load_balancing_loss, moe_blocks
 from vlmcore.train.loss import IGNORE_INDEX, chunked_cross_entropy
+
 
 def host_stats(micro: list[dict]) -> dict:
     """Label tokens, samples and tokens of host-side micro-batches (read before they move)."""
@@ -48,8 +55,8 @@ def read_host(*values: torch.Tensor) -> list[float]:
     from torch._subclasses.fake_tensor import FakeTensor
 
     if any(isinstance(v, FakeTensor) for v in values):
-        return [0.0] * len(values)
-    return torch.stack([v.double() for v in values]).tolist()
+        return [0.0] * sum(v.numel() for v in values)
+    return torch.cat([v.double().reshape(-1) for v in values]).tolist()
 
 
 def _by_layout(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -84,11 +91,22 @@ def sum_partial_grads(params: list[torch.Tensor], group) -> None:
             dist.all_reduce(local, group=group)
 
 
+@dataclass
+class MoE:
+    """The model's MoE blocks and how much their load-balancing loss weighs."""
+
+    blocks: list
+    aux_loss_coef: float
+    dp_size: int  # data-parallel ranks: the global batch is split over them
+
+
 def forward_backward(model, micro: list[dict], label_tokens: float, vision_dummy, chunk_tokens: int,
-                     compiled_loss: bool = False) -> torch.Tensor:
-    """Accumulates the gradients of sum(token losses) / label_tokens over the micro-batches (on
-    the device, from `to_device`); returns this rank's sum of token losses, on the device."""
-    loss_sum = None
+                     compiled_loss: bool = False, moe: MoE | None = None):
+    """Accumulates the gradients of sum(token losses) / label_tokens (+ the MoE load-balancing loss)
+    over the micro-batches (on the device, from `to_device`); returns this rank's sum of token
+    losses, and for MoE models the sum of the micro-batches' load-balancing losses and the tokens
+    routed to each expert per MoE layer (None otherwise), all on the device."""
+    loss_sum, aux_sum, routed = None, None, None
     for i, batch in enumerate(micro):
         if isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(i == len(micro) - 1)  # reduce once, after the last
@@ -99,11 +117,26 @@ def forward_backward(model, micro: list[dict], label_tokens: float, vision_dummy
                        cu_seqlens=batch.get("cu_seqlens"), max_seqlen=batch.get("max_seqlen"), return_hidden=True)
         local_sum, _ = chunked_cross_entropy(output.hidden_states, model.lm_head.weight, batch["labels"],
                                              chunk_tokens, compiled=compiled_loss)
-        (local_sum / label_tokens).backward()
+        loss = local_sum / label_tokens
+        if moe is not None:
+            aux, counts = load_balancing_loss(moe.blocks)
+            clear_routing(moe.blocks)
+            loss = loss + moe.aux_loss_coef / (len(micro) * moe.dp_size) * aux
+            aux_sum = aux.detach() if aux_sum is None else aux_sum + aux.detach()
+            routed = counts if routed is None else routed + counts
+        loss.backward()
         local_sum = local_sum.detach().double()
         loss_sum = local_sum if loss_sum is None else loss_sum + local_sum
         del output
-    return loss_sum
+    return loss_sum, aux_sum, routed
+
+
+def moe_metrics(aux_sum: float, routed: torch.Tensor, micro_batches: int, ranks: int) -> dict:
+    """`moe_aux_loss`: the mean load-balancing loss of the step's micro-batches; `moe_load_imbalance`:
+    max / mean tokens per expert, per MoE layer over the global batch, averaged over the layers
+    (1 is perfect balance, num_experts / top_k the worst)."""
+    per_layer = routed.max(dim=1).values / routed.mean(dim=1).clamp(min=1e-12)
+    return {"moe_aux_loss": aux_sum / (micro_batches * ranks), "moe_load_imbalance": float(per_layer.mean())}
 
 
 @dataclass
@@ -111,6 +144,7 @@ class StepResult:
     loss_sum: float  # sum of token losses over all ranks and micro-batches (divide by label tokens)
     grad_norm: float  # before clipping
     applied: bool  # False: non-finite loss or norm, the optimizer step was skipped
+    moe: dict | None = None  # moe_aux_loss, moe_load_imbalance (MoE models)
 
 
 @dataclass
@@ -126,24 +160,34 @@ class Step:
     chunk_tokens: int
     max_grad_norm: float
     compiled_loss: bool = False
+    moe: MoE | None = None
 
     def __call__(self, micro: list[dict], label_tokens: float, set_lr) -> StepResult:
         """One optimizer step over the device micro-batches; `set_lr(optimizer)` sets this step's lr."""
-        loss_sum = forward_backward(self.model, micro, label_tokens, self.vision_dummy, self.chunk_tokens,
-                                    self.compiled_loss)
+        loss_sum, aux_sum, routed = forward_backward(self.model, micro, label_tokens, self.vision_dummy,
+                                                     self.chunk_tokens, self.compiled_loss, self.moe)
         if self.partial:
             sum_partial_grads(self.partial, self.tp_group)
         norm = grad_norm(self.trainable).to(loss_sum.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(loss_sum)
-        norm_value, loss_value = read_host(norm, loss_sum)
+        # One all-reduce for the loss and the MoE statistics, one host read for everything.
+        totals = loss_sum.view(1)
+        if routed is not None:
+            totals = torch.cat([totals, aux_sum.double().view(1), routed.double().flatten()])
+        ranks = dist.get_world_size() if dist.is_initialized() else 1
+        if ranks > 1:
+            dist.all_reduce(totals)
+        norm_value, loss_value, *moe_totals = read_host(norm, totals)
+        moe = None
+        if routed is not None:
+            routed_total = torch.tensor(moe_totals[1:], dtype=torch.float64).view(routed.shape)
+            moe = moe_metrics(moe_totals[0], routed_total, len(micro), ranks)
         finite = math.isfinite(norm_value) and math.isfinite(loss_value)
         if finite:
             clip_grads(self.trainable, norm_value, self.max_grad_norm)
             set_lr(self.optimizer)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_value, norm_value, finite)
+        return StepResult(loss_value, norm_value, finite, moe)
 
 
 def clip_grads(params: list[torch.Tensor], norm: float, max_norm: float) -> None:
@@ -158,11 +202,17 @@ def clip_grads(params: list[torch.Tensor], norm: float, max_norm: float) -> None
 def build_step(model, optimizer, partial_params: list, tp_group, chunk_tokens: int, max_grad_norm: float,
                compiled_loss: bool = False) -> Step:
     """`partial_params`: (module, attribute name) of the TP-partial parameters (`apply_tp`)."""
+    moe = None
+    if blocks := moe_blocks(model):
+        tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        ranks = dist.get_world_size() if dist.is_initialized() else 1
+        coef = getattr(model.config.get_text_config(), "router_aux_loss_coef", 0.0) or 0.0
+        moe = MoE(blocks, coef, ranks // tp)
     trainable = [p for p in model.parameters() if p.requires_grad]
     partial = [getattr(m, name) for m, name in partial_params if getattr(m, name).requires_grad]
     vision_dummy = VisionDummy(model) if model.vision_tower() is not None else None
     return Step(model, optimizer, trainable, partial, tp_group, vision_dummy, chunk_tokens, max_grad_norm,
-                compiled_loss)
+                compiled_loss, moe)
 
 
 class VisionDummy:

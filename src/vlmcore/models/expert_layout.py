@@ -1,0 +1,98 @@
+"""How each MoE family stores its experts in a snapshot, and the conversion both ways.
+
+In memory every family holds transformers 5's fused tensors, per MoE layer:
+    mlp.experts.gate_up_proj (E, 2I, H)     rows [gate | up]
+    mlp.experts.down_proj    (E, H, I)
+On disk, what the released checkpoints (and transformers' `save_pretrained`, which writes them
+back in the checkpoint's layout) use:
+    per_expert        mlp.experts.{e}.gate_proj.weight (I, H), .up_proj.weight (I, H), .down_proj.weight (H, I)
+                      (Qwen3-MoE; transformers' conversion "qwen2_moe")
+    fused_transposed  mlp.experts.gate_up_proj (E, H, 2I), mlp.experts.down_proj (E, I, H)
+                      (Qwen3-VL-MoE; transformers' conversion "qwen3_vl_moe": Transpose(1, 2))
+    fused             as in memory
+A sharded model reads only its own block of each expert tensor (`read_block`), so no rank ever
+holds a whole layer's experts.
+"""
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+EXPERT_LAYOUTS = {"qwen3_moe": "per_expert", "qwen3_vl_moe": "fused_transposed"}
+_FUSED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def layout_of(model_type: str) -> str:
+    return EXPERT_LAYOUTS.get(model_type, "fused")
+
+
+def is_expert_tensor(name: str) -> bool:
+    return _FUSED.match(name) is not None
+
+
+def disk_tensors(name: str, shape, layout: str) -> dict[str, tuple[int, ...]]:
+    """The disk tensors (name -> shape) that hold the fused in-memory tensor `name` of `shape`."""
+    prefix, kind = _FUSED.match(name).groups()
+    experts, rows, cols = shape
+    if layout == "fused":
+        return {name: tuple(shape)}
+    if layout == "fused_transposed":
+        return {name: (experts, cols, rows)}
+    if kind == "gate_up_proj":
+        return {f"{prefix}.{e}.{proj}.weight": (rows // 2, cols) for e in range(experts) for proj in ("gate_proj", "up_proj")}
+    return {f"{prefix}.{e}.down_proj.weight": (rows, cols) for e in range(experts)}
+
+
+def to_disk(weights: dict[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
+    """Whole in-memory tensors -> the family's disk layout (for export)."""
+    layout = layout_of(model_type)
+    if layout == "fused":
+        return weights
+    out = {}
+    for name, tensor in weights.items():
+        match = _FUSED.match(name)
+        if match is None:
+            out[name] = tensor
+        elif layout == "fused_transposed":
+            out[name] = tensor.transpose(1, 2).contiguous()
+        else:
+            prefix, kind = match.groups()
+            for e, expert in enumerate(tensor):
+                if kind == "gate_up_proj":
+                    gate, up = expert.chunk(2)
+                    out[f"{prefix}.{e}.gate_proj.weight"] = gate.clone()
+                    out[f"{prefix}.{e}.up_proj.weight"] = up.clone()
+                else:
+                    out[f"{prefix}.{e}.down_proj.weight"] = expert.clone()
+    return out
+
+
+def read_block(files: dict[str, Path], name: str, shape, layout: str, offset, size) -> torch.Tensor:
+    """The block [offset, offset + size) of the in-memory tensor `name` (global `shape`), read
+    from the disk layout. `files`: disk tensor name -> safetensors file."""
+    (e0, r0, c0), (ne, nr, nc) = offset, size
+    prefix, kind = _FUSED.match(name).groups()
+
+    def get(key, *slices):
+        with safe_open(files[key], framework="pt") as f:
+            return f.get_slice(key)[slices]
+
+    if layout == "fused":
+        return get(name, slice(e0, e0 + ne), slice(r0, r0 + nr), slice(c0, c0 + nc))
+    if layout == "fused_transposed":
+        return get(name, slice(e0, e0 + ne), slice(c0, c0 + nc), slice(r0, r0 + nr)).transpose(1, 2)
+    experts = []
+    for e in range(e0, e0 + ne):
+        if kind == "down_proj":
+            experts.append(get(f"{prefix}.{e}.down_proj.weight", slice(r0, r0 + nr), slice(c0, c0 + nc)))
+            continue
+        half = shape[1] // 2  # rows [gate | up]
+        parts = []
+        for proj, start, stop in (("gate_proj", 0, half), ("up_proj", half, 2 * half)):
+            lo, hi = max(r0, start), min(r0 + nr, stop)
+            if lo < hi:
+                parts.append(get(f"{prefix}.{e}.{proj}.weight", slice(lo - start, hi - start), slice(c0, c0 + nc)))
+        experts.append(torch.cat(parts))
+    return torch.stack(experts) if experts else torch.empty(size)

@@ -1,0 +1,202 @@
+"""Sparse mixture-of-experts feed-forward block (Qwen3-MoE, Qwen3-VL-MoE, Qwen3.5-MoE).
+
+    probs = softmax(gate(x))                       # (tokens, experts), fp32
+    weights, experts = top_k(probs)                # renormalised over the k when norm_topk_prob
+    y = sum_k weights_k * expert_k(x)              # expert = down(silu(gate(x)) * up(x))
+    y += sigmoid(shared_gate(x)) * shared(x)       # Qwen3.5-MoE only
+
+Dropless: every token reaches its k experts. Parameters carry transformers 5's in-memory names and
+shapes (`gate.weight` (E, H), `experts.gate_up_proj` (E, 2I, H), `experts.down_proj` (E, H, I)),
+whatever layout a snapshot stores them in (see models/hf.py).
+
+The (token, expert) pairs are sorted by expert and run as one grouped GEMM per projection
+(`torch._grouped_mm`) where the GPU has it: no Python loop over experts, no host sync. On CPU an
+exact loop over the experts' contiguous groups does the same. Under expert parallelism the
+`dispatch` hook (parallel/expert_parallel.py) moves the sorted tokens to the ranks holding their
+experts and back; `GroupedExperts` then holds only the local experts.
+
+Load balancing: every block keeps, from its last forward, the tokens routed to each expert and
+the sum of router probabilities per expert (`routed`); `load_balancing_loss` combines them over
+the layers exactly as transformers' `load_balancing_loss_func` does (the counts and probabilities
+are summed over the layers before their product), and the train step adds it to the loss.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import GpuKernel, SwiGLU
+
+# Rows per expert group are padded to this for the grouped GEMM: its backward contracts over the
+# token dimension, which TMA needs 16-byte aligned (8 bf16 rows).
+GROUP_ALIGN = 8
+
+
+def _grouped_mm_adapter(kernel):
+    """`torch._grouped_mm(mat_a (N, K), mat_b (E, K, M), offs=(E,) int32 ends)` -> (N, M)."""
+    def call(x, weight_t, offsets):
+        return kernel(x, weight_t, offs=offsets)
+    return call
+
+
+grouped_mm = GpuKernel(_grouped_mm_adapter, getattr(torch, "_grouped_mm", None))
+
+
+class GroupedExperts(nn.Module):
+    """`num_experts` SwiGLU experts stored as two 3-D tensors (transformers' fused layout)."""
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.num_experts, self.hidden_dim = num_experts, hidden_dim
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: (N, H) rows sorted by expert, `counts[e]` rows for local expert e."""
+        gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+        if grouped_mm.runs_on(x):
+            return _grouped_forward(x, counts, gate_up, down)
+        return _loop_forward(x, counts, gate_up, down)
+
+    def reset_own_parameters(self, std: float = 0.02):
+        nn.init.normal_(self.gate_up_proj, std=std)
+        nn.init.normal_(self.down_proj, std=std)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """An expert-sharded DTensor's local experts (expert parallelism); a plain tensor as is."""
+    return weight.to_local() if hasattr(weight, "to_local") else weight
+
+
+def _swiglu(h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _loop_forward(x, counts, gate_up, down):
+    """Exact reference: one matmul per expert over its contiguous rows (host reads the counts)."""
+    out = []
+    for e, rows in enumerate(x.split(counts.tolist())):
+        out.append(_swiglu(rows @ gate_up[e].t()) @ down[e].t())
+    return torch.cat(out) if out else x.new_zeros(0, down.shape[1])
+
+
+def _grouped_forward(x, counts, gate_up, down):
+    """Two grouped GEMMs. Each expert's rows go to a group padded to GROUP_ALIGN rows, in a buffer
+    sized by a bound known without reading `counts` (no sync); padding rows are zero."""
+    padded = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    expert_of_row = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts,
+                                            output_size=x.shape[0])
+    row_in_expert = torch.arange(x.shape[0], device=x.device) - (counts.cumsum(0) - counts)[expert_of_row]
+    slot = starts[expert_of_row] + row_in_expert
+    capacity = x.shape[0] + len(counts) * (GROUP_ALIGN - 1)
+    buffer = x.new_zeros(capacity, x.shape[1]).index_copy(0, slot, x)
+    offsets = ends.to(torch.int32)
+    h = _swiglu(grouped_mm.call(buffer, gate_up.transpose(-2, -1), offsets))
+    y = grouped_mm.call(h, down.transpose(-2, -1), offsets)
+    return y.index_select(0, slot)
+
+
+class TopKRouter(nn.Module):
+    """Linear gate over the experts; softmax in fp32, top-k, optional renormalisation."""
+
+    def __init__(self, num_experts: int, dim: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.weight = nn.Parameter(torch.zeros(num_experts, dim))
+
+    def reset_own_parameters(self, std: float = 0.02):
+        nn.init.normal_(self.weight, std=std)
+
+    def forward(self, x: torch.Tensor):
+        """x (T, H) -> probabilities (T, E) fp32, top-k weights (T, k) in x's dtype, experts (T, k)."""
+        probs = F.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, weights.to(x.dtype), experts
+
+
+def local_dispatch(x_sorted: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
+    """All experts on this rank: run them directly."""
+    return experts(x_sorted, counts)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts (+ Qwen3.5's gated shared expert), transformers' module names."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, hidden_dim: int, norm_topk_prob: bool,
+                 shared_hidden_dim: int = 0):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.gate = TopKRouter(num_experts, dim, top_k, norm_topk_prob)
+        self.experts = GroupedExperts(num_experts, dim, hidden_dim)
+        if shared_hidden_dim:
+            self.shared_expert = SwiGLU(dim, shared_hidden_dim)
+            self.shared_expert_gate = nn.Linear(dim, 1, bias=False)
+        # Replaced under expert parallelism by the all-to-all dispatch (same signature).
+        self.dispatch = local_dispatch
+        self.routed = None  # (tokens per expert (E,), summed probabilities (E,), tokens) of the last forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs, weights, experts = self.gate(x)
+        flat_experts = experts.reshape(-1)
+        # scatter_add, not bincount: a fixed output shape, no host sync, fake-tensor friendly.
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, flat_experts, torch.ones_like(flat_experts))
+        self.routed = (counts.detach(), probs.sum(dim=0), x.shape[0])
+        # (token, k) pairs sorted by expert: stable, so tokens keep their order within an expert.
+        order = torch.argsort(flat_experts, stable=True)
+        token = order // self.top_k
+        y = self.dispatch(x[token], counts, self.experts)
+        y = y * weights.reshape(-1)[order, None]
+        out = torch.zeros_like(x).index_add(0, token, y.to(x.dtype))
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.reshape(shape)
+
+
+def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
+    """The model's MoE blocks, in layer order (found by type, through any wrappers)."""
+    return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+
+
+def load_balancing_loss(blocks: list[SparseMoeBlock]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """transformers' auxiliary loss over the blocks' last forward, and the per-block tokens per
+    expert (blocks, E) for the load metrics:
+
+        aux = E * sum_e f_e * P_e,   f_e = routed pairs to e / (layers * tokens),
+                                     P_e = summed probability of e / (layers * tokens)
+
+    where both sums run over all MoE layers at once (not a mean of per-layer losses)."""
+    routed = [b.routed for b in blocks if b.routed is not None]
+    if not routed:
+        return None
+    counts = torch.stack([c for c, _, _ in routed])
+    probs = torch.stack([p for _, p, _ in routed]).sum(dim=0)
+    rows = sum(n for _, _, n in routed)
+    aux = blocks[0].num_experts * (counts.sum(dim=0).float() / rows * (probs / rows)).sum()
+    return aux, counts
+
+
+def clear_routing(blocks: list[SparseMoeBlock]) -> None:
+    """Drop the kept routing tensors (their graph) once the loss has used them."""
+    for b in blocks:
+        b.routed = None
+
+
+def feed_forward(config, layer_idx: int) -> nn.Module:
+    """A decoder layer's MLP: sparse on the layers the config makes sparse (every layer of Qwen3.5-MoE
+    and, by default, of Qwen3-(VL-)MoE), else the dense SwiGLU."""
+    num_experts = getattr(config, "num_experts", 0) or 0
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    dense_layers = getattr(config, "mlp_only_layers", None) or []
+    if num_experts == 0 or layer_idx in dense_layers or (layer_idx + 1) % step:
+        return SwiGLU(config.hidden_size, config.intermediate_size)
+    return SparseMoeBlock(config.hidden_size, num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+                          norm_topk_prob=getattr(config, "norm_topk_prob", True),
+                          shared_hidden_dim=getattr(config, "shared_expert_intermediate_size", 0) or 0)
