@@ -217,3 +217,13 @@ def test_moe_flops_equal_a_count_of_transformers_moe_blocks(family):
     assert mlps == 2 * ids.numel() * flops.mlp_params(text)
     if family == "qwen3_moe":  # all full attention: the whole LLM as in the dense tests
         assert flops.llm_flops(config, [24, 24]) == 3 * per_module["Global"]
+
+
+def test_native_qwen3_moe_flops_equal_a_count_of_its_forward():
+    """The native MoE block runs each token through its top-k experts only (the exact CPU path)."""
+    torch.manual_seed(0)
+    model = models.build_model(qwen3_moe_config(), device="cpu")
+    model.init_weights()
+    ids = torch.randint(0, 60, (3, 40))
+    counted = count_forward_flops(lambda: model(ids))
+    assert flops.llm_flops(model.config, [40, 40, 40]) == 3 * counted
