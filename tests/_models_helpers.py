@@ -51,6 +51,15 @@ def vl_sample(grids, text_lens, generator, merge=2):
     return torch.cat(ids), (torch.cat(pixels) if pixels else None), grid
 
 
+def pack(samples):
+    """One row holding (ids, pixels, grid) samples back to back, with cu_seqlens and the images in order."""
+    ids = torch.cat([s[0] for s in samples])[None]
+    pixels = [s[1] for s in samples if s[1] is not None]
+    grids = [s[2] for s in samples if s[2] is not None]
+    cu = F.pad(torch.tensor([len(s[0]) for s in samples]).cumsum(0), (1, 0)).to(torch.int32)
+    return ids, torch.cat(pixels), torch.cat(grids), cu
+
+
 def hf_vl_logits(hf_model, ids, pixels, grid):
     """The HF model's logits for one batch (ids (B, S))."""
     return hf_model(
@@ -77,6 +86,20 @@ def grad_diffs(model_a, model_b):
             continue
         out[name] = ((p.grad - ref).abs().max() / (ref.abs().max() + floor)).item()
     return out
+
+
+def meta_parameter_count(config, hf_class) -> int:
+    """Builds the native model and `hf_class` of `config` on the meta device, checks that they
+    have the same parameter names and shapes, and returns the parameter count."""
+    import vlmcore.models as models
+
+    native = models.build_model(config)
+    with torch.device("meta"):
+        hf = hf_class(config)
+    assert all(p.is_meta for p in native.parameters())
+    hf_shapes = {n: p.shape for n, p in hf.named_parameters()}
+    assert {n: p.shape for n, p in native.named_parameters()} == hf_shapes
+    return sum(p.numel() for p in native.parameters())
 
 
 def max_rel(a, b):
@@ -122,3 +145,30 @@ def logits_loss_then_grad_diffs(native, hf, ids, out, ref) -> dict:
     ref_loss.backward()
     loss.backward()
     return grad_diffs(native, hf)
+
+
+# Qwen3.5-MoE: every layer sparse, with a shared expert of another width than the routed ones.
+QWEN3_5_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                   router_aux_loss_coef=0.02)
+
+
+def qwen3_5_moe_text_dict(moe=None, **text):
+    """qwen3_5_text_dict without the dense MLP width, plus the MoE fields (`moe` overrides them)."""
+    fields = {k: v for k, v in qwen3_5_text_dict(**text).items() if k != "intermediate_size"}
+    return {**fields, **QWEN3_5_MOE, **(moe or {})}
+
+
+def qwen3_5_moe_config(tied=False, moe=None, **text):
+    from transformers import Qwen3_5MoeConfig
+
+    return Qwen3_5MoeConfig(
+        vision_config=dict(VISION), text_config=qwen3_5_moe_text_dict(moe, **text), image_token_id=IMAGE,
+        video_token_id=253, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END,
+        tie_word_embeddings=tied,
+    )
+
+
+def qwen3_5_moe_text_config(tied=False, moe=None, **text):
+    from transformers import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(**qwen3_5_moe_text_dict(moe, tied=tied, **text))

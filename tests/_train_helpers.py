@@ -38,13 +38,17 @@ def hf_config(kind: str):
         rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
         return transformers.Qwen3VLConfig(vision_config=dict(VISION, deepstack_visual_indexes=[0]),
                                           text_config=dict(TEXT, rope_parameters=rope), **SPECIAL)
-    if kind == "qwen3_5":
+    if kind in ("qwen3_5", "qwen3_5_moe"):
         rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
                 "mrope_section": [1, 1, 0], "mrope_interleaved": True}
         text = dict(TEXT, num_hidden_layers=4, linear_conv_kernel_dim=4, linear_key_head_dim=16,
                     linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                     rope_parameters=rope)
-        return transformers.Qwen3_5Config(vision_config=VISION, text_config=text, **SPECIAL)
+        if kind == "qwen3_5":
+            return transformers.Qwen3_5Config(vision_config=VISION, text_config=text, **SPECIAL)
+        text = {k: v for k, v in text.items() if k != "intermediate_size"}  # every layer is sparse
+        return transformers.Qwen3_5MoeConfig(vision_config=VISION, **SPECIAL,
+                                             text_config=dict(text, **MOE, shared_expert_intermediate_size=32))
     raise ValueError(kind)
 
 
@@ -57,7 +61,8 @@ def tiny_snapshot(kind: str, path: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = hf_config(kind)
     cls = {"qwen3": transformers.Qwen3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM, "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
-           "qwen3_5": transformers.Qwen3_5ForConditionalGeneration}[kind]
+           "qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
+           "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration}[kind]
     cls(config).save_pretrained(path)
     return path
 

@@ -39,10 +39,10 @@ def configs(tmp_path_factory):
     root = tmp_path_factory.mktemp("memory")
     return {kind: write_config(root / f"{kind}.yaml", tiny_snapshot(kind, root / kind), root / f"out_{kind}",
                                data={"kind": "random", "seq_len": 96, "segments": 2})
-            for kind in ("qwen3", "qwen3_vl", "qwen3_5")}
+            for kind in ("qwen3", "qwen3_vl", "qwen3_5", "qwen3_moe")}
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_vl", "qwen3_5", "qwen3_moe"])
 def test_fake_run_counts_what_the_real_run_holds(configs, kind):
     # bf16 compute, two micro-batches (unsynced gradients held between them), selective AC.
     sets = ["precision.param_dtype=bfloat16", "grad_accum_steps=2", "parallel.activation_checkpointing=selective"]
@@ -50,6 +50,12 @@ def test_fake_run_counts_what_the_real_run_holds(configs, kind):
     assert fake["peak_bytes_by_kind"] == real["peak_bytes_by_kind"]
     assert fake["peak_bytes"] == real["peak_bytes"] > 0
     assert fake["fake"] and not real["fake"]
+
+
+def test_moe_estimate_needs_the_grouped_gemm_dtype(configs):
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(configs["qwen3_moe"]), json.dumps([[[], 1, 96, None, True]])],
+                          capture_output=True, text=True, env=env(), timeout=600)
+    assert proc.returncode != 0 and "precision.param_dtype: the memory estimate of a mixture-of-experts" in proc.stderr
 
 
 def test_states_are_sharded_and_frozen_modules_hold_no_optimizer_state(configs, tmp_path):

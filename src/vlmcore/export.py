@@ -29,7 +29,7 @@ from safetensors import safe_open
 
 import vlmcore
 from vlmcore.download import sha256_of
-from vlmcore.models.expert_layout import to_disk
+from vlmcore.models.expert_layout import stored_layout, to_disk
 from vlmcore.models.hf import IGNORED_PREFIXES, snapshot_tensor_info
 
 PROVENANCE = "provenance.json"
@@ -48,7 +48,7 @@ def untrained_prefixes(model_dir) -> tuple[str, ...]:
 def load_final_state_dict(checkpoint_dir, model_dir=None) -> dict[str, torch.Tensor]:
     """The weights of a `final/` DCP checkpoint as {hf name: tensor}, in one process.
 
-    With `model_dir`, MoE experts are written in the snapshot family's layout, and the names and
+    With `model_dir`, MoE experts are written in the layout of the snapshot's own weights, and the names and
     shapes are checked against the snapshot's safetensors; a `lm_head.weight` the snapshot leaves
     out (tied embeddings) is dropped.
     """
@@ -69,8 +69,9 @@ def load_final_state_dict(checkpoint_dir, model_dir=None) -> dict[str, torch.Ten
     weights = {key.removeprefix("model."): tensor for key, tensor in state.items()}
     if model_dir is not None:
         model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
-        weights = to_disk(weights, model_type)
-        check_against_snapshot(weights, snapshot_tensor_info(model_dir), untrained_prefixes(model_dir), checkpoint_dir, model_dir)
+        snapshot = snapshot_tensor_info(model_dir)
+        weights = to_disk(weights, model_type, stored_layout(model_type, weights, snapshot))
+        check_against_snapshot(weights, snapshot, untrained_prefixes(model_dir), checkpoint_dir, model_dir)
     return weights
 
 

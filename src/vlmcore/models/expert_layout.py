@@ -3,15 +3,32 @@
 In memory every family holds transformers 5's fused tensors, per MoE layer:
     mlp.experts.gate_up_proj (E, 2I, H)     rows [gate | up]
     mlp.experts.down_proj    (E, H, I)
-On disk, what the released checkpoints (and transformers' `save_pretrained`, which writes them
-back in the checkpoint's layout) use:
+On disk, what the released checkpoints (and transformers' `save_pretrained`) use:
     per_expert        mlp.experts.{e}.gate_proj.weight (I, H), .up_proj.weight (I, H), .down_proj.weight (H, I)
                       (Qwen3-MoE; transformers' conversion "qwen2_moe")
     fused_transposed  mlp.experts.gate_up_proj (E, H, 2I), mlp.experts.down_proj (E, I, H)
                       (Qwen3-VL-MoE; transformers' conversion "qwen3_vl_moe": Transpose(1, 2))
     fused             as in memory
+                      (Qwen3.5-MoE's released checkpoints)
 A sharded model reads only its own block of each expert tensor (`read_block`), so no rank ever
 holds a whole layer's experts.
+
+Qwen3.5-MoE snapshots come in two layouts, so its layout is read off each snapshot's tensor
+names (`stored_layout`) and an export writes back the one its source snapshot used:
+  - released checkpoints store the language model's experts fused as in memory, no `.weight`
+    suffix: `model.language_model.layers.{i}.mlp.experts.gate_up_proj` (E, 2I, H) and `.down_proj`
+    (E, H, I); Qwen/Qwen3.5-35B-A3B (256, 1024, 2048) and (256, 2048, 512) (its
+    model.safetensors.index.json as checked in sgl-project/sglang-jax issue 1251, shapes in
+    paiml/realizar issue 134), Qwen/Qwen3.5-397B-A17B gate_up_proj (512, 2048, 4096)
+    (THUDM/slime PR 1799); vLLM's qwen3_5_moe.py loader splits `gate_up_proj` on dim -2. Only
+    the unused MTP head (`mtp.*`) of Qwen3.5 keeps per-expert tensors (ISEEKYAN/mbridge PR 145).
+  - transformers 5 has no conversion for "qwen3_5_moe", but the text model inside it
+    ("qwen3_5_moe_text") gets qwen2_moe's per-expert merge (conversion_mapping.py), scoped to
+    `model.language_model`: it loads both layouts, and its `save_pretrained` writes per-expert
+    tensors for both Qwen3_5MoeForConditionalGeneration and Qwen3_5MoeForCausalLM (checked with
+    transformers 5 in tests/test_models_qwen3_5_moe.py).
+Without a source snapshot, Qwen3.5-MoE writes the released (fused) layout and its text-only
+variant what transformers writes (per expert).
 """
 
 import re
@@ -20,7 +37,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-EXPERT_LAYOUTS = {"qwen3_moe": "per_expert", "qwen3_vl_moe": "fused_transposed"}
+EXPERT_LAYOUTS = {"qwen3_moe": "per_expert", "qwen3_vl_moe": "fused_transposed", "qwen3_5_moe": "fused",
+                  "qwen3_5_moe_text": "per_expert"}
 _FUSED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
@@ -30,6 +48,22 @@ def layout_of(model_type: str) -> str:
 
 def is_expert_tensor(name: str) -> bool:
     return _FUSED.match(name) is not None
+
+
+def stored_layout(model_type: str, model_names, snapshot_names=None) -> str:
+    """The layout of the experts of a `model_type` model (in-memory tensor names `model_names`) in
+    a snapshot holding the tensors `snapshot_names`: per expert where the snapshot has the first
+    expert tensor's per-expert modules, a fused layout where it has the in-memory name (the
+    family's own, or `fused` for a per-expert family); else, and without a snapshot, the family's."""
+    family = layout_of(model_type)
+    first = next((n for n in model_names if is_expert_tensor(n)), None)
+    if first is None or snapshot_names is None:
+        return family
+    if first in snapshot_names:
+        return "fused" if family == "per_expert" else family
+    if f"{_FUSED.match(first).group(1)}.0.down_proj.weight" in snapshot_names:
+        return "per_expert"
+    return family
 
 
 def disk_tensors(name: str, shape, layout: str) -> dict[str, tuple[int, ...]]:
@@ -45,9 +79,9 @@ def disk_tensors(name: str, shape, layout: str) -> dict[str, tuple[int, ...]]:
     return {f"{prefix}.{e}.down_proj.weight": (rows, cols) for e in range(experts)}
 
 
-def to_disk(weights: dict[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
-    """Whole in-memory tensors -> the family's disk layout (for export)."""
-    layout = layout_of(model_type)
+def to_disk(weights: dict[str, torch.Tensor], model_type: str, layout: str | None = None) -> dict[str, torch.Tensor]:
+    """Whole in-memory tensors -> `layout` on disk (by default the family's), for export."""
+    layout = layout or layout_of(model_type)
     if layout == "fused":
         return weights
     out = {}

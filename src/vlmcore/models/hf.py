@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import GenerationConfig
 
-from .expert_layout import disk_tensors, is_expert_tensor, layout_of, read_block, to_disk
+from .expert_layout import disk_tensors, is_expert_tensor, read_block, stored_layout, to_disk
 
 # Files of a snapshot that belong to the tokenizer / processor and travel with the weights.
 SIDE_FILES = (
@@ -33,7 +33,7 @@ SIDE_FILES = (
 )
 # Checkpoint tensors a family legitimately carries but the native model does not use
 # (Qwen3.5's multi-token-prediction head).
-IGNORED_PREFIXES = {"qwen3_5": ("mtp.",), "qwen3_5_text": ("mtp.",)}
+IGNORED_PREFIXES = {"qwen3_5": ("mtp.",), "qwen3_5_text": ("mtp.",), "qwen3_5_moe": ("mtp.",), "qwen3_5_moe_text": ("mtp.",)}
 SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
                       "I64": "int64", "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
@@ -63,14 +63,15 @@ def load_hf_weights(model, path) -> None:
 
     Fails, listing them, on missing, unexpected or mis-shaped tensors; tensors the family carries
     but the model does not use (IGNORED_PREFIXES) are skipped. A tied `lm_head` is tied again.
-    MoE experts stored in another layout than the model's (models/expert_layout.py) are read
+    MoE experts stored in another layout than the model's (models/expert_layout.py, recognised by
+    the snapshot's tensor names) are read
     block by block from the safetensors files; everything else through DCP's HF reader."""
     path, tied = Path(path), model.config.tie_word_embeddings
     headers = _snapshot_headers(path)
     state = get_model_state_dict(model)
     if tied:
         state.pop("lm_head.weight")  # stored once, as the input embedding
-    layout = layout_of(model.config.model_type)
+    layout = stored_layout(model.config.model_type, state, headers)
     experts = {n: state.pop(n) for n in list(state) if layout != "fused" and is_expert_tensor(n)}
     expected = {n: tuple(t.shape) for n, t in state.items()}
     for name, tensor in experts.items():
@@ -121,10 +122,13 @@ def full_state_dict(model, state_dict=None) -> dict[str, torch.Tensor]:
 
 def save_pretrained(model, path, source_dir=None, max_shard_size="5GB", state_dict=None) -> None:
     """Write an HF directory: safetensors shards (+ index, replacing earlier ones), config.json,
-    generation config and, from `source_dir`, the tokenizer, chat template and processor files."""
+    generation config and, from `source_dir`, the tokenizer, chat template and processor files;
+    MoE experts in the layout of `source_dir`'s weights, if it has any (models/expert_layout.py)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = to_disk(full_state_dict(model, state_dict), model.config.model_type)
+    tensors = full_state_dict(model, state_dict)
+    source = snapshot_tensor_info(source_dir) if source_dir and any(Path(source_dir).glob("*.safetensors")) else None
+    tensors = to_disk(tensors, model.config.model_type, stored_layout(model.config.model_type, tensors, source))
     save_torch_state_dict(tensors, path, max_shard_size=max_shard_size)
     config = copy.deepcopy(model.config)
     config.dtype = next(t.dtype for t in tensors.values() if t.is_floating_point())

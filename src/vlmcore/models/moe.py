@@ -54,7 +54,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: (N, H) rows sorted by expert, `counts[e]` rows for local expert e."""
         gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
-        if grouped_mm.runs_on(x):
+        if grouped_mm.runs_on(x, half_precision_only=True):  # the kernel takes bf16 only
             return _grouped_forward(x, counts, gate_up, down)
         return _loop_forward(x, counts, gate_up, down)
 

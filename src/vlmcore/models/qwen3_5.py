@@ -1,4 +1,7 @@
-"""Qwen3.5 (transformers `Qwen3_5ForConditionalGeneration` and the text-only `Qwen3_5ForCausalLM`).
+"""Qwen3.5 (transformers `Qwen3_5ForConditionalGeneration` and the text-only `Qwen3_5ForCausalLM`)
+and Qwen3.5-MoE (`Qwen3_5MoeForConditionalGeneration`, `Qwen3_5MoeForCausalLM`): the same model
+whose every MLP is a sparse MoE block (models/moe.py) with top-k renormalised routing and a
+sigmoid-gated shared expert.
 
 A hybrid decoder: `config.layer_types` interleaves Gated DeltaNet linear-attention layers with
 gated full-attention layers (query plus a per-head output gate, per-head zero-centred q/k norms,
@@ -21,10 +24,11 @@ from torch.distributed.tensor import DTensor, Partial
 
 from .attention import attention
 from .layers import (
-    ModelOutput, SwiGLU, TextModelParts, VisionLanguageParts, ZeroCenteredRMSNorm, apply_rotary, grid_list,
+    ModelOutput, TextModelParts, VisionLanguageParts, ZeroCenteredRMSNorm, apply_rotary, grid_list,
     mrope_cos_sin, rope_inv_freq, scatter_image_features,
 )
 from .linear_attention import causal_depthwise_conv, gated_delta_rule, host_segments, row_segments
+from .moe import feed_forward
 from .qwen3 import check_text_config, text_position_ids
 from .qwen3_vl import Qwen3VLForConditionalGeneration, VisionModel
 
@@ -137,7 +141,7 @@ class GatedAttention(nn.Module):
 
 
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, config, layer_type: str):
+    def __init__(self, config, layer_type: str, layer_idx: int):
         super().__init__()
         self.layer_type = layer_type
         if layer_type == "linear_attention":
@@ -148,7 +152,7 @@ class Qwen3_5DecoderLayer(nn.Module):
             raise ValueError(f"qwen3_5 text config: unknown layer type {layer_type!r} in layer_types")
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.mlp = feed_forward(config, layer_idx)  # SwiGLU, or Qwen3.5-MoE's sparse block
 
     def forward(self, x, cos, sin, cu_seqlens, max_seqlen=None, cu_seqlens_cpu=None):
         h = self.input_layernorm(x)
@@ -168,7 +172,7 @@ class Qwen3_5TextModel(nn.Module):
                              f"{config.num_hidden_layers} layers")
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, t) for t in config.layer_types)
+        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, t, i) for i, t in enumerate(config.layer_types))
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         # Identity on one device; under sequence parallelism the TP plan makes it split the
         # sequence over the TP ranks (the residual stream between the blocks).
@@ -231,7 +235,7 @@ class Qwen3_5ForConditionalGeneration(VisionLanguageParts, nn.Module):
 
 
 class Qwen3_5ForCausalLM(TextModelParts, nn.Module):
-    """The text-only variant (`model_type` "qwen3_5_text"): `model.*`, `lm_head.weight`."""
+    """The text-only variant (`model_type` "qwen3_5_text" / "qwen3_5_moe_text"): `model.*`, `lm_head.weight`."""
 
     def __init__(self, config):
         super().__init__()
@@ -243,7 +247,7 @@ class Qwen3_5ForCausalLM(TextModelParts, nn.Module):
     def forward(self, input_ids, pixel_values=None, image_grid_thw=None, position_ids=None,
                 cu_seqlens=None, max_seqlen=None, return_hidden=False) -> ModelOutput:
         if pixel_values is not None:
-            raise ValueError("qwen3_5_text is a text model: pixel_values must be None")
+            raise ValueError(f"{self.config.model_type} is a text model: pixel_values must be None")
         if position_ids is None:
             position_ids = text_position_ids(input_ids, cu_seqlens)
         h = self.model(self.model.embed_tokens(input_ids), position_ids, cu_seqlens, max_seqlen)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from vlmcore.config import ConfigError, TrainConfig, load_config
+from vlmcore.models.moe import grouped_mm, moe_blocks
 from vlmcore.parallel.mesh import build_mesh, resolve_dims
 from vlmcore.train.loop import build_meta_model, materialize
 from vlmcore.train.optim import build_optimizer
@@ -172,6 +173,24 @@ def _fake_mode_with_constant_batch(fake: bool):
         fake_tensor.CONSTANT_NUMEL_LIMIT = limit
 
 
+@contextmanager
+def _grouped_experts(model, cfg: TrainConfig):
+    """MoE experts run their GPU path (grouped GEMM over a buffer sized without reading the
+    routing), in the fake run, which cannot follow the CPU loop (it reads the routing's values),
+    and in the real one it is checked against."""
+    if not moe_blocks(model):
+        yield
+        return
+    if cfg.precision.param_dtype != "bfloat16":
+        raise ConfigError(f"precision.param_dtype: the memory estimate of a mixture-of-experts model follows the "
+                          f"GPU's grouped GEMM, which takes bfloat16 only (got {cfg.precision.param_dtype})")
+    previous = grouped_mm.set(torch._grouped_mm, force=True)
+    try:
+        yield
+    finally:
+        grouped_mm.set(*previous)
+
+
 def estimate_memory(cfg: TrainConfig, world_size: int, seq_len: int, image_side: int, fake: bool = True,
                     segments: int | None = None) -> dict:
     """Peak bytes per kind on rank 0 over two training steps, each row `segments` packed
@@ -204,7 +223,8 @@ def estimate_memory(cfg: TrainConfig, world_size: int, seq_len: int, image_side:
                 convert = mode.fake_tensor_converter.from_real_tensor
                 micro = [{k: convert(mode, v, make_constant=not v.is_floating_point())
                           if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in micro]
-            peak = _peak_of_two_steps(cfg, model, partial_params, mesh, dims, micro, label_tokens)
+            with _grouped_experts(model, cfg):
+                peak = _peak_of_two_steps(cfg, model, partial_params, mesh, dims, micro, label_tokens)
     return {"world_size": world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
             "seq_len": seq_len, "segments": segments or cfg.data.segments, "micro_batch_size": cfg.micro_batch_size,
             "image_side": image_side,
