@@ -239,7 +239,8 @@ def run_case(args, family: str, device: torch.device) -> dict:
                                                          getattr(model_config, "image_token_id", None))
         if not args.skip_loop:
             results["vlmcore train"] = bench_loop(cfg, device, args, seq_len, preset["image_side"], family)
-        if args.memory_estimate:
+        # The MoE estimate is of the experts' bf16 grouped GEMM: none for an fp32 (CPU) MoE run.
+        if args.memory_estimate and (bf16 or family not in MOE):
             from vlmcore.train.memory import estimate_memory
 
             estimate = estimate_memory(cfg, 1, seq_len, preset["image_side"], segments=max(1, seq_len // 512))
