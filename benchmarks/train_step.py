@@ -97,7 +97,10 @@ def write_snapshot(family: str, preset: dict, path: Path) -> None:
 
 
 def time_steps(step_fn, warmup: int, steps: int, device: torch.device) -> float:
-    """Median seconds per step (robust to a shared, noisy machine)."""
+    """Median seconds per step (robust to a shared, noisy machine). On CPU the clock is the
+    process's CPU time, which other jobs on a shared machine do not inflate (with
+    OMP_NUM_THREADS=1 it is the compute time); on CUDA it is wall time between synchronizations."""
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
     for _ in range(warmup):
         step_fn()
     if device.type == "cuda":
@@ -105,11 +108,11 @@ def time_steps(step_fn, warmup: int, steps: int, device: torch.device) -> float:
         torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(steps):
-        start = time.perf_counter()
+        start = clock()
         step_fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)
 
 
@@ -190,6 +193,8 @@ def bench_transformers(path, batch, device, args, family: str, image_token_id):
     labels = torch.full_like(batch["labels"], -100)
     labels[:, 1:] = batch["labels"][:, :-1]
     inputs = {"input_ids": batch["input_ids"], "labels": labels}
+    if family in MOE:  # the load-balancing loss in the loss, as vlmcore's step has it
+        inputs["output_router_logits"] = True
     if "pixel_values" in batch:
         inputs.update(pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
                       mm_token_type_ids=(batch["input_ids"] == image_token_id).int())
