@@ -5,7 +5,8 @@ benchmarks/memory_recipes.py and tests/test_recipe_models.py.
 """
 
 
-def _qwen3_vl(hidden, intermediate, layers, heads, tied, vision_depth, vision_hidden, vision_intermediate, deepstack):
+def _qwen3_vl(hidden, intermediate, layers, heads, tied, vision_depth, vision_hidden, vision_intermediate, deepstack,
+              vision_heads=16):
     from transformers import Qwen3VLConfig
 
     text = dict(vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
@@ -13,7 +14,7 @@ def _qwen3_vl(hidden, intermediate, layers, heads, tied, vision_depth, vision_hi
                 max_position_embeddings=262144,
                 rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_interleaved": True,
                                  "mrope_section": [24, 20, 20]})
-    vision = dict(depth=vision_depth, hidden_size=vision_hidden, intermediate_size=vision_intermediate, num_heads=16,
+    vision = dict(depth=vision_depth, hidden_size=vision_hidden, intermediate_size=vision_intermediate, num_heads=vision_heads,
                   out_hidden_size=hidden, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
                   num_position_embeddings=2304, deepstack_visual_indexes=deepstack)
     return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tied)
@@ -50,9 +51,17 @@ def _qwen3_5_9b():
     return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
 
 
+def _qwen3_vl_8b_vit6b():
+    """Qwen3-VL-8B's language model behind an InternViT-6B-sized vision tower (45 blocks of width
+    3200, MLP 12800, 25 heads of 128) in Qwen3-VL's layout without DeepStack: 6.4B vision
+    parameters, a user-assembled model (config/experiments/qwen3vl-8b-vit6b-mn5.yaml)."""
+    return _qwen3_vl(4096, 12288, 36, 32, False, 45, 3200, 12800, [], vision_heads=25)
+
+
 MODELS = {
     "Qwen/Qwen3-VL-2B-Instruct": lambda: _qwen3_vl(2048, 6144, 28, 16, True, 24, 1024, 4096, [5, 11, 17]),
     "Qwen/Qwen3-VL-8B-Instruct": lambda: _qwen3_vl(4096, 12288, 36, 32, False, 27, 1152, 4304, [8, 16, 24]),
     "Qwen/Qwen3.5-9B": _qwen3_5_9b,
     "Qwen/Qwen3-VL-30B-A3B-Instruct": _qwen3_vl_30b_a3b,
+    "local/qwen3vl-8b-vit6b": _qwen3_vl_8b_vit6b,
 }

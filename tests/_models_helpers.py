@@ -19,20 +19,31 @@ def qwen3_config(tied=True, heads=4, kv_heads=2, head_dim=16, layers=2):
     )
 
 
-def qwen3_vl_config(deepstack=(0, 1), heads=4, kv_heads=2, head_dim=16, tied=False, layers=3):
+def qwen3_vl_config(deepstack=(0, 1), heads=4, kv_heads=2, head_dim=16, tied=False, layers=3,
+                    config_class=Qwen3VLConfig, **text):
     half = head_dim // 2
     section = [half - 2 * (half // 4), half // 4, half // 4]
-    return Qwen3VLConfig(
+    return config_class(
         vision_config=dict(VISION, deepstack_visual_indexes=list(deepstack)),
         text_config=dict(
             vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
             rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": section,
-                             "mrope_interleaved": True},
+                             "mrope_interleaved": True}, **text,
         ),
         image_token_id=IMAGE, video_token_id=253, vision_start_token_id=VISION_START,
         vision_end_token_id=VISION_END, tie_word_embeddings=tied,
     )
+
+
+def qwen3_vl_moe_config(num_experts=8, top_k=2, **shape):
+    """Qwen3-VL-MoE: the Qwen3-VL tiny config with sparse MLPs. moe_intermediate_size 48 makes the
+    on-disk expert shapes (E, H, 2I) = (E, 64, 96) and (E, I, H) differ from the in-memory ones."""
+    from transformers import Qwen3VLMoeConfig
+
+    return qwen3_vl_config(config_class=Qwen3VLMoeConfig, **{**dict(
+        num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=48, router_aux_loss_coef=0.02),
+        **shape})
 
 
 def vl_sample(grids, text_lens, generator, merge=2):
@@ -58,6 +69,40 @@ def pack(samples):
     grids = [s[2] for s in samples if s[2] is not None]
     cu = F.pad(torch.tensor([len(s[0]) for s in samples]).cumsum(0), (1, 0)).to(torch.int32)
     return ids, torch.cat(pixels), torch.cat(grids), cu
+
+
+def hf_and_native(hf_class, config, path):
+    """A random HF reference model (seed 0) and the native model loaded from its saved snapshot."""
+    torch.manual_seed(0)
+    hf = hf_class(config).eval()
+    hf.save_pretrained(path)
+    from vlmcore.models import from_pretrained
+
+    return hf, from_pretrained(path).eval()
+
+
+def packed_and_alone(native, samples):
+    """Logits of one row packing the vl_sample()s (cu_seqlens) and of each sample alone, and the
+    packed row's token-loss gradients; the samples' own are left in the parameters' .grad."""
+    ids, pixels, grid, cu = pack(samples)
+    packed = native(ids, pixels, grid, cu_seqlens=cu).logits
+    sum(token_loss(packed[:, a:b], ids[:, a:b]) for a, b in zip(cu[:-1], cu[1:])).backward()
+    packed_grads = {n: p.grad.clone() for n, p in native.named_parameters()}
+    native.zero_grad()
+    alone, loss = [], 0
+    for s_ids, s_pix, s_grid in samples:
+        logits = native(s_ids[None], s_pix, s_grid).logits
+        alone.append(logits)
+        loss = loss + token_loss(logits, s_ids[None])
+    loss.backward()
+    return packed, torch.cat(alone, dim=1), packed_grads
+
+
+def assert_packed_row_equals_samples_alone(native, samples):
+    packed, alone, packed_grads = packed_and_alone(native, samples)
+    assert max_rel(packed, alone) < 1e-5
+    for name, p in native.named_parameters():
+        assert max_rel(packed_grads[name], p.grad) < 1e-4, name
 
 
 def hf_vl_logits(hf_model, ids, pixels, grid):

@@ -38,6 +38,10 @@ def hf_config(kind: str):
         rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
         return transformers.Qwen3VLConfig(vision_config=dict(VISION, deepstack_visual_indexes=[0]),
                                           text_config=dict(TEXT, rope_parameters=rope), **SPECIAL)
+    if kind == "qwen3_vl_moe":
+        rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+        return transformers.Qwen3VLMoeConfig(vision_config=dict(VISION, deepstack_visual_indexes=[0]),
+                                             text_config=dict(TEXT, **MOE, rope_parameters=rope), **SPECIAL)
     if kind in ("qwen3_5", "qwen3_5_moe"):
         rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
                 "mrope_section": [1, 1, 0], "mrope_interleaved": True}
@@ -61,6 +65,7 @@ def tiny_snapshot(kind: str, path: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = hf_config(kind)
     cls = {"qwen3": transformers.Qwen3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM, "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+           "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,
            "qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
            "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration}[kind]
     cls(config).save_pretrained(path)

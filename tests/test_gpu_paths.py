@@ -5,9 +5,12 @@
   with plain SDPA / the reference rule, are called through the same adapters the GPU uses and
   must give what the CPU path gives. (torch 2.11's signature took no `enable_gqa`: passing it was
   the bug that killed every GPU run at step 1.)
-- No host sync: a training step of each family runs on fake CUDA tensors (FakeTensorMode), where
-  any read of a device value raises; the step's one read is counted.
-- No graph break: each decoder block compiles to one graph with attention inside it.
+- No host sync: a training step of each family runs on the meta device, where any read of a
+  device value is seen; the step's one read is counted. The MoE families run their experts
+  through torch._grouped_mm (its meta kernel also checks the 16-byte stride alignment the CUDA
+  kernel needs, in bf16), never the per-expert loop, which reads the token counts.
+- No graph break: each decoder block compiles to one graph with attention (and the MoE block's
+  grouped GEMMs) inside it.
 """
 
 import inspect
@@ -20,6 +23,7 @@ from _train_helpers import hf_config as tiny_config
 from vlmcore.models import build_model, linear_attention
 from vlmcore.models.attention import adapt_varlen_kernel, attention, segment_sdpa, set_varlen_kernel
 from vlmcore.models.linear_attention import chunk_gated_delta_rule, recurrent_gated_delta_rule, set_gdn_kernel
+from vlmcore.models.moe import grouped_mm, moe_blocks
 
 
 def masked_sdpa(q, k, v, cu_seqlens, causal, scale):
@@ -90,10 +94,11 @@ def fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
 
 @pytest.fixture
 def restore_kernels():
-    varlen, gdn = set_varlen_kernel(None), set_gdn_kernel(None)
+    varlen, gdn, grouped = set_varlen_kernel(None), set_gdn_kernel(None), grouped_mm.set(None)
     yield
     set_varlen_kernel(*varlen)
     set_gdn_kernel(*gdn)
+    grouped_mm.set(*grouped)
 
 
 def test_stand_ins_have_the_installed_torch_signature():
@@ -150,10 +155,11 @@ def _forward_backward(model, batch):
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_vl", "qwen3_5", "qwen3_vl_moe"])
 def test_models_on_the_gpu_calling_path_match_the_cpu_path(family, restore_kernels):
-    """Whole models through the varlen (torch 2.11 signature) and fla stand-ins equal the CPU
-    kernels: max_seqlen, the image grids and the segment bounds reach every attention call."""
+    """Whole models through the varlen (torch 2.11 signature) and fla stand-ins, and the experts
+    through torch._grouped_mm, equal the CPU kernels: max_seqlen, the image grids and the
+    segment bounds reach every attention call."""
     config, batch = _batch(family)
     torch.manual_seed(0)
     model = build_model(config, device="cpu")
@@ -162,6 +168,7 @@ def test_models_on_the_gpu_calling_path_match_the_cpu_path(family, restore_kerne
     model.zero_grad()
     set_varlen_kernel(varlen_attn_torch_2_11, force=True)
     set_gdn_kernel(fla_chunk_gated_delta_rule, force=True)
+    grouped_mm.set(torch._grouped_mm, force=True)
     got_logits, got_grads = _forward_backward(model, batch)
     torch.testing.assert_close(got_logits, logits)
     assert got_grads.keys() == grads.keys()
@@ -200,15 +207,18 @@ def test_chunk_count_bound_keeps_the_rule_exact():
 
 class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts what would wait for the GPU when the meta device stands for it: scalar reads and
-    copies to the host. Each answers zeros, so the step runs on."""
+    copies to the host of meta tensors (host tensors' reads, such as the MoE metrics computed
+    from the step's one read, wait for nothing). Each answers zeros, so the step runs on."""
 
     def __init__(self):
         super().__init__()
         self.reads = []
+        self.grouped_gemms = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.ops.aten._local_scalar_dense.default:
+        self.grouped_gemms += func is torch.ops.aten._grouped_mm.default
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
             self.reads.append(f"{func} of {tuple(args[0].shape)}")
             return 0
         if func is torch.ops.aten._to_copy.default and args[0].is_meta and kwargs.get("device") is not None \
@@ -218,17 +228,21 @@ class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-@pytest.mark.parametrize("family,forward_reads", [("qwen3", 0), ("qwen3_vl", 0), ("qwen3_5", 1)])
+@pytest.mark.parametrize("family,forward_reads", [("qwen3", 0), ("qwen3_vl", 0), ("qwen3_5", 1), ("qwen3_moe", 0),
+                                                   ("qwen3_vl_moe", 0)])
 def test_training_step_never_waits_for_the_gpu(family, forward_reads, restore_kernels, monkeypatch):
     """A bf16 training step with the GPU kernels' calling path, on the meta device (which holds
     no values, so any read of one is seen): forward/backward reads nothing from the device
-    (Qwen3.5: the segment bounds once, for fla), and the step reads once (norm and loss)."""
+    (Qwen3.5: the segment bounds once, for fla), and the step reads once (norm and loss, and
+    the MoE statistics with them). The MoE experts run as grouped GEMMs (with their backward)."""
     from vlmcore.train import step as step_module
 
     set_varlen_kernel(varlen_attn_torch_2_11, force=True)
     set_gdn_kernel(fla_chunk_gated_delta_rule, force=True)
+    grouped_mm.set(torch._grouped_mm, force=True)
     step_reads = []
-    monkeypatch.setattr(step_module, "read_host", lambda *v: step_reads.append(len(v)) or [0.0] * len(v))
+    monkeypatch.setattr(step_module, "read_host",
+                        lambda *v: step_reads.append(len(v)) or [0.0] * sum(t.numel() for t in v))
     config, host_batch = _batch(family)
     model = build_model(config, device="meta").to(torch.bfloat16)
     # The GPU's fused AdamW reads nothing on the host; SGD stands for it on meta, where AdamW's
@@ -238,13 +252,16 @@ def test_training_step_never_waits_for_the_gpu(family, forward_reads, restore_ke
     batch = step_module.to_device(host_batch, torch.device("meta"))
     assert isinstance(batch["max_seqlen"], int) and not torch.is_tensor(batch.get("image_grid_thw"))
     with _HostReads() as reads:
-        step_module.forward_backward(model, [batch], 100.0, train_step.vision_dummy, 32)
+        step_module.forward_backward(model, [batch], 100.0, train_step.vision_dummy, 32, moe=train_step.moe)
     assert len(reads.reads) == forward_reads, reads.reads
+    # Per MoE block: 2 GEMMs forward, and each one's input and weight gradients backward.
+    assert reads.grouped_gemms == 6 * len(moe_blocks(model)), reads.grouped_gemms
     model.zero_grad()
     with _HostReads() as reads:
         result = train_step([batch], 100.0, set_lr=lambda opt: None)
     assert len(reads.reads) == forward_reads, reads.reads
     assert step_reads == [2] and result.applied
+    assert (result.moe is not None) == bool(moe_blocks(model))
 
 
 def _block_inputs(family, block_kind):
@@ -279,7 +296,7 @@ def _block_inputs(family, block_kind):
 
 @pytest.mark.parametrize("family,block_kind,breaks", [
     ("qwen3", "full_attention", 0), ("qwen3_vl", "full_attention", 0), ("qwen3_vl", "vision", 0),
-    ("qwen3_5", "full_attention", 0),
+    ("qwen3_5", "full_attention", 0), ("qwen3_vl_moe", "full_attention", 0),
     # The Gated DeltaNet kernel (fla's Triton, not traceable) runs eagerly between two graphs:
     # every break is that one call.
     ("qwen3_5", "linear_attention", "gated_delta_rule"),
@@ -288,7 +305,11 @@ def test_blocks_compile_with_attention_inside(family, block_kind, breaks, restor
     torch._dynamo.reset()
     set_varlen_kernel(varlen_attn_torch_2_12, force=True)
     set_gdn_kernel(fla_chunk_gated_delta_rule, force=True)
+    grouped_mm.set(torch._grouped_mm, force=True)
     block, args, kwargs = _block_inputs(family, block_kind)
+    if moe_blocks(block):  # torch._grouped_mm traces in bf16 only (its meta kernel), as it runs on the GPU
+        block = block.to(torch.bfloat16)
+        args = tuple(a.to(torch.bfloat16) if a.is_floating_point() else a for a in args)
     explanation = torch._dynamo.explain(block)(*args, **kwargs)
     if breaks == 0:
         assert explanation.graph_break_count == 0, explanation.break_reasons

@@ -12,7 +12,7 @@ from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditiona
 import vlmcore.models as models
 from _models_helpers import (
     IMAGE, VISION, VISION_END, VISION_START, hf_vl_logits, logits_loss_then_grad_diffs, max_rel, meta_parameter_count, pack,
-    qwen3_5_moe_config, token_loss, vl_sample,
+    packed_and_alone, qwen3_5_moe_config, vl_sample,
 )
 from vlmcore.models.qwen3_5 import Qwen3_5ForCausalLM as NativeCausalLM
 
@@ -121,17 +121,8 @@ def test_packed_row_equals_samples_run_alone(tmp_path):
     positions = models.position_ids(native.config, ids, grid, cu)
     assert torch.equal(positions, torch.cat([native.position_ids(s[0][None], s[2]) for s in samples], dim=2))
 
-    packed = native(ids, pixels, grid, cu_seqlens=cu).logits
-    sum(token_loss(packed[:, a:b], ids[:, a:b]) for a, b in zip(cu[:-1], cu[1:])).backward()
-    packed_grads = {n: p.grad.clone() for n, p in native.named_parameters()}
-    native.zero_grad()
-    alone, loss = [], 0
-    for s_ids, s_pix, s_grid in samples:
-        logits = native(s_ids[None], s_pix, s_grid).logits
-        alone.append(logits)
-        loss = loss + token_loss(logits, s_ids[None])
-    loss.backward()
-    assert max_rel(packed, torch.cat(alone, dim=1)) < 1e-5
+    packed, alone, packed_grads = packed_and_alone(native, samples)
+    assert max_rel(packed, alone) < 1e-5
     # Relative to each gradient's scale, with a floor at 1e-4 of the largest one: a few heads'
     # dt_bias gradients are ~1e-5 and differ by fp32 rounding of the different chunk layouts.
     floor = 1e-4 * max(p.grad.abs().max().item() for p in native.parameters())

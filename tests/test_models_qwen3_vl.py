@@ -5,7 +5,8 @@ import torch
 from transformers import Qwen3VLForConditionalGeneration
 
 import vlmcore.models as models
-from _models_helpers import IMAGE, hf_vl_logits, logits_loss_then_grad_diffs, max_rel, qwen3_vl_config, token_loss, vl_sample
+from _models_helpers import (IMAGE, assert_packed_row_equals_samples_alone, hf_vl_logits, logits_loss_then_grad_diffs,
+                             max_rel, pack, qwen3_vl_config, vl_sample)
 
 SHAPES = {
     "gqa2-deepstack2": dict(deepstack=(0, 1)),
@@ -64,16 +65,6 @@ def test_position_ids_match_transformers_rope_index(tmp_path):
     assert torch.equal(native.position_ids(ids, grid), ref)
 
 
-def pack(samples):
-    """One row holding the samples back to back, with cu_seqlens and the images in order."""
-    ids = torch.cat([s[0] for s in samples])[None]
-    pixels = [s[1] for s in samples if s[1] is not None]
-    grids = [s[2] for s in samples if s[2] is not None]
-    lengths = torch.tensor([len(s[0]) for s in samples])
-    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-    return ids, torch.cat(pixels), torch.cat(grids), cu
-
-
 def test_packed_row_equals_samples_run_alone(tmp_path):
     _, native = pair(tmp_path, **SHAPES["gqa2-deepstack2"])
     g = torch.Generator().manual_seed(4)
@@ -84,21 +75,7 @@ def test_packed_row_equals_samples_run_alone(tmp_path):
     alone_positions = [native.position_ids(s[0][None], s[2]) for s in samples]
     assert torch.equal(positions, torch.cat(alone_positions, dim=2))
 
-    packed = native(ids, pixels, grid, cu_seqlens=cu).logits
-    token_loss_sum = sum(token_loss(packed[:, a:b], ids[:, a:b]) for a, b in zip(cu[:-1], cu[1:]))
-    token_loss_sum.backward()
-    packed_grads = {n: p.grad.clone() for n, p in native.named_parameters()}
-    native.zero_grad()
-
-    alone, loss = [], 0
-    for s_ids, s_pix, s_grid in samples:
-        logits = native(s_ids[None], s_pix, s_grid).logits
-        alone.append(logits)
-        loss = loss + token_loss(logits, s_ids[None])
-    loss.backward()
-    assert max_rel(packed, torch.cat(alone, dim=1)) < 1e-5
-    for name, p in native.named_parameters():
-        assert max_rel(packed_grads[name], p.grad) < 1e-4, name
+    assert_packed_row_equals_samples_alone(native, samples)
 
 
 def test_packed_rows_with_explicit_positions(tmp_path):

@@ -146,3 +146,42 @@ def test_console_line_shows_moe_fields_only_for_moe_models(tmp_path):
     assert format_line(records[0]).endswith(" aux 0.0123 imbalance 1.87")
     dense = json.loads(write_metrics(tmp_path / "d.jsonl", 1, [500], [1.0]).read_text())
     assert "aux" not in format_line(dense) and "imbalance" not in format_line(dense)
+
+
+def test_report_recommends_a_per_module_layout(tmp_path):
+    """A stage whose metrics carry module times gets a table of candidate layouts at its world
+    size, built from the measured means after the warm-up and the cost model; one without
+    (or whose model is gone) gets none, or a line saying why."""
+    from _train_helpers import hf_config
+    from vlmcore.report.layouts import Cluster, compare, workload_of
+
+    model = tmp_path / "model"
+    hf_config("qwen3_vl").save_pretrained(model)
+    train = {}
+    for stage, model_path in [("stage1", model), ("stage2", tmp_path / "gone")]:
+        path = write_metrics(tmp_path / f"train/{stage}/metrics.jsonl", 4, [500] * 4, [1.5] * 4)
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        for row, (vision, llm, patches) in zip(rows, [(9.0, 9.0, 1), (0.1, 0.3, 100), (0.3, 0.5, 300), (0.2, 0.4, 200)]):
+            row.update(vision_time_s=vision, llm_time_s=llm, vision_patches=patches)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (path.parent / "config.yaml").write_text(f"model_path: {model_path}\ngrad_accum_steps: 2\nparallel: {{tp: 1}}\n")
+        train[stage] = path
+    text_only = write_metrics(tmp_path / "train/stage3/metrics.jsonl", 4, [500] * 4, [1.5] * 4)
+    out = tmp_path / "report"
+    assert cli.main(["report", *(a for s, p in [*train.items(), ("stage3", text_only)] for a in ("--train", f"{s}={p}")),
+                     "--out", str(out)]) == 0
+
+    # Means after the warm-up step: 0.2 s vision, 0.4 s LLM, 200 patches per rank; 4 ranks.
+    expected = compare(workload_of(hf_config("qwen3_vl"), vision_s=0.8, llm_s=1.6, patches=800, micro_batches=2),
+                       Cluster(), world=4)
+    table = pd.read_csv(out / "layouts.csv")
+    assert set(table["stage"]) == {"stage1"} and (table["world_size"] == 4).all()
+    assert table["layout"].tolist() == [p.layout for p in expected]
+    assert table["step_s"].tolist() == pytest.approx([p.step_s for p in expected])
+    assert "colocated, vision TP 1" in table["layout"].tolist() and "disjoint, 2 vision + 2 LLM ranks" in table["layout"].tolist()
+    md = (out / "SCALABILITY.md").read_text()
+    assert "## Per-module layouts" in md and "### Stage `stage1` at 4 devices" in md
+    assert "vision tower 0.200 s, LLM 0.400 s (33% vision), 800 patches per step" in md
+    assert f"Recommended: **{expected[0].layout}**, predicted {expected[0].step_s:.3f} s per step" in md
+    assert f"Stage `stage2`: no prediction, no model config ({tmp_path / 'gone'}: no config.json)." in md
+    assert "stage3" not in md.split("## Per-module layouts")[1].split("## Exact settings")[0]

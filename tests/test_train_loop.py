@@ -42,7 +42,10 @@ def test_stage_outputs(stage1, snapshots):
     assert all(m["world_size"] == 1 and m["skipped_steps"] == 0 and m["tokens_per_s"] > 0 for m in metrics)
     assert metrics[-1]["tokens"] == 3 * 32 and metrics[0]["llm_tflops_per_device"] > 0
     assert metrics[0]["mfu"] is None  # no peak FLOPS known for a CPU
-    assert "step 3 loss" in proc.stdout
+    # per-module times (metrics.module_times, on by default), also on the console line
+    assert all(m["vision_time_s"] > 0 and m["llm_time_s"] > 0 and m["vision_patches"] > 0 for m in metrics)
+    assert all(m["vision_time_s"] + m["llm_time_s"] < m["step_time_s"] for m in metrics)
+    assert "step 3 loss" in proc.stdout and "s llm " in proc.stdout
     meta = json.loads((out / "final" / "meta.json").read_text())
     assert meta["step"] == 3 and meta["tokens"] == 96 and meta["model_path"] == str(snapshots["qwen3_vl"])
     assert meta["stage_config"]["trainable"] == PROJECTOR
@@ -77,6 +80,9 @@ def test_text_and_hybrid_families_train(snapshots, tmp_path, kind):
                           checkpoint={"enabled": False}))
     metrics = read_metrics(out)
     assert len(metrics) == 2 and all(torch.isfinite(torch.tensor(m["loss"])) for m in metrics)
+    # a text model has no vision tower to time; Qwen3.5's is timed like Qwen3-VL's
+    assert all(m["llm_time_s"] > 0 and (m["vision_time_s"] > 0 if kind == "qwen3_5" else "vision_time_s" not in m)
+               for m in metrics)
     assert (out / "done").exists() and not (out / "final").exists() and not (out / "checkpoints").exists()
 
 

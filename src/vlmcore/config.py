@@ -100,6 +100,8 @@ class MetricsConfig:
     wandb: bool = setting(False, "log to Weights & Biases, always offline")
     peak_tflops: float | None = setting(None, "peak TFLOP/s of one device for the MFU; null = from the device table",
                                     gt=0)
+    module_times: bool = setting(True, "time the vision tower and the LLM apart (vision_time_s, llm_time_s): "
+                                 "a few CUDA events per micro-batch")
 
 
 @dataclass

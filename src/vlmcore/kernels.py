@@ -11,11 +11,17 @@ Known bad combinations (docs/hpc.md has the versions each cluster needs):
   Correct: Triton >= 3.7.1, or tilelang installed for fla's TileLang backend of that kernel.
 - torch's varlen attention: its signature changed in every release from 2.10 to 2.12; the
   installed kernel's signature is checked against the ones vlmcore calls (models/attention.py).
+- MoE experts (models/moe.py) run as torch._grouped_mm. torch 2.8 has it on Hopper only (other
+  GPUs raise "only supported on CUDA devices with compute capability = 9.0"); torch >= 2.9 runs
+  it from compute capability 8.0, but only 9.x and 10.x get the grouped GEMM kernel (bf16, no host
+  sync); other GPUs get torch's fallback, one GEMM per expert after reading the group offsets on
+  the host (aten GroupedBlas.cpp `_grouped_mm_cuda`, GroupedMMUtils.h `_grouped_mm_fallback`).
 """
 
 import argparse
 import importlib.metadata
 import os
+import re
 import sys
 import typing
 
@@ -25,6 +31,8 @@ from vlmcore.config import LinearAttentionBackend
 
 LINEAR_ATTENTION_BACKENDS = typing.get_args(LinearAttentionBackend)
 TRITON_HOPPER_BAD = (Version("3.4.0"), Version("3.7.1"))
+GROUPED_MM_HOPPER_ONLY, GROUPED_MM_FROM_SM80 = Version("2.8.0"), Version("2.9.0")
+GROUPED_GEMM_FAST_MAJORS = (9, 10)
 
 
 class KernelError(RuntimeError):
@@ -120,13 +128,33 @@ def attention_backend(capability: tuple[int, int] | None) -> str:
     return f"{kernel.__module__}.{kernel.__name__}"
 
 
+def experts_backend(versions: dict, capability: tuple[int, int] | None) -> str:
+    """How the MoE experts run on a GPU of `capability` (None: no GPU); raises KernelError where
+    the installed torch cannot run them there."""
+    if capability is None:
+        return "per-expert loop (no GPU)"
+    gpu = f"sm_{capability[0]}{capability[1]}"
+    torch_version = _base(versions["torch"]) if versions.get("torch") else Version("0")
+    if torch_version < GROUPED_MM_HOPPER_ONLY or (torch_version < GROUPED_MM_FROM_SM80 and capability[0] != 9):
+        raise KernelError(f"MoE experts: torch {versions.get('torch')} has no torch._grouped_mm for {gpu} "
+                          f"(torch 2.8 has it on Hopper only): install torch >= {GROUPED_MM_FROM_SM80}")
+    if capability < (8, 0):
+        raise KernelError(f"MoE experts: torch._grouped_mm needs compute capability >= 8.0, this GPU is {gpu}")
+    if capability[0] in GROUPED_GEMM_FAST_MAJORS:
+        return "torch._grouped_mm (grouped GEMM, bf16)"
+    return (f"torch._grouped_mm fallback on {gpu}: one GEMM per expert after a host read of the offsets "
+            "(correct, slow; the grouped GEMM needs compute capability 9.x or 10.x)")
+
+
 def check(requested_linear_attention: str, capability: tuple[int, int] | None, has_linear_attention: bool,
-          versions: dict | None = None) -> dict:
+          versions: dict | None = None, has_experts: bool = False) -> dict:
     """The backends a run will use, or KernelError naming the fix. `capability` None: no GPU."""
     versions = versions or installed_versions()
     chosen = {"attention": attention_backend(capability)}
     if has_linear_attention:
         chosen["linear_attention"] = linear_attention_backend(requested_linear_attention, versions, capability)
+    if has_experts:
+        chosen["experts"] = experts_backend(versions, capability)
     return chosen
 
 
@@ -156,19 +184,35 @@ def report(versions: dict, backends: dict, capability) -> str:
     return "\n".join(lines)
 
 
-def model_has_linear_attention(model: dict) -> bool:
-    """From the workflow's `model` section, before the download: the staged snapshot's config.json
-    where it is there, else the model's name (Qwen3.5 is the family with Gated DeltaNet layers)."""
+def _staged_text_config(model: dict) -> dict | None:
+    """The text config of the workflow's staged snapshot (config.json), None before the download."""
     import json
     from pathlib import Path
 
     config_json = Path(model.get("staged_path") or "", "config.json")
-    if model.get("staged_path") and config_json.is_file():
-        config = json.loads(config_json.read_text())
-        text = config.get("text_config") or config
+    if not (model.get("staged_path") and config_json.is_file()):
+        return None
+    config = json.loads(config_json.read_text())
+    return config.get("text_config") or config
+
+
+def model_has_linear_attention(model: dict) -> bool:
+    """From the workflow's `model` section, before the download: the staged snapshot's config.json
+    where it is there, else the model's name (Qwen3.5 is the family with Gated DeltaNet layers)."""
+    text = _staged_text_config(model)
+    if text is not None:
         return "linear_attention" in (text.get("layer_types") or [])
     name = (model.get("repo_id") or "").lower()
     return "qwen3.5" in name or "qwen3_5" in name
+
+
+def model_has_experts(model: dict) -> bool:
+    """Likewise for mixture-of-experts layers: the config's `num_experts`, else the model's name
+    (MoE releases name their active size: Qwen3-VL-30B-A3B, Qwen3.5-397B-A17B)."""
+    text = _staged_text_config(model)
+    if text is not None:
+        return bool(text.get("num_experts"))
+    return re.search(r"-a\d+(\.\d+)?b\b", (model.get("repo_id") or "").lower()) is not None
 
 
 def check_workflow(config: dict, stage_settings: dict) -> None:
@@ -178,11 +222,12 @@ def check_workflow(config: dict, stage_settings: dict) -> None:
     if capability is None:
         return
     has_linear = model_has_linear_attention(config["model"])
+    has_experts = model_has_experts(config["model"])
     versions = installed_versions()
     for stage, settings in stage_settings.items():
         requested = settings.get("parallel", {}).get("linear_attention", "auto")
         try:
-            check(requested, capability, has_linear, versions)
+            check(requested, capability, has_linear, versions, has_experts)
         except KernelError as e:
             raise KernelError(f"train.stages.{stage} on train.gpu_capability {capability[0]}.{capability[1]}: {e}") from None
 
@@ -201,6 +246,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--linear-attention", default="auto", choices=LINEAR_ATTENTION_BACKENDS,
                         help="Gated DeltaNet backend as in the training config")
     parser.add_argument("--no-linear-attention", action="store_true", help="the model has no linear attention")
+    parser.add_argument("--experts", action="store_true", help="the model has mixture-of-experts layers")
 
 
 def run(args) -> int:
@@ -211,7 +257,7 @@ def run(args) -> int:
 
             capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
         versions = installed_versions()
-        backends = check(args.linear_attention, capability, not args.no_linear_attention, versions)
+        backends = check(args.linear_attention, capability, not args.no_linear_attention, versions, args.experts)
     except KernelError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -23,6 +23,7 @@ MODEL_CLASSES = {
     "qwen3": Qwen3ForCausalLM,
     "qwen3_moe": Qwen3ForCausalLM,
     "qwen3_vl": Qwen3VLForConditionalGeneration,
+    "qwen3_vl_moe": Qwen3VLForConditionalGeneration,
     "qwen3_5": Qwen3_5ForConditionalGeneration,
     "qwen3_5_text": Qwen3_5ForCausalLM,
     "qwen3_5_moe": Qwen3_5ForConditionalGeneration,
@@ -72,7 +73,7 @@ def position_ids(config, input_ids, image_grid_thw=None, cu_seqlens=None) -> tor
     """The positions the model computes when given none: (B, S) for text models, (3, B, S) for M-RoPE."""
     if config.model_type in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text"):
         return text_position_ids(input_ids, cu_seqlens)
-    if config.model_type in ("qwen3_vl", "qwen3_5", "qwen3_5_moe"):
+    if config.model_type in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):
         merge = config.vision_config.spatial_merge_size
         return mrope_position_ids(input_ids, image_grid_thw, cu_seqlens, config.image_token_id, merge)
     raise ValueError(f"unknown model_type {config.model_type!r}; supported: {sorted(MODEL_CLASSES)}")

@@ -7,14 +7,29 @@ On disk, what the released checkpoints (and transformers' `save_pretrained`) use
     per_expert        mlp.experts.{e}.gate_proj.weight (I, H), .up_proj.weight (I, H), .down_proj.weight (H, I)
                       (Qwen3-MoE; transformers' conversion "qwen2_moe")
     fused_transposed  mlp.experts.gate_up_proj (E, H, 2I), mlp.experts.down_proj (E, I, H)
-                      (Qwen3-VL-MoE; transformers' conversion "qwen3_vl_moe": Transpose(1, 2))
+                      (Qwen3-VL-MoE's released checkpoints; transformers' conversion "qwen3_vl_moe")
     fused             as in memory
                       (Qwen3.5-MoE's released checkpoints)
 A sharded model reads only its own block of each expert tensor (`read_block`), so no rank ever
-holds a whole layer's experts.
+holds a whole layer's experts. A snapshot's layout is read off its tensors (`stored_layout`) and
+an export writes back the one its source snapshot used.
 
-Qwen3.5-MoE snapshots come in two layouts, so its layout is read off each snapshot's tensor
-names (`stored_layout`) and an export writes back the one its source snapshot used:
+Qwen3-VL-MoE snapshots come in both fused layouts, under the same names:
+  - released checkpoints store them transposed: Qwen/Qwen3-VL-30B-A3B-Instruct has, per layer,
+    `model.language_model.layers.{i}.mlp.experts.gate_up_proj` (128, 2048, 1536) = (E, H, 2I) and
+    `.down_proj` (128, 768, 2048) = (E, I, H), H 2048, I 768: the layout of transformers <= 4.57's
+    Qwen3VLMoeTextExperts (ByteDance-Seed/VeOmni docs/transformers_v5/transformers_v5_moe_weight_loading.md,
+    "qwen3_vl_moe ... [num_experts, H, 2 * I] / [num_experts, I, H]"; public reads of the
+    safetensors headers give the same shapes).
+  - transformers 5 loads them with conversion_mapping.py's "qwen3_vl_moe":
+    `Transpose(1, 2, check_dims=True)`, which transposes only a tensor whose shape differs from the
+    parameter's. On save its reverse compares the in-memory tensor with the parameter, so it never
+    transposes: transformers 5's `save_pretrained` writes qwen3_vl_moe experts fused as in memory
+    (checked in tests/test_models_qwen3_vl_moe.py).
+  So for the fused families the shapes decide (the family's layout first): never ambiguous, as
+  gate_up is square only when 2I = H and down only when I = H.
+
+Qwen3.5-MoE snapshots come in two layouts, told apart by the tensor names:
   - released checkpoints store the language model's experts fused as in memory, no `.weight`
     suffix: `model.language_model.layers.{i}.mlp.experts.gate_up_proj` (E, 2I, H) and `.down_proj`
     (E, H, I); Qwen/Qwen3.5-35B-A3B (256, 1024, 2048) and (256, 2048, 512) (its
@@ -50,18 +65,27 @@ def is_expert_tensor(name: str) -> bool:
     return _FUSED.match(name) is not None
 
 
-def stored_layout(model_type: str, model_names, snapshot_names=None) -> str:
-    """The layout of the experts of a `model_type` model (in-memory tensor names `model_names`) in
-    a snapshot holding the tensors `snapshot_names`: per expert where the snapshot has the first
-    expert tensor's per-expert modules, a fused layout where it has the in-memory name (the
-    family's own, or `fused` for a per-expert family); else, and without a snapshot, the family's."""
+def stored_layout(model_type: str, model_tensors, snapshot=None) -> str:
+    """The layout of the experts of a `model_type` model (in-memory name -> tensor) in a snapshot
+    (disk name -> (shape, ...)): per expert where the snapshot has the first expert tensor's
+    per-expert modules; where it has the in-memory names, the fused layout (the family's, else
+    plain fused) whose shapes every expert tensor matches (a per-expert family: plain fused);
+    else, and without a snapshot, the family's."""
     family = layout_of(model_type)
-    first = next((n for n in model_names if is_expert_tensor(n)), None)
-    if first is None or snapshot_names is None:
+    experts = {n: tuple(t.shape) for n, t in model_tensors.items() if is_expert_tensor(n)}
+    if not experts or snapshot is None:
         return family
-    if first in snapshot_names:
-        return "fused" if family == "per_expert" else family
-    if f"{_FUSED.match(first).group(1)}.0.down_proj.weight" in snapshot_names:
+    first = next(iter(experts))
+    if first in snapshot:
+        if family == "per_expert":
+            return "fused"
+        for layout in dict.fromkeys((family, "fused")):
+            if all(n in snapshot and tuple(snapshot[n][0]) == shape
+                   for name, memory_shape in experts.items()
+                   for n, shape in disk_tensors(name, memory_shape, layout).items()):
+                return layout
+        return family
+    if f"{_FUSED.match(first).group(1)}.0.down_proj.weight" in snapshot:
         return "per_expert"
     return family
 

@@ -1,4 +1,6 @@
-"""Qwen3-VL (transformers `Qwen3VLForConditionalGeneration` layout).
+"""Qwen3-VL (transformers `Qwen3VLForConditionalGeneration` layout), and Qwen3-VL-MoE
+(`Qwen3VLMoeForConditionalGeneration`): the same model whose decoder layers have sparse
+mixture-of-experts MLPs (models/moe.py; the router always renormalises its top-k).
 
 Vision tower: Conv3d patch embedding, learned position table bilinearly resampled to each image
 grid, 2-D rotary, pre-norm blocks with a fused `attn.qkv`, a patch merger to the LLM width and

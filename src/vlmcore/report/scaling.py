@@ -8,6 +8,8 @@ Output directory:
   scaling.csv            one row per scaling point (columns: vlmcore.report.tables.SCALING_COLUMNS)
   training.csv           one row per training stage (when --train is given)
   eval.csv               tidy eval table across runs (when --eval is given)
+  layouts.csv            predicted step time of each per-module layout, per training stage with
+                         module times (vlmcore.report.layouts)
   plots/*.png            scaling_throughput, scaling_efficiency, scaling_flops, scaling_memory,
                          training_curves, eval_summary
   SCALABILITY.md         tables, plots, hardware and the exact settings of every run
@@ -25,6 +27,7 @@ import vlmcore
 from vlmcore.eval.results import gather
 from vlmcore.export import git_commit
 from vlmcore.report import plots
+from vlmcore.report.layouts import Cluster, compare, measured_workload
 from vlmcore.report.tables import import_points, point_from_metrics, read_metrics, scaling_table, settings_of
 
 
@@ -82,6 +85,10 @@ MOE_KEYS = {
     "moe_aux_loss": ("MoE aux loss (mean of last 10)", ".4g"),
     "moe_load_imbalance": ("expert load imbalance, max/mean (mean of last 10)", ".2f"),
 }
+LAYOUT_MD_COLUMNS = {
+    "layout": ("layout", ""), "vision_s": ("vision s", ".3f"), "llm_s": ("LLM s", ".3f"), "bridge_s": ("bridge s", ".3f"),
+    "step_s": ("predicted step s", ".3f"), "speedup": ("speed-up", ".2f"),
+}
 EVAL_MD_COLUMNS = {
     "run": ("run", ""), "task": ("task", ""), "subset": ("question kind", ""), "metric": ("metric", ""),
     "value": ("value", ".3f"), "stderr": ("stderr", ".3f"), "chance": ("chance", ".3f"), "n_samples": ("n", "d"),
@@ -104,8 +111,42 @@ def training_summary(stages: dict[str, pd.DataFrame]) -> list[dict]:
     return rows
 
 
+def layout_section(stages: dict, warmup_steps: int, cluster: Cluster) -> tuple[list[str], list[dict]]:
+    """Markdown and layouts.csv rows: for each stage with module times, the candidate layouts at
+    its world size, fastest first (vlmcore.report.layouts)."""
+    md, rows = [], []
+    for stage, (metrics, settings) in stages.items():
+        try:
+            workload = measured_workload(metrics, settings or {}, warmup_steps)
+        except ValueError as e:
+            md += [f"Stage `{stage}`: no prediction, {e}.", ""]
+            continue
+        if workload is None:
+            continue
+        world = int(metrics["world_size"].iloc[0])
+        predictions = [vars(p) for p in compare(workload, cluster, world)]
+        rows += [{"stage": stage, "world_size": world, **p} for p in predictions]
+        best = predictions[0]
+        vision, llm = workload.vision_s / world, workload.llm_s / world
+        md += [f"### Stage `{stage}` at {world} devices", "",
+               f"Measured per step and device: vision tower {vision:.3f} s, LLM {llm:.3f} s "
+               f"({vision / (vision + llm):.0%} vision), {workload.patches:,.0f} patches per step.", "",
+               markdown_table(predictions, LAYOUT_MD_COLUMNS), "",
+               f"Recommended: **{best['layout']}**, predicted {best['step_s']:.3f} s per step, "
+               f"{best['speedup']:.2f}x the current layout (colocated, vision TP 1).", ""]
+    if md:
+        md = ["## Per-module layouts", "",
+              "Predicted step time of each way to place the vision tower and the LLM on the devices, from the "
+              f"measured per-module times (means after the first {warmup_steps} steps) and the cost model of "
+              "`vlmcore.report.layouts` (docs/hpc.md, \"Choosing a per-module layout\"): "
+              f"{cluster.gpus_per_node} GPUs per node, {cluster.intra_node_gbs:g} GB/s per GPU inside a node, "
+              f"{cluster.inter_node_gbs:g} GB/s between nodes, TP efficiency {cluster.tp_efficiency:g} per doubling. "
+              "Speed-up is against the current layout; memory is not modelled.", ""] + md
+    return md, rows
+
+
 def write_report(out, scaling=None, imports=(), train=None, evals=None, hardware: str = "unknown",
-                 warmup_steps: int = 1, title: str = "Scaling") -> Path:
+                 warmup_steps: int = 1, title: str = "Scaling", cluster: Cluster = Cluster()) -> Path:
     """Writes everything listed in the module docstring; returns the path of SCALABILITY.md."""
     out = Path(out)
     (out / "plots").mkdir(parents=True, exist_ok=True)
@@ -146,6 +187,11 @@ def write_report(out, scaling=None, imports=(), train=None, evals=None, hardware
         columns = TRAINING_MD_COLUMNS | {k: v for k, v in MOE_KEYS.items() if any(k in row for row in rows)}
         md += ["## Training", "", markdown_table(rows, columns), "",
                "![Loss, learning rate, gradient norm and throughput per stage](plots/training_curves.png)", ""]
+        layout_md, layout_rows = layout_section({stage: (m, settings_of(train[stage])) for stage, m in stages.items()},
+                                                warmup_steps, cluster)
+        if layout_rows:
+            pd.DataFrame(layout_rows).to_csv(out / "layouts.csv", index=False)
+        md += layout_md
 
     if evals:
         eval_table = gather(evals)

@@ -29,6 +29,7 @@ from vlmcore.models import build_model, load_hf_config, load_hf_weights
 from vlmcore.train.checkpoint import (CheckpointError, Checkpointer, load_model_weights, rng_state, save_final,
                                       set_rng_state)
 from vlmcore.train.metrics_log import MetricsLogger, batch_flops, peak_tflops
+from vlmcore.train.module_timer import ModuleTimer
 from vlmcore.train.optim import build_optimizer, freeze, lr_factor, schedule_total, set_lr
 from vlmcore.train.run_dir import archive_stale_run, mark_done, mark_unfinished
 from vlmcore.train.step import build_step, host_stats, to_device
@@ -124,18 +125,20 @@ def train(cfg: TrainConfig) -> int:
 
 
 def check_kernels(cfg: TrainConfig, device: torch.device) -> dict:
-    """The attention and Gated DeltaNet backends of this run (vlmcore.kernels), set for the model
+    """The attention, Gated DeltaNet and MoE experts backends of this run (vlmcore.kernels), set for the model
     code; a version known to compute wrongly on this GPU stops the run here, before any work."""
     from vlmcore import kernels
 
     text = load_hf_config(cfg.model_path)
     text = getattr(text, "text_config", None) or text
     has_linear = "linear_attention" in (getattr(text, "layer_types", None) or [])
+    has_experts = bool(getattr(text, "num_experts", 0))
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     try:
-        backends = kernels.check(cfg.parallel.linear_attention, capability, has_linear)
+        backends = kernels.check(cfg.parallel.linear_attention, capability, has_linear, has_experts=has_experts)
     except kernels.KernelError as e:
-        raise ConfigError(f"parallel.linear_attention: {e}") from None
+        key = "parallel.linear_attention" if str(e).startswith("linear_attention") else "model_path"
+        raise ConfigError(f"{key}: {e}") from None
     kernels.apply(backends)
     return backends
 
@@ -284,6 +287,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
     optimizer = build_optimizer(model, cfg.optimizer, device)
     train_step = build_step(model, optimizer, partial_params, mesh["tp"].get_group() if dims.tp > 1 else None,
                             cfg.loss_chunk_tokens, cfg.max_grad_norm, compiled_loss=cfg.parallel.compile)
+    timer = ModuleTimer(model, device) if cfg.metrics.module_times else None
     data = build_data(cfg, model.config, dp_rank(dims), dims.dp)
     # Written only now: a setting that does not fit the model (trainable, tp) leaves nothing behind.
     prepare_output_dir(cfg, out)
@@ -314,7 +318,8 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
         # Host time of the step: the step's one host read (norm and loss) waits for its backward,
         # so from step to step this follows the GPU without a synchronize of its own.
         step_time = time.perf_counter() - t0
-        logger.log(step_record(cfg, state, result, counts, factor, step_time, data_wait, peak, device, dims.tp))
+        record = step_record(cfg, state, result, counts, factor, step_time, data_wait, peak, device, dims.tp)
+        logger.log(record | (timer.read() if timer else {}))
 
         if nonfinite_in_a_row >= cfg.max_nonfinite_steps:
             save_checkpoint()
