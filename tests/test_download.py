@@ -85,9 +85,13 @@ def test_rerunning_a_staged_download_never_touches_the_staged_copy(tmp_path):
 
 def test_tiny_moe_model_is_a_qwen3_vl_moe_snapshot_transformers_loads(tmp_path):
     """`model.tiny.family: qwen3_vl_moe`: 4 experts, top-2, in every layer; every weight saved is
-    one transformers loads, and none is left to random initialisation."""
+    one transformers loads, none is left to random initialisation, and the native model reads
+    the same model."""
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from vlmcore.models import from_pretrained
+    from vlmcore.models.moe import moe_blocks
 
     out = tmp_path / "moe"
     manifest = build_tiny_model(out, seed=0, family="qwen3_vl_moe", overrides={"text_config": {"num_hidden_layers": 2}})
@@ -103,9 +107,11 @@ def test_tiny_moe_model_is_a_qwen3_vl_moe_snapshot_transformers_loads(tmp_path):
     for name, tensor in saved.items():
         torch.testing.assert_close(state[name], tensor, rtol=0, atol=0)
     tokenizer = AutoTokenizer.from_pretrained(out)
+    native = from_pretrained(out)
+    assert len(moe_blocks(native)) == 2
+    input_ids = torch.tensor([tokenizer("a red circle on the left").input_ids])
     with torch.no_grad():
-        logits = reference(input_ids=torch.tensor([tokenizer("a red circle").input_ids])).logits
-    assert torch.isfinite(logits).all()
+        torch.testing.assert_close(native(input_ids).logits, reference(input_ids=input_ids).logits, rtol=1e-4, atol=1e-5)
 
 
 def test_unknown_tiny_family_names_the_key(tmp_path):
