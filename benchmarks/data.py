@@ -4,6 +4,7 @@
     python benchmarks/data.py --part packing       # packing only (seconds)
     python benchmarks/data.py --part bfd-scaling   # best fit decreasing at 100k..1.6M samples
     python benchmarks/data.py --part pack --pack-samples 10000 100000 --workers 1 2
+    python benchmarks/data.py --part pack-split --pack-samples 100000 --write-jobs 2
 
 Packing: one long-tailed mix of samples (log-normal text lengths, 0-2 images of 64-4096
 patches, 4 patches per image token), seq_len 8192, image-patch budget 3 x 8192, compared:
@@ -33,6 +34,10 @@ and CPU seconds of each phase, the peak memory of the main process and of the wh
 workers by their unique memory, sampled every 0.2 s), the per-sample state, and extrapolates to
 10M samples on N cores by CPU seconds: measuring, writing and the output's `energon prepare`
 divide by the cores, best fit does not.
+Pack split: the same pack as the workflow runs it with pack.write_jobs > 1 (a plan job, N
+concurrent write jobs, the finishing pack job), one process each, against one plain pack: wall
+and CPU seconds of each step, the plan's bytes on disk per sample, and whether the output is
+byte-identical.
 Writes benchmarks/results/data_<part>.json and prints a table.
 """
 
@@ -238,6 +243,55 @@ def bench_pack(sizes: list[int], worker_counts: list[int], seq_len: int, max_pat
     return rows
 
 
+def children_cpu_seconds() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def bench_pack_split(n: int, write_jobs: int, seq_len: int, max_patches: int) -> list[dict]:
+    """The workflow's split of one pack: `--plan-only`, `write_jobs` concurrent `--write-group g/N`
+    processes, then the plain pack that indexes and renames, against one plain pack; each step's
+    wall and CPU seconds (one process each), the plan's size on disk, and whether the bytes match."""
+    from vlmcore.download import build_tiny_model
+
+    root = Path(tempfile.mkdtemp(prefix="vlmcore-bench-pack-split-"))
+    build_tiny_model(root / "model")
+    write_synthetic_prepared(root / "data", n)
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+
+    def command(out: Path, *step: str) -> list[str]:
+        return [sys.executable, "-m", "vlmcore.cli", "pack", "--data", str(root / "data"), "--model", str(root / "model"),
+                "--out", str(out), "--seq-len", str(seq_len), "--max-patches", str(max_patches), "--workers", "1", *step]
+
+    def run(*commands: list[str]) -> tuple[float, float]:
+        """Runs the commands at once; their wall and CPU seconds."""
+        t0, cpu0 = time.perf_counter(), children_cpu_seconds()
+        procs = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env) for c in commands]
+        for proc in procs:
+            if proc.wait():
+                raise RuntimeError(f"pack failed:\n{proc.stderr.read()[-3000:]}")
+        return time.perf_counter() - t0, children_cpu_seconds() - cpu0
+
+    single = run(command(root / "single"))
+    out = root / "split"
+    plan = run(command(out, "--plan-only"))
+    plan_bytes = sum(f.stat().st_size for f in (root / "split.partial" / "plan").iterdir())
+    write = run(*[command(out, "--write-group", f"{g}/{write_jobs}") for g in range(write_jobs)])
+    finish = run(command(out))
+
+    def files(d: Path) -> dict:
+        return {f.relative_to(d): f.read_bytes() for f in d.rglob("*") if f.is_file() and f.name != "index.uuid"}
+
+    row = {"samples": n, "write_jobs": write_jobs, "single_wall_s": single[0], "single_cpu_s": single[1],
+           "plan_wall_s": plan[0], "plan_cpu_s": plan[1], "write_wall_s": write[0], "write_cpu_s": write[1],
+           "finish_wall_s": finish[0], "finish_cpu_s": finish[1], "plan_bytes_per_sample": plan_bytes / n,
+           "same_bytes": files(out) == files(root / "single")}
+    print_table([row])
+    return [row]
+
+
 # One H100 trains the 2B Qwen3-VL at about 0.35 s per 8,192-token row (issue 17's estimate, ~23k tokens/s;
 # the seed project reports 15k tokens/s per GH200 for its 2B model, so this need is on the safe side);
 # the CPU cores a GPU gets: MareNostrum 5 ACC (80 cores, 4 H100) and JUPITER (288 cores, 4 GH200).
@@ -351,9 +405,10 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["packing", "loader", "bfd-scaling", "pack", "all"], default="all")
+    parser.add_argument("--part", choices=["packing", "loader", "bfd-scaling", "pack", "pack-split", "all"], default="all")
     parser.add_argument("--pack-samples", type=int, nargs="+", default=[10000, 100000], help="sizes for --part pack")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="measuring processes for --part pack")
+    parser.add_argument("--write-jobs", type=int, default=2, help="concurrent write jobs for --part pack-split")
     parser.add_argument("--cores", type=int, default=32, help="cores of the node the pack part extrapolates to")
     parser.add_argument("--samples", type=int, default=20000, help="samples in the packing mix")
     parser.add_argument("--loader-samples", type=int, default=256, help="image-caption samples for the loader part")
@@ -368,6 +423,9 @@ def main() -> None:
         rows = bench_bfd_scaling([100000, 400000, 1600000], seq_len=8192, max_patches=3 * 8192)
         print_table(rows)
         (RESULTS / "data_bfd_scaling.json").write_text(json.dumps(rows, indent=2) + "\n")
+    if args.part == "pack-split":  # minutes: not part of "all"
+        rows = [r for n in args.pack_samples for r in bench_pack_split(n, args.write_jobs, seq_len=1024, max_patches=4096)]
+        (RESULTS / f"data_pack_split_{'_'.join(str(n) for n in args.pack_samples)}.json").write_text(json.dumps(rows, indent=2) + "\n")
     if args.part == "pack":  # minutes: not part of "all"
         rows = bench_pack(args.pack_samples, args.workers, seq_len=1024, max_patches=4096, cores=args.cores)
         name = "_".join(str(n) for n in args.pack_samples)

@@ -3,11 +3,13 @@
 import argparse
 import io
 import json
+import os
 import random
 import shutil
 import subprocess
 import sys
 import tarfile
+import time
 
 import pytest
 from PIL import Image
@@ -307,6 +309,99 @@ def test_measure_pass_scattered_over_jobs_packs_the_same_bytes(demo, tmp_path):
 
 
 @pytest.mark.parametrize("value", ["1", "2/2", "a/3", "-1/2"])
-def test_measure_group_must_be_g_of_n(value):
+def test_job_group_must_be_g_of_n(value):
     with pytest.raises(argparse.ArgumentTypeError, match="G/N"):
-        vlmcore.data.pack.measure_group(value)
+        vlmcore.data.pack.job_group(value)
+
+
+def output_files(out) -> dict:
+    """Every file of a packed dataset and its bytes, but energon's random id of the index."""
+    return {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != "index.uuid"}
+
+
+PACK_ARGS = dict(seq_len=160, max_patches=96, shard_size=4, max_bad_fraction=0.1)
+
+
+def cli_args(root, model, out) -> list[str]:
+    return ["--data", str(root / "data"), "--model", str(model), "--out", str(out), "--seq-len", "160", "--max-patches",
+            "96", "--shard-size", "4", "--max-bad-fraction", "0.1", "--workers", "1"]
+
+
+def test_writing_scattered_over_jobs_gives_the_same_bytes(demo, tmp_path):
+    """The workflow's scatter of the writing: a plan job, N `--write-group g/N` processes at once
+    into <out>.partial, then the pack job, which writes nothing more: the bytes of one job."""
+    root, model = demo
+    single = tmp_path / "single"
+    stats = pack(root / "data", model, single, **PACK_ARGS)
+    assert len(shard_paths(single)) >= 4
+
+    out = tmp_path / "scattered"
+    assert pack(root / "data", model, out, plan_only=True, **PACK_ARGS) == stats
+    partial = out.with_name("scattered.partial")
+    assert not out.exists() and not list(partial.glob("shard-*")) and (partial / "plan" / "plan.json").is_file()
+    groups = 2
+    jobs = [subprocess.Popen([sys.executable, "-m", "vlmcore.cli", "pack", *cli_args(root, model, out),
+                              "--write-group", f"{g}/{groups}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for g in range(groups)]
+    for job in jobs:
+        stdout, stderr = job.communicate(timeout=300)
+        assert job.returncode == 0, stderr
+        assert json.loads(stdout)["write_group"][1] == groups
+    assert sorted(p.name for p in partial.glob("shard-*")) == sorted(s.name for s in shard_paths(single))
+    assert not out.exists()
+
+    def writing_again(index):
+        raise AssertionError(f"output shard {index} written again")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(vlmcore.data.pack, "write_shard", writing_again)
+        assert pack(root / "data", model, out, **PACK_ARGS) == stats
+    assert output_files(out) == output_files(single)
+    assert not partial.exists() and not out.with_name("scattered.measured").exists()
+
+
+def test_write_group_needs_the_plan_of_the_same_settings(demo, tmp_path):
+    root, model = demo
+    out = tmp_path / "packed"
+    args = ["pack", *cli_args(root, model, out), "--write-group", "0/2"]
+    assert main(args) == 1  # no plan yet
+    pack(root / "data", model, out, plan_only=True, **PACK_ARGS)
+    assert main([*args, "--seed", "1"]) == 1  # a plan of another pack order
+    assert not list(out.with_name("packed.partial").glob("shard-*"))
+    assert main(args) == 0 and list(out.with_name("packed.partial").glob("shard-*"))
+
+
+def test_killed_while_writing_resumes_with_the_shards_left(demo, tmp_path):
+    """A real `vlmcore pack` killed (SIGKILL) while it writes output shard 2: the rerun keeps
+    shards 0 and 1 as they are, writes the others, half-written shard 2 included, and gives the
+    bytes of an uninterrupted pack."""
+    root, model = demo
+    expected = tmp_path / "expected"
+    pack(root / "data", model, expected, **PACK_ARGS)
+    out = tmp_path / "packed"
+    pack(root / "data", model, out, plan_only=True, **PACK_ARGS)
+    partial = out.with_name("packed.partial")
+    # Shard 2's file is a pipe that nobody reads: the writer blocks in it, after shards 0 and 1.
+    blocker = partial / "shard-000002.tar.tmp"
+    os.mkfifo(blocker)
+    job = subprocess.Popen([sys.executable, "-m", "vlmcore.cli", "pack", *cli_args(root, model, out)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not (partial / "shard-000001.tar").is_file() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert job.poll() is None, "the pack did not block at shard 2"
+    finally:
+        job.kill()
+        job.wait()
+    assert sorted(p.name for p in partial.glob("shard-*.tar")) == ["shard-000000.tar", "shard-000001.tar"]
+    finished = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in partial.glob("shard-*.tar")}
+    blocker.unlink()
+    # what a writer killed halfway leaves: the first bytes of its shard
+    blocker.write_bytes((expected / "shard-000002.tar").read_bytes()[:1000])
+
+    pack(root / "data", model, out, **PACK_ARGS)
+    assert {name: ((out / name).stat().st_ino, (out / name).stat().st_mtime_ns) for name in finished} == finished
+    assert output_files(out) == output_files(expected)
+    assert not partial.exists() and not list(out.glob("*.tmp"))

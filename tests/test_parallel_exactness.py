@@ -21,6 +21,9 @@ LAYOUTS = {
     "fsdp4": (4, {"grad_accum_steps": 1}),
     "tp2_accum4": (2, {"grad_accum_steps": 4, "parallel": {"tp": 2}}),
     "dp2_tp2_accum2": (4, {"grad_accum_steps": 2, "parallel": {"tp": 2}}),
+    # Colocated module layouts: the vision tower with its own TP and DP degrees on the same ranks.
+    "vision_tp2_fsdp2_accum2": (2, {"grad_accum_steps": 2, "parallel": {"modules": {"vision": {"tp": 2}}}}),
+    "vision_tp2_dp2_fsdp4": (4, {"grad_accum_steps": 1, "parallel": {"modules": {"vision": {"tp": 2}}}}),
 }
 
 
@@ -87,16 +90,20 @@ def test_projector_only_stage_with_mixed_batches_under_ddp(reference):
 
 def test_hybrid_qwen3_5_under_fsdp_and_tp_matches_one_process(tmp_path):
     """Qwen3.5's Gated DeltaNet mixers split over heads (whole qkv and conv weights, partial
-    gradients summed over the TP ranks) under FSDP x TP give the one-process run."""
+    gradients summed over the TP ranks) under FSDP x TP give the one-process run; so does the
+    vision tower with its own layout on the same ranks (tp 2 over the language TP pairs, HSDP
+    over the pairs: each pair computes its micro-batch's images once)."""
     snapshot = tiny_snapshot("qwen3_5", tmp_path / "model")
     one, one_weights = run_layout(tmp_path, snapshot, "qwen3_5_one", 1, {"grad_accum_steps": 2})
-    four, four_weights = run_layout(tmp_path, snapshot, "qwen3_5_dp2_tp2", 4, {"grad_accum_steps": 1,
-                                                                               "parallel": {"tp": 2}})
-    torch.testing.assert_close(torch.tensor(four), torch.tensor(one), rtol=1e-5, atol=1e-5)
-    linear = [key for key in one_weights if ".linear_attn." in key]
-    assert len(linear) >= 9 * 3  # 9 tensors per mixer, 3 linear-attention layers
-    for key in one_weights:
-        torch.testing.assert_close(four_weights[key], one_weights[key], rtol=1e-4, atol=1e-4, msg=key)
+    vision = {"tp": 2, "dp_replicate": 2}
+    for name, parallel in [("qwen3_5_dp2_tp2", {"tp": 2}),
+                           ("qwen3_5_dp2_tp2_vision_tp2_hsdp", {"tp": 2, "modules": {"vision": vision}})]:
+        four, four_weights = run_layout(tmp_path, snapshot, name, 4, {"grad_accum_steps": 1, "parallel": parallel})
+        torch.testing.assert_close(torch.tensor(four), torch.tensor(one), rtol=1e-5, atol=1e-5, msg=name)
+        linear = [key for key in one_weights if ".linear_attn." in key]
+        assert len(linear) >= 9 * 3  # 9 tensors per mixer, 3 linear-attention layers
+        for key in one_weights:
+            torch.testing.assert_close(four_weights[key], one_weights[key], rtol=1e-4, atol=1e-4, msg=f"{name} {key}")
 
 
 def test_compiled_blocks_under_tp_follow_the_eager_run(tmp_path):

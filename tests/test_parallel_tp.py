@@ -1,9 +1,11 @@
 """Tensor-parallel plans of all three families, on 2 gloo processes: the TP=2 model gives the
 loss and every gradient of the unsharded model (vocabulary-parallel embedding and loss, split
 heads and MLP, Qwen3.5's linear-attention mixers split over heads, gradients of per-head norms
-and of the mixers' whole qkv and conv weights summed over the TP ranks, the vision tower
-replicated), with and without sequence parallelism (norms and residual stream split on the
-sequence, DeepStack features included). Run by pytest, this file launches itself under torchrun."""
+and of the mixers' whole qkv and conv weights summed over the TP ranks), with and without
+sequence parallelism (norms and residual stream split on the sequence, DeepStack features
+included). With sequence parallelism the vision tower is replicated; without, it is tensor
+parallel too (its own plan, over the same 2 ranks, through the layout bridge that counts the
+2 ranks' copies of the images once). Run by pytest, this file launches itself under torchrun."""
 
 import json
 import subprocess
@@ -33,7 +35,8 @@ def worker(root: Path) -> None:
 
     from vlmcore.models import build_model, from_pretrained
     from vlmcore.parallel.mesh import init_distributed
-    from vlmcore.parallel.tp import apply_tp
+    from vlmcore.parallel.bridge import VisionBridge, count_images_once
+    from vlmcore.parallel.tp import apply_tp, apply_vision_tp
     from vlmcore.models import load_hf_weights
     from vlmcore.train.step import sum_partial_grads
     from vlmcore.train.random_data import RandomBatches
@@ -54,22 +57,27 @@ def worker(root: Path) -> None:
 
         model = build_model(path, device="meta")
         partial = apply_tp(model, mesh, sequence_parallel)
+        if not sequence_parallel and model.vision_tower() is not None:
+            apply_vision_tp(model, mesh)
+            VisionBridge(model.vision_tower(), mesh, language_tp=2)
+            count_images_once(model.vision_tower(), 2)
         model.to_empty(device="cpu")
         with torch.no_grad():
             model.init_weights()
         load_hf_weights(model, path)
         loss = loss_and_grads(model, batch)
         sum_partial_grads([getattr(m, name) for m, name in partial], mesh.get_group())
-        worst, sharded, linear_sharded = 0.0, 0, 0
+        worst, sharded, linear_sharded, vision_sharded = 0.0, 0, 0, 0
         for name, param in model.named_parameters():
             grad = param.grad
             if isinstance(grad, DTensor):
                 sharded += 1
                 linear_sharded += "linear_attn" in name
+                vision_sharded += ".visual." in name
                 grad = grad.full_tensor()
             worst = max(worst, (grad - ref_grads[name]).abs().max().item())
         report[f"{kind}-sp{int(sequence_parallel)}"] = {"loss": loss, "ref_loss": ref_loss, "max_grad_diff": worst, "sharded": sharded,
-                        "partial": len(partial), "linear_sharded": linear_sharded,
+                        "partial": len(partial), "linear_sharded": linear_sharded, "vision_sharded": vision_sharded,
                         "linear_layers": sum(hasattr(b, "linear_attn") for b in model.decoder_layers())}
     if dist.get_rank() == 0:
         (root / "report.json").write_text(json.dumps(report))
@@ -79,7 +87,7 @@ def worker(root: Path) -> None:
 def test_tp_degree_must_divide_every_split_head_count():
     from _train_helpers import hf_config
     from vlmcore.config import ConfigError
-    from vlmcore.parallel.tp import check_tp
+    from vlmcore.parallel.tp import check_tp, check_vision_tp
 
     config = hf_config("qwen3_5")
     check_tp(config, 2)
@@ -91,6 +99,10 @@ def test_tp_degree_must_divide_every_split_head_count():
         check_tp(config, 2)
     with pytest.raises(ConfigError, match="num_attention_heads"):
         check_tp(hf_config("qwen3"), 3)
+    check_vision_tp(hf_config("qwen3_vl"), 2)
+    with pytest.raises(ConfigError, match=r"^parallel.modules.vision.tp: 4 does not divide the vision tower's "
+                                          r"num_heads \(2\)"):
+        check_vision_tp(hf_config("qwen3_5"), 4)
 
 
 def test_uneven_sequence_split_on_old_torch_is_a_clear_error():
@@ -128,6 +140,9 @@ def test_tp_plans_match_the_unsharded_model(tmp_path):
         # Linear-attention mixers: z, a, b column-parallel and out_proj row-parallel.
         assert r["linear_sharded"] == 4 * r["linear_layers"], (kind, r)
         assert r["linear_layers"] > 0 or not kind.startswith("qwen3_5"), (kind, r)
+        # Vision blocks (2) without sequence parallelism: proj, linear_fc1, linear_fc2, weights and biases.
+        vision_tp = kind.endswith("sp0") and not kind.startswith("qwen3-")
+        assert r["vision_sharded"] == (2 * 6 if vision_tp else 0), (kind, r)
 
 
 if __name__ == "__main__":

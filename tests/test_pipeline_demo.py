@@ -76,19 +76,36 @@ def test_model_and_data_stages(demo):
         assert 0.9 < stats["efficiency"] <= 1.0
 
 
-def test_scattered_measure_pass_packs_what_one_job_packs(demo, tmp_path):
-    """The demo measures each dataset in pack.measure_jobs = 2 jobs; one `vlmcore pack` of the
-    same prepared data gives the same bytes."""
+def test_scattered_pack_writes_what_one_job_writes(demo, tmp_path, monkeypatch):
+    """The demo measures each dataset in pack.measure_jobs = 2 jobs and writes it in
+    pack.write_jobs = 2; one `vlmcore pack` of the same prepared data, given the same paths,
+    gives the same bytes, but for energon's index: a random id, and the rows of index.sqlite in
+    the order its 2 indexing processes finished (compared as rows)."""
+    import sqlite3
+
     from vlmcore.data.pack import pack
-    from vlmcore.data.shards import iter_shard_samples, shard_paths
+    from vlmcore.data.shards import shard_paths
 
-    def members(out):
-        return {(shard.name, s.key): s.data for shard in shard_paths(out) for s in iter_shard_samples(shard)}
+    def files(out):
+        return {p.relative_to(out): p.read_bytes() for p in out.rglob("*")
+                if p.is_file() and p.name not in ("index.uuid", "index.sqlite", ".snakemake_timestamp")}
 
-    pack(demo / RESULTS / "data" / "captions", demo / RESULTS / "model", tmp_path / "captions",
-         seq_len=1024, max_patches=4096, workers=1)
-    assert members(tmp_path / "captions") == members(demo / RESULTS / "packed" / "captions")
+    def index_rows(out):
+        db = sqlite3.connect(out / ".nv-meta" / "index.sqlite")
+        tables = [name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        rows = {table: sorted(db.execute(f"SELECT * FROM {table}")) for table in tables}
+        db.close()
+        return rows
+
+    monkeypatch.chdir(demo)  # the paths the rules pass, which stats.json records
+    packed = demo / RESULTS / "packed" / "captions"
+    pack(RESULTS / "data" / "captions", RESULTS / "model", tmp_path / "captions", seq_len=1024, max_patches=4096,
+         shard_size=16, workers=1)
+    assert len(shard_paths(packed)) >= 2  # both write jobs had shards to write
+    assert files(tmp_path / "captions") == files(packed)
+    assert index_rows(tmp_path / "captions") == index_rows(packed) and index_rows(packed)["samples"]
     assert not (demo / RESULTS / "packed" / "captions.measured").exists()
+    assert not (demo / RESULTS / "packed" / "captions.partial").exists()
 
 
 def test_stage1_trains_only_the_projector(demo):

@@ -196,6 +196,12 @@ def without(section, key):
     (common(data={"kind": "random", "seq_len": 8, "image_side": 2}), "train.common.data.image_side"),
     # fits the stages (2 ranks: dp_shard 1 x tp 2) but not the 1-rank scaling point
     (common(parallel={"tp": 2}), "scaling.world_sizes"),
+    # per-module layouts, against each stage's ranks and each scaling point
+    (stage("stage2", parallel={"modules": {"vision": {"tp": 3}}}), "train.stages.stage2.parallel.modules.vision"),
+    (stage("stage1", parallel={"modules": {"language": {"ranks": [0, 1]}, "vision": {"ranks": [1, 3]}}}),
+     "train.stages.stage1.parallel.modules.vision.ranks"),
+    (stage("stage1", parallel={"tp": 2, "modules": {"vision": {"tp": 1}}}), "train.common.micro_batch_size"),
+    (common(parallel={"modules": {"vision": {"tp": 2}}}), "scaling.world_sizes"),
 ])
 def test_invalid_experiments_are_refused_in_one_line_naming_the_key(mutate, key):
     config = demo_config()

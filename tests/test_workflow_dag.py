@@ -1,10 +1,12 @@
 """The workflow's shape: lint-clean, every target plans the right jobs, without running them."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,18 +27,20 @@ def test_lint_is_clean():
     assert "Congratulations" in proc.stdout + proc.stderr
 
 
+# The demo packs each of its 2 datasets in 2 measure jobs, 1 plan job, 2 write jobs and the pack job.
+PACK = {"pack_measure": 4, "pack_plan": 2, "pack_write": 4, "pack_data": 2}
+
+
 @pytest.mark.parametrize(
     "target, expected",
     [
         ("model", {"download_model": 1}),
         ("data", {"synth_data": 1, "prepare_data": 2}),
-        ("packed", {"download_model": 1, "synth_data": 1, "prepare_data": 2, "pack_measure": 4, "pack_data": 2}),
-        ("train", {"download_model": 1, "synth_data": 1, "prepare_data": 2, "pack_measure": 4, "pack_data": 2,
-                   "train_stage": 2}),
-        ("scaling", {"download_model": 1, "synth_data": 1, "prepare_data": 1, "pack_measure": 2, "pack_data": 1,
-                     "scaling_run": 2}),
-        ("train_all", {"download_model": 1, "synth_data": 1, "prepare_data": 2, "pack_measure": 4, "pack_data": 2,
-                       "train_stage": 2,
+        ("packed", {"download_model": 1, "synth_data": 1, "prepare_data": 2, **PACK}),
+        ("train", {"download_model": 1, "synth_data": 1, "prepare_data": 2, **PACK, "train_stage": 2}),
+        ("scaling", {"download_model": 1, "synth_data": 1, "prepare_data": 1, "pack_measure": 2, "pack_plan": 1,
+                     "pack_write": 2, "pack_data": 1, "scaling_run": 2}),
+        ("train_all", {"download_model": 1, "synth_data": 1, "prepare_data": 2, **PACK, "train_stage": 2,
                        "export_hf": 1, "evaluate": 1, "scaling_run": 2, "scaling_report": 1}),
     ],
 )
@@ -56,7 +60,48 @@ def test_moe_demo_plans_the_demo_with_a_tiny_moe_model(tmp_path):
     assert proc.returncode == 0, proc.stderr
     stats = job_stats(proc.stdout)
     stats.pop("train_all", None)
-    assert stats == {"download_model": 1, "synth_data": 1, "prepare_data": 2, "pack_measure": 4, "pack_data": 2,
-                     "train_stage": 2, "export_hf": 1, "evaluate": 1, "scaling_run": 2, "scaling_report": 1}
+    assert stats == {"download_model": 1, "synth_data": 1, "prepare_data": 2, **PACK, "train_stage": 2,
+                     "export_hf": 1, "evaluate": 1, "scaling_run": 2, "scaling_report": 1}
     assert "vlmcore download --tiny --tiny-family qwen3_vl_moe " in proc.stdout
     assert "results/demo-moe/model" in proc.stdout
+    # It is the demo in all else (a --configfile replaces config/config.yaml, hence a full copy).
+    demo, moe = (yaml.safe_load((REPO / "config" / name).read_text()) for name in ("config.yaml", "demo-moe.yaml"))
+    assert moe.pop("experiment") == "demo-moe" and moe["model"]["tiny"].pop("family") == "qwen3_vl_moe"
+    demo.pop("experiment")
+    assert moe == demo
+
+
+# A corpus of 100M samples (10,000 input shards of 10,000), on top of a cluster recipe: the measure
+# pass scattered over 32 CPU jobs, the writing over 16 (docs/hpc.md section 12).
+CORPUS_100M = {
+    "data": {"datasets": {"corpus_100m": {"sources": ["conversations:staged/data/corpus-100m"], "shard_size": 10000}}},
+    "pack": {"measure_jobs": 32, "write_jobs": 16},
+}
+
+
+@pytest.mark.parametrize("cluster, partition", [("mn5", "gpp"), ("jupiter", "booster")])
+def test_corpus_of_100m_samples_plans_its_scattered_pack(tmp_path, cluster, partition):
+    """Nothing of the corpus needs to exist to plan it: its measure and write jobs, each on the
+    cluster's CPU partition, and the plan and pack jobs between them."""
+    from test_slurm_profiles import CLUSTER_ENV, planned_jobs
+
+    recipe = REPO / "config" / "experiments" / f"qwen3vl-2b-{cluster}.yaml"
+    overlay = tmp_path / "corpus-100m.yaml"
+    overlay.write_text(yaml.safe_dump(CORPUS_100M))
+    (tmp_path / "staged/data/corpus-100m").mkdir(parents=True)
+    target = f"results/qwen3vl-2b-{cluster}/packed/corpus_100m"
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n", "--snakefile", str(REPO / "Snakefile"), "--profile",
+         str(REPO / "profiles" / cluster), "--configfile", str(recipe), str(overlay), "--directory", str(tmp_path), target],
+        env=dict(os.environ, **CLUSTER_ENV, VLMCORE_CLUSTER=cluster), capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert job_stats(proc.stdout) == {"download_model": 1, "prepare_data": 1, "pack_measure": 32, "pack_plan": 1,
+                                      "pack_write": 16, "pack_data": 1}
+    jobs = planned_jobs(proc.stdout)
+    for rule in ("pack_measure", "pack_plan", "pack_write", "pack_data"):
+        assert {j["slurm_partition"] for j in jobs[rule]} == {partition} and "gres" not in jobs[rule][0]
+    shell = proc.stdout
+    assert all(f"--measure-group {g}/32 " in shell for g in range(32))
+    assert all(f"--write-group {g}/16 " in shell for g in range(16))
+    assert shell.count("--plan-only ") == 1

@@ -65,6 +65,28 @@ class ScheduleConfig:
 
 
 @dataclass
+class ModuleLayout:
+    """One module's parallel layout (vlmcore.parallel.dims.resolve_layouts)."""
+
+    tp: int | None = setting(None, "tensor-parallel ranks of this module; null: parallel.tp (language), 1 (vision)",
+                             ge=1)
+    dp_shard: int | None = setting(None, "FSDP shards of this module; -1 = what is left of its ranks; null: "
+                                   "parallel.dp_shard (language), -1 (vision)", ge=1, also=(-1,))
+    dp_replicate: int | None = setting(
+        None, "data-parallel replicas of this module (HSDP when > 1); null: parallel.dp_replicate (language; vision "
+        "too when the language tp is 1, else 1)", ge=1)
+    ranks: Literal["all"] | list[int] = setting(
+        "all", "all: on every rank, with the other module (colocated); [start, end): on these ranks only "
+        "(disjoint: the two ranges tile the world; not implemented yet, refused when a run starts)")
+
+
+@dataclass
+class ModulesConfig:
+    vision: ModuleLayout = field(default_factory=ModuleLayout)
+    language: ModuleLayout = field(default_factory=ModuleLayout)
+
+
+@dataclass
 class ParallelConfig:
     dp_replicate: int = setting(1, "data-parallel replicas (HSDP when > 1 with mode fsdp)", ge=1)
     dp_shard: int = setting(-1, "FSDP shards; -1 = whatever is left of the world size", ge=1, also=(-1,))
@@ -78,6 +100,8 @@ class ParallelConfig:
     linear_attention: LinearAttentionBackend = setting(
         "auto", "Qwen3.5 Gated DeltaNet kernels on GPU: auto = fla where installed and correct on this GPU "
         "(docs/hpc.md), else torch; fla = fla or stop; torch = the pure-torch chunked rule")
+    # Each module's own layout (docs/hpc.md, "Per-module layouts"); unset: the keys above.
+    modules: ModulesConfig = field(default_factory=ModulesConfig)
 
 
 @dataclass
@@ -146,6 +170,14 @@ def _each_lr(text: str, suspicious):
             for k in ("lr", "vision_lr", "projector_lr")]
 
 
+def _module_rules(module: str):
+    key = f"parallel.modules.{module}"
+    return [(f"{key}.ranks", "must be all or [start, end) with 0 <= start < end",
+             lambda v, c: v == "all" or (len(v) == 2 and 0 <= v[0] < v[1])),
+            (f"{key}.dp_shard", "must be 1, -1 or null when parallel.mode is ddp",
+             lambda v, c: c.parallel.mode != "ddp" or v in (1, -1, None))]
+
+
 # Rules between keys, checked after each key's own type and range: (key, what is allowed, ok(value, config)).
 RULES = [
     ("model_path", "is required", lambda v, c: v != ""),
@@ -159,6 +191,11 @@ RULES = [
      lambda v, c: c.schedule.unit != "samples" or v <= c.schedule.total_samples),
     ("parallel.dp_shard", "must be 1 or -1 when parallel.mode is ddp",
      lambda v, c: c.parallel.mode != "ddp" or v in (1, -1)),
+    *_module_rules("vision"),
+    *_module_rules("language"),
+    ("parallel.modules.language.ranks", "must be all when parallel.modules.vision.ranks is all and a range when it "
+     "is a range (every module on every rank, or each on its own ranks)",
+     lambda v, c: (v == "all") == (c.parallel.modules.vision.ranks == "all")),
     ("data.segments", "must be <= data.seq_len / 2", lambda v, c: v <= c.data.seq_len // 2),
     ("data.image_side", "must leave room for an image (image_side**2 + 4 tokens) in data.seq_len / data.segments "
      "when data.kind is random and data.image_fraction > 0",
@@ -194,8 +231,13 @@ def _convert(value, tp, key):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(value, inner, key)
+        errors = []
+        for inner in [a for a in args if a is not type(None)]:  # e.g. `Literal["all"] | list[int]`: the first that fits
+            try:
+                return _convert(value, inner, key)
+            except ConfigError as e:
+                errors.append(str(e).removeprefix(f"{key}: "))
+        raise ConfigError(f"{key}: {'; or '.join(errors)}", key)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}", key)

@@ -37,7 +37,7 @@ def _type_text(tp) -> str:
     if origin is typing.Literal:
         return ", ".join(f"`{a}`" for a in args)
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_text(a) for a in args if a is not type(None)) + " or null"
+        return " or ".join(_type_text(a) if a is not type(None) else "null" for a in args)
     if origin is list:
         return f"list of {_type_text(args[0])}s"
     if origin is tuple:

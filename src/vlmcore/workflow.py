@@ -14,7 +14,7 @@ import yaml
 
 from vlmcore import config as train_config
 from vlmcore.config import ConfigError
-from vlmcore.parallel.dims import resolve_dims
+from vlmcore.parallel.dims import check_layouts
 
 
 def _fill_defaults(schema: dict, value):
@@ -111,9 +111,9 @@ def _written_at(config: dict, stage: str, key: str) -> str:
 
 def _check_stage_settings(config: dict):
     """Each stage's vlmcore train settings (train.common + the stage) pass TrainConfig's own
-    checks and their parallel layout fits the stage's ranks (and each scaling point), so a typo,
-    a bad range or a mesh that does not divide stops the workflow before any job runs. The
-    warnings of a suspicious setting are printed."""
+    checks and their parallel layouts (each module's) fit the stage's ranks (and each scaling
+    point), so a typo, a bad range or a mesh that does not divide stops the workflow before any
+    job runs. The warnings of a suspicious setting are printed."""
     exp = Experiment(config)
     written = {f"train.stages.{stage}": config["train"]["stages"][stage] for stage in exp.stages}
     written["train.common"] = config["train"].get("common", {})
@@ -122,7 +122,7 @@ def _check_stage_settings(config: dict):
     for stage in exp.stages:
         try:
             cfg = train_config.from_dict(exp.stage_config(stage))
-            resolve_dims(cfg.parallel, exp.stage_ranks(stage))
+            check_layouts(cfg, exp.stage_ranks(stage))
         except ConfigError as e:
             message = str(e).removeprefix(f"{e.key}: ")
             problems.append(f"{_written_at(config, stage, e.key)}: {message}")
@@ -132,7 +132,7 @@ def _check_stage_settings(config: dict):
     if not problems:
         for world_size in config["scaling"]["world_sizes"]:
             try:
-                resolve_dims(train_config.from_dict(exp.scaling_config(world_size)).parallel, world_size)
+                check_layouts(train_config.from_dict(exp.scaling_config(world_size)), world_size)
             except ConfigError as e:
                 problems.append(f"scaling.world_sizes: the settings of stage {exp.scaling_stage()} do not fit a "
                                 f"scaling run: {e}")

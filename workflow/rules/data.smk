@@ -38,11 +38,27 @@ rule prepare_data:
 
 
 MEASURE_JOBS = config["pack"]["measure_jobs"]
+WRITE_JOBS = config["pack"]["write_jobs"]
+# The settings that decide the packs' bytes, the same in every job of a dataset's pack.
+PACK_SETTINGS = "--seq-len {seq_len} --max-patches {max_patches} --overlong {overlong} --shard-size {shard_size}".format(
+    **config["pack"]
+)
 
 
-# The measure pass scattered over pack.measure_jobs jobs (only when > 1): each fills its share of
-# packed/<dataset>.measured, which pack_data gathers and removes. temp(): once pack_data is done,
-# the markers are gone and nothing reruns for them.
+# The markers of the scattered steps of a dataset's pack (none for a step in one job).
+MEASURED = expand(f"{R}/packed/{{dataset}}.measured/group-{{group}}-of-{MEASURE_JOBS}.done",
+                  group=range(MEASURE_JOBS), allow_missing=True) if MEASURE_JOBS > 1 else []
+WRITTEN = expand(f"{R}/packed/{{dataset}}.partial/plan/write-{{group}}-of-{WRITE_JOBS}.done",
+                 group=range(WRITE_JOBS), allow_missing=True) if WRITE_JOBS > 1 else []
+
+
+# A pack split into jobs (docs/hpc.md section 12), each a `vlmcore pack` of the same settings:
+# pack_measure (pack.measure_jobs > 1): each fills its share of packed/<dataset>.measured;
+# pack_plan (pack.write_jobs > 1): one global packing of all the measurements into
+# packed/<dataset>.partial/plan; pack_write: each writes its share of the output shards; pack_data
+# finishes (measures, plans or writes whatever is left first) and renames the output into place.
+# Their markers are temp() and lie in folders that pack_data removes: once it is done nothing
+# reruns for them.
 rule pack_measure:
     input:
         data=f"{R}/data/{{dataset}}",
@@ -52,7 +68,7 @@ rule pack_measure:
     params:
         model=lambda wc, input: os.path.dirname(input.model),
         out=lambda wc: f"{R}/packed/{wc.dataset}",
-        pack=config["pack"],
+        settings=PACK_SETTINGS,
         groups=MEASURE_JOBS,
     log:
         f"{R}/logs/pack_measure/{{dataset}}-{{group}}.log",
@@ -64,23 +80,69 @@ rule pack_measure:
     conda:
         "../envs/vlmcore.yaml"
     shell:
-        "vlmcore pack --data {input.data} --model {params.model} --out {params.out}"
-        " --seq-len {params.pack[seq_len]} --max-patches {params.pack[max_patches]}"
-        " --overlong {params.pack[overlong]} --workers {threads}"
+        "vlmcore pack --data {input.data} --model {params.model} --out {params.out} {params.settings} --workers {threads}"
         " --measure-group {wildcards.group}/{params.groups} > {log} 2>&1 && touch {output}"
+
+
+rule pack_plan:
+    input:
+        data=f"{R}/data/{{dataset}}",
+        model=f"{R}/model/manifest.json",
+        measured=MEASURED,
+    output:
+        temp(f"{R}/packed/{{dataset}}.partial/plan/planned.done"),
+    params:
+        model=lambda wc, input: os.path.dirname(input.model),
+        out=lambda wc: f"{R}/packed/{wc.dataset}",
+        settings=PACK_SETTINGS,
+    log:
+        f"{R}/logs/pack_plan/{{dataset}}.log",
+    threads: 2
+    resources:
+        runtime=120,
+    conda:
+        "../envs/vlmcore.yaml"
+    shell:
+        "vlmcore pack --data {input.data} --model {params.model} --out {params.out} {params.settings} --workers {threads}"
+        " --plan-only > {log} 2>&1 && touch {output}"
+
+
+rule pack_write:
+    input:
+        data=f"{R}/data/{{dataset}}",
+        model=f"{R}/model/manifest.json",
+        plan=f"{R}/packed/{{dataset}}.partial/plan/planned.done",
+    output:
+        temp(f"{R}/packed/{{dataset}}.partial/plan/write-{{group}}-of-{WRITE_JOBS}.done"),
+    params:
+        model=lambda wc, input: os.path.dirname(input.model),
+        out=lambda wc: f"{R}/packed/{wc.dataset}",
+        settings=PACK_SETTINGS,
+        groups=WRITE_JOBS,
+    log:
+        f"{R}/logs/pack_write/{{dataset}}-{{group}}.log",
+    wildcard_constraints:
+        group=r"\d+",
+    threads: 2
+    resources:
+        runtime=120,
+    conda:
+        "../envs/vlmcore.yaml"
+    shell:
+        "vlmcore pack --data {input.data} --model {params.model} --out {params.out} {params.settings} --workers {threads}"
+        " --write-group {wildcards.group}/{params.groups} > {log} 2>&1 && touch {output}"
 
 
 rule pack_data:
     input:
         data=f"{R}/data/{{dataset}}",
         model=f"{R}/model/manifest.json",
-        measured=lambda wc: [f"{R}/packed/{wc.dataset}.measured/group-{g}-of-{MEASURE_JOBS}.done"
-                             for g in range(MEASURE_JOBS)] if MEASURE_JOBS > 1 else [],
+        steps=WRITTEN or MEASURED,
     output:
         directory(f"{R}/packed/{{dataset}}"),
     params:
         model=lambda wc, input: os.path.dirname(input.model),
-        pack=config["pack"],
+        settings=PACK_SETTINGS,
     log:
         f"{R}/logs/pack_data/{{dataset}}.log",
     threads: 2
@@ -90,5 +152,4 @@ rule pack_data:
         "../envs/vlmcore.yaml"
     shell:
         "vlmcore pack --data {input.data} --model {params.model} --out {output}"
-        " --seq-len {params.pack[seq_len]} --max-patches {params.pack[max_patches]}"
-        " --overlong {params.pack[overlong]} --workers {threads} > {log} 2>&1"
+        " {params.settings} --workers {threads} > {log} 2>&1"

@@ -6,16 +6,19 @@ count after image-token expansion, image patches from the image size) and applie
 policy; shards are measured in parallel by `workers` processes, results kept in shard order.
 Memory holds only compact arrays per sample (where its json and images lie in its shard, its
 tokens and patches: about 75 bytes). The samples are then packed by best fit decreasing under
-`seq_len` tokens and `max_patches` image patches. Pass 2 copies each pack's samples into one
-webdataset sample (`json` = the segments, plus the images), their json and images read back
-from the input shards by offset; `workers` processes write an output shard each at a time.
-Tokenization happens again in the loader (crude samples).
+`seq_len` tokens and `max_patches` image patches, and the packs saved as arrays (the plan).
+Pass 2 copies each pack's samples into one webdataset sample (`json` = the segments, plus the
+images), their json and images read back from the input shards by offset; `workers` processes
+write an output shard each at a time. Tokenization happens again in the loader (crude samples).
 
 The packed dataset carries a copy of the model's tokenizer/processor files under `model/`, so
 the loader encodes exactly as measured here. stats.json reports efficiency, drops and truncations.
 Everything is written into `<out>.partial` and renamed to `<out>` at the end, so a killed pack
-never leaves a directory that looks finished. Each shard's measurements are kept in
-`<out>.measured` until the pack is done: a rerun after a kill measures only the shards left.
+never leaves a directory that looks finished. A killed pack resumes: each shard's measurements
+are kept in `<out>.measured` until the plan is made, the plan in `<out>.partial/plan` until the
+pack is done, and an output shard gets its name only once it is complete. The same steps, split
+into jobs (`--measure-group`, `--plan-only`, `--write-group`), are the workflow's scatter of a
+pack over CPU jobs (docs/hpc.md section 12).
 """
 
 import argparse
@@ -162,16 +165,22 @@ def measure_shard(job: tuple[int, Path]) -> MeasuredShard:
                          time.process_time() - start)
 
 
-def measure_shards(shards: list[Path], model_dir: Path, seq_len: int, max_patches: int, overlong: str, workers: int,
-                   cache: Path, group: tuple[int, int] = (0, 1)) -> list[MeasuredShard]:
-    """MeasuredShard per shard, in shard order, from `workers` processes. Each shard's result is
-    saved in `cache` as it comes, so a rerun after a kill measures only the shards left.
-    `group` (g, n): measure only the shards whose index is g modulo n and return nothing; n such
-    jobs, run at once, fill the same cache (the workflow's scatter of the measure pass)."""
-    settings = (model_dir, seq_len, max_patches, overlong)
+def inputs_identity(shards: list[Path], model_dir: Path, seq_len: int, max_patches: int, overlong: str) -> dict:
+    """What the measurements depend on: the measure settings and every input file's size and mtime."""
     inputs = shards + [model_dir / name for name in MODEL_FILES if (model_dir / name).is_file()]
-    identity = json.dumps({"settings": [str(model_dir), seq_len, max_patches, overlong],
-                           "files": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in inputs]})
+    return {"settings": [str(model_dir), seq_len, max_patches, overlong],
+            "files": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in inputs]}
+
+
+def measure_shards(shards: list[Path], model_dir: Path, seq_len: int, max_patches: int, overlong: str, workers: int,
+                   cache: Path, identity: dict, group: tuple[int, int] = (0, 1)) -> list[MeasuredShard]:
+    """MeasuredShard per shard, in shard order, from `workers` processes. Each shard's result is
+    saved in `cache` (measurements of the inputs `identity`) as it comes, so a rerun after a kill
+    measures only the shards left. `group` (g, n): measure only the shards whose index is g modulo
+    n and return nothing; n such jobs, run at once, fill the same cache (the workflow's scatter of
+    the measure pass)."""
+    settings = (model_dir, seq_len, max_patches, overlong)
+    identity = json.dumps(identity)
     stamp = cache / "identity.json"
     if stamp.is_file() and stamp.read_text() != identity:  # measured from other inputs or settings
         shutil.rmtree(cache)
@@ -225,30 +234,74 @@ def concatenate(measured: list[MeasuredShard]) -> tuple[np.ndarray, np.ndarray, 
             np.concatenate([np.zeros(0, IMAGE)] + [m.images for m in measured]), b"".join(m.keys for m in measured))
 
 
+PLAN_DIR = "plan"  # in <out>.partial: the packing plan, until the pack is done
+PLAN_ARRAYS = ("samples", "images", "keys", "members", "starts")
+
+
+def save_plan(plan_dir: Path, identity: dict, samples: np.ndarray, images: np.ndarray, keys: bytes,
+              bins: list[list[int]]) -> None:
+    """The packs as arrays: pack p holds the samples members[starts[p]:starts[p + 1]], each
+    described by its row in `samples`. plan.json, written last, says the plan is complete and
+    which inputs and settings it was made from."""
+    plan_dir.mkdir(parents=True)
+    starts = np.zeros(len(bins) + 1, np.int64)
+    np.cumsum([len(b) for b in bins], out=starts[1:])
+    members = np.fromiter((i for b in bins for i in b), np.int64, len(samples))
+    arrays = dict(samples=samples, images=images, keys=np.frombuffer(keys, np.uint8), members=members, starts=starts)
+    for name in PLAN_ARRAYS:
+        np.save(plan_dir / f"{name}.npy", arrays[name])
+    (plan_dir / "plan.tmp").write_text(json.dumps(identity))
+    (plan_dir / "plan.tmp").replace(plan_dir / "plan.json")
+
+
+def load_plan(plan_dir: Path, identity: dict) -> dict | None:
+    """The plan's arrays (memory-mapped: writing processes share them), or None when there is no
+    complete plan made from these inputs and settings."""
+    stamp = plan_dir / "plan.json"
+    if not stamp.is_file() or json.loads(stamp.read_text()) != identity:
+        return None
+    return {name: np.load(plan_dir / f"{name}.npy", mmap_mode="r") for name in PLAN_ARRAYS}
+
+
 _writing = {}  # what the writing processes read: set before they fork, so nothing is copied to them
 
 
-def write_packs(out_dir: Path, bins: list[list[int]], shards: list[Path], samples: np.ndarray, images: np.ndarray,
-                keys: bytes, shard_size: int, workers: int) -> float:
-    """Each pack as one webdataset sample in `shard_size`-pack tar shards, written by `workers`
-    processes; returns their CPU seconds."""
-    _writing.update(out_dir=out_dir, bins=bins, shards=shards, samples=samples, images=images, keys=keys,
-                    shard_size=shard_size)
-    jobs = range((len(bins) + shard_size - 1) // shard_size)
-    workers = min(workers, len(jobs))
+def write_packs(out_dir: Path, plan: dict, shards: list[Path], shard_size: int, workers: int,
+                group: tuple[int, int] = (0, 1)) -> tuple[int, float]:
+    """Each pack of the plan as one webdataset sample in `shard_size`-pack tar shards, written by
+    `workers` processes; returns how many shards were written and their CPU seconds. Shards
+    already written are skipped; `group` (g, n): only the shards whose index is g modulo n."""
+    _writing.update(out_dir=out_dir, shards=shards, shard_size=shard_size, **plan)
+    num_shards = (len(plan["starts"]) - 1 + shard_size - 1) // shard_size
+    g, n = group
+    jobs = [i for i in range(num_shards) if i % n == g and not (out_dir / f"shard-{i:06d}.tar").is_file()]
+    workers = min(workers, max(len(jobs), 1))
+    mine = len(range(g, num_shards, n))
+    progress = tqdm(desc=f"write ({workers} workers)", unit="shard", total=mine, initial=mine - len(jobs))
+    cpu = 0.0
     try:
         if workers <= 1:
-            return sum(map(write_shard, tqdm(jobs, desc="write", unit="shard")))
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            return sum(tqdm(pool.imap_unordered(write_shard, jobs), desc="write", unit="shard", total=len(jobs)))
+            for i in jobs:
+                cpu += write_shard(i)
+                progress.update()
+        else:
+            with multiprocessing.get_context("fork").Pool(workers) as pool:
+                for shard_cpu in pool.imap_unordered(write_shard, jobs):
+                    cpu += shard_cpu
+                    progress.update()
     finally:
+        progress.close()
         _writing.clear()
+    return len(jobs), cpu
 
 
 def write_shard(index: int) -> float:
-    """Output shard `index`: its packs, each sample's json and images read back by offset."""
+    """Output shard `index`: its packs, each sample's json and images read back by offset. Written
+    to a .tmp file that is renamed once its bytes are on disk: a shard under its final name is
+    complete, and a rerun after a kill writes only the others."""
     start = time.process_time()
     samples, images, keys = _writing["samples"], _writing["images"], _writing["keys"]
+    members, starts = _writing["members"], _writing["starts"]
     open_shards = OrderedDict()  # the most recently read MAX_OPEN_SHARDS input shards
 
     def read(shard: int, offset: int, size: int) -> bytes:
@@ -262,30 +315,36 @@ def write_shard(index: int) -> float:
         f.seek(offset)
         return f.read(size)
 
+    path = _writing["out_dir"] / f"shard-{index:06d}.tar"
     first_pack = index * _writing["shard_size"]
-    with webdataset.TarWriter(str(_writing["out_dir"] / f"shard-{index:06d}.tar")) as writer:
-        for pack_index in range(first_pack, min(first_pack + _writing["shard_size"], len(_writing["bins"]))):
-            record = {"__key__": f"{pack_index:09d}"}
-            segments = []
-            for s, i in enumerate(_writing["bins"][pack_index]):
-                shard, json_offset, json_size, key_offset, key_size, first, num, kept, tokens, _ = samples[i].tolist()
-                sample = json.loads(read(shard, json_offset, json_size))
-                image_names = sample.pop("images", [])
-                names = []
-                for k, (offset, size, _, _) in enumerate(images[first : first + kept].tolist()):
-                    names.append(f"s{s}_img{k}.{image_names[k].rsplit('.', 1)[-1]}")
-                    record[names[-1]] = read(shard, offset, size)
-                segments.append(
-                    {
-                        "key": keys[key_offset : key_offset + key_size].decode(),
-                        "sample": sample,
-                        "image_sizes": [(w, h) for _, _, w, h in images[first : first + num].tolist()],
-                        "images": names,
-                        "num_tokens": tokens,
-                    }
-                )
-            record["json"] = json.dumps({"segments": segments}).encode()
-            writer.write(record)
+    with open(path.with_name(path.name + ".tmp"), "wb") as f:
+        # mtime 0: the same packs give the same bytes, whenever and by whichever job they are written
+        with webdataset.TarWriter(f, mtime=0) as writer:
+            for pack_index in range(first_pack, min(first_pack + _writing["shard_size"], len(starts) - 1)):
+                record = {"__key__": f"{pack_index:09d}"}
+                segments = []
+                for s, i in enumerate(members[starts[pack_index] : starts[pack_index + 1]].tolist()):
+                    shard, json_offset, json_size, key_offset, key_size, first, num, kept, tokens, _ = samples[i].tolist()
+                    sample = json.loads(read(shard, json_offset, json_size))
+                    image_names = sample.pop("images", [])
+                    names = []
+                    for k, (offset, size, _, _) in enumerate(images[first : first + kept].tolist()):
+                        names.append(f"s{s}_img{k}.{image_names[k].rsplit('.', 1)[-1]}")
+                        record[names[-1]] = read(shard, offset, size)
+                    segments.append(
+                        {
+                            "key": keys[key_offset : key_offset + key_size].tobytes().decode(),
+                            "sample": sample,
+                            "image_sizes": [(w, h) for _, _, w, h in images[first : first + num].tolist()],
+                            "images": names,
+                            "num_tokens": tokens,
+                        }
+                    )
+                record["json"] = json.dumps({"segments": segments}).encode()
+                writer.write(record)
+        f.flush()
+        os.fsync(f.fileno())
+    path.with_name(path.name + ".tmp").replace(path)
     for f in open_shards.values():
         f.close()
     return time.process_time() - start
@@ -307,73 +366,103 @@ def copy_model_files(model_dir: Path, out_dir: Path) -> None:
 
 def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong: str = "truncate",
          shard_size: int = 1000, seed: int = 0, max_bad_fraction: float = 0.05, workers: int = 1,
-         measure_group: tuple[int, int] = (0, 1)) -> dict:
-    """Packs the prepared dataset `data_dir` into `out_dir`. With `measure_group` (g, n), n > 1, it
-    only measures its share of the shards into `<out_dir>.measured` (see `measure_shards`); the
-    pack that follows uses those measurements and gives the same bytes as a pack in one job."""
+         measure_group: tuple[int, int] = (0, 1), plan_only: bool = False, write_group: tuple[int, int] = (0, 1)) -> dict:
+    """Packs the prepared dataset `data_dir` into `out_dir`, in steps that the workflow runs as
+    separate jobs; each resumes where a killed one stopped, and any split gives the same bytes:
+
+    - measure: with `measure_group` (g, n), n > 1, only that share of the shards, into
+      `<out_dir>.measured` (see `measure_shards`), then return;
+    - plan: all measurements packed at once (best fit) into `<out_dir>.partial/plan`, unless a plan
+      of the same inputs and settings is there; with `plan_only`, return its stats;
+    - write: the plan's output shards not written yet; with `write_group` (g, n), n > 1, only those
+      whose index is g modulo n, then return;
+    - finish: index the output and rename `<out_dir>.partial` to `out_dir`."""
     if overlong not in ("truncate", "drop"):
         raise ValueError(f"overlong must be 'truncate' or 'drop', got {overlong!r}")
     data_dir, model_dir, out_dir = Path(data_dir), Path(model_dir), Path(out_dir)
     shards = shard_paths(data_dir)
     workers = max(1, workers)
-    start = time.perf_counter()
-    log = BadDataLog("pack", max_bad_fraction)
-    counts = {"truncated": 0, "dropped_overlong": 0}
+    identity = inputs_identity(shards, model_dir, seq_len, max_patches, overlong)
+    plan_identity = {**identity, "plan": [seed, shard_size, max_bad_fraction]}
     cache = out_dir.with_name(out_dir.name + ".measured")
-    measured = measure_shards(shards, model_dir, seq_len, max_patches, overlong, workers, cache, measure_group)
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    start = time.perf_counter()
     if measure_group[1] > 1:
+        measure_shards(shards, model_dir, seq_len, max_patches, overlong, workers, cache, identity, measure_group)
         logger.info("measure group %d of %d: done in %.1f s", *measure_group, time.perf_counter() - start)
         return {"measure_group": list(measure_group)}
-    for m in measured:
-        log.seen += m.seen
-        for reason, where, detail in m.bad:
-            log.skip(reason, where, detail)
-        for k in counts:
-            counts[k] += m.counts[k]
-    samples, images, keys = concatenate(measured)
-    logger.info("measure: %d samples kept of %d in %.1f s (%.1f CPU s in %d workers), state %d bytes", len(samples),
-                log.seen, time.perf_counter() - start, sum(m.cpu_seconds for m in measured), workers,
-                samples.nbytes + images.nbytes + len(keys))
-    del measured
 
-    partial = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    tokens, patches = samples["tokens"], samples["patches"]
-    start, cpu = time.perf_counter(), time.process_time()
-    bins = best_fit_decreasing(tokens, patches, seq_len, max_patches)
-    logger.info("best fit: %d packs in %.1f s (%.1f CPU s)", len(bins), time.perf_counter() - start, time.process_time() - cpu)
-    # Packs leave BFD largest-first; shuffle so the stream does not start with all the long ones.
-    random.Random(seed).shuffle(bins)
-    stats = {
-        "data": str(data_dir),
-        "model": str(model_dir),
-        "seq_len": seq_len,
-        "max_patches": max_patches,
-        "overlong": overlong,
-        **packing_stats(bins, tokens, patches, seq_len, max_patches),
-        **counts,
-        "bad": log.as_dict(),
-    }
-    (partial / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
-    try:
-        log.check()
-        if not len(samples):
-            raise TooMuchBadData(f"pack: no usable samples in {data_dir}")
-    except TooMuchBadData:
-        replace_dir(partial, out_dir)  # only stats.json, to explain the failure: no reader takes it for a dataset
-        shutil.rmtree(cache)
-        raise
+    plan = load_plan(partial / PLAN_DIR, plan_identity)
+    if plan is None:
+        if write_group[1] > 1:
+            raise DataError(f"{partial / PLAN_DIR}: no packing plan of these inputs and settings; "
+                            "make it first with vlmcore pack --plan-only")
+        measured = measure_shards(shards, model_dir, seq_len, max_patches, overlong, workers, cache, identity)
+        log = BadDataLog("pack", max_bad_fraction)
+        counts = {"truncated": 0, "dropped_overlong": 0}
+        for m in measured:
+            log.seen += m.seen
+            for reason, where, detail in m.bad:
+                log.skip(reason, where, detail)
+            for k in counts:
+                counts[k] += m.counts[k]
+        samples, images, keys = concatenate(measured)
+        logger.info("measure: %d samples kept of %d in %.1f s (%.1f CPU s in %d workers), state %d bytes", len(samples),
+                    log.seen, time.perf_counter() - start, sum(m.cpu_seconds for m in measured), workers,
+                    samples.nbytes + images.nbytes + len(keys))
+        del measured
+
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        tokens, patches = samples["tokens"], samples["patches"]
+        start, cpu = time.perf_counter(), time.process_time()
+        bins = best_fit_decreasing(tokens, patches, seq_len, max_patches)
+        logger.info("best fit: %d packs in %.1f s (%.1f CPU s)", len(bins), time.perf_counter() - start, time.process_time() - cpu)
+        # Packs leave BFD largest-first; shuffle so the stream does not start with all the long ones.
+        random.Random(seed).shuffle(bins)
+        stats = {
+            "data": str(data_dir),
+            "model": str(model_dir),
+            "seq_len": seq_len,
+            "max_patches": max_patches,
+            "overlong": overlong,
+            **packing_stats(bins, tokens, patches, seq_len, max_patches),
+            **counts,
+            "bad": log.as_dict(),
+        }
+        (partial / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+        try:
+            log.check()
+            if not len(samples):
+                raise TooMuchBadData(f"pack: no usable samples in {data_dir}")
+        except TooMuchBadData:
+            replace_dir(partial, out_dir)  # only stats.json, to explain the failure: no reader takes it for a dataset
+            shutil.rmtree(cache)
+            raise
+        save_plan(partial / PLAN_DIR, plan_identity, samples, images, keys, bins)
+        del samples, images, keys, bins, tokens, patches
+        shutil.rmtree(cache)  # the plan holds all it needs
+        plan = load_plan(partial / PLAN_DIR, plan_identity)
+    stats = json.loads((partial / "stats.json").read_text())
+    if plan_only:
+        return stats
+
     start = time.perf_counter()
-    cpu = write_packs(partial, bins, shards, samples, images, keys, shard_size, workers)
-    logger.info("write: %d packs in %.1f s (%.1f CPU s in %d workers)", len(bins), time.perf_counter() - start, cpu, workers)
+    written, cpu = write_packs(partial, plan, shards, shard_size, workers, write_group)
+    logger.info("write: %d shards in %.1f s (%.1f CPU s in %d workers)", written, time.perf_counter() - start, cpu, workers)
+    if write_group[1] > 1:
+        return {"write_group": list(write_group)}
+    del plan
+    for leftover in partial.glob("shard-*.tar.tmp"):  # of a writer killed before the rerun that wrote its shard
+        leftover.unlink()
     copy_model_files(model_dir, partial)
     (partial / "pack_config.json").write_text(json.dumps({"seq_len": seq_len, "max_patches": max_patches}) + "\n")
     start, cpu = time.perf_counter(), cpu_seconds()
     energon_prepare(partial, workers)
-    logger.info("index: %d packs in %.1f s (%.1f CPU s)", len(bins), time.perf_counter() - start, cpu_seconds() - cpu)
+    logger.info("index: %d packs in %.1f s (%.1f CPU s)", stats["packs"], time.perf_counter() - start, cpu_seconds() - cpu)
+    shutil.rmtree(partial / PLAN_DIR)
     replace_dir(partial, out_dir)
-    shutil.rmtree(cache)
+    shutil.rmtree(cache, ignore_errors=True)  # of measure jobs rerun after the plan was made
     return stats
 
 
@@ -387,7 +476,7 @@ def replace_dir(new: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def measure_group(text: str) -> tuple[int, int]:
+def job_group(text: str) -> tuple[int, int]:
     """`G/N` with 0 <= G < N."""
     g, sep, n = text.partition("/")
     if not (sep and g.isdigit() and n.isdigit() and int(g) < int(n)):
@@ -405,9 +494,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-size", type=positive_int, default=1000, help="packs per tar shard")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the pack order")
     parser.add_argument("--max-bad-fraction", type=fraction, default=0.05, help="fail when more of the samples are bad")
-    parser.add_argument("--measure-group", type=measure_group, default=(0, 1), metavar="G/N",
-                        help="only measure the shards whose index is G modulo N into <out>.measured, for a later pack "
-                             "(the workflow's scatter of the measure pass over N jobs)")
+    step = parser.add_mutually_exclusive_group()  # the workflow's split of a pack into jobs; none: the whole pack
+    step.add_argument("--measure-group", type=job_group, default=(0, 1), metavar="G/N",
+                      help="only measure the shards whose index is G modulo N into <out>.measured, for a later pack "
+                           "(the workflow's scatter of the measure pass over N jobs)")
+    step.add_argument("--plan-only", action="store_true",
+                      help="only measure what is left and pack all samples into the plan in <out>.partial/plan")
+    step.add_argument("--write-group", type=job_group, default=(0, 1), metavar="G/N",
+                      help="only write the plan's output shards whose index is G modulo N into <out>.partial "
+                           "(the workflow's scatter of the writing over N jobs; a plain pack then finishes)")
     parser.add_argument("--workers", type=positive_int, default=os.cpu_count(), help="measuring, writing and indexing processes (measuring: at most one per shard)")
 
 
@@ -417,14 +512,15 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         stats = pack(args.data, args.model, args.out, args.seq_len, args.max_patches, args.overlong,
-                     args.shard_size, args.seed, args.max_bad_fraction, args.workers, args.measure_group)
+                     args.shard_size, args.seed, args.max_bad_fraction, args.workers, args.measure_group,
+                     args.plan_only, args.write_group)
     except TooMuchBadData as e:
         logger.error("%s (details in %s/stats.json)", e, args.out)
         return 1
     except DataError as e:
         logger.error("%s", e)
         return 1
-    if "measure_group" in stats:
+    if "measure_group" in stats or "write_group" in stats:
         print(json.dumps(stats))
         return 0
     print(json.dumps({k: stats[k] for k in ("packs", "samples", "efficiency", "truncated", "dropped_overlong")}))

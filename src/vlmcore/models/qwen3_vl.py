@@ -7,8 +7,7 @@ grid, 2-D rotary, pre-norm blocks with a fused `attn.qkv`, a patch merger to the
 DeepStack mergers whose outputs are added to the hidden states of the first LLM layers at image
 positions. LLM: the Qwen3 decoder with interleaved multimodal RoPE (t, h, w).
 
-The vision tower has no tensor-parallel plan: under TP it is sharded by FSDP over all ranks
-(vlmcore.parallel.tp).
+The vision tower's tensor-parallel plan, with its own degree, is in vlmcore.parallel.tp.
 """
 
 import torch

@@ -9,10 +9,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], vision: nn.Module | None, mesh: DeviceMesh,
-               vision_mesh: DeviceMesh, vision_replicas: int, param_dtype: torch.dtype,
-               reduce_dtype: torch.dtype) -> None:
-    """`vision_mesh` may span more ranks than `mesh` (all of them, under TP): then each gradient
-    of the vision tower arrives `vision_replicas` times (once per TP rank), hence the divisor."""
+               vision_mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+    """`vision_mesh`: the vision tower's own data-parallel mesh (vlmcore.parallel.bridge)."""
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
@@ -27,6 +25,7 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], vision: nn.Module | No
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # The loss is already divided by the global number of label tokens: reduce by SUM.
-            module.set_gradient_divide_factor(float(vision_replicas) if module is vision else 1.0)
+            # (The vision tower's repeated images are counted once by vlmcore.parallel.bridge.)
+            module.set_gradient_divide_factor(1.0)
             # Plain SUM collectives (no PREMUL_SUM: gloo lacks it).
             module.set_force_sum_reduction_for_comms(True)

@@ -29,16 +29,18 @@ def init_distributed(device: torch.device) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
-def build_mesh(dims: ParallelDims, device: torch.device) -> DeviceMesh:
+def build_mesh(dims: ParallelDims, device: torch.device, prefix: str = "") -> DeviceMesh:
+    """The run's mesh; a module with its own layout gets its own mesh of the same ranks, its
+    dimensions named with a prefix (`vision_tp`)."""
     return init_device_mesh(device.type, (dims.dp_replicate, dims.dp_shard, dims.tp),
-                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+                            mesh_dim_names=tuple(prefix + name for name in ("dp_replicate", "dp_shard", "tp")))
 
 
-def dp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+def dp_mesh(mesh: DeviceMesh, dims: ParallelDims, prefix: str = "") -> DeviceMesh:
     """The mesh FSDP2 shards over: 1-D (FSDP) or 2-D replicate x shard (HSDP / DDP)."""
     if dims.dp_replicate == 1:
-        return mesh["dp_shard"]
-    return mesh["dp_replicate", "dp_shard"]
+        return mesh[prefix + "dp_shard"]
+    return mesh[prefix + "dp_replicate", prefix + "dp_shard"]
 
 
 def dp_rank(dims: ParallelDims) -> int:

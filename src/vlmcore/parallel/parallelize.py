@@ -1,16 +1,33 @@
 """Applies the parallelisms in their required order: TP, activation checkpointing, per-block
-compile, then FSDP2 (FSDP, HSDP or DDP by the mesh)."""
+compile, then FSDP2 (FSDP, HSDP or DDP by the mesh). The language model takes the run's mesh;
+the vision tower its own layout (`parallel.modules.vision`) on the same ranks."""
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
-from vlmcore.config import TrainConfig
+from vlmcore.config import ConfigError, ModuleLayout, TrainConfig
 from vlmcore.parallel.ac import apply_ac
+from vlmcore.parallel.bridge import VisionBridge, count_images_once
 from vlmcore.parallel.compile import apply_compile
+from vlmcore.parallel.dims import check_layouts, refuse_disjoint
 from vlmcore.parallel.fsdp import apply_fsdp
-from vlmcore.parallel.mesh import ParallelDims, dp_mesh
-from vlmcore.parallel.tp import apply_tp
+from vlmcore.parallel.mesh import ParallelDims, build_mesh, dp_mesh
+from vlmcore.parallel.tp import apply_tp, apply_vision_tp
+
+
+def parallelize_vision(model: nn.Module, vision_dims: ParallelDims, mesh: DeviceMesh, dims: ParallelDims):
+    """TP-shards the vision tower on its own mesh of the same ranks (the run's mesh when the
+    layouts are the same); returns the mesh FSDP2 shards it over."""
+    vision, prefix = mesh, ""
+    if vision_dims != dims:
+        prefix = "vision_"
+        vision = build_mesh(vision_dims, torch.device(mesh.device_type), prefix)
+    if vision_dims.tp > 1:
+        apply_vision_tp(model, vision[prefix + "tp"])
+        VisionBridge(model.vision_tower(), vision[prefix + "tp"], dims.tp)
+    count_images_once(model.vision_tower(), dims.tp)
+    return dp_mesh(vision, vision_dims, prefix)
 
 
 def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, dims: ParallelDims) -> list:
@@ -20,15 +37,17 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, dims: Para
     partial = []
     if dims.tp > 1:
         partial = apply_tp(model, mesh["tp"], cfg.parallel.sequence_parallel)
+    layouts = check_layouts(cfg, dims.world_size)
+    refuse_disjoint(cfg.parallel)
+    if vision is None and cfg.parallel.modules.vision != ModuleLayout():
+        raise ConfigError(f"parallel.modules.vision: the {model.config.model_type} model has no vision tower",
+                          "parallel.modules.vision")
+    vision_dp_mesh = parallelize_vision(model, layouts["vision"][0], mesh, dims) if vision is not None else None
     for stack in [blocks] + ([model.vision_layers()] if vision is not None else []):
         apply_ac(stack, cfg.parallel.activation_checkpointing)
         if cfg.parallel.compile:
             apply_compile(stack)
-    # The vision tower is not tensor parallel; under TP it is sharded over all ranks.
-    vision_mesh = dp_mesh(mesh, dims)
-    if dims.tp > 1:
-        vision_mesh = init_device_mesh(mesh.device_type, (dims.world_size,), mesh_dim_names=("all",))
-    apply_fsdp(model, list(blocks.children()), vision, dp_mesh(mesh, dims), vision_mesh, vision_replicas=dims.tp,
+    apply_fsdp(model, list(blocks.children()), vision, dp_mesh(mesh, dims), vision_dp_mesh,
                param_dtype=getattr(torch, cfg.precision.param_dtype),
                reduce_dtype=getattr(torch, cfg.precision.reduce_dtype))
     return partial

@@ -18,8 +18,15 @@ Qwen3.5's linear-attention (Gated DeltaNet) mixers are split over heads too: `in
 column-parallel, `out_proj` row-parallel. Their fused `in_proj_qkv` ([q | k | v], unequal
 blocks) and its `conv1d` cannot be one DTensor shard, so they stay whole on every TP rank
 (still sharded by FSDP) and each rank reads its heads' rows of them (`GatedDeltaNet.head_shard`),
-as it does for `A_log` and `dt_bias`. The vision tower is not tensor parallel (FSDP over all
-ranks instead): every TP rank computes the same thing.
+as it does for `A_log` and `dt_bias`.
+
+The vision tower has its own layout (`parallel.modules.vision`, by default tp 1: every language
+TP rank computes the same thing). With its own tp (`apply_vision_tp`), each vision block's
+attention `proj` and MLP `linear_fc2` are row-parallel and `linear_fc1` column-parallel. The
+fused `attn.qkv` ([q | k | v] rows) stays whole (a three-block row split is no shard that DCP
+can save): each rank computes its heads of q, k and v from their rows (`OwnHeadsLinear`). The
+residual stream stays replicated (no sequence parallelism): the vision TP group runs the tower
+on the same images (vlmcore.parallel.bridge).
 
 Parameters that are whole on every TP rank but used for local heads only (per-head q/k norms,
 the gated norm and the rows read by the linear-attention mixers) get partial gradients on each
@@ -28,9 +35,10 @@ parameter objects on the same modules, for the train step to all-reduce once per
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -64,6 +72,45 @@ def check_tp(config, tp: int) -> None:
         value = getattr(text, key)
         if value % tp:
             raise ConfigError(f"parallel.tp: {tp} does not divide the model's {key} ({value})")
+
+
+def check_vision_tp(config, tp: int) -> None:
+    vision = config.vision_config
+    for key in ("num_heads", "intermediate_size"):
+        if getattr(vision, key) % tp:
+            raise ConfigError(f"parallel.modules.vision.tp: {tp} does not divide the vision tower's {key} "
+                              f"({getattr(vision, key)})", "parallel.modules.vision.tp")
+
+
+def sum_grad_over(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """t, whose gradient is summed over the ranks of `mesh` in backward (each rank's is partial)."""
+    return DTensor.from_local(t, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+class OwnHeadsLinear(nn.Linear):
+    """The vision attention's fused qkv under vision TP: its weight stays whole (FSDP-sharded) and
+    each rank computes its heads of q, k and v from their rows of it; in backward the rows'
+    gradients are all-gathered, so the weight's gradient is whole on every rank, like the norms'."""
+
+    tp_mesh: DeviceMesh
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Each rank's gradient of x covers its heads only: summed over the TP ranks.
+        return F.linear(sum_grad_over(x, self.tp_mesh), self.own_rows(self.weight), self.own_rows(self.bias))
+
+    def own_rows(self, t: torch.Tensor) -> torch.Tensor:
+        whole = DTensor.from_local(t.view(3, -1, *t.shape[1:]), self.tp_mesh, [Replicate()], run_check=False)
+        return whole.redistribute(self.tp_mesh, [Shard(1)]).to_local().flatten(0, 1)
+
+
+def apply_vision_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shards the vision blocks of `model` in place over `tp_mesh` (no partial gradients)."""
+    check_vision_tp(model.config, tp_mesh.size())
+    for block in model.vision_layers():
+        # Same parameters and state-dict names, another forward (as fully_shard swaps classes).
+        block.attn.qkv.__class__, block.attn.qkv.tp_mesh = OwnHeadsLinear, tp_mesh
+        parallelize_module(block, tp_mesh, {"attn.proj": RowwiseParallel(), "mlp.linear_fc1": ColwiseParallel(),
+                                            "mlp.linear_fc2": RowwiseParallel()})
 
 
 def _gather(args: int) -> PrepareModuleInput:

@@ -201,13 +201,17 @@ def measured_workload(metrics, settings: dict, warmup_steps: int) -> Workload | 
         return None
     world = int(metrics["world_size"].iloc[0])
     parallel = settings.get("parallel", {})
-    llm_tp = parallel.get("tp", 1)
+    modules = parallel.get("modules") or {}
+    llm_tp = (modules.get("language") or {}).get("tp") or parallel.get("tp", 1)
+    # Under vision TP a rank's tower runs on the images of the language data-parallel ranks of its
+    # vision TP group (parallel/bridge.py): vision_tp / llm_tp batches, counted once per group.
+    shared = max(1, ((modules.get("vision") or {}).get("tp") or 1) // llm_tp)
     try:
         config = load_hf_config(settings["model_path"])
     except (KeyError, OSError, ValueError) as e:
         raise ValueError(f"no model config ({e})") from None
     return workload_of(config, vision_s=measured["vision_time_s"].mean() * world,
                        llm_s=measured["llm_time_s"].mean() * world,
-                       patches=measured["vision_patches"].mean() * world / llm_tp,  # TP peers share a batch
+                       patches=measured["vision_patches"].mean() * world / llm_tp / shared,  # TP peers share a batch
                        micro_batches=settings.get("grad_accum_steps", 1),
                        micro_batch_size=settings.get("micro_batch_size", 1), llm_tp=llm_tp)

@@ -1,0 +1,98 @@
+"""Per-module parallel layouts (`parallel.modules`), resolved and checked against a world size
+without torch: what each module gets, and each refusal naming its key."""
+
+import pytest
+
+from vlmcore.config import ConfigError, from_dict
+from vlmcore.parallel.dims import ParallelDims, check_layouts, refuse_disjoint, resolve_dims
+
+
+def config(parallel: dict, micro_batch_size: int = 1):
+    return from_dict({"model_path": "m", "output_dir": "o", "data": {"kind": "random"},
+                      "micro_batch_size": micro_batch_size, "parallel": parallel})
+
+
+def dims(layouts):
+    return {module: (d.dp_replicate, d.dp_shard, d.tp) for module, (d, _) in layouts.items()}
+
+
+@pytest.mark.parametrize("parallel, world, expected", [
+    # unset: the language model takes the top-level keys, the vision tower tp 1 (today's layouts)
+    ({}, 4, {"language": (1, 4, 1), "vision": (1, 4, 1)}),
+    ({"tp": 2}, 4, {"language": (1, 2, 2), "vision": (1, 4, 1)}),
+    ({"dp_replicate": 2}, 8, {"language": (2, 4, 1), "vision": (2, 4, 1)}),
+    ({"mode": "ddp"}, 4, {"language": (4, 1, 1), "vision": (4, 1, 1)}),
+    # colocated, own degrees
+    ({"modules": {"vision": {"tp": 2}}}, 4, {"language": (1, 4, 1), "vision": (1, 2, 2)}),
+    ({"modules": {"vision": {"tp": 2}}}, 2, {"language": (1, 2, 1), "vision": (1, 1, 2)}),
+    ({"tp": 2, "modules": {"vision": {"tp": 2, "dp_replicate": 2}}}, 4, {"language": (1, 2, 2), "vision": (2, 1, 2)}),
+    ({"dp_replicate": 2, "modules": {"vision": {"tp": 2}}}, 8, {"language": (2, 4, 1), "vision": (2, 2, 2)}),
+    ({"tp": 4, "modules": {"language": {"tp": 2}, "vision": {"tp": 4}}}, 8,
+     {"language": (1, 4, 2), "vision": (1, 2, 4)}),
+    # disjoint ranges that tile the world (refused when a run starts, not here)
+    ({"modules": {"vision": {"ranks": [0, 2], "tp": 2}, "language": {"ranks": [2, 8]}}}, 8,
+     {"language": (1, 6, 1), "vision": (1, 1, 2)}),
+])
+def test_module_layouts_resolve(parallel, world, expected):
+    layouts = check_layouts(config(parallel, micro_batch_size=2), world)
+    assert dims(layouts) == expected
+    assert resolve_dims(config(parallel).parallel, world) == ParallelDims(*expected["language"])
+    for module, (d, ranks) in layouts.items():
+        assert d.world_size == len(ranks), module
+
+
+@pytest.mark.parametrize("parallel, world, micro_batch_size, message", [
+    ({"tp": 3}, 4, 1, "parallel: dp_replicate (1) x dp_shard (-1) x tp (3) does not fit the world size 4"),
+    ({"modules": {"language": {"tp": 3}}}, 4, 1,
+     "parallel.modules.language: dp_replicate (1) x dp_shard (-1) x tp (3) does not fit the world size 4"),
+    ({"modules": {"vision": {"tp": 3}}}, 4, 1,
+     "parallel.modules.vision: dp_replicate (1) x dp_shard (-1) x tp (3) does not fit the world size 4"),
+    ({"modules": {"vision": {"tp": 2, "dp_shard": 4}}}, 4, 1,
+     "parallel.modules.vision: dp_replicate (1) x dp_shard (4) x tp (2) does not fit the world size 4"),
+    ({"modules": {"vision": {"ranks": [0, 2]}, "language": {"ranks": [3, 4]}}}, 4, 1,
+     "parallel.modules.vision.ranks: [0, 2) and language's [3, 4) do not tile the world of 4 ranks"),
+    ({"modules": {"vision": {"ranks": [0, 2]}, "language": {"ranks": [1, 4]}}}, 4, 1,
+     "parallel.modules.vision.ranks: [0, 2) and language's [1, 4) do not tile the world of 4 ranks"),
+    ({"modules": {"vision": {"ranks": [0, 2]}, "language": {"ranks": [2, 6]}}}, 4, 1,
+     "parallel.modules.language.ranks: [2, 6) is outside the world of 4 ranks"),
+    ({"modules": {"vision": {"ranks": [0, 2], "tp": 4}, "language": {"ranks": [2, 4]}}}, 4, 1,
+     "parallel.modules.vision: dp_replicate (1) x dp_shard (-1) x tp (4) does not fit its 2 ranks"),
+    # each module's data-parallel rank needs whole rows of the global micro-batch
+    ({"tp": 2, "modules": {"vision": {"tp": 1}}}, 4, 1,
+     "micro_batch_size: the global micro-batch (1 x 2 language data-parallel ranks = 2 rows) is not divisible by "
+     "4, the LCM of the module data-parallel sizes (language 2, vision 4)"),
+    ({"modules": {"vision": {"ranks": [0, 2]}, "language": {"ranks": [2, 5]}}}, 5, 1,
+     "micro_batch_size: the global micro-batch (1 x 3 language data-parallel ranks = 3 rows) is not divisible by "
+     "6, the LCM of the module data-parallel sizes (language 3, vision 2)"),
+])
+def test_module_layouts_that_do_not_fit_are_refused_naming_the_key(parallel, world, micro_batch_size, message):
+    with pytest.raises(ConfigError) as e:
+        check_layouts(config(parallel, micro_batch_size), world)
+    assert str(e.value) == message
+    assert message.startswith(f"{e.value.key}: ")
+
+
+def test_disjoint_layouts_are_planned_but_refused_when_a_run_starts():
+    disjoint = config({"modules": {"vision": {"ranks": [0, 2]}, "language": {"ranks": [2, 4]}}}, micro_batch_size=2)
+    check_layouts(disjoint, 4)
+    with pytest.raises(ConfigError, match=r"^parallel.modules.vision.ranks: disjoint layouts .* not implemented yet"):
+        refuse_disjoint(disjoint.parallel)
+    refuse_disjoint(config({"modules": {"vision": {"tp": 2}}}).parallel)
+
+
+@pytest.mark.slow
+def test_memory_estimate_of_a_vision_layout(tmp_path):
+    """`vlmcore memory` with the vision tower on its own tp (the layout bridge on fake tensors,
+    every rank of a vision TP group holding a batch like rank 0's): the tower is gathered 1/tp
+    per rank for its attention and MLP, its sharded states spread over world / tp ranks only, and
+    a rank holds the activations of its group's images."""
+    from _train_helpers import tiny_snapshot, write_config
+    from test_train_memory import estimates
+
+    config = write_config(tmp_path / "vl.yaml", tiny_snapshot("qwen3_vl", tmp_path / "vl"), tmp_path / "out",
+                          data={"kind": "random", "seq_len": 96, "segments": 2})
+    default, vision_tp = [r["peak_bytes_by_kind"] for r in estimates(
+        config, ([], 2, 48, 2, True), (["parallel.modules.vision.tp=2"], 2, 48, 2, True))]
+    assert vision_tp["Unsharded Param"] < default["Unsharded Param"]
+    assert vision_tp["Sharded Param"] > default["Sharded Param"]
+    assert vision_tp["Activation"] > default["Activation"]
