@@ -5,6 +5,8 @@ same AdamW, one device; and vlmcore's real training loop (`vlmcore train` on ran
     python benchmarks/train_step.py --preset 2b --family qwen3_vl --compile   # one GPU, bf16
     python benchmarks/train_step.py --preset 2b --all    # the whole table: Qwen3-VL and Qwen3,
                                                          # eager and compiled, bare step, real loop
+    python benchmarks/train_step.py --preset tiny --family qwen3_vl_moe   # mixture of experts, CPU
+    python benchmarks/train_step.py --preset 30b-a3b --all   # Qwen3-VL-30B-A3B's shape, 4 layers, one GPU
 
 vlmcore runs its real step (`vlmcore.train.step`: FSDP2 over one rank with the mixed-precision
 policy, chunked cross-entropy, AdamW, one host read); transformers runs `model(**batch, labels=...)`
@@ -26,44 +28,66 @@ from pathlib import Path
 
 import torch
 
+DENSE, MOE = ("qwen3_vl", "qwen3"), ("qwen3_vl_moe", "qwen3_moe")
 PRESETS = {
-    # CPU-sized: big enough that matmuls, not Python, dominate.
+    # CPU-sized: big enough that matmuls, not Python, dominate. The MoE families put 8 experts,
+    # top-2, of half the dense MLP in every layer: a token costs what it costs in the dense model.
     "tiny": dict(text=dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+                 moe=dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=384),
                  vision=dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=2, out_hidden_size=256),
-                 seq_len=1024, image_side=2),
+                 seq_len=1024, image_side=2, families=DENSE + MOE),
     # Qwen3-VL-2B / Qwen3-1.7B class.
     "2b": dict(text=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                          num_attention_heads=16, num_key_value_heads=8, head_dim=128),
                vision=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048),
                # One 512x512 image per row (32x32 patches, 256 LLM tokens) among 16 packed samples.
-               seq_len=8192, image_side=16),
+               seq_len=8192, image_side=16, families=DENSE),
+    # Qwen3-VL-30B-A3B / Qwen3-30B-A3B (benchmarks/recipe_models.py) with 4 of the 48 layers, so
+    # that weights, gradients and AdamW states (3.7B parameters, 16 bytes each: 59 GB) fit one GPU.
+    "30b-a3b": dict(text=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=4,
+                              num_attention_heads=32, num_key_value_heads=4, head_dim=128),
+                    moe=dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+                    vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                                out_hidden_size=2048, deepstack_visual_indexes=[8, 16, 24]),
+                    seq_len=8192, image_side=16, families=MOE),
 }
+
+
+# family: (transformers config class, model class)
+HF_CLASSES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+              "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+              "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+              "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration")}
 
 
 def hf_config(family: str, preset: dict):
     import transformers
 
-    text = dict(preset["text"], max_position_embeddings=32768, tie_word_embeddings=True)
-    if family == "qwen3":
-        return transformers.Qwen3Config(**text)
+    text = dict(preset["text"], max_position_embeddings=32768, tie_word_embeddings=family in DENSE)
+    if family in MOE:
+        text.update(preset["moe"], norm_topk_prob=True, router_aux_loss_coef=0.001)
+    config_class = getattr(transformers, HF_CLASSES[family][0])
+    if family in ("qwen3", "qwen3_moe"):
+        return config_class(**text)
     half = text["head_dim"] // 2
     rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_interleaved": True,
             "mrope_section": [half - 2 * (half * 5 // 16), half * 5 // 16, half * 5 // 16]}
-    vision = dict(preset["vision"], patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
-                  num_position_embeddings=2304, deepstack_visual_indexes=[0])
+    vision = dict(dict(deepstack_visual_indexes=[0]), **preset["vision"], patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=2304)
     vocab = text["vocab_size"]
-    return transformers.Qwen3VLConfig(vision_config=vision, text_config=dict(text, rope_parameters=rope),
-                                      image_token_id=vocab - 6, vision_start_token_id=vocab - 5,
-                                      vision_end_token_id=vocab - 4, video_token_id=vocab - 3)
+    return config_class(vision_config=vision, text_config=dict(text, rope_parameters=rope),
+                        image_token_id=vocab - 6, vision_start_token_id=vocab - 5,
+                        vision_end_token_id=vocab - 4, video_token_id=vocab - 3,
+                        tie_word_embeddings=text["tie_word_embeddings"])
 
 
 def write_snapshot(family: str, preset: dict, path: Path) -> None:
     import transformers
 
     config = hf_config(family, preset)
-    cls = transformers.Qwen3ForCausalLM if family == "qwen3" else transformers.Qwen3VLForConditionalGeneration
-    with torch.device("meta" if preset is PRESETS["2b"] else "cpu"):
+    cls = getattr(transformers, HF_CLASSES[family][1])
+    with torch.device("cpu" if preset is PRESETS["tiny"] else "meta"):
         model = cls(config)
     if model.device.type == "meta":
         model = model.to_empty(device="cpu")
@@ -73,7 +97,10 @@ def write_snapshot(family: str, preset: dict, path: Path) -> None:
 
 
 def time_steps(step_fn, warmup: int, steps: int, device: torch.device) -> float:
-    """Median seconds per step (robust to a shared, noisy machine)."""
+    """Median seconds per step (robust to a shared, noisy machine). On CPU the clock is the
+    process's CPU time, which other jobs on a shared machine do not inflate (with
+    OMP_NUM_THREADS=1 it is the compute time); on CUDA it is wall time between synchronizations."""
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
     for _ in range(warmup):
         step_fn()
     if device.type == "cuda":
@@ -81,11 +108,11 @@ def time_steps(step_fn, warmup: int, steps: int, device: torch.device) -> float:
         torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(steps):
-        start = time.perf_counter()
+        start = clock()
         step_fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)
 
 
@@ -151,11 +178,11 @@ def bench_loop(cfg, device, args, seq_len: int, image_side: int, family: str) ->
             "data_wait_share": statistics.median(r["data_wait_s"] / r["step_time_s"] for r in rows)}
 
 
-def bench_transformers(path, batch, device, args, image_token_id):
+def bench_transformers(path, batch, device, args, family: str, image_token_id):
     import transformers
 
-    cls = (transformers.AutoModelForImageTextToText if "pixel_values" in batch
-           or args.family == "qwen3_vl" else transformers.AutoModelForCausalLM)
+    cls = (transformers.AutoModelForCausalLM if family in ("qwen3", "qwen3_moe")
+           else transformers.AutoModelForImageTextToText)
     model = cls.from_pretrained(path, dtype=torch.float32).to(device)
     model.train()
     if args.compile:
@@ -166,6 +193,8 @@ def bench_transformers(path, batch, device, args, image_token_id):
     labels = torch.full_like(batch["labels"], -100)
     labels[:, 1:] = batch["labels"][:, :-1]
     inputs = {"input_ids": batch["input_ids"], "labels": labels}
+    if family in MOE:  # the load-balancing loss in the loss, as vlmcore's step has it
+        inputs["output_router_logits"] = True
     if "pixel_values" in batch:
         inputs.update(pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
                       mm_token_type_ids=(batch["input_ids"] == image_token_id).int())
@@ -211,11 +240,12 @@ def run_case(args, family: str, device: torch.device) -> dict:
         flops = results["vlmcore"]["flops_per_step"]
         if not args.skip_transformers:
             device_batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-            results["transformers"] = bench_transformers(path, device_batch, device, args,
+            results["transformers"] = bench_transformers(path, device_batch, device, args, family,
                                                          getattr(model_config, "image_token_id", None))
         if not args.skip_loop:
             results["vlmcore train"] = bench_loop(cfg, device, args, seq_len, preset["image_side"], family)
-        if args.memory_estimate:
+        # The MoE estimate is of the experts' bf16 grouped GEMM: none for an fp32 (CPU) MoE run.
+        if args.memory_estimate and (bf16 or family not in MOE):
             from vlmcore.train.memory import estimate_memory
 
             estimate = estimate_memory(cfg, 1, seq_len, preset["image_side"], segments=max(1, seq_len // 512))
@@ -234,28 +264,29 @@ def run_case(args, family: str, device: torch.device) -> dict:
 
 def print_rows(cases: list[dict], name: str, preset: str) -> None:
     print(f"{preset} preset, {name}, torch {torch.__version__}")
-    print(f"{'family':<10}{'compile':>8}  {'engine':<15}{'step s':>9}{'tokens/s':>11}{'TFLOPS':>9}{'MFU %':>7}"
+    print(f"{'family':<13}{'compile':>8}  {'engine':<15}{'step s':>9}{'tokens/s':>11}{'TFLOPS':>9}{'MFU %':>7}"
           f"{'peak GiB':>9}{'est GiB':>8}{'vs HF':>7}")
     for case in cases:
         hf = case["results"].get("transformers")
         for engine, r in case["results"].items():
             fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
             ratio = fmt(hf["step_s"] / r["step_s"], ".2f") + "x" if hf and engine != "transformers" else "-"
-            print(f"{case['family']:<10}{str(case['compile']):>8}  {engine:<15}{r['step_s']:>9.3f}"
+            print(f"{case['family']:<13}{str(case['compile']):>8}  {engine:<15}{r['step_s']:>9.3f}"
                   f"{r['tokens_per_s']:>11.0f}{r['tflops']:>9.2f}{fmt(r['mfu'], '.1f'):>7}"
                   f"{fmt(r.get('peak_mem_gib'), '.1f'):>9}{fmt(r.get('estimated_peak_gib'), '.1f'):>8}{ratio:>7}")
         loop, bare = case["results"].get("vlmcore train"), case["results"]["vlmcore"]
         if loop:
-            print(f"{'':<20}real loop / bare step time: {loop['step_s'] / bare['step_s']:.3f}, "
+            print(f"{'':<23}real loop / bare step time: {loop['step_s'] / bare['step_s']:.3f}, "
                   f"data wait {100 * loop['data_wait_share']:.1f}% of the loop's step")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=PRESETS, default="tiny")
-    parser.add_argument("--family", choices=("qwen3", "qwen3_vl"), default="qwen3_vl")
-    parser.add_argument("--all", action="store_true", help="Qwen3-VL and Qwen3, eager and compiled, with the "
-                        "real loop and the memory estimate: the whole table")
+    parser.add_argument("--family", choices=DENSE + MOE, default=None,
+                        help="default: the preset's first (qwen3_vl, or qwen3_vl_moe for 30b-a3b)")
+    parser.add_argument("--all", action="store_true", help="every family of the preset, eager and compiled, with "
+                        "the real loop and the memory estimate: the whole table")
     parser.add_argument("--seq-len", type=int, default=None, help="packed tokens per step (default: preset's)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
@@ -266,6 +297,10 @@ def main() -> int:
     parser.add_argument("--memory-estimate", action="store_true", help="also `vlmcore memory`'s estimate")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
+    families = PRESETS[args.preset]["families"]
+    args.family = args.family or families[0]
+    if args.family not in families:
+        parser.error(f"--family {args.family}: the {args.preset} preset has {', '.join(families)}")
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bf16 = device.type == "cuda"
@@ -273,7 +308,7 @@ def main() -> int:
     if args.all:
         args.memory_estimate = True
         cases = []
-        for family in ("qwen3_vl", "qwen3"):
+        for family in families:
             for compiled in (False, True):
                 args.compile = compiled
                 cases.append(run_case(args, family, device))

@@ -22,3 +22,23 @@ def test_benchmark_prints_the_table_and_writes_json(tmp_path):
     assert set(result["results"]) == {"vlmcore", "transformers", "vlmcore train"}
     assert result["results"]["vlmcore"]["estimated_peak_gib"] > 0
     assert all(r["step_s"] > 0 and r["tokens_per_s"] > 0 for r in result["results"].values())
+
+
+@pytest.mark.slow
+def test_benchmark_runs_a_moe_model_against_transformers(tmp_path):
+    """The MoE case (8 experts, top-2, on CPU): the native step and transformers' on the same batch,
+    FLOPs from the active parameters."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "train_step.py"), "--preset", "tiny",
+                           "--family", "qwen3_moe", "--steps", "1", "--warmup", "1", "--skip-loop",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = json.loads((tmp_path / "train_step_cpu_tiny_qwen3_moe.json").read_text())["cases"]
+    assert set(result["results"]) == {"vlmcore", "transformers"}
+    assert all(r["step_s"] > 0 and r["tokens_per_s"] > 0 for r in result["results"].values())
+    # 4 layers of attention (256 x 64 x 12) and router + 2 of 8 experts (256 x 8 + 2 x 3 x 256 x 384),
+    # the LM head (256 x 4096): 6 FLOPs per weight and token; attention over the row's 2 random-length
+    # segments costs 12 x layers x heads x head_dim x (sum of squared lengths), between 2 x 512^2 and
+    # 1024^2. Counting all 8 experts would add 43 GFLOP, more than that whole range.
+    active = 4 * (256 * 64 * 12 + 256 * 8 + 2 * 3 * 256 * 384) + 256 * 4096
+    per_pair = 12 * 4 * 4 * 64
+    assert 6 * active * 1024 + per_pair * 2 * 512**2 <= result["flops_per_step"] <= 6 * active * 1024 + per_pair * 1024**2

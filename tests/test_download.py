@@ -81,3 +81,40 @@ def test_rerunning_a_staged_download_never_touches_the_staged_copy(tmp_path):
     (out / "manifest.json").unlink()  # what Snakemake does to the output before a rerun
     use_staged_snapshot(staged, out, revision="abc123")
     assert (staged / "manifest.json").is_file() and verify_snapshot(out)["revision"] == "abc123"
+
+
+def test_tiny_moe_model_is_a_qwen3_vl_moe_snapshot_transformers_loads(tmp_path):
+    """`model.tiny.family: qwen3_vl_moe`: 4 experts, top-2, in every layer; every weight saved is
+    one transformers loads, none is left to random initialisation, and the native model reads
+    the same model."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from vlmcore.models import from_pretrained
+    from vlmcore.models.moe import moe_blocks
+
+    out = tmp_path / "moe"
+    manifest = build_tiny_model(out, seed=0, family="qwen3_vl_moe", overrides={"text_config": {"num_hidden_layers": 2}})
+    assert manifest["repo_id"] == "vlmcore/tiny-qwen3-vl-moe-demo"
+    verify_snapshot(out)
+    reference, info = AutoModelForImageTextToText.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    text = reference.config.text_config
+    assert (reference.config.model_type, text.num_experts, text.num_experts_per_tok) == ("qwen3_vl_moe", 4, 2)
+    saved = load_file(out / "model.safetensors")
+    assert any("experts" in name for name in saved) and any(name.endswith("mlp.gate.weight") for name in saved)
+    state = reference.state_dict()
+    for name, tensor in saved.items():
+        torch.testing.assert_close(state[name], tensor, rtol=0, atol=0)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    native = from_pretrained(out)
+    assert len(moe_blocks(native)) == 2
+    input_ids = torch.tensor([tokenizer("a red circle on the left").input_ids])
+    with torch.no_grad():
+        torch.testing.assert_close(native(input_ids).logits, reference(input_ids=input_ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_unknown_tiny_family_names_the_key(tmp_path):
+    with pytest.raises(ValueError, match="model.tiny.family: 'llama'"):
+        build_tiny_model(tmp_path / "model", family="llama")
+    assert not list(tmp_path.iterdir())  # nothing written

@@ -10,10 +10,12 @@ from PIL import Image
 
 from vlmcore import cli
 from vlmcore.report.tables import import_points, read_metrics, scaling_table, summarize_point
+from vlmcore.train.metrics_log import format_line
 
 
-def write_metrics(path: Path, world_size: int, per_device: list[float], mem: list[float], mfu=None) -> Path:
-    """One line per step with the keys training writes; step 1 is the warm-up."""
+def write_metrics(path: Path, world_size: int, per_device: list[float], mem: list[float], mfu=None, moe=None) -> Path:
+    """One line per step with the keys training writes; step 1 is the warm-up. `moe`: per-step
+    (aux loss, load imbalance) of a mixture-of-experts model."""
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = []
     for step, (tps, gb) in enumerate(zip(per_device, mem), 1):
@@ -23,6 +25,7 @@ def write_metrics(path: Path, world_size: int, per_device: list[float], mem: lis
             "tflops_per_device": tps * 1e-3, "mfu": mfu, "llm_tflops_per_device": tps * 0.8e-3,
             "vision_tflops_per_device": tps * 0.2e-3, "peak_mem_gb": gb, "data_wait_s": 0.01, "step_time_s": 1000 / tps,
             "world_size": world_size, "skipped_steps": 0,
+            **({"moe_aux_loss": moe[step - 1][0], "moe_load_imbalance": moe[step - 1][1]} if moe else {}),
         }))
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -114,6 +117,35 @@ def test_full_report_through_the_cli(runs, tmp_path):
     assert all(f"(plots/{name})" in md for name in pngs)
     assert "| 2 | ws2 | 1×2×1, micro-batch 2 | 1,600 | 800 |" in md and "80%" in md
     assert "seq_len: 1024" in md and "lr: 0.002" in md  # exact settings of the runs
+
+
+def test_moe_stages_report_aux_loss_and_load_imbalance(tmp_path):
+    """Only MoE stages have the two fields; the means are over the last 10 steps."""
+    moe = [(0.02, 3.0)] * 5 + [(0.01 + i * 0.001, 1.5 + i * 0.1) for i in range(10)]
+    train = {"dense": write_metrics(tmp_path / "dense/metrics.jsonl", 2, [500] * 15, [1.0] * 15),
+             "moe": write_metrics(tmp_path / "moe/metrics.jsonl", 2, [500] * 15, [1.0] * 15, moe=moe)}
+    out = tmp_path / "report"
+    assert cli.main(["report", *[f"--train={k}={v}" for k, v in train.items()], "--out", str(out)]) == 0
+    table = pd.read_csv(out / "training.csv").set_index("stage")
+    assert table.loc["moe", "moe_aux_loss"] == pytest.approx(0.0145)
+    assert table.loc["moe", "moe_load_imbalance"] == pytest.approx(1.95)
+    assert table.loc["dense"].isna()[["moe_aux_loss", "moe_load_imbalance"]].all()
+    md = (out / "SCALABILITY.md").read_text()
+    assert "MoE aux loss (mean of last 10) | expert load imbalance, max/mean (mean of last 10) |" in md
+    assert "| 0.0145 | 1.95 |" in md and "| n/a | n/a |" in md
+
+    # A dense-only report has no MoE columns.
+    assert cli.main(["report", f"--train=dense={train['dense']}", "--out", str(tmp_path / "dense_report")]) == 0
+    assert "moe_aux_loss" not in pd.read_csv(tmp_path / "dense_report/training.csv")
+    assert "MoE" not in (tmp_path / "dense_report/SCALABILITY.md").read_text()
+
+
+def test_console_line_shows_moe_fields_only_for_moe_models(tmp_path):
+    records = [json.loads(line) for line in write_metrics(tmp_path / "m.jsonl", 1, [500], [1.0], moe=[(0.0123, 1.87)])
+               .read_text().splitlines()]
+    assert format_line(records[0]).endswith(" aux 0.0123 imbalance 1.87")
+    dense = json.loads(write_metrics(tmp_path / "d.jsonl", 1, [500], [1.0]).read_text())
+    assert "aux" not in format_line(dense) and "imbalance" not in format_line(dense)
 
 
 def test_report_recommends_a_per_module_layout(tmp_path):

@@ -53,6 +53,24 @@ def test_each_target_plans_its_stages(tmp_path, target, expected):
     assert stats == expected
 
 
+def test_moe_demo_plans_the_demo_with_a_tiny_moe_model(tmp_path):
+    """config/demo-moe.yaml: the demo's whole DAG, its tiny model a Qwen3-VL-MoE."""
+    proc = snakemake("-n", "-p", "--profile", str(REPO / "profiles/local"), "--snakefile", str(REPO / "Snakefile"),
+                     "--configfile", str(REPO / "config/demo-moe.yaml"), "--directory", str(tmp_path), "train_all")
+    assert proc.returncode == 0, proc.stderr
+    stats = job_stats(proc.stdout)
+    stats.pop("train_all", None)
+    assert stats == {"download_model": 1, "synth_data": 1, "prepare_data": 2, **PACK, "train_stage": 2,
+                     "export_hf": 1, "evaluate": 1, "scaling_run": 2, "scaling_report": 1}
+    assert "vlmcore download --tiny --tiny-family qwen3_vl_moe " in proc.stdout
+    assert "results/demo-moe/model" in proc.stdout
+    # It is the demo in all else (a --configfile replaces config/config.yaml, hence a full copy).
+    demo, moe = (yaml.safe_load((REPO / "config" / name).read_text()) for name in ("config.yaml", "demo-moe.yaml"))
+    assert moe.pop("experiment") == "demo-moe" and moe["model"]["tiny"].pop("family") == "qwen3_vl_moe"
+    demo.pop("experiment")
+    assert moe == demo
+
+
 # A corpus of 100M samples (10,000 input shards of 10,000), on top of a cluster recipe: the measure
 # pass scattered over 32 CPU jobs, the writing over 16 (docs/hpc.md section 12).
 CORPUS_100M = {

@@ -104,13 +104,32 @@ def use_staged_snapshot(staged, out, revision: str | None = None) -> dict:
     return manifest
 
 
-def tiny_vl_config(tokenizer_ids: dict, vocab_size: int, **overrides) -> dict:
-    """A Qwen3-VL architecture small enough to train in minutes on a laptop CPU."""
+# Families of the tiny demo model: transformers' config and model classes, and the fields the
+# family adds to the dense Qwen3-VL text config.
+TINY_FAMILIES = {
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", {}),
+    # Every layer sparse: 4 experts, top-2, each half the dense MLP, so a token costs what it does
+    # in the dense demo model.
+    "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration",
+                     dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=192, norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001)),
+}
+
+
+def tiny_family(family: str) -> tuple[str, str, dict]:
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"model.tiny.family: {family!r} is not one of {sorted(TINY_FAMILIES)}")
+    return TINY_FAMILIES[family]
+
+
+def tiny_vl_config(tokenizer_ids: dict, vocab_size: int, family: str = "qwen3_vl", **overrides) -> dict:
+    """A Qwen3-VL (or Qwen3-VL-MoE) architecture small enough to train in minutes on a laptop CPU."""
     text = dict(
         vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
         rms_norm_eps=1e-6, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [6, 5, 5], "mrope_interleaved": True},
+        **tiny_family(family)[2],
     )
     vision = dict(
         depth=2, hidden_size=64, intermediate_size=192, num_heads=2, patch_size=16, spatial_merge_size=2,
@@ -130,20 +149,22 @@ def tiny_vl_config(tokenizer_ids: dict, vocab_size: int, **overrides) -> dict:
     )
 
 
-def build_tiny_model(out, seed: int = 0, overrides: dict | None = None) -> dict:
-    """Tokenizer + processor trained/written for the synthetic data, and a random Qwen3-VL.
+def build_tiny_model(out, seed: int = 0, overrides: dict | None = None, family: str = "qwen3_vl") -> dict:
+    """Tokenizer + processor trained/written for the synthetic data, and a random Qwen3-VL
+    (`family` qwen3_vl) or Qwen3-VL-MoE (qwen3_vl_moe).
 
     Written like any downloaded snapshot so that every later stage treats it as a real model.
     The random initialisation is transformers' own, so the demo starts where a user's
     from-scratch run would.
     """
     import torch
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    import transformers
 
     from vlmcore.data.processor import write_processor_files
     from vlmcore.data.synthetic import corpus_texts
     from vlmcore.data.tokenizer import build_demo_tokenizer, special_token_ids
 
+    config_class, model_class, _ = tiny_family(family)
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -151,17 +172,17 @@ def build_tiny_model(out, seed: int = 0, overrides: dict | None = None) -> dict:
     tokenizer = build_demo_tokenizer(tmp, corpus_texts(seed))
     ids = special_token_ids(tokenizer)
     vocab_size = -(-len(tokenizer) // 64) * 64
-    config = Qwen3VLConfig(**tiny_vl_config(ids, vocab_size, **(overrides or {})))
+    config = getattr(transformers, config_class)(**tiny_vl_config(ids, vocab_size, family, **(overrides or {})))
     config.text_config.eos_token_id = ids["eos_token_id"]
     config.text_config.pad_token_id = ids["pad_token_id"]
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config)
+    model = getattr(transformers, model_class)(config)
     model.generation_config.eos_token_id = [ids["eos_token_id"], ids["pad_token_id"]]
     model.generation_config.pad_token_id = ids["pad_token_id"]
     model.save_pretrained(tmp)
     write_processor_files(tmp, patch_size=config.vision_config.patch_size, merge_size=config.vision_config.spatial_merge_size,
                           temporal_patch_size=config.vision_config.temporal_patch_size)
-    manifest = write_manifest(tmp, "vlmcore/tiny-qwen3-vl-demo", f"generated-seed{seed}")
+    manifest = write_manifest(tmp, f"vlmcore/tiny-{family.replace('_', '-')}-demo", f"generated-seed{seed}")
     if out.exists() or out.is_symlink():
         shutil.rmtree(out) if out.is_dir() and not out.is_symlink() else out.unlink()
     os.replace(tmp, out)
@@ -191,6 +212,8 @@ def add_arguments(parser):
     parser.add_argument("--revision", help="commit hash or tag to pin (required with --repo-id)")
     parser.add_argument("--out", help="snapshot directory to write")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the tiny model's weights and tokenizer corpus")
+    parser.add_argument("--tiny-family", default="qwen3_vl", choices=sorted(TINY_FAMILIES),
+                        help="architecture of the tiny model: dense Qwen3-VL or Qwen3-VL-MoE (4 experts, top-2)")
     parser.add_argument("--tiny-config", default={}, type=json_object, help="JSON overrides of the tiny model, e.g. '{\"text_config\": {\"num_hidden_layers\": 2}}'")
 
 
@@ -206,7 +229,7 @@ def run(args):
     if args.repo_id and not args.revision:
         raise UsageError("--revision: required with --repo-id (a commit hash or tag)")
     if args.tiny:
-        manifest = build_tiny_model(args.out, seed=args.seed, overrides=args.tiny_config)
+        manifest = build_tiny_model(args.out, seed=args.seed, overrides=args.tiny_config, family=args.tiny_family)
     elif args.staged:
         manifest = use_staged_snapshot(args.staged, args.out, revision=args.revision)
     else:

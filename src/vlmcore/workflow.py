@@ -173,7 +173,8 @@ class Experiment:
         model = self.config["model"]
         if model["source"] == "tiny":
             tiny = model.get("tiny", {})
-            return f"--tiny --seed {tiny.get('seed', 0)} --tiny-config {shlex.quote(json.dumps(tiny.get('overrides', {})))}"
+            return (f"--tiny --tiny-family {tiny.get('family', 'qwen3_vl')} --seed {tiny.get('seed', 0)} "
+                    f"--tiny-config {shlex.quote(json.dumps(tiny.get('overrides', {})))}")
         revision = f" --revision {shlex.quote(model['revision'])}" if model.get("revision") else ""
         if model["source"] == "staged":
             return f"--staged {shlex.quote(model['staged_path'])}{revision}"

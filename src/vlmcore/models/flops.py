@@ -12,6 +12,17 @@ to itself.
 For the LLM that gives, per token of a segment of `seq_len` tokens:
     6 * N + 12 * layers * heads * head_dim * seq_len,   N = matmul weights per token.
 
+Mixture-of-experts layers (qwen3_moe, qwen3_vl_moe, qwen3_5_moe) count the parameters a token
+is routed through, not the parameters the layer holds: the router (H x E), its top_k experts
+(3 x H x I each: gate, up, down) and, in Qwen3.5-MoE, the shared expert (3 x H x I_shared) and its
+1-wide sigmoid gate (H). So a MoE layer's N is
+    H * E + top_k * 3 * H * I  (+ 3 * H * I_shared + H),
+with E = num_experts, top_k = num_experts_per_tok, I = moe_intermediate_size,
+I_shared = shared_expert_intermediate_size. Layers listed in mlp_only_layers, and those that
+decoder_sparse_step skips (layer i is sparse when (i + 1) % step == 0), keep the dense
+3 * H * intermediate_size MLP, as in transformers. The memory estimate and parameter counts
+hold all E experts: only the FLOPs are per active parameter.
+
 Qwen3.5's linear-attention (Gated DeltaNet) layers replace the quadratic term by the matmuls of
 the chunked gated delta rule, per value head and token: chunk * (4 Dk + 2 Dv) for the scores and
 values inside a chunk, chunk * (Dk + Dv) for the two triangular solves, 6 Dk Dv for reading,
@@ -23,9 +34,10 @@ import torch
 
 from .linear_attention import CHUNK_SIZE
 
-TEXT_FAMILIES = ("qwen3", "qwen3_vl", "qwen3_5", "qwen3_5_text")
+TEXT_FAMILIES = ("qwen3", "qwen3_vl", "qwen3_5", "qwen3_5_text",
+                 "qwen3_moe", "qwen3_vl_moe", "qwen3_5_moe", "qwen3_5_moe_text")
 # Families whose full-attention q_proj also produces a sigmoid output gate (twice as wide).
-GATED_ATTENTION = ("qwen3_5", "qwen3_5_text")
+GATED_ATTENTION = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
 
 def text_config_of(config):
@@ -60,16 +72,41 @@ def linear_attention_params(text) -> int:
     return dim * (2 * key + value) + dim * value + 2 * dim * text.linear_num_value_heads + value * dim
 
 
+def is_moe_layer(text, layer: int) -> bool:
+    """Whether decoder layer `layer` has a sparse MoE block (transformers' rule)."""
+    if not getattr(text, "num_experts", 0):
+        return False
+    step = getattr(text, "decoder_sparse_step", 1)
+    return layer not in (getattr(text, "mlp_only_layers", None) or []) and (layer + 1) % step == 0
+
+
+def moe_active_params(text) -> int:
+    """Matmul weights one token goes through in a MoE block: the router, its top_k experts, and
+    Qwen3.5-MoE's shared expert with its sigmoid gate."""
+    dim = text.hidden_size
+    active = dim * text.num_experts + text.num_experts_per_tok * 3 * dim * text.moe_intermediate_size
+    shared = getattr(text, "shared_expert_intermediate_size", 0) or 0
+    if shared:
+        active += 3 * dim * shared + dim
+    return active
+
+
+def mlp_params(text) -> int:
+    """Matmul weights of the MLPs of all layers one token goes through: dense 3 * H * I, or the
+    active part of a MoE block."""
+    return sum(moe_active_params(text) if is_moe_layer(text, layer) else 3 * text.hidden_size * text.intermediate_size
+               for layer in range(text.num_hidden_layers))
+
+
 def llm_matmul_params(config) -> int:
-    """Matmul weights one LLM token goes through: attention or linear attention and the MLP in
-    every layer, the LM head."""
+    """Matmul weights one LLM token goes through: attention or linear attention and the MLP (its
+    active experts in MoE layers) in every layer, the LM head."""
     text = text_config_of(config)
     n_full, n_linear = layer_counts(text)
     mixers = n_full * full_attention_params(config)
     if n_linear:
         mixers += n_linear * linear_attention_params(text)
-    mlp = 3 * text.hidden_size * text.intermediate_size
-    return mixers + text.num_hidden_layers * mlp + text.hidden_size * text.vocab_size
+    return mixers + mlp_params(text) + text.hidden_size * text.vocab_size
 
 
 def linear_attention_flops_per_token(config) -> float:

@@ -80,6 +80,11 @@ TRAINING_MD_COLUMNS = {
     "tokens": ("tokens", ",d"), "tokens_per_s_per_device": ("tokens/s per device", ",.0f"), "world_size": ("devices", "d"),
     "skipped_steps": ("skipped steps", "d"),
 }
+# Mixture-of-experts stages only (metrics.jsonl has these keys for MoE models).
+MOE_KEYS = {
+    "moe_aux_loss": ("MoE aux loss (mean of last 10)", ".4g"),
+    "moe_load_imbalance": ("expert load imbalance, max/mean (mean of last 10)", ".2f"),
+}
 LAYOUT_MD_COLUMNS = {
     "layout": ("layout", ""), "vision_s": ("vision s", ".3f"), "llm_s": ("LLM s", ".3f"), "bridge_s": ("bridge s", ".3f"),
     "step_s": ("predicted step s", ".3f"), "speedup": ("speed-up", ".2f"),
@@ -101,6 +106,7 @@ def training_summary(stages: dict[str, pd.DataFrame]) -> list[dict]:
             "tokens_per_s_per_device": float(m["tokens_per_s_per_device"].iloc[1:].mean()) if len(m) > 1 else float("nan"),
             "world_size": int(last["world_size"]) if "world_size" in m else None,
             "skipped_steps": int(last["skipped_steps"]) if "skipped_steps" in m else 0,
+            **{key: float(pd.to_numeric(m[key], errors="coerce").tail(10).mean()) for key in MOE_KEYS if key in m},
         })
     return rows
 
@@ -178,7 +184,8 @@ def write_report(out, scaling=None, imports=(), train=None, evals=None, hardware
         rows = training_summary(stages)
         pd.DataFrame(rows).to_csv(out / "training.csv", index=False)
         plots.plot_training_curves(stages, out / "plots/training_curves.png")
-        md += ["## Training", "", markdown_table(rows, TRAINING_MD_COLUMNS), "",
+        columns = TRAINING_MD_COLUMNS | {k: v for k, v in MOE_KEYS.items() if any(k in row for row in rows)}
+        md += ["## Training", "", markdown_table(rows, columns), "",
                "![Loss, learning rate, gradient norm and throughput per stage](plots/training_curves.png)", ""]
         layout_md, layout_rows = layout_section({stage: (m, settings_of(train[stage])) for stage, m in stages.items()},
                                                 warmup_steps, cluster)

@@ -102,7 +102,9 @@ class MetricsLogger:
 def format_line(r: dict) -> str:
     mfu = f" mfu {r['mfu']:.1f}%" if r.get("mfu") is not None else ""
     skipped = f" skipped {r['skipped_steps']}" if r.get("skipped_steps") else ""
+    moe = (f" aux {r['moe_aux_loss']:.4g} imbalance {r['moe_load_imbalance']:.2f}"
+           if r.get("moe_aux_loss") is not None else "")
     modules = f" (vision {r['vision_time_s']:.3f}s llm {r['llm_time_s']:.3f}s)" if "vision_time_s" in r else ""
     return (f"step {r['step']} loss {r['loss']:.4f} grad_norm {r['grad_norm']:.3f} lr {r['lr']:.2e} "
             f"tok/s/dev {r['tokens_per_s_per_device']:.0f} tflops/dev {r['tflops_per_device']:.2f}{mfu} "
-            f"mem {r['peak_mem_gb']:.2f}GB data {r['data_wait_s']:.3f}s step {r['step_time_s']:.3f}s{modules}{skipped}")
+            f"mem {r['peak_mem_gb']:.2f}GB data {r['data_wait_s']:.3f}s step {r['step_time_s']:.3f}s{modules}{moe}{skipped}")
