@@ -1,6 +1,5 @@
 """The experiment config is validated before any job runs, with errors that name the key."""
 
-import copy
 import subprocess
 import sys
 from pathlib import Path
