@@ -59,7 +59,7 @@ def load_hf_weights(model, path) -> None:
     state = get_model_state_dict(model)
     if tied:
         state.pop("lm_head.weight")  # stored once, as the input embedding
-    ignored = IGNORED_PREFIXES.get(model.config.model_type, ())
+    ignored = IGNORED_PREFIXES.get(model.config.model_type, ()) + model.dropped_prefixes
     names = {n for n in found if not n.startswith(ignored) and not (tied and n == "lm_head.weight")}
     missing, unexpected = sorted(set(state) - names), sorted(names - set(state))
     if missing or unexpected:

@@ -85,25 +85,47 @@ def sum_partial_grads(params: list[torch.Tensor], group) -> None:
 
 
 def forward_backward(model, micro: list[dict], label_tokens: float, vision_dummy, chunk_tokens: int,
-                     compiled_loss: bool = False) -> torch.Tensor:
+                     compiled_loss: bool = False, bridge=None) -> torch.Tensor:
     """Accumulates the gradients of sum(token losses) / label_tokens over the micro-batches (on
-    the device, from `to_device`); returns this rank's sum of token losses, on the device."""
+    the device, from `to_device`); returns this rank's sum of token losses, on the device.
+    `bridge`: a language rank of disjoint layouts receives each micro-batch's image embeddings."""
     loss_sum = None
     for i, batch in enumerate(micro):
         if isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(i == len(micro) - 1)  # reduce once, after the last
         if vision_dummy is not None:
             vision_dummy.active = batch.get("pixel_values") is None
+        received = bridge.receive(i) if bridge is not None else None
         output = model(batch["input_ids"], pixel_values=batch.get("pixel_values"),
                        image_grid_thw=batch.get("image_grid_thw"), position_ids=batch.get("position_ids"),
                        cu_seqlens=batch.get("cu_seqlens"), max_seqlen=batch.get("max_seqlen"), return_hidden=True)
         local_sum, _ = chunked_cross_entropy(output.hidden_states, model.lm_head.weight, batch["labels"],
                                              chunk_tokens, compiled=compiled_loss)
-        (local_sum / label_tokens).backward()
+        loss = local_sum / label_tokens
+        if received is not None:  # the bridge's backward (a collective) runs even if no image uses it
+            loss = loss + 0.0 * received.sum()
+        loss.backward()
         local_sum = local_sum.detach().double()
         loss_sum = local_sum if loss_sum is None else loss_sum + local_sum
         del output
     return loss_sum
+
+
+def encode_forward_backward(model, images: list[dict | None], bridge) -> torch.Tensor:
+    """An encoder rank of disjoint layouts: runs the vision tower on the images of its rows of
+    each micro-batch, sends the embeddings to the language ranks and backpropagates the gradients
+    they send back. Without images it runs a tiny zero image and sends none of it, so the tower's
+    collectives match its other ranks'. Returns a zero loss sum (the language ranks have it)."""
+    vision, device = model.vision_tower(), next(model.parameters()).device
+    for i, batch in enumerate(images):
+        vision.set_requires_gradient_sync(i == len(images) - 1)
+        pixels, grids = ((batch["pixel_values"], batch["image_grid_thw"]) if batch is not None
+                         else dummy_image(model.config.vision_config, device))
+        embeds, deepstack = vision(pixels, grids)
+        sent = torch.cat([embeds, *deepstack], dim=1)
+        received = bridge.exchange(i, sent if batch is not None else sent[:0])
+        received.sum().backward()  # nothing arrives on an encoder rank; its backward brings `sent`'s gradient
+    return torch.zeros((), dtype=torch.float64, device=device)
 
 
 @dataclass
@@ -126,14 +148,21 @@ class Step:
     chunk_tokens: int
     max_grad_norm: float
     compiled_loss: bool = False
+    bridge: object = None  # disjoint layouts (vlmcore.parallel.bridge.DisjointBridge)
 
     def __call__(self, micro: list[dict], label_tokens: float, set_lr) -> StepResult:
-        """One optimizer step over the device micro-batches; `set_lr(optimizer)` sets this step's lr."""
-        loss_sum = forward_backward(self.model, micro, label_tokens, self.vision_dummy, self.chunk_tokens,
-                                    self.compiled_loss)
+        """One optimizer step over the device micro-batches (an encoder rank of disjoint layouts:
+        the image batches of its rows); `set_lr(optimizer)` sets this step's lr."""
+        if self.bridge is not None and self.bridge.is_vision:
+            loss_sum = encode_forward_backward(self.model, micro, self.bridge)
+        else:
+            loss_sum = forward_backward(self.model, micro, label_tokens, self.vision_dummy, self.chunk_tokens,
+                                        self.compiled_loss, self.bridge)
         if self.partial:
             sum_partial_grads(self.partial, self.tp_group)
         norm = grad_norm(self.trainable).to(loss_sum.device)
+        if self.bridge is not None:
+            norm = self.bridge.global_norm(norm)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(loss_sum)
         norm_value, loss_value = read_host(norm, loss_sum)
@@ -156,13 +185,21 @@ def clip_grads(params: list[torch.Tensor], norm: float, max_norm: float) -> None
 
 
 def build_step(model, optimizer, partial_params: list, tp_group, chunk_tokens: int, max_grad_norm: float,
-               compiled_loss: bool = False) -> Step:
+               compiled_loss: bool = False, bridge=None) -> Step:
     """`partial_params`: (module, attribute name) of the TP-partial parameters (`apply_tp`)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     partial = [getattr(m, name) for m, name in partial_params if getattr(m, name).requires_grad]
-    vision_dummy = VisionDummy(model) if model.vision_tower() is not None else None
+    vision_dummy = VisionDummy(model) if model.vision_tower() is not None and bridge is None else None
     return Step(model, optimizer, trainable, partial, tp_group, vision_dummy, chunk_tokens, max_grad_norm,
-                compiled_loss)
+                compiled_loss, bridge)
+
+
+def dummy_image(config, device: torch.device) -> tuple[torch.Tensor, list]:
+    """A tiny zero image (one merged token) and its grid, for the vision tower's `config`."""
+    merge = config.spatial_merge_size
+    pixels = torch.zeros(merge * merge, config.in_channels * config.temporal_patch_size * config.patch_size ** 2,
+                         device=device)
+    return pixels, [[1, merge, merge]]
 
 
 class VisionDummy:
@@ -183,8 +220,5 @@ class VisionDummy:
     def _hook(self, module, args, output):
         if not self.active:
             return output
-        v, device = self.config, output.device
-        merge = v.spatial_merge_size
-        pixels = torch.zeros(merge * merge, v.in_channels * v.temporal_patch_size * v.patch_size ** 2, device=device)
-        leaves = torch.utils._pytree.tree_leaves(self.vision(pixels, [[1, merge, merge]]))
+        leaves = torch.utils._pytree.tree_leaves(self.vision(*dummy_image(self.config, output.device)))
         return output + sum(t.float().sum() for t in leaves if torch.is_tensor(t) and t.is_floating_point()) * 0.0
