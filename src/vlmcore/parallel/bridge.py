@@ -139,9 +139,10 @@ class DisjointBridge:
     Language and vision tp are 1 (refused otherwise), so a data-parallel rank is one rank.
     """
 
-    def __init__(self, config, layouts: dict, micro_batch_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config, layouts: dict, micro_batch_size: int, dtype: torch.dtype, device: torch.device,
+                 rank: int, world_size: int):
         self.vision_ranks, self.language_ranks = layouts["vision"][1], layouts["language"][1]
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world = rank, world_size
         self.is_vision = self.rank in self.vision_ranks
         self.micro_batch_size = micro_batch_size
         self.rows_per_encoder = micro_batch_size * len(self.language_ranks) // len(self.vision_ranks)

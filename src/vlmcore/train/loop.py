@@ -301,7 +301,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
     bridge = None
     if disjoint:  # each rank holds one module; the bridge carries the image embeddings between them
         bridge = DisjointBridge(model.config, layouts, cfg.micro_batch_size, getattr(torch, cfg.precision.param_dtype),
-                                device)
+                                device, rank, dist.get_world_size())
         bridge.stand_in = None if bridge.is_vision else model.vision_tower()
     train_step = build_step(model, optimizer, partial_params, mesh["tp"].get_group() if dims.tp > 1 else None,
                             cfg.loss_chunk_tokens, cfg.max_grad_norm, compiled_loss=cfg.parallel.compile,
