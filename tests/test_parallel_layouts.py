@@ -148,3 +148,33 @@ def test_memory_estimate_of_a_vision_layout(tmp_path):
     assert vision_tp["Unsharded Param"] < default["Unsharded Param"]
     assert vision_tp["Sharded Param"] > default["Sharded Param"]
     assert vision_tp["Activation"] > default["Activation"]
+
+
+def test_an_encoder_rank_holds_the_vision_tower_only_and_refuses_to_hold_a_frozen_one(tmp_path):
+    """Rank 0 of disjoint layouts (a fake world of 4) builds the vision tower only, FSDP over
+    the encoder ranks; a stage that trains nothing of it is refused naming `trainable`."""
+    import torch
+
+    from _train_helpers import tiny_snapshot
+    from vlmcore.parallel.mesh import build_disjoint_meshes
+    from vlmcore.train.loop import build_meta_model
+    from vlmcore.train.memory import _process_group
+
+    snapshot = tiny_snapshot("qwen3_vl", tmp_path / "vl")
+    parallel = {"modules": {"vision": {"ranks": [0, 2]}, "language": {"ranks": [2, 4]}}}
+    with _process_group(4, fake=True):
+        for trainable in ([], ["model.language_model.*"]):
+            cfg = from_dict({"model_path": str(snapshot), "output_dir": "o", "data": {"kind": "random"},
+                             "micro_batch_size": 2, "trainable": trainable, "parallel": parallel})
+            layouts = check_layouts(cfg, 4)
+            mesh = build_disjoint_meshes(layouts, torch.device("cpu"))["vision"]
+            if trainable:
+                with pytest.raises(ConfigError, match=r"^trainable: no parameter of the vision tower trains"):
+                    build_meta_model(cfg, mesh, layouts["vision"][0])
+                continue
+            model, partial = build_meta_model(cfg, mesh, layouts["vision"][0])
+            names = set(model.state_dict())
+            assert partial == [] and model.dropped_prefixes == ("model.language_model.", "lm_head.")
+            assert "model.visual.merger.linear_fc2.weight" in names
+            assert all(name.startswith("model.visual.") for name in names)
+            assert {p.device_mesh.mesh.tolist() == [0, 1] for p in model.parameters()} == {True}  # FSDP on 0-1

@@ -57,6 +57,10 @@ def parallelize_disjoint(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, d
         width = model.config.vision_config.out_hidden_size
         model.dropped_prefixes = (_replace(model, model.vision_tower(), ReceivedImages(width)),)
         stack, root, blocks = model.decoder_layers(), model, list(model.decoder_layers().children())
+    if not any(p.requires_grad for p in model.parameters()):  # its ranks would have nothing to do
+        raise ConfigError(f"trainable: no parameter of the {'vision tower' if module == 'vision' else 'language model'}"
+                          f" trains, but it has ranks of its own (parallel.modules.{module}.ranks); train this stage "
+                          f"with colocated layouts", "trainable")
     apply_ac(stack, cfg.parallel.activation_checkpointing)
     if cfg.parallel.compile:
         apply_compile(stack)

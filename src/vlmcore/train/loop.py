@@ -213,8 +213,8 @@ def prepare_output_dir(cfg: TrainConfig, out: Path) -> None:
 
 def start_state(cfg: TrainConfig, out: Path, dims, model, optimizer, data):
     """The checkpointer (None when disabled) and the run's counters, resumed from the latest
-    intact checkpoint if there is one."""
-    layout = {"world_size": dims.world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
+    intact checkpoint if there is one. `dims`: the data loader's layout (the language model's)."""
+    layout = {"world_size": dist.get_world_size(), "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
               "tp": dims.tp, "grad_accum_steps": cfg.grad_accum_steps, "micro_batch_size": cfg.micro_batch_size}
     state = {"step": 0, "samples": 0, "tokens": 0, "skipped_steps": 0, **{f"layout_{k}": 0 for k in layout}}
     checkpointer = Checkpointer(out, cfg.checkpoint.keep, cfg.checkpoint.async_save) if cfg.checkpoint.enabled else None
@@ -309,7 +309,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
     if not disjoint:
         data = build_data(cfg, model.config, dp_rank(dims), dims.dp)
     else:
-        dims, language = layouts["language"]
+        dims, language = layouts["language"]  # from here the data's (and the checkpoint's) layout
         if bridge.is_vision:
             data = SourceBatches([build_data(cfg, model.config, j, dims.dp) for j in bridge.source_ranks()])
         else:
