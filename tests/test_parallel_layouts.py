@@ -78,7 +78,8 @@ def test_disjoint_layouts_with_tensor_parallelism_are_planned_but_refused_when_a
         parallel = {"modules": {m: dict(r, tp=2) if m == module else r for m, r in ranks.items()}}
         disjoint = config(parallel, micro_batch_size=2)
         layouts = check_layouts(disjoint, 4)
-        with pytest.raises(ConfigError, match=rf"^parallel.modules.{module}.tp: disjoint layouts .* not implemented yet"):
+        message = rf"^parallel.modules.{module}.tp: disjoint layouts .* not implemented yet"
+        with pytest.raises(ConfigError, match=message):
             refuse_disjoint(disjoint.parallel, layouts)
     for parallel in [{"modules": ranks}, {"modules": {"vision": {"tp": 2}}}]:
         refuse_disjoint(config(parallel).parallel, check_layouts(config(parallel, micro_batch_size=2), 4))

@@ -79,7 +79,8 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, dims: Para
     layouts = check_layouts(cfg, dist.get_world_size())
     refuse_disjoint(cfg.parallel, layouts)
     if cfg.parallel.modules.vision.ranks != "all":
-        parallelize_disjoint(model, cfg, mesh, dims, "vision" if dist.get_rank() in layouts["vision"][1] else "language")
+        module = "vision" if dist.get_rank() in layouts["vision"][1] else "language"
+        parallelize_disjoint(model, cfg, mesh, dims, module)
         return []
     partial = []
     if dims.tp > 1:
