@@ -7,6 +7,8 @@ loss and gradient-norm trajectories (the norm is clipped to 1, so clipping is ex
 the final weights, within fp32 tolerance.
 """
 
+import shutil
+
 import pytest
 import torch
 
@@ -27,11 +29,11 @@ LAYOUTS = {
 }
 
 
-def run_layout(tmp_path, snapshot, name, nproc, overrides):
+def run_layout(tmp_path, snapshot, name, nproc, overrides, checkpoint=None):
     out = tmp_path / name
     cfg = write_config(tmp_path / f"{name}.yaml", snapshot, out, steps=STEPS,
                        optimizer={"lr": 3.0e-3, "weight_decay": 0.01},
-                       checkpoint={"enabled": False}, **overrides)
+                       checkpoint=checkpoint or {"enabled": False}, **overrides)
     train(nproc, cfg)
     return [(m["loss"], m["grad_norm"]) for m in read_metrics(out)], load_dcp(out / "final")
 
@@ -72,6 +74,37 @@ def test_layout_matches_one_process(reference, name):
     assert weights.keys() == ref_weights.keys()
     for key in ref_weights:
         torch.testing.assert_close(weights[key], ref_weights[key], rtol=1e-4, atol=1e-4, msg=key)
+
+
+def test_disjoint_layout_matches_one_process_and_resumes(reference):
+    """Disjoint layouts: ranks 0-1 hold and run the vision tower only, ranks 2-3 the language
+    model only, the image embeddings (and DeepStack features) sent between them: the same run as
+    one process. Its checkpoints hold both modules' weights and optimizer states (each rank
+    writes its module's), and a run killed after the step-5 checkpoint resumes to the same run."""
+    tmp_path, snapshot, ref_trajectory, ref_weights = reference
+    disjoint = {"grad_accum_steps": 2, "parallel": {"modules": {"vision": {"ranks": [0, 2]},
+                                                                "language": {"ranks": [2, 4]}}}}
+    trajectory, weights = run_layout(tmp_path, snapshot, "disjoint", 4, disjoint, {"interval": 5, "keep": 2})
+    torch.testing.assert_close(torch.tensor(trajectory), torch.tensor(ref_trajectory), rtol=1e-5, atol=1e-5)
+    assert weights.keys() == ref_weights.keys()
+    for key in ref_weights:
+        torch.testing.assert_close(weights[key], ref_weights[key], rtol=1e-4, atol=1e-4, msg=key)
+
+    out = tmp_path / "disjoint"
+    saved = load_dcp(out / "checkpoints" / "step_5")
+    assert {k for k in saved if k.startswith("model.")} == ref_weights.keys()
+    for key in ref_weights:
+        assert f"optim.state.{key.removeprefix('model.')}.exp_avg" in saved, key
+    # As if killed right after the checkpoint of step 5.
+    shutil.rmtree(out / "final")
+    shutil.rmtree(out / "checkpoints" / f"step_{STEPS}")
+    (out / "done").unlink()
+    (out / "checkpoints" / "latest").write_text("step_5")
+    proc = train(4, tmp_path / "disjoint.yaml")
+    assert "resumed from" in proc.stdout and "at step 5" in proc.stdout
+    assert [(m["loss"], m["grad_norm"]) for m in read_metrics(out)] == trajectory
+    resumed = load_dcp(out / "final")
+    assert all(torch.equal(resumed[k], weights[k]) for k in weights)
 
 
 def test_projector_only_stage_with_mixed_batches_under_ddp(reference):

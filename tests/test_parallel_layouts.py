@@ -72,12 +72,65 @@ def test_module_layouts_that_do_not_fit_are_refused_naming_the_key(parallel, wor
     assert message.startswith(f"{e.value.key}: ")
 
 
-def test_disjoint_layouts_are_planned_but_refused_when_a_run_starts():
-    disjoint = config({"modules": {"vision": {"ranks": [0, 2]}, "language": {"ranks": [2, 4]}}}, micro_batch_size=2)
-    check_layouts(disjoint, 4)
-    with pytest.raises(ConfigError, match=r"^parallel.modules.vision.ranks: disjoint layouts .* not implemented yet"):
-        refuse_disjoint(disjoint.parallel)
-    refuse_disjoint(config({"modules": {"vision": {"tp": 2}}}).parallel)
+def test_disjoint_layouts_with_tensor_parallelism_are_planned_but_refused_when_a_run_starts():
+    ranks = {"vision": {"ranks": [0, 2]}, "language": {"ranks": [2, 4]}}
+    for module in ("vision", "language"):
+        parallel = {"modules": {m: dict(r, tp=2) if m == module else r for m, r in ranks.items()}}
+        disjoint = config(parallel, micro_batch_size=2)
+        layouts = check_layouts(disjoint, 4)
+        message = rf"^parallel.modules.{module}.tp: disjoint layouts .* not implemented yet"
+        with pytest.raises(ConfigError, match=message):
+            refuse_disjoint(disjoint.parallel, layouts)
+    for parallel in [{"modules": ranks}, {"modules": {"vision": {"tp": 2}}}]:
+        refuse_disjoint(config(parallel).parallel, check_layouts(config(parallel, micro_batch_size=2), 4))
+
+
+@pytest.mark.parametrize("vision_ranks, world, micro_batch_size", [(2, 4, 1), (3, 5, 3), (1, 4, 1), (2, 3, 2)])
+def test_disjoint_bridge_sends_every_row_once_to_its_language_rank(vision_ranks, world, micro_batch_size):
+    """Planned on every rank from the batches it reads (as `vlmcore train` does): each encoder
+    rank encodes a contiguous slice of the global micro-batch's rows, whose slice may cross the
+    language ranks' micro-batches; what each sends to a language rank is what that rank expects,
+    and the images over the encoder ranks are the global micro-batch's, in order, each once."""
+    import torch
+
+    from _train_helpers import hf_config
+    from vlmcore.parallel.bridge import DisjointBridge
+    from vlmcore.train.random_data import RandomBatches
+
+    model_config = hf_config("qwen3_vl")
+    parallel = {"modules": {"vision": {"ranks": [0, vision_ranks]}, "language": {"ranks": [vision_ranks, world]}}}
+    layouts = check_layouts(config(parallel, micro_batch_size), world)
+    language = layouts["language"][0].dp
+    loaders = [RandomBatches(model_config, seq_len=32, segments=3, image_fraction=0.5,
+                             micro_batch_size=micro_batch_size, dp_rank=j, dp_world=language, grad_accum_steps=2,
+                             seed=0) for j in range(language)]
+    steps = [[[next(iter(loader)) for _ in range(2)] for loader in loaders] for _ in range(3)]  # [step][rank][micro]
+    bridges = [DisjointBridge(model_config, layouts, micro_batch_size, torch.float32, torch.device("cpu"), rank,
+                              world) for rank in range(world)]
+    seen_images = 0
+    for step in steps:
+        images = {}
+        for bridge in bridges:
+            if bridge.is_vision:
+                sources = [tuple(step[j][a] for j in bridge.source_ranks()) for a in range(2)]
+                images[bridge.rank] = bridge.plan_step(sources)
+            else:
+                bridge.plan_step(step[bridge.rank - vision_ranks])
+        for a in range(2):
+            for e in range(vision_ranks):
+                for lang in range(vision_ranks, world):
+                    assert bridges[e].plans[a][0][lang] == bridges[lang].plans[a][1][e]
+            batches = [step[j][a] for j in range(language)]
+            expected = [g for b in batches if "image_grid_thw" in b for g in b["image_grid_thw"].tolist()]
+            encoded = [images[e][a] for e in range(vision_ranks) if images[e][a] is not None]
+            assert [g for b in encoded for g in b["image_grid_thw"].tolist()] == expected
+            if expected:
+                torch.testing.assert_close(torch.cat([b["pixel_values"] for b in encoded]),
+                                           torch.cat([b["pixel_values"] for b in batches if "pixel_values" in b]))
+            tokens = sum(int((b["input_ids"] == model_config.image_token_id).sum()) for b in batches)
+            assert sum(sum(bridges[lang].plans[a][1]) for lang in range(vision_ranks, world)) == tokens
+            seen_images += len(expected)
+    assert seen_images > 0
 
 
 @pytest.mark.slow
@@ -96,3 +149,33 @@ def test_memory_estimate_of_a_vision_layout(tmp_path):
     assert vision_tp["Unsharded Param"] < default["Unsharded Param"]
     assert vision_tp["Sharded Param"] > default["Sharded Param"]
     assert vision_tp["Activation"] > default["Activation"]
+
+
+def test_an_encoder_rank_holds_the_vision_tower_only_and_refuses_to_hold_a_frozen_one(tmp_path):
+    """Rank 0 of disjoint layouts (a fake world of 4) builds the vision tower only, FSDP over
+    the encoder ranks; a stage that trains nothing of it is refused naming `trainable`."""
+    import torch
+
+    from _train_helpers import tiny_snapshot
+    from vlmcore.parallel.mesh import build_disjoint_meshes
+    from vlmcore.train.loop import build_meta_model
+    from vlmcore.train.memory import _process_group
+
+    snapshot = tiny_snapshot("qwen3_vl", tmp_path / "vl")
+    parallel = {"modules": {"vision": {"ranks": [0, 2]}, "language": {"ranks": [2, 4]}}}
+    with _process_group(4, fake=True):
+        for trainable in ([], ["model.language_model.*"]):
+            cfg = from_dict({"model_path": str(snapshot), "output_dir": "o", "data": {"kind": "random"},
+                             "micro_batch_size": 2, "trainable": trainable, "parallel": parallel})
+            layouts = check_layouts(cfg, 4)
+            mesh = build_disjoint_meshes(layouts, torch.device("cpu"))["vision"]
+            if trainable:
+                with pytest.raises(ConfigError, match=r"^trainable: no parameter of the vision tower trains"):
+                    build_meta_model(cfg, mesh, layouts["vision"][0])
+                continue
+            model, partial = build_meta_model(cfg, mesh, layouts["vision"][0])
+            names = set(model.state_dict())
+            assert partial == [] and model.dropped_prefixes == ("model.language_model.", "lm_head.")
+            assert "model.visual.merger.linear_fc2.weight" in names
+            assert all(name.startswith("model.visual.") for name in names)
+            assert {p.device_mesh.mesh.tolist() == [0, 1] for p in model.parameters()} == {True}  # FSDP on 0-1

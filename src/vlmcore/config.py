@@ -77,7 +77,7 @@ class ModuleLayout:
         "too when the language tp is 1, else 1)", ge=1)
     ranks: Literal["all"] | list[int] = setting(
         "all", "all: on every rank, with the other module (colocated); [start, end): on these ranks only "
-        "(disjoint: the two ranges tile the world; not implemented yet, refused when a run starts)")
+        "(disjoint: the two ranges tile the world, each module with tp 1 for now)")
 
 
 @dataclass

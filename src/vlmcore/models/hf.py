@@ -76,7 +76,7 @@ def load_hf_weights(model, path) -> None:
     expected = {n: tuple(t.shape) for n, t in state.items()}
     for name, tensor in experts.items():
         expected.update(disk_tensors(name, tensor.shape, layout))
-    ignored = IGNORED_PREFIXES.get(model.config.model_type, ())
+    ignored = IGNORED_PREFIXES.get(model.config.model_type, ()) + model.dropped_prefixes
     names = {n for n in headers if not n.startswith(ignored) and not (tied and n == "lm_head.weight")}
     missing, unexpected = sorted(set(expected) - names), sorted(names - set(expected))
     if missing or unexpected:

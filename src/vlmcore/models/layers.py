@@ -20,6 +20,10 @@ class TextModelParts:
     output projection), which parallelism, freezing and parameter groups act on: found through
     these accessors, never by module paths."""
 
+    # State-dict prefixes of the parts this rank does not hold (disjoint layouts,
+    # vlmcore.parallel.parallelize): the snapshot's tensors under them are not loaded here.
+    dropped_prefixes: tuple[str, ...] = ()
+
     def text_model(self) -> nn.Module:
         """The decoder stack: `embed_tokens`, `layers`, `norm`, `split_sequence`."""
         return self.model

@@ -121,8 +121,12 @@ def check_layouts(cfg: TrainConfig, world_size: int) -> dict[str, tuple[Parallel
     return layouts
 
 
-def refuse_disjoint(cfg: ParallelConfig) -> None:
-    """Disjoint layouts pass the checks above (the workflow plans them) but cannot run yet."""
-    if cfg.modules.vision.ranks != "all":
-        raise ConfigError("parallel.modules.vision.ranks: disjoint layouts (the vision tower and the language model "
-                          "on their own ranks) are not implemented yet; use all", "parallel.modules.vision.ranks")
+def refuse_disjoint(cfg: ParallelConfig, layouts: dict[str, tuple[ParallelDims, range]]) -> None:
+    """Disjoint layouts run each module with tp 1 (vlmcore.parallel.bridge.DisjointBridge);
+    tensor parallelism on them passes the checks above (the workflow plans it) but cannot run yet."""
+    if cfg.modules.vision.ranks == "all":
+        return
+    for module in MODULES:
+        if layouts[module][0].tp > 1:
+            raise ConfigError(f"parallel.modules.{module}.tp: disjoint layouts (parallel.modules.*.ranks) with "
+                              f"tensor parallelism are not implemented yet; use tp 1", f"parallel.modules.{module}.tp")

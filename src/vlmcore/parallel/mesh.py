@@ -42,6 +42,18 @@ def build_mesh(dims: ParallelDims, device: torch.device, prefix: str = "") -> De
     return mesh
 
 
+def build_disjoint_meshes(layouts: dict[str, tuple[ParallelDims, range]], device: torch.device) -> dict:
+    """Disjoint layouts: each module's mesh over its own ranks (the vision one's dimensions named
+    `vision_*`). Every rank builds both: making process groups is collective over the world."""
+    meshes = {}
+    for module, (dims, ranks) in sorted(layouts.items()):
+        prefix = "vision_" if module == "vision" else ""
+        shape = (dims.dp_replicate, dims.dp_shard, dims.tp)
+        meshes[module] = DeviceMesh(device.type, torch.arange(ranks.start, ranks.stop).view(shape),
+                                    mesh_dim_names=tuple(prefix + name for name in ("dp_replicate", "dp_shard", "tp")))
+    return meshes
+
+
 def dp_mesh(mesh: DeviceMesh, dims: ParallelDims, prefix: str = "", shard: str = "dp_shard") -> DeviceMesh:
     """The mesh FSDP2 shards over: 1-D (FSDP) or 2-D replicate x shard (HSDP / DDP). The experts'
     is the one orthogonal to EP (`shard="dp_shard_mod_ep"`)."""

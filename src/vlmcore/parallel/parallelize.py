@@ -1,16 +1,19 @@
 """Applies the parallelisms in their required order: TP, EP, activation checkpointing, per-block
 compile, then FSDP2 (FSDP, HSDP or DDP by the mesh). The language model takes the run's mesh;
-the vision tower its own layout (`parallel.modules.vision`) on the same ranks."""
+the vision tower its own layout (`parallel.modules.vision`) on the same ranks, or with disjoint
+layouts each rank holds one module on its own ranks' mesh (`parallelize_disjoint`)."""
 
+import copy
 import dataclasses
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from vlmcore.config import ConfigError, ModuleLayout, TrainConfig
 from vlmcore.parallel.ac import apply_ac
-from vlmcore.parallel.bridge import VisionBridge, count_images_once
+from vlmcore.parallel.bridge import ReceivedImages, VisionBridge, count_images_once
 from vlmcore.parallel.compile import apply_compile
 from vlmcore.parallel.dims import check_layouts, refuse_disjoint
 from vlmcore.parallel.expert_parallel import apply_ep
@@ -33,20 +36,62 @@ def parallelize_vision(model: nn.Module, vision_dims: ParallelDims, mesh: Device
     return dp_mesh(vision, vision_dims, prefix)
 
 
+def _replace(model: nn.Module, part: nn.Module, new: nn.Module | None) -> str:
+    """Puts `new` where `part` is in `model`; returns the part's state-dict prefix."""
+    name = next(name for name, module in model.named_modules() if module is part)
+    parent, _, attribute = name.rpartition(".")
+    setattr(model.get_submodule(parent), attribute, new)
+    return name + "."
+
+
+def parallelize_disjoint(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, dims: ParallelDims,
+                         module: str) -> None:
+    """Disjoint layouts: this rank holds `module` only, FSDP-sharded over its own ranks' mesh.
+    An encoder rank drops the language model and the LM head (so no tie either); a language rank
+    puts a parameterless stand-in for the vision tower (`ReceivedImages`), which returns the
+    embeddings the bridge received."""
+    if module == "vision":
+        model.dropped_prefixes = tuple(_replace(model, part, None) for part in (model.text_model(), model.lm_head))
+        model.config = copy.copy(model.config)
+        model.config.tie_word_embeddings = False
+        stack, root, blocks = model.vision_layers(), model.vision_tower(), []
+    else:
+        width = model.config.vision_config.out_hidden_size
+        model.dropped_prefixes = (_replace(model, model.vision_tower(), ReceivedImages(width)),)
+        stack, root, blocks = model.decoder_layers(), model, list(model.decoder_layers().children())
+    if not any(p.requires_grad for p in model.parameters()):  # its ranks would have nothing to do
+        raise ConfigError(f"trainable: no parameter of the {'vision tower' if module == 'vision' else 'language model'}"
+                          f" trains, but it has ranks of its own (parallel.modules.{module}.ranks); train this stage "
+                          f"with colocated layouts", "trainable")
+    apply_ac(stack, cfg.parallel.activation_checkpointing)
+    if cfg.parallel.compile:
+        apply_compile(stack)
+    apply_fsdp(root, blocks, None, dp_mesh(mesh, dims, "vision_" if module == "vision" else ""), None,
+               param_dtype=getattr(torch, cfg.precision.param_dtype),
+               reduce_dtype=getattr(torch, cfg.precision.reduce_dtype))
+
+
 def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, dims: ParallelDims) -> list:
     """Returns the (module, attribute name) of the parameters whose gradients must be summed over
     the TP ranks."""
     blocks, vision = model.decoder_layers(), model.vision_tower()
+    if vision is None and cfg.parallel.modules.vision != ModuleLayout():
+        raise ConfigError(f"parallel.modules.vision: the {model.config.model_type} model has no vision tower",
+                          "parallel.modules.vision")
+    layouts = check_layouts(cfg, dist.get_world_size())
+    refuse_disjoint(cfg.parallel, layouts)
+    if cfg.parallel.modules.vision.ranks != "all":
+        if getattr(model.config.get_text_config(), "num_experts", 0):
+            raise ConfigError("parallel.modules.vision.ranks: disjoint layouts of a mixture-of-experts model are not "
+                              "supported yet (use colocated layouts)", "parallel.modules.vision.ranks")
+        module = "vision" if dist.get_rank() in layouts["vision"][1] else "language"
+        parallelize_disjoint(model, cfg, mesh, dims, module)
+        return []
     partial = []
     if dims.tp > 1:
         partial = apply_tp(model, mesh["tp"], cfg.parallel.sequence_parallel)
     if dims.ep > 1:
         apply_ep(model, mesh["ep"])
-    layouts = check_layouts(cfg, dims.world_size)
-    refuse_disjoint(cfg.parallel)
-    if vision is None and cfg.parallel.modules.vision != ModuleLayout():
-        raise ConfigError(f"parallel.modules.vision: the {model.config.model_type} model has no vision tower",
-                          "parallel.modules.vision")
     vision_dp_mesh = parallelize_vision(model, layouts["vision"][0], mesh, dims) if vision is not None else None
     for stack in [blocks] + ([model.vision_layers()] if vision is not None else []):
         apply_ac(stack, cfg.parallel.activation_checkpointing)

@@ -23,7 +23,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from vlmcore.config import ConfigError, TrainConfig, load_config, save_config, to_dict, warnings_of
-from vlmcore.parallel.mesh import build_mesh, device_for_rank, dp_rank, init_distributed, resolve_dims
+from vlmcore.parallel.bridge import DisjointBridge, SourceBatches
+from vlmcore.parallel.dims import check_layouts
+from vlmcore.parallel.mesh import (build_disjoint_meshes, build_mesh, device_for_rank, dp_rank, init_distributed,
+                                   resolve_dims)
 from vlmcore.parallel.parallelize import parallelize
 from vlmcore.models import build_model, load_hf_config, load_hf_weights
 from vlmcore.train.checkpoint import (CheckpointError, Checkpointer, load_model_weights, rng_state, save_final,
@@ -213,8 +216,8 @@ def prepare_output_dir(cfg: TrainConfig, out: Path) -> None:
 
 def start_state(cfg: TrainConfig, out: Path, dims, model, optimizer, data):
     """The checkpointer (None when disabled) and the run's counters, resumed from the latest
-    intact checkpoint if there is one."""
-    layout = {"world_size": dims.world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
+    intact checkpoint if there is one. `dims`: the data loader's layout (the language model's)."""
+    layout = {"world_size": dist.get_world_size(), "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
               "tp": dims.tp, "grad_accum_steps": cfg.grad_accum_steps, "micro_batch_size": cfg.micro_batch_size}
     state = {"step": 0, "samples": 0, "tokens": 0, "skipped_steps": 0, **{f"layout_{k}": 0 for k in layout}}
     checkpointer = Checkpointer(out, cfg.checkpoint.keep, cfg.checkpoint.async_save) if cfg.checkpoint.enabled else None
@@ -231,7 +234,8 @@ def global_counts(host_micro: list[dict], model_config, tp: int, step: int) -> d
     """Label tokens, samples, tokens and FLOPs of the global batch, summed on the host (gloo: no
     GPU wait); tp peers hold the same batch, hence the division."""
     stats = host_stats(host_micro)
-    llm_flops, vision_flops = map(sum, zip(*(batch_flops(model_config, b) for b in host_micro)))
+    flops = [batch_flops(model_config, b) for b in host_micro]
+    llm_flops, vision_flops = sum(f[0] for f in flops), sum(f[1] for f in flops)
     skipped = sum((Counter(b.get("skipped_samples", {})) for b in host_micro), Counter())  # bad samples
     keys = ("label_tokens", "samples", "tokens", "llm_flops", "vision_flops", "skipped_samples")
     counts = torch.tensor([*(stats[k] for k in keys[:3]), llm_flops, vision_flops, sum(skipped.values())],
@@ -275,9 +279,22 @@ def agreed_signal(stop: _StopSignal) -> int:
     return int(flag.item())
 
 
+def disjoint_setup(cfg: TrainConfig, device: torch.device):
+    """Disjoint layouts (`parallel.modules.*.ranks`): every module's (dims, ranks), and this
+    rank's module's dims and mesh."""
+    layouts = check_layouts(cfg, dist.get_world_size())
+    meshes = build_disjoint_meshes(layouts, device)
+    module = "vision" if dist.get_rank() in layouts["vision"][1] else "language"
+    return layouts, layouts[module][0], meshes[module]
+
+
 def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
     rank, dims = dist.get_rank(), resolve_dims(cfg.parallel, dist.get_world_size())
-    mesh = build_mesh(dims, device)
+    disjoint = cfg.parallel.modules.vision.ranks != "all"
+    if disjoint:
+        layouts, dims, mesh = disjoint_setup(cfg, device)
+    else:
+        mesh = build_mesh(dims, device)
     set_seed_and_determinism(cfg)
     backends = check_kernels(cfg, device)  # before anything is written
     if rank == 0:
@@ -285,10 +302,24 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
     model, partial_params = build_parallel_model(cfg, mesh, dims, device)
     model.train()
     optimizer = build_optimizer(model, cfg.optimizer, device)
+    bridge = None
+    if disjoint:  # each rank holds one module; the bridge carries the image embeddings between them
+        bridge = DisjointBridge(model.config, layouts, cfg.micro_batch_size, getattr(torch, cfg.precision.param_dtype),
+                                device, rank, dist.get_world_size())
+        bridge.stand_in = None if bridge.is_vision else model.vision_tower()
     train_step = build_step(model, optimizer, partial_params, mesh["tp"].get_group() if dims.tp > 1 else None,
-                            cfg.loss_chunk_tokens, cfg.max_grad_norm, compiled_loss=cfg.parallel.compile)
-    timer = ModuleTimer(model, device) if cfg.metrics.module_times else None
-    data = build_data(cfg, model.config, dp_rank(dims), dims.dp)
+                            cfg.loss_chunk_tokens, cfg.max_grad_norm, compiled_loss=cfg.parallel.compile,
+                            bridge=bridge)
+    # Per-module times need both modules on the rank (not so under disjoint layouts).
+    timer = ModuleTimer(model, device) if cfg.metrics.module_times and not disjoint else None
+    if not disjoint:
+        data = build_data(cfg, model.config, dp_rank(dims), dims.dp)
+    else:
+        dims, language = layouts["language"]  # from here the data's (and the checkpoint's) layout
+        if bridge.is_vision:
+            data = SourceBatches([build_data(cfg, model.config, j, dims.dp) for j in bridge.source_ranks()])
+        else:
+            data = build_data(cfg, model.config, rank - language.start, dims.dp)
     # Written only now: a setting that does not fit the model (trainable, tp) leaves nothing behind.
     prepare_output_dir(cfg, out)
     checkpointer, state = start_state(cfg, out, dims, model, optimizer, data)
@@ -305,10 +336,13 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
         t0 = time.perf_counter()
         host_micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
         data_wait = time.perf_counter() - t0
-        counts = global_counts(host_micro, model.config, dims.tp, state["step"])
+        own = [] if bridge is not None and bridge.is_vision else host_micro  # encoder ranks count nothing
+        counts = global_counts(own, model.config, dims.tp, state["step"])
         done = state["step"] + 1 if cfg.schedule.unit == "steps" else state["samples"] + int(counts["samples"])
         factor = lr_factor(cfg.schedule, done, schedule_total(cfg))
-        result = train_step([to_device(b, device) for b in host_micro], counts["label_tokens"],
+        if bridge is not None:  # an encoder rank gets the image batches of its rows
+            host_micro = bridge.plan_step(host_micro)
+        result = train_step([b if b is None else to_device(b, device) for b in host_micro], counts["label_tokens"],
                             lambda opt: set_lr(opt, factor))
         nonfinite_in_a_row = 0 if result.applied else nonfinite_in_a_row + 1
         state["skipped_steps"] += not result.applied

@@ -101,17 +101,19 @@ class MoE:
 
 
 def forward_backward(model, micro: list[dict], label_tokens: float, vision_dummy, chunk_tokens: int,
-                     compiled_loss: bool = False, moe: MoE | None = None):
+                     compiled_loss: bool = False, moe: MoE | None = None, bridge=None):
     """Accumulates the gradients of sum(token losses) / label_tokens (+ the MoE load-balancing loss)
     over the micro-batches (on the device, from `to_device`); returns this rank's sum of token
     losses, and for MoE models the sum of the micro-batches' load-balancing losses and the tokens
-    routed to each expert per MoE layer (None otherwise), all on the device."""
+    routed to each expert per MoE layer (None otherwise), all on the device.
+    `bridge`: a language rank of disjoint layouts receives each micro-batch's image embeddings."""
     loss_sum, aux_sum, routed = None, None, None
     for i, batch in enumerate(micro):
         if isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(i == len(micro) - 1)  # reduce once, after the last
         if vision_dummy is not None:
             vision_dummy.active = batch.get("pixel_values") is None
+        received = bridge.receive(i) if bridge is not None else None
         output = model(batch["input_ids"], pixel_values=batch.get("pixel_values"),
                        image_grid_thw=batch.get("image_grid_thw"), position_ids=batch.get("position_ids"),
                        cu_seqlens=batch.get("cu_seqlens"), max_seqlen=batch.get("max_seqlen"), return_hidden=True)
@@ -124,6 +126,8 @@ def forward_backward(model, micro: list[dict], label_tokens: float, vision_dummy
             loss = loss + moe.aux_loss_coef / (len(micro) * moe.dp_size) * aux
             aux_sum = aux.detach() if aux_sum is None else aux_sum + aux.detach()
             routed = counts if routed is None else routed + counts
+        if received is not None:  # the bridge's backward (a collective) runs even if no image uses it
+            loss = loss + 0.0 * received.sum()
         loss.backward()
         local_sum = local_sum.detach().double()
         loss_sum = local_sum if loss_sum is None else loss_sum + local_sum
@@ -137,6 +141,23 @@ def moe_metrics(aux_sum: float, routed: torch.Tensor, micro_batches: int, ranks:
     (1 is perfect balance, num_experts / top_k the worst)."""
     per_layer = routed.max(dim=1).values / routed.mean(dim=1).clamp(min=1e-12)
     return {"moe_aux_loss": aux_sum / (micro_batches * ranks), "moe_load_imbalance": float(per_layer.mean())}
+
+
+def encode_forward_backward(model, images: list[dict | None], bridge) -> torch.Tensor:
+    """An encoder rank of disjoint layouts: runs the vision tower on the images of its rows of
+    each micro-batch, sends the embeddings to the language ranks and backpropagates the gradients
+    they send back. Without images it runs a tiny zero image and sends none of it, so the tower's
+    collectives match its other ranks'. Returns a zero loss sum (the language ranks have it)."""
+    vision, device = model.vision_tower(), next(model.parameters()).device
+    for i, batch in enumerate(images):
+        vision.set_requires_gradient_sync(i == len(images) - 1)
+        pixels, grids = ((batch["pixel_values"], batch["image_grid_thw"]) if batch is not None
+                         else dummy_image(model.config.vision_config, device))
+        embeds, deepstack = vision(pixels, grids)
+        sent = torch.cat([embeds, *deepstack], dim=1)
+        received = bridge.exchange(i, sent if batch is not None else sent[:0])
+        received.sum().backward()  # nothing arrives on an encoder rank; its backward brings `sent`'s gradient
+    return torch.zeros((), dtype=torch.float64, device=device)
 
 
 @dataclass
@@ -161,14 +182,22 @@ class Step:
     max_grad_norm: float
     compiled_loss: bool = False
     moe: MoE | None = None
+    bridge: object = None  # disjoint layouts (vlmcore.parallel.bridge.DisjointBridge)
 
     def __call__(self, micro: list[dict], label_tokens: float, set_lr) -> StepResult:
-        """One optimizer step over the device micro-batches; `set_lr(optimizer)` sets this step's lr."""
-        loss_sum, aux_sum, routed = forward_backward(self.model, micro, label_tokens, self.vision_dummy,
-                                                     self.chunk_tokens, self.compiled_loss, self.moe)
+        """One optimizer step over the device micro-batches (an encoder rank of disjoint layouts:
+        the image batches of its rows); `set_lr(optimizer)` sets this step's lr."""
+        aux_sum = routed = None
+        if self.bridge is not None and self.bridge.is_vision:
+            loss_sum = encode_forward_backward(self.model, micro, self.bridge)
+        else:
+            loss_sum, aux_sum, routed = forward_backward(self.model, micro, label_tokens, self.vision_dummy,
+                                                         self.chunk_tokens, self.compiled_loss, self.moe, self.bridge)
         if self.partial:
             sum_partial_grads(self.partial, self.tp_group)
         norm = grad_norm(self.trainable).to(loss_sum.device)
+        if self.bridge is not None:
+            norm = self.bridge.global_norm(norm)
         # One all-reduce for the loss and the MoE statistics, one host read for everything.
         totals = loss_sum.view(1)
         if routed is not None:
@@ -200,7 +229,7 @@ def clip_grads(params: list[torch.Tensor], norm: float, max_norm: float) -> None
 
 
 def build_step(model, optimizer, partial_params: list, tp_group, chunk_tokens: int, max_grad_norm: float,
-               compiled_loss: bool = False) -> Step:
+               compiled_loss: bool = False, bridge=None) -> Step:
     """`partial_params`: (module, attribute name) of the TP-partial parameters (`apply_tp`)."""
     moe = None
     if blocks := moe_blocks(model):
@@ -210,9 +239,17 @@ def build_step(model, optimizer, partial_params: list, tp_group, chunk_tokens: i
         moe = MoE(blocks, coef, ranks // tp)
     trainable = [p for p in model.parameters() if p.requires_grad]
     partial = [getattr(m, name) for m, name in partial_params if getattr(m, name).requires_grad]
-    vision_dummy = VisionDummy(model) if model.vision_tower() is not None else None
+    vision_dummy = VisionDummy(model) if model.vision_tower() is not None and bridge is None else None
     return Step(model, optimizer, trainable, partial, tp_group, vision_dummy, chunk_tokens, max_grad_norm,
-                compiled_loss, moe)
+                compiled_loss, moe, bridge)
+
+
+def dummy_image(config, device: torch.device) -> tuple[torch.Tensor, list]:
+    """A tiny zero image (one merged token) and its grid, for the vision tower's `config`."""
+    merge = config.spatial_merge_size
+    pixels = torch.zeros(merge * merge, config.in_channels * config.temporal_patch_size * config.patch_size ** 2,
+                         device=device)
+    return pixels, [[1, merge, merge]]
 
 
 class VisionDummy:
@@ -233,8 +270,5 @@ class VisionDummy:
     def _hook(self, module, args, output):
         if not self.active:
             return output
-        v, device = self.config, output.device
-        merge = v.spatial_merge_size
-        pixels = torch.zeros(merge * merge, v.in_channels * v.temporal_patch_size * v.patch_size ** 2, device=device)
-        leaves = torch.utils._pytree.tree_leaves(self.vision(pixels, [[1, merge, merge]]))
+        leaves = torch.utils._pytree.tree_leaves(self.vision(*dummy_image(self.config, output.device)))
         return output + sum(t.float().sum() for t in leaves if torch.is_tensor(t) and t.is_floating_point()) * 0.0
