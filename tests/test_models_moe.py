@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import vlmcore.models as models
-from _models_helpers import grad_diffs, max_rel
+from _models_helpers import grad_diffs, hf_and_native, max_rel
 from vlmcore.models.moe import GroupedExperts, grouped_mm, load_balancing_loss, moe_blocks
 
 SHAPES = {
@@ -26,10 +26,7 @@ def qwen3_moe_config(**overrides):
 
 
 def pair(tmp_path, **overrides):
-    torch.manual_seed(0)
-    hf = Qwen3MoeForCausalLM(qwen3_moe_config(**overrides)).eval()
-    hf.save_pretrained(tmp_path / "hf")
-    return hf, models.from_pretrained(tmp_path / "hf").eval()
+    return hf_and_native(Qwen3MoeForCausalLM, qwen3_moe_config(**overrides), tmp_path / "hf")
 
 
 @pytest.mark.parametrize("shape", SHAPES)

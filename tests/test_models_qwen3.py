@@ -5,7 +5,7 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 import vlmcore.models as models
-from _models_helpers import logits_loss_then_grad_diffs, max_rel, qwen3_config, token_loss
+from _models_helpers import hf_and_native, logits_loss_then_grad_diffs, max_rel, qwen3_config, token_loss
 
 SHAPES = {
     "tied-gqa2": dict(tied=True),
@@ -15,10 +15,7 @@ SHAPES = {
 
 
 def pair(tmp_path, **shape):
-    torch.manual_seed(0)
-    hf = Qwen3ForCausalLM(qwen3_config(**shape)).eval()
-    hf.save_pretrained(tmp_path / "hf")
-    return hf, models.from_pretrained(tmp_path / "hf").eval()
+    return hf_and_native(Qwen3ForCausalLM, qwen3_config(**shape), tmp_path / "hf")
 
 
 @pytest.mark.parametrize("shape", SHAPES)
