@@ -125,12 +125,14 @@ def test_hybrid_qwen3_5_under_fsdp_and_tp_matches_one_process(tmp_path):
     """Qwen3.5's Gated DeltaNet mixers split over heads (whole qkv and conv weights, partial
     gradients summed over the TP ranks) under FSDP x TP give the one-process run; so does the
     vision tower with its own layout on the same ranks (tp 2 over the language TP pairs, HSDP
-    over the pairs: each pair computes its micro-batch's images once)."""
+    over the pairs: each pair computes its micro-batch's images once), and on ranks of its own
+    (disjoint: ranks 0-1 the vision tower, 2-3 the language model)."""
     snapshot = tiny_snapshot("qwen3_5", tmp_path / "model")
     one, one_weights = run_layout(tmp_path, snapshot, "qwen3_5_one", 1, {"grad_accum_steps": 2})
     vision = {"tp": 2, "dp_replicate": 2}
     for name, parallel in [("qwen3_5_dp2_tp2", {"tp": 2}),
-                           ("qwen3_5_dp2_tp2_vision_tp2_hsdp", {"tp": 2, "modules": {"vision": vision}})]:
+                           ("qwen3_5_dp2_tp2_vision_tp2_hsdp", {"tp": 2, "modules": {"vision": vision}}),
+                           ("qwen3_5_disjoint", {"modules": {"vision": {"ranks": [0, 2]}, "language": {"ranks": [2, 4]}}})]:
         four, four_weights = run_layout(tmp_path, snapshot, name, 4, {"grad_accum_steps": 1, "parallel": parallel})
         torch.testing.assert_close(torch.tensor(four), torch.tensor(one), rtol=1e-5, atol=1e-5, msg=name)
         linear = [key for key in one_weights if ".linear_attn." in key]

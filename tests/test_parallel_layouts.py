@@ -179,3 +179,12 @@ def test_an_encoder_rank_holds_the_vision_tower_only_and_refuses_to_hold_a_froze
             assert "model.visual.merger.linear_fc2.weight" in names
             assert all(name.startswith("model.visual.") for name in names)
             assert {p.device_mesh.mesh.tolist() == [0, 1] for p in model.parameters()} == {True}  # FSDP on 0-1
+
+
+def test_memory_estimate_of_disjoint_layouts_is_refused_by_key():
+    from vlmcore.train.memory import estimate_memory
+
+    disjoint = config({"modules": {"vision": {"ranks": [0, 2]}, "language": {"ranks": [2, 4]}}})
+    with pytest.raises(ConfigError, match="parallel.modules.vision.ranks: the memory estimate of disjoint") as error:
+        estimate_memory(disjoint, 4, 64, 4)
+    assert error.value.key == "parallel.modules.vision.ranks"

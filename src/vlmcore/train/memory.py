@@ -200,6 +200,10 @@ def estimate_memory(cfg: TrainConfig, world_size: int, seq_len: int, image_side:
         raise ConfigError(f"--world-size: must be at least 1, got {world_size}")
     if not fake and world_size != 1:
         raise ValueError("a real run is measured in one process only")
+    if cfg.parallel.modules.vision.ranks != "all":
+        raise ConfigError("parallel.modules.vision.ranks: the memory estimate of disjoint layouts is not implemented "
+                          "yet; a colocated layout with the language model's settings bounds the language ranks'",
+                          "parallel.modules.vision.ranks")
     dims = resolve_dims(cfg.parallel, world_size)
     # Eager: compiled blocks do not run on fake tensors (inductor's fused kernels usually keep
     # less for backward than the eager ops they replace).
