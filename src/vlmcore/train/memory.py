@@ -262,6 +262,11 @@ def _peak_of_two_steps(cfg, model, partial_params, mesh, dims, micro, label_toke
         group["foreach"] = False
     step = build_step(model, optimizer, partial_params, mesh["tp"].get_group() if dims.tp > 1 else None,
                       cfg.loss_chunk_tokens, cfg.max_grad_norm)
+    # The gradient norm one gradient at a time too: on fake sharded gradients (DTensors over more
+    # than two ranks) the multi-tensor norm is counted as holding the gradients' whole (unsharded)
+    # size, e.g. 2.25 GiB per MoE layer of Qwen3-VL-30B-A3B; no all-gather takes place and the
+    # norm's outputs are one scalar per gradient, so this is the fake run's accounting, not memory.
+    step.norm_foreach = False
 
     tracker = PeakTracker(mod=model, optm=optimizer)
     tracker.track_inputs(tuple(micro))

@@ -70,12 +70,12 @@ def _by_layout(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
+def grad_norm(params: list[torch.Tensor], foreach: bool | None = None) -> torch.Tensor:
     """Global L2 norm of the gradients (a device tensor), correct for FSDP / TP (sharded DTensor)
     gradients: one reduction per layout, then combined."""
     squares = []
     for group in _by_layout(params):
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=None)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=foreach)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares.append(norm.double() ** 2)
@@ -183,6 +183,7 @@ class Step:
     compiled_loss: bool = False
     moe: MoE | None = None
     bridge: object = None  # disjoint layouts (vlmcore.parallel.bridge.DisjointBridge)
+    norm_foreach: bool | None = None  # the gradient norm's multi-tensor kernel (None: where torch has it)
 
     def __call__(self, micro: list[dict], label_tokens: float, set_lr) -> StepResult:
         """One optimizer step over the device micro-batches (an encoder rank of disjoint layouts:
@@ -195,7 +196,7 @@ class Step:
                                                          self.chunk_tokens, self.compiled_loss, self.moe, self.bridge)
         if self.partial:
             sum_partial_grads(self.partial, self.tp_group)
-        norm = grad_norm(self.trainable).to(loss_sum.device)
+        norm = grad_norm(self.trainable, self.norm_foreach).to(loss_sum.device)
         if self.bridge is not None:
             norm = self.bridge.global_norm(norm)
         # One all-reduce for the loss and the MoE statistics, one host read for everything.
