@@ -148,7 +148,7 @@ def test_gpu_memory_check_says_what_to_change(configs, tmp_path):
         if gib is None:  # just under the peak once 10% is kept free
             gib = json.loads(runs["roomy"][1].read_text())["peak_bytes"] / 2**30 / 0.9 * 0.99
         proc = subprocess.run(command(1, "memory", str(configs["qwen3_vl"]), "--world-size", "1", "--set",
-                                      "micro_batch_size=2", "--gpu-memory-gib", str(gib), "--json", str(out)),
+                                      "micro_batch_size=4", "--gpu-memory-gib", str(gib), "--json", str(out)),
                               capture_output=True, text=True, env=env(), timeout=300)
         runs[name] = proc, out
     roomy, tight = (json.loads(runs[n][1].read_text()) for n in ("roomy", "tight"))
@@ -161,13 +161,14 @@ def test_gpu_memory_check_says_what_to_change(configs, tmp_path):
     assert error.startswith(f"error: {configs['qwen3_vl']}: estimated peak") and "largest: " in error
     # The tiny model's activations outweigh its states: checkpointing and smaller micro-batches first.
     assert "parallel.activation_checkpointing: selective (now none)" in error
-    assert "micro_batch_size: 1 with twice the grad_accum_steps (now 2)" in error
+    assert "micro_batch_size: 2 with twice the grad_accum_steps (now 4)" in error
     assert "more ranks to shard over, or tensor parallel (now dp_shard 1 x tp 1)" in error
 
 
 def test_chunked_loss_never_holds_the_full_logits(tmp_path):
     """32k vocabulary, 512 tokens: the fp32 logits of the row alone take 64 MiB. Chunks of 64
-    tokens hold at least that much less at the peak than one chunk of the whole row."""
+    tokens hold 7/8 of that less at the peak than one chunk of the whole row (whose softmax and
+    gradient are computed in the logits' own buffer)."""
     import transformers
     from _train_helpers import TEXT
 
@@ -176,5 +177,5 @@ def test_chunked_loss_never_holds_the_full_logits(tmp_path):
     logits = 512 * 32768 * 4
     chunked, whole = estimates(config, [["loss_chunk_tokens=64"], 1, 512, 2, True],
                                [["loss_chunk_tokens=512"], 1, 512, 2, True])
-    assert chunked["peak_bytes"] + logits < whole["peak_bytes"]
-    assert whole["peak_bytes_by_kind"]["Activation"] > 2 * logits  # the logits and their softmax
+    assert whole["peak_bytes"] - chunked["peak_bytes"] > 0.9 * logits * 7 / 8
+    assert logits < whole["peak_bytes_by_kind"]["Activation"] < 1.5 * logits  # the logits, once

@@ -31,17 +31,21 @@ def _chunk_loss_and_grad(logits, target, valid, vocab_local: int, group):
     """Sum of the chunk's token losses and d(sum)/d logits (softmax - one-hot on label tokens), in
     the logits' dtype; statistics in fp32. `target` is the label minus this rank's first vocabulary
     row: outside [0, vocab_local) under a vocabulary-parallel head when another rank holds it.
-    No host reads, so it runs on the GPU without a sync and compiles into two fused kernels."""
+    No host reads, so it runs on the GPU without a sync and compiles into two fused kernels.
+    Eager, it works in the logits' own buffer (fp32 logits are consumed) with one exponential:
+    every pass over a (tokens x vocabulary) tensor, and every new one, costs as much as a matmul."""
     acc = logits.to(torch.promote_types(logits.dtype, torch.float32))
     mine = (target >= 0) & (target < vocab_local)
     index = target.clamp(0, vocab_local - 1)[:, None]
+    target_logit = acc.gather(1, index)[:, 0] * mine
     top = _all_reduce(acc.amax(dim=-1), dist.ReduceOp.MAX, group)
-    sumexp = _all_reduce((acc - top[:, None]).exp().sum(dim=-1), dist.ReduceOp.SUM, group)
+    probs = acc.sub_(top[:, None]).exp_()  # exp(logit - max), softmax times its sum
+    sumexp = _all_reduce(probs.sum(dim=-1), dist.ReduceOp.SUM, group)
     lse = top + sumexp.log()
-    target_logit = _all_reduce(acc.gather(1, index)[:, 0] * mine, dist.ReduceOp.SUM, group)
+    target_logit = _all_reduce(target_logit, dist.ReduceOp.SUM, group)
     loss = ((lse - target_logit) * valid).sum()
-    grad = (acc - lse[:, None]).exp().scatter_add(1, index, -mine[:, None].to(acc.dtype))
-    return loss, (grad * valid[:, None]).to(logits.dtype)
+    grad = probs.mul_((valid / sumexp)[:, None]).scatter_add_(1, index, -(mine & valid)[:, None].to(acc.dtype))
+    return loss, grad.to(logits.dtype)
 
 
 _compiled_chunk_loss_and_grad = None
