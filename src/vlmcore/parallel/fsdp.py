@@ -2,9 +2,12 @@
 rest (embeddings, final norm, LM head) in the root unit. On a 2-D mesh the same call gives HSDP,
 and with a shard size of 1 it is plain data parallelism (DDP). Under expert parallelism each
 block's experts (already sharded over `ep`) are a unit of their own over the data-parallel ranks
-orthogonal to EP."""
+orthogonal to EP. Over a single rank with no dtype to cast to (fp32 training, as on CPU) the model
+stays a plain module, as torchtitan leaves it without FSDP: there FSDP would only copy every
+weight and gradient, twice each per step (13% of a tiny MoE's CPU step)."""
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -14,9 +17,14 @@ from vlmcore.models.moe import moe_blocks
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], vision: nn.Module | None, mesh: DeviceMesh,
                vision_mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               expert_mesh: DeviceMesh | None = None) -> None:
+               expert_mesh: DeviceMesh | None = None, shard_one_rank: bool = False) -> None:
     """`vision_mesh`: the vision tower's own data-parallel mesh (vlmcore.parallel.bridge);
-    `expert_mesh`: the experts' under expert parallelism."""
+    `expert_mesh`: the experts' under expert parallelism; `shard_one_rank`: FSDP units even over
+    one rank without a cast (the memory estimate: torch's tracker of plain modules fails on frozen
+    weights)."""
+    if (not shard_one_rank and dist.get_world_size() == 1
+            and all(p.dtype == param_dtype == reduce_dtype for p in model.parameters())):
+        return
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in blocks:
         if expert_mesh is not None:

@@ -71,9 +71,10 @@ def parallelize_disjoint(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, d
                reduce_dtype=getattr(torch, cfg.precision.reduce_dtype))
 
 
-def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, dims: ParallelDims) -> list:
+def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, dims: ParallelDims,
+                shard_one_rank: bool = False) -> list:
     """Returns the (module, attribute name) of the parameters whose gradients must be summed over
-    the TP ranks."""
+    the TP ranks. `shard_one_rank`: see `apply_fsdp`."""
     blocks, vision = model.decoder_layers(), model.vision_tower()
     if vision is None and cfg.parallel.modules.vision != ModuleLayout():
         raise ConfigError(f"parallel.modules.vision: the {model.config.model_type} model has no vision tower",
@@ -100,5 +101,6 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, dims: Para
     expert_mesh = dp_mesh(mesh, dims, shard="dp_shard_mod_ep") if dims.ep > 1 else None
     apply_fsdp(model, list(blocks.children()), vision, dp_mesh(mesh, dims), vision_dp_mesh,
                param_dtype=getattr(torch, cfg.precision.param_dtype),
-               reduce_dtype=getattr(torch, cfg.precision.reduce_dtype), expert_mesh=expert_mesh)
+               reduce_dtype=getattr(torch, cfg.precision.reduce_dtype), expert_mesh=expert_mesh,
+               shard_one_rank=shard_one_rank)
     return partial

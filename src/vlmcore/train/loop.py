@@ -146,12 +146,13 @@ def check_kernels(cfg: TrainConfig, device: torch.device) -> dict:
     return backends
 
 
-def build_meta_model(cfg: TrainConfig, mesh, dims):
+def build_meta_model(cfg: TrainConfig, mesh, dims, shard_one_rank: bool = False):
     """The stage's model on the meta device (no memory): frozen by `trainable` and parallelized.
-    Returns the model and its parameters with TP-partial gradients (`apply_tp`)."""
+    Returns the model and its parameters with TP-partial gradients (`apply_tp`).
+    `shard_one_rank`: see `vlmcore.parallel.fsdp.apply_fsdp`."""
     model = build_model(cfg.model_path, device="meta")
     freeze(model, cfg.trainable)
-    return model, parallelize(model, cfg, mesh, dims)
+    return model, parallelize(model, cfg, mesh, dims, shard_one_rank)
 
 
 def materialize(model, device: torch.device) -> None:

@@ -212,7 +212,10 @@ def estimate_memory(cfg: TrainConfig, world_size: int, seq_len: int, image_side:
         # The mesh and the parallelized meta model are built on real (meta) tensors; only the
         # materialized shards, the optimizer state and the steps are fake.
         mesh = build_mesh(dims, torch.device("cpu"))
-        model, partial_params = build_meta_model(cfg, mesh, dims)
+        # FSDP units even for a one-rank fp32 run, which trains a plain module (parallel/fsdp.py):
+        # torch's memory tracker of plain modules fails on frozen weights. Counted that way, its
+        # estimate is above the run by one block's weight copy and the gradient reduce buffers.
+        model, partial_params = build_meta_model(cfg, mesh, dims, shard_one_rank=True)
         # Rank 0's micro-batches, every row with an image. Two micro-batches hold as much as
         # more would: from the second on, the unsynced gradients of the first are held too.
         micro_batches = min(cfg.grad_accum_steps, 2)
