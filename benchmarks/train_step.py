@@ -8,9 +8,11 @@ same AdamW, one device; and vlmcore's real training loop (`vlmcore train` on ran
     python benchmarks/train_step.py --preset tiny --family qwen3_vl_moe   # mixture of experts, CPU
     python benchmarks/train_step.py --preset 30b-a3b --all   # Qwen3-VL-30B-A3B's shape, 4 layers, one GPU
 
-vlmcore runs its real step (`vlmcore.train.step`: FSDP2 over one rank with the mixed-precision
-policy, chunked cross-entropy, AdamW, one host read); transformers runs `model(**batch, labels=...)`
-+ `loss.backward()` + AdamW, in bf16 autocast over fp32 weights on GPU. The real loop runs
+vlmcore runs its real step (`vlmcore.train.step`: on GPU FSDP2 over one rank with the bf16
+mixed-precision policy, on CPU in fp32 a plain module; chunked cross-entropy, gradient clipping
+at norm 1, AdamW, one host read); transformers runs `model(**batch, labels=...)` +
+`loss.backward()` + clipping at norm 1 (HF Trainer's default) + the same AdamW (fused on GPU,
+multi-tensor on CPU), in bf16 autocast over fp32 weights on GPU. The real loop runs
 `vlmcore train` for warmup + steps steps and takes the median step time of its metrics.jsonl.
 Prints a table and writes benchmarks/results/train_step_<device>_<preset>_<family>.json
 (`--all`: train_step_<device>_<preset>_all.json, one row per case, for the next run to compare).
@@ -187,7 +189,8 @@ def bench_transformers(path, batch, device, args, family: str, image_token_id):
     model.train()
     if args.compile:
         model.compile()
-    optimizer = torch.optim.AdamW([p for p in model.parameters()], lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01,
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01,
                                   fused=device.type == "cuda", foreach=device.type != "cuda")
     # transformers shifts labels itself: give it the unshifted targets.
     labels = torch.full_like(batch["labels"], -100)
@@ -204,6 +207,7 @@ def bench_transformers(path, batch, device, args, family: str, image_token_id):
         with autocast:
             loss = model(**inputs).loss
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, max_norm=1.0)  # as HF Trainer (max_grad_norm) and vlmcore
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
