@@ -19,7 +19,7 @@ Load balancing: every block keeps, from its last forward, the tokens routed to e
 the sum of router probabilities per expert (`routed`); `load_balancing_loss` combines them over
 the layers exactly as transformers' `load_balancing_loss_func` does (the counts and probabilities
 are summed over the layers before their product), and the train step adds it to the loss. The
-step turns the keeping off during backward (`routing_kept`): activation checkpointing runs each
+step turns the keeping off during backward (`routing_not_kept`): activation checkpointing runs each
 block's forward again there, and what that forward kept would hold the recomputed layer's whole
 graph, every activation it saved, until the next forward (0.67 GiB per layer of Qwen3-VL-30B-A3B
 at 8,192 tokens, for all 48 layers at once).
@@ -194,10 +194,10 @@ def load_balancing_loss(blocks: list[SparseMoeBlock]) -> tuple[torch.Tensor, tor
 
 
 @contextmanager
-def routing_kept(blocks: list[SparseMoeBlock], keep: bool):
-    """Whether the blocks' forwards keep their routing (`routed`) inside the context."""
+def routing_not_kept(blocks: list[SparseMoeBlock]):
+    """The blocks' forwards inside the context (activation checkpointing's recompute) keep no routing."""
     for b in blocks:
-        b.keep_routing = keep
+        b.keep_routing = False
     try:
         yield
     finally:

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from vlmcore.data.processor import normalize_patches
-from vlmcore.models.moe import clear_routing, load_balancing_loss, moe_blocks, routing_kept
+from vlmcore.models.moe import clear_routing, load_balancing_loss, moe_blocks, routing_not_kept
 from vlmcore.train.loss import IGNORE_INDEX, chunked_cross_entropy
 
 
@@ -128,7 +128,7 @@ def forward_backward(model, micro: list[dict], label_tokens: float, vision_dummy
             routed = counts if routed is None else routed + counts
         if received is not None:  # the bridge's backward (a collective) runs even if no image uses it
             loss = loss + 0.0 * received.sum()
-        with routing_kept(moe.blocks if moe is not None else [], False):  # AC's recompute keeps none
+        with routing_not_kept(moe.blocks if moe is not None else []):
             loss.backward()
         local_sum = local_sum.detach().double()
         loss_sum = local_sum if loss_sum is None else loss_sum + local_sum
