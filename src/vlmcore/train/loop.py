@@ -183,10 +183,14 @@ def resume(checkpointer: Checkpointer, path: Path, model, optimizer, data, state
     dcp.load({"train": layout_state}, checkpoint_id=str(path))
     same_layout = all(layout_state[f"layout_{k}"] == v for k, v in layout.items())
     rank_state = {"rng": rng_state(), "loader": data.state_dict()} if same_layout else None
-    config_values = [{k: g[k] for k in ("base_lr", "weight_decay", "betas", "eps")} for g in optimizer.param_groups]
+    # The config wins over the checkpoint's group settings (name, lr, weight decay, betas, eps, the
+    # fused or foreach kernel): a checkpoint keeps them by group index, and under disjoint layouts
+    # the encoder and language ranks' groups share indices, so a rank may read another's settings
+    # or none (torch then falls back to AdamW's defaults: no fused kernel after a resume).
+    built = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     checkpointer.load(path, model, optimizer, state, rank_state)
-    for group, values in zip(optimizer.param_groups, config_values):
-        group.update(values)  # the config wins over the checkpoint's hyperparameters
+    for group, settings in zip(optimizer.param_groups, built):
+        group.update(settings)
     if rank_state is not None:
         set_rng_state(rank_state["rng"])
         data.load_state_dict(rank_state["loader"])
@@ -302,7 +306,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
         print("kernels: " + ", ".join(f"{part} {backend}" for part, backend in backends.items()))
     model, partial_params = build_parallel_model(cfg, mesh, dims, device)
     model.train()
-    optimizer = build_optimizer(model, cfg.optimizer, device)
+    optimizer = build_optimizer(model, cfg.optimizer)
     bridge = None
     if disjoint:  # each rank holds one module; the bridge carries the image embeddings between them
         bridge = DisjointBridge(model.config, layouts, cfg.micro_batch_size, getattr(torch, cfg.precision.param_dtype),
