@@ -11,8 +11,8 @@ same AdamW, one device; and vlmcore's real training loop (`vlmcore train` on ran
 vlmcore runs its real step (`vlmcore.train.step`: on GPU FSDP2 over one rank with the bf16
 mixed-precision policy, on CPU in fp32 a plain module; chunked cross-entropy, gradient clipping
 at norm 1, AdamW, one host read); transformers runs `model(**batch, labels=...)` +
-`loss.backward()` + clipping at norm 1 (HF Trainer's default) + the same AdamW (fused on GPU,
-multi-tensor on CPU), in bf16 autocast over fp32 weights on GPU. The real loop runs
+`loss.backward()` + clipping at norm 1 (HF Trainer's default) + the same AdamW (fused, CPU
+included), in bf16 autocast over fp32 weights on GPU. The real loop runs
 `vlmcore train` for warmup + steps steps and takes the median step time of its metrics.jsonl.
 Prints a table and writes benchmarks/results/train_step_<device>_<preset>_<family>.json
 (`--all`: train_step_<device>_<preset>_all.json, one row per case, for the next run to compare).
@@ -136,7 +136,7 @@ def bench_vlmcore(cfg, host_batch, device, args):
     check_kernels(cfg, device)
     dims = resolve_dims(cfg.parallel, dist.get_world_size())
     model, partial = build_parallel_model(cfg, build_mesh(dims, device), dims, device)
-    optimizer = build_optimizer(model, cfg.optimizer, device)
+    optimizer = build_optimizer(model, cfg.optimizer)
     train_step = build_step(model, optimizer, partial, None, cfg.loss_chunk_tokens, cfg.max_grad_norm,
                             compiled_loss=cfg.parallel.compile)
     flops = sum(batch_flops(model.config, host_batch))
@@ -190,8 +190,7 @@ def bench_transformers(path, batch, device, args, family: str, image_token_id):
     if args.compile:
         model.compile()
     params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01,
-                                  fused=device.type == "cuda", foreach=device.type != "cuda")
+    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
     # transformers shifts labels itself: give it the unshifted targets.
     labels = torch.full_like(batch["labels"], -100)
     labels[:, 1:] = batch["labels"][:, :-1]

@@ -152,7 +152,7 @@ def dump_state(config_path: str, out_path: str) -> None:
     init_distributed(device)
     dims = resolve_dims(cfg.parallel, dist.get_world_size())
     model, _ = build_parallel_model(cfg, build_mesh(dims, device), dims, device)
-    optimizer = build_optimizer(model, cfg.optimizer, device)
+    optimizer = build_optimizer(model, cfg.optimizer)
     checkpointer = Checkpointer(cfg.output_dir, keep=cfg.checkpoint.keep)
     train_state = {"step": 0}
     checkpointer.load(checkpointer.latest(), model, optimizer, train_state, None)

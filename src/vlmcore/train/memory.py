@@ -257,12 +257,12 @@ def _peak_of_two_steps(cfg, model, partial_params, mesh, dims, micro, label_toke
     device = torch.device("cpu")
     materialize(model, device)
     model.train()
-    optimizer = build_optimizer(model, cfg.optimizer, device)
-    # One weight at a time: the closest to the GPU's fused AdamW, which allocates nothing. The CPU's
-    # multi-tensor (foreach) step allocates temporaries the size of all the weights, and fake
-    # tensors count the fused step's in-place outputs as new memory.
+    optimizer = build_optimizer(model, cfg.optimizer)
+    # One weight at a time: the closest to the fused AdamW, which allocates nothing, but whose
+    # in-place outputs fake tensors count as new memory. The multi-tensor (foreach) step would
+    # allocate temporaries the size of all the weights.
     for group in optimizer.param_groups:
-        group["foreach"] = False
+        group["fused"] = group["foreach"] = False
     step = build_step(model, optimizer, partial_params, mesh["tp"].get_group() if dims.tp > 1 else None,
                       cfg.loss_chunk_tokens, cfg.max_grad_norm)
     # The gradient norm one gradient at a time too: on fake sharded gradients (DTensors over more
