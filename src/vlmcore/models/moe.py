@@ -30,6 +30,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .layers import GpuKernel, SwiGLU
 
@@ -70,8 +71,10 @@ class GroupedExperts(nn.Module):
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
-    """An expert-sharded DTensor's local experts (expert parallelism); a plain tensor as is."""
-    return weight.to_local() if hasattr(weight, "to_local") else weight
+    """An expert-sharded DTensor's local experts (expert parallelism); a plain tensor as is.
+    isinstance, not hasattr(weight, "to_local"): under torch.compile, hasattr on a DTensor
+    parameter is False and the DTensor went on into the expert matmuls."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def _swiglu(h: torch.Tensor) -> torch.Tensor:

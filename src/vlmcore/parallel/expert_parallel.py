@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from vlmcore.config import ConfigError
@@ -62,13 +62,13 @@ def all_to_all_dispatch(x: torch.Tensor, counts: torch.Tensor, experts: GroupedE
     received = torch.empty_like(counts)  # received[src * L + l]: rows from rank src for local expert l
     dist.all_to_all_single(received, counts, group=group)
     send, recv = _split_sizes(counts.view(ep, local).sum(1), received.view(ep, local).sum(1), x.shape[0])
-    rows = all_to_all_single(x.new_empty(sum(recv), x.shape[1]), x, recv, send, group=group)
+    rows = all_to_all_single_autograd(x, recv, send, group)
     expert = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(ep), received,
                                      output_size=rows.shape[0])
     order = torch.argsort(expert, stable=True)
     y = experts(rows[order], received.view(ep, local).sum(0))
     y = torch.zeros_like(y).index_copy(0, order, y)
-    return all_to_all_single(y.new_empty(x.shape[0], y.shape[1]), y, send, recv, group=group)
+    return all_to_all_single_autograd(y, send, recv, group)
 
 
 def _split_sizes(send: torch.Tensor, recv: torch.Tensor, rows: int) -> list[list[int]]:
