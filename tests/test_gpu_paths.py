@@ -367,6 +367,51 @@ def test_compiled_moe_block_runs_its_local_experts_under_ep(grouped, restore_ker
         torch.testing.assert_close(got_grads[name], want_grads[name], msg=name, **tolerance)
 
 
+@pytest.mark.parametrize("checkpointing", ["full", "selective"])
+def test_moe_blocks_compile_whole_under_activation_checkpointing(checkpointing, restore_kernels):
+    """Dynamo traces a checkpointed block as one region and runs the whole block eagerly if any of
+    it cannot go in: the MoE block's kept routing (a side effect) did that, so compile did nothing
+    for MoE models under activation checkpointing. On the GPU's calling path (varlen and grouped
+    GEMM stand-ins, bf16), the compiled blocks are one graph, and loss and gradients, the router's
+    through the load-balancing loss included, follow the eager model."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    from vlmcore.models.moe import load_balancing_loss, routing_not_kept
+    from vlmcore.parallel.ac import apply_ac
+    from vlmcore.parallel.compile import apply_compile
+
+    torch._dynamo.reset()
+    counters.clear()
+    set_varlen_kernel(varlen_attn_torch_2_12, force=True)
+    grouped_mm.set(torch._grouped_mm, force=True)
+    config = tiny_config("qwen3_moe")
+    torch.manual_seed(0)
+    model = build_model(config, device="cpu")
+    model.init_weights()
+    model.to(torch.bfloat16)
+    compiled = copy.deepcopy(model)
+    for m in (model, compiled):
+        apply_ac(m.model.layers, checkpointing)
+    apply_compile(compiled.model.layers)
+    ids = torch.randint(0, config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for m in (model, compiled):
+        logits = m(ids).logits
+        aux, _ = load_balancing_loss(moe_blocks(m))
+        loss = logits.float().square().mean() + config.router_aux_loss_coef * aux
+        with routing_not_kept(moe_blocks(m)):
+            loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
+    (want_loss, want), (got_loss, got) = runs
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-3, atol=1e-5)
+    assert got.keys() == want.keys() and any("gate.weight" in name for name in want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=2e-2, atol=1e-3, msg=name)
+
+
 def test_chunked_loss_compiles_to_one_graph():
     from vlmcore.train.loss import _chunk_loss_and_grad
 
