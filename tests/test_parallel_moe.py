@@ -109,20 +109,20 @@ def test_checkpoint_written_under_ep_resumes_without_it(references):
 
 @pytest.mark.slow
 def test_compiled_blocks_under_ep_follow_the_eager_run(tmp_path):
-    """Per-block torch.compile with the experts split over EP ranks (DTensors), 4 ranks (EP 2 x
-    FSDP 2), without and with full activation checkpointing (the Qwen3-VL-30B-A3B recipes'),
-    against the eager run. Compiled without checkpointing, the first step used to fail in dynamo:
-    the expert-sharded weights reached the expert matmuls as DTensors. (Checkpointed, the blocks
-    run eagerly: the dispatch's host reads of the split sizes break the checkpointed region, see
+    """Per-block torch.compile with the experts split over EP ranks (DTensors), 2 ranks (EP 2),
+    without and with full activation checkpointing (the Qwen3-VL-30B-A3B recipes'), against the
+    eager run. Compiled without checkpointing, the first step used to fail in dynamo: the
+    expert-sharded weights reached the expert matmuls as DTensors. (Checkpointed, the blocks run
+    eagerly: the dispatch's host reads of the split sizes break the checkpointed region, see
     parallel/compile.py.) Inductor rounds differently in fp32: the trajectories agree to 1e-4."""
-    snapshot = tiny_snapshot("qwen3_vl_moe", tmp_path / "model")
+    snapshot = tiny_snapshot("qwen3_moe", tmp_path / "model")
     runs = {}
     for name, checkpointing, compiled in [("eager", "none", False), ("compiled", "none", True),
                                           ("compiled_full", "full", True)]:
         out = tmp_path / name
         cfg = write_config(tmp_path / f"{name}.yaml", snapshot, out, steps=3, checkpoint={"enabled": False},
                            parallel={"ep": 2, "activation_checkpointing": checkpointing, "compile": compiled})
-        train(4, cfg, timeout=600)
+        train(2, cfg, timeout=600)
         runs[name] = torch.tensor(trajectory(out))
     assert len(runs["eager"]) == 3
     for name in ("compiled", "compiled_full"):
