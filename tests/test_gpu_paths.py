@@ -319,7 +319,7 @@ def test_blocks_compile_with_attention_inside(family, block_kind, breaks, restor
 
 
 @pytest.mark.parametrize("grouped", [False, True])
-def test_compiled_moe_block_runs_its_local_experts_under_ep(grouped, restore_kernels):
+def test_compiled_moe_block_runs_its_local_experts_under_ep(grouped, restore_kernels, one_process_group):
     """Expert parallelism makes the experts' weights DTensors sharded over the EP ranks, and the
     MoE recipes compile each block: compiled, the block must still run its local experts, on the
     CPU loop and on the GPU's grouped GEMMs (torch._grouped_mm forced, bf16 as on the GPU). Under
@@ -328,7 +328,6 @@ def test_compiled_moe_block_runs_its_local_experts_under_ep(grouped, restore_ker
     eager block of the plain model on the same path."""
     import copy
 
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from vlmcore.parallel.expert_parallel import apply_ep
@@ -337,26 +336,22 @@ def test_compiled_moe_block_runs_its_local_experts_under_ep(grouped, restore_ker
     dtype = torch.bfloat16 if grouped else torch.float32
     if grouped:
         grouped_mm.set(torch._grouped_mm, force=True)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        model = build_model(tiny_config("qwen3_moe"), device="cpu")
-        model.init_weights()
-        model.to(dtype)
-        sharded = copy.deepcopy(model)
-        apply_ep(sharded, init_device_mesh("cpu", (1,), mesh_dim_names=("ep",)))
-        block = moe_blocks(sharded)[0]
-        block.compile()
-        x = torch.randn(2, 24, model.config.hidden_size, dtype=dtype)
-        runs = []
-        for b in (moe_blocks(model)[0], block):
-            x_in = x.clone().requires_grad_()
-            y = b(x_in)
-            y.float().square().sum().backward()
-            grads = {n: p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for n, p in b.named_parameters()}
-            runs.append((y.detach(), x_in.grad, grads))
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    model = build_model(tiny_config("qwen3_moe"), device="cpu")
+    model.init_weights()
+    model.to(dtype)
+    sharded = copy.deepcopy(model)
+    apply_ep(sharded, init_device_mesh("cpu", (1,), mesh_dim_names=("ep",)))
+    block = moe_blocks(sharded)[0]
+    block.compile()
+    x = torch.randn(2, 24, model.config.hidden_size, dtype=dtype)
+    runs = []
+    for b in (moe_blocks(model)[0], block):
+        x_in = x.clone().requires_grad_()
+        y = b(x_in)
+        y.float().square().sum().backward()
+        grads = {n: p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for n, p in b.named_parameters()}
+        runs.append((y.detach(), x_in.grad, grads))
     assert type(block.experts.gate_up_proj).__name__ == "DTensor"
     tolerance = dict(rtol=2e-2, atol=2e-3) if grouped else {}
     (want, want_dx, want_grads), (got, got_dx, got_grads) = runs

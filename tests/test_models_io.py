@@ -98,23 +98,18 @@ def test_saving_again_replaces_the_old_shards(tmp_path):
     assert_same_tensors(models.from_pretrained(tmp_path).state_dict(), model.state_dict())
 
 
-def test_save_from_an_fsdp_sharded_model_gathers_full_tensors(tmp_path):
+def test_save_from_an_fsdp_sharded_model_gathers_full_tensors(tmp_path, one_process_group):
     """The export flow: parameters are DTensors (FSDP2 over a one-process gloo group)."""
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     model = random_model(qwen3_vl_config())
     reference = {name: t.clone() for name, t in model.state_dict().items()}
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        for block in [*model.model.visual.blocks, *model.model.language_model.layers]:
-            fully_shard(block)
-        fully_shard(model)
-        assert isinstance(model.lm_head.weight, DTensor)
-        models.save_pretrained(model, tmp_path / "out", max_shard_size="300KB")
-    finally:
-        dist.destroy_process_group()
+    for block in [*model.model.visual.blocks, *model.model.language_model.layers]:
+        fully_shard(block)
+    fully_shard(model)
+    assert isinstance(model.lm_head.weight, DTensor)
+    models.save_pretrained(model, tmp_path / "out", max_shard_size="300KB")
     assert_same_tensors(snapshot_tensors(tmp_path / "out"), reference)
 
 

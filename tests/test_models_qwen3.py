@@ -72,22 +72,17 @@ def test_bf16_top1_agrees_with_transformers(tmp_path):
     assert agree("native", "hf32") >= agree("hf16", "hf32") - 0.01
 
 
-def test_weights_load_into_a_model_sharded_on_meta(tmp_path):
+def test_weights_load_into_a_model_sharded_on_meta(tmp_path, one_process_group):
     """The training flow: build on meta, shard with FSDP2, materialize, load (one gloo process)."""
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     hf, native = pair(tmp_path, **SHAPES["tied-gqa2"])
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        model = models.build_model(tmp_path / "hf")
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-        model.to_empty(device="cpu")
-        models.load_hf_weights(model, tmp_path / "hf")
-        assert model.lm_head.weight is model.model.embed_tokens.weight
-        ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(5))
-        assert max_rel(model(ids).logits, hf(input_ids=ids).logits) < 1e-4
-    finally:
-        dist.destroy_process_group()
+    model = models.build_model(tmp_path / "hf")
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    models.load_hf_weights(model, tmp_path / "hf")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(5))
+    assert max_rel(model(ids).logits, hf(input_ids=ids).logits) < 1e-4

@@ -190,12 +190,11 @@ def test_memory_estimate_of_disjoint_layouts_is_refused_by_key():
     assert error.value.key == "parallel.modules.vision.ranks"
 
 
-def test_one_rank_trains_a_plain_module_unless_it_casts(tmp_path):
+def test_one_rank_trains_a_plain_module_unless_it_casts(tmp_path, one_process_group):
     """FSDP2 over a single rank only copies weights and gradients unless it casts them: one rank in
     fp32 trains the plain module, in bf16 FSDP's units do the cast; the memory estimate's model is
     sharded either way (torch's tracker needs FSDP units)."""
     import torch
-    import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
@@ -205,16 +204,12 @@ def test_one_rank_trains_a_plain_module_unless_it_casts(tmp_path):
     from vlmcore.train.loop import build_meta_model
 
     cfg = load_config(write_config(tmp_path / "c.yaml", tiny_snapshot("qwen3_vl", tmp_path / "m"), tmp_path / "o"))
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        one = resolve_dims(cfg.parallel, 1)
-        mesh = build_mesh(one, torch.device("cpu"))
-        kinds = {}
-        for dtype, shard_one_rank in (("float32", False), ("bfloat16", False), ("float32", True)):
-            cfg.precision.param_dtype = dtype
-            model, _ = build_meta_model(cfg, mesh, one, shard_one_rank=shard_one_rank)
-            kinds[dtype, shard_one_rank] = (isinstance(model, FSDPModule), isinstance(model.lm_head.weight, DTensor))
-    finally:
-        dist.destroy_process_group()
+    one = resolve_dims(cfg.parallel, 1)
+    mesh = build_mesh(one, torch.device("cpu"))
+    kinds = {}
+    for dtype, shard_one_rank in (("float32", False), ("bfloat16", False), ("float32", True)):
+        cfg.precision.param_dtype = dtype
+        model, _ = build_meta_model(cfg, mesh, one, shard_one_rank=shard_one_rank)
+        kinds[dtype, shard_one_rank] = (isinstance(model, FSDPModule), isinstance(model.lm_head.weight, DTensor))
     assert kinds == {("float32", False): (False, False), ("bfloat16", False): (True, True),
                      ("float32", True): (True, True)}

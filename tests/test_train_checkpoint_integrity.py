@@ -3,7 +3,6 @@ sizes and sha256 that manifest.json records."""
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from vlmcore.train.checkpoint import MANIFEST, Checkpointer, checkpoint_problem
@@ -25,13 +24,6 @@ def test_missing_and_truncated_files_are_found(tmp_path):
     assert checkpoint_problem(path).startswith(".metadata cannot be read")
     metadata.unlink()
     assert checkpoint_problem(path).startswith(".metadata cannot be read")
-
-
-@pytest.fixture
-def one_process_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def flip_byte(path, offset):

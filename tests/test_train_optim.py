@@ -104,45 +104,40 @@ class Position:
         self.consumed = state["consumed"]
 
 
-def test_resume_keeps_the_configured_group_settings(tmp_path):
+def test_resume_keeps_the_configured_group_settings(tmp_path, one_process_group):
     """The checkpoint's optimizer states are loaded, its group settings are not: they are kept by
     group index, which ranks holding different modules share (disjoint layouts), so a resume took
     another rank's settings or AdamW's defaults, and the fused kernel was lost. Here the run that
     wrote the checkpoint had other settings and the multi-tensor kernel."""
     import torch
-    import torch.distributed as dist
 
     from vlmcore.train.checkpoint import Checkpointer, rng_state
     from vlmcore.train.loop import resume
     from vlmcore.train.optim import build_optimizer
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        model = TinyVLM()
-        other = OptimizerConfig(lr=0.5, vision_lr=0.2, weight_decay=0.3, betas=[0.8, 0.9], eps=1e-6)
-        written = torch.optim.AdamW(param_groups(model, other), fused=False, foreach=True)
-        for p in model.parameters():
-            p.grad = torch.randn_like(p)
-        written.step()
-        written.zero_grad(set_to_none=True)
-        data = Position()
-        data.consumed = 7
-        layout = {"world_size": 1}
-        Checkpointer(tmp_path, keep=1).save(1, model, written, {"step": 1, "layout_world_size": 1},
-                                            {"rng": rng_state(), "loader": data.state_dict()})
+    torch.manual_seed(0)
+    model = TinyVLM()
+    other = OptimizerConfig(lr=0.5, vision_lr=0.2, weight_decay=0.3, betas=[0.8, 0.9], eps=1e-6)
+    written = torch.optim.AdamW(param_groups(model, other), fused=False, foreach=True)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    written.step()
+    written.zero_grad(set_to_none=True)
+    data = Position()
+    data.consumed = 7
+    layout = {"world_size": 1}
+    Checkpointer(tmp_path, keep=1).save(1, model, written, {"step": 1, "layout_world_size": 1},
+                                        {"rng": rng_state(), "loader": data.state_dict()})
 
-        cfg = OptimizerConfig(lr=1.0, vision_lr=0.1, projector_lr=0.5, weight_decay=0.01)
-        optimizer = build_optimizer(model, cfg)
-        built = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        state, data = {"step": 0, "layout_world_size": 0}, Position()
-        resume(Checkpointer(tmp_path, keep=1), tmp_path / "checkpoints" / "step_1", model, optimizer, data, state,
-               layout)
-        assert [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] == built
-        assert all(g["fused"] for g in optimizer.param_groups)
-        assert state["step"] == 1 and data.consumed == 7
-        for p in model.parameters():
-            assert torch.equal(optimizer.state[p]["exp_avg"], written.state[p]["exp_avg"])
-            assert torch.equal(optimizer.state[p]["exp_avg_sq"], written.state[p]["exp_avg_sq"])
-    finally:
-        dist.destroy_process_group()
+    cfg = OptimizerConfig(lr=1.0, vision_lr=0.1, projector_lr=0.5, weight_decay=0.01)
+    optimizer = build_optimizer(model, cfg)
+    built = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    state, data = {"step": 0, "layout_world_size": 0}, Position()
+    resume(Checkpointer(tmp_path, keep=1), tmp_path / "checkpoints" / "step_1", model, optimizer, data, state,
+           layout)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] == built
+    assert all(g["fused"] for g in optimizer.param_groups)
+    assert state["step"] == 1 and data.consumed == 7
+    for p in model.parameters():
+        assert torch.equal(optimizer.state[p]["exp_avg"], written.state[p]["exp_avg"])
+        assert torch.equal(optimizer.state[p]["exp_avg_sq"], written.state[p]["exp_avg_sq"])
