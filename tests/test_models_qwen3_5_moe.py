@@ -100,8 +100,10 @@ def test_blocks_route_like_transformers(tmp_path):
     assert blocks[0].experts.gate_up_proj.shape == (8, 64, 64)
 
 
-def test_packed_row_with_images_equals_samples_run_alone(tmp_path):
-    """Logits, routing (tokens per expert of every layer) and every gradient of the token loss."""
+def test_packed_row_with_images_equals_samples_run_alone(tmp_path, one_thread):
+    """Logits, routing (tokens per expert of every layer) and every gradient of the token loss.
+    On one thread: a linear-attention A_log gradient is a sum of many signed terms over the row,
+    and with 2 threads the order of that sum alone moved it by 1.25e-4 of its size (bound 1e-4)."""
     _, native = vl_pair(tmp_path / "hf")
     g = torch.Generator().manual_seed(4)
     samples = [vl_sample([(1, 4, 6)], [3, 70], g), vl_sample([], [9], g), vl_sample([(1, 6, 2), (1, 2, 4)], [2, 3, 1], g)]
