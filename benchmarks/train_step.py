@@ -15,17 +15,23 @@ at norm 1, AdamW, one host read); transformers runs `model(**batch, labels=...)`
 included), in bf16 autocast over fp32 weights on GPU. The real loop runs
 `vlmcore train` for warmup + steps steps and takes the median step time of its metrics.jsonl.
 Prints a table and writes benchmarks/results/train_step_<device>_<preset>_<family>.json
-(`--all`: train_step_<device>_<preset>_all.json, one row per case, for the next run to compare).
-On a GPU machine: `pip install --no-deps -e .` over its CUDA torch (docs/performance.md).
+(`--all`: train_step_<device>_<preset>_all[_<family>].json, one row per case, for the next run to
+compare). `--all` prints and writes each case as it finishes, compiled cases first, so a run cut
+short keeps what it measured ("complete": false); `--all --family F` runs one family's part, to
+split the table over shorter runs. One snapshot per family; `vlmcore memory`'s estimate runs on
+the CPU beside the GPU cases. On a GPU machine: `pip install --no-deps -e .` over its CUDA torch
+(docs/performance.md).
 """
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -216,43 +222,56 @@ def bench_transformers(path, batch, device, args, family: str, image_token_id):
     return result
 
 
-def run_case(args, family: str, device: torch.device) -> dict:
+def train_config(args, path: Path, output_dir: Path, device: torch.device):
+    from vlmcore.config import TrainConfig
+
+    cfg = TrainConfig(model_path=str(path), output_dir=str(output_dir))
+    cfg.parallel.compile = args.compile
+    cfg.parallel.activation_checkpointing = args.activation_checkpointing
+    cfg.precision.param_dtype = "bfloat16" if device.type == "cuda" else "float32"
+    cfg.optimizer.lr = 1e-4
+    cfg.loss_chunk_tokens = 2048
+    return cfg
+
+
+def estimate_peak_gib(args, family: str, path: Path, device_type: str) -> float | None:
+    """`vlmcore memory`'s estimate of the bare step's peak (eager whatever --compile says). The MoE
+    estimate is of the experts' bf16 grouped GEMM: none for an fp32 (CPU) MoE run."""
+    from vlmcore.train.memory import estimate_memory
+
+    if device_type != "cuda" and family in MOE:
+        return None
+    if device_type == "cuda":  # beside the timed GPU cases: leave their process half the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    preset = PRESETS[args.preset]
+    seq_len = args.seq_len or preset["seq_len"]
+    cfg = train_config(args, path, path.parent / "estimate", torch.device(device_type))
+    estimate = estimate_memory(cfg, 1, seq_len, preset["image_side"], segments=max(1, seq_len // 512))
+    return estimate["peak_bytes"] / 2**30
+
+
+def run_case(args, family: str, path: Path, device: torch.device) -> dict:
     """Bare step (vlmcore, transformers) and the real loop of one family, on one batch."""
     import transformers
 
-    from vlmcore.config import TrainConfig
     from vlmcore.train.random_data import RandomBatches
 
     preset = PRESETS[args.preset]
     seq_len = args.seq_len or preset["seq_len"]
-    bf16 = device.type == "cuda"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "model"
-        write_snapshot(family, preset, path)
-        cfg = TrainConfig(model_path=str(path), output_dir=str(Path(tmp) / "out"))
-        cfg.parallel.compile = args.compile
-        cfg.parallel.activation_checkpointing = args.activation_checkpointing
-        cfg.precision.param_dtype = "bfloat16" if bf16 else "float32"
-        cfg.optimizer.lr = 1e-4
-        cfg.loss_chunk_tokens = 2048
-        model_config = transformers.AutoConfig.from_pretrained(path)
-        batch = RandomBatches(model_config, seq_len=seq_len, segments=max(1, seq_len // 512), image_fraction=1.0,
-                              micro_batch_size=1, dp_rank=0, dp_world=1, grad_accum_steps=1, seed=0,
-                              image_side=preset["image_side"]).batch(0)
-        results = {"vlmcore": bench_vlmcore(cfg, batch, device, args)}
-        flops = results["vlmcore"]["flops_per_step"]
-        if not args.skip_transformers:
-            device_batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-            results["transformers"] = bench_transformers(path, device_batch, device, args, family,
-                                                         getattr(model_config, "image_token_id", None))
-        if not args.skip_loop:
-            results["vlmcore train"] = bench_loop(cfg, device, args, seq_len, preset["image_side"], family)
-        # The MoE estimate is of the experts' bf16 grouped GEMM: none for an fp32 (CPU) MoE run.
-        if args.memory_estimate and (bf16 or family not in MOE):
-            from vlmcore.train.memory import estimate_memory
-
-            estimate = estimate_memory(cfg, 1, seq_len, preset["image_side"], segments=max(1, seq_len // 512))
-            results["vlmcore"]["estimated_peak_gib"] = estimate["peak_bytes"] / 2**30
+    started = time.perf_counter()
+    cfg = train_config(args, path, path.parent / f"out_{family}_{int(args.compile)}", device)
+    model_config = transformers.AutoConfig.from_pretrained(path)
+    batch = RandomBatches(model_config, seq_len=seq_len, segments=max(1, seq_len // 512), image_fraction=1.0,
+                          micro_batch_size=1, dp_rank=0, dp_world=1, grad_accum_steps=1, seed=0,
+                          image_side=preset["image_side"]).batch(0)
+    results = {"vlmcore": bench_vlmcore(cfg, batch, device, args)}
+    flops = results["vlmcore"]["flops_per_step"]
+    if not args.skip_transformers:
+        device_batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        results["transformers"] = bench_transformers(path, device_batch, device, args, family,
+                                                     getattr(model_config, "image_token_id", None))
+    if not args.skip_loop:
+        results["vlmcore train"] = bench_loop(cfg, device, args, seq_len, preset["image_side"], family)
     from vlmcore.train.metrics_log import peak_tflops
 
     peak = peak_tflops(device, None)
@@ -262,7 +281,7 @@ def run_case(args, family: str, device: torch.device) -> dict:
         r["tflops"] = flops / r["step_s"] / 1e12
         r["mfu"] = 100 * r["tflops"] / peak if peak else None
     return {"family": family, "compile": args.compile, "tokens": tokens, "flops_per_step": flops,
-            "results": results}
+            "results": results, "wall_s": time.perf_counter() - started}
 
 
 def print_rows(cases: list[dict], name: str, preset: str) -> None:
@@ -287,8 +306,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=PRESETS, default="tiny")
     parser.add_argument("--family", choices=DENSE + MOE, default=None,
-                        help="default: the preset's first (qwen3_vl, or qwen3_vl_moe for 30b-a3b)")
-    parser.add_argument("--all", action="store_true", help="every family of the preset, eager and compiled, with "
+                        help="default: the preset's first (qwen3_vl, or qwen3_vl_moe for 30b-a3b); with --all, "
+                        "that family's part of the table only")
+    parser.add_argument("--all", action="store_true", help="every family of the preset, compiled and eager, with "
                         "the real loop and the memory estimate: the whole table")
     parser.add_argument("--seq-len", type=int, default=None, help="packed tokens per step (default: preset's)")
     parser.add_argument("--steps", type=int, default=5)
@@ -301,6 +321,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     families = PRESETS[args.preset]["families"]
+    family_given = args.family is not None
     args.family = args.family or families[0]
     if args.family not in families:
         parser.error(f"--family {args.family}: the {args.preset} preset has {', '.join(families)}")
@@ -310,20 +331,49 @@ def main() -> int:
     name = torch.cuda.get_device_name() if bf16 else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
     if args.all:
         args.memory_estimate = True
-        cases = []
-        for family in families:
-            for compiled in (False, True):
-                args.compile = compiled
-                cases.append(run_case(args, family, device))
-        tag = f"{'cuda' if bf16 else 'cpu'}_{args.preset}_all"
+        # Compiled first: the targets are on the compiled step, and a run cut short keeps those.
+        runs = [(family, compiled) for family in ([args.family] if family_given else families)
+                for compiled in (True, False)]
+        tag = f"{'cuda' if bf16 else 'cpu'}_{args.preset}_all{'_' + args.family if family_given else ''}"
     else:
-        cases = [run_case(args, args.family, device)]
+        runs = [(args.family, args.compile)]
         tag = f"{'cuda' if bf16 else 'cpu'}_{args.preset}_{args.family}{'_compile' if args.compile else ''}"
-    print_rows(cases, name, args.preset)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"train_step_{tag}.json").write_text(json.dumps(
-        {"device": name, "preset": args.preset, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-         "cases": cases}, indent=2))
+    result_file = args.out / f"train_step_{tag}.json"
+    header = {"device": name, "preset": args.preset, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+
+    cases = []
+    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(mp_context=multiprocessing.get_context("spawn")) as pool:
+        snapshots = {}
+        for family in dict.fromkeys(family for family, _ in runs):  # one snapshot per family, in order
+            snapshots[family] = Path(tmp) / family / "model"
+            write_snapshot(family, PRESETS[args.preset], snapshots[family])
+        # The estimate runs on the CPU: beside the GPU cases, in a process of its own; on a CPU
+        # run before them, so that it does not share the cores the step is timed on.
+        estimates = {family: pool.submit(estimate_peak_gib, args, family, path, device.type)
+                     for family, path in snapshots.items()} if args.memory_estimate else {}
+        if not bf16:
+            wait(estimates.values())
+        for family, compiled in runs:
+            args.compile = compiled
+            cases.append(run_case(args, family, snapshots[family], device))
+            print_rows(cases[-1:], name, args.preset)
+            print(f"({cases[-1]['wall_s']:.0f} s)", flush=True)
+            # After every case, so that a run stopped part way keeps what it measured.
+            result_file.write_text(json.dumps(dict(header, complete=False, cases=cases), indent=2))
+        for case in cases:
+            if case["family"] not in estimates:
+                continue
+            try:
+                estimate = estimates[case["family"]].result()
+            except Exception as e:  # the measured figures stand without it
+                print(f"memory estimate of {case['family']} failed: {e!r}", file=sys.stderr)
+                estimate = None
+            if estimate is not None:
+                case["results"]["vlmcore"]["estimated_peak_gib"] = estimate
+    print()
+    print_rows(cases, name, args.preset)
+    result_file.write_text(json.dumps(dict(header, complete=True, cases=cases), indent=2))
     return 0
 
 

@@ -6,22 +6,31 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
 def test_benchmark_prints_the_table_and_writes_json(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "train_step.py"), "--preset", "tiny",
-                           "--family", "qwen3_vl", "--steps", "1", "--warmup", "1", "--memory-estimate",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    """`--all --family qwen3_vl`: that family's part of the GPU table, compiled first, then eager;
+    each case printed and written as it finishes, the memory estimate (from its own process)
+    beside both."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "train_step.py"), "--preset", "tiny", "--all",
+                           "--family", "qwen3_vl", "--steps", "1", "--warmup", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for engine in ("vlmcore ", "transformers", "vlmcore train", "real loop / bare step time"):
         assert engine in proc.stdout, proc.stdout
-    (result,) = json.loads((tmp_path / "train_step_cpu_tiny_qwen3_vl.json").read_text())["cases"]
-    assert set(result["results"]) == {"vlmcore", "transformers", "vlmcore train"}
-    assert result["results"]["vlmcore"]["estimated_peak_gib"] > 0
-    assert all(r["step_s"] > 0 and r["tokens_per_s"] > 0 for r in result["results"].values())
+    assert proc.stdout.count("tiny preset, CPU") == 3  # after each case, then the whole table
+    written = json.loads((tmp_path / "train_step_cpu_tiny_all_qwen3_vl.json").read_text())
+    assert written["complete"] and written["torch"] == torch.__version__
+    assert [(c["family"], c["compile"]) for c in written["cases"]] == [("qwen3_vl", True), ("qwen3_vl", False)]
+    for case in written["cases"]:
+        assert set(case["results"]) == {"vlmcore", "transformers", "vlmcore train"}
+        assert case["results"]["vlmcore"]["estimated_peak_gib"] > 0
+        assert all(r["step_s"] > 0 and r["tokens_per_s"] > 0 for r in case["results"].values())
+    assert written["cases"][0]["flops_per_step"] == written["cases"][1]["flops_per_step"]  # the same batch
 
 
 @pytest.mark.slow
