@@ -82,6 +82,9 @@ def _swiglu(h: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# Eager inside a compiled block: traced, the loop's code specialises on each expert's row count
+# (0 and 1 rows above all), so each new routing compiled the block again.
+@torch.compiler.disable
 def _loop_forward(x, counts, gate_up, down):
     """Exact reference: one matmul per expert over its contiguous rows (host reads the counts)."""
     out = []
