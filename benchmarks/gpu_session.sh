@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One GPU session's measurements, ready to run on a lent machine that has a CUDA torch and
+# transformers but no network: vlmcore runs from src/, nothing is installed.
+#
+#   bash benchmarks/gpu_session.sh qwen3_vl            # issue 15: the 2B Qwen3-VL part of the table
+#   bash benchmarks/gpu_session.sh qwen3               # issue 15: the 2B Qwen3 part
+#   bash benchmarks/gpu_session.sh qwen3_vl_moe 30b-a3b   # issue 19: Qwen3-VL-30B-A3B's shape, 4 layers
+#
+# Prints the machine and kernel versions, then `benchmarks/train_step.py --all` for one family:
+# compiled then eager, bare step, transformers and the real `vlmcore train` loop, each case
+# printed and written to $OUT (the device tool's folder; benchmarks/results without it) as it
+# finishes. One family per command keeps each under the device tool's 10 minutes per command.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+family=${1:-qwen3_vl}
+preset=${2:-2b}
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+python -c "import transformers; print('transformers:', transformers.__version__)"
+python -m vlmcore.cli kernels
+python benchmarks/train_step.py --preset "$preset" --all --family "$family" --out "${OUT:-benchmarks/results}"
