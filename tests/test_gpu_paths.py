@@ -330,6 +330,7 @@ def test_compiled_moe_block_runs_its_local_experts_under_ep(grouped, restore_ker
 
     from torch.distributed.device_mesh import init_device_mesh
 
+    from vlmcore.parallel.compile import breaks_graph
     from vlmcore.parallel.expert_parallel import apply_ep
 
     torch._dynamo.reset()
@@ -343,6 +344,7 @@ def test_compiled_moe_block_runs_its_local_experts_under_ep(grouped, restore_ker
     sharded = copy.deepcopy(model)
     apply_ep(sharded, init_device_mesh("cpu", (1,), mesh_dim_names=("ep",)))
     block = moe_blocks(sharded)[0]
+    assert breaks_graph(block) and not breaks_graph(moe_blocks(model)[0])  # the host-read split sizes
     block.compile()
     x = torch.randn(2, 24, model.config.hidden_size, dtype=dtype)
     runs = []
@@ -389,7 +391,7 @@ def test_moe_blocks_compile_whole_under_activation_checkpointing(checkpointing, 
     compiled = copy.deepcopy(model)
     for m in (model, compiled):
         apply_ac(m.model.layers, checkpointing)
-    apply_compile(compiled.model.layers)
+    apply_compile(compiled.model.layers, checkpointing)
     ids = torch.randint(0, config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
     runs = []
     for m in (model, compiled):
@@ -405,6 +407,45 @@ def test_moe_blocks_compile_whole_under_activation_checkpointing(checkpointing, 
     assert got.keys() == want.keys() and any("gate.weight" in name for name in want)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=2e-2, atol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize("checkpointing, graphs", [("none", 6), ("full", 6), ("selective", 2)])
+def test_blocks_with_a_graph_break_compile_under_activation_checkpointing(checkpointing, graphs, restore_kernels):
+    """Qwen3.5 (3 Gated DeltaNet layers, whose fla call breaks the graph, and 1 attention layer,
+    with a vision tower) on the GPU's calling path. Checkpointed, the DeltaNet blocks could not
+    compile as regions, and their failure made dynamo skip the checkpoint wrapper's code for every
+    block: only the vision blocks, which run first, compiled (1 graph). Now under full
+    checkpointing the DeltaNet layers compile inside the checkpoint, in pieces; under selective
+    they run eagerly; the attention layer and the vision blocks compile as regions (1 graph each
+    kind). Loss and every gradient follow the eager model."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    from vlmcore.parallel.ac import apply_ac
+    from vlmcore.parallel.compile import apply_compile, breaks_graph
+
+    torch._dynamo.reset()
+    counters.clear()
+    set_varlen_kernel(varlen_attn_torch_2_12, force=True)
+    set_gdn_kernel(fla_chunk_gated_delta_rule, force=True)
+    config, batch = _batch("qwen3_5")
+    torch.manual_seed(0)
+    model = build_model(config, device="cpu")
+    model.init_weights()
+    compiled = copy.deepcopy(model)
+    assert [breaks_graph(block) for block in model.decoder_layers()] == [True, True, True, False]
+    for m in (model, compiled):
+        for stack in (m.decoder_layers(), m.vision_layers()):
+            apply_ac(stack, checkpointing)
+    for stack in (compiled.decoder_layers(), compiled.vision_layers()):
+        apply_compile(stack, checkpointing)
+    (want_out, want), (got_out, got) = [_forward_backward(m, batch) for m in (model, compiled)]
+    assert counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
+    torch.testing.assert_close(got_out, want_out, rtol=1e-4, atol=1e-5)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-5, msg=name)
 
 
 def test_chunked_loss_compiles_to_one_graph():

@@ -112,9 +112,9 @@ def test_compiled_blocks_under_ep_follow_the_eager_run(tmp_path):
     """Per-block torch.compile with the experts split over EP ranks (DTensors), 2 ranks (EP 2),
     without and with full activation checkpointing (the Qwen3-VL-30B-A3B recipes'), against the
     eager run. Compiled without checkpointing, the first step used to fail in dynamo: the
-    expert-sharded weights reached the expert matmuls as DTensors. (Checkpointed, the blocks run
-    eagerly: the dispatch's host reads of the split sizes break the checkpointed region, see
-    parallel/compile.py.) Inductor rounds differently in fp32: the trajectories agree to 1e-4."""
+    expert-sharded weights reached the expert matmuls as DTensors. (Checkpointed, the layers
+    compile inside the checkpoint, in pieces around the dispatch's host reads of the split sizes,
+    see parallel/compile.py.) Inductor rounds differently in fp32: the trajectories agree to 1e-4."""
     snapshot = tiny_snapshot("qwen3_moe", tmp_path / "model")
     runs = {}
     for name, checkpointing, compiled in [("eager", "none", False), ("compiled", "none", True),

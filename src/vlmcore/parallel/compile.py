@@ -2,25 +2,42 @@
 
 Under activation checkpointing dynamo traces a block as one checkpointed region, and anything it
 cannot put in that region makes it run the whole block eagerly: compile then does nothing for it.
+Worse, the blocks share their checkpoint wrapper's code, which dynamo then skips for every block,
+the ones that would have compiled (attention layers, the vision tower's blocks) included.
+
 An MoE block's forward keeps the routing for the load-balancing loss, a side effect that eager
 checkpointing would replay in the recompute; the train step turns the keeping off there anyway
 (`routing_not_kept`), so dynamo is told that the recompute need not replay side effects.
 
-Still eager under checkpointing: MoE blocks under expert parallelism, whose dispatch reads the
-all-to-all split sizes on the host (a graph break). `capture_scalar_outputs` would let dynamo keep
-them in the graph: that compiles with selective checkpointing, but with full checkpointing
-AOTAutograd fails on torch 2.13 (a DeviceMesh among the tensors the region saves), so it is left
-off until a GPU measurement says the compiled region is worth a version-dependent setting.
+Two kinds of blocks hold a graph break no setting removes: Gated DeltaNet layers (fla's Triton
+kernel runs eagerly between two graphs) and MoE blocks under expert parallelism (the dispatch
+reads the all-to-all split sizes on the host). Under full checkpointing they are compiled inside
+the checkpoint (the block's layer compiles in pieces around the break; the recompute reruns the
+compiled pieces). Under selective checkpointing they run eagerly: its per-op replay does not
+survive compiled pieces in the region (the EP dispatch's recompute fails). The other blocks of
+the model compile as checkpointed regions either way.
 """
 
 import torch
 from torch import nn
 
-from vlmcore.models.moe import moe_blocks
+from vlmcore.models.moe import local_dispatch, moe_blocks
+from vlmcore.models.qwen3_5 import GatedDeltaNet
 
 
-def apply_compile(blocks: nn.Module) -> None:
+def breaks_graph(block: nn.Module) -> bool:
+    """Whether dynamo must break the block's graph: a Gated DeltaNet layer or an MoE block under
+    expert parallelism."""
+    return (any(isinstance(m, GatedDeltaNet) for m in block.modules())
+            or any(moe.dispatch is not local_dispatch for moe in moe_blocks(block)))
+
+
+def apply_compile(blocks: nn.Module, checkpointing: str = "none") -> None:
+    """Compiles each child of `blocks`, already wrapped by `apply_ac(blocks, checkpointing)`."""
     if moe_blocks(blocks) and hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for block in blocks.children():
-        block.compile(fullgraph=False)
+        if checkpointing == "none" or not breaks_graph(block):
+            block.compile(fullgraph=False)
+        elif checkpointing == "full":
+            block._checkpoint_wrapped_module.compile(fullgraph=False)

@@ -65,7 +65,7 @@ def parallelize_disjoint(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, d
                           f"with colocated layouts", "trainable")
     apply_ac(stack, cfg.parallel.activation_checkpointing)
     if cfg.parallel.compile:
-        apply_compile(stack)
+        apply_compile(stack, cfg.parallel.activation_checkpointing)
     apply_fsdp(root, blocks, None, dp_mesh(mesh, dims, "vision_" if module == "vision" else ""), None,
                param_dtype=getattr(torch, cfg.precision.param_dtype),
                reduce_dtype=getattr(torch, cfg.precision.reduce_dtype))
@@ -97,7 +97,7 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, dims: Para
     for stack in [blocks] + ([model.vision_layers()] if vision is not None else []):
         apply_ac(stack, cfg.parallel.activation_checkpointing)
         if cfg.parallel.compile:
-            apply_compile(stack)
+            apply_compile(stack, cfg.parallel.activation_checkpointing)
     expert_mesh = dp_mesh(mesh, dims, shard="dp_shard_mod_ep") if dims.ep > 1 else None
     apply_fsdp(model, list(blocks.children()), vision, dp_mesh(mesh, dims), vision_dp_mesh,
                param_dtype=getattr(torch, cfg.precision.param_dtype),
