@@ -448,6 +448,32 @@ def test_blocks_with_a_graph_break_compile_under_activation_checkpointing(checkp
         torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-5, msg=name)
 
 
+def test_compiled_blocks_take_a_new_longest_segment_without_compiling_again(restore_kernels):
+    """max_seqlen, a host integer for the varlen kernel, changes with every packed batch: the
+    blocks compiled it as a constant, then again as a symbol at the second batch (every block
+    kind compiled twice, at the start of every job). Now it is symbolic from the first compile."""
+    from vlmcore.parallel.compile import apply_compile
+    from vlmcore.train.random_data import RandomBatches
+    from vlmcore.train.step import to_device
+
+    torch._dynamo.reset()
+    set_varlen_kernel(varlen_attn_torch_2_12, force=True)
+    config = tiny_config("qwen3")
+    torch.manual_seed(0)
+    model = build_model(config, device="cpu")
+    model.init_weights()
+    apply_compile(model.decoder_layers())
+    data = RandomBatches(config, seq_len=64, segments=3, image_fraction=0.0, micro_batch_size=2, dp_rank=0,
+                         dp_world=1, grad_accum_steps=1, seed=0)
+    batches = [to_device(data.batch(i), torch.device("cpu")) for i in range(3)]
+    assert len({b["max_seqlen"] for b in batches}) > 1
+    _forward_backward(model, batches[0])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for batch in batches[1:]:
+            model.zero_grad()
+            _forward_backward(model, batch)
+
+
 def test_chunked_loss_compiles_to_one_graph():
     from vlmcore.train.loss import _chunk_loss_and_grad
 

@@ -16,6 +16,9 @@ the checkpoint (the block's layer compiles in pieces around the break; the recom
 compiled pieces). Under selective checkpointing they run eagerly: its per-op replay does not
 survive compiled pieces in the region (the EP dispatch's recompute fails). The other blocks of
 the model compile as checkpointed regions either way.
+
+`max_seqlen`, the longest packed segment, is marked dynamic for every compiled frame from the
+first compile (torch.compiler.config.dynamic_sources): it changes with every batch.
 """
 
 import torch
@@ -23,6 +26,8 @@ from torch import nn
 
 from vlmcore.models.moe import local_dispatch, moe_blocks
 from vlmcore.models.qwen3_5 import GatedDeltaNet
+
+DYNAMIC_MAX_SEQLEN = "L['max_seqlen']"
 
 
 def breaks_graph(block: nn.Module) -> bool:
@@ -36,6 +41,12 @@ def apply_compile(blocks: nn.Module, checkpointing: str = "none") -> None:
     """Compiles each child of `blocks`, already wrapped by `apply_ac(blocks, checkpointing)`."""
     if moe_blocks(blocks) and hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    # The longest packed segment, a host integer for the attention kernels, changes with every
+    # batch: symbolic from the first compile, not specialised to the first batch's value and
+    # compiled again for the second.
+    sources = torch.compiler.config.dynamic_sources
+    if DYNAMIC_MAX_SEQLEN not in sources.split(","):
+        torch.compiler.config.dynamic_sources = ",".join(filter(None, [sources, DYNAMIC_MAX_SEQLEN]))
     for block in blocks.children():
         if checkpointing == "none" or not breaks_graph(block):
             block.compile(fullgraph=False)
