@@ -144,18 +144,19 @@ def test_hybrid_qwen3_5_under_fsdp_and_tp_matches_one_process(tmp_path):
 def test_compiled_blocks_under_tp_follow_the_eager_run(tmp_path):
     """Per-block torch.compile (the cluster recipes' setting) on the hybrid model under TP with
     sequence parallelism: graph breaks at the linear-attention kernel with DTensors around it;
-    and with full activation checkpointing, where those layers compile inside the checkpoint
-    (parallel/compile.py). Inductor's fused kernels round differently in fp32 and Adam magnifies
+    and with full and selective activation checkpointing, where those layers compile inside the
+    checkpoint (parallel/compile.py). Inductor's fused kernels round differently in fp32 and Adam magnifies
     that in near-zero gradients, so the trajectories agree to 1e-3, not bit for bit."""
     snapshot = tiny_snapshot("qwen3_5", tmp_path / "model")
     runs = {}
     for name, compiled, checkpointing in [("eager", False, "none"), ("compiled", True, "none"),
-                                          ("compiled_full", True, "full")]:
+                                          ("compiled_full", True, "full"),
+                                          ("compiled_selective", True, "selective")]:
         out = tmp_path / name
         cfg = write_config(tmp_path / f"{name}.yaml", snapshot, out, steps=3, checkpoint={"enabled": False},
                            parallel={"tp": 2, "compile": compiled, "activation_checkpointing": checkpointing})
         train(2, cfg, timeout=600)
         runs[name] = torch.tensor([m["loss"] for m in read_metrics(out)])
     assert len(runs["eager"]) == 3
-    for name in ("compiled", "compiled_full"):
+    for name in ("compiled", "compiled_full", "compiled_selective"):
         torch.testing.assert_close(runs[name], runs["eager"], rtol=1e-3, atol=0, msg=name)
