@@ -343,7 +343,8 @@ def main() -> int:
     header = {"device": name, "preset": args.preset, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
 
     cases = []
-    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(mp_context=multiprocessing.get_context("spawn")) as pool:
+    spawn = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(mp_context=spawn) as pool:
         snapshots = {}
         for family in dict.fromkeys(family for family, _ in runs):  # one snapshot per family, in order
             snapshots[family] = Path(tmp) / family / "model"
