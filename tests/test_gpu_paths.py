@@ -409,15 +409,15 @@ def test_moe_blocks_compile_whole_under_activation_checkpointing(checkpointing, 
         torch.testing.assert_close(got[name], want[name], rtol=2e-2, atol=1e-3, msg=name)
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
-def test_blocks_with_a_graph_break_compile_under_activation_checkpointing(checkpointing, restore_kernels):
+@pytest.mark.parametrize("checkpointing, graphs", [("none", 6), ("full", 6), ("selective", 2)])
+def test_blocks_with_a_graph_break_compile_under_activation_checkpointing(checkpointing, graphs, restore_kernels):
     """Qwen3.5 (3 Gated DeltaNet layers, whose fla call breaks the graph, and 1 attention layer,
     with a vision tower) on the GPU's calling path. Checkpointed, the DeltaNet blocks could not
     compile as regions, and their failure made dynamo skip the checkpoint wrapper's code for every
-    block: only the vision blocks, which run first, compiled (1 graph). Now the DeltaNet layers
-    compile inside the checkpoint, in pieces, and the attention layer and the vision blocks as
-    regions (1 graph each kind): as many graphs as without checkpointing. Loss and every gradient
-    follow the eager model."""
+    block: only the vision blocks, which run first, compiled (1 graph). Now under full
+    checkpointing the DeltaNet layers compile inside the checkpoint, in pieces; under selective
+    they run eagerly; the attention layer and the vision blocks compile as regions (1 graph each
+    kind). Loss and every gradient follow the eager model."""
     import copy
 
     from torch._dynamo.utils import counters
@@ -441,8 +441,7 @@ def test_blocks_with_a_graph_break_compile_under_activation_checkpointing(checkp
     for stack in (compiled.decoder_layers(), compiled.vision_layers()):
         apply_compile(stack, checkpointing)
     (want_out, want), (got_out, got) = [_forward_backward(m, batch) for m in (model, compiled)]
-    # The vision blocks' graph, the attention layer's, and 4 pieces of the DeltaNet layers.
-    assert counters["stats"]["unique_graphs"] == 6, dict(counters["stats"])
+    assert counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
     torch.testing.assert_close(got_out, want_out, rtol=1e-4, atol=1e-5)
     assert got.keys() == want.keys()
     for name in want:

@@ -144,8 +144,9 @@ def test_hybrid_qwen3_5_under_fsdp_and_tp_matches_one_process(tmp_path):
 def test_compiled_blocks_under_tp_follow_the_eager_run(tmp_path):
     """Per-block torch.compile (the cluster recipes' setting) on the hybrid model under TP with
     sequence parallelism: graph breaks at the linear-attention kernel with DTensors around it;
-    and with full and selective activation checkpointing, where those layers compile inside the
-    checkpoint (parallel/compile.py). Inductor's fused kernels round differently in fp32 and Adam magnifies
+    and with full activation checkpointing, where those layers compile inside the checkpoint, and
+    selective, where they run eagerly and the attention layers compile as regions
+    (parallel/compile.py). Inductor's fused kernels round differently in fp32 and Adam magnifies
     that in near-zero gradients, so the trajectories agree to 1e-3, not bit for bit."""
     snapshot = tiny_snapshot("qwen3_5", tmp_path / "model")
     runs = {}

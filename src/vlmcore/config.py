@@ -100,7 +100,7 @@ class ParallelConfig:
         "none", "recompute activations in backward: selective (the cheap ops) or full (every block)")
     compile: bool = setting(False, "torch.compile each block and the chunked cross-entropy; Gated DeltaNet layers "
                                    "and EP MoE blocks (a graph break each) compile in pieces, inside the checkpoint "
-                                   "under activation checkpointing (EP blocks under selective run eagerly; docs/moe.md)")
+                                   "under full activation checkpointing, and run eagerly under selective (docs/moe.md)")
     linear_attention: LinearAttentionBackend = setting(
         "auto", "Qwen3.5 Gated DeltaNet kernels on GPU: auto = fla where installed and correct on this GPU "
         "(docs/hpc.md), else torch; fla = fla or stop; torch = the pure-torch chunked rule")

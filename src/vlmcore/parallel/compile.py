@@ -11,12 +11,13 @@ checkpointing would replay in the recompute; the train step turns the keeping of
 
 Two kinds of blocks hold a graph break no setting removes: Gated DeltaNet layers (fla's Triton
 kernel runs eagerly between two graphs) and MoE blocks under expert parallelism (the dispatch
-reads the all-to-all split sizes on the host). Under checkpointing they are compiled inside the
-checkpoint: the block's layer compiles in pieces around the break and the recompute reruns the
-compiled pieces (under selective checkpointing those pieces are recomputed whole, the eager ops
-between them as the policy says). EP blocks under selective checkpointing run eagerly: its
-per-op replay failed on the dispatch's ops with compiled pieces around them. The other blocks of
-the model compile as checkpointed regions.
+reads the all-to-all split sizes on the host). Under full checkpointing they are compiled inside
+the checkpoint (the block's layer compiles in pieces around the break; the recompute reruns the
+compiled pieces). Under selective checkpointing they run eagerly: compiled pieces inside it
+are recomputed whole, matmuls included, which is what selective checkpointing is chosen to avoid
+(for Gated DeltaNet layers that gives the right gradients, at a cost no GPU has measured yet), and
+for EP blocks the policy's per-op replay failed on the dispatch's ops. The other blocks of the
+model compile as checkpointed regions either way.
 
 `max_seqlen`, the longest packed segment, is marked dynamic for every compiled frame from the
 first compile (torch.compiler.config.dynamic_sources): it changes with every batch.
@@ -31,14 +32,11 @@ from vlmcore.models.qwen3_5 import GatedDeltaNet
 DYNAMIC_MAX_SEQLEN = "L['max_seqlen']"
 
 
-def expert_parallel(block: nn.Module) -> bool:
-    return any(moe.dispatch is not local_dispatch for moe in moe_blocks(block))
-
-
 def breaks_graph(block: nn.Module) -> bool:
     """Whether dynamo must break the block's graph: a Gated DeltaNet layer or an MoE block under
     expert parallelism."""
-    return any(isinstance(m, GatedDeltaNet) for m in block.modules()) or expert_parallel(block)
+    return (any(isinstance(m, GatedDeltaNet) for m in block.modules())
+            or any(moe.dispatch is not local_dispatch for moe in moe_blocks(block)))
 
 
 def apply_compile(blocks: nn.Module, checkpointing: str = "none") -> None:
@@ -54,5 +52,5 @@ def apply_compile(blocks: nn.Module, checkpointing: str = "none") -> None:
     for block in blocks.children():
         if checkpointing == "none" or not breaks_graph(block):
             block.compile(fullgraph=False)
-        elif checkpointing == "full" or not expert_parallel(block):
+        elif checkpointing == "full":
             block._checkpoint_wrapped_module.compile(fullgraph=False)
