@@ -13,11 +13,12 @@ Two kinds of blocks hold a graph break no setting removes: Gated DeltaNet layers
 kernel runs eagerly between two graphs) and MoE blocks under expert parallelism (the dispatch
 reads the all-to-all split sizes on the host). Under full checkpointing they are compiled inside
 the checkpoint (the block's layer compiles in pieces around the break; the recompute reruns the
-compiled pieces). Under selective checkpointing they run eagerly: compiled pieces inside it
-are recomputed whole, matmuls included, which is what selective checkpointing is chosen to avoid
-(for Gated DeltaNet layers that gives the right gradients, at a cost no GPU has measured yet), and
-for EP blocks the policy's per-op replay failed on the dispatch's ops. The other blocks of the
-model compile as checkpointed regions either way.
+compiled pieces). Under selective checkpointing they run eagerly: its policy keeps outputs op by
+op and replays them in the recompute by counting ops, which compiled pieces do not go through op
+by op. Tried, the recompute failed for EP blocks, and for Gated DeltaNet layers as soon as a
+dispatch mode (a memory tracker, a profiler) was active in backward; without one the gradients
+were right, at a cost no GPU has measured. The other blocks of the model compile as
+checkpointed regions either way.
 
 `max_seqlen`, the longest packed segment, is marked dynamic for every compiled frame from the
 first compile (torch.compiler.config.dynamic_sources): it changes with every batch.
