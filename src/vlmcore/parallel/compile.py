@@ -47,8 +47,8 @@ def apply_compile(blocks: nn.Module, checkpointing: str = "none") -> None:
     # The longest packed segment, a host integer for the attention kernels, changes with every
     # batch: symbolic from the first compile, not specialised to the first batch's value and
     # compiled again for the second.
-    sources = torch.compiler.config.dynamic_sources
-    if DYNAMIC_MAX_SEQLEN not in sources.split(","):
+    sources = getattr(torch.compiler.config, "dynamic_sources", None)  # None: a torch without it
+    if sources is not None and DYNAMIC_MAX_SEQLEN not in sources.split(","):
         torch.compiler.config.dynamic_sources = ",".join(filter(None, [sources, DYNAMIC_MAX_SEQLEN]))
     for block in blocks.children():
         if checkpointing == "none" or not breaks_graph(block):
