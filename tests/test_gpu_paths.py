@@ -409,7 +409,7 @@ def test_moe_blocks_compile_whole_under_activation_checkpointing(checkpointing, 
         torch.testing.assert_close(got[name], want[name], rtol=2e-2, atol=1e-3, msg=name)
 
 
-@pytest.mark.parametrize("checkpointing, graphs", [("none", 6), ("full", 6), ("selective", 2)])
+@pytest.mark.parametrize("checkpointing, graphs", [("full", 6), ("selective", 2)])
 def test_blocks_with_a_graph_break_compile_under_activation_checkpointing(checkpointing, graphs, restore_kernels):
     """Qwen3.5 (3 Gated DeltaNet layers, whose fla call breaks the graph, and 1 attention layer,
     with a vision tower) on the GPU's calling path. Checkpointed, the DeltaNet blocks could not
@@ -441,6 +441,8 @@ def test_blocks_with_a_graph_break_compile_under_activation_checkpointing(checkp
     for stack in (compiled.decoder_layers(), compiled.vision_layers()):
         apply_compile(stack, checkpointing)
     (want_out, want), (got_out, got) = [_forward_backward(m, batch) for m in (model, compiled)]
+    # Full: 6, as many as the same blocks compile without checkpointing (the vision blocks, the
+    # attention layer, 4 pieces of the DeltaNet layers).
     assert counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
     torch.testing.assert_close(got_out, want_out, rtol=1e-4, atol=1e-5)
     assert got.keys() == want.keys()
