@@ -50,16 +50,28 @@ def worker_pids(torchrun: subprocess.Popen) -> dict[int, int]:
     return ranks
 
 
-def run_until(cfg: Path, out: Path, step: int, fault) -> tuple[subprocess.CompletedProcess, int]:
+def catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (its SigCgt mask in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    mask = int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
+    return bool(mask >> (signum - 1) & 1)
+
+
+def run_until(cfg: Path, out: Path, step: int, fault, ready=None) -> tuple[subprocess.CompletedProcess, int]:
     """Starts the 2-process run the way the workflow does (launch_torchrun.sh outside SLURM: torchrun
-    --standalone), applies `fault(torchrun)` once rank 0 has logged `step`, and returns the finished
-    process and the last step it logged (read once it has ended)."""
+    --standalone), applies `fault(torchrun)` once rank 0 has logged `step` (or once `ready(torchrun)`),
+    and returns the finished process and the last step it logged (read once it has ended)."""
     path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"  # the launcher runs `torchrun`
     torchrun = subprocess.Popen(["bash", str(LAUNCHER), "1", "2", str(cfg)], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=dict(env(), PATH=path))
+    ready = ready or (lambda t: last_step(out) >= step)
     deadline = time.time() + 240
-    while (reached := last_step(out)) < step and torchrun.poll() is None and time.time() < deadline:
+    while not ready(torchrun) and torchrun.poll() is None and time.time() < deadline:
         time.sleep(0.02)
+    reached = last_step(out)
     assert torchrun.poll() is None and reached < STEPS, f"the run ended before step {step}:\n{torchrun.communicate()[1][-3000:]}"
     fault(torchrun)
     stdout, stderr = torchrun.communicate(timeout=240)
@@ -105,6 +117,14 @@ def test_two_process_run_killed_at_random_steps_ends_bit_identical(tmp_path):
     assert reached2 - 1 <= resumed_step(proc.stdout, out) <= reached2, why
     saved = int((out / "checkpoints" / "latest").read_text().removeprefix("step_"))
     assert saved == reached3 < STEPS and f"signal {int(signal.SIGUSR1)}: checkpoint saved at step {saved}" in proc.stdout, why
+
+    # 4. The warning comes while the trainers start (a slow model load): they resume, have trained
+    # nothing since the checkpoint, and exit at once; SIGUSR1's default action would kill them.
+    trainers_catch_it = lambda t: len(pids := worker_pids(t)) == 2 and all(catches(p, signal.SIGUSR1) for p in pids.values())
+    proc, reached4 = run_until(cfg, out, 0, lambda t: t.send_signal(signal.SIGUSR1), ready=trainers_catch_it)
+    assert proc.returncode != 0 and resumed_step(proc.stdout, out) == saved, (why, proc.stderr[-3000:])
+    assert f"signal {int(signal.SIGUSR1)} before the first step at step {saved}" in proc.stdout, (why, proc.stdout[-3000:])
+    assert reached4 == last_step(out) == saved and (out / "checkpoints" / "latest").read_text() == f"step_{saved}", why
 
     proc = train(2, cfg)
     assert resumed_step(proc.stdout, out) == saved and (out / "done").exists(), why

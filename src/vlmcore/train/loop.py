@@ -119,10 +119,13 @@ def train(cfg: TrainConfig) -> int:
     if (out / "done").exists():
         print(f"{out}/done exists: stage already trained")
         return 0
+    # From the start: SLURM's warning can come while the model loads, and SIGUSR1's default
+    # action would kill the trainer there.
+    stop = _StopSignal()
     device = device_for_rank()
     init_distributed(device)
     try:
-        return _train(cfg, out, device)
+        return _train(cfg, out, device, stop)
     finally:
         dist.destroy_process_group()
 
@@ -293,7 +296,7 @@ def disjoint_setup(cfg: TrainConfig, device: torch.device):
     return layouts, layouts[module][0], meshes[module]
 
 
-def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
+def _train(cfg: TrainConfig, out: Path, device: torch.device, stop: _StopSignal) -> int:
     rank, dims = dist.get_rank(), resolve_dims(cfg.parallel, dist.get_world_size())
     disjoint = cfg.parallel.modules.vision.ranks != "all"
     if disjoint:
@@ -328,9 +331,13 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device) -> int:
     # Written only now: a setting that does not fit the model (trainable, tp) leaves nothing behind.
     prepare_output_dir(cfg, out)
     checkpointer, state = start_state(cfg, out, dims, model, optimizer, data)
+    if signum := agreed_signal(stop):  # during start-up: no step since the checkpoint, nothing to save
+        if rank == 0:
+            print(f"signal {signum} before the first step at step {state['step']}: nothing to save, exiting to be resumed")
+        return 128 + signum
     logger = MetricsLogger(out, rank == 0, cfg.metrics.tensorboard, cfg.metrics.wandb, to_dict(cfg), state["step"])
     peak = peak_tflops(device, cfg.metrics.peak_tflops)
-    stop, batches, nonfinite_in_a_row = _StopSignal(), iter(data), 0
+    batches, nonfinite_in_a_row = iter(data), 0
 
     def save_checkpoint():
         if checkpointer is not None:
