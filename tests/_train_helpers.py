@@ -98,8 +98,12 @@ def command(nproc: int, *args: str, module: str = "vlmcore.cli") -> list[str]:
             "-m", module, *args]
 
 
+# Quiet trainers, but a deprecation in how they use torch.distributed fails them (as in pyproject.toml).
+TRAINER_WARNINGS = "ignore,error:Slicing a flattened dim"
+
+
 def env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"), PYTHONWARNINGS="ignore")
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"), PYTHONWARNINGS=TRAINER_WARNINGS)
 
 
 def train(nproc: int, config: Path, *sets: str, check: bool = True, timeout: int = 300):

@@ -1,5 +1,5 @@
-"""Process group and the `dp_replicate x dp_shard x tp` device mesh (dp_shard being
-`dp_shard_mod_ep x ep`, flattened: see parallel/dims.py)."""
+"""Process group and the `dp_replicate x dp_shard x tp` device mesh; for expert parallelism the
+same ranks as `dp_replicate x dp_shard_mod_ep x ep x tp` (see parallel/dims.py)."""
 
 import os
 
@@ -31,15 +31,20 @@ def init_distributed(device: torch.device) -> None:
 
 
 def build_mesh(dims: ParallelDims, device: torch.device, prefix: str = "") -> DeviceMesh:
-    """The run's mesh; a module with its own layout gets its own mesh of the same ranks, its
-    dimensions named with a prefix (`vision_tp`). Dimensions dp_replicate, dp_shard_mod_ep, ep, tp
-    (tp innermost), and dp_shard, the flattened (dp_shard_mod_ep, ep): FSDP shards over it, the
-    experts over `ep` and `dp_shard_mod_ep`."""
-    names = tuple(prefix + name for name in ("dp_replicate", "dp_shard_mod_ep", "ep", "tp"))
-    mesh = init_device_mesh(device.type, (dims.dp_replicate, dims.dp_shard_mod_ep, dims.ep, dims.tp),
-                            mesh_dim_names=names)
-    mesh[names[1], names[2]]._flatten(prefix + "dp_shard")
-    return mesh
+    """The run's mesh, dimensions dp_replicate, dp_shard, tp (tp innermost); a module with its
+    own layout gets its own mesh of the same ranks, its dimensions named with a prefix
+    (`vision_tp`)."""
+    names = tuple(prefix + name for name in ("dp_replicate", "dp_shard", "tp"))
+    return init_device_mesh(device.type, (dims.dp_replicate, dims.dp_shard, dims.tp), mesh_dim_names=names)
+
+
+def expert_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """The run's mesh with dp_shard split into (dp_shard_mod_ep, ep): the experts are split over
+    `ep` and FSDP-sharded over `dp_shard_mod_ep`. Every rank calls it (it makes process groups).
+    Its own mesh rather than `dp_shard` flattened from the two: torch deprecates slicing a
+    flattened dimension from the root mesh."""
+    # dim by index: torch 2.10's _unflatten refuses a dimension given by a name it has.
+    return mesh._unflatten(1, (dims.dp_shard_mod_ep, dims.ep), ("dp_shard_mod_ep", "ep"))
 
 
 def build_disjoint_meshes(layouts: dict[str, tuple[ParallelDims, range]], device: torch.device) -> dict:

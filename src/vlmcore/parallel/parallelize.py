@@ -18,7 +18,7 @@ from vlmcore.parallel.compile import apply_compile
 from vlmcore.parallel.dims import check_layouts, refuse_disjoint
 from vlmcore.parallel.expert_parallel import apply_ep
 from vlmcore.parallel.fsdp import apply_fsdp
-from vlmcore.parallel.mesh import ParallelDims, build_mesh, dp_mesh
+from vlmcore.parallel.mesh import ParallelDims, build_mesh, dp_mesh, expert_mesh
 from vlmcore.parallel.tp import apply_tp, apply_vision_tp
 
 
@@ -88,19 +88,19 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, dims: Para
         module = "vision" if dist.get_rank() in layouts["vision"][1] else "language"
         parallelize_disjoint(model, cfg, mesh, dims, module)
         return []
-    partial = []
+    partial, experts = [], expert_mesh(mesh, dims) if dims.ep > 1 else None
     if dims.tp > 1:
         partial = apply_tp(model, mesh["tp"], cfg.parallel.sequence_parallel)
-    if dims.ep > 1:
-        apply_ep(model, mesh["ep"])
+    if experts is not None:
+        apply_ep(model, experts["ep"])
     vision_dp_mesh = parallelize_vision(model, layouts["vision"][0], mesh, dims) if vision is not None else None
     for stack in [blocks] + ([model.vision_layers()] if vision is not None else []):
         apply_ac(stack, cfg.parallel.activation_checkpointing)
         if cfg.parallel.compile:
             apply_compile(stack, cfg.parallel.activation_checkpointing)
-    expert_mesh = dp_mesh(mesh, dims, shard="dp_shard_mod_ep") if dims.ep > 1 else None
     apply_fsdp(model, list(blocks.children()), vision, dp_mesh(mesh, dims), vision_dp_mesh,
                param_dtype=getattr(torch, cfg.precision.param_dtype),
-               reduce_dtype=getattr(torch, cfg.precision.reduce_dtype), expert_mesh=expert_mesh,
+               reduce_dtype=getattr(torch, cfg.precision.reduce_dtype),
+               expert_mesh=dp_mesh(experts, dims, shard="dp_shard_mod_ep") if experts is not None else None,
                shard_one_rank=shard_one_rank)
     return partial
