@@ -108,16 +108,16 @@ def test_training_stage_runs_as_two_node_srun_torchrun_job(two_node_stage):
 
 
 def test_stage_cut_by_time_limit_resumes_in_retry(two_node_stage, tmp_path):
-    # 2-minute allocations: SIGUSR1 is asked for 20 s before the limit (SLURM may send it up
-    # to 60 s earlier), the trainers checkpoint and exit, and Snakemake's retry resumes. An
-    # allocation trains for at most ~90 s after start-up, so 110 s of steps at this machine's
-    # measured pace need at least 2 of them even if the machine gets faster (a fixed step
-    # count did not: 300 steps fit in one allocation on a quiet CI machine, 7 on a busy one).
-    # An early signal makes more (CI once took 5 allocations, 570 s, for 150 s of steps).
+    # 3-minute allocations: SIGUSR1 is asked for 30 s before the limit (SLURM may send it up to
+    # 60 s earlier), the trainers checkpoint and exit, and Snakemake's retry resumes. After a
+    # start-up of 25-40 s an allocation trains for 50-125 s, so 150 s of steps at this machine's
+    # measured pace take 2 allocations, at most 3 (a fixed step count did not: 300 steps fit in one
+    # allocation on a quiet CI machine, 7 on a busy one). 2-minute allocations trained for 0-75 s
+    # each: CI once took 5 of them, 570 s, for 150 s of steps.
     step_times = [json.loads(line)["step_time_s"] for line in (two_node_stage[1] / "train" / "stage1" / "metrics.jsonl").read_text().splitlines()]
     pace = sorted(step_times[2:])[len(step_times[2:]) // 2]
-    steps = max(60, math.ceil(110 / pace))
-    configfile, root = random_data_experiment(tmp_path, "slurmcut", steps=steps, interval=0, runtime_minutes=2)
+    steps = max(60, math.ceil(150 / pace))
+    configfile, root = random_data_experiment(tmp_path, "slurmcut", steps=steps, interval=0, runtime_minutes=3)
     snakemake(tmp_path, configfile, "results/slurmcut/train/stage1/done", "--retries", "20", timeout=3600)
 
     jobs = list(slurm_jobs(tmp_path, "train_stage").values())
