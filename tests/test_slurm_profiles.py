@@ -135,7 +135,10 @@ def test_staged_snapshot_is_verified_on_the_login_node(tmp_path, weights_size):
     (fakes / "sacctmgr").chmod(0o755)
     target = tmp_path / "results" / config["experiment"] / "model" / "manifest.json"
 
-    proc = snakemake(tmp_path, "mn5", recipe, str(target.relative_to(tmp_path)), "--retries", "0", path_prefix=fakes)
+    # The executor's first status check comes after 40 s (the profile's): Snakemake waited that long
+    # to end, though nothing was submitted.
+    proc = snakemake(tmp_path, "mn5", recipe, str(target.relative_to(tmp_path)), "--retries", "0",
+                     "--slurm-init-seconds-before-status-checks", "1", path_prefix=fakes)
     if weights_size == 1000:
         assert proc.returncode == 0, proc.stdout + proc.stderr
         model = target.parent
