@@ -221,6 +221,7 @@ class PackedTaskEncoder(DefaultTaskEncoder):
             "position_ids": torch.stack([row.position_ids for row in rows], dim=-2),
             "cu_seqlens": torch.tensor([0] + seq_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32),
             "num_samples": sum(row.num_samples for row in rows),
+            "row_keys": [row.__key__ for row in rows],
             "skipped_samples": dict(sum((Counter(row.skipped) for row in rows), Counter())),
         }
         with_images = [row for row in rows if row.pixel_values is not None]
@@ -295,6 +296,11 @@ class OnlinePackingTaskEncoder(PackedTaskEncoder):
 class PackedLoader:
     """An infinite stream of batches with `state_dict()` / `load_state_dict()` for checkpoints."""
 
+    # Every pack a slice of its own: Energon shuffles the slices of each worker's share, so an
+    # epoch reads that share in a uniform random order, whatever the shards (docs/internals.md
+    # "Sample order"). Larger slices are read in sequence (100 until issue 27).
+    packs_per_slice = 1
+
     def __init__(self, path, task_encoder: PackedTaskEncoder, *, dp_rank: int, dp_world: int, micro_batch_size: int,
                  seed: int, num_workers: int, packing_buffer_size: int | None = None):
         self.path = path
@@ -314,16 +320,13 @@ class PackedLoader:
             num_workers=self.layout["num_workers"],
             seed_offset=seed_offset,
         )
-        # The shuffle buffer is filled before the first batch: no larger than a rank's share of the
-        # smallest dataset, or a tiny dataset is read many times over before anything comes out.
-        per_rank = min(samples_in(d) for d in dataset_entries(self.path)) // self.layout["dp_world"]
         dataset = get_train_dataset(
             str(self.path),
             worker_config=worker_config,
             batch_size=self.layout["micro_batch_size"],
             packing_buffer_size=self.packing_buffer_size,
-            shuffle_buffer_size=max(1, min(100, per_rank)),
-            max_samples_per_sequence=100,
+            shuffle_buffer_size=None,  # the slices are shuffled already
+            max_samples_per_sequence=self.packs_per_slice,
             task_encoder=self.task_encoder,
             repeat=True,
         )
