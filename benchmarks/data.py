@@ -5,6 +5,7 @@
     python benchmarks/data.py --part bfd-scaling   # best fit decreasing at 100k..1.6M samples
     python benchmarks/data.py --part pack --pack-samples 10000 100000 --workers 1 2
     python benchmarks/data.py --part pack-split --pack-samples 100000 --write-jobs 2
+    python benchmarks/data.py --part mixing        # the loader's epoch order against a uniform shuffle
 
 Packing: one long-tailed mix of samples (log-normal text lengths, 0-2 images of 64-4096
 patches, 4 patches per image token), seq_len 8192, image-patch budget 3 x 8192, compared:
@@ -38,6 +39,11 @@ Pack split: the same pack as the workflow runs it with pack.write_jobs > 1 (a pl
 concurrent write jobs, the finishing pack job), one process each, against one plain pack: wall
 and CPU seconds of each step, the plan's bytes on disk per sample, and whether the output is
 byte-identical.
+Mixing: 20,000 demo-like samples packed into 1,024-token rows at pack shard sizes 16 and 1000;
+one epoch's pack order through `build_loader` (1 and 2 data-parallel ranks) against a uniform
+shuffle (vlmcore.data.mixing: rank correlation with the disk order, distance between disk
+neighbours, clustering of 16-pack blocks), with the loader's reading and the one before issue 27
+(`PackedLoader.packs_per_slice` 100), and the seconds to read the epoch.
 Writes benchmarks/results/data_<part>.json and prints a table.
 """
 
@@ -396,6 +402,39 @@ def bench_loader(rows: int, worker_counts: list[int], samples: int) -> list[dict
     return results
 
 
+def bench_mixing(samples: int, dp_worlds: list[int]) -> list[dict]:
+    """One epoch's pack order through the training loader against a uniform shuffle
+    (vlmcore.data.mixing), at pack shard sizes 16 and 1000, with today's reading (every pack a
+    slice) and the one before issue 27 (slices of up to 100 packs read in sequence), and the
+    time to read the epoch."""
+    from vlmcore.data.loader import PackedLoader
+    from vlmcore.data.mixing import epoch_order, order_statistics, uniform_reference
+    from vlmcore.data.pack import pack
+    from vlmcore.download import build_tiny_model
+
+    root = Path(tempfile.mkdtemp(prefix="vlmcore-bench-mixing-"))
+    build_tiny_model(root / "model")
+    write_synthetic_prepared(root / "data", samples)
+    results, reference = [], None
+    for shard_size in (16, 1000):
+        out = root / f"packed{shard_size}"
+        pack(root / "data", root / "model", out, seq_len=1024, max_patches=4096, shard_size=shard_size, workers=1)
+        for packs_per_slice in (1, 100):
+            PackedLoader.packs_per_slice = packs_per_slice
+            for dp_world in dp_worlds:
+                start = time.perf_counter()
+                order = epoch_order(out, dp_world)
+                seconds = time.perf_counter() - start
+                reference = reference or uniform_reference(len(order))
+                results.append({"shard_size": shard_size, "packs_per_slice": packs_per_slice, "dp_world": dp_world,
+                                **order_statistics(order), "epoch_s": seconds})
+    PackedLoader.packs_per_slice = 1
+    for key, (low, high) in reference.items():
+        results.append({"shard_size": "uniform", "packs_per_slice": "(0.5%, 99.5%)", "dp_world": "-",
+                        "statistic": key, "low": low, "high": high})
+    return results
+
+
 def print_table(rows: list[dict]) -> None:
     keys = list(rows[0])
     print(" | ".join(keys))
@@ -405,13 +444,15 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["packing", "loader", "bfd-scaling", "pack", "pack-split", "all"], default="all")
+    parser.add_argument("--part", choices=["packing", "loader", "bfd-scaling", "pack", "pack-split", "mixing", "all"],
+                        default="all")
     parser.add_argument("--pack-samples", type=int, nargs="+", default=[10000, 100000], help="sizes for --part pack")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="measuring processes for --part pack")
     parser.add_argument("--write-jobs", type=int, default=2, help="concurrent write jobs for --part pack-split")
     parser.add_argument("--cores", type=int, default=32, help="cores of the node the pack part extrapolates to")
     parser.add_argument("--samples", type=int, default=20000, help="samples in the packing mix")
     parser.add_argument("--loader-samples", type=int, default=256, help="image-caption samples for the loader part")
+    parser.add_argument("--mixing-samples", type=int, default=20000, help="demo-like samples packed for the mixing part")
     parser.add_argument("--rows", type=int, default=16, help="8,192-token rows timed per image mix and worker count")
     args = parser.parse_args()
     RESULTS.mkdir(exist_ok=True)
@@ -430,6 +471,11 @@ def main() -> None:
         rows = bench_pack(args.pack_samples, args.workers, seq_len=1024, max_patches=4096, cores=args.cores)
         name = "_".join(str(n) for n in args.pack_samples)
         (RESULTS / f"data_pack_{name}.json").write_text(json.dumps(rows, indent=2) + "\n")
+    if args.part in ("mixing", "all"):
+        rows = bench_mixing(args.mixing_samples, dp_worlds=[1, 2])
+        for row in rows:
+            print(" | ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+        (RESULTS / "data_mixing.json").write_text(json.dumps(rows, indent=2) + "\n")
     if args.part in ("loader", "all"):
         rows = bench_loader(args.rows, worker_counts=[0, 1, 2], samples=args.loader_samples)
         print_table(rows)

@@ -66,6 +66,9 @@ def _check_references(config: dict):
     uses_raw = any("{raw}" in s for d in datasets.values() for s in d["sources"])
     if uses_raw and "synthetic" not in config["data"]:
         problems.append("data.synthetic: a source reads from {raw} but no synthetic data is configured")
+    synthetic = config["data"].get("synthetic", {})
+    if synthetic.get("max_size", 0) < synthetic.get("min_size", 0):
+        problems.append(f"data.synthetic.max_size: {synthetic['max_size']} is below min_size {synthetic['min_size']}")
     seen = []
     for name, stage in config["train"]["stages"].items():
         if stage["dataset"] not in datasets:

@@ -13,7 +13,8 @@ rule synth_data:
         "../envs/vlmcore.yaml"
     shell:
         "vlmcore synth --out {params.out} --num-train {params.cfg[num_train]}"
-        " --num-eval {params.cfg[num_eval]} --seed {params.cfg[seed]} > {log} 2>&1"
+        " --num-eval {params.cfg[num_eval]} --seed {params.cfg[seed]} --min-size {params.cfg[min_size]}"
+        " --max-size {params.cfg[max_size]} > {log} 2>&1"
 
 
 rule prepare_data:
