@@ -121,13 +121,13 @@ def test_disjoint_bridge_sends_every_row_once_to_its_language_rank(vision_ranks,
                 for lang in range(vision_ranks, world):
                     assert bridges[e].plans[a][0][lang] == bridges[lang].plans[a][1][e]
             batches = [step[j][a] for j in range(language)]
-            expected = [g for b in batches if "image_grid_thw" in b for g in b["image_grid_thw"].tolist()]
+            expected = [g for b in batches if b.images is not None for g in b.images.grid_thw.tolist()]
             encoded = [images[e][a] for e in range(vision_ranks) if images[e][a] is not None]
-            assert [g for b in encoded for g in b["image_grid_thw"].tolist()] == expected
+            assert [g for b in encoded for g in b.grid_thw.tolist()] == expected
             if expected:
-                torch.testing.assert_close(torch.cat([b["pixel_values"] for b in encoded]),
-                                           torch.cat([b["pixel_values"] for b in batches if "pixel_values" in b]))
-            tokens = sum(int((b["input_ids"] == model_config.image_token_id).sum()) for b in batches)
+                torch.testing.assert_close(torch.cat([b.pixel_values for b in encoded]),
+                                           torch.cat([b.images.pixel_values for b in batches if b.images is not None]))
+            tokens = sum(int((b.input_ids == model_config.image_token_id).sum()) for b in batches)
             assert sum(sum(bridges[lang].plans[a][1]) for lang in range(vision_ranks, world)) == tokens
             seen_images += len(expected)
     assert seen_images > 0

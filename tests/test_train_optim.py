@@ -4,7 +4,7 @@ import pytest
 from torch import nn
 
 from vlmcore.config import ConfigError, OptimizerConfig, ScheduleConfig
-from vlmcore.models.layers import VisionLanguageParts
+from vlmcore.models.parts import VisionLanguageParts
 from vlmcore.train.optim import freeze, lr_factor, param_groups
 
 

@@ -13,7 +13,9 @@ from pathlib import Path
 import yaml
 
 from vlmcore import config as train_config
+from vlmcore import kernels
 from vlmcore.config import ConfigError
+from vlmcore.families import FAMILIES, Family, family, family_of_repo
 from vlmcore.parallel.dims import check_layouts
 
 
@@ -138,6 +140,36 @@ def _check_stage_settings(config: dict):
                                 f"scaling run: {e}")
     if problems:  # a bad train.common key fails every stage: named once
         raise ConfigError("invalid workflow config:\n  " + "\n  ".join(dict.fromkeys(problems)))
+
+
+def planned_family(model: dict) -> Family | None:
+    """The family of the experiment's model (its `model` section) before the download: the tiny
+    model's, else the staged snapshot's config.json where it is there, else guessed from the Hub
+    name (vlmcore.families); None when none of these tells."""
+    if model.get("source") == "tiny":
+        return FAMILIES[model.get("tiny", {}).get("family", "qwen3_vl")]
+    config_json = Path(model.get("staged_path") or "", "config.json")
+    if model.get("staged_path") and config_json.is_file():
+        return family(json.loads(config_json.read_text()))
+    return family_of_repo(model.get("repo_id") or "")
+
+
+def check_kernels(config: dict, stage_settings: dict) -> None:
+    """The workflow's check on the login node: every training stage's kernels on the cluster's GPU
+    (`train.gpu_capability`); raises KernelError naming the stage before any job is queued."""
+    capability = kernels.parse_capability(config["train"].get("gpu_capability"))
+    if capability is None:
+        return
+    planned = planned_family(config["model"])
+    has_linear, has_experts = (planned.linear_attention, planned.experts) if planned else (False, False)
+    versions = kernels.installed_versions()
+    for stage, settings in stage_settings.items():
+        requested = settings.get("parallel", {}).get("linear_attention", "auto")
+        try:
+            kernels.check(requested, capability, has_linear, versions, has_experts)
+        except kernels.KernelError as e:
+            raise kernels.KernelError(f"train.stages.{stage} on train.gpu_capability {capability[0]}.{capability[1]}: "
+                                      f"{e}") from None
 
 
 def deep_merge(base: dict, override: dict) -> dict:

@@ -1,4 +1,4 @@
-"""The training loader: packed Energon dataset -> batches as docs/internals.md "Data batches" says.
+"""The training loader: packed Energon dataset -> `Batch`es (vlmcore.data.batch, docs/internals.md "Data batches").
 
 Packs are crude samples: the cooker only parses them (so the shuffle buffer holds compressed
 samples); `encode_sample` (in the loader workers) tokenizes every segment with the
@@ -39,6 +39,7 @@ from megatron.energon import (
     stateless,
 )
 
+from vlmcore.data.batch import Batch, Images
 from vlmcore.data.encoder import IGNORE_INDEX, EncodingError, SampleEncoder, TextEncoding
 from vlmcore.data.pack import PACK_MODEL_DIR, measure_sample
 from vlmcore.data.bin_packing import best_fit_decreasing
@@ -213,24 +214,21 @@ class PackedTaskEncoder(DefaultTaskEncoder):
             start += t * h * w
         return pixel_values, image_grid_thw
 
-    def batch(self, rows: list[PackedRow]) -> dict:
+    def batch(self, rows: list[PackedRow]) -> Batch:
         seq_lens = [n for row in rows for n in row.seq_lens]
-        batch = {
-            "input_ids": torch.stack([row.input_ids for row in rows]),
-            "labels": torch.stack([row.labels for row in rows]),
-            "position_ids": torch.stack([row.position_ids for row in rows], dim=-2),
-            "cu_seqlens": torch.tensor([0] + seq_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32),
-            "num_samples": sum(row.num_samples for row in rows),
-            "row_keys": [row.__key__ for row in rows],
-            "skipped_samples": dict(sum((Counter(row.skipped) for row in rows), Counter())),
-        }
         with_images = [row for row in rows if row.pixel_values is not None]
-        if with_images:
-            pixels = [row.pixel_values for row in with_images]
-            batch["pixel_values"] = pixels[0] if len(pixels) == 1 else torch.cat(pixels)
-            batch["pixel_normalize"] = self.patcher.normalize
-            batch["image_grid_thw"] = torch.cat([row.image_grid_thw for row in with_images])
-        return batch
+        images = Images.cat([Images(row.pixel_values, row.image_grid_thw, self.patcher.normalize)
+                             for row in with_images]) if with_images else None
+        return Batch(
+            input_ids=torch.stack([row.input_ids for row in rows]),
+            labels=torch.stack([row.labels for row in rows]),
+            cu_seqlens=torch.tensor([0] + seq_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+            position_ids=torch.stack([row.position_ids for row in rows], dim=-2),
+            images=images,
+            num_samples=sum(row.num_samples for row in rows),
+            skipped_samples=dict(sum((Counter(row.skipped) for row in rows), Counter())),
+            row_keys=[row.__key__ for row in rows],
+        )
 
 
 def skip(skipped: Counter, reason: str, where: str, error: Exception) -> None:

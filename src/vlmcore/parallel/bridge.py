@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
+from vlmcore.data.batch import Images
 from vlmcore.models.layers import grid_list
 from vlmcore.parallel.tp import sum_grad_over
 
@@ -82,12 +83,12 @@ def count_images_once(vision: nn.Module, copies: int) -> None:
 
 # Disjoint layouts (`parallel.modules.*.ranks`): the vision tower on its ranks, the language model on the others.
 
-def row_grids(batch: dict, image_token_id: int, merge: int) -> list[list[list[int]]]:
+def row_grids(batch, image_token_id: int, merge: int) -> list[list[list[int]]]:
     """The image grids of each row of a host micro-batch (images are in token order, so a row's
     image tokens are those of its images)."""
-    grids = iter(grid_list(batch.get("image_grid_thw")))
+    grids = iter(batch.images.grids() if batch.images is not None else [])
     rows = []
-    for tokens in (batch["input_ids"] == image_token_id).sum(1).tolist():
+    for tokens in (batch.input_ids == image_token_id).sum(1).tolist():
         rows.append([])
         while tokens > 0:
             rows[-1].append(next(grids))
@@ -174,24 +175,22 @@ class DisjointBridge:
             self._plan_language(batch)
         return host_micro
 
-    def _plan_encoder(self, sources: tuple[dict, ...]) -> dict | None:
+    def _plan_encoder(self, sources: tuple) -> Images | None:
         send, pixels, grids = [0] * self.world, [], []
         for j, batch in zip(self.source_ranks(), sources):
             start = 0
             for k, images in enumerate(row_grids(batch, self.image_token_id, self.merge)):
                 patches = sum(math.prod(g) for g in images)
                 if images and j * self.micro_batch_size + k in self.encoder_rows():
-                    pixels.append(batch["pixel_values"][start:start + patches])
+                    pixels.append(batch.images.pixel_values[start:start + patches])
                     grids += images
                     send[self.language_ranks[j]] += patches // self.merge**2
                 start += patches
         self.plans.append((send, [0] * self.world))
         if not grids:
             return None
-        images = {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.tensor(grids)}
-        if "pixel_normalize" in sources[0]:
-            images["pixel_normalize"] = sources[0]["pixel_normalize"]
-        return images
+        normalize = next(b.images.normalize for b in sources if b.images is not None)
+        return Images(torch.cat(pixels), torch.tensor(grids), normalize)
 
     def _plan_language(self, batch: dict) -> None:
         receive, j = [0] * self.world, self.rank - self.language_ranks.start

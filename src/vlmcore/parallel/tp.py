@@ -49,9 +49,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from vlmcore.config import ConfigError
+from vlmcore.families import FAMILIES, family
 from vlmcore.models.moe import SparseMoeBlock
-
-SUPPORTED = ("qwen3", "qwen3_vl", "qwen3_5", "qwen3_moe", "qwen3_vl_moe", "qwen3_5_moe")
 
 HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 # Whole on every TP rank, used for this rank's heads only.
@@ -63,14 +62,14 @@ def _text_config(config):
 
 
 def check_tp(config, tp: int) -> None:
-    if config.model_type not in SUPPORTED:
+    if not family(config).tensor_parallel:
         raise ConfigError(f"parallel.tp: no tensor-parallel plan for model_type {config.model_type!r} "
-                         f"(supported: {', '.join(SUPPORTED)})")
+                          f"(supported: {', '.join(t for t, f in FAMILIES.items() if f.tensor_parallel)})")
     text = _text_config(config)
     keys = ["num_attention_heads", "num_key_value_heads", "vocab_size"]
     if getattr(text, "intermediate_size", None) is not None:  # dense MLPs (absent on all-MoE Qwen3.5-MoE)
         keys.append("intermediate_size")
-    if "linear_attention" in (getattr(text, "layer_types", None) or []):
+    if family(config).linear_attention:
         keys += ["linear_num_key_heads", "linear_num_value_heads"]
     for key in keys:
         value = getattr(text, key)

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 
-from vlmcore.download import sha256_of
+from vlmcore.hashing import sha256_of
 
 MANIFEST = "manifest.json"
 

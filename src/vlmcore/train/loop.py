@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from vlmcore.config import ConfigError, TrainConfig, load_config, save_config, to_dict, warnings_of
+from vlmcore.families import family
 from vlmcore.parallel.bridge import DisjointBridge, SourceBatches
 from vlmcore.parallel.dims import check_layouts
 from vlmcore.parallel.mesh import (build_disjoint_meshes, build_mesh, device_for_rank, dp_rank, init_distributed,
@@ -35,7 +36,7 @@ from vlmcore.train.metrics_log import MetricsLogger, batch_flops, peak_tflops
 from vlmcore.train.module_timer import ModuleTimer
 from vlmcore.train.optim import build_optimizer, freeze, lr_factor, schedule_total, set_lr
 from vlmcore.train.run_dir import archive_stale_run, mark_done, mark_unfinished
-from vlmcore.train.step import build_step, host_stats, to_device
+from vlmcore.train.step import build_step, host_stats
 
 
 class TrainingError(RuntimeError):
@@ -134,18 +135,17 @@ def check_kernels(cfg: TrainConfig, device: torch.device) -> dict:
     """The attention, Gated DeltaNet and MoE experts backends of this run (vlmcore.kernels), set for the model
     code; a version known to compute wrongly on this GPU stops the run here, before any work."""
     from vlmcore import kernels
+    from vlmcore.models.gpu_kernels import use_backends
 
-    text = load_hf_config(cfg.model_path)
-    text = getattr(text, "text_config", None) or text
-    has_linear = "linear_attention" in (getattr(text, "layer_types", None) or [])
-    has_experts = bool(getattr(text, "num_experts", 0))
+    model = family(cfg.model_path)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     try:
-        backends = kernels.check(cfg.parallel.linear_attention, capability, has_linear, has_experts=has_experts)
+        backends = kernels.check(cfg.parallel.linear_attention, capability, model.linear_attention,
+                                 has_experts=model.experts)
     except kernels.KernelError as e:
         key = "parallel.linear_attention" if str(e).startswith("linear_attention") else "model_path"
         raise ConfigError(f"{key}: {e}") from None
-    kernels.apply(backends)
+    use_backends(backends)
     return backends
 
 
@@ -238,13 +238,13 @@ def start_state(cfg: TrainConfig, out: Path, dims, model, optimizer, data):
     return checkpointer, state
 
 
-def global_counts(host_micro: list[dict], model_config, tp: int, step: int) -> dict:
+def global_counts(host_micro: list, model_config, tp: int, step: int) -> dict:
     """Label tokens, samples, tokens and FLOPs of the global batch, summed on the host (gloo: no
     GPU wait); tp peers hold the same batch, hence the division."""
     stats = host_stats(host_micro)
     flops = [batch_flops(model_config, b) for b in host_micro]
     llm_flops, vision_flops = sum(f[0] for f in flops), sum(f[1] for f in flops)
-    skipped = sum((Counter(b.get("skipped_samples", {})) for b in host_micro), Counter())  # bad samples
+    skipped = sum((Counter(b.skipped_samples) for b in host_micro), Counter())  # bad samples
     keys = ("label_tokens", "samples", "tokens", "llm_flops", "vision_flops", "skipped_samples")
     counts = torch.tensor([*(stats[k] for k in keys[:3]), llm_flops, vision_flops, sum(skipped.values())],
                           dtype=torch.float64)
@@ -354,7 +354,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, stop: _StopSignal)
         factor = lr_factor(cfg.schedule, done, schedule_total(cfg))
         if bridge is not None:  # an encoder rank gets the image batches of its rows
             host_micro = bridge.plan_step(host_micro)
-        result = train_step([b if b is None else to_device(b, device) for b in host_micro], counts["label_tokens"],
+        result = train_step([b if b is None else b.to(device) for b in host_micro], counts["label_tokens"],
                             lambda opt: set_lr(opt, factor))
         nonfinite_in_a_row = 0 if result.applied else nonfinite_in_a_row + 1
         state["skipped_steps"] += not result.applied

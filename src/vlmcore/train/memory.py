@@ -31,7 +31,7 @@ from vlmcore.parallel.mesh import build_mesh, resolve_dims
 from vlmcore.train.loop import build_meta_model, materialize
 from vlmcore.train.optim import build_optimizer
 from vlmcore.train.random_data import RandomBatches
-from vlmcore.train.step import build_step, host_stats, to_device
+from vlmcore.train.step import build_step, host_stats
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -224,12 +224,12 @@ def estimate_memory(cfg: TrainConfig, world_size: int, seq_len: int, image_side:
                              grad_accum_steps=micro_batches, seed=cfg.seed, image_side=image_side)
         micro = [data.batch(i) for i in range(micro_batches)]
         label_tokens = float(host_stats(micro)["label_tokens"]) * dims.dp
-        micro = [to_device(b, torch.device("cpu")) for b in micro]
+        micro = [b.to(torch.device("cpu")) for b in micro]
         with _fake_mode_with_constant_batch(fake) as mode:
             if mode is not None:
                 convert = mode.fake_tensor_converter.from_real_tensor
-                micro = [{k: convert(mode, v, make_constant=not v.is_floating_point())
-                          if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in micro]
+                micro = [b.map_tensors(lambda v: convert(mode, v, make_constant=not v.is_floating_point()))
+                         for b in micro]
             with _grouped_experts(model, cfg):
                 peak = _peak_of_two_steps(cfg, model, partial_params, mesh, dims, micro, label_tokens)
     return {"world_size": world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,

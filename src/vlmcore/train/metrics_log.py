@@ -27,12 +27,10 @@ def peak_tflops(device: torch.device, override: float | None) -> float | None:
     return next((tflops for key, tflops in PEAK_TFLOPS if key in name), None)
 
 
-def batch_flops(config, batch: dict) -> tuple[float, float]:
+def batch_flops(config, batch) -> tuple[float, float]:
     """Training FLOPs (LLM, vision tower) of one packed micro-batch (vlmcore.models.flops)."""
-    cu = batch.get("cu_seqlens")
-    rows, seq_len = batch["input_ids"].shape
-    seq_lens = [seq_len] * rows if cu is None else (cu[1:] - cu[:-1]).cpu()
-    return llm_flops(config, seq_lens), vision_flops(config, batch.get("image_grid_thw"))
+    grids = batch.images.grids() if batch.images is not None else None
+    return llm_flops(config, batch.segment_lengths().cpu()), vision_flops(config, grids)
 
 
 class MetricsLogger:
