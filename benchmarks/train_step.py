@@ -132,29 +132,25 @@ def peak_memory_gib(device: torch.device) -> float | None:
 def bench_vlmcore(cfg, host_batch, device, args):
     import torch.distributed as dist
 
-    from vlmcore.parallel.mesh import build_mesh, init_distributed, resolve_dims
-    from vlmcore.train.loop import build_parallel_model, check_kernels
+    from vlmcore.models import load_hf_config
+    from vlmcore.parallel.checks import check_run
+    from vlmcore.parallel.mesh import init_distributed
+    from vlmcore.train.build import build_run, check_kernels
     from vlmcore.train.metrics_log import batch_flops
-    from vlmcore.train.optim import build_optimizer
-    from vlmcore.train.step import build_step, host_stats
 
     init_distributed(device)
     check_kernels(cfg, device)
-    dims = resolve_dims(cfg.parallel, dist.get_world_size())
-    model, partial = build_parallel_model(cfg, build_mesh(dims, device), dims, device)
-    optimizer = build_optimizer(model, cfg.optimizer)
-    train_step = build_step(model, optimizer, partial, None, cfg.loss_chunk_tokens, cfg.max_grad_norm,
-                            compiled_loss=cfg.parallel.compile)
-    flops = sum(batch_flops(model.config, host_batch))
-    labels = host_stats([host_batch])["label_tokens"]
+    run = build_run(cfg, check_run(cfg, dist.get_world_size(), load_hf_config(cfg.model_path)), device)
+    flops = sum(batch_flops(run.model.config, host_batch))
+    labels = host_batch.label_tokens
     batch = host_batch.to(device)
 
     def step():
-        train_step([batch], labels, set_lr=lambda optimizer: None)
+        run.step([batch], labels, set_lr=lambda optimizer: None)
 
     seconds = time_steps(step, args.warmup, args.steps, device)
     result = {"step_s": seconds, "peak_mem_gib": peak_memory_gib(device), "flops_per_step": flops}
-    del model, optimizer
+    del run
     dist.destroy_process_group()
     return result
 

@@ -89,7 +89,7 @@ def worker(root: Path) -> None:
 def test_tp_degree_must_divide_every_split_head_count():
     from _train_helpers import hf_config
     from vlmcore.config import ConfigError
-    from vlmcore.parallel.tp import check_tp, check_vision_tp
+    from vlmcore.parallel.checks import check_tp, check_vision_tp
 
     config = hf_config("qwen3_5")
     check_tp(config, 2)

@@ -11,7 +11,7 @@ from _train_helpers import hf_config, read_metrics, tiny_snapshot, train, write_
 from vlmcore.models import build_model
 from vlmcore.train.module_timer import ModuleTimer
 from vlmcore.train.random_data import RandomBatches
-from vlmcore.train.step import forward_backward, host_stats
+from vlmcore.train.step import forward_backward
 
 DELAY = 0.25  # seconds added to each of four places; the tiny model's own compute is a few ms
 
@@ -43,7 +43,7 @@ def test_each_part_is_credited_to_its_module(device):
     delay_forward_and_backward(model.decoder_layers()[0])
     micro = batches(model, image_fraction=1.0, n=2, device=device)
     assert all(b.images is not None for b in micro)
-    label_tokens = host_stats(micro)["label_tokens"]
+    label_tokens = sum(b.label_tokens for b in micro)
 
     start = time.perf_counter()
     loss, _, _ = forward_backward(model, micro, label_tokens, None, chunk_tokens=64)
@@ -66,7 +66,7 @@ def test_text_only_model_has_no_vision_time():
     model = build_model(hf_config("qwen3"), device="cpu")
     timer = ModuleTimer(model, torch.device("cpu"))
     micro = batches(model, image_fraction=0.0, n=1)
-    forward_backward(model, micro, host_stats(micro)["label_tokens"], None, chunk_tokens=64)
+    forward_backward(model, micro, sum(b.label_tokens for b in micro), None, chunk_tokens=64)
     times = timer.read()
     assert times.keys() == {"llm_time_s"} and times["llm_time_s"] > 0
 

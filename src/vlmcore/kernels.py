@@ -2,7 +2,7 @@
 
 `check` chooses each part's backend for a GPU and refuses a combination known to compute wrongly.
 `vlmcore train` calls it on its GPU before building the model (and hands the choice to the model
-code, vlmcore.models.gpu_kernels); the workflow calls it on the login node when it is parsed
+code, vlmcore.models.use_backends); the workflow calls it on the login node when it is parsed
 (for the cluster's GPU, `train.gpu_capability`: vlmcore.workflow.check_kernels), so a broken
 combination stops `snakemake` before any job is queued. `vlmcore kernels` prints the report.
 

@@ -16,7 +16,7 @@ from vlmcore import config as train_config
 from vlmcore import kernels
 from vlmcore.config import ConfigError
 from vlmcore.families import FAMILIES, Family, family, family_of_repo
-from vlmcore.parallel.dims import check_layouts
+from vlmcore.parallel.checks import check_run
 
 
 def _fill_defaults(schema: dict, value):
@@ -113,10 +113,13 @@ def _written_at(config: dict, stage: str, key: str) -> str:
 
 def _check_stage_settings(config: dict):
     """Each stage's vlmcore train settings (train.common + the stage) pass TrainConfig's own
-    checks and their parallel layouts (each module's) fit the stage's ranks (and each scaling
-    point), so a typo, a bad range or a mesh that does not divide stops the workflow before any
-    job runs. The warnings of a suspicious setting are printed."""
+    checks and vlmcore train's checks against its ranks (and each scaling point) and, once the
+    model's config.json is here (a staged snapshot, or after the download), against the model
+    (vlmcore.parallel.checks): a typo, a bad range, a mesh that does not divide or a degree the
+    model's heads or experts do not take stops the workflow before any job runs. The warnings of a
+    suspicious setting are printed."""
     exp = Experiment(config)
+    model_config = exp.model_config()
     written = {f"train.stages.{stage}": config["train"]["stages"][stage] for stage in exp.stages}
     written["train.common"] = config["train"].get("common", {})
     problems = [f"{where}.{key}: set by the workflow, remove it"
@@ -124,7 +127,7 @@ def _check_stage_settings(config: dict):
     for stage in exp.stages:
         try:
             cfg = train_config.from_dict(exp.stage_config(stage))
-            check_layouts(cfg, exp.stage_ranks(stage))
+            check_run(cfg, exp.stage_ranks(stage), model_config)
         except ConfigError as e:
             message = str(e).removeprefix(f"{e.key}: ")
             problems.append(f"{_written_at(config, stage, e.key)}: {message}")
@@ -134,7 +137,7 @@ def _check_stage_settings(config: dict):
     if not problems:
         for world_size in config["scaling"]["world_sizes"]:
             try:
-                check_layouts(train_config.from_dict(exp.scaling_config(world_size)), world_size)
+                check_run(train_config.from_dict(exp.scaling_config(world_size)), world_size, model_config)
             except ConfigError as e:
                 problems.append(f"scaling.world_sizes: the settings of stage {exp.scaling_stage()} do not fit a "
                                 f"scaling run: {e}")
@@ -200,6 +203,15 @@ class Experiment:
     @property
     def last_stage(self) -> str:
         return self.config.get("export", {}).get("stage") or self.stages[-1]
+
+    def model_config(self) -> dict | None:
+        """The model's config.json where it is here already: the staged snapshot's, or the
+        download's (None before the download)."""
+        model = self.config["model"]
+        for directory in ([model["staged_path"]] if model.get("staged_path") else []) + [self.path("model")]:
+            if Path(directory, "config.json").is_file():
+                return json.loads(Path(directory, "config.json").read_text())
+        return None
 
     def download_args(self) -> str:
         model = self.config["model"]

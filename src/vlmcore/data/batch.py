@@ -32,8 +32,21 @@ class Images:
         grids = self.grid_thw.tolist() if torch.is_tensor(self.grid_thw) else self.grid_thw
         return Images(pixels, grids, None)
 
+    def map_tensors(self, fn) -> "Images":
+        """The images with `fn` applied to their pixels (and to the grids while they are a tensor)."""
+        return replace(self, pixel_values=fn(self.pixel_values),
+                       grid_thw=fn(self.grid_thw) if torch.is_tensor(self.grid_thw) else self.grid_thw)
+
     def grids(self) -> list[list[int]]:
         return self.grid_thw.tolist() if torch.is_tensor(self.grid_thw) else [list(g) for g in self.grid_thw]
+
+    @staticmethod
+    def zero(vision_config, device: torch.device) -> "Images":
+        """A tiny zero image (one merged token) for a vision tower of `vision_config`, on the device:
+        what a rank without images runs so that the tower's collectives match its peers'."""
+        merge = vision_config.spatial_merge_size
+        patch = vision_config.in_channels * vision_config.temporal_patch_size * vision_config.patch_size ** 2
+        return Images(torch.zeros(merge * merge, patch, device=device), [[1, merge, merge]])
 
     @staticmethod
     def cat(parts: list["Images"]) -> "Images":
@@ -74,13 +87,9 @@ class Batch:
 
     def map_tensors(self, fn) -> "Batch":
         """The batch with `fn` applied to each of its tensors (its images' included)."""
-        def apply(value):
-            return fn(value) if torch.is_tensor(value) else value
-
-        images = self.images and replace(self.images, pixel_values=apply(self.images.pixel_values),
-                                         grid_thw=apply(self.images.grid_thw))
-        return replace(self, input_ids=apply(self.input_ids), labels=apply(self.labels),
-                       cu_seqlens=apply(self.cu_seqlens), position_ids=apply(self.position_ids), images=images)
+        return replace(self, input_ids=fn(self.input_ids), labels=fn(self.labels), cu_seqlens=fn(self.cu_seqlens),
+                       position_ids=None if self.position_ids is None else fn(self.position_ids),
+                       images=None if self.images is None else self.images.map_tensors(fn))
 
     @property
     def label_tokens(self) -> int:

@@ -304,7 +304,9 @@ class PackedLoader:
         self.path = path
         self.task_encoder = task_encoder
         self.packing_buffer_size = packing_buffer_size
-        self.layout = {"dp_rank": dp_rank, "dp_world": dp_world, "micro_batch_size": micro_batch_size, "num_workers": num_workers}
+        # How the data is split over ranks and workers: the saved position means something under this split only.
+        self.split = {"dp_rank": dp_rank, "dp_world": dp_world, "micro_batch_size": micro_batch_size,
+                      "num_workers": num_workers}
         self.seed = seed
         self.batches_yielded = 0
         for dataset_dir in dataset_entries(path):
@@ -313,15 +315,15 @@ class PackedLoader:
 
     def _make_loader(self, seed_offset: int):
         worker_config = WorkerConfig(
-            rank=self.layout["dp_rank"],
-            world_size=self.layout["dp_world"],
-            num_workers=self.layout["num_workers"],
+            rank=self.split["dp_rank"],
+            world_size=self.split["dp_world"],
+            num_workers=self.split["num_workers"],
             seed_offset=seed_offset,
         )
         dataset = get_train_dataset(
             str(self.path),
             worker_config=worker_config,
-            batch_size=self.layout["micro_batch_size"],
+            batch_size=self.split["micro_batch_size"],
             packing_buffer_size=self.packing_buffer_size,
             shuffle_buffer_size=None,  # the slices are shuffled already
             max_samples_per_sequence=self.packs_per_slice,
@@ -338,15 +340,15 @@ class PackedLoader:
     def state_dict(self) -> dict:
         state = self.loader.save_state_rank() if self.batches_yielded else None
         # Pickled, so the checkpoint stores one opaque value whatever Energon's state holds.
-        return {"energon": pickle.dumps(state), "batches_yielded": self.batches_yielded, **self.layout}
+        return {"energon": pickle.dumps(state), "batches_yielded": self.batches_yielded, **self.split}
 
     def load_state_dict(self, state: dict) -> None:
         self.batches_yielded = state["batches_yielded"]
-        saved = {k: state[k] for k in self.layout}
-        if saved != self.layout:
+        saved = {k: state[k] for k in self.split}
+        if saved != self.split:
             logger.warning(
                 "data loader layout changed from %s to %s: the stream restarts with a new shuffle (no exact resume)",
-                saved, self.layout,
+                saved, self.split,
             )
             self.loader = self._make_loader(self.seed + self.batches_yielded)
             return

@@ -16,12 +16,13 @@ from transformers import AutoConfig, PretrainedConfig
 from vlmcore.families import family
 
 from .hf import load_hf_weights, save_pretrained
+from .linear_attention import set_gdn_kernel
 from .parts import ModelOutput
 from .qwen3 import text_position_ids
 from .qwen3_vl import mrope_position_ids
 
 __all__ = ["ModelOutput", "build_model", "from_pretrained", "load_hf_config", "load_hf_weights", "position_ids",
-           "save_pretrained"]
+           "save_pretrained", "use_backends"]
 
 
 def load_hf_config(path) -> PretrainedConfig:
@@ -59,3 +60,9 @@ def position_ids(config, input_ids, image_grid_thw=None, cu_seqlens=None) -> tor
         return text_position_ids(input_ids, cu_seqlens)
     merge = config.vision_config.spatial_merge_size
     return mrope_position_ids(input_ids, image_grid_thw, cu_seqlens, config.image_token_id, merge)
+
+
+def use_backends(backends: dict) -> None:
+    """Makes the model code use the GPU kernels `vlmcore.kernels.check` chose for this run."""
+    if backends.get("linear_attention") == "torch":
+        set_gdn_kernel(None)

@@ -1,6 +1,6 @@
-"""The optional GPU kernels the model code calls through an adapter of their signature (torch's or
-flash-attn's varlen attention, fla's gated delta rule, torch._grouped_mm), and the one place the run's
-choice of backends (vlmcore.kernels.check) is handed to them."""
+"""An optional GPU kernel the model code calls through an adapter of its signature (torch's or
+flash-attn's varlen attention, fla's gated delta rule, torch._grouped_mm). The run's choice of
+backends (vlmcore.kernels.check) reaches them through `vlmcore.models.use_backends`."""
 
 import torch
 
@@ -27,10 +27,3 @@ class GpuKernel:
         half = x.dtype in (torch.bfloat16, torch.float16)
         return self.force or (x.is_cuda and (half or not half_precision_only))
 
-
-def use_backends(backends: dict) -> None:
-    """Makes the model code use the backends `vlmcore.kernels.check` chose for this run."""
-    from .linear_attention import set_gdn_kernel
-
-    if backends.get("linear_attention") == "torch":
-        set_gdn_kernel(None)

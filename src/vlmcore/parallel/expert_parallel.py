@@ -26,24 +26,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from vlmcore.config import ConfigError
 from vlmcore.models.moe import GroupedExperts, moe_blocks
-
-
-def check_ep(config, ep: int) -> None:
-    """Named-key errors for an expert-parallel degree the model cannot take."""
-    text = config.get_text_config()
-    num_experts = getattr(text, "num_experts", 0) or 0
-    if ep > 1 and not num_experts:
-        raise ConfigError(f"parallel.ep: {ep} needs a mixture-of-experts model ({config.model_type} is dense)",
-                          "parallel.ep")
-    if num_experts % ep:
-        raise ConfigError(f"parallel.ep: {ep} does not divide the model's num_experts ({num_experts})", "parallel.ep")
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     """Shards every MoE block's experts over `ep_mesh` and gives the block the all-to-all dispatch."""
-    check_ep(model.config, ep_mesh.size())
     for block in moe_blocks(model):
         experts = block.experts
         for name, param in list(experts.named_parameters(recurse=False)):

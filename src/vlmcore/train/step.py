@@ -27,12 +27,6 @@ from vlmcore.models.moe import RoutingStats, moe_blocks
 from vlmcore.train.loss import chunked_cross_entropy
 
 
-def host_stats(micro: list[Batch]) -> dict:
-    """Label tokens, samples and tokens of host-side micro-batches (read before they move)."""
-    return {"label_tokens": sum(b.label_tokens for b in micro), "samples": sum(b.num_samples for b in micro),
-            "tokens": sum(b.tokens for b in micro)}
-
-
 def read_host(*values: torch.Tensor) -> list[float]:
     """The step's one device-to-host read. Fake tensors (the memory estimate) have no values:
     they read as zeros, and the step goes on as a finite one would."""
@@ -132,23 +126,6 @@ def moe_metrics(aux_sum: float, routed: torch.Tensor, micro_batches: int, ranks:
     return {"moe_aux_loss": aux_sum / (micro_batches * ranks), "moe_load_imbalance": float(per_layer.mean())}
 
 
-def encode_forward_backward(model, images: list[Images | None], bridge) -> torch.Tensor:
-    """An encoder rank of disjoint layouts: runs the vision tower on the images of its rows of
-    each micro-batch, sends the embeddings to the language ranks and backpropagates the gradients
-    they send back. Without images it runs a tiny zero image and sends none of it, so the tower's
-    collectives match its other ranks'. Returns a zero loss sum (the language ranks have it)."""
-    vision, device = model.vision_tower(), next(model.parameters()).device
-    for i, batch in enumerate(images):
-        vision.set_requires_gradient_sync(i == len(images) - 1)
-        pixels, grids = ((batch.pixel_values, batch.grid_thw) if batch is not None
-                         else dummy_image(model.config.vision_config, device))
-        embeds, deepstack = vision(pixels, grids)
-        sent = torch.cat([embeds, *deepstack], dim=1)
-        received = bridge.exchange(i, sent if batch is not None else sent[:0])
-        received.sum().backward()  # nothing arrives on an encoder rank; its backward brings `sent`'s gradient
-    return torch.zeros((), dtype=torch.float64, device=device)
-
-
 @dataclass
 class StepResult:
     loss_sum: float  # sum of token losses over all ranks and micro-batches (divide by label tokens)
@@ -171,7 +148,7 @@ class Step:
     max_grad_norm: float
     compiled_loss: bool = False
     moe: MoE | None = None
-    bridge: object = None  # disjoint layouts (vlmcore.parallel.bridge.DisjointBridge)
+    bridge: object = None  # disjoint layouts (vlmcore.parallel.disjoint.DisjointBridge)
     norm_foreach: bool | None = None  # the gradient norm's multi-tensor kernel (None: where torch has it)
 
     def __call__(self, micro: list, label_tokens: float, set_lr) -> StepResult:
@@ -179,7 +156,7 @@ class Step:
         the image batches of its rows); `set_lr(optimizer)` sets this step's lr."""
         aux_sum = routed = None
         if self.bridge is not None and self.bridge.is_vision:
-            loss_sum = encode_forward_backward(self.model, micro, self.bridge)
+            loss_sum = self.bridge.encoder_step(self.model, micro)
         else:
             loss_sum, aux_sum, routed = forward_backward(self.model, micro, label_tokens, self.vision_dummy,
                                                          self.chunk_tokens, self.compiled_loss, self.moe, self.bridge)
@@ -234,14 +211,6 @@ def build_step(model, optimizer, partial_params: list, tp_group, chunk_tokens: i
                 compiled_loss, moe, bridge)
 
 
-def dummy_image(config, device: torch.device) -> tuple[torch.Tensor, list]:
-    """A tiny zero image (one merged token) and its grid, for the vision tower's `config`."""
-    merge = config.spatial_merge_size
-    pixels = torch.zeros(merge * merge, config.in_channels * config.temporal_patch_size * config.patch_size ** 2,
-                         device=device)
-    return pixels, [[1, merge, merge]]
-
-
 class VisionDummy:
     """Runs the vision tower on a tiny zero image, weighted by 0, for micro-batches without images.
 
@@ -260,5 +229,6 @@ class VisionDummy:
     def _hook(self, module, args, output):
         if not self.active:
             return output
-        leaves = torch.utils._pytree.tree_leaves(self.vision(*dummy_image(self.config, output.device)))
+        zero = Images.zero(self.config, output.device)
+        leaves = torch.utils._pytree.tree_leaves(self.vision(zero.pixel_values, zero.grid_thw))
         return output + sum(t.float().sum() for t in leaves if torch.is_tensor(t) and t.is_floating_point()) * 0.0
