@@ -390,7 +390,7 @@ def bench_loader(rows: int, worker_counts: list[int], samples: int) -> list[dict
             images = 0
             t0, c0 = time.perf_counter(), cpu_seconds()
             for _ in range(rows):
-                images += len(next(it)["image_grid_thw"])
+                images += len(next(it).images.grids())
             seconds, cpu = time.perf_counter() - t0, cpu_seconds() - c0
             per_core = rows / cpu
             wait, receive = paced_data_wait(it, rows)

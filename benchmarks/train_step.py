@@ -132,29 +132,25 @@ def peak_memory_gib(device: torch.device) -> float | None:
 def bench_vlmcore(cfg, host_batch, device, args):
     import torch.distributed as dist
 
-    from vlmcore.parallel.mesh import build_mesh, init_distributed, resolve_dims
-    from vlmcore.train.loop import build_parallel_model, check_kernels
+    from vlmcore.models import load_hf_config
+    from vlmcore.parallel.checks import check_run
+    from vlmcore.parallel.mesh import init_distributed
+    from vlmcore.train.build import build_run, check_kernels
     from vlmcore.train.metrics_log import batch_flops
-    from vlmcore.train.optim import build_optimizer
-    from vlmcore.train.step import build_step, host_stats, to_device
 
     init_distributed(device)
     check_kernels(cfg, device)
-    dims = resolve_dims(cfg.parallel, dist.get_world_size())
-    model, partial = build_parallel_model(cfg, build_mesh(dims, device), dims, device)
-    optimizer = build_optimizer(model, cfg.optimizer)
-    train_step = build_step(model, optimizer, partial, None, cfg.loss_chunk_tokens, cfg.max_grad_norm,
-                            compiled_loss=cfg.parallel.compile)
-    flops = sum(batch_flops(model.config, host_batch))
-    labels = host_stats([host_batch])["label_tokens"]
-    batch = to_device(host_batch, device)
+    run = build_run(cfg, check_run(cfg, dist.get_world_size(), load_hf_config(cfg.model_path)), device)
+    flops = sum(batch_flops(run.model.config, host_batch))
+    labels = host_batch.label_tokens
+    batch = host_batch.to(device)
 
     def step():
-        train_step([batch], labels, set_lr=lambda optimizer: None)
+        run.step([batch], labels, set_lr=lambda optimizer: None)
 
     seconds = time_steps(step, args.warmup, args.steps, device)
     result = {"step_s": seconds, "peak_mem_gib": peak_memory_gib(device), "flops_per_step": flops}
-    del model, optimizer
+    del run
     dist.destroy_process_group()
     return result
 
@@ -198,14 +194,14 @@ def bench_transformers(path, batch, device, args, family: str, image_token_id):
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
     # transformers shifts labels itself: give it the unshifted targets.
-    labels = torch.full_like(batch["labels"], -100)
-    labels[:, 1:] = batch["labels"][:, :-1]
-    inputs = {"input_ids": batch["input_ids"], "labels": labels}
+    labels = torch.full_like(batch.labels, -100)
+    labels[:, 1:] = batch.labels[:, :-1]
+    inputs = {"input_ids": batch.input_ids, "labels": labels}
     if family in MOE:  # the load-balancing loss in the loss, as vlmcore's step has it
         inputs["output_router_logits"] = True
-    if "pixel_values" in batch:
-        inputs.update(pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
-                      mm_token_type_ids=(batch["input_ids"] == image_token_id).int())
+    if batch.images is not None:
+        inputs.update(pixel_values=batch.images.pixel_values, image_grid_thw=batch.images.grid_thw,
+                      mm_token_type_ids=(batch.input_ids == image_token_id).int())
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     def step():
@@ -267,7 +263,7 @@ def run_case(args, family: str, path: Path, device: torch.device) -> dict:
     results = {"vlmcore": bench_vlmcore(cfg, batch, device, args)}
     flops = results["vlmcore"]["flops_per_step"]
     if not args.skip_transformers:
-        device_batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        device_batch = batch.map_tensors(lambda t: t.to(device))
         results["transformers"] = bench_transformers(path, device_batch, device, args, family,
                                                      getattr(model_config, "image_token_id", None))
     if not args.skip_loop:
@@ -275,7 +271,7 @@ def run_case(args, family: str, path: Path, device: torch.device) -> dict:
     from vlmcore.train.metrics_log import peak_tflops
 
     peak = peak_tflops(device, None)
-    tokens = batch["input_ids"].numel()
+    tokens = batch.tokens
     for r in results.values():
         r["tokens_per_s"] = tokens / r["step_s"]
         r["tflops"] = flops / r["step_s"] / 1e12

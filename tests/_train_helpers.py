@@ -146,17 +146,17 @@ def dump_state(config_path: str, out_path: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     from vlmcore.config import load_config
-    from vlmcore.parallel.mesh import build_mesh, device_for_rank, init_distributed, resolve_dims
+    from vlmcore.models import load_hf_config
+    from vlmcore.parallel.checks import check_run
+    from vlmcore.parallel.mesh import device_for_rank, init_distributed
+    from vlmcore.train.build import build_run
     from vlmcore.train.checkpoint import Checkpointer
-    from vlmcore.train.loop import build_parallel_model
-    from vlmcore.train.optim import build_optimizer
 
     cfg = load_config(config_path)
     device = device_for_rank()
     init_distributed(device)
-    dims = resolve_dims(cfg.parallel, dist.get_world_size())
-    model, _ = build_parallel_model(cfg, build_mesh(dims, device), dims, device)
-    optimizer = build_optimizer(model, cfg.optimizer)
+    run = build_run(cfg, check_run(cfg, dist.get_world_size(), load_hf_config(cfg.model_path)), device)
+    model, optimizer = run.model, run.optimizer
     checkpointer = Checkpointer(cfg.output_dir, keep=cfg.checkpoint.keep)
     train_state = {"step": 0}
     checkpointer.load(checkpointer.latest(), model, optimizer, train_state, None)

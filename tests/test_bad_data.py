@@ -123,16 +123,16 @@ def test_truncated_image_in_a_pack_drops_that_sample_only(demo, tmp_path, capfd)
 
     loader = build_loader(packed, dp_rank=0, dp_world=1, micro_batch_size=1, seed=0, num_workers=0)
     batch = next(iter(loader))
-    assert batch["skipped_samples"] == {"corrupt_image": 1}
-    assert batch["num_samples"] == len(segments) - 1
+    assert batch.skipped_samples == {"corrupt_image": 1}
+    assert batch.num_samples == len(segments) - 1
     encoder = SampleEncoder(demo / "model")
     expected = [encoder.encode_text(s["sample"], [tuple(x) for x in s["image_sizes"]]) for i, s in enumerate(segments) if i != 1]
-    cu = batch["cu_seqlens"].tolist()
-    ids, labels = batch["input_ids"][0].tolist(), batch["labels"][0].tolist()
+    cu = batch.cu_seqlens.tolist()
+    ids, labels = batch.input_ids[0].tolist(), batch.labels[0].tolist()
     for (a, b), enc in zip(zip(cu, cu[1:]), expected):
         assert ids[a:b] == enc.input_ids and labels[a:b] == enc.labels
     assert cu[-1] == SEQ_LEN and all(label == IGNORE_INDEX for label in labels[cu[len(expected)]:])
-    assert batch["pixel_values"].shape[0] == sum(t * h * w for e in expected for t, h, w in e.image_grid_thw)
+    assert batch.images.pixel_values.shape[0] == sum(t * h * w for e in expected for t, h, w in e.image_grid_thw)
     captured = capfd.readouterr()
     assert "Traceback" not in captured.out + captured.err
 
@@ -206,14 +206,14 @@ def test_online_packing_counts_bad_samples(demo, tmp_path):
     loader = build_online_loader(data, demo / "model", seq_len=SEQ_LEN, max_patches=256, buffer_size=6, dp_rank=0,
                                  dp_world=1, micro_batch_size=1, seed=0, num_workers=0)
     batches = take_until(loader, lambda seen: seen["corrupt_image"] >= 2)
-    assert all(set(b["skipped_samples"]) <= {"corrupt_image"} for b in batches)
+    assert all(set(b.skipped_samples) <= {"corrupt_image"} for b in batches)
 
 
 def take_until(loader, done, limit: int = 20) -> list[dict]:
     seen, batches = Counter(), []
     for batch in loader:
         batches.append(batch)
-        seen.update(batch["skipped_samples"])
+        seen.update(batch.skipped_samples)
         if done(seen) or len(batches) == limit:
             return batches
 

@@ -1,5 +1,6 @@
 """The training loader: batch format of docs/internals.md, exact resume, blends, layout changes."""
 
+import dataclasses
 import json
 import pickle
 
@@ -13,7 +14,6 @@ from vlmcore.data.pack import pack
 from vlmcore.data.prepare import prepare
 from vlmcore.data.synthetic import generate
 from vlmcore.models import load_hf_config, position_ids
-from vlmcore.train.step import to_device
 
 SEQ_LEN = 128
 
@@ -34,9 +34,18 @@ def take(loader, n):
     return [next(it) for _ in range(n)]
 
 
+def fields(batch) -> dict:
+    """A batch's fields by name, its images' too."""
+    out = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.name != "images"}
+    if batch.images is not None:
+        out.update({f"images.{f.name}": getattr(batch.images, f.name) for f in dataclasses.fields(batch.images)})
+    return out
+
+
 def assert_same_batches(a, b):
     assert len(a) == len(b)
     for x, y in zip(a, b):
+        x, y = fields(x), fields(y)
         assert x.keys() == y.keys()
         for key in x:
             assert torch.equal(x[key], y[key]) if torch.is_tensor(x[key]) else x[key] == y[key], key
@@ -46,23 +55,23 @@ def test_batch_format(packed):
     loader = build_loader(packed / "packed" / "conversations", dp_rank=0, dp_world=1, micro_batch_size=2, seed=0, num_workers=0)
     config = load_hf_config(packed / "model")
     for batch in take(loader, 4):
-        ids, labels, pos, cu = batch["input_ids"], batch["labels"], batch["position_ids"], batch["cu_seqlens"]
+        ids, labels, pos, cu = batch.input_ids, batch.labels, batch.position_ids, batch.cu_seqlens
         assert ids.shape == labels.shape == (2, SEQ_LEN) and ids.dtype == labels.dtype == torch.int64
         assert pos.shape == (3, 2, SEQ_LEN) and pos.dtype == torch.int64
         assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == 2 * SEQ_LEN
         assert SEQ_LEN in cu.tolist()  # segments end at the row boundary
-        assert torch.equal(pos, position_ids(config, ids, batch["image_grid_thw"], cu))
-        grid = batch["image_grid_thw"]
-        assert batch["pixel_values"].dtype == torch.uint8 and batch["pixel_values"].shape == (int(grid.prod(-1).sum()), 3 * 16 * 16)
-        pixel_values = to_device(batch, torch.device("cpu"))["pixel_values"]  # what the model gets
+        assert torch.equal(pos, position_ids(config, ids, batch.images.grid_thw, cu))
+        grid = batch.images.grid_thw
+        assert batch.images.pixel_values.dtype == torch.uint8 and batch.images.pixel_values.shape == (int(grid.prod(-1).sum()), 3 * 16 * 16)
+        pixel_values = batch.to(torch.device("cpu")).images.pixel_values  # what the model gets
         assert grid.dtype == torch.int64 and pixel_values.shape == (int(grid.prod(-1).sum()), 3 * 2 * 16 * 16)
-        assert int((ids == config.image_token_id).sum()) == batch["pixel_values"].shape[0] // 4
+        assert int((ids == config.image_token_id).sum()) == batch.images.pixel_values.shape[0] // 4
         # No target crosses a segment boundary: the last position of every segment has no label.
         flat = labels.flatten()
         assert all(flat[end - 1] == IGNORE_INDEX for end in cu[1:].tolist())
         segments = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
         with_labels = sum(1 for a, b in segments if (flat[a:b] != IGNORE_INDEX).any())
-        assert batch["num_samples"] == with_labels  # the rest is row padding
+        assert batch.num_samples == with_labels  # the rest is row padding
 
 
 def test_rows_hold_the_encoded_samples(packed):
@@ -78,14 +87,14 @@ def test_rows_hold_the_encoded_samples(packed):
                 enc = encoder.encode_text(seg["sample"], [tuple(x) for x in seg["image_sizes"]])
                 segments_by_tokens[tuple(enc.input_ids)] = enc.labels
     for batch in take(loader, 3):
-        ids, labels, cu = batch["input_ids"][0], batch["labels"][0], batch["cu_seqlens"].tolist()
+        ids, labels, cu = batch.input_ids[0], batch.labels[0], batch.cu_seqlens.tolist()
         for a, b in zip(cu[:-1], cu[1:]):
             key = tuple(ids[a:b].tolist())
             if key in segments_by_tokens:
                 assert labels[a:b].tolist() == segments_by_tokens[key]
             else:  # row padding
                 assert (ids[a:b] == encoder.pad_id).all() and (labels[a:b] == IGNORE_INDEX).all()
-        assert sum(tuple(ids[a:b].tolist()) in segments_by_tokens for a, b in zip(cu[:-1], cu[1:])) == batch["num_samples"]
+        assert sum(tuple(ids[a:b].tolist()) in segments_by_tokens for a, b in zip(cu[:-1], cu[1:])) == batch.num_samples
 
 
 def test_row_pixels_equal_the_image_processor(packed):
@@ -103,9 +112,9 @@ def test_row_pixels_equal_the_image_processor(packed):
     images = [load_image(s.parts[name]) for s in stored for seg in json.loads(s.meta)["segments"] for name in seg["images"]]
     assert len(images) >= 2
     expected = task_encoder.encoder.pixel_values(images)
-    assert batch["pixel_values"].dtype == torch.uint8
-    assert torch.equal(batch["image_grid_thw"], expected[1])
-    assert torch.equal(to_device(batch, torch.device("cpu"))["pixel_values"], expected[0])
+    assert batch.images.pixel_values.dtype == torch.uint8
+    assert torch.equal(batch.images.grid_thw, expected[1])
+    assert torch.equal(batch.to(torch.device("cpu")).images.pixel_values, expected[0])
 
 
 def check_resume(path, num_workers):
@@ -138,7 +147,7 @@ def test_layout_change_restarts_the_stream(packed, caplog):
     other = build_loader(path, dp_rank=1, dp_world=2, micro_batch_size=2, seed=0, num_workers=0)
     other.load_state_dict(state)
     assert "layout changed" in caplog.text
-    assert take(other, 2)[0]["input_ids"].shape == (2, SEQ_LEN)
+    assert take(other, 2)[0].input_ids.shape == (2, SEQ_LEN)
 
 
 @pytest.mark.parametrize("epochized", [False, True])
@@ -150,7 +159,7 @@ def test_blend_of_packed_datasets(packed, epochized):
     seen = {"captions": 0, "conversations": 0}
     question = encoder.tokenizer("What", add_special_tokens=False)["input_ids"][0]
     for batch in take(loader, 12):
-        seen["conversations" if (batch["input_ids"] == question).any() else "captions"] += 1
+        seen["conversations" if (batch.input_ids == question).any() else "captions"] += 1
     assert seen["captions"] > 0 and seen["conversations"] > 0
 
 
@@ -158,7 +167,7 @@ def test_data_parallel_ranks_read_different_packs(packed):
     path = packed / "packed" / "conversations"
     first = [build_loader(path, dp_rank=r, dp_world=2, micro_batch_size=1, seed=0, num_workers=0) for r in (0, 1)]
     a, b = (take(loader, 3) for loader in first)
-    assert not any(torch.equal(x["input_ids"], y["input_ids"]) for x in a for y in b)
+    assert not any(torch.equal(x.input_ids, y.input_ids) for x in a for y in b)
 
 
 def test_online_packing_loader(packed):
@@ -171,8 +180,8 @@ def test_online_packing_loader(packed):
     state = loader.state_dict()
     expected = [next(it) for _ in range(3)]
     for batch in first + expected:
-        assert batch["input_ids"].shape == (2, SEQ_LEN) and batch["cu_seqlens"][-1] == 2 * SEQ_LEN
-        assert batch["pixel_values"].shape[0] <= 2 * 256
+        assert batch.input_ids.shape == (2, SEQ_LEN) and batch.cu_seqlens[-1] == 2 * SEQ_LEN
+        assert batch.images.pixel_values.shape[0] <= 2 * 256
     resumed = build_online_loader(packed / "data" / "conversations", packed / "model", **kwargs)
     resumed.load_state_dict(state)
     assert_same_batches(take(resumed, 3), expected)

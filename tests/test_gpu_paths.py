@@ -139,18 +139,18 @@ def test_unknown_varlen_signature_is_refused():
 
 def _batch(family, device="cpu"):
     from vlmcore.train.random_data import RandomBatches
-    from vlmcore.train.step import to_device
 
     config = tiny_config(family)
     data = RandomBatches(config, seq_len=64, segments=3, image_fraction=1.0, micro_batch_size=2, dp_rank=0,
                          dp_world=1, grad_accum_steps=1, seed=0, image_side=2)
-    return config, to_device(data.batch(0), torch.device(device))
+    return config, data.batch(0).to(torch.device(device))
 
 
 def _forward_backward(model, batch):
-    out = model(batch["input_ids"], pixel_values=batch.get("pixel_values"),
-                image_grid_thw=batch.get("image_grid_thw"), position_ids=batch.get("position_ids"),
-                cu_seqlens=batch["cu_seqlens"], max_seqlen=batch["max_seqlen"]).logits
+    images = batch.images
+    out = model(batch.input_ids, pixel_values=images.pixel_values if images else None,
+                image_grid_thw=images.grid_thw if images else None, position_ids=batch.position_ids,
+                cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen).logits
     out.float().square().mean().backward()
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -249,8 +249,8 @@ def test_training_step_never_waits_for_the_gpu(family, forward_reads, restore_ke
     # non-fused paths would read their step counts.
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     train_step = step_module.build_step(model, optimizer, set(), None, chunk_tokens=32, max_grad_norm=1.0)
-    batch = step_module.to_device(host_batch, torch.device("meta"))
-    assert isinstance(batch["max_seqlen"], int) and not torch.is_tensor(batch.get("image_grid_thw"))
+    batch = host_batch.to(torch.device("meta"))
+    assert isinstance(batch.max_seqlen, int) and (batch.images is None or not torch.is_tensor(batch.images.grid_thw))
     with _HostReads() as reads:
         step_module.forward_backward(model, [batch], 100.0, train_step.vision_dummy, 32, moe=train_step.moe)
     assert len(reads.reads) == forward_reads, reads.reads
@@ -270,7 +270,7 @@ def _block_inputs(family, block_kind):
     model.init_weights()
     if block_kind == "vision":
         vision = model.model.visual
-        grids = batch["image_grid_thw"]
+        grids = batch.images.grid_thw
         x = torch.randn(sum(t * h * w for t, h, w in grids), vision.config.hidden_size)
         cos, sin = vision.rotary(grids, x.device)
         lengths = [h * w for t, h, w in grids for _ in range(t)]
@@ -278,9 +278,9 @@ def _block_inputs(family, block_kind):
         return vision.blocks[0], (x, cos, sin, cu), {"max_seqlen": max(lengths)}
     text = model.model.language_model if hasattr(model.model, "language_model") else model.model
     layer = next(l for l in text.layers if getattr(l, "layer_type", "full_attention") == block_kind)
-    h = torch.randn(*batch["input_ids"].shape, config.get_text_config().hidden_size)
+    h = torch.randn(*batch.input_ids.shape, config.get_text_config().hidden_size)
     if family == "qwen3_5":
-        cos, sin = text.rotary(batch["position_ids"], h.dtype)
+        cos, sin = text.rotary(batch.position_ids, h.dtype)
     else:
         from vlmcore.models.layers import mrope_cos_sin, rope_cos_sin, rope_inv_freq
 
@@ -289,9 +289,9 @@ def _block_inputs(family, block_kind):
         if family == "qwen3":
             cos, sin = rope_cos_sin(inv_freq, torch.arange(h.shape[1]).expand(h.shape[0], -1), h.dtype)
         else:
-            cos, sin = mrope_cos_sin(inv_freq, batch["position_ids"], text_config.rope_parameters["mrope_section"],
+            cos, sin = mrope_cos_sin(inv_freq, batch.position_ids, text_config.rope_parameters["mrope_section"],
                                      h.dtype)
-    return layer, (h, cos, sin, batch["cu_seqlens"]), {"max_seqlen": batch["max_seqlen"]}
+    return layer, (h, cos, sin, batch.cu_seqlens), {"max_seqlen": batch.max_seqlen}
 
 
 @pytest.mark.parametrize("family,block_kind,breaks", [
@@ -330,7 +330,7 @@ def test_compiled_moe_block_runs_its_local_experts_under_ep(grouped, restore_ker
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from vlmcore.parallel.compile import breaks_graph
+    from vlmcore.models.parts import breaks_graph
     from vlmcore.parallel.expert_parallel import apply_ep
 
     torch._dynamo.reset()
@@ -375,7 +375,7 @@ def test_moe_blocks_compile_whole_under_activation_checkpointing(checkpointing, 
 
     from torch._dynamo.utils import counters
 
-    from vlmcore.models.moe import load_balancing_loss, routing_not_kept
+    from vlmcore.models.moe import RoutingStats
     from vlmcore.parallel.ac import apply_ac
     from vlmcore.parallel.compile import apply_compile
 
@@ -395,10 +395,11 @@ def test_moe_blocks_compile_whole_under_activation_checkpointing(checkpointing, 
     ids = torch.randint(0, config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
     runs = []
     for m in (model, compiled):
+        routing = RoutingStats(moe_blocks(m))
         logits = m(ids).logits
-        aux, _ = load_balancing_loss(moe_blocks(m))
+        aux, _ = routing.loss()
         loss = logits.float().square().mean() + config.router_aux_loss_coef * aux
-        with routing_not_kept(moe_blocks(m)):
+        with routing.not_kept():
             loss.backward()
         runs.append((loss.detach(), {n: p.grad for n, p in m.named_parameters()}))
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
@@ -423,7 +424,8 @@ def test_blocks_with_a_graph_break_compile_under_activation_checkpointing(checkp
     from torch._dynamo.utils import counters
 
     from vlmcore.parallel.ac import apply_ac
-    from vlmcore.parallel.compile import apply_compile, breaks_graph
+    from vlmcore.models.parts import breaks_graph
+    from vlmcore.parallel.compile import apply_compile
 
     torch._dynamo.reset()
     counters.clear()
@@ -456,7 +458,6 @@ def test_compiled_blocks_take_a_new_longest_segment_without_compiling_again(rest
     kind compiled twice, at the start of every job). Now it is symbolic from the first compile."""
     from vlmcore.parallel.compile import apply_compile
     from vlmcore.train.random_data import RandomBatches
-    from vlmcore.train.step import to_device
 
     torch._dynamo.reset()
     set_varlen_kernel(varlen_attn_torch_2_12, force=True)
@@ -467,8 +468,8 @@ def test_compiled_blocks_take_a_new_longest_segment_without_compiling_again(rest
     apply_compile(model.decoder_layers())
     data = RandomBatches(config, seq_len=64, segments=3, image_fraction=0.0, micro_batch_size=2, dp_rank=0,
                          dp_world=1, grad_accum_steps=1, seed=0)
-    batches = [to_device(data.batch(i), torch.device("cpu")) for i in range(3)]
-    assert len({b["max_seqlen"] for b in batches}) > 1
+    batches = [data.batch(i).to(torch.device("cpu")) for i in range(3)]
+    assert len({b.max_seqlen for b in batches}) > 1
     _forward_backward(model, batches[0])
     with torch._dynamo.config.patch(error_on_recompile=True):
         for batch in batches[1:]:

@@ -7,7 +7,7 @@ from PIL import Image
 from transformers import AutoImageProcessor
 
 from vlmcore.data.processor import ImagePatcher, normalize_patches, write_processor_files
-from vlmcore.train.step import to_device
+from vlmcore.data.batch import Images
 
 # (width, height, PIL mode): sizes that are and are not multiples of 32, upscaled (below
 # min_pixels) and downscaled (above max_pixels), a very wide one, and modes the processor converts.
@@ -50,7 +50,7 @@ def test_uint8_patches_normalised_equal_the_processor(image_processor):
 
 
 def test_to_device_normalises_loader_pixels(image_processor):
-    """The step's `to_device` turns a loader batch's uint8 pixels into the processor's values."""
+    """A batch's `to(device)` turns a loader batch's uint8 pixels into the processor's values."""
     patcher = ImagePatcher(image_processor)
     images = [random_image(120, 90, "RGB", 0), random_image(45, 200, "RGB", 1)]
     expected = image_processor(images=images, return_tensors="pt")["pixel_values"]
@@ -60,11 +60,11 @@ def test_to_device_normalises_loader_pixels(image_processor):
         _, h, w = patcher.grid(image)
         parts.append(np.empty((h * w, patcher.patch_dim), np.uint8))
         patcher.write_patches(image, parts[-1])
-    batch = {"pixel_values": torch.from_numpy(np.concatenate(parts)), "pixel_normalize": patcher.normalize}
-    out = to_device(batch, torch.device("cpu"))
-    assert "pixel_normalize" not in out and torch.equal(out["pixel_values"], expected)
+    images = Images(torch.from_numpy(np.concatenate(parts)), torch.tensor([[1, 8, 8], [1, 16, 4]]), patcher.normalize)
+    out = images.to(torch.device("cpu"))
+    assert out.normalize is None and torch.equal(out.pixel_values, expected)
     # Float pixel values (random data, the memory estimate) pass through unchanged.
-    assert torch.equal(to_device({"pixel_values": expected}, torch.device("cpu"))["pixel_values"], expected)
+    assert torch.equal(Images(expected, [[1, 8, 8]]).to(torch.device("cpu")).pixel_values, expected)
 
 
 def test_unsupported_processor_settings_are_refused(image_processor):

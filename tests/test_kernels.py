@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from vlmcore import kernels
-from vlmcore.kernels import KernelError, check, check_workflow, experts_backend, fla_problem, linear_attention_backend
+from vlmcore.kernels import KernelError, check, experts_backend, fla_problem, linear_attention_backend
+from vlmcore.workflow import check_kernels as check_workflow, planned_family
 
 HOPPER, AMPERE = (9, 0), (8, 0)
 
@@ -82,13 +83,13 @@ def test_moe_experts_need_a_torch_with_grouped_mm_for_the_gpu(torch_version, cap
 
 
 def test_model_has_experts_from_the_staged_config_or_the_name(tmp_path):
-    assert kernels.model_has_experts({"repo_id": "Qwen/Qwen3-VL-30B-A3B-Instruct"})
-    assert kernels.model_has_experts({"repo_id": "Qwen/Qwen3.5-397B-A17B"})
-    assert not kernels.model_has_experts({"repo_id": "Qwen/Qwen3-VL-2B-Instruct"})
+    assert planned_family({"repo_id": "Qwen/Qwen3-VL-30B-A3B-Instruct"}).experts
+    assert planned_family({"repo_id": "Qwen/Qwen3.5-397B-A17B"}).experts
+    assert not planned_family({"repo_id": "Qwen/Qwen3-VL-2B-Instruct"}).experts
     (tmp_path / "config.json").write_text('{"model_type": "qwen3_vl_moe", "text_config": {"num_experts": 128}}')
-    assert kernels.model_has_experts({"staged_path": str(tmp_path), "repo_id": "my/finetune"})
+    assert planned_family({"staged_path": str(tmp_path), "repo_id": "my/finetune"}).experts
     (tmp_path / "config.json").write_text('{"model_type": "qwen3", "num_experts": 0}')
-    assert not kernels.model_has_experts({"staged_path": str(tmp_path), "repo_id": "x/y-30B-A3B"})
+    assert not planned_family({"staged_path": str(tmp_path), "repo_id": "x/y-30B-A3B"}).experts
 
 
 def _workflow_config(repo_id, stages):
@@ -118,10 +119,11 @@ def test_workflow_stops_an_moe_run_whose_torch_lacks_the_grouped_gemm(monkeypatc
 
 
 def test_staged_snapshot_config_decides_linear_attention(tmp_path):
-    (tmp_path / "config.json").write_text('{"text_config": {"layer_types": ["linear_attention", "full_attention"]}}')
-    assert kernels.model_has_linear_attention({"staged_path": str(tmp_path), "repo_id": "some/name"})
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "qwen3_5", "text_config": {"layer_types": ["linear_attention", "full_attention"]}}')
+    assert planned_family({"staged_path": str(tmp_path), "repo_id": "some/name"}).linear_attention
     (tmp_path / "config.json").write_text('{"model_type": "qwen3_vl", "text_config": {}}')
-    assert not kernels.model_has_linear_attention({"staged_path": str(tmp_path), "repo_id": "Qwen/Qwen3.5-9B"})
+    assert not planned_family({"staged_path": str(tmp_path), "repo_id": "Qwen/Qwen3.5-9B"}).linear_attention
 
 
 def test_cli_reports_versions_and_refuses_a_bad_capability():

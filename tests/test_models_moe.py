@@ -1,6 +1,6 @@
 """Sparse MoE (models/moe.py) against transformers: Qwen3-MoE logits, loss with the load-balancing
 term, every gradient; the grouped-GEMM calling path against the per-expert loop; snapshot IO in
-the per-expert layout the checkpoints use."""
+the per-expert storage format the checkpoints use."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import vlmcore.models as models
 from _models_helpers import grad_diffs, hf_and_native, max_rel
-from vlmcore.models.moe import GroupedExperts, grouped_mm, load_balancing_loss, moe_blocks
+from vlmcore.models.moe import GroupedExperts, RoutingStats, grouped_mm, moe_blocks
 
 SHAPES = {
     "top2-renormalised": dict(norm_topk_prob=True),
@@ -34,11 +34,12 @@ def test_logits_loss_with_aux_and_grads_match_transformers(tmp_path, shape):
     hf, native = pair(tmp_path, **SHAPES[shape])
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
     ref = hf(input_ids=ids, labels=ids, output_router_logits=True)
+    routing = RoutingStats(moe_blocks(native))
     out = native(ids).logits
     assert max_rel(out, ref.logits) < 1e-4
     labels = ids[:, 1:].flatten()
     ce = torch.nn.functional.cross_entropy(out[:, :-1].flatten(0, 1), labels)
-    aux, counts = load_balancing_loss(moe_blocks(native))
+    aux, counts = routing.loss()
     torch.testing.assert_close(aux, ref.aux_loss, rtol=1e-5, atol=1e-6)
     loss = ce + native.config.router_aux_loss_coef * aux
     torch.testing.assert_close(loss, ref.loss, rtol=1e-5, atol=1e-6)
@@ -117,7 +118,7 @@ def test_packed_rows_equal_samples_run_alone(tmp_path):
     assert max_rel(packed.flatten(0, 1), alone) < 1e-5
 
 
-def test_snapshot_round_trip_keeps_the_per_expert_layout(tmp_path):
+def test_snapshot_round_trip_keeps_the_per_expert_format(tmp_path):
     hf, native = pair(tmp_path, **SHAPES["top2-raw-dense-layer"])
     models.save_pretrained(native, tmp_path / "out", source_dir=tmp_path / "hf")
     original, written = load_file(tmp_path / "hf/model.safetensors"), load_file(tmp_path / "out/model.safetensors")

@@ -1,6 +1,6 @@
 """Native Qwen3.5-MoE against transformers' Qwen3_5MoeForConditionalGeneration / Qwen3_5MoeForCausalLM:
 logits, the loss with the load-balancing term, every gradient; packed rows with images; the two
-expert layouts of its snapshots (transformers' per-expert tensors, the released fused ones), each
+expert storage formats of its snapshots (transformers' per-expert tensors, the released fused ones), each
 loaded and written back bit-exact by save_pretrained and `vlmcore export`.
 """
 
@@ -16,7 +16,7 @@ from _models_helpers import (
     IMAGE, grad_diffs, max_rel, meta_parameter_count, pack, qwen3_5_moe_config, qwen3_5_moe_text_config, token_loss, vl_sample,
 )
 from vlmcore.export import export_hf
-from vlmcore.models.moe import SparseMoeBlock, load_balancing_loss, moe_blocks
+from vlmcore.models.moe import RoutingStats, SparseMoeBlock, moe_blocks
 
 SHAPES = {
     "top2": dict(),
@@ -51,14 +51,16 @@ def hf_forward(hf, ids, pixels=None, grid=None):
     return hf(input_ids=ids, labels=ids, output_router_logits=True, **extra)
 
 
-def check_parity(native, hf, ids, logits, ref):
-    """Logits, aux loss, total loss, then every gradient of the total loss."""
+def check_parity(native, hf, ids, forward, ref):
+    """Logits, aux loss, total loss, then every gradient of the total loss (`forward()`: the native logits)."""
     text_config = native.config.get_text_config()
+    blocks = moe_blocks(native)
+    routing = RoutingStats(blocks)
+    logits = forward()
     assert max_rel(logits, ref.logits) < 1e-4
     ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-    blocks = moe_blocks(native)
     assert len(blocks) == text_config.num_hidden_layers  # every layer is sparse
-    aux, counts = load_balancing_loss(blocks)
+    aux, counts = routing.loss()
     torch.testing.assert_close(aux, ref.aux_loss, rtol=1e-5, atol=1e-6)
     loss = ce + text_config.router_aux_loss_coef * aux
     torch.testing.assert_close(loss, ref.loss, rtol=1e-5, atol=1e-6)
@@ -77,7 +79,7 @@ def test_vl_logits_loss_with_aux_and_grads_match_transformers(tmp_path, shape, b
     hf, native = vl_pair(tmp_path / "hf", **SHAPES[shape])
     ids, pixels, grid = vl_sample(generator=torch.Generator().manual_seed(1), **BATCHES[batch])
     ids = ids[None]
-    check_parity(native, hf, ids, native(ids, pixels, grid).logits, hf_forward(hf, ids, pixels, grid))
+    check_parity(native, hf, ids, lambda: native(ids, pixels, grid).logits, hf_forward(hf, ids, pixels, grid))
     assert native.config.tie_word_embeddings == (native.lm_head.weight is native.model.language_model.embed_tokens.weight)
 
 
@@ -86,7 +88,7 @@ def test_text_model_logits_loss_with_aux_and_grads_match_transformers(tmp_path, 
     hf, native = text_pair(tmp_path / "hf", **SHAPES[shape])
     assert native.config.model_type == "qwen3_5_moe_text"
     ids = torch.randint(0, 256, (2, 75), generator=torch.Generator().manual_seed(1))
-    check_parity(native, hf, ids, native(ids).logits, hf_forward(hf, ids))
+    check_parity(native, hf, ids, lambda: native(ids).logits, hf_forward(hf, ids))
 
 
 def test_blocks_route_like_transformers(tmp_path):
@@ -108,8 +110,9 @@ def test_packed_row_with_images_equals_samples_run_alone(tmp_path, one_thread):
     g = torch.Generator().manual_seed(4)
     samples = [vl_sample([(1, 4, 6)], [3, 70], g), vl_sample([], [9], g), vl_sample([(1, 6, 2), (1, 2, 4)], [2, 3, 1], g)]
     ids, pixels, grid, cu = pack(samples)
+    routing = RoutingStats(moe_blocks(native))
     packed = native(ids, pixels, grid, cu_seqlens=cu).logits
-    packed_counts = load_balancing_loss(moe_blocks(native))[1]
+    packed_counts = routing.loss()[1]
     sum(token_loss(packed[:, a:b], ids[:, a:b]) for a, b in zip(cu[:-1], cu[1:])).backward()
     packed_grads = {n: p.grad.clone() for n, p in native.named_parameters()}
     native.zero_grad()
@@ -117,7 +120,7 @@ def test_packed_row_with_images_equals_samples_run_alone(tmp_path, one_thread):
     for s_ids, s_pix, s_grid in samples:
         logits = native(s_ids[None], s_pix, s_grid).logits
         alone.append(logits)
-        alone_counts = alone_counts + load_balancing_loss(moe_blocks(native))[1]
+        alone_counts = alone_counts + routing.loss()[1]
         loss = loss + token_loss(logits, s_ids[None])
     loss.backward()
     assert max_rel(packed, torch.cat(alone, dim=1)) < 1e-5
@@ -155,11 +158,11 @@ def test_transformers_per_expert_snapshot_is_written_back_bit_exact(tmp_path, va
 
 
 def test_released_fused_snapshot_loads_and_is_written_back_bit_exact(tmp_path):
-    """The released Qwen3.5-MoE layout: fused experts as in memory, plus an MTP head with
+    """The released Qwen3.5-MoE format: fused experts as in memory, plus an MTP head with
     per-expert tensors the native model skips. It loads, exports bit-exact (the MTP head carried
     over) and transformers reads the export with the same logits."""
     hf, native = vl_pair(tmp_path / "hf")
-    models.save_pretrained(native, tmp_path / "released")  # no source: the released layout
+    models.save_pretrained(native, tmp_path / "released")  # no source: the released format
     released = load_file(tmp_path / "released/model.safetensors")
     assert released[f"{EXPERTS}.gate_up_proj"].shape == (8, 64, 64)  # (E, 2I, H)
     assert released[f"{EXPERTS}.down_proj"].shape == (8, 64, 32)  # (E, H, I)

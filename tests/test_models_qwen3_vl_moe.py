@@ -1,7 +1,7 @@
 """Native Qwen3-VL-MoE against transformers' Qwen3VLMoeForConditionalGeneration on tiny random
 configs: logits, CE + router_aux_loss_coef * load-balancing loss (transformers' `loss` with
 labels and output_router_logits), every gradient; packed rows with images; snapshot IO in both
-expert layouts a qwen3_vl_moe snapshot can have (the released checkpoints' transposed
+expert storage formats a qwen3_vl_moe snapshot can have (the released checkpoints' transposed
 (E, H, 2I) / (E, I, H), and the in-memory one transformers 5's save_pretrained writes), with
 moe_intermediate_size 48 and hidden 64 so that no expert tensor is square."""
 
@@ -18,8 +18,8 @@ import vlmcore.models as models
 from _models_helpers import (IMAGE, assert_packed_row_equals_samples_alone, grad_diffs, hf_and_native, hf_vl_logits,
                              max_rel, meta_parameter_count, qwen3_vl_moe_config, token_loss, vl_sample)
 from vlmcore.export import load_final_state_dict
-from vlmcore.models.expert_layout import disk_tensors, is_expert_tensor, layout_of, stored_layout
-from vlmcore.models.moe import load_balancing_loss, moe_blocks
+from vlmcore.models.expert_storage import disk_tensors, format_of, is_expert_tensor, stored_format
+from vlmcore.models.moe import RoutingStats, moe_blocks
 
 SHAPES = {
     "top2-deepstack2": dict(deepstack=(0, 1)),
@@ -43,9 +43,10 @@ def test_logits_loss_with_aux_and_grads_match_transformers(tmp_path, shape, batc
     ids = ids[None]
     ref = hf(input_ids=ids, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(ids == IMAGE).int(),
              labels=ids, output_router_logits=True)
+    routing = RoutingStats(moe_blocks(native))
     out = native(ids, pixels, grid).logits
     assert max_rel(out, ref.logits) < 1e-4
-    aux, counts = load_balancing_loss(moe_blocks(native))
+    aux, counts = routing.loss()
     torch.testing.assert_close(aux, ref.aux_loss, rtol=1e-5, atol=1e-6)
     text = native.config.text_config
     loss = token_loss(out, ids) / (ids.numel() - 1) + text.router_aux_loss_coef * aux
@@ -76,7 +77,7 @@ def test_packed_row_with_images_equals_samples_run_alone(tmp_path):
     assert_packed_row_equals_samples_alone(native, samples)
 
 
-def released_layout_copy(src, dst):
+def released_format_copy(src, dst):
     """The snapshot `src` (as transformers 5 writes it) with its experts stored as the released
     Qwen3-VL-MoE checkpoints store them: gate_up_proj (E, H, 2I), down_proj (E, I, H)."""
     dst.mkdir()
@@ -97,13 +98,13 @@ def final_checkpoint(model, path):
 
 
 @pytest.mark.parametrize("source", ["released-transposed", "transformers-5-fused"])
-def test_snapshot_round_trip_is_bit_exact_in_the_source_layout(tmp_path, source):
+def test_snapshot_round_trip_is_bit_exact_in_the_source_format(tmp_path, source):
     hf, native = pair(tmp_path, **SHAPES["top2-dense-layer0-gqa4"])
     src = tmp_path / "hf"
     gate_up = "model.language_model.layers.1.mlp.experts.gate_up_proj"
     assert load_file(src / "model.safetensors")[gate_up].shape == (8, 96, 64)  # transformers 5 writes (E, 2I, H)
     if source == "released-transposed":
-        src = released_layout_copy(src, tmp_path / "released")
+        src = released_format_copy(src, tmp_path / "released")
         reloaded = models.from_pretrained(src)
         assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), native.state_dict().values()))
     original = load_file(src / "model.safetensors")
@@ -118,22 +119,22 @@ def test_snapshot_round_trip_is_bit_exact_in_the_source_layout(tmp_path, source)
     ids, pixels, grid = vl_sample([(1, 4, 6)], [3, 5], torch.Generator().manual_seed(5))
     ids = ids[None]
     want = hf_vl_logits(hf, ids, pixels, grid)
-    for path in (src, tmp_path / "out"):  # transformers reads each layout as we do
+    for path in (src, tmp_path / "out"):  # transformers reads each format as we do
         theirs = Qwen3VLMoeForConditionalGeneration.from_pretrained(path).eval()
         torch.testing.assert_close(hf_vl_logits(theirs, ids, pixels, grid), want)
     assert json.loads((tmp_path / "out/config.json").read_text())["model_type"] == "qwen3_vl_moe"
 
 
 @pytest.mark.parametrize("hidden,inter", [(64, 48), (64, 32), (64, 64)])
-def test_expert_layout_is_read_off_the_shapes_even_when_one_tensor_is_square(hidden, inter):
+def test_expert_format_is_read_off_the_shapes_even_when_one_tensor_is_square(hidden, inter):
     """gate_up (E, 2I, H) is square when 2I = H, down (E, H, I) when I = H: never both, so the
-    pair always tells the layout."""
+    pair always tells the format."""
     memory = {"l.0.mlp.experts.gate_up_proj": (4, 2 * inter, hidden), "l.0.mlp.experts.down_proj": (4, hidden, inter)}
     tensors = {n: torch.empty(shape, device="meta") for n, shape in memory.items()}
     transposed = {n: ((e, c, r),) for n, (e, r, c) in memory.items()}
-    assert stored_layout("qwen3_vl_moe", tensors, transposed) == "fused_transposed"
-    assert stored_layout("qwen3_vl_moe", tensors, {n: (shape,) for n, shape in memory.items()}) == "fused"
-    assert stored_layout("qwen3_vl_moe", tensors, {}) == "fused_transposed"  # nothing matches: the family's
+    assert stored_format("qwen3_vl_moe", tensors, transposed) == "fused_transposed"
+    assert stored_format("qwen3_vl_moe", tensors, {n: (shape,) for n, shape in memory.items()}) == "fused"
+    assert stored_format("qwen3_vl_moe", tensors, {}) == "fused_transposed"  # nothing matches: the family's
 
 
 def test_mis_shaped_experts_are_named(tmp_path):
@@ -146,7 +147,7 @@ def test_mis_shaped_experts_are_named(tmp_path):
 def test_qwen3_vl_30b_a3b_has_transformers_names_and_the_released_expert_shapes():
     """At the released sizes (on the meta device): every parameter has transformers' name and
     shape, and the experts map to the tensors the released index holds, (128, 2048, 1536) and
-    (128, 768, 2048) per layer (models/expert_layout.py gives the sources)."""
+    (128, 768, 2048) per layer (models/expert_storage.py gives the sources)."""
     from transformers import Qwen3VLMoeConfig
 
     config = Qwen3VLMoeConfig(
@@ -163,7 +164,7 @@ def test_qwen3_vl_30b_a3b_has_transformers_names_and_the_released_expert_shapes(
     assert len(experts) == 2 * 48
     disk = {}
     for name, tensor in experts.items():
-        disk.update({n: (shape,) for n, shape in disk_tensors(name, tensor.shape, layout_of("qwen3_vl_moe")).items()})
+        disk.update({n: (shape,) for n, shape in disk_tensors(name, tensor.shape, format_of("qwen3_vl_moe")).items()})
     assert disk["model.language_model.layers.47.mlp.experts.gate_up_proj"] == ((128, 2048, 1536),)
     assert disk["model.language_model.layers.0.mlp.experts.down_proj"] == ((128, 768, 2048),)
-    assert stored_layout("qwen3_vl_moe", experts, disk) == "fused_transposed"
+    assert stored_format("qwen3_vl_moe", experts, disk) == "fused_transposed"

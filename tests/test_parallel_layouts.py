@@ -4,7 +4,8 @@ without torch: what each module gets, and each refusal naming its key."""
 import pytest
 
 from vlmcore.config import ConfigError, from_dict
-from vlmcore.parallel.dims import ParallelDims, check_layouts, refuse_disjoint, resolve_dims
+from vlmcore.parallel.checks import check_run
+from vlmcore.parallel.layout import MODULES, ParallelDims, resolve_layout
 
 
 def config(parallel: dict, micro_batch_size: int = 1):
@@ -12,8 +13,9 @@ def config(parallel: dict, micro_batch_size: int = 1):
                       "micro_batch_size": micro_batch_size, "parallel": parallel})
 
 
-def dims(layouts):
-    return {module: (d.dp_replicate, d.dp_shard, d.tp) for module, (d, _) in layouts.items()}
+def dims(layout):
+    return {module: (layout.grid(module).dims.dp_replicate, layout.grid(module).dims.dp_shard,
+                     layout.grid(module).dims.tp) for module in MODULES}
 
 
 @pytest.mark.parametrize("parallel, world, expected", [
@@ -29,16 +31,16 @@ def dims(layouts):
     ({"dp_replicate": 2, "modules": {"vision": {"tp": 2}}}, 8, {"language": (2, 4, 1), "vision": (2, 2, 2)}),
     ({"tp": 4, "modules": {"language": {"tp": 2}, "vision": {"tp": 4}}}, 8,
      {"language": (1, 4, 2), "vision": (1, 2, 4)}),
-    # disjoint ranges that tile the world (refused when a run starts, not here)
+    # disjoint ranges that tile the world (with tp: resolved, then refused by check_run, below)
     ({"modules": {"vision": {"ranks": [0, 2], "tp": 2}, "language": {"ranks": [2, 8]}}}, 8,
      {"language": (1, 6, 1), "vision": (1, 1, 2)}),
 ])
 def test_module_layouts_resolve(parallel, world, expected):
-    layouts = check_layouts(config(parallel, micro_batch_size=2), world)
-    assert dims(layouts) == expected
-    assert resolve_dims(config(parallel).parallel, world) == ParallelDims(*expected["language"])
-    for module, (d, ranks) in layouts.items():
-        assert d.world_size == len(ranks), module
+    layout = resolve_layout(config(parallel, micro_batch_size=2).parallel, world)
+    assert dims(layout) == expected
+    assert resolve_layout(config(parallel).parallel, world).language.dims == ParallelDims(*expected["language"])
+    for module in MODULES:
+        assert layout.grid(module).dims.world_size == len(layout.grid(module).ranks), module
 
 
 @pytest.mark.parametrize("parallel, world, micro_batch_size, message", [
@@ -67,22 +69,23 @@ def test_module_layouts_resolve(parallel, world, expected):
 ])
 def test_module_layouts_that_do_not_fit_are_refused_naming_the_key(parallel, world, micro_batch_size, message):
     with pytest.raises(ConfigError) as e:
-        check_layouts(config(parallel, micro_batch_size), world)
+        check_run(config(parallel, micro_batch_size), world)
     assert str(e.value) == message
     assert message.startswith(f"{e.value.key}: ")
 
 
-def test_disjoint_layouts_with_tensor_parallelism_are_planned_but_refused_when_a_run_starts():
+def test_disjoint_layouts_with_tensor_parallelism_resolve_but_are_refused_by_the_checks():
+    """Refused by `check_run`: by the workflow at planning time, `vlmcore memory` and `vlmcore train`."""
     ranks = {"vision": {"ranks": [0, 2]}, "language": {"ranks": [2, 4]}}
     for module in ("vision", "language"):
         parallel = {"modules": {m: dict(r, tp=2) if m == module else r for m, r in ranks.items()}}
         disjoint = config(parallel, micro_batch_size=2)
-        layouts = check_layouts(disjoint, 4)
+        resolve_layout(disjoint.parallel, 4)
         message = rf"^parallel.modules.{module}.tp: disjoint layouts .* not implemented yet"
         with pytest.raises(ConfigError, match=message):
-            refuse_disjoint(disjoint.parallel, layouts)
+            check_run(disjoint, 4)
     for parallel in [{"modules": ranks}, {"modules": {"vision": {"tp": 2}}}]:
-        refuse_disjoint(config(parallel).parallel, check_layouts(config(parallel, micro_batch_size=2), 4))
+        check_run(config(parallel, micro_batch_size=2), 4)
 
 
 @pytest.mark.parametrize("vision_ranks, world, micro_batch_size", [(2, 4, 1), (3, 5, 3), (1, 4, 1), (2, 3, 2)])
@@ -94,19 +97,19 @@ def test_disjoint_bridge_sends_every_row_once_to_its_language_rank(vision_ranks,
     import torch
 
     from _train_helpers import hf_config
-    from vlmcore.parallel.bridge import DisjointBridge
+    from vlmcore.parallel.disjoint import DisjointBridge
     from vlmcore.train.random_data import RandomBatches
 
     model_config = hf_config("qwen3_vl")
     parallel = {"modules": {"vision": {"ranks": [0, vision_ranks]}, "language": {"ranks": [vision_ranks, world]}}}
-    layouts = check_layouts(config(parallel, micro_batch_size), world)
-    language = layouts["language"][0].dp
+    layout = check_run(config(parallel, micro_batch_size), world)
+    language = layout.language.dims.dp
     loaders = [RandomBatches(model_config, seq_len=32, segments=3, image_fraction=0.5,
                              micro_batch_size=micro_batch_size, dp_rank=j, dp_world=language, grad_accum_steps=2,
                              seed=0) for j in range(language)]
     steps = [[[next(iter(loader)) for _ in range(2)] for loader in loaders] for _ in range(3)]  # [step][rank][micro]
-    bridges = [DisjointBridge(model_config, layouts, micro_batch_size, torch.float32, torch.device("cpu"), rank,
-                              world) for rank in range(world)]
+    bridges = [DisjointBridge(model_config, layout, micro_batch_size, torch.float32, torch.device("cpu"), rank)
+               for rank in range(world)]
     seen_images = 0
     for step in steps:
         images = {}
@@ -121,13 +124,13 @@ def test_disjoint_bridge_sends_every_row_once_to_its_language_rank(vision_ranks,
                 for lang in range(vision_ranks, world):
                     assert bridges[e].plans[a][0][lang] == bridges[lang].plans[a][1][e]
             batches = [step[j][a] for j in range(language)]
-            expected = [g for b in batches if "image_grid_thw" in b for g in b["image_grid_thw"].tolist()]
+            expected = [g for b in batches if b.images is not None for g in b.images.grid_thw.tolist()]
             encoded = [images[e][a] for e in range(vision_ranks) if images[e][a] is not None]
-            assert [g for b in encoded for g in b["image_grid_thw"].tolist()] == expected
+            assert [g for b in encoded for g in b.grid_thw.tolist()] == expected
             if expected:
-                torch.testing.assert_close(torch.cat([b["pixel_values"] for b in encoded]),
-                                           torch.cat([b["pixel_values"] for b in batches if "pixel_values" in b]))
-            tokens = sum(int((b["input_ids"] == model_config.image_token_id).sum()) for b in batches)
+                torch.testing.assert_close(torch.cat([b.pixel_values for b in encoded]),
+                                           torch.cat([b.images.pixel_values for b in batches if b.images is not None]))
+            tokens = sum(int((b.input_ids == model_config.image_token_id).sum()) for b in batches)
             assert sum(sum(bridges[lang].plans[a][1]) for lang in range(vision_ranks, world)) == tokens
             seen_images += len(expected)
     assert seen_images > 0
@@ -157,8 +160,7 @@ def test_an_encoder_rank_holds_the_vision_tower_only_and_refuses_to_hold_a_froze
     import torch
 
     from _train_helpers import tiny_snapshot
-    from vlmcore.parallel.mesh import build_disjoint_meshes
-    from vlmcore.train.loop import build_meta_model
+    from vlmcore.train.build import build_meta_run
     from vlmcore.train.memory import _process_group
 
     snapshot = tiny_snapshot("qwen3_vl", tmp_path / "vl")
@@ -167,13 +169,13 @@ def test_an_encoder_rank_holds_the_vision_tower_only_and_refuses_to_hold_a_froze
         for trainable in ([], ["model.language_model.*"]):
             cfg = from_dict({"model_path": str(snapshot), "output_dir": "o", "data": {"kind": "random"},
                              "micro_batch_size": 2, "trainable": trainable, "parallel": parallel})
-            layouts = check_layouts(cfg, 4)
-            mesh = build_disjoint_meshes(layouts, torch.device("cpu"))["vision"]
+            layout = check_run(cfg, 4)
             if trainable:
                 with pytest.raises(ConfigError, match=r"^trainable: no parameter of the vision tower trains"):
-                    build_meta_model(cfg, mesh, layouts["vision"][0])
+                    build_meta_run(cfg, layout, torch.device("cpu"), 0)
                 continue
-            model, partial = build_meta_model(cfg, mesh, layouts["vision"][0])
+            run = build_meta_run(cfg, layout, torch.device("cpu"), 0)
+            model, partial = run.model, run.partial
             names = set(model.state_dict())
             assert partial == [] and model.dropped_prefixes == ("model.language_model.", "lm_head.")
             assert "model.visual.merger.linear_fc2.weight" in names
@@ -181,13 +183,32 @@ def test_an_encoder_rank_holds_the_vision_tower_only_and_refuses_to_hold_a_froze
             assert {p.device_mesh.mesh.tolist() == [0, 1] for p in model.parameters()} == {True}  # FSDP on 0-1
 
 
-def test_memory_estimate_of_disjoint_layouts_is_refused_by_key():
-    from vlmcore.train.memory import estimate_memory
+def test_memory_estimate_of_disjoint_layouts(tmp_path):
+    """`vlmcore memory` of disjoint layouts (today's only way to size such a stage before the queue)
+    estimates an encoder rank and a language rank: each holds its own module's weights, gradients
+    and AdamW state, sharded over its module's ranks, and the bridge's all_to_all runs on fake
+    tensors too. The top level is the larger of the two."""
+    from _train_helpers import tiny_snapshot
+    from vlmcore.models import build_model
+    from vlmcore.train.memory import estimate_memory, format_table
 
-    disjoint = config({"modules": {"vision": {"ranks": [0, 2]}, "language": {"ranks": [2, 4]}}})
-    with pytest.raises(ConfigError, match="parallel.modules.vision.ranks: the memory estimate of disjoint") as error:
-        estimate_memory(disjoint, 4, 64, 4)
-    assert error.value.key == "parallel.modules.vision.ranks"
+    snapshot = tiny_snapshot("qwen3_vl", tmp_path / "vl")
+    disjoint = config({"modules": {"vision": {"ranks": [0, 1]}, "language": {"ranks": [1, 4]}}}, micro_batch_size=1)
+    disjoint.model_path = str(snapshot)
+    result = estimate_memory(disjoint, 4, 64, 2)
+    modules = result["modules"]
+    assert {m: (e["rank"], e["ranks"]) for m, e in modules.items()} == {"vision": (0, [0, 1]), "language": (1, [1, 4])}
+    model = build_model(snapshot, device="meta")
+    vision = list(model.vision_tower().parameters())
+    language = [p for p in model.parameters() if all(p is not v for v in vision)]
+    for module, params, ranks in (("vision", vision, 1), ("language", language, 3)):
+        # FSDP2 shards dim 0, padded to a multiple of the ranks; fp32
+        shard = sum(-(-p.shape[0] // ranks) * (p.numel() // p.shape[0]) for p in params) * 4
+        kinds = modules[module]["peak_bytes_by_kind"]
+        assert kinds["Sharded Param"] == shard, module
+        assert kinds["OptState"] == pytest.approx(2 * shard, abs=1024), module  # AdamW's two moments (+ step counts)
+    assert result["peak_bytes"] == max(e["peak_bytes"] for e in modules.values())
+    assert "vision on ranks [0, 1) (estimated on rank 0), language on ranks [1, 4)" in format_table(result)
 
 
 def test_one_rank_trains_a_plain_module_unless_it_casts(tmp_path, one_process_group):
@@ -200,16 +221,14 @@ def test_one_rank_trains_a_plain_module_unless_it_casts(tmp_path, one_process_gr
 
     from _train_helpers import tiny_snapshot, write_config
     from vlmcore.config import load_config
-    from vlmcore.parallel.mesh import build_mesh
-    from vlmcore.train.loop import build_meta_model
+    from vlmcore.train.build import build_meta_run
 
     cfg = load_config(write_config(tmp_path / "c.yaml", tiny_snapshot("qwen3_vl", tmp_path / "m"), tmp_path / "o"))
-    one = resolve_dims(cfg.parallel, 1)
-    mesh = build_mesh(one, torch.device("cpu"))
+    one = check_run(cfg, 1)
     kinds = {}
     for dtype, shard_one_rank in (("float32", False), ("bfloat16", False), ("float32", True)):
         cfg.precision.param_dtype = dtype
-        model, _ = build_meta_model(cfg, mesh, one, shard_one_rank=shard_one_rank)
+        model = build_meta_run(cfg, one, torch.device("cpu"), 0, shard_one_rank=shard_one_rank).model
         kinds[dtype, shard_one_rank] = (isinstance(model, FSDPModule), isinstance(model.lm_head.weight, DTensor))
     assert kinds == {("float32", False): (False, False), ("bfloat16", False): (True, True),
                      ("float32", True): (True, True)}

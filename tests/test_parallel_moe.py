@@ -18,9 +18,8 @@ import torch
 
 from _train_helpers import env, hf_config, load_dcp, read_metrics, tiny_snapshot, train, write_config
 from vlmcore.config import ConfigError, ParallelConfig
-from vlmcore.parallel.dims import resolve_dims
-from vlmcore.parallel.expert_parallel import check_ep
-from vlmcore.parallel.tp import check_tp
+from vlmcore.parallel.checks import check_ep, check_tp
+from vlmcore.parallel.layout import resolve_layout
 
 STEPS = 6
 GLOBAL_MICRO_BATCHES = 4
@@ -163,12 +162,12 @@ def test_memory_estimate_runs_expert_parallel(tmp_path):
 ])
 def test_ep_must_divide_the_shard_ranks(settings, world_size, message):
     with pytest.raises(ConfigError) as e:
-        resolve_dims(ParallelConfig(**settings), world_size)
+        resolve_layout(ParallelConfig(**settings), world_size)
     assert str(e.value) == message and e.value.key == "parallel.ep"
 
 
 def test_ep_carves_the_shard_ranks():
-    dims = resolve_dims(ParallelConfig(ep=2, tp=2, dp_replicate=2), 16)
+    dims = resolve_layout(ParallelConfig(ep=2, tp=2, dp_replicate=2), 16).language.dims
     assert (dims.dp_replicate, dims.dp_shard, dims.dp_shard_mod_ep, dims.ep, dims.tp) == (2, 4, 2, 2, 2)
     assert dims.world_size == 16
 

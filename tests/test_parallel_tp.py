@@ -21,9 +21,11 @@ FAMILIES = ("qwen3", "qwen3_vl", "qwen3_5")
 def loss_and_grads(model, batch):
     from vlmcore.train.loss import chunked_cross_entropy
 
-    out = model(batch["input_ids"], pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
-                position_ids=batch.get("position_ids"), cu_seqlens=batch["cu_seqlens"], return_hidden=True)
-    loss_sum, count = chunked_cross_entropy(out.hidden_states, model.lm_head.weight, batch["labels"], 16)
+    images = batch.images
+    out = model(batch.input_ids, pixel_values=images.pixel_values if images else None,
+                image_grid_thw=images.grid_thw if images else None, position_ids=batch.position_ids,
+                cu_seqlens=batch.cu_seqlens, return_hidden=True)
+    loss_sum, count = chunked_cross_entropy(out.hidden_states, model.lm_head.weight, batch.labels, 16)
     (loss_sum / count).backward()
     return loss_sum.item() / count.item()
 
@@ -87,7 +89,7 @@ def worker(root: Path) -> None:
 def test_tp_degree_must_divide_every_split_head_count():
     from _train_helpers import hf_config
     from vlmcore.config import ConfigError
-    from vlmcore.parallel.tp import check_tp, check_vision_tp
+    from vlmcore.parallel.checks import check_tp, check_vision_tp
 
     config = hf_config("qwen3_5")
     check_tp(config, 2)

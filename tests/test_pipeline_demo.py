@@ -181,7 +181,6 @@ def test_training_and_evaluation_see_the_same_sample(demo, tmp_path):
     from vlmcore.data.prepare import prepare
     from vlmcore.eval.tasks.demo_vqa.utils import doc_to_image, load_vqa_jsonl
     from vlmcore.eval.vlm import VisionLanguageLM
-    from vlmcore.train.step import to_device
 
     raw = demo / RESULTS / "raw"
     doc = next(d for d in load_vqa_jsonl(str(raw / "eval.jsonl"))["test"] if d["kind"] == "side")
@@ -196,20 +195,20 @@ def test_training_and_evaluation_see_the_same_sample(demo, tmp_path):
     prepare([f"conversations:{tmp_path / 'heldout.jsonl'}"], tmp_path / "data")
     pack(tmp_path / "data", demo / RESULTS / "model", tmp_path / "packed", seq_len=1024, max_patches=4096, workers=1)
     host = next(iter(build_loader(tmp_path / "packed", dp_rank=0, dp_world=1, micro_batch_size=1, seed=0, num_workers=0)))
-    train = to_device(host, torch.device("cpu"))
+    train = host.to(torch.device("cpu"))
 
     # demo_vqa.yaml: doc_to_text "<image>\n{{question}}", doc_to_image, target delimiter "".
     lm = VisionLanguageLM(pretrained=str(demo / RESULTS / "hf"), device="cpu", batch_size=1)
     row = lm.encode_row(f"<image>\n{doc['question']}", answer, {"visual": doc_to_image(doc)})
     n, start = len(row["input_ids"]), row["continuation_start"]
-    assert train["input_ids"][0, :n].tolist() == row["input_ids"]
-    assert train["labels"][0, start - 1:n - 1].tolist() == row["input_ids"][start:]  # label[t]: target of logits[t]
-    assert train["image_grid_thw"] == row["image_grid_thw"].tolist()
-    assert torch.equal(train["pixel_values"], row["pixel_values"])  # bit for bit
+    assert train.input_ids[0, :n].tolist() == row["input_ids"]
+    assert train.labels[0, start - 1:n - 1].tolist() == row["input_ids"][start:]  # label[t]: target of logits[t]
+    assert train.images.grid_thw == row["image_grid_thw"].tolist()
+    assert torch.equal(train.images.pixel_values, row["pixel_values"])  # bit for bit
     positions, _ = lm.model.model.get_rope_index(torch.tensor([row["input_ids"]]),
                                                  torch.tensor([row["mm_token_type_ids"]]),
                                                  image_grid_thw=row["image_grid_thw"])
-    assert torch.equal(train["position_ids"][:, :, :n], positions)
+    assert torch.equal(train.position_ids[:, :, :n], positions)
 
 
 def test_scaling_report(demo):

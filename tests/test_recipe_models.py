@@ -22,8 +22,9 @@ from pathlib import Path
 import torch, yaml
 from recipe_models import MODELS
 from vlmcore.config import load_config
-from vlmcore.parallel.mesh import build_mesh, resolve_dims
-from vlmcore.train.loop import build_meta_model
+from vlmcore.models import load_hf_config
+from vlmcore.parallel.checks import check_run
+from vlmcore.train.build import build_meta_run
 from vlmcore.train.memory import _process_group
 from vlmcore.workflow import Experiment, validate_config
 
@@ -40,10 +41,10 @@ for recipe in sys.argv[3:]:
         cfg = load_config(tmp / "stage.yaml", [])
         ranks = exp.stage_ranks(stage)
         with _process_group(ranks, fake=True):
-            dims = resolve_dims(cfg.parallel, ranks)
-            model, _ = build_meta_model(cfg, build_mesh(dims, torch.device("cpu")), dims)
+            layout = check_run(cfg, ranks, load_hf_config(model_dir))
+            model = build_meta_run(cfg, layout, torch.device("cpu"), 0).model
         out[f"{Path(recipe).stem}/{stage}"] = {
-            "ranks": ranks, "tp": dims.tp,
+            "ranks": ranks, "tp": layout.language.dims.tp,
             "params": sum(p.numel() for p in model.parameters()),
             "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
 print("RESULT" + json.dumps(out))

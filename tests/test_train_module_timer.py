@@ -11,15 +11,15 @@ from _train_helpers import hf_config, read_metrics, tiny_snapshot, train, write_
 from vlmcore.models import build_model
 from vlmcore.train.module_timer import ModuleTimer
 from vlmcore.train.random_data import RandomBatches
-from vlmcore.train.step import forward_backward, host_stats, to_device
+from vlmcore.train.step import forward_backward
 
 DELAY = 0.25  # seconds added to each of four places; the tiny model's own compute is a few ms
 
 
-def batches(model, image_fraction: float, n: int, device: str = "cpu") -> list[dict]:
+def batches(model, image_fraction: float, n: int, device: str = "cpu") -> list:
     data = RandomBatches(model.config, seq_len=32, segments=2, image_fraction=image_fraction, micro_batch_size=1,
                          dp_rank=0, dp_world=1, grad_accum_steps=n, seed=0)
-    return [to_device(b, torch.device(device)) for b, _ in zip(data, range(n))]
+    return [b.to(torch.device(device)) for b, _ in zip(data, range(n))]
 
 
 def delay_forward_and_backward(module: torch.nn.Module) -> None:
@@ -42,8 +42,8 @@ def test_each_part_is_credited_to_its_module(device):
     delay_forward_and_backward(model.vision_layers()[0])
     delay_forward_and_backward(model.decoder_layers()[0])
     micro = batches(model, image_fraction=1.0, n=2, device=device)
-    assert all(b.get("pixel_values") is not None for b in micro)
-    label_tokens = host_stats(micro)["label_tokens"]
+    assert all(b.images is not None for b in micro)
+    label_tokens = sum(b.label_tokens for b in micro)
 
     start = time.perf_counter()
     loss, _, _ = forward_backward(model, micro, label_tokens, None, chunk_tokens=64)
@@ -54,11 +54,11 @@ def test_each_part_is_credited_to_its_module(device):
     assert 4 * DELAY <= times["vision_time_s"] < 6 * DELAY
     assert 4 * DELAY <= times["llm_time_s"] < 6 * DELAY
     assert 0.9 * wall <= times["vision_time_s"] + times["llm_time_s"] <= wall
-    assert times["vision_patches"] == sum(b["pixel_values"].shape[0] for b in micro)
+    assert times["vision_patches"] == sum(b.images.pixel_values.shape[0] for b in micro)
     assert timer.read() == {"vision_time_s": 0.0, "llm_time_s": 0.0, "vision_patches": 0}  # read starts over
 
     with torch.no_grad():  # a forward without backward is left out
-        model(micro[0]["input_ids"], pixel_values=micro[0]["pixel_values"], image_grid_thw=micro[0]["image_grid_thw"])
+        model(micro[0].input_ids, pixel_values=micro[0].images.pixel_values, image_grid_thw=micro[0].images.grid_thw)
     assert timer.read() == {"vision_time_s": 0.0, "llm_time_s": 0.0, "vision_patches": 0}
 
 
@@ -66,7 +66,7 @@ def test_text_only_model_has_no_vision_time():
     model = build_model(hf_config("qwen3"), device="cpu")
     timer = ModuleTimer(model, torch.device("cpu"))
     micro = batches(model, image_fraction=0.0, n=1)
-    forward_backward(model, micro, host_stats(micro)["label_tokens"], None, chunk_tokens=64)
+    forward_backward(model, micro, sum(b.label_tokens for b in micro), None, chunk_tokens=64)
     times = timer.read()
     assert times.keys() == {"llm_time_s"} and times["llm_time_s"] > 0
 

@@ -4,7 +4,7 @@ import pytest
 from torch import nn
 
 from vlmcore.config import ConfigError, OptimizerConfig, ScheduleConfig
-from vlmcore.models.layers import VisionLanguageParts
+from vlmcore.models.parts import VisionLanguageParts
 from vlmcore.train.optim import freeze, lr_factor, param_groups
 
 
@@ -111,8 +111,7 @@ def test_resume_keeps_the_configured_group_settings(tmp_path, one_process_group)
     wrote the checkpoint had other settings and the multi-tensor kernel."""
     import torch
 
-    from vlmcore.train.checkpoint import Checkpointer, rng_state
-    from vlmcore.train.loop import resume
+    from vlmcore.train.checkpoint import Checkpointer, resume, rng_state
     from vlmcore.train.optim import build_optimizer
 
     torch.manual_seed(0)
@@ -125,7 +124,7 @@ def test_resume_keeps_the_configured_group_settings(tmp_path, one_process_group)
     written.zero_grad(set_to_none=True)
     data = Position()
     data.consumed = 7
-    layout = {"world_size": 1}
+    split = {"world_size": 1}
     Checkpointer(tmp_path, keep=1).save(1, model, written, {"step": 1, "layout_world_size": 1},
                                         {"rng": rng_state(), "loader": data.state_dict()})
 
@@ -134,7 +133,7 @@ def test_resume_keeps_the_configured_group_settings(tmp_path, one_process_group)
     built = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     state, data = {"step": 0, "layout_world_size": 0}, Position()
     resume(Checkpointer(tmp_path, keep=1), tmp_path / "checkpoints" / "step_1", model, optimizer, data, state,
-           layout)
+           split)
     assert [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] == built
     assert all(g["fused"] for g in optimizer.param_groups)
     assert state["step"] == 1 and data.consumed == 7

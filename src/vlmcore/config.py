@@ -66,7 +66,7 @@ class ScheduleConfig:
 
 @dataclass
 class ModuleLayout:
-    """One module's parallel layout (vlmcore.parallel.dims.resolve_layouts)."""
+    """One module's parallel layout (vlmcore.parallel.layout.resolve_layout)."""
 
     tp: int | None = setting(None, "tensor-parallel ranks of this module; null: parallel.tp (language), 1 (vision)",
                              ge=1)

@@ -6,21 +6,18 @@ same manifest lets a copy staged by hand (MareNostrum 5 login nodes have no inte
 before anything trains on it.
 """
 
-import hashlib
 import json
 import os
 import shutil
 import time
 from pathlib import Path
 
+from vlmcore.families import FAMILIES, TINY_FAMILIES, TinyBuild
+from vlmcore.hashing import sha256_of
+
 MANIFEST = "manifest.json"
 # Files a snapshot needs besides the weights; tokenizer and processor files vary by model.
 DEFAULT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
-
-
-def sha256_of(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def snapshot_files(directory: Path) -> list[Path]:
@@ -104,22 +101,10 @@ def use_staged_snapshot(staged, out, revision: str | None = None) -> dict:
     return manifest
 
 
-# Families of the tiny demo model: transformers' config and model classes, and the fields the
-# family adds to the dense Qwen3-VL text config.
-TINY_FAMILIES = {
-    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", {}),
-    # Every layer sparse: 4 experts, top-2, each half the dense MLP, so a token costs what it does
-    # in the dense demo model.
-    "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration",
-                     dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=192, norm_topk_prob=True,
-                          decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001)),
-}
-
-
-def tiny_family(family: str) -> tuple[str, str, dict]:
-    if family not in TINY_FAMILIES:
-        raise ValueError(f"model.tiny.family: {family!r} is not one of {sorted(TINY_FAMILIES)}")
-    return TINY_FAMILIES[family]
+def tiny_build(name: str) -> TinyBuild:
+    if name not in TINY_FAMILIES:
+        raise ValueError(f"model.tiny.family: {name!r} is not one of {TINY_FAMILIES}")
+    return FAMILIES[name].tiny
 
 
 def tiny_vl_config(tokenizer_ids: dict, vocab_size: int, family: str = "qwen3_vl", **overrides) -> dict:
@@ -129,7 +114,7 @@ def tiny_vl_config(tokenizer_ids: dict, vocab_size: int, family: str = "qwen3_vl
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
         rms_norm_eps=1e-6, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [6, 5, 5], "mrope_interleaved": True},
-        **tiny_family(family)[2],
+        **tiny_build(family).text_fields,
     )
     vision = dict(
         depth=2, hidden_size=64, intermediate_size=192, num_heads=2, patch_size=16, spatial_merge_size=2,
@@ -164,7 +149,7 @@ def build_tiny_model(out, seed: int = 0, overrides: dict | None = None, family: 
     from vlmcore.data.synthetic import corpus_texts
     from vlmcore.data.tokenizer import build_demo_tokenizer, special_token_ids
 
-    config_class, model_class, _ = tiny_family(family)
+    build = tiny_build(family)
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -172,11 +157,11 @@ def build_tiny_model(out, seed: int = 0, overrides: dict | None = None, family: 
     tokenizer = build_demo_tokenizer(tmp, corpus_texts(seed))
     ids = special_token_ids(tokenizer)
     vocab_size = -(-len(tokenizer) // 64) * 64
-    config = getattr(transformers, config_class)(**tiny_vl_config(ids, vocab_size, family, **(overrides or {})))
+    config = getattr(transformers, build.config_class)(**tiny_vl_config(ids, vocab_size, family, **(overrides or {})))
     config.text_config.eos_token_id = ids["eos_token_id"]
     config.text_config.pad_token_id = ids["pad_token_id"]
     torch.manual_seed(seed)
-    model = getattr(transformers, model_class)(config)
+    model = getattr(transformers, build.model_class)(config)
     model.generation_config.eos_token_id = [ids["eos_token_id"], ids["pad_token_id"]]
     model.generation_config.pad_token_id = ids["pad_token_id"]
     model.save_pretrained(tmp)
@@ -212,7 +197,7 @@ def add_arguments(parser):
     parser.add_argument("--revision", help="commit hash or tag to pin (required with --repo-id)")
     parser.add_argument("--out", help="snapshot directory to write")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the tiny model's weights and tokenizer corpus")
-    parser.add_argument("--tiny-family", default="qwen3_vl", choices=sorted(TINY_FAMILIES),
+    parser.add_argument("--tiny-family", default="qwen3_vl", choices=TINY_FAMILIES,
                         help="architecture of the tiny model: dense Qwen3-VL or Qwen3-VL-MoE (4 experts, top-2)")
     parser.add_argument("--tiny-config", default={}, type=json_object, help="JSON overrides of the tiny model, e.g. '{\"text_config\": {\"num_hidden_layers\": 2}}'")
 

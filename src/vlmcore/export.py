@@ -13,7 +13,6 @@ what a killed one left.
 """
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -28,9 +27,10 @@ from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 
 import vlmcore
-from vlmcore.download import sha256_of
-from vlmcore.models.expert_layout import stored_layout, to_disk
-from vlmcore.models.hf import IGNORED_PREFIXES, snapshot_tensor_info
+from vlmcore.hashing import sha256_of, sha256_of_digests
+from vlmcore.families import family
+from vlmcore.models.expert_storage import stored_format, to_disk
+from vlmcore.models.hf import snapshot_tensor_info
 
 PROVENANCE = "provenance.json"
 # Snapshot files that describe the source weights, not the exported ones.
@@ -39,16 +39,10 @@ NOT_COPIED_NAMES = {"manifest.json"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def untrained_prefixes(model_dir) -> tuple[str, ...]:
-    """Name prefixes of snapshot tensors the native model does not train (Qwen3.5's MTP head)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return IGNORED_PREFIXES.get(config.get("model_type"), ())
-
-
 def load_final_state_dict(checkpoint_dir, model_dir=None) -> dict[str, torch.Tensor]:
     """The weights of a `final/` DCP checkpoint as {hf name: tensor}, in one process.
 
-    With `model_dir`, MoE experts are written in the layout of the snapshot's own weights, and the names and
+    With `model_dir`, MoE experts are written in the storage format of the snapshot's own weights, and the names and
     shapes are checked against the snapshot's safetensors; a `lm_head.weight` the snapshot leaves
     out (tied embeddings) is dropped.
     """
@@ -70,8 +64,8 @@ def load_final_state_dict(checkpoint_dir, model_dir=None) -> dict[str, torch.Ten
     if model_dir is not None:
         model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
         snapshot = snapshot_tensor_info(model_dir)
-        weights = to_disk(weights, model_type, stored_layout(model_type, weights, snapshot))
-        check_against_snapshot(weights, snapshot, untrained_prefixes(model_dir), checkpoint_dir, model_dir)
+        weights = to_disk(weights, model_type, stored_format(model_type, weights, snapshot))
+        check_against_snapshot(weights, snapshot, family(model_dir).ignored_prefixes, checkpoint_dir, model_dir)
     return weights
 
 
@@ -122,7 +116,7 @@ def data_fingerprint(stats_paths) -> dict:
         stats = json.loads(path.read_text())
         scalars = {k: v for k, v in stats.items() if isinstance(v, (str, int, float, bool))}
         datasets[path.parent.name] = {"path": str(path), "sha256": sha256_of(path), **scalars}
-    combined = hashlib.sha256("".join(d["sha256"] for _, d in sorted(datasets.items())).encode()).hexdigest()
+    combined = sha256_of_digests(d["sha256"] for _, d in sorted(datasets.items()))
     return {"fingerprint": combined if datasets else None, "datasets": datasets}
 
 

@@ -1,7 +1,9 @@
-"""The GPU kernels' versions, checked before a job starts, never after the queue wait.
+"""`vlmcore kernels`: the GPU kernels' versions, checked before a job starts, never after the queue wait.
 
-`vlmcore train` checks them on its GPU before building the model; the workflow checks them on
-the login node when it is parsed (for the cluster's GPU, `train.gpu_capability`), so a broken
+`check` chooses each part's backend for a GPU and refuses a combination known to compute wrongly.
+`vlmcore train` calls it on its GPU before building the model (and hands the choice to the model
+code, vlmcore.models.use_backends); the workflow calls it on the login node when it is parsed
+(for the cluster's GPU, `train.gpu_capability`: vlmcore.workflow.check_kernels), so a broken
 combination stops `snakemake` before any job is queued. `vlmcore kernels` prints the report.
 
 Known bad combinations (docs/hpc.md has the versions each cluster needs):
@@ -21,7 +23,6 @@ Known bad combinations (docs/hpc.md has the versions each cluster needs):
 import argparse
 import importlib.metadata
 import os
-import re
 import sys
 import typing
 
@@ -158,14 +159,6 @@ def check(requested_linear_attention: str, capability: tuple[int, int] | None, h
     return chosen
 
 
-def apply(backends: dict) -> None:
-    """Makes the model code use the chosen linear-attention backend."""
-    from vlmcore.models import linear_attention
-
-    if backends.get("linear_attention") == "torch":
-        linear_attention.set_gdn_kernel(None)
-
-
 def parse_capability(text: str | None) -> tuple[int, int] | None:
     if not text:
         return None
@@ -182,54 +175,6 @@ def report(versions: dict, backends: dict, capability) -> str:
     lines += [f"{name}: {versions[name] or 'not installed'}" for name in ("torch", "triton", "fla", "tilelang", "flash_attn")]
     lines += [f"{part}: {backend}" for part, backend in backends.items()]
     return "\n".join(lines)
-
-
-def _staged_text_config(model: dict) -> dict | None:
-    """The text config of the workflow's staged snapshot (config.json), None before the download."""
-    import json
-    from pathlib import Path
-
-    config_json = Path(model.get("staged_path") or "", "config.json")
-    if not (model.get("staged_path") and config_json.is_file()):
-        return None
-    config = json.loads(config_json.read_text())
-    return config.get("text_config") or config
-
-
-def model_has_linear_attention(model: dict) -> bool:
-    """From the workflow's `model` section, before the download: the staged snapshot's config.json
-    where it is there, else the model's name (Qwen3.5 is the family with Gated DeltaNet layers)."""
-    text = _staged_text_config(model)
-    if text is not None:
-        return "linear_attention" in (text.get("layer_types") or [])
-    name = (model.get("repo_id") or "").lower()
-    return "qwen3.5" in name or "qwen3_5" in name
-
-
-def model_has_experts(model: dict) -> bool:
-    """Likewise for mixture-of-experts layers: the config's `num_experts`, else the model's name
-    (MoE releases name their active size: Qwen3-VL-30B-A3B, Qwen3.5-397B-A17B)."""
-    text = _staged_text_config(model)
-    if text is not None:
-        return bool(text.get("num_experts"))
-    return re.search(r"-a\d+(\.\d+)?b\b", (model.get("repo_id") or "").lower()) is not None
-
-
-def check_workflow(config: dict, stage_settings: dict) -> None:
-    """The workflow's check on the login node: every training stage's kernels on the cluster's GPU
-    (`train.gpu_capability`); raises KernelError naming the stage before any job is queued."""
-    capability = parse_capability(config["train"].get("gpu_capability"))
-    if capability is None:
-        return
-    has_linear = model_has_linear_attention(config["model"])
-    has_experts = model_has_experts(config["model"])
-    versions = installed_versions()
-    for stage, settings in stage_settings.items():
-        requested = settings.get("parallel", {}).get("linear_attention", "auto")
-        try:
-            check(requested, capability, has_linear, versions, has_experts)
-        except KernelError as e:
-            raise KernelError(f"train.stages.{stage} on train.gpu_capability {capability[0]}.{capability[1]}: {e}") from None
 
 
 def capability_arg(text: str) -> str:

@@ -13,8 +13,10 @@ from pathlib import Path
 import yaml
 
 from vlmcore import config as train_config
+from vlmcore import kernels
 from vlmcore.config import ConfigError
-from vlmcore.parallel.dims import check_layouts
+from vlmcore.families import FAMILIES, Family, family, family_of_repo
+from vlmcore.parallel.checks import check_run
 
 
 def _fill_defaults(schema: dict, value):
@@ -114,10 +116,13 @@ def _written_at(config: dict, stage: str, key: str) -> str:
 
 def _check_stage_settings(config: dict):
     """Each stage's vlmcore train settings (train.common + the stage) pass TrainConfig's own
-    checks and their parallel layouts (each module's) fit the stage's ranks (and each scaling
-    point), so a typo, a bad range or a mesh that does not divide stops the workflow before any
-    job runs. The warnings of a suspicious setting are printed."""
+    checks and vlmcore train's checks against its ranks (and each scaling point) and, once the
+    model's config.json is here (a staged snapshot, or after the download), against the model
+    (vlmcore.parallel.checks): a typo, a bad range, a mesh that does not divide or a degree the
+    model's heads or experts do not take stops the workflow before any job runs. The warnings of a
+    suspicious setting are printed."""
     exp = Experiment(config)
+    model_config = exp.model_config()
     written = {f"train.stages.{stage}": config["train"]["stages"][stage] for stage in exp.stages}
     written["train.common"] = config["train"].get("common", {})
     problems = [f"{where}.{key}: set by the workflow, remove it"
@@ -125,7 +130,7 @@ def _check_stage_settings(config: dict):
     for stage in exp.stages:
         try:
             cfg = train_config.from_dict(exp.stage_config(stage))
-            check_layouts(cfg, exp.stage_ranks(stage))
+            check_run(cfg, exp.stage_ranks(stage), model_config)
         except ConfigError as e:
             message = str(e).removeprefix(f"{e.key}: ")
             problems.append(f"{_written_at(config, stage, e.key)}: {message}")
@@ -135,12 +140,42 @@ def _check_stage_settings(config: dict):
     if not problems:
         for world_size in config["scaling"]["world_sizes"]:
             try:
-                check_layouts(train_config.from_dict(exp.scaling_config(world_size)), world_size)
+                check_run(train_config.from_dict(exp.scaling_config(world_size)), world_size, model_config)
             except ConfigError as e:
                 problems.append(f"scaling.world_sizes: the settings of stage {exp.scaling_stage()} do not fit a "
                                 f"scaling run: {e}")
     if problems:  # a bad train.common key fails every stage: named once
         raise ConfigError("invalid workflow config:\n  " + "\n  ".join(dict.fromkeys(problems)))
+
+
+def planned_family(model: dict) -> Family | None:
+    """The family of the experiment's model (its `model` section) before the download: the tiny
+    model's, else the staged snapshot's config.json where it is there, else guessed from the Hub
+    name (vlmcore.families); None when none of these tells."""
+    if model.get("source") == "tiny":
+        return FAMILIES[model.get("tiny", {}).get("family", "qwen3_vl")]
+    config_json = Path(model.get("staged_path") or "", "config.json")
+    if model.get("staged_path") and config_json.is_file():
+        return family(json.loads(config_json.read_text()))
+    return family_of_repo(model.get("repo_id") or "")
+
+
+def check_kernels(config: dict, stage_settings: dict) -> None:
+    """The workflow's check on the login node: every training stage's kernels on the cluster's GPU
+    (`train.gpu_capability`); raises KernelError naming the stage before any job is queued."""
+    capability = kernels.parse_capability(config["train"].get("gpu_capability"))
+    if capability is None:
+        return
+    planned = planned_family(config["model"])
+    has_linear, has_experts = (planned.linear_attention, planned.experts) if planned else (False, False)
+    versions = kernels.installed_versions()
+    for stage, settings in stage_settings.items():
+        requested = settings.get("parallel", {}).get("linear_attention", "auto")
+        try:
+            kernels.check(requested, capability, has_linear, versions, has_experts)
+        except kernels.KernelError as e:
+            raise kernels.KernelError(f"train.stages.{stage} on train.gpu_capability {capability[0]}.{capability[1]}: "
+                                      f"{e}") from None
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -171,6 +206,15 @@ class Experiment:
     @property
     def last_stage(self) -> str:
         return self.config.get("export", {}).get("stage") or self.stages[-1]
+
+    def model_config(self) -> dict | None:
+        """The model's config.json where it is here already: the staged snapshot's, or the
+        download's (None before the download)."""
+        model = self.config["model"]
+        for directory in ([model["staged_path"]] if model.get("staged_path") else []) + [self.path("model")]:
+            if Path(directory, "config.json").is_file():
+                return json.loads(Path(directory, "config.json").read_text())
+        return None
 
     def download_args(self) -> str:
         model = self.config["model"]

@@ -1,13 +1,12 @@
 # Validation and paths. The logic lives in vlmcore.workflow so it is tested without Snakemake.
 import os
 
-from vlmcore.kernels import check_workflow
-from vlmcore.workflow import Experiment, as_yaml_arg, validate_config
+from vlmcore.workflow import Experiment, as_yaml_arg, check_kernels, validate_config
 
 validate_config(config, workflow.source_path("../schemas/config.schema.yaml"))
 EXP = Experiment(config)
 # The GPU kernels' versions for the cluster's GPU, here on the login node: never after the queue wait.
-check_workflow(config, {stage: EXP.stage_config(stage) for stage in EXP.stages})
+check_kernels(config, {stage: EXP.stage_config(stage) for stage in EXP.stages})
 R = EXP.root
 STAGES = EXP.stages
 DATASETS = list(config["data"]["datasets"])

@@ -1,4 +1,4 @@
-"""The training loader: packed Energon dataset -> batches as docs/internals.md "Data batches" says.
+"""The training loader: packed Energon dataset -> `Batch`es (vlmcore.data.batch, docs/internals.md "Data batches").
 
 Packs are crude samples: the cooker only parses them (so the shuffle buffer holds compressed
 samples); `encode_sample` (in the loader workers) tokenizes every segment with the
@@ -39,6 +39,7 @@ from megatron.energon import (
     stateless,
 )
 
+from vlmcore.data.batch import Batch, Images
 from vlmcore.data.encoder import IGNORE_INDEX, EncodingError, SampleEncoder, TextEncoding
 from vlmcore.data.pack import PACK_MODEL_DIR, measure_sample
 from vlmcore.data.bin_packing import best_fit_decreasing
@@ -213,24 +214,21 @@ class PackedTaskEncoder(DefaultTaskEncoder):
             start += t * h * w
         return pixel_values, image_grid_thw
 
-    def batch(self, rows: list[PackedRow]) -> dict:
+    def batch(self, rows: list[PackedRow]) -> Batch:
         seq_lens = [n for row in rows for n in row.seq_lens]
-        batch = {
-            "input_ids": torch.stack([row.input_ids for row in rows]),
-            "labels": torch.stack([row.labels for row in rows]),
-            "position_ids": torch.stack([row.position_ids for row in rows], dim=-2),
-            "cu_seqlens": torch.tensor([0] + seq_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32),
-            "num_samples": sum(row.num_samples for row in rows),
-            "row_keys": [row.__key__ for row in rows],
-            "skipped_samples": dict(sum((Counter(row.skipped) for row in rows), Counter())),
-        }
         with_images = [row for row in rows if row.pixel_values is not None]
-        if with_images:
-            pixels = [row.pixel_values for row in with_images]
-            batch["pixel_values"] = pixels[0] if len(pixels) == 1 else torch.cat(pixels)
-            batch["pixel_normalize"] = self.patcher.normalize
-            batch["image_grid_thw"] = torch.cat([row.image_grid_thw for row in with_images])
-        return batch
+        images = Images.cat([Images(row.pixel_values, row.image_grid_thw, self.patcher.normalize)
+                             for row in with_images]) if with_images else None
+        return Batch(
+            input_ids=torch.stack([row.input_ids for row in rows]),
+            labels=torch.stack([row.labels for row in rows]),
+            cu_seqlens=torch.tensor([0] + seq_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+            position_ids=torch.stack([row.position_ids for row in rows], dim=-2),
+            images=images,
+            num_samples=sum(row.num_samples for row in rows),
+            skipped_samples=dict(sum((Counter(row.skipped) for row in rows), Counter())),
+            row_keys=[row.__key__ for row in rows],
+        )
 
 
 def skip(skipped: Counter, reason: str, where: str, error: Exception) -> None:
@@ -306,7 +304,9 @@ class PackedLoader:
         self.path = path
         self.task_encoder = task_encoder
         self.packing_buffer_size = packing_buffer_size
-        self.layout = {"dp_rank": dp_rank, "dp_world": dp_world, "micro_batch_size": micro_batch_size, "num_workers": num_workers}
+        # How the data is split over ranks and workers: the saved position means something under this split only.
+        self.split = {"dp_rank": dp_rank, "dp_world": dp_world, "micro_batch_size": micro_batch_size,
+                      "num_workers": num_workers}
         self.seed = seed
         self.batches_yielded = 0
         for dataset_dir in dataset_entries(path):
@@ -315,15 +315,15 @@ class PackedLoader:
 
     def _make_loader(self, seed_offset: int):
         worker_config = WorkerConfig(
-            rank=self.layout["dp_rank"],
-            world_size=self.layout["dp_world"],
-            num_workers=self.layout["num_workers"],
+            rank=self.split["dp_rank"],
+            world_size=self.split["dp_world"],
+            num_workers=self.split["num_workers"],
             seed_offset=seed_offset,
         )
         dataset = get_train_dataset(
             str(self.path),
             worker_config=worker_config,
-            batch_size=self.layout["micro_batch_size"],
+            batch_size=self.split["micro_batch_size"],
             packing_buffer_size=self.packing_buffer_size,
             shuffle_buffer_size=None,  # the slices are shuffled already
             max_samples_per_sequence=self.packs_per_slice,
@@ -340,15 +340,15 @@ class PackedLoader:
     def state_dict(self) -> dict:
         state = self.loader.save_state_rank() if self.batches_yielded else None
         # Pickled, so the checkpoint stores one opaque value whatever Energon's state holds.
-        return {"energon": pickle.dumps(state), "batches_yielded": self.batches_yielded, **self.layout}
+        return {"energon": pickle.dumps(state), "batches_yielded": self.batches_yielded, **self.split}
 
     def load_state_dict(self, state: dict) -> None:
         self.batches_yielded = state["batches_yielded"]
-        saved = {k: state[k] for k in self.layout}
-        if saved != self.layout:
+        saved = {k: state[k] for k in self.split}
+        if saved != self.split:
             logger.warning(
                 "data loader layout changed from %s to %s: the stream restarts with a new shuffle (no exact resume)",
-                saved, self.layout,
+                saved, self.split,
             )
             self.loader = self._make_loader(self.seed + self.batches_yielded)
             return

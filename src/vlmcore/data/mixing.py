@@ -60,7 +60,7 @@ def epoch_order(path, dp_world: int, seed: int = 0, num_workers: int = 0) -> lis
     order, seen = [], set()
     while len(seen) < samples_in(path):  # ranks may hold one pack more than others: theirs come last
         for loader in loaders:
-            key = int(next(loader)["row_keys"][0])
+            key = int(next(loader).row_keys[0])
             if key not in seen:
                 seen.add(key)
                 order.append(key)

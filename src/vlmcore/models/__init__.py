@@ -13,25 +13,16 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from vlmcore.families import family
+
 from .hf import load_hf_weights, save_pretrained
-from .layers import ModelOutput
-from .qwen3 import Qwen3ForCausalLM, text_position_ids
-from .qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
-from .qwen3_vl import Qwen3VLForConditionalGeneration, mrope_position_ids
+from .linear_attention import set_gdn_kernel
+from .parts import ModelOutput
+from .qwen3 import text_position_ids
+from .qwen3_vl import mrope_position_ids
 
-MODEL_CLASSES = {
-    "qwen3": Qwen3ForCausalLM,
-    "qwen3_moe": Qwen3ForCausalLM,
-    "qwen3_vl": Qwen3VLForConditionalGeneration,
-    "qwen3_vl_moe": Qwen3VLForConditionalGeneration,
-    "qwen3_5": Qwen3_5ForConditionalGeneration,
-    "qwen3_5_text": Qwen3_5ForCausalLM,
-    "qwen3_5_moe": Qwen3_5ForConditionalGeneration,
-    "qwen3_5_moe_text": Qwen3_5ForCausalLM,
-}
-
-__all__ = ["MODEL_CLASSES", "ModelOutput", "build_model", "from_pretrained", "load_hf_config",
-           "load_hf_weights", "position_ids", "save_pretrained"]
+__all__ = ["ModelOutput", "build_model", "from_pretrained", "load_hf_config", "load_hf_weights", "position_ids",
+           "save_pretrained", "use_backends"]
 
 
 def load_hf_config(path) -> PretrainedConfig:
@@ -41,16 +32,10 @@ def load_hf_config(path) -> PretrainedConfig:
     return AutoConfig.from_pretrained(path, trust_remote_code=False)
 
 
-def model_class(config: PretrainedConfig):
-    if config.model_type not in MODEL_CLASSES:
-        raise ValueError(f"unknown model_type {config.model_type!r}; supported: {sorted(MODEL_CLASSES)}")
-    return MODEL_CLASSES[config.model_type]
-
-
 def build_model(path_or_config, device="meta") -> torch.nn.Module:
     """The model of a snapshot directory or config, without weights (meta device by default)."""
     config = path_or_config if isinstance(path_or_config, PretrainedConfig) else load_hf_config(path_or_config)
-    cls = model_class(config)
+    cls = family(config).native_class()
     with torch.device(device):
         return cls(config)
 
@@ -71,9 +56,13 @@ def from_pretrained(path, dtype=None, device=None) -> torch.nn.Module:
 
 def position_ids(config, input_ids, image_grid_thw=None, cu_seqlens=None) -> torch.Tensor:
     """The positions the model computes when given none: (B, S) for text models, (3, B, S) for M-RoPE."""
-    if config.model_type in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text"):
+    if family(config).positions == "text":
         return text_position_ids(input_ids, cu_seqlens)
-    if config.model_type in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):
-        merge = config.vision_config.spatial_merge_size
-        return mrope_position_ids(input_ids, image_grid_thw, cu_seqlens, config.image_token_id, merge)
-    raise ValueError(f"unknown model_type {config.model_type!r}; supported: {sorted(MODEL_CLASSES)}")
+    merge = config.vision_config.spatial_merge_size
+    return mrope_position_ids(input_ids, image_grid_thw, cu_seqlens, config.image_token_id, merge)
+
+
+def use_backends(backends: dict) -> None:
+    """Makes the model code use the GPU kernels `vlmcore.kernels.check` chose for this run."""
+    if backends.get("linear_attention") == "torch":
+        set_gdn_kernel(None)

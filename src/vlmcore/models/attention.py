@@ -21,7 +21,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .layers import GpuKernel
+from .gpu_kernels import GpuKernel
 
 
 def segment_ids(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:

@@ -32,17 +32,14 @@ out like the norms (a few multiply-adds per channel).
 
 import torch
 
-from .linear_attention import CHUNK_SIZE
+from vlmcore.families import family
 
-TEXT_FAMILIES = ("qwen3", "qwen3_vl", "qwen3_5", "qwen3_5_text",
-                 "qwen3_moe", "qwen3_vl_moe", "qwen3_5_moe", "qwen3_5_moe_text")
-# Families whose full-attention q_proj also produces a sigmoid output gate (twice as wide).
-GATED_ATTENTION = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+from .linear_attention import CHUNK_SIZE
+from .moe import is_sparse_layer
 
 
 def text_config_of(config):
-    if config.model_type not in TEXT_FAMILIES:
-        raise ValueError(f"no FLOPs formula for model_type {config.model_type!r} (known: {TEXT_FAMILIES})")
+    family(config)  # a known family, or ValueError naming the supported ones
     return getattr(config, "text_config", config)
 
 
@@ -60,7 +57,7 @@ def full_attention_params(config) -> int:
     """q (with the output gate where the family has one), k, v, o."""
     text = text_config_of(config)
     dim, head_dim = text.hidden_size, head_dim_of(text)
-    q_heads = (2 if config.model_type in GATED_ATTENTION else 1) * text.num_attention_heads
+    q_heads = (2 if family(config).gated_attention else 1) * text.num_attention_heads
     return dim * head_dim * (q_heads + 2 * text.num_key_value_heads + text.num_attention_heads)
 
 
@@ -70,14 +67,6 @@ def linear_attention_params(text) -> int:
     value = text.linear_num_value_heads * text.linear_value_head_dim
     dim = text.hidden_size
     return dim * (2 * key + value) + dim * value + 2 * dim * text.linear_num_value_heads + value * dim
-
-
-def is_moe_layer(text, layer: int) -> bool:
-    """Whether decoder layer `layer` has a sparse MoE block (transformers' rule)."""
-    if not getattr(text, "num_experts", 0):
-        return False
-    step = getattr(text, "decoder_sparse_step", 1)
-    return layer not in (getattr(text, "mlp_only_layers", None) or []) and (layer + 1) % step == 0
 
 
 def moe_active_params(text) -> int:
@@ -94,7 +83,7 @@ def moe_active_params(text) -> int:
 def mlp_params(text) -> int:
     """Matmul weights of the MLPs of all layers one token goes through: dense 3 * H * I, or the
     active part of a MoE block."""
-    return sum(moe_active_params(text) if is_moe_layer(text, layer) else 3 * text.hidden_size * text.intermediate_size
+    return sum(moe_active_params(text) if is_sparse_layer(text, layer) else 3 * text.hidden_size * text.intermediate_size
                for layer in range(text.num_hidden_layers))
 
 

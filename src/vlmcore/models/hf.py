@@ -5,7 +5,7 @@ a sharded model reads only its own slices) and written with huggingface_hub's
 
 Parameter names are transformers' own (in-memory) names, so a snapshot's state dict maps 1:1 onto
 the native models, except a tied `lm_head.weight`, which is not stored, and MoE experts, which
-some families store per expert or transposed (models/expert_layout.py).
+some families store per expert or transposed (models/expert_storage.py).
 """
 
 import copy
@@ -22,7 +22,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import GenerationConfig
 
-from .expert_layout import disk_tensors, is_expert_tensor, read_block, stored_layout, to_disk
+from vlmcore.families import family
+
+from .expert_storage import disk_tensors, is_expert_tensor, read_block, stored_format, to_disk
 
 # Files of a snapshot that belong to the tokenizer / processor and travel with the weights.
 SIDE_FILES = (
@@ -31,9 +33,6 @@ SIDE_FILES = (
     "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
     "generation_config.json",
 )
-# Checkpoint tensors a family legitimately carries but the native model does not use
-# (Qwen3.5's multi-token-prediction head).
-IGNORED_PREFIXES = {"qwen3_5": ("mtp.",), "qwen3_5_text": ("mtp.",), "qwen3_5_moe": ("mtp.",), "qwen3_5_moe_text": ("mtp.",)}
 SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
                       "I64": "int64", "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
@@ -62,8 +61,8 @@ def load_hf_weights(model, path) -> None:
     each rank reads only the slices of its own shards, cast to the parameter's dtype.
 
     Fails, listing them, on missing, unexpected or mis-shaped tensors; tensors the family carries
-    but the model does not use (IGNORED_PREFIXES) are skipped. A tied `lm_head` is tied again.
-    MoE experts stored in another layout than the model's (models/expert_layout.py, recognised by
+    but the model does not use (the family's `ignored_prefixes`) are skipped. A tied `lm_head` is tied again.
+    MoE experts stored in another format than the model's (models/expert_storage.py, recognised by
     the snapshot's tensor names) are read
     block by block from the safetensors files; everything else through DCP's HF reader."""
     path, tied = Path(path), model.config.tie_word_embeddings
@@ -71,12 +70,12 @@ def load_hf_weights(model, path) -> None:
     state = get_model_state_dict(model)
     if tied:
         state.pop("lm_head.weight")  # stored once, as the input embedding
-    layout = stored_layout(model.config.model_type, state, headers)
-    experts = {n: state.pop(n) for n in list(state) if layout != "fused" and is_expert_tensor(n)}
+    storage = stored_format(model.config.model_type, state, headers)
+    experts = {n: state.pop(n) for n in list(state) if storage != "fused" and is_expert_tensor(n)}
     expected = {n: tuple(t.shape) for n, t in state.items()}
     for name, tensor in experts.items():
-        expected.update(disk_tensors(name, tensor.shape, layout))
-    ignored = IGNORED_PREFIXES.get(model.config.model_type, ()) + model.dropped_prefixes
+        expected.update(disk_tensors(name, tensor.shape, storage))
+    ignored = family(model.config).ignored_prefixes + model.dropped_prefixes
     names = {n for n in headers if not n.startswith(ignored) and not (tied and n == "lm_head.weight")}
     missing, unexpected = sorted(set(expected) - names), sorted(names - set(expected))
     if missing or unexpected:
@@ -90,12 +89,12 @@ def load_hf_weights(model, path) -> None:
         dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)), no_dist=not dist.is_initialized())
     files = {n: file for n, (_, _, file) in headers.items()}
     for name, tensor in experts.items():
-        _read_expert_block(files, name, tensor, layout)
+        _read_expert_block(files, name, tensor, storage)
     set_model_state_dict(model, {**state, **experts}, options=StateDictOptions(strict=False))
     model.tie_weights()
 
 
-def _read_expert_block(files, name: str, tensor: torch.Tensor, layout: str) -> None:
+def _read_expert_block(files, name: str, tensor: torch.Tensor, storage: str) -> None:
     """Fills this rank's block of the (possibly sharded) expert tensor from the snapshot."""
     if isinstance(tensor, DTensor):
         size, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
@@ -104,7 +103,7 @@ def _read_expert_block(files, name: str, tensor: torch.Tensor, layout: str) -> N
         size, offset, local = tuple(tensor.shape), (0,) * tensor.dim(), tensor
     if local.numel():
         with torch.no_grad():
-            local.copy_(read_block(files, name, tuple(tensor.shape), layout, offset, size))
+            local.copy_(read_block(files, name, tuple(tensor.shape), storage, offset, size))
 
 
 def full_state_dict(model, state_dict=None) -> dict[str, torch.Tensor]:
@@ -123,12 +122,12 @@ def full_state_dict(model, state_dict=None) -> dict[str, torch.Tensor]:
 def save_pretrained(model, path, source_dir=None, max_shard_size="5GB", state_dict=None) -> None:
     """Write an HF directory: safetensors shards (+ index, replacing earlier ones), config.json,
     generation config and, from `source_dir`, the tokenizer, chat template and processor files;
-    MoE experts in the layout of `source_dir`'s weights, if it has any (models/expert_layout.py)."""
+    MoE experts in the storage format of `source_dir`'s weights, if it has any (models/expert_storage.py)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = full_state_dict(model, state_dict)
     source = snapshot_tensor_info(source_dir) if source_dir and any(Path(source_dir).glob("*.safetensors")) else None
-    tensors = to_disk(tensors, model.config.model_type, stored_layout(model.config.model_type, tensors, source))
+    tensors = to_disk(tensors, model.config.model_type, stored_format(model.config.model_type, tensors, source))
     save_torch_state_dict(tensors, path, max_shard_size=max_shard_size)
     config = copy.deepcopy(model.config)
     config.dtype = next(t.dtype for t in tensors.values() if t.is_floating_point())

@@ -22,7 +22,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from .layers import GpuKernel
+from .gpu_kernels import GpuKernel
 
 try:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule

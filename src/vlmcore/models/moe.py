@@ -11,18 +11,21 @@ whatever layout a snapshot stores them in (see models/hf.py).
 
 The (token, expert) pairs are sorted by expert and run as one grouped GEMM per projection
 (`torch._grouped_mm`) where the GPU has it: no Python loop over experts, no host sync. On CPU an
-exact loop over the experts' contiguous groups does the same. Under expert parallelism the
-`dispatch` hook (parallel/expert_parallel.py) moves the sorted tokens to the ranks holding their
-experts and back; `GroupedExperts` then holds only the local experts.
+exact loop over the experts' contiguous groups does the same. The block hands its sorted rows
+to its dispatcher: `LocalDispatch` runs the experts here; under expert parallelism an
+`AllToAllDispatch` (parallel/expert_parallel.py) moves them to the ranks holding their experts
+and back, and `GroupedExperts` then holds only the local experts. A dispatcher says whether it
+reads the host (`reads_host`), which breaks a compiled graph: the block says so in turn
+(`breaks_graph`, parallel/compile.py).
 
-Load balancing: every block keeps, from its last forward, the tokens routed to each expert and
-the sum of router probabilities per expert (`routed`); `load_balancing_loss` combines them over
-the layers exactly as transformers' `load_balancing_loss_func` does (the counts and probabilities
-are summed over the layers before their product), and the train step adds it to the loss. The
-step turns the keeping off during backward (`routing_not_kept`): activation checkpointing runs each
-block's forward again there, and what that forward kept would hold the recomputed layer's whole
-graph, every activation it saved, until the next forward (0.67 GiB per layer of Qwen3-VL-30B-A3B
-at 8,192 tokens, for all 48 layers at once).
+Load balancing: a `RoutingStats` collector, given the model's blocks, receives from each block's
+forward the tokens routed to each expert and the sum of router probabilities per expert; `loss`
+combines them over the layers exactly as transformers' `load_balancing_loss_func` does (the counts
+and probabilities are summed over the layers before their product), and the train step adds it to
+the loss. The step turns the collecting off during backward (`not_kept`): activation checkpointing
+runs each block's forward again there, and what that forward kept would hold the recomputed
+layer's whole graph, every activation it saved, until the next forward (0.67 GiB per layer of
+Qwen3-VL-30B-A3B at 8,192 tokens, for all 48 layers at once).
 """
 
 from contextlib import contextmanager
@@ -32,7 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .layers import GpuKernel, SwiGLU
+from .gpu_kernels import GpuKernel
+from .layers import SwiGLU
 
 # Rows per expert group are padded to this for the grouped GEMM: its backward contracts over the
 # token dimension, which TMA needs 16-byte aligned (8 bf16 rows).
@@ -133,9 +137,13 @@ class TopKRouter(nn.Module):
         return probs, weights.to(x.dtype), experts
 
 
-def local_dispatch(x_sorted: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
-    """All experts on this rank: run them directly."""
-    return experts(x_sorted, counts)
+class LocalDispatch:
+    """All experts on this rank: run them directly (rows sorted by expert, `counts` per expert)."""
+
+    reads_host = False  # the GPU's grouped GEMM needs no host read (the CPU loop runs outside the graph)
+
+    def __call__(self, x_sorted: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
+        return experts(x_sorted, counts)
 
 
 class SparseMoeBlock(nn.Module):
@@ -150,10 +158,12 @@ class SparseMoeBlock(nn.Module):
         if shared_hidden_dim:
             self.shared_expert = SwiGLU(dim, shared_hidden_dim)
             self.shared_expert_gate = nn.Linear(dim, 1, bias=False)
-        # Replaced under expert parallelism by the all-to-all dispatch (same signature).
-        self.dispatch = local_dispatch
-        self.routed = None  # (tokens per expert (E,), summed probabilities (E,), tokens) of the last forward
-        self.keep_routing = True
+        self.dispatch = LocalDispatch()  # an AllToAllDispatch under expert parallelism
+        self.routing: RoutingStats | None = None  # where the forward's routing goes (the train step's)
+
+    @property
+    def breaks_graph(self) -> bool:
+        return self.dispatch.reads_host
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -163,8 +173,8 @@ class SparseMoeBlock(nn.Module):
         # scatter_add, not bincount: a fixed output shape, no host sync, fake-tensor friendly.
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(
             0, flat_experts, torch.ones_like(flat_experts))
-        if self.keep_routing:
-            self.routed = (counts.detach(), probs.sum(dim=0), x.shape[0])
+        if self.routing is not None:
+            self.routing.record(self, counts.detach(), probs.sum(dim=0), x.shape[0])
         # (token, k) pairs sorted by expert: stable, so tokens keep their order within an expert.
         order = torch.argsort(flat_experts, stable=True)
         token = order // self.top_k
@@ -181,50 +191,68 @@ def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
     return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
 
 
-def load_balancing_loss(blocks: list[SparseMoeBlock]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """transformers' auxiliary loss over the blocks' last forward, and the per-block tokens per
-    expert (blocks, E) for the load metrics:
+class RoutingStats:
+    """The routing of the blocks' last forward, for the load-balancing loss and the load metrics:
+    per block, the tokens per expert (E,), the summed router probabilities (E,) and the tokens."""
 
-        aux = E * sum_e f_e * P_e,   f_e = routed pairs to e / (layers * tokens),
-                                     P_e = summed probability of e / (layers * tokens)
+    def __init__(self, blocks: list[SparseMoeBlock]):
+        self.blocks, self.keeping = blocks, True
+        for block in blocks:
+            block.routing = self
+        self.clear()
 
-    where both sums run over all MoE layers at once (not a mean of per-layer losses)."""
-    routed = [b.routed for b in blocks if b.routed is not None]
-    if not routed:
-        return None
-    counts = torch.stack([c for c, _, _ in routed])
-    probs = torch.stack([p for _, p, _ in routed]).sum(dim=0)
-    rows = sum(n for _, _, n in routed)
-    aux = blocks[0].num_experts * (counts.sum(dim=0).float() / rows * (probs / rows)).sum()
-    return aux, counts
+    def record(self, block: SparseMoeBlock, counts: torch.Tensor, probs: torch.Tensor, tokens: int) -> None:
+        # Kept on the block: an attribute set is a side effect torch.compile replays without
+        # compiling each block again (an index per block would be a constant of each one's graph).
+        if self.keeping:
+            block.last_routing = (counts, probs, tokens)
+
+    def loss(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """transformers' auxiliary loss over the blocks' last forward, and the per-block tokens per
+        expert (blocks, E):
+
+            aux = E * sum_e f_e * P_e,   f_e = routed pairs to e / (layers * tokens),
+                                         P_e = summed probability of e / (layers * tokens)
+
+        where both sums run over all MoE layers at once (not a mean of per-layer losses)."""
+        routed = [b.last_routing for b in self.blocks if b.last_routing is not None]
+        if not routed:
+            return None
+        counts = torch.stack([c for c, _, _ in routed])
+        probs = torch.stack([p for _, p, _ in routed]).sum(dim=0)
+        rows = sum(n for _, _, n in routed)
+        aux = self.blocks[0].num_experts * (counts.sum(dim=0).float() / rows * (probs / rows)).sum()
+        return aux, counts
+
+    def clear(self) -> None:
+        """Drop the kept tensors (their graph) once the loss has used them."""
+        for block in self.blocks:
+            block.last_routing = None
+
+    @contextmanager
+    def not_kept(self):
+        """The blocks' forwards inside the context (activation checkpointing's recompute) keep nothing."""
+        self.keeping = False
+        try:
+            yield
+        finally:
+            self.keeping = True
 
 
-@contextmanager
-def routing_not_kept(blocks: list[SparseMoeBlock]):
-    """The blocks' forwards inside the context (activation checkpointing's recompute) keep no routing."""
-    for b in blocks:
-        b.keep_routing = False
-    try:
-        yield
-    finally:
-        for b in blocks:
-            b.keep_routing = True
-
-
-def clear_routing(blocks: list[SparseMoeBlock]) -> None:
-    """Drop the kept routing tensors (their graph) once the loss has used them."""
-    for b in blocks:
-        b.routed = None
+def is_sparse_layer(config, layer_idx: int) -> bool:
+    """transformers' rule: a layer of a text config with experts is sparse unless mlp_only_layers
+    lists it or decoder_sparse_step skips it (layer i is sparse when (i + 1) % step == 0)."""
+    if not getattr(config, "num_experts", 0):
+        return False
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return layer_idx not in (getattr(config, "mlp_only_layers", None) or []) and (layer_idx + 1) % step == 0
 
 
 def feed_forward(config, layer_idx: int) -> nn.Module:
     """A decoder layer's MLP: sparse on the layers the config makes sparse (every layer of Qwen3.5-MoE
     and, by default, of Qwen3-(VL-)MoE), else the dense SwiGLU."""
-    num_experts = getattr(config, "num_experts", 0) or 0
-    step = getattr(config, "decoder_sparse_step", 1) or 1
-    dense_layers = getattr(config, "mlp_only_layers", None) or []
-    if num_experts == 0 or layer_idx in dense_layers or (layer_idx + 1) % step:
+    if not is_sparse_layer(config, layer_idx):
         return SwiGLU(config.hidden_size, config.intermediate_size)
-    return SparseMoeBlock(config.hidden_size, num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+    return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
                           norm_topk_prob=getattr(config, "norm_topk_prob", True),
                           shared_hidden_dim=getattr(config, "shared_expert_intermediate_size", 0) or 0)

@@ -10,7 +10,8 @@ from torch import nn
 
 from .attention import attention, segment_ids
 from .moe import feed_forward
-from .layers import ModelOutput, RMSNorm, TextModelParts, apply_rotary, rope_cos_sin, rope_inv_freq
+from .layers import RMSNorm, apply_rotary, rope_cos_sin, rope_inv_freq
+from .parts import ModelOutput, TextModelParts
 
 
 def check_text_config(config, where: str):

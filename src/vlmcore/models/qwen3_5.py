@@ -23,10 +23,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
 from .attention import attention
-from .layers import (
-    ModelOutput, TextModelParts, VisionLanguageParts, ZeroCenteredRMSNorm, apply_rotary, grid_list,
-    mrope_cos_sin, rope_inv_freq, scatter_image_features,
-)
+from .layers import ZeroCenteredRMSNorm, apply_rotary, grid_list, mrope_cos_sin, rope_inv_freq, scatter_image_features
+from .parts import ModelOutput, TextModelParts, VisionLanguageParts
 from .linear_attention import causal_depthwise_conv, gated_delta_rule, host_segments, row_segments
 from .moe import feed_forward
 from .qwen3 import check_text_config, text_position_ids
@@ -54,6 +52,8 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
+    breaks_graph = True  # fla's kernel runs between two compiled graphs (parallel/compile.py)
+
     def __init__(self, config):
         super().__init__()
         self.n_k_heads, self.n_v_heads = config.linear_num_key_heads, config.linear_num_value_heads

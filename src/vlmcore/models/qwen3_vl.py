@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import attention
-from .layers import (ModelOutput, VisionLanguageParts, apply_rotary, grid_list, mrope_cos_sin,
-                     rope_inv_freq, scatter_image_features)
+from .layers import apply_rotary, grid_list, mrope_cos_sin, rope_inv_freq, scatter_image_features
+from .parts import ModelOutput, VisionLanguageParts
 from .qwen3 import Qwen3TextModel, check_text_config
 
 DEFAULT_MROPE_SECTION = [24, 20, 20]  # transformers' value when the config has none

@@ -31,8 +31,9 @@ for _namespace, _op in (("torch_attn", "_varlen_attn"), ("flash_attn", "_flash_a
 # in the recompute than in forward, which selective checkpointing's per-op replay counts take for
 # a changed graph ("record_function invocation index ... not found in storage", as reported for
 # torchtitan's FSDP + EP in pytorch/torchtitan#3427; pytorch/pytorch#196862 proposes this exclusion).
-SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
-                        torch.ops.profiler._record_function_exit._RecordFunction})
+# Added to torch's set when selective checkpointing is applied, not at import.
+_PROFILER_OPS = {torch.ops.profiler._record_function_enter_new.default,
+                 torch.ops.profiler._record_function_exit._RecordFunction}
 
 
 def _save_matmuls(ctx, op, *args, **kwargs):
@@ -49,6 +50,8 @@ def apply_ac(blocks: nn.Module, mode: str) -> None:
         return
     if mode not in ("full", "selective"):
         raise ValueError(f"parallel.activation_checkpointing: unknown mode {mode!r}")
+    if mode == "selective":
+        SAC_IGNORED_OPS.update(_PROFILER_OPS)
     context_fn = {"context_fn": _selective_context} if mode == "selective" else {}
     for name, block in list(blocks.named_children()):
         blocks.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False, **context_fn))

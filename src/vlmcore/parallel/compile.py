@@ -5,13 +5,14 @@ cannot put in that region makes it run the whole block eagerly: compile then doe
 Worse, the blocks share their checkpoint wrapper's code, which dynamo then skips for every block,
 the ones that would have compiled (attention layers, the vision tower's blocks) included.
 
-An MoE block's forward keeps the routing for the load-balancing loss, a side effect that eager
-checkpointing would replay in the recompute; the train step turns the keeping off there anyway
-(`routing_not_kept`), so dynamo is told that the recompute need not replay side effects.
+An MoE block's forward hands its routing to the load-balancing loss's collector, a side effect
+that eager checkpointing would replay in the recompute; the train step turns the collecting off
+there anyway (`RoutingStats.not_kept`), so dynamo is told that the recompute need not replay side
+effects.
 
-Two kinds of blocks hold a graph break no setting removes: Gated DeltaNet layers (fla's Triton
-kernel runs eagerly between two graphs) and MoE blocks under expert parallelism (the dispatch
-reads the all-to-all split sizes on the host). Under full checkpointing they are compiled inside
+Two kinds of blocks hold a graph break no setting removes, and say so (`breaks_graph`,
+models/parts.py): Gated DeltaNet layers (fla's Triton kernel runs eagerly between two graphs) and
+MoE blocks under expert parallelism (the dispatch reads the all-to-all split sizes on the host). Under full checkpointing they are compiled inside
 the checkpoint (the block's layer compiles in pieces around the break; the recompute reruns the
 compiled pieces). Under selective checkpointing they run eagerly: its policy keeps outputs op by
 op and replays them in the recompute by counting ops, which compiled pieces do not go through op
@@ -27,17 +28,10 @@ first compile (torch.compiler.config.dynamic_sources): it changes with every bat
 import torch
 from torch import nn
 
-from vlmcore.models.moe import local_dispatch, moe_blocks
-from vlmcore.models.qwen3_5 import GatedDeltaNet
+from vlmcore.models.moe import moe_blocks
+from vlmcore.models.parts import breaks_graph
 
 DYNAMIC_MAX_SEQLEN = "L['max_seqlen']"
-
-
-def breaks_graph(block: nn.Module) -> bool:
-    """Whether dynamo must break the block's graph: a Gated DeltaNet layer or an MoE block under
-    expert parallelism."""
-    return (any(isinstance(m, GatedDeltaNet) for m in block.modules())
-            or any(moe.dispatch is not local_dispatch for moe in moe_blocks(block)))
 
 
 def apply_compile(blocks: nn.Module, checkpointing: str = "none") -> None:

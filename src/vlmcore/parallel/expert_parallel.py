@@ -2,7 +2,7 @@
 experts (`gate_up_proj` / `down_proj` as DTensors, Shard(0) over the `ep` mesh), and the block's
 tokens travel to the ranks holding their experts and back.
 
-Dispatch, per MoE block (the `SparseMoeBlock.dispatch` hook: rows already sorted by expert):
+Dispatch, per MoE block (`AllToAllDispatch`, the block's dispatcher: rows already sorted by expert):
   1. all-to-all of the tokens-per-expert counts: each rank learns how many rows it gets from
      every peer for each of its local experts;
   2. one host read of the split sizes per block (all-to-all takes them as host integers; in the
@@ -18,8 +18,6 @@ orthogonal to EP (`dp_shard_mod_ep`, and `dp_replicate`), with the loss normalis
 for every other parameter, so no factor differs.
 """
 
-from functools import partial
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -28,30 +26,29 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from vlmcore.config import ConfigError
 from vlmcore.models.moe import GroupedExperts, moe_blocks
-
-
-def check_ep(config, ep: int) -> None:
-    """Named-key errors for an expert-parallel degree the model cannot take."""
-    text = config.get_text_config()
-    num_experts = getattr(text, "num_experts", 0) or 0
-    if ep > 1 and not num_experts:
-        raise ConfigError(f"parallel.ep: {ep} needs a mixture-of-experts model ({config.model_type} is dense)",
-                          "parallel.ep")
-    if num_experts % ep:
-        raise ConfigError(f"parallel.ep: {ep} does not divide the model's num_experts ({num_experts})", "parallel.ep")
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     """Shards every MoE block's experts over `ep_mesh` and gives the block the all-to-all dispatch."""
-    check_ep(model.config, ep_mesh.size())
     for block in moe_blocks(model):
         experts = block.experts
         for name, param in list(experts.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        block.dispatch = partial(all_to_all_dispatch, group=ep_mesh.get_group())
+        block.dispatch = AllToAllDispatch(ep_mesh.get_group())
+
+
+class AllToAllDispatch:
+    """Rows to the ranks of the `ep` group holding their experts and back (the steps above)."""
+
+    reads_host = True  # the all-to-all's split sizes
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
+        return all_to_all_dispatch(x, counts, experts, self.group)
 
 
 def all_to_all_dispatch(x: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts, group) -> torch.Tensor:

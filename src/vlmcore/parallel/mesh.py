@@ -1,5 +1,4 @@
-"""Process group and the `dp_replicate x dp_shard x tp` device mesh; for expert parallelism the
-same ranks as `dp_replicate x dp_shard_mod_ep x ep x tp` (see parallel/dims.py)."""
+"""The process group, and the device meshes of a run layout (vlmcore.parallel.layout)."""
 
 import os
 
@@ -7,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from vlmcore.parallel.dims import ParallelDims, resolve_dims  # noqa: F401 (the mesh's callers use both)
+from vlmcore.parallel.layout import RunLayout
 
 
 def device_for_rank() -> torch.device:
@@ -30,43 +29,54 @@ def init_distributed(device: torch.device) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
-def build_mesh(dims: ParallelDims, device: torch.device, prefix: str = "") -> DeviceMesh:
-    """The run's mesh, dimensions dp_replicate, dp_shard, tp (tp innermost); a module with its
-    own layout gets its own mesh of the same ranks, its dimensions named with a prefix
-    (`vision_tp`)."""
-    names = tuple(prefix + name for name in ("dp_replicate", "dp_shard", "tp"))
-    return init_device_mesh(device.type, (dims.dp_replicate, dims.dp_shard, dims.tp), mesh_dim_names=names)
+class Meshes:
+    """The device meshes of a run layout, found by module name. Every rank builds all of them:
+    making process groups is collective over the world.
 
+    A module's mesh is `dp_replicate x dp_shard x tp` over its ranks (tp innermost). The vision
+    tower shares the language model's unless its degrees differ or it has ranks of its own (its
+    dimensions are then named `vision_*`). Under expert parallelism the experts get the language
+    ranks again with dp_shard unflattened into `dp_shard_mod_ep x ep`: their weights are split over
+    `ep` and FSDP-sharded over `dp_shard_mod_ep` (a mesh of its own rather than `dp_shard` flattened
+    from the two: torch deprecates slicing a flattened dimension from the root mesh)."""
 
-def expert_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
-    """The run's mesh with dp_shard split into (dp_shard_mod_ep, ep): the experts are split over
-    `ep` and FSDP-sharded over `dp_shard_mod_ep`. Every rank calls it (it makes process groups).
-    Its own mesh rather than `dp_shard` flattened from the two: torch deprecates slicing a
-    flattened dimension from the root mesh."""
-    # dim by index: torch 2.10's _unflatten refuses a dimension given by a name it has.
-    return mesh._unflatten(1, (dims.dp_shard_mod_ep, dims.ep), ("dp_shard_mod_ep", "ep"))
+    def __init__(self, layout: RunLayout, device: torch.device):
+        self.layout = layout
+        self.meshes = {"language": self._module_mesh("language", device)}
+        language = layout.language.dims
+        self.experts = None
+        if language.ep > 1:
+            # dim by index: torch 2.10's _unflatten refuses a dimension given by a name it has.
+            self.experts = self.meshes["language"]._unflatten(1, (language.dp_shard_mod_ep, language.ep),
+                                                             ("dp_shard_mod_ep", "ep"))
+        self.meshes["vision"] = (self._module_mesh("vision", device) if layout.vision_mesh_of_its_own
+                                 else self.meshes["language"])
 
+    def _module_mesh(self, module: str, device: torch.device) -> DeviceMesh:
+        grid = self.layout.grid(module)
+        prefix = "vision_" if module == "vision" and self.layout.vision_mesh_of_its_own else ""
+        names = tuple(prefix + name for name in ("dp_replicate", "dp_shard", "tp"))
+        shape = (grid.dims.dp_replicate, grid.dims.dp_shard, grid.dims.tp)
+        if not self.layout.disjoint:
+            return init_device_mesh(device.type, shape, mesh_dim_names=names)
+        return DeviceMesh(device.type, torch.arange(grid.ranks.start, grid.ranks.stop).view(shape), mesh_dim_names=names)
 
-def build_disjoint_meshes(layouts: dict[str, tuple[ParallelDims, range]], device: torch.device) -> dict:
-    """Disjoint layouts: each module's mesh over its own ranks (the vision one's dimensions named
-    `vision_*`). Every rank builds both: making process groups is collective over the world."""
-    meshes = {}
-    for module, (dims, ranks) in sorted(layouts.items()):
-        prefix = "vision_" if module == "vision" else ""
-        shape = (dims.dp_replicate, dims.dp_shard, dims.tp)
-        meshes[module] = DeviceMesh(device.type, torch.arange(ranks.start, ranks.stop).view(shape),
-                                    mesh_dim_names=tuple(prefix + name for name in ("dp_replicate", "dp_shard", "tp")))
-    return meshes
+    def _name(self, module: str, dim: str) -> str:
+        return ("vision_" if module == "vision" and self.layout.vision_mesh_of_its_own else "") + dim
 
+    def tp(self, module: str = "language") -> DeviceMesh:
+        return self.meshes[module][self._name(module, "tp")]
 
-def dp_mesh(mesh: DeviceMesh, dims: ParallelDims, prefix: str = "", shard: str = "dp_shard") -> DeviceMesh:
-    """The mesh FSDP2 shards over: 1-D (FSDP) or 2-D replicate x shard (HSDP / DDP). The experts'
-    is the one orthogonal to EP (`shard="dp_shard_mod_ep"`)."""
-    if dims.dp_replicate == 1:
-        return mesh[prefix + shard]
-    return mesh[prefix + "dp_replicate", prefix + shard]
+    def dp(self, module: str = "language") -> DeviceMesh:
+        """The mesh FSDP2 shards the module over: 1-D (FSDP) or 2-D replicate x shard (HSDP / DDP)."""
+        mesh, replicate, shard = self.meshes[module], self._name(module, "dp_replicate"), self._name(module, "dp_shard")
+        return mesh[shard] if self.layout.grid(module).dims.dp_replicate == 1 else mesh[replicate, shard]
 
+    def ep(self) -> DeviceMesh:
+        return self.experts["ep"]
 
-def dp_rank(dims: ParallelDims) -> int:
-    """Data-parallel rank: tp is the innermost mesh dimension, so tp peers share a batch."""
-    return dist.get_rank() // dims.tp
+    def expert_dp(self) -> DeviceMesh:
+        """The mesh FSDP2 shards the experts over: the ranks orthogonal to EP."""
+        if self.layout.language.dims.dp_replicate == 1:
+            return self.experts["dp_shard_mod_ep"]
+        return self.experts["dp_replicate", "dp_shard_mod_ep"]

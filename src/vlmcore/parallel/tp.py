@@ -1,4 +1,5 @@
-"""Tensor-parallel plans (DTensor `parallelize_module`) for Qwen3, Qwen3-VL and Qwen3.5.
+"""Tensor-parallel plans (DTensor `parallelize_module`) for Qwen3, Qwen3-VL and Qwen3.5 (the degrees
+are checked against the model's heads before: vlmcore.parallel.checks).
 
 Per decoder block, attention heads and the MLP are split: q/k/v (and Qwen3.5's gated q) and
 gate/up are column-parallel, o/down row-parallel, so each rank holds whole heads. The embedding
@@ -48,42 +49,11 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from vlmcore.config import ConfigError
 from vlmcore.models.moe import SparseMoeBlock
-
-SUPPORTED = ("qwen3", "qwen3_vl", "qwen3_5", "qwen3_moe", "qwen3_vl_moe", "qwen3_5_moe")
 
 HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 # Whole on every TP rank, used for this rank's heads only.
 LINEAR_ATTN_PARTIAL = ("in_proj_qkv.weight", "conv1d.weight", "A_log", "dt_bias", "norm.weight")
-
-
-def _text_config(config):
-    return getattr(config, "text_config", config)
-
-
-def check_tp(config, tp: int) -> None:
-    if config.model_type not in SUPPORTED:
-        raise ConfigError(f"parallel.tp: no tensor-parallel plan for model_type {config.model_type!r} "
-                         f"(supported: {', '.join(SUPPORTED)})")
-    text = _text_config(config)
-    keys = ["num_attention_heads", "num_key_value_heads", "vocab_size"]
-    if getattr(text, "intermediate_size", None) is not None:  # dense MLPs (absent on all-MoE Qwen3.5-MoE)
-        keys.append("intermediate_size")
-    if "linear_attention" in (getattr(text, "layer_types", None) or []):
-        keys += ["linear_num_key_heads", "linear_num_value_heads"]
-    for key in keys:
-        value = getattr(text, key)
-        if value % tp:
-            raise ConfigError(f"parallel.tp: {tp} does not divide the model's {key} ({value})")
-
-
-def check_vision_tp(config, tp: int) -> None:
-    vision = config.vision_config
-    for key in ("num_heads", "intermediate_size"):
-        if getattr(vision, key) % tp:
-            raise ConfigError(f"parallel.modules.vision.tp: {tp} does not divide the vision tower's {key} "
-                              f"({getattr(vision, key)})", "parallel.modules.vision.tp")
 
 
 def sum_grad_over(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -109,7 +79,6 @@ class OwnHeadsLinear(nn.Linear):
 
 def apply_vision_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Shards the vision blocks of `model` in place over `tp_mesh` (no partial gradients)."""
-    check_vision_tp(model.config, tp_mesh.size())
     for block in model.vision_layers():
         # Same parameters and state-dict names, another forward (as fully_shard swaps classes).
         block.attn.qkv.__class__, block.attn.qkv.tp_mesh = OwnHeadsLinear, tp_mesh
@@ -183,7 +152,6 @@ def _set_local_heads(block: nn.Module, tp_mesh: DeviceMesh) -> None:
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> list[tuple[nn.Module, str]]:
     """Shards `model` in place over `tp_mesh`; returns the (module, attribute name) of every
     parameter whose gradient is a partial sum over the TP ranks."""
-    check_tp(model.config, tp_mesh.size())
     partial = []
     for block in model.decoder_layers():
         parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))

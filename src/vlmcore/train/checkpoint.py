@@ -12,7 +12,8 @@ next start). DCP stores full logical tensors, so a checkpoint reshards on load: 
 world size or another dp/tp layout reads it.
 
 Per-rank state (loader position, RNG) is stored under keys that name the rank and is only
-restored when the layout matches; the model and optimizer always are.
+restored when the run splits its global batch as the writer did (`resume_latest`); the model and
+optimizer always are.
 
 Before the rename, `manifest.json` records the size and sha256 of every file (each rank hashes
 the files it wrote, most often still in its page cache). A checkpoint damaged after it was written
@@ -34,7 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 
-from vlmcore.download import sha256_of
+from vlmcore.hashing import sha256_of
 
 MANIFEST = "manifest.json"
 
@@ -238,3 +239,43 @@ def load_model_weights(model: nn.Module, init_from: str | Path) -> None:
     dcp.load(state, checkpoint_id=str(init_from))
     set_model_state_dict(model, state["model"])
 
+
+
+def resume_latest(cfg, out: Path, split: dict, model: nn.Module, optimizer: torch.optim.Optimizer, data):
+    """The checkpointer (None when disabled) and the run's counters, resumed from the latest intact
+    checkpoint if there is one. `split`: how the run splits the global batch over ranks and
+    micro-batches; the data's position and the RNG are per rank and only restored under the split
+    that wrote them (stored as `layout_*` keys, as checkpoints before this name have them)."""
+    state = {"step": 0, "samples": 0, "tokens": 0, "skipped_steps": 0, **{f"layout_{k}": 0 for k in split}}
+    checkpointer = Checkpointer(out, cfg.checkpoint.keep, cfg.checkpoint.async_save) if cfg.checkpoint.enabled else None
+    latest = checkpointer.latest() if checkpointer else None
+    if latest is not None:
+        resume(checkpointer, latest, model, optimizer, data, state, split)
+    state.update({f"layout_{k}": v for k, v in split.items()})
+    if state["step"] == cfg.steps and _is_rank0():
+        print(f"step {cfg.steps} was reached before final/ and done were written: writing them, no training")
+    return checkpointer, state
+
+
+def resume(checkpointer: Checkpointer, path: Path, model, optimizer, data, state: dict, split: dict) -> None:
+    """Loads model, optimizer and `state` in place; the data's position and the RNG only when the
+    split is the one that wrote the checkpoint (they are per rank)."""
+    written = {f"layout_{k}": 0 for k in split}
+    dcp.load({"train": written}, checkpoint_id=str(path))
+    same_split = all(written[f"layout_{k}"] == v for k, v in split.items())
+    rank_state = {"rng": rng_state(), "loader": data.state_dict()} if same_split else None
+    # The config wins over the checkpoint's group settings (name, lr, weight decay, betas, eps, the
+    # fused or foreach kernel): a checkpoint keeps them by group index, and under disjoint layouts
+    # the encoder and language ranks' groups share indices, so a rank may read another's settings
+    # or none (torch then falls back to AdamW's defaults: no fused kernel after a resume).
+    built = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    checkpointer.load(path, model, optimizer, state, rank_state)
+    for group, settings in zip(optimizer.param_groups, built):
+        group.update(settings)
+    if rank_state is not None:
+        set_rng_state(rank_state["rng"])
+        data.load_state_dict(rank_state["loader"])
+    elif _is_rank0():
+        print(f"{path}: another layout wrote it; model and optimizer resharded, data stream and RNG restart")
+    if _is_rank0():
+        print(f"resumed from {path} at step {state['step']}")

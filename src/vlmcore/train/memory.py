@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 
 from vlmcore.config import ConfigError, TrainConfig, load_config
-from vlmcore.models.moe import grouped_mm, moe_blocks
-from vlmcore.parallel.mesh import build_mesh, resolve_dims
-from vlmcore.train.loop import build_meta_model, materialize
-from vlmcore.train.optim import build_optimizer
+from vlmcore.families import family
+from vlmcore.models import load_hf_config
+from vlmcore.models.moe import grouped_mm
+from vlmcore.parallel.checks import check_run
+from vlmcore.train.build import build_meta_run
 from vlmcore.train.random_data import RandomBatches
-from vlmcore.train.step import build_step, host_stats, to_device
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,13 +138,13 @@ def batch_shape(cfg: TrainConfig, seq_len: int | None, image_side: int | None) -
 
 
 @contextmanager
-def _process_group(world_size: int, fake: bool):
+def _process_group(world_size: int, fake: bool, rank: int = 0):
     if dist.is_initialized():
         raise RuntimeError("estimate_memory needs a process of its own: a process group is already initialized")
     if fake:
         from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-        dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+        dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     else:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -178,7 +178,7 @@ def _grouped_experts(model, cfg: TrainConfig):
     """MoE experts run their GPU path (grouped GEMM over a buffer sized without reading the
     routing), in the fake run, which cannot follow the CPU loop (it reads the routing's values),
     and in the real one it is checked against."""
-    if not moe_blocks(model):
+    if not family(model.config).experts:
         yield
         return
     if cfg.precision.param_dtype != "bfloat16":
@@ -193,54 +193,73 @@ def _grouped_experts(model, cfg: TrainConfig):
 
 def estimate_memory(cfg: TrainConfig, world_size: int, seq_len: int, image_side: int, fake: bool = True,
                     segments: int | None = None) -> dict:
-    """Peak bytes per kind on rank 0 over two training steps, each row `segments` packed
-    samples (default: data.segments), the longest with the image. `fake=False` runs the same
-    steps on real tensors (one process only): what the fake run must reproduce."""
+    """Peak bytes per kind over two training steps, each row `segments` packed samples (default:
+    data.segments), the longest with the image: on rank 0, or under disjoint layouts on the first
+    rank of each module (`modules`: each one's estimate; the top level is the larger). `fake=False`
+    runs the same steps on real tensors (one process only): what the fake run must reproduce."""
     if world_size < 1:
         raise ConfigError(f"--world-size: must be at least 1, got {world_size}")
     if not fake and world_size != 1:
         raise ValueError("a real run is measured in one process only")
-    if cfg.parallel.modules.vision.ranks != "all":
-        raise ConfigError("parallel.modules.vision.ranks: the memory estimate of disjoint layouts is not implemented "
-                          "yet; a colocated layout with the language model's settings bounds the language ranks'",
-                          "parallel.modules.vision.ranks")
-    dims = resolve_dims(cfg.parallel, world_size)
+    layout = check_run(cfg, world_size, load_hf_config(cfg.model_path))
     # Eager: compiled blocks do not run on fake tensors (inductor's fused kernels usually keep
     # less for backward than the eager ops they replace).
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, compile=False))
-    with _process_group(world_size, fake):
-        # The mesh and the parallelized meta model are built on real (meta) tensors; only the
+    segments = segments or cfg.data.segments
+    ranks = {"vision": layout.vision.ranks.start, "language": layout.language.ranks.start} if layout.disjoint else {"both": 0}
+    peaks = {role: _estimate_rank(cfg, layout, rank, seq_len, image_side, segments, fake) for role, rank in ranks.items()}
+    role = max(peaks, key=lambda r: peaks[r]["Total"])
+    dims = layout.language.dims
+    result = {"world_size": world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
+              "seq_len": seq_len, "segments": segments, "micro_batch_size": cfg.micro_batch_size,
+              "image_side": image_side, "activation_checkpointing": cfg.parallel.activation_checkpointing,
+              "param_dtype": cfg.precision.param_dtype, "fake": fake, "rank": ranks[role],
+              "peak_bytes": peaks[role]["Total"], "peak_bytes_by_kind": _kinds(peaks[role])}
+    if layout.disjoint:
+        result["modules"] = {m: {"rank": ranks[m], "ranks": [layout.grid(m).ranks.start, layout.grid(m).ranks.stop],
+                                 "peak_bytes": peaks[m]["Total"], "peak_bytes_by_kind": _kinds(peaks[m])}
+                             for m in ("vision", "language")}
+    return result
+
+
+def _kinds(peak: dict) -> dict:
+    return {kind: n for kind, n in peak.items() if kind != "Total"}
+
+
+def _estimate_rank(cfg, layout, rank: int, seq_len: int, image_side: int, segments: int, fake: bool) -> dict:
+    """Peak bytes per kind (and "Total") of global rank `rank` of `layout`."""
+    device = torch.device("cpu")
+    with _process_group(layout.world_size, fake, rank):
+        # The meshes and the parallelized meta model are built on real (meta) tensors; only the
         # materialized shards, the optimizer state and the steps are fake.
-        mesh = build_mesh(dims, torch.device("cpu"))
         # FSDP units even for a one-rank fp32 run, which trains a plain module (parallel/fsdp.py):
         # torch's memory tracker of plain modules fails on frozen weights. Counted that way, its
         # estimate is above the run by one block's weight copy and the gradient reduce buffers.
-        model, partial_params = build_meta_model(cfg, mesh, dims, shard_one_rank=True)
-        # Rank 0's micro-batches, every row with an image. Two micro-batches hold as much as
-        # more would: from the second on, the unsynced gradients of the first are held too.
+        run = build_meta_run(cfg, layout, device, rank, shard_one_rank=True)
+        # The rank's micro-batches, every row with an image (an encoder rank: those of its language
+        # ranks). Two micro-batches hold as much as more would: from the second on, the unsynced
+        # gradients of the first are held too.
         micro_batches = min(cfg.grad_accum_steps, 2)
-        data = RandomBatches(model.config, seq_len=seq_len, segments=segments or cfg.data.segments, image_fraction=1.0,
-                             micro_batch_size=cfg.micro_batch_size, dp_rank=0, dp_world=dims.dp,
-                             grad_accum_steps=micro_batches, seed=cfg.seed, image_side=image_side)
-        micro = [data.batch(i) for i in range(micro_batches)]
-        label_tokens = float(host_stats(micro)["label_tokens"]) * dims.dp
-        micro = [to_device(b, torch.device("cpu")) for b in micro]
+        batches = iter(run.data(lambda data_rank, data_world: RandomBatches(
+            run.model.config, seq_len=seq_len, segments=segments, image_fraction=1.0,
+            micro_batch_size=cfg.micro_batch_size, dp_rank=data_rank, dp_world=data_world,
+            grad_accum_steps=micro_batches, seed=cfg.seed, image_side=image_side)))
+        micro = [next(batches) for _ in range(micro_batches)]
+        own = [] if run.role == "vision" else micro
+        label_tokens = float(sum(b.label_tokens for b in own)) * layout.data.dims.dp
+        if run.bridge is not None:
+            micro = run.bridge.plan_step(micro)
+        micro = [b if b is None else b.to(device) for b in micro]  # an encoder rank's may hold no image
         with _fake_mode_with_constant_batch(fake) as mode:
             if mode is not None:
                 convert = mode.fake_tensor_converter.from_real_tensor
-                micro = [{k: convert(mode, v, make_constant=not v.is_floating_point())
-                          if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in micro]
-            with _grouped_experts(model, cfg):
-                peak = _peak_of_two_steps(cfg, model, partial_params, mesh, dims, micro, label_tokens)
-    return {"world_size": world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
-            "seq_len": seq_len, "segments": segments or cfg.data.segments, "micro_batch_size": cfg.micro_batch_size,
-            "image_side": image_side,
-            "activation_checkpointing": cfg.parallel.activation_checkpointing,
-            "param_dtype": cfg.precision.param_dtype, "fake": fake,
-            "peak_bytes": peak.pop("Total"), "peak_bytes_by_kind": peak}
+                micro = [b if b is None else b.map_tensors(
+                    lambda v: convert(mode, v, make_constant=not v.is_floating_point())) for b in micro]
+            with _grouped_experts(run.model, cfg):
+                return _peak_of_two_steps(run, micro, label_tokens)
 
 
-def _peak_of_two_steps(cfg, model, partial_params, mesh, dims, micro, label_tokens) -> dict[str, int]:
+def _peak_of_two_steps(run, micro, label_tokens) -> dict[str, int]:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 
@@ -254,34 +273,33 @@ def _peak_of_two_steps(cfg, model, partial_params, mesh, dims, micro, label_toke
                     self._peak_mem[dev] = snap[_TOTAL_KEY]
                     self._peak_mem_snap[dev] = dict(snap)
 
-    device = torch.device("cpu")
-    materialize(model, device)
-    model.train()
-    optimizer = build_optimizer(model, cfg.optimizer)
+    run.materialize(load=False)
+    run.model.train()
+    run.make_step()
     # One weight at a time: the closest to the fused AdamW, which allocates nothing, but whose
     # in-place outputs fake tensors count as new memory. The multi-tensor (foreach) step would
     # allocate temporaries the size of all the weights.
-    for group in optimizer.param_groups:
+    for group in run.optimizer.param_groups:
         group["fused"] = group["foreach"] = False
-    step = build_step(model, optimizer, partial_params, mesh["tp"].get_group() if dims.tp > 1 else None,
-                      cfg.loss_chunk_tokens, cfg.max_grad_norm)
     # The gradient norm one gradient at a time too: on fake sharded gradients (DTensors over more
     # than two ranks) the multi-tensor norm is counted as holding the gradients' whole (unsharded)
     # size, e.g. 2.25 GiB per MoE layer of Qwen3-VL-30B-A3B; no all-gather takes place and the
     # norm's outputs are one scalar per gradient, so this is the fake run's accounting, not memory.
-    step.norm_foreach = False
-
-    tracker = PeakTracker(mod=model, optm=optimizer)
+    run.step.norm_foreach = False
+    run.step.compiled_loss = False
+    # An encoder rank's FSDP root is its vision tower.
+    root = run.model.vision_tower() if run.role == "vision" else run.model
+    tracker = PeakTracker(mod=root, optm=run.optimizer)
     tracker.track_inputs(tuple(micro))
     with tracker:
         # The tracker takes a second forward of the root for a bug unless its per-module stats
         # are cleared first (the peak is kept): every micro-batch starts with a clear. Registered
         # here, after the tracker has put its own hooks first.
-        hook = model.register_forward_pre_hook(lambda *_: tracker.reset_mod_stats(), prepend=True)
+        hook = root.register_forward_pre_hook(lambda *_: tracker.reset_mod_stats(), prepend=True)
         for _ in range(2):  # the second step holds the optimizer state from its start
-            step(micro, label_tokens, set_lr=lambda optimizer: None)
+            run.step(micro, label_tokens, set_lr=lambda optimizer: None)
     hook.remove()
-    peak = tracker.get_tracker_snapshot("peak")[device]
+    peak = tracker.get_tracker_snapshot("peak")[run.device]
     return {str(getattr(kind, "value", kind)): int(n) for kind, n in peak.items()}
 
 
@@ -290,12 +308,18 @@ def format_table(result: dict) -> str:
     side = result["image_side"]
     image = f"image {side}x{side} merged patches" if side else "no image"
     mesh = f"dp_replicate {result['dp_replicate']} x dp_shard {result['dp_shard']} x tp {result['tp']}"
-    lines = [f"peak memory per device, rank 0 of {result['world_size']} ({mesh}), {result['micro_batch_size']} x "
-             f"{result['seq_len']} tokens, {image}, "
-             f"activation checkpointing {result['activation_checkpointing']}, {result['param_dtype']} compute, eager",
-             f"{'kind':<16}{unit:>10}"]
-    for kind, n in result["peak_bytes_by_kind"].items():
-        if n:
-            lines.append(f"{kind:<16}{n / scale:>10.2f}")
-    lines.append(f"{'total':<16}{result['peak_bytes'] / scale:>10.2f}")
+    lines = [f"peak memory per device, rank {result['rank']} of {result['world_size']} ({mesh}), "
+             f"{result['micro_batch_size']} x {result['seq_len']} tokens, {image}, "
+             f"activation checkpointing {result['activation_checkpointing']}, {result['param_dtype']} compute, eager"]
+    modules = result.get("modules") or {"": result}
+    width = 18 if "modules" in result else 10
+    lines.append(f"{'kind':<16}" + "".join(f"{(m + ' ' if m else '') + unit:>{width}}" for m in modules))
+    kinds = dict.fromkeys(k for m in modules.values() for k, n in m["peak_bytes_by_kind"].items() if n)
+    for kind in kinds:
+        lines.append(f"{kind:<16}" + "".join(f"{m['peak_bytes_by_kind'].get(kind, 0) / scale:>{width}.2f}"
+                                              for m in modules.values()))
+    lines.append(f"{'total':<16}" + "".join(f"{m['peak_bytes'] / scale:>{width}.2f}" for m in modules.values()))
+    if "modules" in result:
+        lines.append("modules: " + ", ".join(f"{name} on ranks [{m['ranks'][0]}, {m['ranks'][1]}) (estimated on rank "
+                                             f"{m['rank']})" for name, m in modules.items()))
     return "\n".join(lines)

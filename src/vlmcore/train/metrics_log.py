@@ -1,12 +1,15 @@
-"""Training metrics: FLOPs and MFU, and the rank-0 sinks (metrics.jsonl, TensorBoard, offline
-W&B, one log line per step)."""
+"""Training metrics: the global batch's counts and FLOPs, MFU, each step's record, and the rank-0
+sinks (metrics.jsonl, TensorBoard, offline W&B, one log line per step)."""
 
 import json
 import os
+import resource
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from vlmcore.models.flops import llm_flops, vision_flops
 
@@ -27,12 +30,58 @@ def peak_tflops(device: torch.device, override: float | None) -> float | None:
     return next((tflops for key, tflops in PEAK_TFLOPS if key in name), None)
 
 
-def batch_flops(config, batch: dict) -> tuple[float, float]:
+def batch_flops(config, batch) -> tuple[float, float]:
     """Training FLOPs (LLM, vision tower) of one packed micro-batch (vlmcore.models.flops)."""
-    cu = batch.get("cu_seqlens")
-    rows, seq_len = batch["input_ids"].shape
-    seq_lens = [seq_len] * rows if cu is None else (cu[1:] - cu[:-1]).cpu()
-    return llm_flops(config, seq_lens), vision_flops(config, batch.get("image_grid_thw"))
+    grids = batch.images.grids() if batch.images is not None else None
+    return llm_flops(config, batch.segment_lengths().cpu()), vision_flops(config, grids)
+
+
+def global_counts(host_micro: list, model_config, tp: int) -> dict:
+    """Label tokens, samples, tokens, FLOPs and bad samples of the global batch, summed over the
+    ranks on the host (gloo: no GPU wait); tp peers hold the same batch, hence the division."""
+    flops = [batch_flops(model_config, b) for b in host_micro]
+    skipped = sum((Counter(b.skipped_samples) for b in host_micro), Counter())
+    keys = ("label_tokens", "samples", "tokens", "llm_flops", "vision_flops", "skipped_samples")
+    counts = torch.tensor([sum(b.label_tokens for b in host_micro), sum(b.num_samples for b in host_micro),
+                           sum(b.tokens for b in host_micro), sum(f[0] for f in flops), sum(f[1] for f in flops),
+                           sum(skipped.values())], dtype=torch.float64)
+    dist.all_reduce(counts)
+    counts = dict(zip(keys, (counts / tp).tolist()))
+    # By reason only on steps that have any: every rank sees the same global sum, so all gather or none.
+    if counts["skipped_samples"]:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, dict(skipped))
+        by_reason = sum(map(Counter, gathered), Counter())
+        counts["skipped_samples_by_reason"] = {name: n // tp for name, n in sorted(by_reason.items())}
+    return counts
+
+
+def peak_mem_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
+
+
+def step_record(state: dict, result, counts: dict, lr: float, step_time: float, data_wait: float,
+                peak: float | None, device: torch.device, tp: int) -> dict:
+    """One line of metrics.jsonl."""
+    world = dist.get_world_size()
+    llm_tflops = counts["llm_flops"] / step_time / world / 1e12
+    vision_tflops = counts["vision_flops"] / step_time / world / 1e12
+    tokens = counts["tokens"]
+    return {
+        "step": state["step"], "loss": result.loss_sum / tp / counts["label_tokens"], "grad_norm": result.grad_norm,
+        "lr": lr, "tokens": state["tokens"], "samples": state["samples"],
+        "label_tokens": int(counts["label_tokens"]),
+        "tokens_per_s": tokens / step_time, "tokens_per_s_per_device": tokens / step_time / world,
+        "tflops_per_device": llm_tflops + vision_tflops,
+        "mfu": 100 * (llm_tflops + vision_tflops) / peak if peak else None,
+        "llm_tflops_per_device": llm_tflops, "vision_tflops_per_device": vision_tflops,
+        "peak_mem_gb": peak_mem_gb(device), "data_wait_s": data_wait, "step_time_s": step_time,
+        "world_size": world, "skipped_steps": state["skipped_steps"], "skipped_samples": int(counts["skipped_samples"]),
+        **({"skipped_samples_by_reason": counts["skipped_samples_by_reason"]} if counts["skipped_samples"] else {}),
+        **(result.moe or {}),  # moe_aux_loss, moe_load_imbalance
+    }
 
 
 class MetricsLogger:

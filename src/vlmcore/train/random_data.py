@@ -1,4 +1,4 @@
-"""Deterministic synthetic packed batches in the loader's batch format (`data.kind: random`).
+"""Deterministic synthetic packed batches (`Batch`es, like the loader's) for `data.kind: random`.
 
 For benchmarks and for engine tests that must not depend on a prepared dataset. Micro-batch
 `k` of data-parallel rank `r` is global micro-batch `step * dp * accum + r * accum + a`
@@ -10,6 +10,7 @@ what the exactness tests compare.
 import torch
 
 from vlmcore.data import IGNORE_INDEX
+from vlmcore.data.batch import Batch, Images
 
 
 class RandomBatches:
@@ -42,7 +43,7 @@ class RandomBatches:
         special = [getattr(self.config, k, None) for k in ("image_token_id", "vision_start_token_id")]
         return min([self.text.vocab_size] + [s for s in special if s is not None])
 
-    def batch(self, index: int) -> dict:
+    def batch(self, index: int) -> Batch:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         rows, labels, lengths, grids = [], [], [], []
         vocab = self._text_vocab()
@@ -64,20 +65,18 @@ class RandomBatches:
                 lengths.append(end - start)
             rows.append(ids)
             labels.append(lab)
-        batch = {"input_ids": torch.stack(rows), "labels": torch.stack(labels),
-                 "cu_seqlens": torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32),
-                 "num_samples": len(lengths)}
+        batch = Batch(input_ids=torch.stack(rows), labels=torch.stack(labels),
+                      cu_seqlens=torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32),
+                      num_samples=len(lengths))
         if grids:
             grid = torch.tensor(grids, dtype=torch.int64)
             v = self.vision
             patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
-            batch["image_grid_thw"] = grid
-            batch["pixel_values"] = torch.randn(int(grid.prod(-1).sum()), patch_dim, generator=g)
+            batch.images = Images(torch.randn(int(grid.prod(-1).sum()), patch_dim, generator=g), grid)
         if self.vision is not None:
             from vlmcore.models import position_ids
 
-            batch["position_ids"] = position_ids(self.config, batch["input_ids"], batch.get("image_grid_thw"),
-                                                 batch["cu_seqlens"])
+            batch.position_ids = position_ids(self.config, batch.input_ids, grid if grids else None, batch.cu_seqlens)
         return batch
 
     def _image_span(self) -> int:

@@ -13,9 +13,10 @@ them apart: it exists from a run's start until just before its `done` is written
 import shutil
 from pathlib import Path
 
+import torch.distributed as dist
 import yaml
 
-from vlmcore.config import TrainConfig, to_dict
+from vlmcore.config import TrainConfig, save_config, to_dict
 
 # Settings that may change between the attempts of one run: how long it runs, how often it
 # saves, how it is logged and fed. Anything else (data, model, optimizer, layout-independent
@@ -74,3 +75,15 @@ def mark_done(out) -> None:
     """`done`, after removing the marker: a crash in between leaves a run that counts as finished."""
     (Path(out) / UNFINISHED).unlink(missing_ok=True)
     (Path(out) / "done").touch()
+
+
+def prepare_output_dir(cfg: TrainConfig, out: Path) -> None:
+    """Rank 0 moves another run's checkpoints aside, marks the run unfinished and saves its config."""
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        reason = archive_stale_run(out, cfg)
+        if reason:
+            print(reason)
+        mark_unfinished(out)
+        save_config(cfg, out / "config.yaml")
+    dist.barrier()

@@ -10,7 +10,7 @@ is the token-weighted mean over the global batch, and any split of it gives the 
 
 The GPU is never waited for inside forward/backward: what the kernels need on the host (the
 longest packed segment, the image grids, the label count) is taken from the batch while it is
-still on the host (`to_device`), and losses and norms stay on the device until the one read.
+still on the host (`Batch.to`), and losses and norms stay on the device until the one read.
 """
 
 import math
@@ -22,31 +22,9 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from vlmcore.data.processor import normalize_patches
-from vlmcore.models.moe import clear_routing, load_balancing_loss, moe_blocks, routing_not_kept
-from vlmcore.train.loss import IGNORE_INDEX, chunked_cross_entropy
-
-
-def host_stats(micro: list[dict]) -> dict:
-    """Label tokens, samples and tokens of host-side micro-batches (read before they move)."""
-    return {"label_tokens": sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro),
-            "samples": sum(b["num_samples"] for b in micro),
-            "tokens": sum(b["input_ids"].numel() for b in micro)}
-
-
-def to_device(batch: dict, device: torch.device) -> dict:
-    """The batch on `device`, with its host metadata kept on the host: `max_seqlen` (an int, added
-    from `cu_seqlens` if the batch lacks it) and `image_grid_thw` as a list of [t, h, w]. The
-    loader's uint8 `pixel_values` become the image processor's float32 values on the device."""
-    out = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    if "pixel_normalize" in out:
-        out["pixel_values"] = normalize_patches(out["pixel_values"], **out.pop("pixel_normalize"))
-    if "cu_seqlens" in batch and "max_seqlen" not in batch:
-        cu = batch["cu_seqlens"]
-        out["max_seqlen"] = int((cu[1:] - cu[:-1]).max())
-    if torch.is_tensor(batch.get("image_grid_thw")):
-        out["image_grid_thw"] = batch["image_grid_thw"].tolist()
-    return out
+from vlmcore.data.batch import Batch, Images
+from vlmcore.models.moe import RoutingStats, moe_blocks
+from vlmcore.train.loss import chunked_cross_entropy
 
 
 def read_host(*values: torch.Tensor) -> list[float]:
@@ -93,17 +71,17 @@ def sum_partial_grads(params: list[torch.Tensor], group) -> None:
 
 @dataclass
 class MoE:
-    """The model's MoE blocks and how much their load-balancing loss weighs."""
+    """The routing of the model's MoE blocks and how much their load-balancing loss weighs."""
 
-    blocks: list
+    routing: RoutingStats
     aux_loss_coef: float
     dp_size: int  # data-parallel ranks: the global batch is split over them
 
 
-def forward_backward(model, micro: list[dict], label_tokens: float, vision_dummy, chunk_tokens: int,
+def forward_backward(model, micro: list[Batch], label_tokens: float, vision_dummy, chunk_tokens: int,
                      compiled_loss: bool = False, moe: MoE | None = None, bridge=None):
     """Accumulates the gradients of sum(token losses) / label_tokens (+ the MoE load-balancing loss)
-    over the micro-batches (on the device, from `to_device`); returns this rank's sum of token
+    over the micro-batches (on the device, `Batch.to`); returns this rank's sum of token
     losses, and for MoE models the sum of the micro-batches' load-balancing losses and the tokens
     routed to each expert per MoE layer (None otherwise), all on the device.
     `bridge`: a language rank of disjoint layouts receives each micro-batch's image embeddings."""
@@ -112,24 +90,28 @@ def forward_backward(model, micro: list[dict], label_tokens: float, vision_dummy
         if isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(i == len(micro) - 1)  # reduce once, after the last
         if vision_dummy is not None:
-            vision_dummy.active = batch.get("pixel_values") is None
+            vision_dummy.active = batch.images is None
         received = bridge.receive(i) if bridge is not None else None
-        output = model(batch["input_ids"], pixel_values=batch.get("pixel_values"),
-                       image_grid_thw=batch.get("image_grid_thw"), position_ids=batch.get("position_ids"),
-                       cu_seqlens=batch.get("cu_seqlens"), max_seqlen=batch.get("max_seqlen"), return_hidden=True)
-        local_sum, _ = chunked_cross_entropy(output.hidden_states, model.lm_head.weight, batch["labels"],
+        images = batch.images
+        output = model(batch.input_ids, pixel_values=images.pixel_values if images else None,
+                       image_grid_thw=images.grid_thw if images else None, position_ids=batch.position_ids,
+                       cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen, return_hidden=True)
+        local_sum, _ = chunked_cross_entropy(output.hidden_states, model.lm_head.weight, batch.labels,
                                              chunk_tokens, compiled=compiled_loss)
         loss = local_sum / label_tokens
         if moe is not None:
-            aux, counts = load_balancing_loss(moe.blocks)
-            clear_routing(moe.blocks)
+            aux, counts = moe.routing.loss()
+            moe.routing.clear()
             loss = loss + moe.aux_loss_coef / (len(micro) * moe.dp_size) * aux
             aux_sum = aux.detach() if aux_sum is None else aux_sum + aux.detach()
             routed = counts if routed is None else routed + counts
         if received is not None:  # the bridge's backward (a collective) runs even if no image uses it
             loss = loss + 0.0 * received.sum()
-        with routing_not_kept(moe.blocks if moe is not None else []):
+        if moe is None:
             loss.backward()
+        else:
+            with moe.routing.not_kept():
+                loss.backward()
         local_sum = local_sum.detach().double()
         loss_sum = local_sum if loss_sum is None else loss_sum + local_sum
         del output
@@ -142,23 +124,6 @@ def moe_metrics(aux_sum: float, routed: torch.Tensor, micro_batches: int, ranks:
     (1 is perfect balance, num_experts / top_k the worst)."""
     per_layer = routed.max(dim=1).values / routed.mean(dim=1).clamp(min=1e-12)
     return {"moe_aux_loss": aux_sum / (micro_batches * ranks), "moe_load_imbalance": float(per_layer.mean())}
-
-
-def encode_forward_backward(model, images: list[dict | None], bridge) -> torch.Tensor:
-    """An encoder rank of disjoint layouts: runs the vision tower on the images of its rows of
-    each micro-batch, sends the embeddings to the language ranks and backpropagates the gradients
-    they send back. Without images it runs a tiny zero image and sends none of it, so the tower's
-    collectives match its other ranks'. Returns a zero loss sum (the language ranks have it)."""
-    vision, device = model.vision_tower(), next(model.parameters()).device
-    for i, batch in enumerate(images):
-        vision.set_requires_gradient_sync(i == len(images) - 1)
-        pixels, grids = ((batch["pixel_values"], batch["image_grid_thw"]) if batch is not None
-                         else dummy_image(model.config.vision_config, device))
-        embeds, deepstack = vision(pixels, grids)
-        sent = torch.cat([embeds, *deepstack], dim=1)
-        received = bridge.exchange(i, sent if batch is not None else sent[:0])
-        received.sum().backward()  # nothing arrives on an encoder rank; its backward brings `sent`'s gradient
-    return torch.zeros((), dtype=torch.float64, device=device)
 
 
 @dataclass
@@ -183,15 +148,15 @@ class Step:
     max_grad_norm: float
     compiled_loss: bool = False
     moe: MoE | None = None
-    bridge: object = None  # disjoint layouts (vlmcore.parallel.bridge.DisjointBridge)
+    bridge: object = None  # disjoint layouts (vlmcore.parallel.disjoint.DisjointBridge)
     norm_foreach: bool | None = None  # the gradient norm's multi-tensor kernel (None: where torch has it)
 
-    def __call__(self, micro: list[dict], label_tokens: float, set_lr) -> StepResult:
+    def __call__(self, micro: list, label_tokens: float, set_lr) -> StepResult:
         """One optimizer step over the device micro-batches (an encoder rank of disjoint layouts:
         the image batches of its rows); `set_lr(optimizer)` sets this step's lr."""
         aux_sum = routed = None
         if self.bridge is not None and self.bridge.is_vision:
-            loss_sum = encode_forward_backward(self.model, micro, self.bridge)
+            loss_sum = self.bridge.encoder_step(self.model, micro)
         else:
             loss_sum, aux_sum, routed = forward_backward(self.model, micro, label_tokens, self.vision_dummy,
                                                          self.chunk_tokens, self.compiled_loss, self.moe, self.bridge)
@@ -238,20 +203,12 @@ def build_step(model, optimizer, partial_params: list, tp_group, chunk_tokens: i
         tp = dist.get_world_size(tp_group) if tp_group is not None else 1
         ranks = dist.get_world_size() if dist.is_initialized() else 1
         coef = getattr(model.config.get_text_config(), "router_aux_loss_coef", 0.0) or 0.0
-        moe = MoE(blocks, coef, ranks // tp)
+        moe = MoE(RoutingStats(blocks), coef, ranks // tp)
     trainable = [p for p in model.parameters() if p.requires_grad]
     partial = [getattr(m, name) for m, name in partial_params if getattr(m, name).requires_grad]
     vision_dummy = VisionDummy(model) if model.vision_tower() is not None and bridge is None else None
     return Step(model, optimizer, trainable, partial, tp_group, vision_dummy, chunk_tokens, max_grad_norm,
                 compiled_loss, moe, bridge)
-
-
-def dummy_image(config, device: torch.device) -> tuple[torch.Tensor, list]:
-    """A tiny zero image (one merged token) and its grid, for the vision tower's `config`."""
-    merge = config.spatial_merge_size
-    pixels = torch.zeros(merge * merge, config.in_channels * config.temporal_patch_size * config.patch_size ** 2,
-                         device=device)
-    return pixels, [[1, merge, merge]]
 
 
 class VisionDummy:
@@ -272,5 +229,6 @@ class VisionDummy:
     def _hook(self, module, args, output):
         if not self.active:
             return output
-        leaves = torch.utils._pytree.tree_leaves(self.vision(*dummy_image(self.config, output.device)))
+        zero = Images.zero(self.config, output.device)
+        leaves = torch.utils._pytree.tree_leaves(self.vision(zero.pixel_values, zero.grid_thw))
         return output + sum(t.float().sum() for t in leaves if torch.is_tensor(t) and t.is_floating_point()) * 0.0

@@ -1,17 +1,24 @@
-"""The `dp_replicate x dp_shard x tp` sizes a parallel config gives on a world size, for the run
-(the language model's layout) and for each module (`parallel.modules`). No torch, so the
-workflow checks every stage's layouts on the login node, before any job is queued.
+"""The run's parallel layout: which ranks hold which module, with how much data, tensor and expert
+parallelism, resolved once from the config and the world size (`resolve_layout`).
 
-Expert parallelism (the language model's) is carved out of the shard ranks: `dp_shard =
-dp_shard_mod_ep x ep`. Each group of `ep` consecutive shard ranks splits the experts between its
-ranks (and exchanges tokens); the `dp_shard_mod_ep` ranks orthogonal to it FSDP-shard each expert
-shard further."""
+Each module (the vision tower, the language model) has a grid: `dp_replicate x dp_shard x tp`
+over its ranks. Colocated layouts put both modules on every rank (the vision tower's degrees may
+differ from the language model's); disjoint layouts give each module its own ranks, ranges that
+tile the world. The language model's grid is the data's: its data-parallel ranks each read their
+own micro-batches. Expert parallelism (the language model's) is carved out of its shard ranks:
+`dp_shard = dp_shard_mod_ep x ep`; each group of `ep` consecutive shard ranks splits the experts
+between its ranks, the `dp_shard_mod_ep` ranks orthogonal to it FSDP-shard each expert shard
+further.
+
+No torch: the workflow resolves every stage's layout on the login node, before any job is queued.
+The meshes of a layout are vlmcore.parallel.mesh.Meshes; the checks that need the model too are
+vlmcore.parallel.checks.
+"""
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
-from vlmcore.config import ConfigError, ModuleLayout, ParallelConfig, TrainConfig
+from vlmcore.config import ConfigError, ModuleLayout, ParallelConfig
 
 MODULES = ("vision", "language")
 
@@ -36,6 +43,49 @@ class ParallelDims:
         return self.dp * self.tp
 
 
+@dataclass(frozen=True)
+class Grid:
+    """One module's layout: its degrees over its ranks (tp innermost)."""
+
+    dims: ParallelDims
+    ranks: range
+
+    def data_rank(self, rank: int) -> int:
+        """The data-parallel rank of global `rank` (tp peers read the same micro-batch)."""
+        return (rank - self.ranks.start) // self.dims.tp
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    world_size: int
+    language: Grid
+    vision: Grid  # a text model's is the language model's ranks, unused
+
+    @property
+    def disjoint(self) -> bool:
+        """Each module on ranks of its own."""
+        return self.vision.ranks != self.language.ranks
+
+    def grid(self, module: str) -> Grid:
+        return getattr(self, module)
+
+    def role(self, rank: int) -> str:
+        """What `rank` holds: "both" modules (colocated), or the "vision" tower or the "language" model."""
+        if not self.disjoint:
+            return "both"
+        return "vision" if rank in self.vision.ranks else "language"
+
+    @property
+    def data(self) -> Grid:
+        """The grid whose data-parallel ranks read the micro-batches: the language model's."""
+        return self.language
+
+    @property
+    def vision_mesh_of_its_own(self) -> bool:
+        """Whether the vision tower needs a mesh other than the language model's."""
+        return self.disjoint or self.vision.dims != dataclasses.replace(self.language.dims, ep=1)
+
+
 def _fit(replicate: int, shard: int, tp: int, mode: str, world_size: int, key: str, where: str) -> ParallelDims:
     """Fills in `dp_shard: -1` (and dp_replicate under ddp) and checks the product against the world size."""
     written = f"dp_replicate ({replicate}) x dp_shard ({shard}) x tp ({tp})"
@@ -49,12 +99,6 @@ def _fit(replicate: int, shard: int, tp: int, mode: str, world_size: int, key: s
     if shard < 1 or dims.world_size != world_size:
         raise ConfigError(f"{key}: {written} does not fit {where}", key)
     return dims
-
-
-def resolve_dims(cfg: ParallelConfig, world_size: int) -> ParallelDims:
-    """The language model's layout, which is the run's data-parallel layout (the data loader's
-    ranks); fills in `dp_shard: -1` and checks the product against the world size."""
-    return resolve_layouts(cfg, world_size)["language"][0]
 
 
 def _module_ranks(layout: ModuleLayout, world_size: int, module: str) -> range:
@@ -71,16 +115,16 @@ def _pick(value: int | None, default: int) -> int:
     return default if value is None else value
 
 
-def _is_set(layout: ModuleLayout) -> bool:
-    return layout != ModuleLayout()
+def modules_set(cfg: ParallelConfig) -> bool:
+    """Whether `parallel.modules` sets anything."""
+    return any(getattr(cfg.modules, m) != ModuleLayout() for m in MODULES)
 
 
-def resolve_layouts(cfg: ParallelConfig, world_size: int) -> dict[str, tuple[ParallelDims, range]]:
-    """Each module's (dims, ranks). Unset keys of `parallel.modules.language` are the top-level
-    `parallel` keys; of `parallel.modules.vision`: tp 1, dp_shard -1 and the language model's
-    dp_replicate when it has tp 1, else 1 (unset altogether: the language model's data parallelism
-    without TP, else FSDP over all ranks). Ranks: every module on all ranks, or ranges that tile
-    the world."""
+def resolve_layout(cfg: ParallelConfig, world_size: int) -> RunLayout:
+    """Each module's grid. Unset keys of `parallel.modules.language` are the top-level `parallel`
+    keys; of `parallel.modules.vision`: tp 1, dp_shard -1 and the language model's dp_replicate
+    when it has tp 1, else 1 (unset altogether: the language model's data parallelism without TP,
+    else FSDP over all ranks). Ranks: every module on all ranks, or ranges that tile the world."""
     language, vision = cfg.modules.language, cfg.modules.vision
     ranks = {module: _module_ranks(getattr(cfg.modules, module), world_size, module) for module in MODULES}
     if language.ranks != "all":
@@ -89,7 +133,7 @@ def resolve_layouts(cfg: ParallelConfig, world_size: int) -> dict[str, tuple[Par
             raise ConfigError(f"parallel.modules.vision.ranks: [{ranks['vision'].start}, {ranks['vision'].stop}) and "
                               f"language's [{ranks['language'].start}, {ranks['language'].stop}) do not tile the "
                               f"world of {world_size} ranks", "parallel.modules.vision.ranks")
-    key = "parallel.modules.language" if _is_set(language) else "parallel"
+    key = "parallel.modules.language" if language != ModuleLayout() else "parallel"
     where = f"the world size {world_size}" if language.ranks == "all" else f"its {len(ranks['language'])} ranks"
     lang = _fit(_pick(language.dp_replicate, cfg.dp_replicate), _pick(language.dp_shard, cfg.dp_shard),
                 _pick(language.tp, cfg.tp), cfg.mode, len(ranks["language"]), key, where)
@@ -101,32 +145,4 @@ def resolve_layouts(cfg: ParallelConfig, world_size: int) -> dict[str, tuple[Par
     replicate = lang.dp_replicate if lang.tp == 1 and vision.ranks == "all" else 1
     vis = _fit(_pick(vision.dp_replicate, replicate), _pick(vision.dp_shard, -1), _pick(vision.tp, 1), cfg.mode,
                len(ranks["vision"]), "parallel.modules.vision", where)
-    return {"language": (lang, ranks["language"]), "vision": (vis, ranks["vision"])}
-
-
-def check_layouts(cfg: TrainConfig, world_size: int) -> dict[str, tuple[ParallelDims, range]]:
-    """`resolve_layouts`, and with `parallel.modules` set: the global micro-batch (micro_batch_size
-    rows on each language data-parallel rank) divisible by the LCM of the modules' DP sizes, so
-    each module's data-parallel rank has whole rows of its own."""
-    layouts = resolve_layouts(cfg.parallel, world_size)
-    if any(_is_set(getattr(cfg.parallel.modules, m)) for m in MODULES):
-        rows = cfg.micro_batch_size * layouts["language"][0].dp
-        sizes = {m: dims.dp for m, (dims, _) in layouts.items()}
-        lcm = math.lcm(*sizes.values())
-        if rows % lcm:
-            raise ConfigError(
-                f"micro_batch_size: the global micro-batch ({cfg.micro_batch_size} x {sizes['language']} language "
-                f"data-parallel ranks = {rows} rows) is not divisible by {lcm}, the LCM of the module data-parallel "
-                f"sizes ({', '.join(f'{m} {n}' for m, n in sizes.items())})", "micro_batch_size")
-    return layouts
-
-
-def refuse_disjoint(cfg: ParallelConfig, layouts: dict[str, tuple[ParallelDims, range]]) -> None:
-    """Disjoint layouts run each module with tp 1 (vlmcore.parallel.bridge.DisjointBridge);
-    tensor parallelism on them passes the checks above (the workflow plans it) but cannot run yet."""
-    if cfg.modules.vision.ranks == "all":
-        return
-    for module in MODULES:
-        if layouts[module][0].tp > 1:
-            raise ConfigError(f"parallel.modules.{module}.tp: disjoint layouts (parallel.modules.*.ranks) with "
-                              f"tensor parallelism are not implemented yet; use tp 1", f"parallel.modules.{module}.tp")
+    return RunLayout(world_size, Grid(lang, ranks["language"]), Grid(vis, ranks["vision"]))

@@ -1,0 +1,104 @@
+"""The batch the train step works on: packed rows of tokens and the images in them.
+
+The loader (vlmcore.data.loader) and the random data (vlmcore.train.random_data) make them on the
+host; `to(device)` moves one to the device, where the images' uint8 patches become the image
+processor's float32 values (`normalize_patches`) and what the kernels need on the host (the
+longest packed segment, the image grids) is taken while the batch is still there. The step, the
+metrics and the bridge between module layouts read the fields by name (docs/internals.md "Data
+batches"); a new kind of input is a new field here and in its producers.
+"""
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from vlmcore.data import IGNORE_INDEX
+from vlmcore.data.processor import normalize_patches
+
+
+@dataclass
+class Images:
+    """The images of a batch's rows, in token order."""
+
+    pixel_values: torch.Tensor  # (N_patches, C*P*P) uint8 patches (or float values: see `normalize`)
+    grid_thw: torch.Tensor | list  # (N_images, 3) int64 (t, h, w) in patches; a list of [t, h, w] after `to`
+    normalize: dict | None = None  # the image processor's {rescale_factor, mean, std, temporal_patch_size};
+    # None: `pixel_values` are the model's float inputs already
+
+    def to(self, device: torch.device) -> "Images":
+        pixels = self.pixel_values.to(device, non_blocking=True)
+        if self.normalize is not None:
+            pixels = normalize_patches(pixels, **self.normalize)
+        grids = self.grid_thw.tolist() if torch.is_tensor(self.grid_thw) else self.grid_thw
+        return Images(pixels, grids, None)
+
+    def map_tensors(self, fn) -> "Images":
+        """The images with `fn` applied to their pixels (and to the grids while they are a tensor)."""
+        return replace(self, pixel_values=fn(self.pixel_values),
+                       grid_thw=fn(self.grid_thw) if torch.is_tensor(self.grid_thw) else self.grid_thw)
+
+    def grids(self) -> list[list[int]]:
+        return self.grid_thw.tolist() if torch.is_tensor(self.grid_thw) else [list(g) for g in self.grid_thw]
+
+    @staticmethod
+    def zero(vision_config, device: torch.device) -> "Images":
+        """A tiny zero image (one merged token) for a vision tower of `vision_config`, on the device:
+        what a rank without images runs so that the tower's collectives match its peers'."""
+        merge = vision_config.spatial_merge_size
+        patch = vision_config.in_channels * vision_config.temporal_patch_size * vision_config.patch_size ** 2
+        return Images(torch.zeros(merge * merge, patch, device=device), [[1, merge, merge]])
+
+    @staticmethod
+    def cat(parts: list["Images"]) -> "Images":
+        """The images of several batches (or rows) one after the other."""
+        if len(parts) == 1:
+            return parts[0]
+        grids = [g for part in parts for g in part.grids()]
+        return Images(torch.cat([part.pixel_values for part in parts]), torch.tensor(grids, dtype=torch.long),
+                      parts[0].normalize)
+
+
+@dataclass
+class Batch:
+    """A micro-batch of B packed rows of S tokens."""
+
+    input_ids: torch.Tensor  # (B, S) int64
+    labels: torch.Tensor  # (B, S) int64, IGNORE_INDEX where no loss; label[t] is the target of logits[t]
+    cu_seqlens: torch.Tensor  # (segments + 1,) int32 over the flattened B*S tokens
+    position_ids: torch.Tensor | None = None  # (B, S), or (3, B, S) for M-RoPE models
+    images: Images | None = None  # None: a text-only batch
+    num_samples: int = 0  # samples in the rows
+    skipped_samples: dict = field(default_factory=dict)  # {reason: count} of bad samples left out of the rows
+    row_keys: list[str] = field(default_factory=list)  # each row's pack (Energon key)
+    max_seqlen: int | None = None  # the longest segment, a host int (set by `to`)
+
+    def to(self, device: torch.device) -> "Batch":
+        """The batch on `device`; its host metadata (`max_seqlen`, the image grids) stays on the host."""
+        lengths = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+        return replace(
+            self,
+            input_ids=self.input_ids.to(device, non_blocking=True),
+            labels=self.labels.to(device, non_blocking=True),
+            cu_seqlens=self.cu_seqlens.to(device, non_blocking=True),
+            position_ids=None if self.position_ids is None else self.position_ids.to(device, non_blocking=True),
+            images=None if self.images is None else self.images.to(device),
+            max_seqlen=self.max_seqlen if self.max_seqlen is not None else int(lengths.max()),
+        )
+
+    def map_tensors(self, fn) -> "Batch":
+        """The batch with `fn` applied to each of its tensors (its images' included)."""
+        return replace(self, input_ids=fn(self.input_ids), labels=fn(self.labels), cu_seqlens=fn(self.cu_seqlens),
+                       position_ids=None if self.position_ids is None else fn(self.position_ids),
+                       images=None if self.images is None else self.images.map_tensors(fn))
+
+    @property
+    def label_tokens(self) -> int:
+        """Tokens with a loss (read on the host)."""
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    @property
+    def tokens(self) -> int:
+        return self.input_ids.numel()
+
+    def segment_lengths(self) -> torch.Tensor:
+        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]

@@ -1,0 +1,82 @@
+"""What every native model is to the rest of vlmcore: its named parts and its output.
+
+Parallelism, freezing, parameter groups and the train step act on the parts these accessors
+name, never on module paths; `breaks_graph` is how a block says that torch.compile cannot trace it
+whole (parallel/compile.py).
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .layers import init_std, init_weights
+
+
+@dataclass
+class ModelOutput:
+    """What every model returns: `logits` (B, S, V), or `hidden_states` (B, S, H) with `return_hidden=True`."""
+
+    logits: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
+
+
+class TextModelParts:
+    """The named parts of a text-only model (`self.model` is the decoder stack, `self.lm_head` the
+    output projection), which parallelism, freezing and parameter groups act on: found through
+    these accessors, never by module paths."""
+
+    # State-dict prefixes of the parts this rank does not hold (disjoint layouts,
+    # vlmcore.parallel.parallelize): the snapshot's tensors under them are not loaded here.
+    dropped_prefixes: tuple[str, ...] = ()
+
+    def text_model(self) -> nn.Module:
+        """The decoder stack: `embed_tokens`, `layers`, `norm`, `split_sequence`."""
+        return self.model
+
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.text_model().layers
+
+    def token_embedding(self) -> nn.Embedding:
+        return self.text_model().embed_tokens
+
+    def vision_tower(self) -> nn.Module | None:
+        return None
+
+    def vision_layers(self) -> nn.ModuleList | None:
+        """The vision tower's transformer blocks."""
+        return None
+
+    def projectors(self) -> list[nn.Module]:
+        """The modules that map vision features into the LLM (inside the vision tower)."""
+        return []
+
+    def tie_weights(self):
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.token_embedding().weight
+
+    def init_weights(self):
+        init_weights(self, init_std(self.config))
+        self.tie_weights()
+
+
+class VisionLanguageParts(TextModelParts):
+    """The named parts of a VL model: `model.language_model`, `model.visual` and its mergers."""
+
+    def text_model(self) -> nn.Module:
+        return self.model.language_model
+
+    def vision_tower(self) -> nn.Module:
+        return self.model.visual
+
+    def vision_layers(self) -> nn.ModuleList:
+        return self.model.visual.blocks
+
+    def projectors(self) -> list[nn.Module]:
+        return [self.model.visual.merger, *self.model.visual.deepstack_merger_list]
+
+
+def breaks_graph(block: nn.Module) -> bool:
+    """Whether dynamo must break the graph of `block`: one of its modules says so (a Gated DeltaNet
+    mixer, whose fla kernel runs eagerly; an MoE block whose dispatch reads the host)."""
+    return any(getattr(m, "breaks_graph", False) for m in block.modules())

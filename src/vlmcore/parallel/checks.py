@@ -1,0 +1,118 @@
+"""Every check of a training stage that depends on the world size or on the model, in one pass
+before any work (`check_run`): by the workflow when it is parsed (the model's checks once its
+config.json is at hand), by `vlmcore memory`, and at the start of `vlmcore train`. Each error is a
+ConfigError naming the key to change.
+
+No torch: a model is its transformers config or its config.json as a dict.
+"""
+
+import math
+from types import SimpleNamespace
+
+from vlmcore.config import ConfigError, TrainConfig
+from vlmcore.families import FAMILIES, family
+from vlmcore.parallel.layout import MODULES, RunLayout, modules_set, resolve_layout
+
+
+def check_run(cfg: TrainConfig, world_size: int, model_config=None) -> RunLayout:
+    """The stage's layout on `world_size` ranks, checked against the world and, given the model's
+    config (a transformers config or a config.json dict), against the model."""
+    layout = resolve_layout(cfg.parallel, world_size)
+    check_rows(cfg, layout)
+    check_disjoint(layout)
+    if model_config is not None:
+        check_model(cfg, layout, as_config(model_config))
+    return layout
+
+
+def check_rows(cfg: TrainConfig, layout: RunLayout) -> None:
+    """With `parallel.modules` set: the global micro-batch (micro_batch_size rows on each language
+    data-parallel rank) divisible by the LCM of the modules' DP sizes, so each module's
+    data-parallel rank has whole rows of its own."""
+    if not modules_set(cfg.parallel):
+        return
+    rows = cfg.micro_batch_size * layout.language.dims.dp
+    sizes = {m: layout.grid(m).dims.dp for m in ("language", "vision")}
+    lcm = math.lcm(*sizes.values())
+    if rows % lcm:
+        raise ConfigError(
+            f"micro_batch_size: the global micro-batch ({cfg.micro_batch_size} x {sizes['language']} language "
+            f"data-parallel ranks = {rows} rows) is not divisible by {lcm}, the LCM of the module data-parallel "
+            f"sizes ({', '.join(f'{m} {n}' for m, n in sizes.items())})", "micro_batch_size")
+
+
+def check_disjoint(layout: RunLayout) -> None:
+    """Disjoint layouts run each module with tp 1 (vlmcore.parallel.disjoint); tensor parallelism
+    on them resolves (the workflow plans it) but cannot run yet."""
+    if not layout.disjoint:
+        return
+    for module in MODULES:
+        if layout.grid(module).dims.tp > 1:
+            raise ConfigError(f"parallel.modules.{module}.tp: disjoint layouts (parallel.modules.*.ranks) with "
+                              f"tensor parallelism are not implemented yet; use tp 1", f"parallel.modules.{module}.tp")
+
+
+def check_model(cfg: TrainConfig, layout: RunLayout, config) -> None:
+    try:
+        model = family(config)
+    except ValueError as e:
+        raise ConfigError(f"model_path: {e}", "model_path") from None
+    if not model.vision and cfg.parallel.modules.vision != type(cfg.parallel.modules.vision)():
+        raise ConfigError(f"parallel.modules.vision: the {config.model_type} model has no vision tower",
+                          "parallel.modules.vision")
+    if layout.disjoint and model.experts:
+        raise ConfigError("parallel.modules.vision.ranks: disjoint layouts of a mixture-of-experts model are not "
+                          "supported yet (use colocated layouts)", "parallel.modules.vision.ranks")
+    check_ep(config, layout.language.dims.ep)
+    if layout.language.dims.tp > 1:
+        check_tp(config, layout.language.dims.tp)
+    if model.vision and layout.vision.dims.tp > 1:
+        check_vision_tp(config, layout.vision.dims.tp)
+
+
+def text_config(config):
+    return getattr(config, "text_config", None) or config
+
+
+def check_tp(config, tp: int) -> None:
+    """The language model's heads, vocabulary and MLP split over `tp` ranks."""
+    model = family(config)
+    if not model.tensor_parallel:
+        raise ConfigError(f"parallel.tp: no tensor-parallel plan for model_type {config.model_type!r} "
+                          f"(supported: {', '.join(t for t, f in FAMILIES.items() if f.tensor_parallel)})")
+    text = text_config(config)
+    keys = ["num_attention_heads", "num_key_value_heads", "vocab_size"]
+    if getattr(text, "intermediate_size", None) is not None:  # dense MLPs (absent on all-MoE Qwen3.5-MoE)
+        keys.append("intermediate_size")
+    if model.linear_attention:
+        keys += ["linear_num_key_heads", "linear_num_value_heads"]
+    for key in keys:
+        value = getattr(text, key)
+        if value % tp:
+            raise ConfigError(f"parallel.tp: {tp} does not divide the model's {key} ({value})")
+
+
+def check_vision_tp(config, tp: int) -> None:
+    vision = config.vision_config
+    for key in ("num_heads", "intermediate_size"):
+        if getattr(vision, key) % tp:
+            raise ConfigError(f"parallel.modules.vision.tp: {tp} does not divide the vision tower's {key} "
+                              f"({getattr(vision, key)})", "parallel.modules.vision.tp")
+
+
+def check_ep(config, ep: int) -> None:
+    """Named-key errors for an expert-parallel degree the model cannot take."""
+    num_experts = getattr(text_config(config), "num_experts", 0) or 0
+    if ep > 1 and not num_experts:
+        raise ConfigError(f"parallel.ep: {ep} needs a mixture-of-experts model ({config.model_type} is dense)",
+                          "parallel.ep")
+    if num_experts % ep:
+        raise ConfigError(f"parallel.ep: {ep} does not divide the model's num_experts ({num_experts})", "parallel.ep")
+
+
+def as_config(config):
+    """A config.json dict as an object read like a transformers config (attributes, sub-configs);
+    a transformers config as it is."""
+    if not isinstance(config, dict):
+        return config
+    return SimpleNamespace(**{k: as_config(v) if isinstance(v, dict) else v for k, v in config.items()})

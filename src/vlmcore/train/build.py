@@ -1,0 +1,139 @@
+"""One way to build a training run, for `vlmcore train`, `vlmcore memory` and the benchmarks:
+
+    layout = check_run(cfg, world_size, model_config)    # vlmcore.parallel.checks, before any work
+    run = build_meta_run(cfg, layout, device, rank)      # meshes, the model on meta, frozen, parallelized
+    run.materialize(load=True)                           # this rank's shards, random init, then the weights
+    run.make_step()                                      # AdamW and the train step
+    data = run.data()                                    # this rank's batches
+
+`build_run` does the three for a real run. The memory estimate builds the meta run for real and
+the rest on fake tensors, with the optimizer and the gradient norm one tensor at a time (see
+vlmcore.train.memory).
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vlmcore.config import ConfigError, TrainConfig
+from vlmcore.families import family
+from vlmcore.models import build_model, load_hf_weights, use_backends
+from vlmcore.parallel.disjoint import DisjointBridge
+from vlmcore.parallel.layout import RunLayout
+from vlmcore.parallel.mesh import Meshes
+from vlmcore.parallel.parallelize import parallelize
+from vlmcore.train.checkpoint import load_model_weights
+from vlmcore.train.optim import build_optimizer, freeze
+from vlmcore.train.step import Step, build_step
+
+
+def check_kernels(cfg: TrainConfig, device: torch.device) -> dict:
+    """The attention, Gated DeltaNet and MoE experts backends of this run (vlmcore.kernels), set for
+    the model code; a version known to compute wrongly on this GPU stops the run here, before any work."""
+    from vlmcore import kernels
+
+    model = family(cfg.model_path)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    try:
+        backends = kernels.check(cfg.parallel.linear_attention, capability, model.linear_attention,
+                                 has_experts=model.experts)
+    except kernels.KernelError as e:
+        key = "parallel.linear_attention" if str(e).startswith("linear_attention") else "model_path"
+        raise ConfigError(f"{key}: {e}") from None
+    use_backends(backends)
+    return backends
+
+
+@dataclass
+class Run:
+    """What one rank trains with, built step by step (module docstring)."""
+
+    cfg: TrainConfig
+    layout: RunLayout
+    meshes: Meshes
+    rank: int
+    device: torch.device
+    model: nn.Module
+    partial: list  # (module, attribute name) of the parameters with TP-partial gradients (`apply_tp`)
+    bridge: DisjointBridge | None = None  # disjoint layouts
+    optimizer: torch.optim.Optimizer | None = None
+    step: Step | None = None
+
+    @property
+    def role(self) -> str:
+        """"both" modules, or the "vision" tower or the "language" model alone (disjoint layouts)."""
+        return self.layout.role(self.rank)
+
+    def materialize(self, load: bool = True) -> None:
+        """This rank's shards on the device, random init; with `load`, the previous stage's final/
+        or else the snapshot's safetensors."""
+        self.model.to_empty(device=self.device)
+        with torch.no_grad():
+            self.model.init_weights()
+        if not load:
+            return
+        if self.cfg.init_from:
+            load_model_weights(self.model, self.cfg.init_from)
+        elif any(Path(self.cfg.model_path).glob("*.safetensors")):
+            load_hf_weights(self.model, self.cfg.model_path)
+        elif self.rank == 0:
+            print(f"{self.cfg.model_path}: no safetensors, training from random init")
+
+    def make_step(self) -> None:
+        """AdamW over the trainable parameters and the train step."""
+        self.optimizer = build_optimizer(self.model, self.cfg.optimizer)
+        dims = self.layout.language.dims
+        tp_group = self.meshes.tp().get_group() if dims.tp > 1 and self.role == "both" else None
+        self.step = build_step(self.model, self.optimizer, self.partial, tp_group, self.cfg.loss_chunk_tokens,
+                               self.cfg.max_grad_norm, compiled_loss=self.cfg.parallel.compile, bridge=self.bridge)
+
+    def data(self, source=None):
+        """This rank's batches: its language data-parallel rank's, or on an encoder rank those of
+        the language ranks whose rows it encodes. `source(data_rank, data_world)` makes one
+        data-parallel rank's (default: the stage's data, `build_data`)."""
+        source = source or (lambda rank, world: build_data(self.cfg, self.model.config, rank, world))
+        if self.role == "vision":
+            return self.bridge.encoder_data(source)
+        return source(self.layout.data.data_rank(self.rank), self.layout.data.dims.dp)
+
+
+def build_meta_run(cfg: TrainConfig, layout: RunLayout, device: torch.device, rank: int,
+                   shard_one_rank: bool = False) -> Run:
+    """The run's meshes and its model on the meta device (no memory): frozen by `trainable` and
+    parallelized for what `rank` holds. `shard_one_rank`: see `vlmcore.parallel.fsdp.apply_fsdp`."""
+    meshes = Meshes(layout, device)
+    model = build_model(cfg.model_path, device="meta")
+    freeze(model, cfg.trainable)
+    partial = parallelize(model, cfg, layout, meshes, rank, shard_one_rank)
+    bridge = None
+    if layout.disjoint:  # each rank holds one module; the bridge carries the image embeddings between them
+        bridge = DisjointBridge(model.config, layout, cfg.micro_batch_size, getattr(torch, cfg.precision.param_dtype),
+                                device, rank)
+        bridge.stand_in = None if bridge.is_vision else model.vision_tower()
+    return Run(cfg, layout, meshes, rank, device, model, partial, bridge)
+
+
+def build_run(cfg: TrainConfig, layout: RunLayout, device: torch.device) -> Run:
+    """A run of this process's rank, its weights loaded, ready to step."""
+    run = build_meta_run(cfg, layout, device, dist.get_rank())
+    run.materialize(load=True)
+    run.make_step()
+    return run
+
+
+def build_data(cfg: TrainConfig, model_config, rank: int, world: int):
+    """The batches of data-parallel rank `rank` of `world`: the packed dataset's, or random rows."""
+    if cfg.data.kind == "random":
+        from vlmcore.train.random_data import RandomBatches
+
+        return RandomBatches(model_config, seq_len=cfg.data.seq_len, segments=cfg.data.segments,
+                             image_fraction=cfg.data.image_fraction, micro_batch_size=cfg.micro_batch_size,
+                             dp_rank=rank, dp_world=world, grad_accum_steps=cfg.grad_accum_steps, seed=cfg.seed,
+                             image_side=cfg.data.image_side)
+    from vlmcore.data.loader import build_loader
+
+    return build_loader(cfg.data_path, dp_rank=rank, dp_world=world, micro_batch_size=cfg.micro_batch_size,
+                        seed=cfg.seed, num_workers=cfg.num_workers)
