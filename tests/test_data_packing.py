@@ -14,6 +14,7 @@ import time
 import pytest
 from PIL import Image
 
+import vlmcore.data.measure
 import vlmcore.data.pack
 from _data_helpers import make_demo_model_dir, write_jsonl
 from vlmcore.cli import main
@@ -252,7 +253,7 @@ def test_rerun_after_a_kill_while_measuring_measures_only_the_shards_left(demo, 
     shards = shard_paths(root / "data")
     expected = tmp_path / "expected"
     pack(root / "data", model, expected, seq_len=160, max_patches=96, shard_size=8, max_bad_fraction=0.1)
-    measure_shard = vlmcore.data.pack.measure_shard
+    measure_shard = vlmcore.data.measure.measure_shard
     measured = []
 
     def killed_at_the_third_shard(job):
@@ -262,7 +263,7 @@ def test_rerun_after_a_kill_while_measuring_measures_only_the_shards_left(demo, 
         return measure_shard(job)
 
     out = tmp_path / "packed"
-    monkeypatch.setattr(vlmcore.data.pack, "measure_shard", killed_at_the_third_shard)
+    monkeypatch.setattr(vlmcore.data.measure, "measure_shard", killed_at_the_third_shard)
     with pytest.raises(KeyboardInterrupt):
         pack(root / "data", model, out, seq_len=160, max_patches=96, shard_size=8, max_bad_fraction=0.1)
     assert not out.exists() and measured == [shards[0].name, shards[1].name]
@@ -271,7 +272,7 @@ def test_rerun_after_a_kill_while_measuring_measures_only_the_shards_left(demo, 
         measured.append(job[1].name)
         return measure_shard(job)
 
-    monkeypatch.setattr(vlmcore.data.pack, "measure_shard", counted)
+    monkeypatch.setattr(vlmcore.data.measure, "measure_shard", counted)
     stats = pack(root / "data", model, out, seq_len=160, max_patches=96, shard_size=8, max_bad_fraction=0.1)
     assert measured == [s.name for s in shards]  # the first two were not measured again
     assert stats == json.loads((expected / "stats.json").read_text())
@@ -302,7 +303,7 @@ def test_measure_pass_scattered_over_jobs_packs_the_same_bytes(demo, tmp_path):
         raise AssertionError(f"shard {job[1]} measured again")
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(vlmcore.data.pack, "measure_shard", measuring_again)
+        mp.setattr(vlmcore.data.measure, "measure_shard", measuring_again)
         assert pack(root / "data", model, out, seq_len=160, max_patches=96, shard_size=8, max_bad_fraction=0.1) == stats
     assert packed_members(out) == packed_members(single)
     assert not measured.exists()

@@ -41,7 +41,8 @@ from megatron.energon import (
 
 from vlmcore.data.batch import Batch, Images
 from vlmcore.data.encoder import IGNORE_INDEX, EncodingError, SampleEncoder, TextEncoding
-from vlmcore.data.pack import PACK_MODEL_DIR, measure_sample
+from vlmcore.data.measure import measure_sample
+from vlmcore.data.pack import PACK_MODEL_DIR
 from vlmcore.data.bin_packing import best_fit_decreasing
 from vlmcore.data.processor import ImagePatcher
 from vlmcore.data.quality import LOGGED_PER_REASON, BadSample, load_image, load_json

@@ -1,0 +1,210 @@
+"""Pass 1 of `vlmcore pack`: every sample measured as the loader will encode it.
+
+Each sample is read and its images decoded in full (a file truncated after its header is counted
+as bad here, never met by the loader), measured with the model's processor (token count after
+image-token expansion, image patches from the image size) and the overlong policy applied; shards
+are measured in parallel by `workers` processes, results kept in shard order. Memory holds only
+compact arrays per sample (where its json and images lie in its shard, its tokens and patches:
+about 75 bytes). Each shard's measurements are kept in `<out>.measured` as they come, so a killed
+pack measures only the shards left (vlmcore.data.pack runs the passes).
+"""
+
+import json
+import multiprocessing
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from tqdm import tqdm
+
+from vlmcore.data.encoder import IGNORE_INDEX, EncodingError, SampleEncoder, TextEncoding
+from vlmcore.data.quality import BadSample, check_image, decode_utf8
+from vlmcore.data.shards import iter_shard_samples
+
+MODEL_FILES = [
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
+]
+
+
+# Per-sample state of pass 1, kept in compact arrays (about 50 bytes a sample, 20 an image, plus
+# its key): where its json part lies in its shard, its images, and its budget.
+SAMPLE = np.dtype([
+    ("shard", "<u4"), ("json_offset", "<u8"), ("json_size", "<u4"), ("key_offset", "<u8"), ("key_size", "<u2"),
+    ("first_image", "<u8"), ("num_images", "<u2"), ("kept_images", "<u2"), ("tokens", "<u4"), ("patches", "<u4"),
+])  # fmt: skip
+IMAGE = np.dtype([("offset", "<u8"), ("size", "<u4"), ("width", "<u4"), ("height", "<u4")])
+
+
+@dataclass
+class MeasuredShard:
+    samples: np.ndarray  # SAMPLE; key_offset and first_image count from this shard's start
+    images: np.ndarray  # IMAGE, every image of every kept sample, in order
+    keys: bytes
+    seen: int
+    bad: list[tuple[str, str, str]]  # (reason, where, detail)
+    counts: dict
+    cpu_seconds: float
+
+
+def measure_sample(sample: dict, parts: dict, encoder: SampleEncoder, seq_len: int, max_patches: int,
+                   overlong: str, counts: dict) -> tuple[TextEncoding, list[str], list[tuple[int, int]]]:
+    """Encode the text of one stored sample as the loader will, and apply the overlong policy.
+
+    Returns the encoding, the names of the image parts it keeps, and the sizes of all its images.
+    Raises BadSample or EncodingError for samples to skip.
+    """
+    names = sample.get("images", [])
+    sizes = []
+    for name in names:
+        if name not in parts:
+            raise BadSample("missing_image", f"part {name}")
+        try:
+            sizes.append(check_image(parts[name], Image.MAX_IMAGE_PIXELS)[2])  # decodes every pixel
+        except BadSample as e:
+            raise BadSample(e.reason, f"{name}: {e.detail}") from e
+    enc = encoder.encode_text(sample, sizes)
+    if enc.num_patches > max_patches:
+        counts["dropped_overlong"] += 1
+        raise BadSample("too_many_patches", f"{enc.num_patches} patches > max_patches {max_patches}")
+    if len(enc.input_ids) > seq_len:
+        if overlong == "drop":
+            counts["dropped_overlong"] += 1
+            raise BadSample("overlong", f"{len(enc.input_ids)} tokens > seq_len {seq_len}")
+        enc = encoder.truncate(enc, encoder.truncation_point(enc.input_ids, seq_len))
+        if all(label == IGNORE_INDEX for label in enc.labels):
+            raise BadSample("no_labels", f"nothing left to train on after truncation to {seq_len} tokens")
+        counts["truncated"] += 1
+    if all(label == IGNORE_INDEX for label in enc.labels):
+        raise BadSample("no_labels", "nothing to train on")
+    return enc, names[: len(enc.image_grid_thw)], sizes
+
+
+def measure(shard_sample, encoder: SampleEncoder, seq_len: int, max_patches: int, overlong: str,
+            counts: dict) -> tuple[TextEncoding, list[str], list[tuple[int, int]]]:
+    """Size one shard sample as the loader will encode it; raises BadSample/EncodingError to skip it.
+
+    Returns the encoding, the names of all its images and their sizes."""
+    if shard_sample.unsafe_names:
+        raise BadSample("unsafe_tar_member", repr(shard_sample.unsafe_names[0]))
+    if "json" not in shard_sample.data:
+        raise BadSample("malformed_row", f"no json part, parts {sorted(shard_sample.parts)}")
+    try:
+        sample = json.loads(decode_utf8(shard_sample.data["json"]))
+    except json.JSONDecodeError as e:
+        raise BadSample("malformed_json", str(e)) from e
+    enc, _, sizes = measure_sample(sample, shard_sample.data, encoder, seq_len, max_patches, overlong, counts)
+    return enc, sample.get("images", []), sizes
+
+
+_worker = {}  # per measuring process: the encoder and the pack settings
+
+
+def start_worker(model_dir, seq_len: int, max_patches: int, overlong: str) -> None:
+    _worker.update(encoder=SampleEncoder(model_dir), seq_len=seq_len, max_patches=max_patches, overlong=overlong)
+
+
+def measure_shard(job: tuple[int, Path]) -> MeasuredShard:
+    shard_index, shard = job
+    start = time.process_time()
+    samples, images, keys, bad = [], [], bytearray(), []
+    counts = {"truncated": 0, "dropped_overlong": 0}
+    seen = 0
+    for shard_sample in iter_shard_samples(shard):
+        seen += 1
+        try:
+            enc, names, sizes = measure(shard_sample, _worker["encoder"], _worker["seq_len"], _worker["max_patches"],
+                                        _worker["overlong"], counts)
+        except (BadSample, EncodingError) as e:
+            bad.append((e.reason, f"{shard.name}:{shard_sample.key}", str(e)))
+            continue
+        key = shard_sample.key.encode()
+        json_part = shard_sample.parts["json"]
+        samples.append((shard_index, json_part.offset, json_part.size, len(keys), len(key), len(images), len(names),
+                        len(enc.image_grid_thw), len(enc.input_ids), enc.num_patches))
+        keys += key
+        images += [(shard_sample.parts[n].offset, shard_sample.parts[n].size, w, h) for n, (w, h) in zip(names, sizes)]
+    return MeasuredShard(np.array(samples, SAMPLE), np.array(images, IMAGE), bytes(keys), seen, bad, counts,
+                         time.process_time() - start)
+
+
+def inputs_identity(shards: list[Path], model_dir: Path, seq_len: int, max_patches: int, overlong: str) -> dict:
+    """What the measurements depend on: the measure settings and every input file's size and mtime."""
+    inputs = shards + [model_dir / name for name in MODEL_FILES if (model_dir / name).is_file()]
+    return {"settings": [str(model_dir), seq_len, max_patches, overlong],
+            "files": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in inputs]}
+
+
+def measure_shards(shards: list[Path], model_dir: Path, seq_len: int, max_patches: int, overlong: str, workers: int,
+                   cache: Path, identity: dict, group: tuple[int, int] = (0, 1)) -> list[MeasuredShard]:
+    """MeasuredShard per shard, in shard order, from `workers` processes. Each shard's result is
+    saved in `cache` (measurements of the inputs `identity`) as it comes, so a rerun after a kill
+    measures only the shards left. `group` (g, n): measure only the shards whose index is g modulo
+    n and return nothing; n such jobs, run at once, fill the same cache (the workflow's scatter of
+    the measure pass)."""
+    settings = (model_dir, seq_len, max_patches, overlong)
+    identity = json.dumps(identity)
+    stamp = cache / "identity.json"
+    if stamp.is_file() and stamp.read_text() != identity:  # measured from other inputs or settings
+        shutil.rmtree(cache)
+    if not stamp.is_file():  # scattered jobs may get here together: each writes the same stamp, atomically
+        cache.mkdir(parents=True, exist_ok=True)
+        stamp.with_suffix(f".tmp{os.getpid()}").write_text(identity)
+        stamp.with_suffix(f".tmp{os.getpid()}").replace(stamp)
+    g, n = group
+    jobs = [(i, shard) for i, shard in enumerate(shards) if i % n == g and not (cache / f"{i:06d}.npz").is_file()]
+    workers = min(workers, max(len(jobs), 1))
+    progress = tqdm(desc=f"measure ({workers} workers)", unit="shard", total=len(shards), initial=len(shards) - len(jobs))
+    if workers <= 1:
+        start_worker(*settings)
+        for i, shard in jobs:
+            save_measured(cache / f"{i:06d}.npz", measure_shard((i, shard)))
+            progress.update()
+    else:
+        # fork: the workers share the parent's imported libraries instead of loading their own copy
+        with multiprocessing.get_context("fork").Pool(workers, start_worker, settings) as pool:
+            for (i, _), measured in zip(jobs, pool.imap(measure_shard, jobs)):
+                save_measured(cache / f"{i:06d}.npz", measured)
+                progress.update()
+    progress.close()
+    if n > 1:
+        return []
+    return [load_measured(cache / f"{i:06d}.npz") for i in range(len(shards))]
+
+
+def save_measured(path: Path, m: MeasuredShard) -> None:
+    info = {"seen": m.seen, "bad": m.bad, "counts": m.counts, "cpu_seconds": m.cpu_seconds}
+    with open(path.with_suffix(".tmp"), "wb") as f:
+        np.savez(f, samples=m.samples, images=m.images, keys=np.frombuffer(m.keys, np.uint8), info=np.array(json.dumps(info)))
+    path.with_suffix(".tmp").replace(path)
+
+
+def load_measured(path: Path) -> MeasuredShard:
+    with np.load(path) as saved:
+        info = json.loads(str(saved["info"]))
+        return MeasuredShard(saved["samples"], saved["images"], saved["keys"].tobytes(), info["seen"],
+                             [tuple(bad) for bad in info["bad"]], info["counts"], info["cpu_seconds"])
+
+
+def concatenate(measured: list[MeasuredShard]) -> tuple[np.ndarray, np.ndarray, bytes]:
+    key_start = image_start = 0
+    for m in measured:
+        m.samples["key_offset"] += key_start
+        m.samples["first_image"] += image_start
+        key_start += len(m.keys)
+        image_start += len(m.images)
+    return (np.concatenate([np.zeros(0, SAMPLE)] + [m.samples for m in measured]),
+            np.concatenate([np.zeros(0, IMAGE)] + [m.images for m in measured]), b"".join(m.keys for m in measured))
