@@ -129,7 +129,11 @@ def peak_memory_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
 
 
-def bench_vlmcore(cfg, host_batch, device, args):
+def case_tag(family: str, args) -> str:
+    return f"{family}{'_compile' if args.compile else ''}"
+
+
+def bench_vlmcore(cfg, host_batch, device, args, family: str):
     import torch.distributed as dist
 
     from vlmcore.models import load_hf_config
@@ -150,6 +154,14 @@ def bench_vlmcore(cfg, host_batch, device, args):
 
     seconds = time_steps(step, args.warmup, args.steps, device)
     result = {"step_s": seconds, "peak_mem_gib": peak_memory_gib(device), "flops_per_step": flops}
+    if args.profile:  # two more steps, traced as the loop's metrics.profile_steps traces them
+        from vlmcore.train.profiling import StepProfiler
+
+        profiler = StepProfiler([1, 2], args.out / f"profile_bare_{case_tag(family, args)}", 0, device)
+        for n in (1, 2):
+            profiler.step_starts(n)
+            step()
+            profiler.step_ended(n)
     del run
     dist.destroy_process_group()
     return result
@@ -157,6 +169,7 @@ def bench_vlmcore(cfg, host_batch, device, args):
 
 def bench_loop(cfg, device, args, seq_len: int, image_side: int, family: str) -> dict:
     """`vlmcore train` on random batches like the bare step's: median step time after warmup."""
+    import shutil
     import subprocess
 
     import yaml
@@ -170,12 +183,18 @@ def bench_loop(cfg, device, args, seq_len: int, image_side: int, family: str) ->
               "precision": {"param_dtype": cfg.precision.param_dtype},
               "data": {"kind": "random", "seq_len": seq_len, "segments": max(1, seq_len // 512),
                        "image_fraction": 1.0, "image_side": image_side}}
+    if args.profile:  # the (at most two) steps after the warmup
+        config["metrics"]["profile_steps"] = [args.warmup + 1, args.warmup + min(2, args.steps)]
     out.parent.mkdir(parents=True, exist_ok=True)
     (out.parent / f"{out.name}.yaml").write_text(yaml.safe_dump(config))
-    proc = subprocess.run([sys.executable, "-m", "vlmcore.cli", "train", str(out.parent / f"{out.name}.yaml")],
-                          capture_output=True, text=True)
+    overrides = [a for setting in args.loop_set for a in ("--set", setting)]
+    proc = subprocess.run([sys.executable, "-m", "vlmcore.cli", "train", str(out.parent / f"{out.name}.yaml"),
+                           *overrides], capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"vlmcore train failed:\n{proc.stderr[-3000:]}")
+    if args.profile:
+        shutil.copytree(out / "profile", args.out / f"profile_loop_{case_tag(family, args)}",
+                        dirs_exist_ok=True)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][args.warmup:]
     return {"step_s": statistics.median(r["step_time_s"] for r in rows),
             "peak_mem_gib": max(r["peak_mem_gb"] for r in rows) * 1e9 / 2**30 if device.type == "cuda" else None,
@@ -260,7 +279,7 @@ def run_case(args, family: str, path: Path, device: torch.device) -> dict:
     batch = RandomBatches(model_config, seq_len=seq_len, segments=max(1, seq_len // 512), image_fraction=1.0,
                           micro_batch_size=1, dp_rank=0, dp_world=1, grad_accum_steps=1, seed=0,
                           image_side=preset["image_side"]).batch(0)
-    results = {"vlmcore": bench_vlmcore(cfg, batch, device, args)}
+    results = {"vlmcore": bench_vlmcore(cfg, batch, device, args, family)}
     flops = results["vlmcore"]["flops_per_step"]
     if not args.skip_transformers:
         device_batch = batch.map_tensors(lambda t: t.to(device))
@@ -314,6 +333,11 @@ def main() -> int:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-loop", action="store_true", help="no `vlmcore train` run")
     parser.add_argument("--memory-estimate", action="store_true", help="also `vlmcore memory`'s estimate")
+    parser.add_argument("--profile", action="store_true",
+                        help="trace two bare steps and two steps of the real loop (torch.profiler): a summary and a "
+                        "trace each, in --out's profile_bare_* and profile_loop_* folders")
+    parser.add_argument("--loop-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a `vlmcore train --set` for the real loop (repeatable), e.g. metrics.module_times=false")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     families = PRESETS[args.preset]["families"]

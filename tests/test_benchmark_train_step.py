@@ -15,9 +15,10 @@ REPO = Path(__file__).resolve().parents[1]
 def test_benchmark_prints_the_table_and_writes_json(tmp_path):
     """`--all --family qwen3_vl`: that family's part of the GPU table, compiled first, then eager;
     each case printed and written as it finishes, the memory estimate (from its own process)
-    beside both."""
+    beside both; `--profile`: two bare steps and two of the loop traced, a summary beside each."""
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "train_step.py"), "--preset", "tiny", "--all",
-                           "--family", "qwen3_vl", "--steps", "1", "--warmup", "1", "--out", str(tmp_path)],
+                           "--family", "qwen3_vl", "--steps", "1", "--warmup", "1", "--profile",
+                           "--loop-set", "metrics.module_times=false", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for engine in ("vlmcore ", "transformers", "vlmcore train", "real loop / bare step time"):
@@ -31,6 +32,11 @@ def test_benchmark_prints_the_table_and_writes_json(tmp_path):
         assert case["results"]["vlmcore"]["estimated_peak_gib"] > 0
         assert all(r["step_s"] > 0 and r["tokens_per_s"] > 0 for r in case["results"].values())
     assert written["cases"][0]["flops_per_step"] == written["cases"][1]["flops_per_step"]  # the same batch
+    for kind, steps in (("bare", 2), ("loop", 1)):  # the loop traces the --steps 1 after its warmup
+        for case in ("qwen3_vl_compile", "qwen3_vl"):
+            folder = tmp_path / f"profile_{kind}_{case}"
+            assert (folder / "rank0_summary.txt").read_text().startswith(f"profiled steps: {steps}, ")
+            assert (folder / "rank0_trace.json.gz").stat().st_size > 0
 
 
 @pytest.mark.slow

@@ -271,7 +271,7 @@ def _declared_cases():
         bad = ["bogus"] if typing.get_origin(tp) is typing.Literal else []
         bad += _out_of_range(f.metadata) if f.metadata.get("bounds") else []
         bad += [math.nan, math.inf] if float in (tp, *typing.get_args(tp)) else []
-        cases += [(name, [v, v] if isinstance(default, tuple) else v) for v in bad]
+        cases += [(name, [v, v] if isinstance(default, (tuple, list)) else v) for v in bad]
     return cases
 
 

@@ -130,6 +130,9 @@ class MetricsConfig:
                                     gt=0)
     module_times: bool = setting(True, "time the vision tower and the LLM apart (vision_time_s, llm_time_s): "
                                  "a few CUDA events per micro-batch")
+    profile_steps: list[int] = setting(
+        None, "steps (1-based) traced with torch.profiler, first to last: a trace and a summary (GPU busy time, "
+        "host syncs, launches, top kernels) per rank in output_dir/profile/; [] = none", ge=1, factory=list)
 
 
 @dataclass
@@ -193,6 +196,7 @@ RULES = [
      lambda v, c: c.schedule.unit != "samples" or v is not None),
     ("schedule.warmup_samples", "must be <= schedule.total_samples when schedule.unit is samples",
      lambda v, c: c.schedule.unit != "samples" or v <= c.schedule.total_samples),
+    ("metrics.profile_steps", "must be steps the run reaches (<= steps)", lambda v, c: all(s <= c.steps for s in v)),
     ("parallel.dp_shard", "must be 1 or -1 when parallel.mode is ddp",
      lambda v, c: c.parallel.mode != "ddp" or v in (1, -1)),
     *_module_rules("vision"),
@@ -356,10 +360,10 @@ def validate(cfg: TrainConfig) -> None:
     """Checks every key's declared range, then the RULES between keys (not the paths: see
     check_paths); raises ConfigError naming the key. The types and choices are checked on loading."""
     for name, f, _, value in leaves(cfg):
-        values = list(value) if isinstance(value, tuple) else [value]
+        values = list(value) if isinstance(value, (tuple, list)) else [value]
         if f.metadata.get("bounds") and not all(v is None or _in_range(v, f.metadata) for v in values):
-            each = "each " if isinstance(value, tuple) else ""
-            number = "a finite number " if isinstance(values[0], float) else ""
+            each = "each " if isinstance(value, (tuple, list)) else ""
+            number = "a finite number " if values and isinstance(values[0], float) else ""
             shown = values if each else value
             raise ConfigError(f"{name}: {each}must be {number}{range_text(f.metadata)}, got {shown}", name)
     for name, allowed, ok in RULES:

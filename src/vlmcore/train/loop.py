@@ -29,6 +29,7 @@ from vlmcore.train.checkpoint import CheckpointError, resume_latest, rng_state, 
 from vlmcore.train.metrics_log import MetricsLogger, global_counts, peak_tflops, step_record
 from vlmcore.train.module_timer import ModuleTimer
 from vlmcore.train.optim import lr_factor, schedule_total, set_lr
+from vlmcore.train.profiling import StepProfiler
 from vlmcore.train.run_dir import mark_done, prepare_output_dir
 
 
@@ -137,6 +138,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, stop: _StopSignal)
     logger = MetricsLogger(out, rank == 0, cfg.metrics.tensorboard, cfg.metrics.wandb, to_dict(cfg), state["step"])
     peak = peak_tflops(device, cfg.metrics.peak_tflops)
     batches, nonfinite_in_a_row = iter(data), 0
+    profiler = StepProfiler(cfg.metrics.profile_steps, out / "profile", rank, device)
 
     def save_checkpoint():
         if checkpointer is not None:
@@ -144,6 +146,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, stop: _StopSignal)
                               {"rng": rng_state(), "loader": data.state_dict()})
 
     while state["step"] < cfg.steps:
+        profiler.step_starts(state["step"] + 1)
         t0 = time.perf_counter()
         host_micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
         data_wait = time.perf_counter() - t0
@@ -167,6 +170,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, stop: _StopSignal)
         record = step_record(state, result, counts, cfg.optimizer.lr * factor, step_time, data_wait, peak, device,
                              dims.tp)
         logger.log(record | (timer.read() if timer else {}))
+        profiler.step_ended(state["step"])
 
         if nonfinite_in_a_row >= cfg.max_nonfinite_steps:
             save_checkpoint()
