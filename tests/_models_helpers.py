@@ -217,3 +217,44 @@ def qwen3_5_moe_text_config(tied=False, moe=None, **text):
     from transformers import Qwen3_5MoeTextConfig
 
     return Qwen3_5MoeTextConfig(**qwen3_5_moe_text_dict(moe, tied=tied, **text))
+
+
+VIDEO = 253  # the tiny configs' video_token_id
+
+
+def mm_sample(items, generator, merge=2):
+    """input_ids (1-D) and the visual inputs of a sample mixing text, images and videos, laid out
+    as Qwen3-VL's processor lays them out: ("text", n) n random tokens; ("image", (1, h, w))
+    vision_start, the image tokens, vision_end; ("video", (T, h, w)) for each of its T frame groups
+    a 3-token timestamp text ("<1.0 seconds>" stands in), vision_start, the group's video tokens,
+    vision_end. -> ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw (None when absent)."""
+    ids, images, videos = [], [], []
+    for kind, spec in items:
+        if kind == "text":
+            ids.append(torch.randint(0, 200, (spec,), generator=generator))
+            continue
+        t, h, w = spec
+        group = [VISION_START] + [IMAGE if kind == "image" else VIDEO] * (h * w // merge**2) + [VISION_END]
+        if kind == "image":
+            ids.append(torch.tensor(group))
+        else:
+            for _ in range(t):
+                ids += [torch.randint(0, 200, (3,), generator=generator), torch.tensor(group)]
+        (images if kind == "image" else videos).append((spec, torch.randn(t * h * w, PATCH_DIM, generator=generator)))
+
+    def stacked(parts):
+        if not parts:
+            return None, None
+        return torch.cat([px for _, px in parts]), torch.tensor([spec for spec, _ in parts], dtype=torch.long)
+
+    return (torch.cat(ids), *stacked(images), *stacked(videos))
+
+
+def mm_token_types(ids):
+    """transformers' mm_token_type_ids: 1 at image tokens, 2 at video tokens."""
+    return (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
+
+
+def hf_mm_inputs(ids, pixels, grid, video_pixels, video_grid) -> dict:
+    return dict(input_ids=ids, pixel_values=pixels, image_grid_thw=grid, pixel_values_videos=video_pixels,
+                video_grid_thw=video_grid, mm_token_type_ids=mm_token_types(ids))

@@ -54,12 +54,13 @@ def from_pretrained(path, dtype=None, device=None) -> torch.nn.Module:
     return model
 
 
-def position_ids(config, input_ids, image_grid_thw=None, cu_seqlens=None) -> torch.Tensor:
+def position_ids(config, input_ids, image_grid_thw=None, cu_seqlens=None, video_grid_thw=None) -> torch.Tensor:
     """The positions the model computes when given none: (B, S) for text models, (3, B, S) for M-RoPE."""
     if family(config).positions == "text":
         return text_position_ids(input_ids, cu_seqlens)
     merge = config.vision_config.spatial_merge_size
-    return mrope_position_ids(input_ids, image_grid_thw, cu_seqlens, config.image_token_id, merge)
+    return mrope_position_ids(input_ids, image_grid_thw, cu_seqlens, config.image_token_id, merge,
+                              video_grid_thw, getattr(config, "video_token_id", None))
 
 
 def use_backends(backends: dict) -> None:

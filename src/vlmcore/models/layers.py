@@ -13,19 +13,56 @@ def grid_list(image_grid_thw) -> list[list[int]]:
     return image_grid_thw.tolist() if torch.is_tensor(image_grid_thw) else [list(g) for g in image_grid_thw]
 
 
-def scatter_image_features(h: torch.Tensor, image_mask: torch.Tensor, features: torch.Tensor, grids) -> torch.Tensor:
+def scatter_image_features(h: torch.Tensor, image_mask: torch.Tensor, features: torch.Tensor, grids,
+                           kind: str = "image") -> torch.Tensor:
     """h with `features` written at the image tokens, in order. The count of image tokens must
     match the features: checked on the host when h is there, and by a device-side assert on the
     GPU (a host check would stall it; the data loader has checked every sample already)."""
     if h.device.type == "cpu":
         n_tokens = int(image_mask.sum())
         if n_tokens != features.shape[0]:
-            raise ValueError(f"input_ids has {n_tokens} image tokens but the images give {features.shape[0]} "
-                             f"features (image_grid_thw {grids})")
+            raise ValueError(f"input_ids has {n_tokens} {kind} tokens but the {kind}s give {features.shape[0]} "
+                             f"features ({kind}_grid_thw {grids})")
     else:
         torch._assert_async(image_mask.sum() == features.shape[0],
-                            "input_ids and image_grid_thw disagree on the number of image tokens")
+                            f"input_ids and {kind}_grid_thw disagree on the number of {kind} tokens")
     return h.masked_scatter(image_mask[..., None], features.to(h.dtype))
+
+
+class VisualTokens:
+    """The images and videos of a batch, run through the vision tower in one pass (images first,
+    then videos: each frame group attends only to itself, so the pass equals one per kind), and
+    where the tower's output rows go: the image tokens, then the video tokens, each in order."""
+
+    def __init__(self, config, input_ids, pixel_values, image_grid_thw, pixel_values_videos=None,
+                 video_grid_thw=None):
+        merge = config.vision_config.spatial_merge_size
+        kinds = [("image", config.image_token_id, pixel_values, grid_list(image_grid_thw)),
+                 ("video", getattr(config, "video_token_id", None), pixel_values_videos, grid_list(video_grid_thw))]
+        kinds = [k for k in kinds if k[2] is not None]
+        if any(token is None for _, token, _, _ in kinds):
+            raise ValueError(f"{config.model_type} has no video_token_id: it takes no pixel_values_videos")
+        self.pixels = torch.cat([px for _, _, px, _ in kinds]) if len(kinds) > 1 else kinds[0][2]
+        self.grids = [g for *_, grids in kinds for g in grids]
+        self.masks = [input_ids == token for _, token, _, _ in kinds]
+        self.counts = [sum(t * h * w for t, h, w in grids) // merge**2 for *_, grids in kinds]
+        self.kinds = [(kind, grids) for kind, _, _, grids in kinds]
+
+    @classmethod
+    def of(cls, config, input_ids, pixel_values, image_grid_thw, pixel_values_videos=None, video_grid_thw=None):
+        """None for a text-only batch."""
+        if pixel_values is None and pixel_values_videos is None:
+            return None
+        return cls(config, input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+
+    def scatter(self, h: torch.Tensor, features: torch.Tensor, check: bool = True) -> torch.Tensor:
+        """h with the tower's output rows (or a DeepStack level's) written at the visual tokens."""
+        for mask, part, (kind, grids) in zip(self.masks, features.split(self.counts), self.kinds):
+            if check:
+                h = scatter_image_features(h, mask, part, grids, kind)
+            else:
+                h = h.masked_scatter(mask[..., None], part.to(h.dtype))
+        return h
 
 
 class RMSNorm(nn.Module):

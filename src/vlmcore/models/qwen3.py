@@ -100,9 +100,10 @@ class Qwen3ForCausalLM(TextModelParts, nn.Module):
         self.tie_weights()
 
     def forward(self, input_ids, pixel_values=None, image_grid_thw=None, position_ids=None,
-                cu_seqlens=None, max_seqlen=None, return_hidden=False) -> ModelOutput:
-        if pixel_values is not None:
-            raise ValueError("qwen3 is a text model: pixel_values must be None")
+                cu_seqlens=None, max_seqlen=None, return_hidden=False, pixel_values_videos=None,
+                video_grid_thw=None) -> ModelOutput:
+        if pixel_values is not None or pixel_values_videos is not None:
+            raise ValueError("qwen3 is a text model: pixel_values and pixel_values_videos must be None")
         if position_ids is None:
             position_ids = text_position_ids(input_ids, cu_seqlens)
         h = self.model.embed_tokens(input_ids)

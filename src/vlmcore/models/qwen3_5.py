@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
 from .attention import attention
-from .layers import ZeroCenteredRMSNorm, apply_rotary, grid_list, mrope_cos_sin, rope_inv_freq, scatter_image_features
+from .layers import VisualTokens, ZeroCenteredRMSNorm, apply_rotary, mrope_cos_sin, rope_inv_freq
 from .parts import ModelOutput, TextModelParts, VisionLanguageParts
 from .linear_attention import causal_depthwise_conv, gated_delta_rule, host_segments, row_segments
 from .moe import feed_forward
@@ -215,19 +215,21 @@ class Qwen3_5ForConditionalGeneration(VisionLanguageParts, nn.Module):
 
     position_ids = Qwen3VLForConditionalGeneration.position_ids  # the same M-RoPE positions
 
-    def embed(self, input_ids, pixel_values, image_grid_thw):
+    def embed(self, input_ids, pixel_values, image_grid_thw, pixel_values_videos=None, video_grid_thw=None):
         h = self.model.language_model.embed_tokens(input_ids)
-        if pixel_values is None:
+        visual = VisualTokens.of(self.config, input_ids, pixel_values, image_grid_thw, pixel_values_videos,
+                                 video_grid_thw)
+        if visual is None:
             return h
-        image_embeds, _ = self.model.visual(pixel_values, image_grid_thw)
-        image_mask = input_ids == self.config.image_token_id
-        return scatter_image_features(h, image_mask, image_embeds, grid_list(image_grid_thw))
+        embeds, _ = self.model.visual(visual.pixels, visual.grids)
+        return visual.scatter(h, embeds)
 
     def forward(self, input_ids, pixel_values=None, image_grid_thw=None, position_ids=None,
-                cu_seqlens=None, max_seqlen=None, return_hidden=False) -> ModelOutput:
-        h = self.embed(input_ids, pixel_values, image_grid_thw)
+                cu_seqlens=None, max_seqlen=None, return_hidden=False, pixel_values_videos=None,
+                video_grid_thw=None) -> ModelOutput:
+        h = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
         if position_ids is None:
-            position_ids = self.position_ids(input_ids, image_grid_thw, cu_seqlens)
+            position_ids = self.position_ids(input_ids, image_grid_thw, cu_seqlens, video_grid_thw)
         h = self.model.language_model(h, position_ids, cu_seqlens, max_seqlen)
         if return_hidden:
             return ModelOutput(hidden_states=h)
@@ -245,9 +247,10 @@ class Qwen3_5ForCausalLM(TextModelParts, nn.Module):
         self.tie_weights()
 
     def forward(self, input_ids, pixel_values=None, image_grid_thw=None, position_ids=None,
-                cu_seqlens=None, max_seqlen=None, return_hidden=False) -> ModelOutput:
-        if pixel_values is not None:
-            raise ValueError(f"{self.config.model_type} is a text model: pixel_values must be None")
+                cu_seqlens=None, max_seqlen=None, return_hidden=False, pixel_values_videos=None,
+                video_grid_thw=None) -> ModelOutput:
+        if pixel_values is not None or pixel_values_videos is not None:
+            raise ValueError(f"{self.config.model_type} is a text model: pixel_values and pixel_values_videos must be None")
         if position_ids is None:
             position_ids = text_position_ids(input_ids, cu_seqlens)
         h = self.model(self.model.embed_tokens(input_ids), position_ids, cu_seqlens, max_seqlen)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import attention
-from .layers import apply_rotary, grid_list, mrope_cos_sin, rope_inv_freq, scatter_image_features
+from .layers import VisualTokens, apply_rotary, grid_list, mrope_cos_sin, rope_inv_freq
 from .parts import ModelOutput, VisionLanguageParts
 from .qwen3 import Qwen3TextModel, check_text_config
 
@@ -179,16 +179,16 @@ class VisionModel(nn.Module):
 
 
 class LanguageModel(Qwen3TextModel):
-    """The Qwen3 decoder; DeepStack features are added at image positions after the first layers."""
+    """The Qwen3 decoder; DeepStack features are added at image and video positions after the first layers."""
 
-    def forward(self, h, cos, sin, cu_seqlens, max_seqlen=None, image_mask=None, deepstack=()):
+    def forward(self, h, cos, sin, cu_seqlens, max_seqlen=None, visual: VisualTokens | None = None, deepstack=()):
         full_shape, dtype = h.shape, h.dtype
         h = self.split_sequence(h)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, cu_seqlens, max_seqlen=max_seqlen)
             if i < len(deepstack):
-                features = torch.zeros(full_shape, dtype=dtype, device=image_mask.device)
-                h = h + self.split_sequence(features.masked_scatter(image_mask[..., None], deepstack[i].to(dtype)))
+                features = torch.zeros(full_shape, dtype=dtype, device=h.device)
+                h = h + self.split_sequence(visual.scatter(features, deepstack[i], check=False))
         return self.norm(h)
 
 
@@ -199,35 +199,46 @@ class Qwen3VLModel(nn.Module):
         self.language_model = LanguageModel(config.text_config)
 
 
-def mrope_position_ids(input_ids, image_grid_thw, cu_seqlens, image_token_id: int, merge: int) -> torch.Tensor:
+def video_frame_groups(video_grid_thw) -> list[list[int]]:
+    """A video's (T, H, W) as T grids (1, H, W): each group of temporal_patch_size frames has its own
+    timestamp text and vision start/end tokens in input_ids, and is placed like an image of one frame."""
+    return [[1, h, w] for t, h, w in grid_list(video_grid_thw) for _ in range(t)]
+
+
+def mrope_position_ids(input_ids, image_grid_thw, cu_seqlens, image_token_id: int, merge: int,
+                       video_grid_thw=None, video_token_id: int | None = None) -> torch.Tensor:
     """(3, B, S) multimodal positions (t, h, w), restarting at 0 in every segment.
 
     Text tokens advance all three axes together. An image starting at position p spans
     t in p + [0, T), h in p + [0, H/merge), w in p + [0, W/merge); the text after it resumes at
-    p + max(H, W) / merge. Images are taken from `image_grid_thw` in token order over the batch.
+    p + max(H, W) / merge. Images are taken from `image_grid_thw` in token order over the batch,
+    video frame groups likewise from `video_grid_thw` (video_frame_groups).
     """
     batch, seq_len = input_ids.shape
     if cu_seqlens is None:
         bounds = list(range(0, batch * seq_len + 1, seq_len))
     else:
         bounds = cu_seqlens.tolist()
-    grids = iter(grid_list(image_grid_thw))
+    grids = {image_token_id: iter(grid_list(image_grid_thw))}
+    if video_token_id is not None:
+        grids[video_token_id] = iter(video_frame_groups(video_grid_thw))
+    names = {image_token_id: "image tokens than image_grid_thw", video_token_id: "video tokens than video_grid_thw"}
     tokens = input_ids.flatten().tolist()
     out = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         i, pos = start, 0
         while i < end:
-            if tokens[i] != image_token_id:
+            if tokens[i] not in grids:
                 j = i
-                while j < end and tokens[j] != image_token_id:
+                while j < end and tokens[j] not in grids:
                     j += 1
                 out.append(torch.arange(pos, pos + j - i).expand(3, -1))
                 pos += j - i
                 i = j
                 continue
-            grid = next(grids, None)
+            grid = next(grids[tokens[i]], None)
             if grid is None:
-                raise ValueError(f"input_ids has more image tokens than image_grid_thw describes (at token {i})")
+                raise ValueError(f"input_ids has more {names[tokens[i]]} describes (at token {i})")
             t, h, w = grid[0], grid[1] // merge, grid[2] // merge
             tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
             out.append(torch.stack((tt, hh, ww)).flatten(1) + pos)
@@ -249,30 +260,32 @@ class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tie_weights()
 
-    def position_ids(self, input_ids, image_grid_thw=None, cu_seqlens=None):
-        return mrope_position_ids(
-            input_ids, image_grid_thw, cu_seqlens, self.config.image_token_id, self.config.vision_config.spatial_merge_size
-        )
+    def position_ids(self, input_ids, image_grid_thw=None, cu_seqlens=None, video_grid_thw=None):
+        return mrope_position_ids(input_ids, image_grid_thw, cu_seqlens, self.config.image_token_id,
+                                  self.config.vision_config.spatial_merge_size, video_grid_thw,
+                                  getattr(self.config, "video_token_id", None))
 
-    def embed(self, input_ids, pixel_values, image_grid_thw):
-        """Token embeddings with image features scattered in; also the image mask and DeepStack features."""
+    def embed(self, input_ids, pixel_values, image_grid_thw, pixel_values_videos=None, video_grid_thw=None):
+        """Token embeddings with image and video features scattered in; also where they went
+        (VisualTokens) and the DeepStack features."""
         h = self.model.language_model.embed_tokens(input_ids)
-        if pixel_values is None:
+        visual = VisualTokens.of(self.config, input_ids, pixel_values, image_grid_thw, pixel_values_videos,
+                                 video_grid_thw)
+        if visual is None:
             return h, None, []
-        image_embeds, deepstack = self.model.visual(pixel_values, image_grid_thw)
-        image_mask = input_ids == self.config.image_token_id
-        h = scatter_image_features(h, image_mask, image_embeds, grid_list(image_grid_thw))
-        return h, image_mask, deepstack
+        embeds, deepstack = self.model.visual(visual.pixels, visual.grids)
+        return visual.scatter(h, embeds), visual, deepstack
 
     def forward(self, input_ids, pixel_values=None, image_grid_thw=None, position_ids=None,
-                cu_seqlens=None, max_seqlen=None, return_hidden=False) -> ModelOutput:
-        h, image_mask, deepstack = self.embed(input_ids, pixel_values, image_grid_thw)
+                cu_seqlens=None, max_seqlen=None, return_hidden=False, pixel_values_videos=None,
+                video_grid_thw=None) -> ModelOutput:
+        h, visual, deepstack = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
         if position_ids is None:
-            position_ids = self.position_ids(input_ids, image_grid_thw, cu_seqlens)
+            position_ids = self.position_ids(input_ids, image_grid_thw, cu_seqlens, video_grid_thw)
         rope = self.config.text_config.rope_parameters
         inv_freq = rope_inv_freq(rope, self.head_dim, "qwen3_vl text_config")
         cos, sin = mrope_cos_sin(inv_freq, position_ids, rope.get("mrope_section", DEFAULT_MROPE_SECTION), h.dtype)
-        h = self.model.language_model(h, cos, sin, cu_seqlens, max_seqlen, image_mask, deepstack)
+        h = self.model.language_model(h, cos, sin, cu_seqlens, max_seqlen, visual, deepstack)
         if return_hidden:
             return ModelOutput(hidden_states=h)
         return ModelOutput(logits=self.lm_head(h))
