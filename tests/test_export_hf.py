@@ -191,3 +191,31 @@ def test_export_of_a_tensor_parallel_training_run(tmp_path, family):
         assert not torch.allclose(got, source(**inputs).logits), "training must have changed the weights"
         expected = native(input_ids, pixel_values=inputs["pixel_values"], image_grid_thw=grid).logits
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_exported_model_reads_video_as_the_native_model_does(exported):
+    """The export keeps what video needs (the config's video token, the vision tower): transformers
+    on the exported directory and the native model on final/ give the same logits for a video of
+    two frame groups (transformers' names: pixel_values_videos, video_grid_thw)."""
+    family, snapshot, final, out, _ = exported
+    if family == "qwen3":
+        pytest.skip("a text model")
+    import vlmcore.models
+    from vlmcore.train.checkpoint import load_model_weights
+
+    native = vlmcore.models.from_pretrained(snapshot)
+    load_model_weights(native, final)
+    config = native.config
+    g = torch.Generator().manual_seed(0)
+    group = [config.vision_start_token_id] + [config.video_token_id] * 4 + [config.vision_end_token_id]
+    ids = torch.cat([torch.randint(0, 300, (5,), generator=g)]
+                    + [torch.cat([torch.randint(0, 300, (3,), generator=g), torch.tensor(group)]) for _ in range(2)]
+                    + [torch.randint(0, 300, (4,), generator=g)])[None]
+    grid = torch.tensor([[2, 4, 4]])
+    pixels = torch.randn(2 * 16, 3 * 2 * 16 * 16, generator=g)
+    loaded = AUTO_CLASS[family].from_pretrained(out).eval()
+    with torch.no_grad():
+        ref = loaded(input_ids=ids, pixel_values_videos=pixels, video_grid_thw=grid,
+                     mm_token_type_ids=2 * (ids == config.video_token_id).int()).logits
+        got = native.eval()(ids, pixel_values_videos=pixels, video_grid_thw=grid).logits
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)

@@ -161,3 +161,30 @@ def test_compiled_blocks_under_tp_follow_the_eager_run(tmp_path):
     assert len(runs["eager"]) == 3
     for name in ("compiled", "compiled_full", "compiled_selective"):
         torch.testing.assert_close(runs[name], runs["eager"], rtol=1e-3, atol=0, msg=name)
+
+
+VIDEO_DATA = {"kind": "random", "seq_len": 96, "segments": 3, "image_fraction": 0.5, "video_fraction": 0.75,
+              "video_frames": 2}
+
+
+def test_video_rows_under_fsdp_tp_and_vision_tp_match_one_process(tmp_path):
+    """Rows with videos (two frame groups each, DeepStack features at their tokens) and images:
+    FSDP x TP 2 with the vision tower's own TP 2 on the same ranks gives the one-process run.
+    Images and videos go through the tower in one pass, so its sharding is the images'."""
+    from _train_helpers import hf_config
+    from vlmcore.train.random_data import RandomBatches
+
+    data = RandomBatches(hf_config("qwen3_vl"), **{k: v for k, v in VIDEO_DATA.items() if k != "kind"},
+                         micro_batch_size=1, dp_rank=0, dp_world=1, grad_accum_steps=1, seed=0)
+    batches = [data.batch(i) for i in range(STEPS * 2)]
+    assert any(b.videos is not None and b.images is not None for b in batches)
+    assert any(b.videos is None for b in batches) and any(b.videos is not None for b in batches)
+
+    snapshot = tiny_snapshot("qwen3_vl", tmp_path / "model")
+    one, one_weights = run_layout(tmp_path, snapshot, "video_one", 1, {"grad_accum_steps": 2, "data": VIDEO_DATA})
+    four, four_weights = run_layout(tmp_path, snapshot, "video_dp2_tp2_vision_tp2", 4,
+                                    {"grad_accum_steps": 1, "data": VIDEO_DATA,
+                                     "parallel": {"tp": 2, "modules": {"vision": {"tp": 2}}}})
+    torch.testing.assert_close(torch.tensor(four), torch.tensor(one), rtol=1e-5, atol=1e-5)
+    for key in one_weights:
+        torch.testing.assert_close(four_weights[key], one_weights[key], rtol=1e-4, atol=1e-4, msg=key)

@@ -19,15 +19,15 @@ import json, sys
 from vlmcore.config import load_config
 from vlmcore.train.memory import estimate_memory
 out = []
-for sets, world, seq_len, image_side, fake in json.loads(sys.argv[2]):
+for sets, world, seq_len, image_side, fake, *video in json.loads(sys.argv[2]):
     cfg = load_config(sys.argv[1], sets)
-    out.append(estimate_memory(cfg, world, seq_len, image_side, fake=fake))
+    out.append(estimate_memory(cfg, world, seq_len, image_side, fake=fake, video_frames=video[0] if video else 0))
 print("RESULT" + json.dumps(out))
 """
 
 
 def estimates(config, *runs) -> list[dict]:
-    """runs: (overrides, world size, seq_len, image_side, fake)."""
+    """runs: (overrides, world size, seq_len, image_side, fake[, video frame groups])."""
     proc = subprocess.run([sys.executable, "-c", DRIVER, str(config), json.dumps(runs)], capture_output=True,
                           text=True, env=env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
@@ -46,10 +46,16 @@ def configs(tmp_path_factory):
 def test_fake_run_counts_what_the_real_run_holds(configs, kind):
     # bf16 compute, two micro-batches (unsynced gradients held between them), selective AC.
     sets = ["precision.param_dtype=bfloat16", "grad_accum_steps=2", "parallel.activation_checkpointing=selective"]
-    fake, real = estimates(configs[kind], [sets, 1, 96, 2, True], [sets, 1, 96, 2, False])
+    # Qwen3-VL also with rows holding a video of 2, then 4, frame groups instead of an image.
+    videos = [[sets, 1, 96, 2, True, 2], [sets, 1, 96, 2, False, 2], [sets, 1, 96, 2, True, 4]] if kind == "qwen3_vl" else []
+    fake, real, *video = estimates(configs[kind], [sets, 1, 96, 2, True], [sets, 1, 96, 2, False], *videos)
     assert fake["peak_bytes_by_kind"] == real["peak_bytes_by_kind"]
     assert fake["peak_bytes"] == real["peak_bytes"] > 0
     assert fake["fake"] and not real["fake"]
+    if video:
+        video_fake, video_real, longer = video
+        assert video_fake["peak_bytes_by_kind"] == video_real["peak_bytes_by_kind"] and video_fake["video_frames"] == 2
+        assert longer["peak_bytes_by_kind"]["Activation"] > video_fake["peak_bytes_by_kind"]["Activation"]
 
 
 def test_moe_estimate_needs_the_grouped_gemm_dtype(configs):

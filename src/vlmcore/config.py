@@ -143,6 +143,10 @@ class DataConfig:
     segments: int = setting(2, "random: samples packed per row", ge=1)
     image_fraction: float = setting(0.5, "random, VL models: share of rows that carry an image", ge=0, le=1)
     image_side: int = setting(2, "random, VL models: merged patches per side of an image (side**2 LLM tokens)", ge=1)
+    video_fraction: float = setting(0.0, "random, VL models: share of rows that carry a video (in the longest "
+                                    "segment without an image that has room for it)", ge=0, le=1)
+    video_frames: int = setting(2, "random, VL models: frame groups per video (temporal_patch_size frames each; "
+                                "image_side**2 tokens, a timestamp and vision start/end per group)", ge=1)
 
 
 @dataclass
@@ -209,6 +213,10 @@ RULES = [
      "when data.kind is random and data.image_fraction > 0",
      lambda v, c: c.data.kind != "random" or c.data.image_fraction == 0
      or v**2 + 4 <= c.data.seq_len // c.data.segments),
+    ("data.video_frames", "must leave room for a video (video_frames * (image_side**2 + 5) + 2 tokens) in "
+     "data.seq_len / data.segments when data.kind is random and data.video_fraction > 0",
+     lambda v, c: c.data.kind != "random" or c.data.video_fraction == 0
+     or v * (c.data.image_side**2 + 5) + 2 <= c.data.seq_len // c.data.segments),
 ]
 # Legal settings that are probably mistakes: (key, why, suspicious(value, config)).
 WARNINGS = [

@@ -1,4 +1,4 @@
-"""The batch the train step works on: packed rows of tokens and the images in them.
+"""The batch the train step works on: packed rows of tokens and the images and videos in them.
 
 The loader (vlmcore.data.loader) and the random data (vlmcore.train.random_data) make them on the
 host; `to(device)` moves one to the device, where the images' uint8 patches become the image
@@ -18,7 +18,8 @@ from vlmcore.data.processor import normalize_patches
 
 @dataclass
 class Images:
-    """The images of a batch's rows, in token order."""
+    """The images (or the videos) of a batch's rows, in token order. A video is one grid (T, h, w):
+    T groups of temporal_patch_size frames, each group its own run of video tokens."""
 
     pixel_values: torch.Tensor  # (N_patches, C*P*P) uint8 patches (or float values: see `normalize`)
     grid_thw: torch.Tensor | list  # (N_images, 3) int64 (t, h, w) in patches; a list of [t, h, w] after `to`
@@ -66,14 +67,15 @@ class Batch:
     labels: torch.Tensor  # (B, S) int64, IGNORE_INDEX where no loss; label[t] is the target of logits[t]
     cu_seqlens: torch.Tensor  # (segments + 1,) int32 over the flattened B*S tokens
     position_ids: torch.Tensor | None = None  # (B, S), or (3, B, S) for M-RoPE models
-    images: Images | None = None  # None: a text-only batch
+    images: Images | None = None  # None: no image in the rows
+    videos: Images | None = None  # None: no video in the rows
     num_samples: int = 0  # samples in the rows
     skipped_samples: dict = field(default_factory=dict)  # {reason: count} of bad samples left out of the rows
     row_keys: list[str] = field(default_factory=list)  # each row's pack (Energon key)
     max_seqlen: int | None = None  # the longest segment, a host int (set by `to`)
 
     def to(self, device: torch.device) -> "Batch":
-        """The batch on `device`; its host metadata (`max_seqlen`, the image grids) stays on the host."""
+        """The batch on `device`; its host metadata (`max_seqlen`, the image and video grids) stays on the host."""
         lengths = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
         return replace(
             self,
@@ -82,14 +84,20 @@ class Batch:
             cu_seqlens=self.cu_seqlens.to(device, non_blocking=True),
             position_ids=None if self.position_ids is None else self.position_ids.to(device, non_blocking=True),
             images=None if self.images is None else self.images.to(device),
+            videos=None if self.videos is None else self.videos.to(device),
             max_seqlen=self.max_seqlen if self.max_seqlen is not None else int(lengths.max()),
         )
 
     def map_tensors(self, fn) -> "Batch":
-        """The batch with `fn` applied to each of its tensors (its images' included)."""
+        """The batch with `fn` applied to each of its tensors (its images' and videos' included)."""
         return replace(self, input_ids=fn(self.input_ids), labels=fn(self.labels), cu_seqlens=fn(self.cu_seqlens),
                        position_ids=None if self.position_ids is None else fn(self.position_ids),
-                       images=None if self.images is None else self.images.map_tensors(fn))
+                       images=None if self.images is None else self.images.map_tensors(fn),
+                       videos=None if self.videos is None else self.videos.map_tensors(fn))
+
+    @property
+    def has_visual(self) -> bool:
+        return self.images is not None or self.videos is not None
 
     @property
     def label_tokens(self) -> int:

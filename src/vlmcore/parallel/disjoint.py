@@ -154,6 +154,9 @@ class DisjointBridge:
         rank its own micro-batches (returned as they are), on an encoder rank a tuple of the
         source ranks' for each (returned: the host image batch of its rows, None if imageless)."""
         self.plans = []
+        if any(b.videos is not None for batch in host_micro for b in (batch if self.is_vision else (batch,))):
+            raise ConfigError("parallel.modules.vision.ranks: disjoint module layouts do not carry videos yet; "
+                              "train rows with videos with colocated layouts", "parallel.modules.vision.ranks")
         if self.is_vision:
             return [self._plan_encoder(sources) for sources in host_micro]
         for batch in host_micro:

@@ -132,7 +132,8 @@ def build_data(cfg: TrainConfig, model_config, rank: int, world: int):
         return RandomBatches(model_config, seq_len=cfg.data.seq_len, segments=cfg.data.segments,
                              image_fraction=cfg.data.image_fraction, micro_batch_size=cfg.micro_batch_size,
                              dp_rank=rank, dp_world=world, grad_accum_steps=cfg.grad_accum_steps, seed=cfg.seed,
-                             image_side=cfg.data.image_side)
+                             image_side=cfg.data.image_side, video_fraction=cfg.data.video_fraction,
+                             video_frames=cfg.data.video_frames)
     from vlmcore.data.loader import build_loader
 
     return build_loader(cfg.data_path, dp_rank=rank, dp_world=world, micro_batch_size=cfg.micro_batch_size,

@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "pack_config.json, else data.seq_len)")
     parser.add_argument("--image-side", type=positive_int, help="VL models: merged patches per side of the one image "
                         "in each row (default: as large as the dataset's max_patches allows, else data.image_side)")
+    parser.add_argument("--video-frames", type=positive_int, help="VL models: rows hold one video of this many "
+                        "frame groups (temporal_patch_size frames each, image-side x image-side merged patches) "
+                        "instead of an image")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, dotted keys for sections (repeatable)")
     parser.add_argument("--gpu-memory-gib", type=float, help="memory of one GPU: exit 1, saying what to change, "
@@ -60,7 +63,7 @@ def run(args) -> int:
         if args.gpu_memory_gib is not None and args.gpu_memory_gib <= 0:
             raise ConfigError(f"--gpu-memory-gib: must be positive, got {args.gpu_memory_gib}")
         cfg = load_config(args.config, args.set)
-        result = estimate_stage(cfg, args.world_size, args.seq_len, args.image_side)
+        result = estimate_stage(cfg, args.world_size, args.seq_len, args.image_side, args.video_frames or 0)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -78,12 +81,13 @@ def run(args) -> int:
 
 
 def estimate_stage(cfg: TrainConfig, world_size: int, seq_len: int | None = None,
-                   image_side: int | None = None) -> dict:
+                   image_side: int | None = None, video_frames: int = 0) -> dict:
     """`estimate_memory` of a stage config at its worst-case row: a packed row is one sample
-    holding the largest image the dataset allows; random rows are estimated as configured."""
-    seq_len, image_side = batch_shape(cfg, seq_len, image_side)
+    holding the largest image the dataset allows (or a video of `video_frames` frame groups of
+    that size); random rows are estimated as configured."""
+    seq_len, image_side = batch_shape(cfg, seq_len, image_side, video_frames)
     segments = cfg.data.segments if cfg.data.kind == "random" else 1
-    return estimate_memory(cfg, world_size, seq_len, image_side, segments=segments)
+    return estimate_memory(cfg, world_size, seq_len, image_side, segments=segments, video_frames=video_frames)
 
 
 def check_fit(result: dict, gpu_memory_gib: float, headroom: float = HEADROOM) -> str | None:
@@ -104,7 +108,9 @@ def check_fit(result: dict, gpu_memory_gib: float, headroom: float = HEADROOM) -
             fixes.append(f"micro_batch_size: {result['micro_batch_size'] // 2} with twice the grad_accum_steps "
                          f"(now {result['micro_batch_size']})")
         fixes.append(f"shorter rows (now {result['seq_len']} tokens"
-                     + (f", images up to {result['image_side']}x{result['image_side']} merged patches)" if result["image_side"] else ")"))
+                     + (f", images up to {result['image_side']}x{result['image_side']} merged patches"
+                        + (f", videos of {result['video_frames']} frame groups" if result.get("video_frames") else "")
+                        + ")" if result["image_side"] else ")"))
     fixes.append(f"more ranks to shard over, or tensor parallel (now dp_shard {result['dp_shard']} x tp {result['tp']})")
     return (f"estimated peak {result['peak_bytes'] / 2**30:.1f} GiB per GPU does not fit in "
             f"{usable / 2**30:.1f} GiB ({gpu_memory_gib:g} GiB GPU, {headroom:.0%} kept free); largest: "
@@ -118,9 +124,10 @@ def fit_line(result: dict) -> str:
             f"usable on a {result['gpu_memory_gib']:g} GiB GPU")
 
 
-def batch_shape(cfg: TrainConfig, seq_len: int | None, image_side: int | None) -> tuple[int, int]:
-    """The row length and image size to estimate with: given, else the packed dataset's
-    limits (pack_config.json), else the config's random-data shape."""
+def batch_shape(cfg: TrainConfig, seq_len: int | None, image_side: int | None,
+                video_frames: int = 0) -> tuple[int, int]:
+    """The row length and image (or video frame) size to estimate with: given, else the packed
+    dataset's limits (pack_config.json), else the config's random-data shape."""
     pack = Path(cfg.data_path or "") / "pack_config.json"
     limits = json.loads(pack.read_text()) if cfg.data.kind == "packed" and pack.is_file() else {}
     seq_len = seq_len or limits.get("seq_len") or cfg.data.seq_len
@@ -134,6 +141,8 @@ def batch_shape(cfg: TrainConfig, seq_len: int | None, image_side: int | None) -
         merge = model_config.get("vision_config", {}).get("spatial_merge_size", 2)
         image_side = math.isqrt(limits["max_patches"]) // merge if "max_patches" in limits else cfg.data.image_side
         image_side = min(image_side, math.isqrt(seq_len - 4))  # the image and its two markers fit the row
+        if video_frames:  # each frame group with its timestamp and markers fits the row
+            image_side = min(image_side, math.isqrt(max(0, (seq_len - 2) // video_frames - 5)))
     return seq_len, image_side
 
 
@@ -192,9 +201,10 @@ def _grouped_experts(model, cfg: TrainConfig):
 
 
 def estimate_memory(cfg: TrainConfig, world_size: int, seq_len: int, image_side: int, fake: bool = True,
-                    segments: int | None = None) -> dict:
+                    segments: int | None = None, video_frames: int = 0) -> dict:
     """Peak bytes per kind over two training steps, each row `segments` packed samples (default:
-    data.segments), the longest with the image: on rank 0, or under disjoint layouts on the first
+    data.segments), the longest with the image (`video_frames` > 0: with a video of that many
+    frame groups of image_side x image_side merged patches): on rank 0, or under disjoint layouts on the first
     rank of each module (`modules`: each one's estimate; the top level is the larger). `fake=False`
     runs the same steps on real tensors (one process only): what the fake run must reproduce."""
     if world_size < 1:
@@ -206,13 +216,18 @@ def estimate_memory(cfg: TrainConfig, world_size: int, seq_len: int, image_side:
     # less for backward than the eager ops they replace).
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, compile=False))
     segments = segments or cfg.data.segments
+    if video_frames and video_frames * (image_side**2 + 5) + 2 > seq_len // segments:
+        raise ConfigError(f"--video-frames: a video of {video_frames} frame groups of {image_side}x{image_side} merged "
+                          f"patches ({video_frames * (image_side**2 + 5)} tokens with its timestamps and markers) "
+                          f"does not fit a segment of {seq_len // segments} tokens")
     ranks = {"vision": layout.vision.ranks.start, "language": layout.language.ranks.start} if layout.disjoint else {"both": 0}
-    peaks = {role: _estimate_rank(cfg, layout, rank, seq_len, image_side, segments, fake) for role, rank in ranks.items()}
+    peaks = {role: _estimate_rank(cfg, layout, rank, seq_len, image_side, segments, fake, video_frames)
+             for role, rank in ranks.items()}
     role = max(peaks, key=lambda r: peaks[r]["Total"])
     dims = layout.language.dims
     result = {"world_size": world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
               "seq_len": seq_len, "segments": segments, "micro_batch_size": cfg.micro_batch_size,
-              "image_side": image_side, "activation_checkpointing": cfg.parallel.activation_checkpointing,
+              "image_side": image_side, "video_frames": video_frames, "activation_checkpointing": cfg.parallel.activation_checkpointing,
               "param_dtype": cfg.precision.param_dtype, "fake": fake, "rank": ranks[role],
               "peak_bytes": peaks[role]["Total"], "peak_bytes_by_kind": _kinds(peaks[role])}
     if layout.disjoint:
@@ -226,7 +241,8 @@ def _kinds(peak: dict) -> dict:
     return {kind: n for kind, n in peak.items() if kind != "Total"}
 
 
-def _estimate_rank(cfg, layout, rank: int, seq_len: int, image_side: int, segments: int, fake: bool) -> dict:
+def _estimate_rank(cfg, layout, rank: int, seq_len: int, image_side: int, segments: int, fake: bool,
+                   video_frames: int = 0) -> dict:
     """Peak bytes per kind (and "Total") of global rank `rank` of `layout`."""
     device = torch.device("cpu")
     with _process_group(layout.world_size, fake, rank):
@@ -236,14 +252,15 @@ def _estimate_rank(cfg, layout, rank: int, seq_len: int, image_side: int, segmen
         # torch's memory tracker of plain modules fails on frozen weights. Counted that way, its
         # estimate is above the run by one block's weight copy and the gradient reduce buffers.
         run = build_meta_run(cfg, layout, device, rank, shard_one_rank=True)
-        # The rank's micro-batches, every row with an image (an encoder rank: those of its language
-        # ranks). Two micro-batches hold as much as more would: from the second on, the unsynced
-        # gradients of the first are held too.
+        # The rank's micro-batches, every row with an image or a video (an encoder rank: those of its
+        # language ranks). Two micro-batches hold as much as more would: from the second on, the
+        # unsynced gradients of the first are held too.
         micro_batches = min(cfg.grad_accum_steps, 2)
         batches = iter(run.data(lambda data_rank, data_world: RandomBatches(
-            run.model.config, seq_len=seq_len, segments=segments, image_fraction=1.0,
+            run.model.config, seq_len=seq_len, segments=segments, image_fraction=0.0 if video_frames else 1.0,
             micro_batch_size=cfg.micro_batch_size, dp_rank=data_rank, dp_world=data_world,
-            grad_accum_steps=micro_batches, seed=cfg.seed, image_side=image_side)))
+            grad_accum_steps=micro_batches, seed=cfg.seed, image_side=image_side,
+            video_fraction=1.0 if video_frames else 0.0, video_frames=video_frames or 1)))
         micro = [next(batches) for _ in range(micro_batches)]
         own = [] if run.role == "vision" else micro
         label_tokens = float(sum(b.label_tokens for b in own)) * layout.data.dims.dp
@@ -307,6 +324,8 @@ def format_table(result: dict) -> str:
     unit, scale = ("GiB", 2**30) if result["peak_bytes"] >= 2**30 else ("MiB", 2**20)
     side = result["image_side"]
     image = f"image {side}x{side} merged patches" if side else "no image"
+    if side and result.get("video_frames"):
+        image = f"video of {result['video_frames']} frame groups of {side}x{side} merged patches"
     mesh = f"dp_replicate {result['dp_replicate']} x dp_shard {result['dp_shard']} x tp {result['tp']}"
     lines = [f"peak memory per device, rank {result['rank']} of {result['world_size']} ({mesh}), "
              f"{result['micro_batch_size']} x {result['seq_len']} tokens, {image}, "

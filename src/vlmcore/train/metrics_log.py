@@ -32,7 +32,7 @@ def peak_tflops(device: torch.device, override: float | None) -> float | None:
 
 def batch_flops(config, batch) -> tuple[float, float]:
     """Training FLOPs (LLM, vision tower) of one packed micro-batch (vlmcore.models.flops)."""
-    grids = batch.images.grids() if batch.images is not None else None
+    grids = [g for kind in (batch.images, batch.videos) if kind is not None for g in kind.grids()] or None
     return llm_flops(config, batch.segment_lengths().cpu()), vision_flops(config, grids)
 
 

@@ -16,13 +16,14 @@ from vlmcore.data.batch import Batch, Images
 class RandomBatches:
     def __init__(self, model_config, *, seq_len: int, segments: int, image_fraction: float,
                  micro_batch_size: int, dp_rank: int, dp_world: int, grad_accum_steps: int, seed: int,
-                 image_side: int = 2):
+                 image_side: int = 2, video_fraction: float = 0.0, video_frames: int = 2):
         self.config = model_config
         self.text = getattr(model_config, "text_config", model_config)
         self.vision = getattr(model_config, "vision_config", None)
         self.seq_len, self.segments, self.image_fraction = seq_len, segments, image_fraction
         self.micro_batch_size, self.seed = micro_batch_size, seed
-        self.image_side = image_side  # merged patches per side of each image
+        self.image_side = image_side  # merged patches per side of each image (and video frame)
+        self.video_fraction, self.video_frames = video_fraction, video_frames  # frames: groups per video
         self.dp_rank, self.dp_world, self.accum = dp_rank, dp_world, grad_accum_steps
         self.consumed = 0  # micro-batches taken by this rank
 
@@ -40,12 +41,12 @@ class RandomBatches:
 
     def _text_vocab(self) -> int:
         """Ordinary tokens only: stay below the special (image, vision start/end) ids."""
-        special = [getattr(self.config, k, None) for k in ("image_token_id", "vision_start_token_id")]
+        special = [getattr(self.config, k, None) for k in ("image_token_id", "video_token_id", "vision_start_token_id")]
         return min([self.text.vocab_size] + [s for s in special if s is not None])
 
     def batch(self, index: int) -> Batch:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        rows, labels, lengths, grids = [], [], [], []
+        rows, labels, lengths, grids, video_grids = [], [], [], [], []
         vocab = self._text_vocab()
         for _ in range(self.micro_batch_size):
             cuts = torch.randperm(self.seq_len // 2 - 1, generator=g)[: self.segments - 1] * 2 + 2
@@ -53,12 +54,20 @@ class RandomBatches:
             ids = torch.randint(0, vocab, (self.seq_len,), generator=g)
             lab = torch.full((self.seq_len,), IGNORE_INDEX)
             segments = list(zip(bounds[:-1], bounds[1:]))
-            image_at = None
+            visual_span = {}  # segment -> tokens of the image or video at its start
             if self.vision is not None and torch.rand((), generator=g) < self.image_fraction:
                 image_at = max(segments, key=lambda se: se[1] - se[0])
                 grids.append(self._add_image(ids, *image_at))
+                visual_span[image_at] = self._image_span()
+            # Drawn only when videos are asked for: the image-only streams stay as they were.
+            if self.vision is not None and self.video_fraction > 0 and torch.rand((), generator=g) < self.video_fraction:
+                free = [se for se in segments if se not in visual_span and se[1] - se[0] >= self._video_span() + 2]
+                if free:  # the longest segment without an image; none long enough: no video in this row
+                    video_at = max(free, key=lambda se: se[1] - se[0])
+                    video_grids.append(self._add_video(ids, *video_at, g))
+                    visual_span[video_at] = self._video_span()
             for start, end in segments:
-                prompt_end = start + (self._image_span() if (start, end) == image_at else 0)
+                prompt_end = start + visual_span.get((start, end), 0)
                 # Supervise the end of each segment, of random length, like an answer.
                 first = int(torch.randint(prompt_end + 1, end, (1,), generator=g))
                 lab[first - 1:end - 1] = ids[first:end]
@@ -68,20 +77,39 @@ class RandomBatches:
         batch = Batch(input_ids=torch.stack(rows), labels=torch.stack(labels),
                       cu_seqlens=torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32),
                       num_samples=len(lengths))
-        if grids:
-            grid = torch.tensor(grids, dtype=torch.int64)
+        if self.vision is not None:
             v = self.vision
             patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
-            batch.images = Images(torch.randn(int(grid.prod(-1).sum()), patch_dim, generator=g), grid)
-        if self.vision is not None:
+            for name, kind_grids in (("images", grids), ("videos", video_grids)):
+                if kind_grids:
+                    grid = torch.tensor(kind_grids, dtype=torch.int64)
+                    pixels = torch.randn(int(grid.prod(-1).sum()), patch_dim, generator=g)
+                    setattr(batch, name, Images(pixels, grid))
             from vlmcore.models import position_ids
 
-            batch.position_ids = position_ids(self.config, batch.input_ids, grid if grids else None, batch.cu_seqlens)
+            batch.position_ids = position_ids(self.config, batch.input_ids,
+                                              batch.images.grid_thw if batch.images else None, batch.cu_seqlens,
+                                              batch.videos.grid_thw if batch.videos else None)
         return batch
 
     def _image_span(self) -> int:
         """Tokens of one image: vision start, the merged patches, vision end."""
         return self.image_side**2 + 2
+
+    def _video_span(self) -> int:
+        """Tokens of one video: per frame group a 3-token timestamp, vision start, its merged
+        patches, vision end (as Qwen3-VL's processor lays a video out)."""
+        return self.video_frames * (self.image_side**2 + 5)
+
+    def _add_video(self, ids: torch.Tensor, start: int, end: int, g: torch.Generator) -> list[int]:
+        merge, group = self.vision.spatial_merge_size, self.image_side**2
+        for f in range(self.video_frames):
+            at = start + f * (group + 5)
+            ids[at:at + 3] = torch.randint(0, self._text_vocab(), (3,), generator=g)  # the timestamp's text
+            ids[at + 3] = self.config.vision_start_token_id
+            ids[at + 4:at + 4 + group] = self.config.video_token_id
+            ids[at + 4 + group] = self.config.vision_end_token_id
+        return [self.video_frames, self.image_side * merge, self.image_side * merge]
 
     def _add_image(self, ids: torch.Tensor, start: int, end: int) -> list[int]:
         """Puts one square image (image_side x image_side merged patches) at the start of a segment."""

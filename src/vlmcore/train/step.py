@@ -90,12 +90,14 @@ def forward_backward(model, micro: list[Batch], label_tokens: float, vision_dumm
         if isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(i == len(micro) - 1)  # reduce once, after the last
         if vision_dummy is not None:
-            vision_dummy.active = batch.images is None
+            vision_dummy.active = not batch.has_visual
         received = bridge.receive(i) if bridge is not None else None
-        images = batch.images
+        images, videos = batch.images, batch.videos
         output = model(batch.input_ids, pixel_values=images.pixel_values if images else None,
                        image_grid_thw=images.grid_thw if images else None, position_ids=batch.position_ids,
-                       cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen, return_hidden=True)
+                       cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen, return_hidden=True,
+                       pixel_values_videos=videos.pixel_values if videos else None,
+                       video_grid_thw=videos.grid_thw if videos else None)
         local_sum, _ = chunked_cross_entropy(output.hidden_states, model.lm_head.weight, batch.labels,
                                              chunk_tokens, compiled=compiled_loss)
         loss = local_sum / label_tokens
