@@ -247,6 +247,22 @@ def test_caption_row_without_image_is_counted_missing_image(tmp_path):
     assert stats["samples"] == 1 and stats["bad"]["skipped_by_reason"] == {"missing_image": 2}
 
 
+def test_video_rows_are_counted_not_kept_as_text(tmp_path):
+    """A row with a video (a field or a `<video>` tag) is not a text sample with its video dropped:
+    until video sources land it is skipped under its own reason, the other rows kept."""
+    (tmp_path / "a.png").write_bytes(rgb_png(0))
+    rows = [{"image": "a.png", "caption": f"image {i}"} for i in range(20)] + [
+        {"video": "clip.mp4", "conversations": [{"from": "human", "value": "<video>\nWhat happens?"},
+                                                 {"from": "gpt", "value": "A ball rolls."}]},
+        {"videos": ["x.mp4"], "messages": [{"role": "user", "content": "Describe."},
+                                            {"role": "assistant", "content": "Nothing."}]},
+        {"messages": [{"role": "user", "content": "<video> and text"}, {"role": "assistant", "content": "ok"}]},
+        {"video": None, "text": "a document that merely has a null video field"},
+    ]
+    stats = prepare([write_jsonl(tmp_path / "c.jsonl", rows)], tmp_path / "data", max_bad_fraction=0.2)
+    assert stats["samples"] == 21 and stats["bad"]["skipped_by_reason"] == {"video_not_supported": 3}
+
+
 @pytest.mark.parametrize("cut", ["inside_a_member", "empty_archive"])
 def test_images_tar_cut_short_counts_lost_images(tmp_path, cut):
     full = images_tar(tmp_path / "full.tar", 4)

@@ -13,6 +13,8 @@ Rows:
   {"images": [...], "texts": [{"user", "assistant"}]}  FineVision
 Images are paths (relative to `--images`, a directory or a tar file; default: the source's
 directory), raw bytes, `data:` URIs, or `{"bytes": raw or base64, "path": ...}` dicts.
+Rows with a video (a `video`/`videos` field or a `<video>` tag) are not read yet: each is
+skipped and counted as `video_not_supported`, never kept as text without its video.
 
 Shard samples hold the normalised sample as `json` ({"messages"} or {"text"}) and the images
 as they were (RGB JPEG/PNG) or repaired to PNG. Tokenization happens later, in `vlmcore pack`
@@ -177,10 +179,27 @@ def row_images(row: dict) -> list:
     return [im for im in images if im is not None]
 
 
+def video_in_row(row: dict) -> str | None:
+    """What makes a row a video sample (a `video`/`videos` field, a `<video>` tag), or None."""
+    for key in ("video", "videos"):
+        if row.get(key) not in (None, [], ""):
+            return f"a {key!r} field"
+    turns = row.get("messages", row.get("conversations", row.get("texts")))
+    texts = [row.get("text"), row.get("caption")]
+    if isinstance(turns, list):
+        texts += [v for turn in turns if isinstance(turn, dict) for v in turn.values()]
+    if any(isinstance(t, str) and "<video>" in t for t in texts):
+        return "a <video> tag"
+    return None
+
+
 def row_to_sample(row, files: ImageFiles, max_image_pixels: int, log: BadDataLog, where: str):
     """One source row -> (sample json, [(image bytes, ext)], image sizes); raises BadSample."""
     if not isinstance(row, dict):
         raise BadSample("malformed_row", f"row is {type(row).__name__}")
+    # Kept as text, the video would be dropped without a word and its tag trained as text.
+    if (video := video_in_row(row)) is not None:
+        raise BadSample("video_not_supported", f"{video}: `vlmcore prepare` does not read videos yet")
     refs = row_images(row)
     if "messages" in row or "conversations" in row:
         messages = row.get("messages", row.get("conversations"))
