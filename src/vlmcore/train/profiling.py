@@ -41,10 +41,10 @@ class StepProfiler:
         if step != self.first:
             return
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        self.profiler = profile(activities=activities, record_shapes=False)
+        self.profiler = profile(activities=activities)
         if self.cuda:
             torch.cuda.synchronize()
-        self.profiler.__enter__()
+        self.profiler.start()
         self.started = time.perf_counter()
 
     def step_ended(self, step: int) -> None:
@@ -53,7 +53,7 @@ class StepProfiler:
         if self.cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - self.started
-        self.profiler.__exit__(None, None, None)
+        self.profiler.stop()
         self.folder.mkdir(parents=True, exist_ok=True)
         trace = self.folder / f"rank{self.rank}_trace.json.gz"
         self.profiler.export_chrome_trace(str(trace))
@@ -92,12 +92,10 @@ def device_figures(trace_events: list[dict], wall_s: float, steps: int) -> list[
 
 def busy_time_us(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) intervals: the time at least one of them ran."""
-    busy, covered_until = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > covered_until:
-            busy += end - max(start, covered_until)
-            covered_until = end
-    return busy
+    if not intervals:
+        return 0.0
+    span = max(end for _, end in intervals) - min(start for start, _ in intervals)
+    return span - sum(idle_gaps_us(intervals))
 
 
 def idle_gaps_us(intervals: list[tuple[float, float]]) -> list[float]:
