@@ -5,13 +5,15 @@
 #   bash benchmarks/gpu_session.sh qwen3_vl            # issue 15: the 2B Qwen3-VL part of the table
 #   bash benchmarks/gpu_session.sh qwen3               # issue 15: the 2B Qwen3 part
 #   bash benchmarks/gpu_session.sh qwen3_vl_moe 30b-a3b   # issue 19: Qwen3-VL-30B-A3B's shape, 4 layers
+#   bash benchmarks/gpu_session.sh checks              # issue 31 item 3: expert mesh on NCCL, bf16 resume
 #
 # Prints the machine and kernel versions, then `benchmarks/train_step.py --all` for one family:
 # compiled then eager, bare step, transformers and the real `vlmcore train` loop, each case
 # printed and written to $OUT (the device tool's folder; benchmarks/results without it) as it
 # finishes, with a torch.profiler trace and summary of two bare and two loop steps of each case
 # (profile_* folders). One family per command keeps each under the device tool's 10 minutes per
-# command (qwen3_vl compiled took 136 s on an H200, 2026-11-27).
+# command (qwen3_vl compiled took 136 s on an H200, 2026-11-27; 30b-a3b compiled without
+# transformers 49 s on an H100, the checks about 3 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 family=${1:-qwen3_vl}
@@ -22,6 +24,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 python -c "import transformers; print('transformers:', transformers.__version__)"
 python -m vlmcore.cli kernels
 out=${OUT:-benchmarks/results}
+if [ "$family" = checks ]; then
+    exec python benchmarks/gpu_checks.py --out "$out"
+fi
 python benchmarks/train_step.py --preset "$preset" --all --family "$family" --profile --out "$out"
 # One file for the traces and summaries: the device tool brings back at most 8 files.
 (cd "$out" && tar czf "profiles_${family}_${preset}.tar.gz" profile_* && rm -r profile_*)
