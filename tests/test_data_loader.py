@@ -138,16 +138,61 @@ def test_resume_with_workers_yields_the_same_batches(packed):
     check_resume(packed / "packed" / "conversations", num_workers=2)
 
 
-@pytest.mark.slow
-def test_layout_change_restarts_the_stream(packed, caplog):
+def global_batches(path, steps, *, dp_world, micro_batch_size, grad_accum_steps, num_workers=0, seed=0, state=None):
+    """The row keys of `steps` global batches, rank after rank, micro-batch after micro-batch."""
+    kwargs = dict(dp_world=dp_world, micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps,
+                  seed=seed, num_workers=num_workers)
+    loaders = [build_loader(path, dp_rank=r, **kwargs) for r in range(dp_world)]
+    if state is not None:
+        for loader in loaders:
+            loader.load_state_dict(state)
+    its = [iter(loader) for loader in loaders]
+    batches = [[key for it in its for _ in range(grad_accum_steps) for key in next(it).row_keys] for _ in range(steps)]
+    return batches, loaders[0].state_dict()
+
+
+# The same global batch of 4 rows per step, split over ranks, micro-batches and workers differently.
+LAYOUTS = [dict(dp_world=1, micro_batch_size=4, grad_accum_steps=1),
+           dict(dp_world=2, micro_batch_size=1, grad_accum_steps=2),
+           dict(dp_world=4, micro_batch_size=1, grad_accum_steps=1, num_workers=2),
+           dict(dp_world=1, micro_batch_size=2, grad_accum_steps=2, num_workers=3)]
+
+
+@pytest.mark.parametrize("blend", [None, "weighted", "epochized"])
+def test_global_batches_do_not_depend_on_the_layout(packed, blend):
+    """Global batch k is the same rows in the same order (a rank's share a slice of it) whatever
+    the data-parallel size, micro-batch size, gradient accumulation and loader workers."""
     path = packed / "packed" / "conversations"
-    loader = build_loader(path, dp_rank=0, dp_world=1, micro_batch_size=2, seed=0, num_workers=0)
-    take(loader, 2)
-    state = loader.state_dict()
-    other = build_loader(path, dp_rank=1, dp_world=2, micro_batch_size=2, seed=0, num_workers=0)
-    other.load_state_dict(state)
-    assert "layout changed" in caplog.text
-    assert take(other, 2)[0].input_ids.shape == (2, SEQ_LEN)
+    if blend:
+        path = packed / f"blend_{blend}.yaml"
+        write_blend(path, [(packed / "packed" / "captions", 1), (packed / "packed" / "conversations", 2)],
+                    epochized=blend == "epochized")
+    runs = [global_batches(path, 6, **layout)[0] for layout in LAYOUTS]
+    assert all(run == runs[0] for run in runs[1:])
+    assert len({key for batch in runs[0] for key in batch}) > 12  # not one pack over and over
+
+
+def test_resume_on_another_layout_continues_the_stream(packed):
+    """A position saved under one layout, loaded under another with the same rows per step, goes
+    on with the next rows of the uninterrupted stream; another global batch size is refused."""
+    path = packed / "packed" / "conversations"
+    uninterrupted, _ = global_batches(path, 5, **LAYOUTS[0])
+    first, state = global_batches(path, 2, **LAYOUTS[1])
+    assert first == uninterrupted[:2]
+    for layout in LAYOUTS[2:] + LAYOUTS[:1]:
+        assert global_batches(path, 3, **layout, state=state)[0] == uninterrupted[2:]
+    with pytest.raises(ValueError, match="steps of 4 rows, this loader's are 2"):
+        build_loader(path, dp_rank=0, dp_world=1, micro_batch_size=2, seed=0, num_workers=0).load_state_dict(state)
+
+
+def test_every_pack_once_an_epoch_and_a_new_shuffle_the_next(packed):
+    path = packed / "packed" / "captions"
+    from vlmcore.data.loader import samples_in
+
+    n = samples_in(path)
+    (keys,), _ = global_batches(path, 1, dp_world=1, micro_batch_size=2 * n, grad_accum_steps=1)
+    assert sorted(keys[:n]) == sorted(keys[n:]) and len(set(keys[:n])) == n
+    assert keys[:n] != keys[n:]
 
 
 @pytest.mark.parametrize("epochized", [False, True])

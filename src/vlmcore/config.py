@@ -158,6 +158,10 @@ class TrainConfig:
     steps: int = setting(100, "optimizer steps of the run", ge=1)
     micro_batch_size: int = setting(1, "packed rows per micro-batch per data-parallel rank", ge=1)
     grad_accum_steps: int = setting(1, "micro-batches per optimizer step", ge=1)
+    allow_global_batch_change: bool = setting(
+        False, "true: a resume whose rows per step (data-parallel ranks x micro_batch_size x grad_accum_steps) "
+        "differ from the checkpoint's goes on from the rows consumed so far (none repeated or skipped, but the "
+        "steps' batches are not the uninterrupted run's); false: such a resume is refused")
     seed: int = setting(0, "seed of the data order and of the random data", ge=0, le=2**32 - 1)
     trainable: list[str] = setting(None, "fnmatch patterns of the trained parameters; [] = all of them", factory=list)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

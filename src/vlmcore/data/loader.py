@@ -46,7 +46,8 @@ from vlmcore.data.pack import PACK_MODEL_DIR
 from vlmcore.data.bin_packing import best_fit_decreasing
 from vlmcore.data.processor import ImagePatcher
 from vlmcore.data.quality import LOGGED_PER_REASON, BadSample, load_image, load_json
-from vlmcore.data.shards import shard_paths
+from vlmcore.data.order import RowOrder, rows_of
+from vlmcore.data.shards import IndexedShards, shard_paths
 from vlmcore.models import load_hf_config, position_ids
 
 logger = logging.getLogger(__name__)
@@ -97,11 +98,22 @@ def packed_dataset_files(path) -> tuple[Path, dict]:
 
 def dataset_entries(path) -> list[Path]:
     """The dataset directories of a dataset directory or of a blend YAML."""
+    return blend_entries(path)[0]
+
+
+def blend_entries(path) -> tuple[list[Path], list[float] | None, list[int] | None]:
+    """(dataset directories, weights or None, repetitions or None) of a dataset directory or a blend YAML."""
     path = Path(path)
     if path.is_dir():
-        return [path]
+        return [path], None, None
     node = yaml.safe_load(path.read_text())["splits"]["train"]
-    return [(path.parent / entry["path"]).resolve() for entry in node.get("blend") or node.get("blend_epochized") or [node]]
+    entries = node.get("blend") or node.get("blend_epochized") or [node]
+    dirs = [(path.parent / entry["path"]).resolve() for entry in entries]
+    if "blend" in node:
+        return dirs, [float(entry["weight"]) for entry in entries], None
+    if "blend_epochized" in node:
+        return dirs, None, [int(entry["repetitions"]) for entry in entries]
+    return dirs, None, None
 
 
 def samples_in(dataset_dir: Path) -> int:
@@ -356,11 +368,99 @@ class PackedLoader:
         self.loader.restore_state_rank(pickle.loads(state["energon"]))
 
 
-def build_loader(packed_dir, *, dp_rank: int, dp_world: int, micro_batch_size: int, seed: int, num_workers: int) -> PackedLoader:
+class RowLoader:
+    """The batches of one data-parallel rank over a packed dataset (or a blend of them), read in
+    the global row order of `vlmcore.data.order`: micro-batch `a` of step `k` on rank `r` holds the
+    rows `rows_of(k, a, r)`, each pack read by index (`IndexedShards`). The position is the number
+    of micro-batches taken; under another layout with the same global batch (rows per step) it
+    is found again from the rows consumed (`seek`), at no cost but the index reads of the rows.
+
+    Loader workers take micro-batches in turn (worker w the ones congruent to w), and torch's
+    DataLoader hands them out in that order, so the worker count does not change the stream."""
+
+    def __init__(self, path, task_encoder: PackedTaskEncoder, *, dp_rank: int, dp_world: int, micro_batch_size: int,
+                 grad_accum_steps: int, seed: int, num_workers: int):
+        self.task_encoder = task_encoder
+        self.split = {"dp_rank": dp_rank, "dp_world": dp_world, "micro_batch_size": micro_batch_size,
+                      "grad_accum_steps": grad_accum_steps}
+        self.num_workers = num_workers
+        entries, weights, repetitions = blend_entries(path)
+        self.datasets = [IndexedShards(d) for d in entries]
+        self.order = RowOrder([len(d) for d in self.datasets], seed, weights, repetitions)
+        self.first_row, self.micro_batches = 0, 0  # where this layout started, micro-batches taken since
+
+    @property
+    def global_batch_rows(self) -> int:
+        return self.split["dp_world"] * self.split["micro_batch_size"] * self.split["grad_accum_steps"]
+
+    def seek(self, rows: int) -> None:
+        """Go on from global row `rows`: the next step's global batch is the `global_batch_rows` rows after it."""
+        self.first_row, self.micro_batches = rows, 0
+
+    def rows_consumed(self) -> int:
+        """The global rows of the steps this rank has completed (every rank of the step read its share)."""
+        return self.first_row + self.micro_batches // self.split["grad_accum_steps"] * self.global_batch_rows
+
+    def micro_batch(self, m: int) -> Batch:
+        step, micro = divmod(m, self.split["grad_accum_steps"])
+        rows = rows_of(step, micro, self.split["dp_rank"], dp_world=self.split["dp_world"],
+                       micro_batch_size=self.split["micro_batch_size"],
+                       grad_accum_steps=self.split["grad_accum_steps"])
+        packed = []
+        for j in range(self.first_row + rows.start, self.first_row + rows.stop):
+            dataset, index = self.order[j]
+            crude = self.datasets[dataset].read(index)
+            packed.append(self.task_encoder.encode_sample(self.task_encoder.cook({**crude, "__restore_key__": ()})))
+        return self.task_encoder.batch(packed)
+
+    def __iter__(self):
+        stream = _MicroBatches(self, self.micro_batches)
+        loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=self.num_workers,
+                                             collate_fn=_as_is)
+        for batch in loader:
+            self.micro_batches += 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        return {"first_row": self.first_row, "micro_batches": self.micro_batches, "rows": self.rows_consumed(),
+                **self.split}
+
+    def load_state_dict(self, state: dict) -> None:
+        """This loader's own state, or (at a step boundary) another layout's with the same global batch."""
+        if {k: state.get(k) for k in self.split} == self.split:
+            self.first_row, self.micro_batches = state["first_row"], state["micro_batches"]
+            return
+        other = state["dp_world"] * state["micro_batch_size"] * state["grad_accum_steps"]
+        if other != self.global_batch_rows:
+            raise ValueError(f"the saved position is in steps of {other} rows, this loader's are {self.global_batch_rows}")
+        self.seek(state["rows"])
+
+
+class _MicroBatches(torch.utils.data.IterableDataset):
+    """Micro-batches `start`, `start + 1`, ... of a `RowLoader`; loader worker w of W makes every Wth."""
+
+    def __init__(self, loader: RowLoader, start: int):
+        self.loader, self.start = loader, start
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        m, stride = (self.start, 1) if info is None else (self.start + info.id, info.num_workers)
+        while True:
+            yield self.loader.micro_batch(m)
+            m += stride
+
+
+def _as_is(batch):
+    return batch
+
+
+def build_loader(packed_dir, *, dp_rank: int, dp_world: int, micro_batch_size: int, seed: int, num_workers: int,
+                 grad_accum_steps: int = 1) -> RowLoader:
     """Batches from a packed dataset (`vlmcore pack`) or a blend YAML of packed datasets (`write_blend`)."""
     model_dir, pack_config = packed_dataset_files(packed_dir)
-    return PackedLoader(packed_dir, PackedTaskEncoder(model_dir, pack_config["seq_len"]), dp_rank=dp_rank,
-                        dp_world=dp_world, micro_batch_size=micro_batch_size, seed=seed, num_workers=num_workers)
+    return RowLoader(packed_dir, PackedTaskEncoder(model_dir, pack_config["seq_len"]), dp_rank=dp_rank,
+                     dp_world=dp_world, micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps,
+                     seed=seed, num_workers=num_workers)
 
 
 def build_online_loader(data_dir, model_dir, *, seq_len: int, max_patches: int, buffer_size: int, overlong: str = "truncate",

@@ -4,9 +4,11 @@ Every sample in a vlmcore shard is a `json` part plus its images as `img<k>.<ext
 JSON names the image parts in order under `"images"`.
 """
 
+import bisect
 import contextlib
 import io
 import json
+import struct
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,3 +144,50 @@ def iter_shard_samples(shard: Path):
     except (tarfile.TarError, OSError) as e:
         raise DataError(f"{shard}: unreadable after {read} samples ({type(e).__name__}: {e}); "
                         "the shard is damaged or cut short, write it again") from e
+
+
+class IndexedShards:
+    """Random access to the samples of a prepared dataset by their index (shard after shard, in
+    the order `energon prepare` recorded), through the `.tar.idx` offsets it wrote: a sample costs
+    one 16-byte index read and one read of its own bytes, whatever its position."""
+
+    def __init__(self, dataset_dir):
+        self.dataset_dir = Path(dataset_dir)
+        self.shards = shard_paths(self.dataset_dir)
+        counts = json.loads((self.dataset_dir / ".nv-meta" / ".info.json").read_text())["shard_counts"]
+        self.starts = [0]
+        for shard in self.shards:
+            self.starts.append(self.starts[-1] + counts[shard.name])
+        self._open = {}  # shard -> (index file, tar file), per process
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getstate__(self) -> dict:  # loader workers open their own files
+        return {**self.__dict__, "_open": {}}
+
+    def read(self, i: int) -> dict:
+        """Sample i as a crude dict: `__key__` and its parts' bytes by part name (`json`, `img0.png`...)."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"{self.dataset_dir}: sample {i} of {len(self)}")
+        s = bisect.bisect_right(self.starts, i) - 1
+        if s not in self._open:
+            shard = self.shards[s]
+            self._open[s] = (open(shard.with_suffix(".tar.idx"), "rb"), open(shard, "rb"))
+        index, tar = self._open[s]
+        index.seek(8 * (i - self.starts[s]))
+        start, end = struct.unpack("<QQ", index.read(16))
+        tar.seek(start)
+        sample = {}
+        try:
+            with tarfile.open(fileobj=io.BytesIO(tar.read(end - start)), mode="r:") as members:
+                for member in members:
+                    if member.isfile():
+                        sample["__key__"], part = split_member_name(member.name)
+                        sample[part] = members.extractfile(member).read()
+        except tarfile.TarError as e:
+            raise DataError(f"{self.shards[s]}: sample {i - self.starts[s]} unreadable ({e}); "
+                            "the shard is damaged, write it again") from e
+        if "__key__" not in sample:
+            raise DataError(f"{self.shards[s]}: sample {i - self.starts[s]} is empty; the shard is damaged")
+        return sample

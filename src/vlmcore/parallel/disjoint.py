@@ -92,6 +92,10 @@ class SourceBatches:
         for i, loader in enumerate(self.loaders):
             loader.load_state_dict(state[f"source{i}"])
 
+    def seek(self, rows: int) -> None:
+        for loader in self.loaders:
+            loader.seek(rows)
+
 
 class ReceivedImages(nn.Module):
     """Stands in for the vision tower on the language ranks: returns the image embeddings (and

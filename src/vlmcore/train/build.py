@@ -137,4 +137,4 @@ def build_data(cfg: TrainConfig, model_config, rank: int, world: int):
     from vlmcore.data.loader import build_loader
 
     return build_loader(cfg.data_path, dp_rank=rank, dp_world=world, micro_batch_size=cfg.micro_batch_size,
-                        seed=cfg.seed, num_workers=cfg.num_workers)
+                        grad_accum_steps=cfg.grad_accum_steps, seed=cfg.seed, num_workers=cfg.num_workers)

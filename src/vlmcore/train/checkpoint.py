@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
@@ -244,25 +245,42 @@ def load_model_weights(model: nn.Module, init_from: str | Path) -> None:
 def resume_latest(cfg, out: Path, split: dict, model: nn.Module, optimizer: torch.optim.Optimizer, data):
     """The checkpointer (None when disabled) and the run's counters, resumed from the latest intact
     checkpoint if there is one. `split`: how the run splits the global batch over ranks and
-    micro-batches; the data's position and the RNG are per rank and only restored under the split
-    that wrote them (stored as `layout_*` keys, as checkpoints before this name have them)."""
-    state = {"step": 0, "samples": 0, "tokens": 0, "skipped_steps": 0, **{f"layout_{k}": 0 for k in split}}
+    micro-batches (stored as `layout_*` keys, as checkpoints before this name have them)."""
+    state = {"step": 0, "samples": 0, "tokens": 0, "skipped_steps": 0, "data_rows": 0,
+             **{f"layout_{k}": 0 for k in split}}
     checkpointer = Checkpointer(out, cfg.checkpoint.keep, cfg.checkpoint.async_save) if cfg.checkpoint.enabled else None
     latest = checkpointer.latest() if checkpointer else None
     if latest is not None:
-        resume(checkpointer, latest, model, optimizer, data, state, split)
+        resume(checkpointer, latest, model, optimizer, data, state, split, cfg.allow_global_batch_change)
     state.update({f"layout_{k}": v for k, v in split.items()})
     if state["step"] == cfg.steps and _is_rank0():
         print(f"step {cfg.steps} was reached before final/ and done were written: writing them, no training")
     return checkpointer, state
 
 
-def resume(checkpointer: Checkpointer, path: Path, model, optimizer, data, state: dict, split: dict) -> None:
-    """Loads model, optimizer and `state` in place; the data's position and the RNG only when the
-    split is the one that wrote the checkpoint (they are per rank)."""
-    written = {f"layout_{k}": 0 for k in split}
-    dcp.load({"train": written}, checkpoint_id=str(path))
-    same_split = all(written[f"layout_{k}"] == v for k, v in split.items())
+def global_batch_rows(split: dict) -> int:
+    return split["dp_replicate"] * split["dp_shard"] * split["micro_batch_size"] * split["grad_accum_steps"]
+
+
+def resume(checkpointer: Checkpointer, path: Path, model, optimizer, data, state: dict, split: dict,
+           allow_global_batch_change: bool = False) -> None:
+    """Loads model, optimizer and `state` in place, and puts the data where the checkpoint's run
+    left it. The data position is global (the rows consumed, `vlmcore.data.order`): under another
+    split with the same rows per step the stream goes on exactly. The RNG state is per rank and
+    comes back only under the split that wrote it (and the data loader's own state with it, which
+    the online-packing loader needs: its position means something under that split only)."""
+    written = {f"layout_{k}": 0 for k in split} | {"data_rows": -1}
+    dcp.load({"train": written}, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+    written_split = {k: written[f"layout_{k}"] for k in split}
+    if written["data_rows"] < 0:  # written before the count was kept: every step had the split's rows
+        del state["data_rows"]
+    same_split = written_split == split
+    if not same_split and global_batch_rows(written_split) != global_batch_rows(split) and not allow_global_batch_change:
+        raise CheckpointError(
+            f"{path}: written with {global_batch_rows(written_split)} rows per step ({_split_text(written_split)}), "
+            f"this run takes {global_batch_rows(split)} ({_split_text(split)}); keep micro_batch_size x "
+            "grad_accum_steps x data-parallel ranks, or set allow_global_batch_change: true to go on from "
+            "the rows consumed with the new batch size")
     rank_state = {"rng": rng_state(), "loader": data.state_dict()} if same_split else None
     # The config wins over the checkpoint's group settings (name, lr, weight decay, betas, eps, the
     # fused or foreach kernel): a checkpoint keeps them by group index, and under disjoint layouts
@@ -272,10 +290,22 @@ def resume(checkpointer: Checkpointer, path: Path, model, optimizer, data, state
     checkpointer.load(path, model, optimizer, state, rank_state)
     for group, settings in zip(optimizer.param_groups, built):
         group.update(settings)
+    if "data_rows" not in state:
+        state["data_rows"] = state["step"] * global_batch_rows(written_split)
     if rank_state is not None:
         set_rng_state(rank_state["rng"])
         data.load_state_dict(rank_state["loader"])
+    elif hasattr(data, "seek"):
+        data.seek(state["data_rows"])
+        if _is_rank0():
+            print(f"{path}: written with {_split_text(written_split)}; model and optimizer resharded, the data goes "
+                  f"on from global row {state['data_rows']}, the RNG restarts")
     elif _is_rank0():
-        print(f"{path}: another layout wrote it; model and optimizer resharded, data stream and RNG restart")
+        print(f"{path}: another layout wrote it; model and optimizer resharded, data stream and RNG restart "
+              "(the online-packing loader's position is per rank)")
     if _is_rank0():
         print(f"resumed from {path} at step {state['step']}")
+
+
+def _split_text(split: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in split.items())

@@ -162,6 +162,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, stop: _StopSignal)
         nonfinite_in_a_row = 0 if result.applied else nonfinite_in_a_row + 1
         state["skipped_steps"] += not result.applied
         state["step"] += 1
+        state["data_rows"] += dims.dp * cfg.micro_batch_size * cfg.grad_accum_steps
         state["samples"] += int(counts["samples"])
         state["tokens"] += int(counts["tokens"])
         # Host time of the step: the step's one host read (norm and loss) waits for its backward,

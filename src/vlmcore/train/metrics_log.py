@@ -72,6 +72,7 @@ def step_record(state: dict, result, counts: dict, lr: float, step_time: float, 
     return {
         "step": state["step"], "loss": result.loss_sum / tp / counts["label_tokens"], "grad_norm": result.grad_norm,
         "lr": lr, "tokens": state["tokens"], "samples": state["samples"],
+        "data_rows": state["data_rows"],  # global rows consumed (vlmcore.data.order): which packs the model saw
         "label_tokens": int(counts["label_tokens"]),
         "tokens_per_s": tokens / step_time, "tokens_per_s_per_device": tokens / step_time / world,
         "tflops_per_device": llm_tflops + vision_tflops,

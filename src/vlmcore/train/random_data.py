@@ -1,16 +1,16 @@
 """Deterministic synthetic packed batches (`Batch`es, like the loader's) for `data.kind: random`.
 
-For benchmarks and for engine tests that must not depend on a prepared dataset. Micro-batch
-`k` of data-parallel rank `r` is global micro-batch `step * dp * accum + r * accum + a`
-(`step, a = divmod(k, accum)`), and its content depends only on that global index and the seed.
-So every layout with the same `dp * accum` sees the same global batch at every step, which is
-what the exactness tests compare.
+For benchmarks and for engine tests that must not depend on a prepared dataset. Row j's content
+depends only on j and the seed, and the rows of each step are taken as the packed loader takes
+them (`vlmcore.data.order.rows_of`): every layout with the same rows per step sees the same
+global batch at every step, which is what the exactness and resume tests compare.
 """
 
 import torch
 
 from vlmcore.data import IGNORE_INDEX
 from vlmcore.data.batch import Batch, Images
+from vlmcore.data.order import rows_of
 
 
 class RandomBatches:
@@ -25,19 +25,25 @@ class RandomBatches:
         self.image_side = image_side  # merged patches per side of each image (and video frame)
         self.video_fraction, self.video_frames = video_fraction, video_frames  # frames: groups per video
         self.dp_rank, self.dp_world, self.accum = dp_rank, dp_world, grad_accum_steps
-        self.consumed = 0  # micro-batches taken by this rank
+        self.first_row, self.consumed = 0, 0  # where this layout started, micro-batches taken since
 
     def state_dict(self) -> dict:
-        return {"consumed": self.consumed}
+        return {"first_row": self.first_row, "consumed": self.consumed}
 
     def load_state_dict(self, state: dict) -> None:
-        self.consumed = int(state["consumed"])
+        self.first_row, self.consumed = int(state.get("first_row", 0)), int(state["consumed"])
+
+    def seek(self, rows: int) -> None:
+        """Go on from global row `rows`: the next step's global batch is the rows after it."""
+        self.first_row, self.consumed = rows, 0
 
     def __iter__(self):
         while True:
             step, a = divmod(self.consumed, self.accum)
             self.consumed += 1
-            yield self.batch(step * self.dp_world * self.accum + self.dp_rank * self.accum + a)
+            rows = rows_of(step, a, self.dp_rank, dp_world=self.dp_world, micro_batch_size=self.micro_batch_size,
+                           grad_accum_steps=self.accum)
+            yield self.rows(range(self.first_row + rows.start, self.first_row + rows.stop))
 
     def _text_vocab(self) -> int:
         """Ordinary tokens only: stay below the special (image, vision start/end) ids."""
@@ -45,52 +51,66 @@ class RandomBatches:
         return min([self.text.vocab_size] + [s for s in special if s is not None])
 
     def batch(self, index: int) -> Batch:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        rows, labels, lengths, grids, video_grids = [], [], [], [], []
-        vocab = self._text_vocab()
-        for _ in range(self.micro_batch_size):
-            cuts = torch.randperm(self.seq_len // 2 - 1, generator=g)[: self.segments - 1] * 2 + 2
-            bounds = [0] + sorted(cuts.tolist()) + [self.seq_len]
-            ids = torch.randint(0, vocab, (self.seq_len,), generator=g)
-            lab = torch.full((self.seq_len,), IGNORE_INDEX)
-            segments = list(zip(bounds[:-1], bounds[1:]))
-            visual_span = {}  # segment -> tokens of the image or video at its start
-            if self.vision is not None and torch.rand((), generator=g) < self.image_fraction:
-                image_at = max(segments, key=lambda se: se[1] - se[0])
-                grids.append(self._add_image(ids, *image_at))
-                visual_span[image_at] = self._image_span()
-            # Drawn only when videos are asked for: the image-only streams stay as they were.
-            if self.vision is not None and self.video_fraction > 0 and torch.rand((), generator=g) < self.video_fraction:
-                free = [se for se in segments if se not in visual_span and se[1] - se[0] >= self._video_span() + 2]
-                if free:  # the longest segment without an image; none long enough: no video in this row
-                    video_at = max(free, key=lambda se: se[1] - se[0])
-                    video_grids.append(self._add_video(ids, *video_at, g))
-                    visual_span[video_at] = self._video_span()
-            for start, end in segments:
-                prompt_end = start + visual_span.get((start, end), 0)
-                # Supervise the end of each segment, of random length, like an answer.
-                first = int(torch.randint(prompt_end + 1, end, (1,), generator=g))
-                lab[first - 1:end - 1] = ids[first:end]
-                lengths.append(end - start)
-            rows.append(ids)
-            labels.append(lab)
-        batch = Batch(input_ids=torch.stack(rows), labels=torch.stack(labels),
+        """Global micro-batch `index`: rows index * micro_batch_size, ... (each drawn on its own)."""
+        return self.rows(range(index * self.micro_batch_size, (index + 1) * self.micro_batch_size))
+
+    def rows(self, indices: range) -> Batch:
+        rows = [self.row(j) for j in indices]
+        lengths = [n for row in rows for n in row["lengths"]]
+        batch = Batch(input_ids=torch.stack([row["ids"] for row in rows]),
+                      labels=torch.stack([row["labels"] for row in rows]),
                       cu_seqlens=torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32),
                       num_samples=len(lengths))
         if self.vision is not None:
-            v = self.vision
-            patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
-            for name, kind_grids in (("images", grids), ("videos", video_grids)):
-                if kind_grids:
-                    grid = torch.tensor(kind_grids, dtype=torch.int64)
-                    pixels = torch.randn(int(grid.prod(-1).sum()), patch_dim, generator=g)
-                    setattr(batch, name, Images(pixels, grid))
+            for name in ("images", "videos"):
+                parts = [row[name] for row in rows if row[name] is not None]
+                if parts:
+                    setattr(batch, name, Images(torch.cat([p for p, _ in parts]),
+                                                torch.tensor([g for _, grids in parts for g in grids], dtype=torch.int64)))
             from vlmcore.models import position_ids
 
             batch.position_ids = position_ids(self.config, batch.input_ids,
                                               batch.images.grid_thw if batch.images else None, batch.cu_seqlens,
                                               batch.videos.grid_thw if batch.videos else None)
         return batch
+
+    def row(self, j: int) -> dict:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + j)
+        grids, video_grids = [], []
+        vocab = self._text_vocab()
+        cuts = torch.randperm(self.seq_len // 2 - 1, generator=g)[: self.segments - 1] * 2 + 2
+        bounds = [0] + sorted(cuts.tolist()) + [self.seq_len]
+        ids = torch.randint(0, vocab, (self.seq_len,), generator=g)
+        lab = torch.full((self.seq_len,), IGNORE_INDEX)
+        segments = list(zip(bounds[:-1], bounds[1:]))
+        visual_span = {}  # segment -> tokens of the image or video at its start
+        if self.vision is not None and torch.rand((), generator=g) < self.image_fraction:
+            image_at = max(segments, key=lambda se: se[1] - se[0])
+            grids.append(self._add_image(ids, *image_at))
+            visual_span[image_at] = self._image_span()
+        # Drawn only when videos are asked for: the image-only streams stay as they were.
+        if self.vision is not None and self.video_fraction > 0 and torch.rand((), generator=g) < self.video_fraction:
+            free = [se for se in segments if se not in visual_span and se[1] - se[0] >= self._video_span() + 2]
+            if free:  # the longest segment without an image; none long enough: no video in this row
+                video_at = max(free, key=lambda se: se[1] - se[0])
+                video_grids.append(self._add_video(ids, *video_at, g))
+                visual_span[video_at] = self._video_span()
+        lengths = []
+        for start, end in segments:
+            prompt_end = start + visual_span.get((start, end), 0)
+            # Supervise the end of each segment, of random length, like an answer.
+            first = int(torch.randint(prompt_end + 1, end, (1,), generator=g))
+            lab[first - 1:end - 1] = ids[first:end]
+            lengths.append(end - start)
+        row = {"ids": ids, "labels": lab, "lengths": lengths, "images": None, "videos": None}
+        if self.vision is not None:
+            v = self.vision
+            patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+            for name, kind_grids in (("images", grids), ("videos", video_grids)):
+                if kind_grids:
+                    patches = int(torch.tensor(kind_grids).prod(-1).sum())
+                    row[name] = (torch.randn(patches, patch_dim, generator=g), kind_grids)
+        return row
 
     def _image_span(self) -> int:
         """Tokens of one image: vision start, the merged patches, vision end."""

@@ -19,9 +19,12 @@ import yaml
 from vlmcore.config import TrainConfig, save_config, to_dict
 
 # Settings that may change between the attempts of one run: how long it runs, how often it
-# saves, how it is logged and fed. Anything else (data, model, optimizer, layout-independent
-# hyperparameters) makes it another run.
-RESUMABLE_CHANGES = {"steps", "checkpoint", "metrics", "num_workers", "output_dir"}
+# saves, how it is logged and fed, and how it is laid out over the GPUs (the next job of a stage
+# may get another number of nodes: the model and optimizer reshard and the data stream follows
+# the global batch, which `vlmcore.train.checkpoint.resume` checks). Anything else (data, model,
+# optimizer, hyperparameters) makes it another run.
+RESUMABLE_CHANGES = {"steps", "checkpoint", "metrics", "num_workers", "output_dir", "parallel", "micro_batch_size",
+                     "grad_accum_steps", "allow_global_batch_change"}
 UNFINISHED = "unfinished"
 
 

@@ -1,0 +1,93 @@
+"""Resume on another number of processes (issue 32): the data stream follows the global batch.
+
+A 2-process run (micro-batch 1) on a packed dataset is cut back to its step-2 checkpoint, as if
+its job had ended there, and resumed by 1 process with 2 micro-batches of gradient accumulation
+and by 4 processes (dp_shard 2 x tp 2): both end where the uninterrupted 2-process run ends
+(every later loss, the final weights, within 1e-5 relative), having read the same packs. A resume
+with another number of rows per step is refused, naming the keys, unless
+allow_global_batch_change says to go on from the rows consumed.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from _train_helpers import load_dcp, read_metrics, train, write_config
+from vlmcore.data.pack import pack
+from vlmcore.data.prepare import prepare
+from vlmcore.data.synthetic import generate
+from vlmcore.download import build_tiny_model
+
+pytestmark = pytest.mark.slow
+STEPS, CUT = 6, 2
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("elastic")
+    build_tiny_model(root / "model", overrides={"text_config": {"num_hidden_layers": 1}, "vision_config": {"depth": 1}})
+    generate(root / "raw", num_train=12, num_eval=1, seed=5)
+    prepare([root / "raw" / "conversations.jsonl"], root / "data")
+    pack(root / "data", root / "model", root / "packed", seq_len=128, max_patches=256, shard_size=3)
+    settings = dict(steps=STEPS, data_path=str(root / "packed"), data={"kind": "packed"}, checkpoint={"interval": 1, "keep": 10})
+    reference = root / "reference"
+    train(2, write_config(root / "reference.yaml", root / "model", reference, **settings))
+    return root, settings
+
+
+def cut_back(src, dst, step: int):
+    """A copy of run `src` as its job would have left it at checkpoint `step`."""
+    shutil.copytree(src, dst)
+    for checkpoint in (dst / "checkpoints").glob("step_*"):
+        if int(checkpoint.name.removeprefix("step_")) > step:
+            shutil.rmtree(checkpoint)
+    (dst / "checkpoints" / "latest").write_text(f"step_{step}")
+    shutil.rmtree(dst / "final")
+    (dst / "done").unlink()
+    lines = (dst / "metrics.jsonl").read_text().splitlines()[:step]
+    (dst / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+
+
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("nproc,sets", [(1, {"grad_accum_steps": 2}), (4, {"parallel": {"tp": 2}})],
+                         ids=["1proc_accum2", "4proc_dp2_tp2"])
+def test_resume_on_another_layout_matches_the_uninterrupted_run(setup, nproc, sets):
+    root, settings = setup
+    reference = read_metrics(root / "reference")
+    out = root / f"resumed_{nproc}"
+    cut_back(root / "reference", out, CUT)
+    proc = train(nproc, write_config(root / f"resumed_{nproc}.yaml", root / "model", out, **settings, **sets))
+    assert f"the data goes on from global row {2 * CUT}" in proc.stdout
+    resumed = read_metrics(out)
+    assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))
+    assert [m["data_rows"] for m in resumed] == [2 * step for step in range(1, STEPS + 1)]
+    for ref, got in zip(reference[CUT:], resumed[CUT:]):
+        assert got["label_tokens"] == ref["label_tokens"] and got["samples"] == ref["samples"]  # the same packs
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    weights, ref_weights = load_dcp(out / "final"), load_dcp(root / "reference" / "final")
+    assert weights.keys() == ref_weights.keys()
+    worst = max(relative_difference(weights[k], ref_weights[k]) for k in ref_weights)
+    assert worst < 1e-5, worst
+
+
+def test_another_global_batch_size_is_refused_unless_allowed(setup):
+    root, settings = setup
+    out = root / "bigger"
+    cut_back(root / "reference", out, CUT)
+    cfg = write_config(root / "bigger.yaml", root / "model", out, **settings, grad_accum_steps=4)
+    proc = train(1, cfg, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "written with 2 rows per step" in proc.stderr and "this run takes 4" in proc.stderr
+    assert "allow_global_batch_change" in proc.stderr
+    assert read_metrics(out)[-1]["step"] == CUT  # nothing trained
+
+    proc = train(1, cfg, "allow_global_batch_change=true")
+    assert "the data goes on from global row 4" in proc.stdout
+    rows = [m["data_rows"] for m in read_metrics(out)]
+    assert rows == [2, 4] + [4 + 4 * k for k in range(1, STEPS - CUT + 1)]
+    assert json.loads((out / "final" / "meta.json").read_text())["step"] == STEPS
