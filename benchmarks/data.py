@@ -42,8 +42,7 @@ byte-identical.
 Mixing: 20,000 demo-like samples packed into 1,024-token rows at pack shard sizes 16 and 1000;
 one epoch's pack order through `build_loader` (1 and 2 data-parallel ranks) against a uniform
 shuffle (vlmcore.data.mixing: rank correlation with the disk order, distance between disk
-neighbours, clustering of 16-pack blocks), with the loader's reading and the one before issue 27
-(`PackedLoader.packs_per_slice` 100), and the seconds to read the epoch.
+neighbours, clustering of 16-pack blocks), and the seconds to read the epoch.
 Writes benchmarks/results/data_<part>.json and prints a table.
 """
 
@@ -404,10 +403,9 @@ def bench_loader(rows: int, worker_counts: list[int], samples: int) -> list[dict
 
 def bench_mixing(samples: int, dp_worlds: list[int]) -> list[dict]:
     """One epoch's pack order through the training loader against a uniform shuffle
-    (vlmcore.data.mixing), at pack shard sizes 16 and 1000, with today's reading (every pack a
-    slice) and the one before issue 27 (slices of up to 100 packs read in sequence), and the
-    time to read the epoch."""
-    from vlmcore.data.loader import PackedLoader
+    (vlmcore.data.mixing), at pack shard sizes 16 and 1000, and the time to read the epoch. Since
+    issue 32 the loader reads packs by index in a seeded global order (vlmcore.data.order); the
+    figures before it (Energon's slices of 1 or 100 packs) are in docs/performance.md."""
     from vlmcore.data.mixing import epoch_order, order_statistics, uniform_reference
     from vlmcore.data.pack import pack
     from vlmcore.download import build_tiny_model
@@ -419,19 +417,16 @@ def bench_mixing(samples: int, dp_worlds: list[int]) -> list[dict]:
     for shard_size in (16, 1000):
         out = root / f"packed{shard_size}"
         pack(root / "data", root / "model", out, seq_len=1024, max_patches=4096, shard_size=shard_size, workers=1)
-        for packs_per_slice in (1, 100):
-            PackedLoader.packs_per_slice = packs_per_slice
-            for dp_world in dp_worlds:
-                start = time.perf_counter()
-                order = epoch_order(out, dp_world)
-                seconds = time.perf_counter() - start
-                reference = reference or uniform_reference(len(order))
-                results.append({"shard_size": shard_size, "packs_per_slice": packs_per_slice, "dp_world": dp_world,
-                                **order_statistics(order), "epoch_s": seconds})
-    PackedLoader.packs_per_slice = 1
+        for dp_world in dp_worlds:
+            start = time.perf_counter()
+            order = epoch_order(out, dp_world)
+            seconds = time.perf_counter() - start
+            reference = reference or uniform_reference(len(order))
+            results.append({"shard_size": shard_size, "dp_world": dp_world, **order_statistics(order),
+                            "epoch_s": seconds})
     for key, (low, high) in reference.items():
-        results.append({"shard_size": "uniform", "packs_per_slice": "(0.5%, 99.5%)", "dp_world": "-",
-                        "statistic": key, "low": low, "high": high})
+        results.append({"shard_size": "uniform (0.5%, 99.5%)", "dp_world": "-", "statistic": key, "low": low,
+                        "high": high})
     return results
 
 

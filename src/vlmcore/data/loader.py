@@ -12,12 +12,14 @@ is a segment of its own, with no loss), and computes the per-segment position id
 datasets made with the same model and `seq_len`. `build_online_loader` is the alternative to
 offline packing: the same rows, packed in the loader from a prepared dataset with a buffer.
 
-Resuming: `state_dict()` holds Energon's per-rank loader state (buffer positions, worker
-checkpoints: restore keys, not samples); `load_state_dict()` before iterating makes the loader
-yield exactly the batches an uninterrupted run would have. The state belongs to one data-parallel
-rank of one `dp_world` x `num_workers` layout: if that layout changes, `load_state_dict` warns and
-the stream restarts from a new shuffle (seeded from `seed` and the number of batches consumed so
-far), so no sample order is replayed but the exact continuation is lost.
+Order and resuming: `build_loader` reads the packs in the global row order of
+`vlmcore.data.order` (a function of the datasets, the seed and the row only), each pack by its
+index (`IndexedShards`); step k's global batch is rows [k * G, (k + 1) * G) and a rank's share a
+slice of it. The position is the rows consumed: a run resumed under another layout with the same
+rows per step goes on exactly (`RowLoader.seek`). The online-packing loader (`build_online_loader`)
+keeps Energon's savable-loader state, which belongs to one data-parallel rank of one
+`dp_world` x `num_workers` layout: if that layout changes, `load_state_dict` warns and that stream
+restarts from a new shuffle (seeded from `seed` and the batches consumed so far).
 """
 
 import json
@@ -305,7 +307,8 @@ class OnlinePackingTaskEncoder(PackedTaskEncoder):
 
 
 class PackedLoader:
-    """An infinite stream of batches with `state_dict()` / `load_state_dict()` for checkpoints."""
+    """The online-packing loader: Energon's stream of packs made in the loader, with its
+    per-rank `state_dict()` / `load_state_dict()` for checkpoints."""
 
     # Every pack a slice of its own: Energon shuffles the slices of each worker's share, so an
     # epoch reads that share in a uniform random order, whatever the shards (docs/internals.md
