@@ -232,3 +232,27 @@ def test_one_rank_trains_a_plain_module_unless_it_casts(tmp_path, one_process_gr
         kinds[dtype, shard_one_rank] = (isinstance(model, FSDPModule), isinstance(model.lm_head.weight, DTensor))
     assert kinds == {("float32", False): (False, False), ("bfloat16", False): (True, True),
                      ("float32", True): (True, True)}
+
+
+@pytest.mark.parametrize("world, tp, micro_batch_size, expected", [(8, 1, 1, 4), (4, 1, 1, 8), (4, 2, 2, 8), (32, 1, 1, 1)])
+def test_global_batch_rows_sets_the_gradient_accumulation_of_each_world(world, tp, micro_batch_size, expected):
+    """A stage with global_batch_rows keeps its rows per step on any number of nodes."""
+    cfg = from_dict({"model_path": "m", "output_dir": "o", "data": {"kind": "random"}, "global_batch_rows": 32,
+                     "micro_batch_size": micro_batch_size, "parallel": {"tp": tp}})
+    check_run(cfg, world)
+    assert cfg.grad_accum_steps == expected
+
+
+@pytest.mark.parametrize("settings, world, message", [
+    ({"global_batch_rows": 6}, 4, "global_batch_rows: 6 is not a multiple of micro_batch_size x data-parallel "
+                                  "ranks = 1 x 4 = 4"),
+    ({"global_batch_rows": 2}, 4, "global_batch_rows: 2 is not a multiple of micro_batch_size x data-parallel "
+                                  "ranks = 1 x 4 = 4"),
+    ({"global_batch_rows": 16, "grad_accum_steps": 2}, 4, "grad_accum_steps: 2 with global_batch_rows 16 on 4 "
+                                                          "data-parallel ranks (which makes it 4); set one of the two"),
+])
+def test_global_batch_rows_that_do_not_fit_are_refused_naming_the_key(settings, world, message):
+    cfg = from_dict({"model_path": "m", "output_dir": "o", "data": {"kind": "random"}, **settings})
+    with pytest.raises(ConfigError) as e:
+        check_run(cfg, world)
+    assert str(e.value) == message and e.value.key == message.split(":")[0]

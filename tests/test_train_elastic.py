@@ -1,8 +1,8 @@
 """Resume on another number of processes (issue 32): the data stream follows the global batch.
 
 A 2-process run (micro-batch 1) on a packed dataset is cut back to its step-2 checkpoint, as if
-its job had ended there, and resumed by 1 process with 2 micro-batches of gradient accumulation
-and by 4 processes (dp_shard 2 x tp 2): both end where the uninterrupted 2-process run ends
+its job had ended there, and resumed by 1 process (which makes up the stage's `global_batch_rows` with
+2 micro-batches of gradient accumulation) and by 4 processes (dp_shard 2 x tp 2): both end where the uninterrupted 2-process run ends
 (every later loss, the final weights, within 1e-5 relative), having read the same packs. A resume
 with another number of rows per step is refused, naming the keys, unless
 allow_global_batch_change says to go on from the rows consumed.
@@ -31,7 +31,9 @@ def setup(tmp_path_factory):
     generate(root / "raw", num_train=12, num_eval=1, seed=5)
     prepare([root / "raw" / "conversations.jsonl"], root / "data")
     pack(root / "data", root / "model", root / "packed", seq_len=128, max_patches=256, shard_size=3)
-    settings = dict(steps=STEPS, data_path=str(root / "packed"), data={"kind": "packed"}, checkpoint={"interval": 1, "keep": 10})
+    # As a workflow stage would set it: the rows per step, whatever the number of nodes.
+    settings = dict(steps=STEPS, global_batch_rows=2, data_path=str(root / "packed"), data={"kind": "packed"},
+                    checkpoint={"interval": 1, "keep": 10})
     reference = root / "reference"
     train(2, write_config(root / "reference.yaml", root / "model", reference, **settings))
     return root, settings
@@ -54,7 +56,7 @@ def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("nproc,sets", [(1, {"grad_accum_steps": 2}), (4, {"parallel": {"tp": 2}})],
+@pytest.mark.parametrize("nproc,sets", [(1, {}), (4, {"parallel": {"tp": 2}})],
                          ids=["1proc_accum2", "4proc_dp2_tp2"])
 def test_resume_on_another_layout_matches_the_uninterrupted_run(setup, nproc, sets):
     root, settings = setup
@@ -79,7 +81,7 @@ def test_another_global_batch_size_is_refused_unless_allowed(setup):
     root, settings = setup
     out = root / "bigger"
     cut_back(root / "reference", out, CUT)
-    cfg = write_config(root / "bigger.yaml", root / "model", out, **settings, grad_accum_steps=4)
+    cfg = write_config(root / "bigger.yaml", root / "model", out, **(settings | {"global_batch_rows": 4}))
     proc = train(1, cfg, check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "written with 2 rows per step" in proc.stderr and "this run takes 4" in proc.stderr

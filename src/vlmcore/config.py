@@ -158,6 +158,11 @@ class TrainConfig:
     steps: int = setting(100, "optimizer steps of the run", ge=1)
     micro_batch_size: int = setting(1, "packed rows per micro-batch per data-parallel rank", ge=1)
     grad_accum_steps: int = setting(1, "micro-batches per optimizer step", ge=1)
+    global_batch_rows: int = setting(
+        0, "packed rows per optimizer step over all data-parallel ranks; set, grad_accum_steps follows from it "
+        "(global_batch_rows / (data-parallel ranks x micro_batch_size)), so a stage whose next job gets another "
+        "number of nodes keeps its batch and resumes exactly; 0 = data-parallel ranks x micro_batch_size x "
+        "grad_accum_steps", ge=0)
     allow_global_batch_change: bool = setting(
         False, "true: a resume whose rows per step (data-parallel ranks x micro_batch_size x grad_accum_steps) "
         "differ from the checkpoint's goes on from the rows consumed so far (none repeated or skipped, but the "

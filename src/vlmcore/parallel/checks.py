@@ -18,11 +18,30 @@ def check_run(cfg: TrainConfig, world_size: int, model_config=None) -> RunLayout
     """The stage's layout on `world_size` ranks, checked against the world and, given the model's
     config (a transformers config or a config.json dict), against the model."""
     layout = resolve_layout(cfg.parallel, world_size)
+    derive_grad_accum(cfg, layout)
     check_rows(cfg, layout)
     check_disjoint(layout)
     if model_config is not None:
         check_model(cfg, layout, as_config(model_config))
     return layout
+
+
+def derive_grad_accum(cfg: TrainConfig, layout: RunLayout) -> None:
+    """With `global_batch_rows` set, `cfg.grad_accum_steps` becomes the micro-batches that make it
+    up on this layout's data-parallel ranks."""
+    if not cfg.global_batch_rows:
+        return
+    per_step = cfg.micro_batch_size * layout.data.dims.dp
+    accum, rest = divmod(cfg.global_batch_rows, per_step)
+    if rest or not accum:
+        raise ConfigError(f"global_batch_rows: {cfg.global_batch_rows} is not a multiple of micro_batch_size x "
+                          f"data-parallel ranks = {cfg.micro_batch_size} x {layout.data.dims.dp} = {per_step}",
+                          "global_batch_rows")
+    if cfg.grad_accum_steps not in (1, accum):
+        raise ConfigError(f"grad_accum_steps: {cfg.grad_accum_steps} with global_batch_rows {cfg.global_batch_rows} "
+                          f"on {layout.data.dims.dp} data-parallel ranks (which makes it {accum}); set one of the two",
+                          "grad_accum_steps")
+    cfg.grad_accum_steps = accum
 
 
 def check_rows(cfg: TrainConfig, layout: RunLayout) -> None:

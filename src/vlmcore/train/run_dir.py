@@ -24,7 +24,7 @@ from vlmcore.config import TrainConfig, save_config, to_dict
 # the global batch, which `vlmcore.train.checkpoint.resume` checks). Anything else (data, model,
 # optimizer, hyperparameters) makes it another run.
 RESUMABLE_CHANGES = {"steps", "checkpoint", "metrics", "num_workers", "output_dir", "parallel", "micro_batch_size",
-                     "grad_accum_steps", "allow_global_batch_change"}
+                     "grad_accum_steps", "global_batch_rows", "allow_global_batch_change"}
 UNFINISHED = "unfinished"
 
 
