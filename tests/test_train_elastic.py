@@ -2,7 +2,9 @@
 
 A 2-process run (micro-batch 1) on a packed dataset is cut back to its step-2 checkpoint, as if
 its job had ended there, and resumed by 1 process (which makes up the stage's `global_batch_rows` with
-2 micro-batches of gradient accumulation) and by 4 processes (dp_shard 2 x tp 2): both end where the uninterrupted 2-process run ends
+2 micro-batches of gradient accumulation), by 4 processes (dp_shard 2 x tp 2) and by 3 processes
+of a disjoint layout (the vision tower on rank 0, the language model on ranks 1-2, whose encoder
+rank must read the language ranks' rows): each ends where the uninterrupted 2-process run ends
 (every later loss, the final weights, within 1e-5 relative), having read the same packs. A resume
 with another number of rows per step is refused, naming the keys, unless
 allow_global_batch_change says to go on from the rows consumed.
@@ -10,6 +12,7 @@ allow_global_batch_change says to go on from the rows consumed.
 
 import json
 import shutil
+import tarfile
 
 import pytest
 import torch
@@ -31,12 +34,24 @@ def setup(tmp_path_factory):
     generate(root / "raw", num_train=12, num_eval=1, seed=5)
     prepare([root / "raw" / "conversations.jsonl"], root / "data")
     pack(root / "data", root / "model", root / "packed", seq_len=128, max_patches=256, shard_size=3)
+    damage_an_image(root / "packed" / "shard-000001.tar")
     # As a workflow stage would set it: the rows per step, whatever the number of nodes.
     settings = dict(steps=STEPS, global_batch_rows=2, data_path=str(root / "packed"), data={"kind": "packed"},
                     checkpoint={"interval": 1, "keep": 10})
     reference = root / "reference"
     train(2, write_config(root / "reference.yaml", root / "model", reference, **settings))
     return root, settings
+
+
+def damage_an_image(shard):
+    """Zeroes the shard's first image after its signature, in place (offsets unchanged): the
+    sample holding it is skipped and counted as corrupt_image by the loader, in whichever step
+    reads that pack."""
+    with tarfile.open(shard) as tar:
+        image = next(m for m in tar if m.name.rsplit(".", 1)[-1] in ("png", "jpg", "jpeg"))
+    with open(shard, "r+b") as f:
+        f.seek(image.offset_data + 8)
+        f.write(b"\0" * (image.size - 8))
 
 
 def cut_back(src, dst, step: int):
@@ -56,8 +71,11 @@ def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("nproc,sets", [(1, {}), (4, {"parallel": {"tp": 2}})],
-                         ids=["1proc_accum2", "4proc_dp2_tp2"])
+DISJOINT = {"parallel": {"modules": {"vision": {"ranks": [0, 1]}, "language": {"ranks": [1, 3]}}}}
+
+
+@pytest.mark.parametrize("nproc,sets", [(1, {}), (4, {"parallel": {"tp": 2}}), (3, DISJOINT)],
+                         ids=["1proc_accum2", "4proc_dp2_tp2", "3proc_disjoint"])
 def test_resume_on_another_layout_matches_the_uninterrupted_run(setup, nproc, sets):
     root, settings = setup
     reference = read_metrics(root / "reference")
@@ -68,8 +86,10 @@ def test_resume_on_another_layout_matches_the_uninterrupted_run(setup, nproc, se
     resumed = read_metrics(out)
     assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))
     assert [m["data_rows"] for m in resumed] == [2 * step for step in range(1, STEPS + 1)]
+    assert sum(m["skipped_samples"] for m in reference) > 0  # the damaged image was read, and counted
     for ref, got in zip(reference[CUT:], resumed[CUT:]):
-        assert got["label_tokens"] == ref["label_tokens"] and got["samples"] == ref["samples"]  # the same packs
+        for key in ("label_tokens", "samples", "skipped_samples"):  # the same packs, the same bad samples
+            assert got[key] == ref[key], key
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
     weights, ref_weights = load_dcp(out / "final"), load_dcp(root / "reference" / "final")
     assert weights.keys() == ref_weights.keys()
