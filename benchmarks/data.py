@@ -248,6 +248,53 @@ def bench_pack(sizes: list[int], worker_counts: list[int], seq_len: int, max_pat
     return rows
 
 
+def bench_resume(n: int, seq_len: int, max_patches: int) -> list[dict]:
+    """The training loader on a corpus-scale pack (issue 32, item 4): building it, finding the
+    position of a resume at growing row counts (`seek`, then the first batch), the state a
+    checkpoint keeps, and reading on from there."""
+    import pickle
+
+    from vlmcore.data.loader import build_loader
+    from vlmcore.download import build_tiny_model
+
+    root = Path(tempfile.mkdtemp(prefix="vlmcore-bench-resume-"))
+    build_tiny_model(root / "model")
+    write_synthetic_prepared(root / "data", n)
+    out = root / "packed"
+    subprocess.run([sys.executable, "-m", "vlmcore.cli", "pack", "--data", str(root / "data"), "--model",
+                    str(root / "model"), "--out", str(out), "--seq-len", str(seq_len), "--max-patches",
+                    str(max_patches), "--workers", "2"], check=True, capture_output=True,
+                   env={**os.environ, "TQDM_DISABLE": "1"})
+    rows = []
+    for blend in (False, True):
+        path = out
+        if blend:  # the same packs twice, weighted 2:1: a blend's resume counts the draws before the row
+            from vlmcore.data.loader import write_blend
+
+            path = root / "blend.yaml"
+            write_blend(path, [(out, 2), (out, 1)])
+        start = time.perf_counter()
+        loader = build_loader(path, dp_rank=0, dp_world=1, micro_batch_size=1, seed=0, num_workers=0)
+        build_s = time.perf_counter() - start
+        packs = sum(len(d) for d in loader.datasets)
+        for at in (0, packs // 2, 10 * packs):
+            loader = build_loader(path, dp_rank=0, dp_world=1, micro_batch_size=1, seed=0, num_workers=0)
+            start = time.perf_counter()
+            loader.seek(at)
+            it = iter(loader)
+            next(it)
+            first_s = time.perf_counter() - start
+            start = time.perf_counter()
+            for _ in range(200):
+                next(it)
+            per_row = (time.perf_counter() - start) / 200
+            rows.append({"samples": n, "packs": packs, "blend": blend, "build_s": build_s, "resume_at_row": at,
+                         "seek_and_first_batch_s": first_s, "next_rows_ms": per_row * 1e3,
+                         "state_bytes": len(pickle.dumps(loader.state_dict()))})
+            print_table(rows[-1:])
+    return rows
+
+
 def children_cpu_seconds() -> float:
     import resource
 
@@ -439,7 +486,8 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["packing", "loader", "bfd-scaling", "pack", "pack-split", "mixing", "all"],
+    parser.add_argument("--part", choices=["packing", "loader", "bfd-scaling", "pack", "pack-split", "mixing", "resume",
+                                                   "all"],
                         default="all")
     parser.add_argument("--pack-samples", type=int, nargs="+", default=[10000, 100000], help="sizes for --part pack")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="measuring processes for --part pack")
@@ -466,6 +514,9 @@ def main() -> None:
         rows = bench_pack(args.pack_samples, args.workers, seq_len=1024, max_patches=4096, cores=args.cores)
         name = "_".join(str(n) for n in args.pack_samples)
         (RESULTS / f"data_pack_{name}.json").write_text(json.dumps(rows, indent=2) + "\n")
+    if args.part == "resume":  # minutes (the pack): not part of "all"
+        rows = bench_resume(args.pack_samples[-1], seq_len=1024, max_patches=4096)
+        (RESULTS / f"data_resume_{args.pack_samples[-1]}.json").write_text(json.dumps(rows, indent=2) + "\n")
     if args.part in ("mixing", "all"):
         rows = bench_mixing(args.mixing_samples, dp_worlds=[1, 2])
         for row in rows:

@@ -484,3 +484,24 @@ def test_chunked_loss_compiles_to_one_graph():
     logits, target = torch.randn(16, 40, dtype=torch.bfloat16), torch.randint(0, 40, (16,))
     explanation = torch._dynamo.explain(_chunk_loss_and_grad)(logits, target, target != 3, 40, None)
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
+
+
+def test_the_data_loader_pins_every_tensor_of_a_batch(monkeypatch):
+    """torch's DataLoader with pin_memory=True (the packed loader's on a GPU machine) pins what
+    has a `pin_memory()` method and passes other objects through unpinned: the batch must have
+    one that reaches every tensor, the images' pixels above all (their copy was pageable on the
+    H200 before). Tensor.pin_memory needs CUDA, so a stand-in records the calls."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    from vlmcore.train.random_data import RandomBatches
+
+    config = tiny_config("qwen3_vl")
+    batch = RandomBatches(config, seq_len=128, segments=2, image_fraction=1.0, micro_batch_size=2, dp_rank=0,
+                          dp_world=1, grad_accum_steps=1, seed=0, video_fraction=1.0).batch(0)
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t, *args, **kwargs: pinned.append(t) or t.clone())
+    out = pin_memory(batch)
+    expected = [batch.input_ids, batch.labels, batch.cu_seqlens, batch.position_ids, batch.images.pixel_values,
+                batch.videos.pixel_values]
+    assert all(any(t is p for p in pinned) for t in expected)
+    assert type(out) is type(batch) and torch.equal(out.images.pixel_values, batch.images.pixel_values)

@@ -88,6 +88,12 @@ class Batch:
             max_seqlen=self.max_seqlen if self.max_seqlen is not None else int(lengths.max()),
         )
 
+    def pin_memory(self) -> "Batch":
+        """The batch in page-locked memory, so that `to` copies it without blocking. torch's
+        DataLoader (pin_memory=True) calls this on the objects it pins; before the batch had it,
+        nothing was pinned and the pixels' copy was pageable (an 8 ms gap a step on an H200)."""
+        return self.map_tensors(lambda t: t.pin_memory())
+
     def map_tensors(self, fn) -> "Batch":
         """The batch with `fn` applied to each of its tensors (its images' and videos' included)."""
         return replace(self, input_ids=fn(self.input_ids), labels=fn(self.labels), cu_seqlens=fn(self.cu_seqlens),

@@ -419,7 +419,7 @@ class RowLoader:
     def __iter__(self):
         stream = _MicroBatches(self, self.micro_batches)
         loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=self.num_workers,
-                                             collate_fn=_as_is)
+                                             collate_fn=_as_is, pin_memory=torch.cuda.is_available())
         for batch in loader:
             self.micro_batches += 1
             yield batch
