@@ -1,0 +1,195 @@
+"""Video clips as Qwen3-VL's video processor takes them (transformers' `Qwen3VLVideoProcessor`
+and `Qwen3VLProcessor`), without torchvision: the clip's metadata read from its container
+without decoding frames (`probe`), the frames it samples (`sample_frames`), the size it resizes
+them to (`frame_size`), each frame group's timestamp and its place in the prompt
+(`frame_timestamps`, `video_prompt`), and the sampled frames decoded, resized as torchvision
+resizes uint8 frames on the CPU, and cut into uint8 patches in the processor's order
+(`video_patches`); `normalize_video_patches` is the processor's fused rescale and normalize,
+for the device.
+
+Decoder: PyAV. Its wheels bundle FFmpeg (H.264, VP9, MJPEG... with no system package), it
+reads from memory, and it decodes frame by frame in the calling process; torchcodec needs a
+system FFmpeg of matching version, and decord is unmaintained and known to hang in loader
+workers.
+"""
+
+import io
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from vlmcore.data.quality import BadSample
+
+
+@dataclass(frozen=True)
+class VideoSettings:
+    """The video processor's sampling and sizing settings (its preprocessor config's names)."""
+
+    fps: float = 2.0  # frames sampled per second of video
+    min_frames: int = 4
+    max_frames: int = 768
+    min_pixels: int = 128 * 32 * 32  # `size.shortest_edge`: pixels of all sampled frames together, at least
+    max_pixels: int = 768 * 32 * 32  # `size.longest_edge`: ... at most
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    image_mean: tuple = (0.5, 0.5, 0.5)
+    image_std: tuple = (0.5, 0.5, 0.5)
+
+    @classmethod
+    def from_processor_config(cls, config: dict) -> "VideoSettings":
+        size = config.get("size") or {}
+        values = {"min_pixels": size.get("shortest_edge"), "max_pixels": size.get("longest_edge"),
+                  **{k: config.get(k) for k in ("fps", "min_frames", "max_frames", "patch_size", "temporal_patch_size",
+                                                "merge_size")},
+                  "image_mean": tuple(config["image_mean"]) if config.get("image_mean") else None,
+                  "image_std": tuple(config["image_std"]) if config.get("image_std") else None}
+        return cls(**{k: v for k, v in values.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    frames: int
+    fps: float
+    duration_s: float
+    width: int
+    height: int
+    codec: str  # a rotation flag is not read: the processor's decoders hand frames over as stored
+
+
+def probe(data: bytes) -> VideoInfo:
+    """The clip's metadata from its container headers; the frame count is counted from the
+    packets (no decoding) when the container does not record it."""
+    import av
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            if not container.streams.video:
+                raise BadSample("no_video_stream", "the container has no video stream")
+            stream = container.streams.video[0]
+            rate = stream.average_rate or stream.guessed_rate
+            if not rate:
+                raise BadSample("unreadable_video", "no frame rate in the container")
+            frames = stream.frames
+            if not frames:
+                frames = sum(1 for packet in container.demux(stream) if packet.size)
+            duration = (float(stream.duration * stream.time_base) if stream.duration
+                        else frames / float(rate))
+            info = VideoInfo(frames=frames, fps=float(rate), duration_s=duration, width=stream.codec_context.width,
+                             height=stream.codec_context.height, codec=stream.codec_context.name)
+    except BadSample:
+        raise
+    except Exception as e:  # FFmpeg's errors come in many types
+        raise BadSample("unreadable_video", f"{type(e).__name__}: {e}") from e
+    if info.frames == 0:
+        raise BadSample("zero_frames", "the video stream has no frames")
+    return info
+
+
+def sample_frames(total_frames: int, video_fps: float, s: VideoSettings) -> list[int]:
+    """The frame indices the processor samples: `fps` a second, at least `min_frames` and at most
+    `max_frames` (and the clip's frames), spread evenly from the first frame to the last."""
+    count = int(total_frames / video_fps * s.fps)
+    count = min(max(count, s.min_frames), s.max_frames, total_frames)
+    return np.linspace(0, total_frames - 1, count).round().astype(int).tolist()
+
+
+def frame_size(num_frames: int, height: int, width: int, s: VideoSettings) -> tuple[int, int]:
+    """(height, width) of the resized frames: multiples of patch x merge, the aspect ratio kept,
+    the pixels of all frames together between min_pixels and max_pixels."""
+    factor, temporal = s.patch_size * s.merge_size, s.temporal_patch_size
+    if num_frames < temporal:
+        raise ValueError(f"{num_frames} frames: a clip needs at least temporal_patch_size ({temporal})")
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.0f} over 200")
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    t = round(num_frames / temporal) * temporal
+    if t * h * w > s.max_pixels:
+        beta = math.sqrt(num_frames * height * width / s.max_pixels)
+        h, w = max(factor, math.floor(height / beta / factor) * factor), max(factor, math.floor(width / beta / factor) * factor)
+    elif t * h * w < s.min_pixels:
+        beta = math.sqrt(s.min_pixels / (num_frames * height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def frame_timestamps(indices: list[int], video_fps: float, temporal_patch_size: int = 2) -> list[float]:
+    """Seconds of each frame group: the mean of its first and last frame's time (the last frame
+    repeated to fill the final group)."""
+    indices = list(indices) + [indices[-1]] * (-len(indices) % temporal_patch_size)
+    times = [i / video_fps for i in indices]
+    return [(times[i] + times[i + temporal_patch_size - 1]) / 2 for i in range(0, len(times), temporal_patch_size)]
+
+
+def video_prompt(grid_thw: tuple[int, int, int], timestamps: list[float], merge_size: int, tokens: dict) -> str:
+    """What the processor writes for one video: per frame group `<t.t seconds>`, vision start,
+    the group's video tokens, vision end. `tokens`: the strings of video, vision_start, vision_end."""
+    t, h, w = grid_thw
+    group = tokens["video"] * (h * w // merge_size**2)
+    return "".join(f"<{timestamps[i]:.1f} seconds>{tokens['vision_start']}{group}{tokens['vision_end']}" for i in range(t))
+
+
+def decode_frames(data: bytes, indices: list[int]) -> torch.Tensor:
+    """The frames at `indices` (in decode order, counting every decoded frame), RGB uint8 (T, 3, H, W)."""
+    import av
+
+    wanted, frames = set(indices), {}
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            for n, frame in enumerate(container.decode(video=0)):
+                if n in wanted:
+                    frames[n] = frame.to_ndarray(format="rgb24")
+                if n >= indices[-1]:
+                    break
+    except Exception as e:
+        raise BadSample("unreadable_video", f"{type(e).__name__}: {e}") from e
+    if len(frames) < len(wanted):
+        raise BadSample("truncated_video", f"{len(frames)} of the {len(wanted)} sampled frames decode")
+    return torch.from_numpy(np.stack([frames[i] for i in indices])).permute(0, 3, 1, 2).contiguous()
+
+
+def resize_frames(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """uint8 (T, 3, H, W) -> (T, 3, height, width), as torchvision's resize does on the CPU (which
+    the processor calls): torch's native uint8 bicubic with antialiasing."""
+    if frames.shape[-2:] == (height, width):
+        return frames
+    return F.interpolate(frames, size=(height, width), mode="bicubic", align_corners=False, antialias=True)
+
+
+def video_patches(frames: torch.Tensor, s: VideoSettings) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """Resized uint8 frames (T, 3, H, W) -> uint8 patches (t * h * w, 3 * temporal * patch**2) in
+    the processor's order (frame groups, merge windows, patches; channel, time, row, column in
+    a patch) and the grid (t, h, w); the last frame repeats to fill the last group."""
+    if pad := -frames.shape[0] % s.temporal_patch_size:
+        frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
+    n, c, height, width = frames.shape
+    p, m, tp = s.patch_size, s.merge_size, s.temporal_patch_size
+    t, h, w = n // tp, height // p, width // p
+    x = frames.view(t, tp, c, h // m, m, p, w // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(t * h * w, c * tp * p * p), (t, h, w)
+
+
+def normalize_video_patches(patches: torch.Tensor, s: VideoSettings) -> torch.Tensor:
+    """uint8 patches -> the processor's float32 pixel_values_videos (rescale and normalize fused:
+    (x - 255 mean) / (255 std), per channel)."""
+    mean = torch.tensor(s.image_mean, device=patches.device) * (1.0 / (1 / 255))
+    std = torch.tensor(s.image_std, device=patches.device) * (1.0 / (1 / 255))
+    per_value = patches.shape[-1] // len(s.image_mean)
+    x = patches.to(torch.float32).view(patches.shape[0], len(s.image_mean), per_value)
+    return x.sub(mean[:, None]).div(std[:, None]).view(patches.shape)
+
+
+def encode_video(data: bytes, s: VideoSettings) -> tuple[torch.Tensor, tuple[int, int, int], list[float], VideoInfo]:
+    """One clip, end to end: (uint8 patches, grid, frame group timestamps, metadata)."""
+    info = probe(data)
+    indices = sample_frames(info.frames, info.fps, s)
+    frames = decode_frames(data, indices)
+    height, width = frame_size(len(indices), frames.shape[-2], frames.shape[-1], s)
+    patches, grid = video_patches(resize_frames(frames, height, width), s)
+    return patches, grid, frame_timestamps(indices, info.fps, s.temporal_patch_size), info

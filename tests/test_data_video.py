@@ -1,0 +1,181 @@
+"""Video clips as Qwen3-VL's processor takes them (vlmcore.data.video), on real encoded clips
+made here with PyAV: H.264 in mp4 at 30, 29.97 and 23.976 fps, VP9 in webm, MJPEG in avi, odd
+sizes, a clip shorter than min_frames, a rotation flag; bad clips by reason.
+
+transformers' video processor needs torchvision, whose wheels here are CUDA builds that do not
+load beside the CPU torch. So its pure-Python parts are compared here, read from transformers'
+own source (frame sampling, patchify) or imported (`smart_resize`, the processor's timestamps);
+the resize follows torchvision's CPU path for uint8 bicubic frames (native uint8 `interpolate`
+with antialiasing, the frames returned untouched at their own size).
+"""
+
+import ast
+import fractions
+import importlib.util
+import io
+import math
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import av
+import numpy as np
+import pytest
+import torch
+
+from vlmcore.data.quality import BadSample
+from vlmcore.data.video import (VideoSettings, decode_frames, encode_video, frame_size, frame_timestamps,
+                                normalize_video_patches, probe, resize_frames, sample_frames, video_patches,
+                                video_prompt)
+
+QWEN3_VL = "transformers.models.qwen3_vl"
+
+
+def transformers_method(module: str, cls: str, name: str):
+    """A method of a transformers class, compiled from transformers' own source without its
+    annotations (the class itself does not import here: it needs torchvision)."""
+    text = Path(importlib.util.find_spec(module).origin).read_text()
+    node = next(f for c in ast.parse(text).body if isinstance(c, ast.ClassDef) and c.name == cls
+                for f in c.body if isinstance(f, ast.FunctionDef) and f.name == name)
+    for arg in node.args.args + node.args.kwonlyargs:
+        arg.annotation = None
+    node.returns, node.decorator_list = None, []
+    namespace = {"np": np, "torch": torch, "math": math, "logger": SimpleNamespace(warning_once=lambda *a: None)}
+    exec(textwrap.dedent(ast.unparse(node)), namespace)
+    return namespace[name]
+
+
+def make_clip(codec: str, fmt: str, *, frames: int, rate, width: int, height: int, pix_fmt: str = "yuv420p",
+              rotation: int | None = None) -> bytes:
+    """A clip of a square moving left to right over a colour ramp, encoded for real."""
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=fmt) as container:
+        stream = container.add_stream(codec, rate=rate)
+        stream.width, stream.height, stream.pix_fmt = width, height, pix_fmt
+        if rotation is not None:
+            stream.set_display_rotation(rotation)
+        for i in range(frames):
+            image = np.zeros((height, width, 3), np.uint8)
+            image[..., 0] = np.linspace(0, 255, width, dtype=np.uint8)[None]
+            x = i * max(1, (width - 8) // max(1, frames))
+            image[height // 4:height // 4 + 8, x:x + 8] = (40, 220, 90)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
+CLIPS = {
+    "h264_mp4_30": dict(codec="libx264", fmt="mp4", frames=24, rate=30, width=96, height=64),
+    "h264_mp4_29.97": dict(codec="libx264", fmt="mp4", frames=31, rate=fractions.Fraction(30000, 1001), width=96, height=64),
+    "h264_mp4_23.976": dict(codec="libx264", fmt="mp4", frames=25, rate=fractions.Fraction(24000, 1001), width=64, height=96),
+    "vp9_webm": dict(codec="libvpx-vp9", fmt="webm", frames=12, rate=25, width=80, height=48),
+    "mjpeg_avi_odd_size": dict(codec="mjpeg", fmt="avi", frames=9, rate=15, width=71, height=45, pix_fmt="yuvj444p"),
+    "shorter_than_min_frames": dict(codec="libx264", fmt="mp4", frames=3, rate=30, width=64, height=64),
+    "rotation_flag": dict(codec="libx264", fmt="mp4", frames=8, rate=30, width=96, height=64, rotation=90),
+}
+
+
+@pytest.fixture(scope="module")
+def clips():
+    return {name: make_clip(**spec) for name, spec in CLIPS.items()}
+
+
+@pytest.mark.parametrize("name", CLIPS)
+def test_probe_reads_the_metadata_without_decoding(clips, name):
+    spec, info = CLIPS[name], probe(clips[name])
+    assert (info.frames, info.width, info.height) == (spec["frames"], spec["width"], spec["height"])
+    assert info.fps == pytest.approx(float(spec["rate"]))
+    assert info.duration_s == pytest.approx(spec["frames"] / float(spec["rate"]), rel=0.15)
+    assert info.codec == {"libx264": "h264", "libvpx-vp9": "vp9"}.get(spec["codec"], spec["codec"])
+
+
+def test_frame_sampling_is_the_processors():
+    reference = transformers_method(f"{QWEN3_VL}.video_processing_qwen3_vl", "Qwen3VLVideoProcessor", "sample_frames")
+    for s in (VideoSettings(), VideoSettings(fps=1.0, min_frames=2, max_frames=16)):
+        stand_in = SimpleNamespace(fps=s.fps, min_frames=s.min_frames, max_frames=s.max_frames)
+        for total in (1, 3, 4, 7, 31, 300, 1799, 20000):
+            for fps in (30.0, 30000 / 1001, 24000 / 1001, 25.0, 7.5):
+                expected = reference(stand_in, SimpleNamespace(total_num_frames=total, fps=fps)).tolist()
+                assert sample_frames(total, fps, s) == expected, (total, fps)
+
+
+def test_frame_size_is_the_processors():
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+    s = VideoSettings()
+    for frames in (2, 3, 4, 8, 64, 768):
+        for height, width in ((45, 71), (64, 96), (720, 1280), (1080, 1920), (20, 500), (1920, 1080)):
+            expected = smart_resize(num_frames=frames, height=height, width=width, factor=32, temporal_factor=2,
+                                    min_pixels=s.min_pixels, max_pixels=s.max_pixels)
+            assert frame_size(frames, height, width, s) == tuple(expected), (frames, height, width)
+
+
+def test_timestamps_and_prompt_are_the_processors():
+    reference = transformers_method(f"{QWEN3_VL}.processing_qwen3_vl", "Qwen3VLProcessor", "_calculate_timestamps")
+    for indices in ([0, 10, 20, 30], [0, 7, 15], [0, 1, 2, 3, 4, 5, 6, 7, 8]):
+        for fps in (30.0, 30000 / 1001, 24000 / 1001):
+            assert frame_timestamps(indices, fps) == reference(None, list(indices), fps, 2)
+    tokens = {"video": "<|video_pad|>", "vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>"}
+    prompt = video_prompt((2, 4, 6), [0.5, 1.25], 2, tokens)
+    assert prompt == ("<0.5 seconds><|vision_start|>" + "<|video_pad|>" * 6 + "<|vision_end|>"
+                      "<1.2 seconds><|vision_start|>" + "<|video_pad|>" * 6 + "<|vision_end|>")
+
+
+def test_patches_and_normalisation_are_the_processors():
+    """uint8 patches in the processor's order; normalised, its float32 pixel_values_videos
+    (rescale and normalize fused, then patchify), bit for bit; an odd frame count repeats the last."""
+    patchify = transformers_method(f"{QWEN3_VL}.video_processing_qwen3_vl", "Qwen3VLVideoProcessor", "patchify")
+    s = VideoSettings(image_mean=(0.48145466, 0.4578275, 0.40821073), image_std=(0.26862954, 0.26130258, 0.27577711))
+    frames = torch.randint(0, 256, (5, 3, 64, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    patches, grid = video_patches(frames, s)
+    assert patches.dtype == torch.uint8 and grid == (3, 4, 6)
+    mean = torch.tensor(s.image_mean) * (1.0 / (1 / 255))
+    std = torch.tensor(s.image_std) * (1.0 / (1 / 255))
+    normalized = frames.to(torch.float32).sub_(mean[:, None, None]).div_(std[:, None, None])  # torchvision's normalize
+    expected, t, h, w = patchify(None, normalized[None], 16, 2, 2)
+    assert (t, h, w) == grid
+    assert torch.equal(normalize_video_patches(patches, s), expected[0])
+
+
+def test_resize_follows_torchvision_on_the_cpu(clips):
+    frames = decode_frames(clips["h264_mp4_30"], [0, 5])
+    assert frames.dtype == torch.uint8 and frames.shape == (2, 3, 64, 96)
+    assert resize_frames(frames, 64, 96) is frames  # torchvision returns a frame of the asked size as it is
+    resized = resize_frames(frames, 32, 64)
+    expected = torch.nn.functional.interpolate(frames, size=(32, 64), mode="bicubic", antialias=True)
+    assert resized.dtype == torch.uint8 and torch.equal(resized, expected)
+
+
+@pytest.mark.parametrize("name", CLIPS)
+def test_encode_video_end_to_end(clips, name):
+    patches, grid, timestamps, info = encode_video(clips[name], VideoSettings())
+    indices = sample_frames(info.frames, info.fps, VideoSettings())
+    assert grid[0] == math.ceil(len(indices) / 2) == len(timestamps)
+    assert patches.shape == (grid[0] * grid[1] * grid[2], 3 * 2 * 16 * 16)
+    assert grid[1] % 2 == 0 and grid[2] % 2 == 0
+    # the sampled frames are the decoded frames at those indices (the square has moved between them)
+    frames = decode_frames(clips[name], indices)
+    assert len(frames) == len(indices) and not torch.equal(frames[0], frames[-1])
+
+
+def test_bad_clips_are_refused_by_reason(clips):
+    reasons = {}
+    for name, data in {"garbage": b"not a video at all" * 10,
+                       "cut_short": clips["h264_mp4_30"][: len(clips["h264_mp4_30"]) // 3]}.items():
+        with pytest.raises(BadSample) as e:
+            encode_video(data, VideoSettings())
+        reasons[name] = e.value.reason
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="wav") as container:
+        stream = container.add_stream("pcm_s16le", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), np.int16), format="s16", layout="mono")
+        frame.sample_rate = 8000
+        for packet in stream.encode(frame):
+            container.mux(packet)
+    with pytest.raises(BadSample) as e:
+        probe(buf.getvalue())
+    reasons["audio_only"] = e.value.reason
+    assert reasons == {"garbage": "unreadable_video", "cut_short": reasons["cut_short"], "audio_only": "no_video_stream"}
+    assert reasons["cut_short"] in ("unreadable_video", "truncated_video")
