@@ -23,6 +23,7 @@ the hashes only of the one about to be loaded, with its files shared out among t
 """
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -259,7 +260,7 @@ def resume_latest(cfg, out: Path, split: dict, model: nn.Module, optimizer: torc
 
 
 def global_batch_rows(split: dict) -> int:
-    return split["dp_replicate"] * split["dp_shard"] * split["micro_batch_size"] * split["grad_accum_steps"]
+    return math.prod(split.get(k, 1) for k in ("dp_replicate", "dp_shard", "micro_batch_size", "grad_accum_steps"))
 
 
 def resume(checkpointer: Checkpointer, path: Path, model, optimizer, data, state: dict, split: dict,
@@ -273,7 +274,7 @@ def resume(checkpointer: Checkpointer, path: Path, model, optimizer, data, state
     dcp.load({"train": written}, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
     written_split = {k: written[f"layout_{k}"] for k in split}
     if written["data_rows"] < 0:  # written before the count was kept: every step had the split's rows
-        del state["data_rows"]
+        state.pop("data_rows", None)
     same_split = written_split == split
     if not same_split and global_batch_rows(written_split) != global_batch_rows(split) and not allow_global_batch_change:
         raise CheckpointError(
