@@ -6,6 +6,7 @@
     python benchmarks/data.py --part pack --pack-samples 10000 100000 --workers 1 2
     python benchmarks/data.py --part pack-split --pack-samples 100000 --write-jobs 2
     python benchmarks/data.py --part mixing        # the loader's epoch order against a uniform shuffle
+    python benchmarks/data.py --part online        # online packing: measuring every buffer vs making a rank's rows
 
 Packing: one long-tailed mix of samples (log-normal text lengths, 0-2 images of 64-4096
 patches, 4 patches per image token), seq_len 8192, image-patch budget 3 x 8192, compared:
@@ -14,8 +15,9 @@ patches, 4 patches per image token), seq_len 8192, image-patch budget 3 x 8192, 
   seed FFD      the seed project: sort a buffer of 1000 encoded samples, fill one sequence at a
                 time first-fit by tokens only, repack when the buffer is used up
 Memory held is what the packer keeps per buffer: the seed keeps every encoded sample, pixels
-included (float32, patches x 1536 x 4 B); vlmcore's online buffer keeps token ids and the
-compressed image bytes (assumed 10x smaller than raw RGB); offline keeps two ints per sample.
+included (float32, patches x 1536 x 4 B); vlmcore's online packer keeps the sample indices of
+its last three buffers' packs (a row's samples are read again by index); offline keeps two ints
+per sample.
 
 Loader: image-caption samples over photo-like JPEGs (q90; half 1024x768 and half 640x480, and
 a high-resolution 2048x1536 case), packed into 8,192-token rows for a model with Qwen3-VL's image
@@ -110,7 +112,7 @@ def bench_packing(n: int, seq_len: int, max_patches: int, buffer_size: int) -> l
         f"online BFD, buffer {buffer_size} (vlmcore)": (
             lambda: buffered(lambda ids: best_fit_decreasing([tokens[i] for i in ids], [patches[i] for i in ids],
                                                              seq_len, max_patches), n, buffer_size),
-            buffer_size * (mean_tokens * 8 + mean_pixels / 8 / 10)),
+            3 * buffer_size * 8),  # the last three buffers' plans: sample indices
         f"seed FFD, buffer {buffer_size} (tokens only)": (
             lambda: buffered(lambda ids: seed_first_fit([tokens[i] for i in ids], seq_len), n, buffer_size),
             buffer_size * (mean_tokens * 8 + mean_pixels)),
@@ -367,9 +369,10 @@ def natural_jpeg(width: int, height: int, rng) -> bytes:
     return out.getvalue()
 
 
-def image_dataset(root: Path, sizes: list[tuple[int, int]], num_samples: int, distinct: int = 8) -> Path:
-    """Captions of 20-120 words over `distinct` JPEGs per size, prepared and packed into
-    8,192-token rows for a model with Qwen3-VL's image processor defaults."""
+def image_dataset(root: Path, sizes: list[tuple[int, int]], num_samples: int, distinct: int = 8,
+                  packed: bool = True) -> Path:
+    """Captions of 20-120 words over `distinct` JPEGs per size, prepared and (if `packed`) packed
+    into 8,192-token rows for a model with Qwen3-VL's image processor defaults."""
     import numpy as np
 
     from vlmcore.data.pack import pack
@@ -392,6 +395,8 @@ def image_dataset(root: Path, sizes: list[tuple[int, int]], num_samples: int, di
             caption = " ".join(rng.choice(words, int(rng.integers(20, 120))))
             f.write(json.dumps({"id": f"s{i}", "image": names[i % len(names)], "caption": caption}) + "\n")
     prepare([f"captions:{root / 'captions.jsonl'}"], root / "data", images=root / "images", shard_size=64)
+    if not packed:
+        return root / "data"
     pack(root / "data", root / "model", root / "packed", seq_len=8192, max_patches=4 * 8192, shard_size=8)
     return root / "packed"
 
@@ -448,6 +453,36 @@ def bench_loader(rows: int, worker_counts: list[int], samples: int) -> list[dict
     return results
 
 
+def bench_online(samples: int, buffer_size: int, dp_worlds: list[int], workers: int) -> list[dict]:
+    """Online packing in the global order (vlmcore.data.online): the CPU time to measure a sample
+    (every loader worker of every rank measures every buffer) against the time to make a row
+    (only a rank's own rows), and what the measuring adds to a rank's loader work at a few
+    data-parallel sizes with `workers` loader workers each."""
+    from vlmcore.data.online import build_online_loader
+
+    results = []
+    for mix, sizes in IMAGE_MIXES.items():
+        data = image_dataset(Path(tempfile.mkdtemp(prefix="vlmcore-bench-online-")), sizes, samples, packed=False)
+        loader = build_online_loader(data, data.parent / "model", seq_len=8192, max_patches=4 * 8192,
+                                     buffer_size=buffer_size, dp_rank=0, dp_world=1, micro_batch_size=1, seed=0,
+                                     num_workers=0)
+        buffers = samples // buffer_size
+        c0 = time.process_time()
+        rows = sum(len(loader.plan(b)) for b in range(buffers))
+        measure = (time.process_time() - c0) / (buffers * buffer_size)
+        c0 = time.process_time()
+        for j in range(min(rows, 16)):
+            loader.row(j)
+        row = (time.process_time() - c0) / min(rows, 16)
+        per_row = buffers * buffer_size / rows
+        result = {"images": mix, "buffer_size": buffer_size, "samples_per_row": per_row,
+                  "measure_ms_per_sample": measure * 1e3, "row_ms": row * 1e3}
+        for dp in dp_worlds:  # a rank makes 1/dp of the rows and measures all of them, in each worker
+            result[f"measure_share_dp{dp}_w{workers}"] = workers * dp * per_row * measure / (row + workers * dp * per_row * measure)
+        results.append(result)
+    return results
+
+
 def bench_mixing(samples: int, dp_worlds: list[int]) -> list[dict]:
     """One epoch's pack order through the training loader against a uniform shuffle
     (vlmcore.data.mixing), at pack shard sizes 16 and 1000, and the time to read the epoch. Since
@@ -487,7 +522,7 @@ def print_table(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=["packing", "loader", "bfd-scaling", "pack", "pack-split", "mixing", "resume",
-                                                   "all"],
+                                           "online", "all"],
                         default="all")
     parser.add_argument("--pack-samples", type=int, nargs="+", default=[10000, 100000], help="sizes for --part pack")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="measuring processes for --part pack")
@@ -517,6 +552,10 @@ def main() -> None:
     if args.part == "resume":  # minutes (the pack): not part of "all"
         rows = bench_resume(args.pack_samples[-1], seq_len=1024, max_patches=4096)
         (RESULTS / f"data_resume_{args.pack_samples[-1]}.json").write_text(json.dumps(rows, indent=2) + "\n")
+    if args.part in ("online", "all"):
+        rows = bench_online(512, buffer_size=128, dp_worlds=[1, 8, 64], workers=4)
+        print_table(rows)
+        (RESULTS / "data_online.json").write_text(json.dumps(rows, indent=2) + "\n")
     if args.part in ("mixing", "all"):
         rows = bench_mixing(args.mixing_samples, dp_worlds=[1, 2])
         for row in rows:

@@ -15,7 +15,8 @@ from PIL import Image
 from _data_helpers import make_demo_model_dir, write_jsonl
 from vlmcore.cli import main
 from vlmcore.data.encoder import IGNORE_INDEX, SampleEncoder
-from vlmcore.data.loader import OnlinePackingTaskEncoder, PackedTaskEncoder, build_loader, build_online_loader
+from vlmcore.data.loader import PackedTaskEncoder, build_loader
+from vlmcore.data.online import build_online_loader
 from vlmcore.data.pack import pack
 from vlmcore.data.prepare import prepare
 from vlmcore.data.quality import DataError
@@ -194,17 +195,15 @@ def test_online_packing_counts_bad_samples(demo, tmp_path):
         writer.write({"messages": row["messages"]}, [(png, "png") for png in pngs])
     writer.close()
     energon_prepare(data)
-    task_encoder = OnlinePackingTaskEncoder(demo / "model", SEQ_LEN, max_patches=256, overlong="truncate")
-    crude = [{"__key__": s.key, "__restore_key__": (), **s.data} for shard in shard_paths(data) for s in iter_shard_samples(shard)]
-    encoded = [task_encoder.encode_sample(task_encoder.cook(c)) for c in crude]
-    rows = [task_encoder.pack_selected_samples(p) for p in task_encoder.select_samples_to_pack(encoded)]
+    loader = build_online_loader(data, demo / "model", seq_len=SEQ_LEN, max_patches=256, buffer_size=6, dp_rank=0,
+                                 dp_world=1, micro_batch_size=1, seed=0, num_workers=0)
+    assert sorted(i for pack in loader.plan(0) for i in pack) == list(range(6))  # the bad ones ride along
+    rows = [loader.row(j) for j in range(len(loader.plan(0)))]
     assert sum(row.num_samples for row in rows) == 4
     assert sum((Counter(row.skipped) for row in rows), Counter()) == {"corrupt_image": 2}
     assert all(row.input_ids.shape == (SEQ_LEN,) and (row.labels != IGNORE_INDEX).any() for row in rows)
 
-    # The same through Energon: the counts reach the batches.
-    loader = build_online_loader(data, demo / "model", seq_len=SEQ_LEN, max_patches=256, buffer_size=6, dp_rank=0,
-                                 dp_world=1, micro_batch_size=1, seed=0, num_workers=0)
+    # The same through the loader's batches: the counts reach them.
     batches = take_until(loader, lambda seen: seen["corrupt_image"] >= 2)
     assert all(set(b.skipped_samples) <= {"corrupt_image"} for b in batches)
 

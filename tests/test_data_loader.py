@@ -3,13 +3,15 @@
 import dataclasses
 import json
 import pickle
+from functools import partial
 
 import pytest
 import torch
 
 from _data_helpers import make_demo_model_dir
 from vlmcore.data.encoder import IGNORE_INDEX, SampleEncoder
-from vlmcore.data.loader import build_loader, write_blend
+from vlmcore.data.loader import build_loader, samples_in, write_blend
+from vlmcore.data.online import build_online_loader
 from vlmcore.data.pack import pack
 from vlmcore.data.prepare import prepare
 from vlmcore.data.synthetic import generate
@@ -138,11 +140,12 @@ def test_resume_with_workers_yields_the_same_batches(packed):
     check_resume(packed / "packed" / "conversations", num_workers=2)
 
 
-def global_batches(path, steps, *, dp_world, micro_batch_size, grad_accum_steps, num_workers=0, seed=0, state=None):
+def global_batches(path, steps, *, dp_world, micro_batch_size, grad_accum_steps, num_workers=0, seed=0, state=None,
+                   build=build_loader):
     """The row keys of `steps` global batches, rank after rank, micro-batch after micro-batch."""
     kwargs = dict(dp_world=dp_world, micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps,
                   seed=seed, num_workers=num_workers)
-    loaders = [build_loader(path, dp_rank=r, **kwargs) for r in range(dp_world)]
+    loaders = [build(path, dp_rank=r, **kwargs) for r in range(dp_world)]
     if state is not None:
         for loader in loaders:
             loader.load_state_dict(state)
@@ -187,8 +190,6 @@ def test_resume_on_another_layout_continues_the_stream(packed):
 
 def test_every_pack_once_an_epoch_and_a_new_shuffle_the_next(packed):
     path = packed / "packed" / "captions"
-    from vlmcore.data.loader import samples_in
-
     n = samples_in(path)
     (keys,), _ = global_batches(path, 1, dp_world=1, micro_batch_size=2 * n, grad_accum_steps=1)
     assert sorted(keys[:n]) == sorted(keys[n:]) and len(set(keys[:n])) == n
@@ -216,8 +217,6 @@ def test_data_parallel_ranks_read_different_packs(packed):
 
 
 def test_online_packing_loader(packed):
-    from vlmcore.data.loader import build_online_loader
-
     kwargs = dict(seq_len=SEQ_LEN, max_patches=256, buffer_size=16, dp_rank=0, dp_world=1, micro_batch_size=2, seed=1, num_workers=0)
     loader = build_online_loader(packed / "data" / "conversations", packed / "model", **kwargs)
     it = iter(loader)
@@ -230,6 +229,31 @@ def test_online_packing_loader(packed):
     resumed = build_online_loader(packed / "data" / "conversations", packed / "model", **kwargs)
     resumed.load_state_dict(state)
     assert_same_batches(take(resumed, 3), expected)
+
+
+def online(packed, buffer_size=6):
+    return partial(build_online_loader, model_dir=packed / "model", seq_len=SEQ_LEN, max_patches=256,
+                   buffer_size=buffer_size)
+
+
+def test_online_packing_follows_the_global_batch(packed):
+    """Online packing keeps the global row order too: the same global batches under every layout
+    (workers included), a position saved under one layout goes on under the others, and an
+    epoch's buffers hold every sample once."""
+    path, build = packed / "data" / "conversations", online(packed)
+    runs = [global_batches(path, 6, **layout, build=build)[0] for layout in LAYOUTS]
+    assert all(run == runs[0] for run in runs[1:])
+    keys = [key for batch in runs[0] for row in batch for key in row.split(",")]
+    n = samples_in(path)
+    assert len(keys) > n and len(set(keys[:n])) == n  # several samples a row; the first epoch has each once
+    first, state = global_batches(path, 2, **LAYOUTS[1], build=build)
+    assert state["anchor"][0] > 0  # the position says where the walk over the buffers got to
+    for layout in LAYOUTS[2:] + LAYOUTS[:1]:
+        assert global_batches(path, 4, **layout, state=state, build=build)[0] == runs[0][2:]
+    loader = build(path, dp_rank=0, dp_world=1, micro_batch_size=1, seed=0, num_workers=0)
+    epoch = sorted(i for b in range(n // 6) for pack in loader.plan(b) for i in pack)
+    assert epoch == list(range(n))
+    assert [loader.order[p][1] for p in range(n, 2 * n)] != [loader.order[p][1] for p in range(n)]  # a new shuffle
 
 
 @pytest.fixture(scope="module")

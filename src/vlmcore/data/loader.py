@@ -1,7 +1,7 @@
 """The training loader: packed Energon dataset -> `Batch`es (vlmcore.data.batch, docs/internals.md "Data batches").
 
-Packs are crude samples: the cooker only parses them (so the shuffle buffer holds compressed
-samples); `encode_sample` (in the loader workers) tokenizes every segment with the
+Packs are read as crude samples (their parts still compressed); `encode_sample` (in the loader
+workers) tokenizes every segment with the
 model files copied into the packed dataset, decodes and resizes the images as the transformers image
 processor does and writes their uint8 patches into one buffer per row (`ImagePatcher`; the step
 normalises them on the device), concatenates the segments, pads the row to `seq_len` (the padding
@@ -9,22 +9,18 @@ is a segment of its own, with no loss), and computes the per-segment position id
 `vlmcore.models.position_ids`.
 
 `build_loader` also accepts an Energon metadataset YAML (`write_blend`) that blends several packed
-datasets made with the same model and `seq_len`. `build_online_loader` is the alternative to
-offline packing: the same rows, packed in the loader from a prepared dataset with a buffer.
+datasets made with the same model and `seq_len`. `vlmcore.data.online` is the alternative to
+offline packing: rows packed in the loader from a prepared dataset with a buffer.
 
 Order and resuming: `build_loader` reads the packs in the global row order of
 `vlmcore.data.order` (a function of the datasets, the seed and the row only), each pack by its
 index (`IndexedShards`); step k's global batch is rows [k * G, (k + 1) * G) and a rank's share a
 slice of it. The position is the rows consumed: a run resumed under another layout with the same
-rows per step goes on exactly (`RowLoader.seek`). The online-packing loader (`build_online_loader`)
-keeps Energon's savable-loader state, which belongs to one data-parallel rank of one
-`dp_world` x `num_workers` layout: if that layout changes, `load_state_dict` warns and that stream
-restarts from a new shuffle (seeded from `seed` and the batches consumed so far).
+rows per step goes on exactly (`RowLoader.seek`); so does the online-packing loader's.
 """
 
 import json
 import logging
-import pickle
 from collections import Counter
 from pathlib import Path
 
@@ -34,22 +30,17 @@ from megatron.energon import (
     Cooker,
     DefaultTaskEncoder,
     Sample,
-    WorkerConfig,
     edataclass,
-    get_savable_loader,
-    get_train_dataset,
     stateless,
 )
 
 from vlmcore.data.batch import Batch, Images
 from vlmcore.data.encoder import IGNORE_INDEX, EncodingError, SampleEncoder, TextEncoding
-from vlmcore.data.measure import measure_sample
 from vlmcore.data.pack import PACK_MODEL_DIR
-from vlmcore.data.bin_packing import best_fit_decreasing
 from vlmcore.data.processor import ImagePatcher
 from vlmcore.data.quality import LOGGED_PER_REASON, BadSample, load_image, load_json
 from vlmcore.data.order import RowOrder, rows_of
-from vlmcore.data.shards import IndexedShards, shard_paths
+from vlmcore.data.shards import IndexedShards
 from vlmcore.models import load_hf_config, position_ids
 
 logger = logging.getLogger(__name__)
@@ -71,13 +62,6 @@ class PackedRow(Sample):
 class StoredSample(Sample):
     meta: bytes  # the `json` part
     parts: dict[str, bytes]  # the other parts (images), still compressed
-
-
-@edataclass
-class EncodedSample(Sample):
-    encoding: TextEncoding | None
-    images: list[bytes]  # compressed, decoded only when the sample's pack is emitted
-    skipped: str | None  # the reason a bad sample is left out; it still rides in a pack, to be counted
 
 
 def packed_dataset_files(path) -> tuple[Path, dict]:
@@ -265,112 +249,6 @@ def basic_keys(sample) -> dict:
     return {k: getattr(sample, k) for k in names}
 
 
-class OnlinePackingTaskEncoder(PackedTaskEncoder):
-    """Packs a prepared (unpacked) dataset on the fly: best fit decreasing over a buffer.
-
-    The buffer holds token ids and the images' compressed bytes; pixels are computed only for
-    the samples of the pack being emitted. A bad sample joins a pack with no tokens, to be
-    counted in that row's `skipped`.
-    """
-
-    def __init__(self, model_dir, seq_len: int, max_patches: int, overlong: str):
-        super().__init__(model_dir, seq_len)
-        self.max_patches = max_patches
-        self.overlong = overlong
-
-    @stateless
-    def encode_sample(self, stored: StoredSample) -> EncodedSample:
-        counts = {"truncated": 0, "dropped_overlong": 0}
-        try:
-            enc, kept, _ = measure_sample(load_json(stored.meta), stored.parts, self.encoder, self.seq_len,
-                                          self.max_patches, self.overlong, counts)
-        except (BadSample, EncodingError) as e:
-            skip(Counter(), e.reason, f"sample {stored.__key__}", e)
-            return EncodedSample(**basic_keys(stored), encoding=None, images=[], skipped=e.reason)
-        return EncodedSample(**basic_keys(stored), encoding=enc, images=[stored.parts[name] for name in kept], skipped=None)
-
-    def select_samples_to_pack(self, samples: list[EncodedSample]) -> list[list[EncodedSample]]:
-        good = [s for s in samples if s.skipped is None]
-        tokens = [len(s.encoding.input_ids) for s in good]
-        patches = [s.encoding.num_patches for s in good]
-        packs = [[good[i] for i in b] for b in best_fit_decreasing(tokens, patches, self.seq_len, self.max_patches)]
-        bad = [s for s in samples if s.skipped is not None]
-        if bad:  # they ride along in a pack, to be counted in its row
-            packs = [packs[0] + bad, *packs[1:]] if packs else [bad]
-        return packs
-
-    @stateless
-    def pack_selected_samples(self, samples: list[EncodedSample]) -> PackedRow:
-        keys = {"__key__": ",".join(s.__key__ for s in samples), "__restore_key__": ()}
-        skipped = Counter(s.skipped for s in samples if s.skipped is not None)
-        return self.assemble_row(keys, [(s.__key__, s.encoding, s.images) for s in samples if s.skipped is None], skipped)
-
-
-class PackedLoader:
-    """The online-packing loader: Energon's stream of packs made in the loader, with its
-    per-rank `state_dict()` / `load_state_dict()` for checkpoints."""
-
-    # Every pack a slice of its own: Energon shuffles the slices of each worker's share, so an
-    # epoch reads that share in a uniform random order, whatever the shards (docs/internals.md
-    # "Sample order"). Larger slices are read in sequence (100 until issue 27).
-    packs_per_slice = 1
-
-    def __init__(self, path, task_encoder: PackedTaskEncoder, *, dp_rank: int, dp_world: int, micro_batch_size: int,
-                 seed: int, num_workers: int, packing_buffer_size: int | None = None):
-        self.path = path
-        self.task_encoder = task_encoder
-        self.packing_buffer_size = packing_buffer_size
-        # How the data is split over ranks and workers: the saved position means something under this split only.
-        self.split = {"dp_rank": dp_rank, "dp_world": dp_world, "micro_batch_size": micro_batch_size,
-                      "num_workers": num_workers}
-        self.seed = seed
-        self.batches_yielded = 0
-        for dataset_dir in dataset_entries(path):
-            shard_paths(dataset_dir)  # a missing or truncated shard is refused by name, before any work
-        self.loader = self._make_loader(seed)
-
-    def _make_loader(self, seed_offset: int):
-        worker_config = WorkerConfig(
-            rank=self.split["dp_rank"],
-            world_size=self.split["dp_world"],
-            num_workers=self.split["num_workers"],
-            seed_offset=seed_offset,
-        )
-        dataset = get_train_dataset(
-            str(self.path),
-            worker_config=worker_config,
-            batch_size=self.split["micro_batch_size"],
-            packing_buffer_size=self.packing_buffer_size,
-            shuffle_buffer_size=None,  # the slices are shuffled already
-            max_samples_per_sequence=self.packs_per_slice,
-            task_encoder=self.task_encoder,
-            repeat=True,
-        )
-        return get_savable_loader(dataset)
-
-    def __iter__(self):
-        for batch in self.loader:
-            self.batches_yielded += 1
-            yield batch
-
-    def state_dict(self) -> dict:
-        state = self.loader.save_state_rank() if self.batches_yielded else None
-        # Pickled, so the checkpoint stores one opaque value whatever Energon's state holds.
-        return {"energon": pickle.dumps(state), "batches_yielded": self.batches_yielded, **self.split}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.batches_yielded = state["batches_yielded"]
-        saved = {k: state[k] for k in self.split}
-        if saved != self.split:
-            logger.warning(
-                "data loader layout changed from %s to %s: the stream restarts with a new shuffle (no exact resume)",
-                saved, self.split,
-            )
-            self.loader = self._make_loader(self.seed + self.batches_yielded)
-            return
-        self.loader.restore_state_rank(pickle.loads(state["energon"]))
-
-
 class RowLoader:
     """The batches of one data-parallel rank over a packed dataset (or a blend of them), read in
     the global row order of `vlmcore.data.order`: micro-batch `a` of step `k` on rank `r` holds the
@@ -380,6 +258,8 @@ class RowLoader:
 
     Loader workers take micro-batches in turn (worker w the ones congruent to w), and torch's
     DataLoader hands them out in that order, so the worker count does not change the stream."""
+
+    anchor = None  # where finding a row starts, for a stream whose rows are found by walking it (online packing)
 
     def __init__(self, path, task_encoder: PackedTaskEncoder, *, dp_rank: int, dp_world: int, micro_batch_size: int,
                  grad_accum_steps: int, seed: int, num_workers: int):
@@ -409,19 +289,21 @@ class RowLoader:
         rows = rows_of(step, micro, self.split["dp_rank"], dp_world=self.split["dp_world"],
                        micro_batch_size=self.split["micro_batch_size"],
                        grad_accum_steps=self.split["grad_accum_steps"])
-        packed = []
-        for j in range(self.first_row + rows.start, self.first_row + rows.stop):
-            dataset, index = self.order[j]
-            crude = self.datasets[dataset].read(index)
-            packed.append(self.task_encoder.encode_sample(self.task_encoder.cook({**crude, "__restore_key__": ()})))
-        return self.task_encoder.batch(packed)
+        return self.task_encoder.batch([self.row(self.first_row + j) for j in rows])
+
+    def row(self, j: int) -> PackedRow:
+        """Global row j: its pack, read by index and encoded."""
+        dataset, index = self.order[j]
+        crude = self.datasets[dataset].read(index)
+        return self.task_encoder.encode_sample(self.task_encoder.cook({**crude, "__restore_key__": ()}))
 
     def __iter__(self):
         stream = _MicroBatches(self, self.micro_batches)
         loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=self.num_workers,
                                              collate_fn=_as_is, pin_memory=torch.cuda.is_available())
-        for batch in loader:
+        for batch, anchor in loader:
             self.micro_batches += 1
+            self.anchor = anchor  # where a loader worker's walk over the stream got to
             yield batch
 
     def state_dict(self) -> dict:
@@ -449,7 +331,7 @@ class _MicroBatches(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         m, stride = (self.start, 1) if info is None else (self.start + info.id, info.num_workers)
         while True:
-            yield self.loader.micro_batch(m)
+            yield self.loader.micro_batch(m), self.loader.anchor
             m += stride
 
 
@@ -464,14 +346,6 @@ def build_loader(packed_dir, *, dp_rank: int, dp_world: int, micro_batch_size: i
     return RowLoader(packed_dir, PackedTaskEncoder(model_dir, pack_config["seq_len"]), dp_rank=dp_rank,
                      dp_world=dp_world, micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps,
                      seed=seed, num_workers=num_workers)
-
-
-def build_online_loader(data_dir, model_dir, *, seq_len: int, max_patches: int, buffer_size: int, overlong: str = "truncate",
-                        dp_rank: int, dp_world: int, micro_batch_size: int, seed: int, num_workers: int) -> PackedLoader:
-    """The same batches, packed online from a prepared dataset with a buffer of `buffer_size` samples."""
-    task_encoder = OnlinePackingTaskEncoder(model_dir, seq_len, max_patches, overlong)
-    return PackedLoader(data_dir, task_encoder, dp_rank=dp_rank, dp_world=dp_world, micro_batch_size=micro_batch_size,
-                        seed=seed, num_workers=num_workers, packing_buffer_size=buffer_size)
 
 
 def write_blend(path, datasets: list[tuple[str, float]], epochized: bool = False) -> None:

@@ -22,7 +22,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from vlmcore.data.encoder import IGNORE_INDEX, EncodingError, SampleEncoder, TextEncoding
-from vlmcore.data.quality import BadSample, check_image, decode_utf8
+from vlmcore.data.quality import BadSample, decode_utf8, open_image
 from vlmcore.data.shards import iter_shard_samples
 
 MODEL_FILES = [
@@ -61,8 +61,9 @@ class MeasuredShard:
 
 
 def measure_sample(sample: dict, parts: dict, encoder: SampleEncoder, seq_len: int, max_patches: int,
-                   overlong: str, counts: dict) -> tuple[TextEncoding, list[str], list[tuple[int, int]]]:
-    """Encode the text of one stored sample as the loader will, and apply the overlong policy.
+                   overlong: str, counts: dict, decode: bool = True) -> tuple[TextEncoding, list[str], list[tuple[int, int]]]:
+    """Encode the text of one stored sample as the loader will, and apply the overlong policy;
+    its images are decoded in full, or with `decode` False only their headers are read.
 
     Returns the encoding, the names of the image parts it keeps, and the sizes of all its images.
     Raises BadSample or EncodingError for samples to skip.
@@ -73,7 +74,7 @@ def measure_sample(sample: dict, parts: dict, encoder: SampleEncoder, seq_len: i
         if name not in parts:
             raise BadSample("missing_image", f"part {name}")
         try:
-            sizes.append(check_image(parts[name], Image.MAX_IMAGE_PIXELS)[2])  # decodes every pixel
+            sizes.append(open_image(parts[name], Image.MAX_IMAGE_PIXELS, decode=decode).size)
         except BadSample as e:
             raise BadSample(e.reason, f"{name}: {e.detail}") from e
     enc = encoder.encode_text(sample, sizes)

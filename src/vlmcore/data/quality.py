@@ -113,12 +113,9 @@ def load_image(data: bytes) -> Image.Image:
         raise BadSample("corrupt_image", f"{type(e).__name__}: {e}") from e
 
 
-def check_image(data: bytes, max_pixels: int, min_side: int = 2) -> tuple[bytes, str, tuple[int, int], str | None]:
-    """Validate encoded image bytes; returns (bytes, extension, (width, height), repair reason or None).
-
-    RGB JPEG/PNG files are kept as they are. CMYK, 16-bit, alpha, palette and grayscale images are
-    converted to 8-bit RGB (alpha composited on white) and stored as PNG.
-    """
+def open_image(data: bytes, max_pixels: int, min_side: int = 2, decode: bool = True) -> Image.Image:
+    """The image of encoded bytes, every pixel decoded unless `decode` is False (then its header
+    alone is read: a file cut after it is not seen); BadSample with the reason if it is unusable."""
     if not data:
         raise BadSample("empty_image_file")
     try:
@@ -128,7 +125,8 @@ def check_image(data: bytes, max_pixels: int, min_side: int = 2) -> tuple[bytes,
             width, height = image.size
             if width * height > max_pixels:
                 raise BadSample("image_too_large", f"{width}x{height} > {max_pixels} pixels")
-            image.load()
+            if decode:
+                image.load()
     except BadSample:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
@@ -139,6 +137,17 @@ def check_image(data: bytes, max_pixels: int, min_side: int = 2) -> tuple[bytes,
         raise BadSample("image_too_small", f"{width}x{height}")
     if max(width, height) / min(width, height) > 200:
         raise BadSample("bad_aspect_ratio", f"{width}x{height}")
+    return image
+
+
+def check_image(data: bytes, max_pixels: int, min_side: int = 2) -> tuple[bytes, str, tuple[int, int], str | None]:
+    """Validate encoded image bytes; returns (bytes, extension, (width, height), repair reason or None).
+
+    RGB JPEG/PNG files are kept as they are. CMYK, 16-bit, alpha, palette and grayscale images are
+    converted to 8-bit RGB (alpha composited on white) and stored as PNG.
+    """
+    image = open_image(data, max_pixels, min_side)
+    width, height = image.size
 
     if image.mode == "RGB" and image.format in ("JPEG", "PNG"):
         return data, "jpg" if image.format == "JPEG" else "png", (width, height), None

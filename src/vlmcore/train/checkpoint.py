@@ -268,8 +268,7 @@ def resume(checkpointer: Checkpointer, path: Path, model, optimizer, data, state
     """Loads model, optimizer and `state` in place, and puts the data where the checkpoint's run
     left it. The data position is global (the rows consumed, `vlmcore.data.order`): under another
     split with the same rows per step the stream goes on exactly. The RNG state is per rank and
-    comes back only under the split that wrote it (and the data loader's own state with it, which
-    the online-packing loader needs: its position means something under that split only)."""
+    comes back only under the split that wrote it, and the data loader's own state with it."""
     written = {f"layout_{k}": 0 for k in split} | {"data_rows": -1}
     dcp.load({"train": written}, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
     written_split = {k: written[f"layout_{k}"] for k in split}
@@ -296,14 +295,11 @@ def resume(checkpointer: Checkpointer, path: Path, model, optimizer, data, state
     if rank_state is not None:
         set_rng_state(rank_state["rng"])
         data.load_state_dict(rank_state["loader"])
-    elif hasattr(data, "seek"):
+    else:
         data.seek(state["data_rows"])
         if _is_rank0():
             print(f"{path}: written with {_split_text(written_split)}; model and optimizer resharded, the data goes "
                   f"on from global row {state['data_rows']}, the RNG restarts")
-    elif _is_rank0():
-        print(f"{path}: another layout wrote it; model and optimizer resharded, data stream and RNG restart "
-              "(the online-packing loader's position is per rank)")
     if _is_rank0():
         print(f"resumed from {path} at step {state['step']}")
 
