@@ -6,6 +6,7 @@ ConfigError naming the key to change.
 No torch: a model is its transformers config or its config.json as a dict.
 """
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -18,7 +19,7 @@ def check_run(cfg: TrainConfig, world_size: int, model_config=None) -> RunLayout
     """The stage's layout on `world_size` ranks, checked against the world and, given the model's
     config (a transformers config or a config.json dict), against the model."""
     layout = resolve_layout(cfg.parallel, world_size)
-    derive_grad_accum(cfg, layout)
+    layout = dataclasses.replace(layout, grad_accum_steps=grad_accum_steps(cfg, layout))
     check_rows(cfg, layout)
     check_disjoint(layout)
     if model_config is not None:
@@ -26,11 +27,11 @@ def check_run(cfg: TrainConfig, world_size: int, model_config=None) -> RunLayout
     return layout
 
 
-def derive_grad_accum(cfg: TrainConfig, layout: RunLayout) -> None:
-    """With `global_batch_rows` set, `cfg.grad_accum_steps` becomes the micro-batches that make it
-    up on this layout's data-parallel ranks."""
+def grad_accum_steps(cfg: TrainConfig, layout: RunLayout) -> int:
+    """The micro-batches of a step: `grad_accum_steps`, or with `global_batch_rows` set, those that
+    make it up on this layout's data-parallel ranks."""
     if not cfg.global_batch_rows:
-        return
+        return cfg.grad_accum_steps
     per_step = cfg.micro_batch_size * layout.data.dims.dp
     accum, rest = divmod(cfg.global_batch_rows, per_step)
     if rest or not accum:
@@ -41,7 +42,7 @@ def derive_grad_accum(cfg: TrainConfig, layout: RunLayout) -> None:
         raise ConfigError(f"grad_accum_steps: {cfg.grad_accum_steps} with global_batch_rows {cfg.global_batch_rows} "
                           f"on {layout.data.dims.dp} data-parallel ranks (which makes it {accum}); set one of the two",
                           "grad_accum_steps")
-    cfg.grad_accum_steps = accum
+    return accum
 
 
 def check_rows(cfg: TrainConfig, layout: RunLayout) -> None:

@@ -60,6 +60,7 @@ class RunLayout:
     world_size: int
     language: Grid
     vision: Grid  # a text model's is the language model's ranks, unused
+    grad_accum_steps: int = 1  # micro-batches a step on this world (`global_batch_rows` resolved; checks.check_run)
 
     @property
     def disjoint(self) -> bool:

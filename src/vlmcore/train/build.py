@@ -94,7 +94,8 @@ class Run:
         """This rank's batches: its language data-parallel rank's, or on an encoder rank those of
         the language ranks whose rows it encodes. `source(data_rank, data_world)` makes one
         data-parallel rank's (default: the stage's data, `build_data`)."""
-        source = source or (lambda rank, world: build_data(self.cfg, self.model.config, rank, world))
+        source = source or (lambda rank, world: build_data(self.cfg, self.model.config, rank, world,
+                                                           self.layout.grad_accum_steps))
         if self.role == "vision":
             return self.bridge.encoder_data(source)
         return source(self.layout.data.data_rank(self.rank), self.layout.data.dims.dp)
@@ -124,17 +125,17 @@ def build_run(cfg: TrainConfig, layout: RunLayout, device: torch.device) -> Run:
     return run
 
 
-def build_data(cfg: TrainConfig, model_config, rank: int, world: int):
+def build_data(cfg: TrainConfig, model_config, rank: int, world: int, grad_accum_steps: int):
     """The batches of data-parallel rank `rank` of `world`: the packed dataset's, or random rows."""
     if cfg.data.kind == "random":
         from vlmcore.train.random_data import RandomBatches
 
         return RandomBatches(model_config, seq_len=cfg.data.seq_len, segments=cfg.data.segments,
                              image_fraction=cfg.data.image_fraction, micro_batch_size=cfg.micro_batch_size,
-                             dp_rank=rank, dp_world=world, grad_accum_steps=cfg.grad_accum_steps, seed=cfg.seed,
+                             dp_rank=rank, dp_world=world, grad_accum_steps=grad_accum_steps, seed=cfg.seed,
                              image_side=cfg.data.image_side, video_fraction=cfg.data.video_fraction,
                              video_frames=cfg.data.video_frames)
     from vlmcore.data.loader import build_loader
 
     return build_loader(cfg.data_path, dp_rank=rank, dp_world=world, micro_batch_size=cfg.micro_batch_size,
-                        grad_accum_steps=cfg.grad_accum_steps, seed=cfg.seed, num_workers=cfg.num_workers)
+                        grad_accum_steps=grad_accum_steps, seed=cfg.seed, num_workers=cfg.num_workers)

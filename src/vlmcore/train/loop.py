@@ -25,7 +25,7 @@ from vlmcore.models import load_hf_config
 from vlmcore.parallel.checks import check_run
 from vlmcore.parallel.mesh import device_for_rank, init_distributed
 from vlmcore.train.build import build_run, check_kernels
-from vlmcore.train.checkpoint import CheckpointError, resume_latest, rng_state, save_final
+from vlmcore.train.checkpoint import CheckpointError, global_batch_rows, resume_latest, rng_state, save_final
 from vlmcore.train.metrics_log import MetricsLogger, global_counts, peak_tflops, step_record
 from vlmcore.train.module_timer import ModuleTimer
 from vlmcore.train.optim import lr_factor, schedule_total, set_lr
@@ -129,7 +129,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, stop: _StopSignal)
     prepare_output_dir(cfg, out)
     dims = layout.data.dims  # the data's split of the global batch (the language model's)
     split = {"world_size": dist.get_world_size(), "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
-             "tp": dims.tp, "grad_accum_steps": cfg.grad_accum_steps, "micro_batch_size": cfg.micro_batch_size}
+             "tp": dims.tp, "grad_accum_steps": layout.grad_accum_steps, "micro_batch_size": cfg.micro_batch_size}
     checkpointer, state = resume_latest(cfg, out, split, model, optimizer, data)
     if signum := agreed_signal(stop):  # during start-up: no step since the checkpoint, nothing to save
         if rank == 0:
@@ -148,7 +148,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, stop: _StopSignal)
     while state["step"] < cfg.steps:
         profiler.step_starts(state["step"] + 1)
         t0 = time.perf_counter()
-        host_micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
+        host_micro = [next(batches) for _ in range(layout.grad_accum_steps)]
         data_wait = time.perf_counter() - t0
         counts = global_counts([] if encoder else host_micro, model.config, dims.tp)  # encoder ranks count nothing
         if counts["label_tokens"] == 0:
@@ -162,7 +162,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, stop: _StopSignal)
         nonfinite_in_a_row = 0 if result.applied else nonfinite_in_a_row + 1
         state["skipped_steps"] += not result.applied
         state["step"] += 1
-        state["data_rows"] += dims.dp * cfg.micro_batch_size * cfg.grad_accum_steps
+        state["data_rows"] += global_batch_rows(split)
         state["samples"] += int(counts["samples"])
         state["tokens"] += int(counts["tokens"])
         # Host time of the step: the step's one host read (norm and loss) waits for its backward,

@@ -255,7 +255,7 @@ def _estimate_rank(cfg, layout, rank: int, seq_len: int, image_side: int, segmen
         # The rank's micro-batches, every row with an image or a video (an encoder rank: those of its
         # language ranks). Two micro-batches hold as much as more would: from the second on, the
         # unsynced gradients of the first are held too.
-        micro_batches = min(cfg.grad_accum_steps, 2)
+        micro_batches = min(layout.grad_accum_steps, 2)
         batches = iter(run.data(lambda data_rank, data_world: RandomBatches(
             run.model.config, seq_len=seq_len, segments=segments, image_fraction=0.0 if video_frames else 1.0,
             micro_batch_size=cfg.micro_batch_size, dp_rank=data_rank, dp_world=data_world,
