@@ -1,10 +1,13 @@
 """Builders shared by the tests/test_data_*.py files: tiny model snapshots without weights."""
 
 import base64
+import io
 import importlib.util
 import json
 from pathlib import Path
 
+import av
+import numpy as np
 from tokenizers import AddedToken, normalizers
 from transformers import PreTrainedTokenizerFast, Qwen3VLConfig
 from transformers.convert_slow_tokenizer import TikTokenConverter
@@ -71,3 +74,36 @@ def write_jsonl(path: Path, rows) -> Path:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     return path
+
+
+def make_clip(codec: str, fmt: str, *, frames: int, rate, width: int, height: int, pix_fmt: str = "yuv420p",
+              rotation: int | None = None) -> bytes:
+    """A clip of a square moving left to right over a colour ramp, encoded for real."""
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=fmt) as container:
+        stream = container.add_stream(codec, rate=rate)
+        stream.width, stream.height, stream.pix_fmt = width, height, pix_fmt
+        if rotation is not None:
+            stream.set_display_rotation(rotation)
+        for i in range(frames):
+            image = np.zeros((height, width, 3), np.uint8)
+            image[..., 0] = np.linspace(0, 255, width, dtype=np.uint8)[None]
+            x = i * max(1, (width - 8) // max(1, frames))
+            image[height // 4:height // 4 + 8, x:x + 8] = (40, 220, 90)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
+def audio_only_clip() -> bytes:
+    """A WAV file: a container with no video stream."""
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="wav") as container:
+        stream = container.add_stream("pcm_s16le", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), np.int16), format="s16", layout="mono")
+        frame.sample_rate = 8000
+        for packet in stream.encode(frame):
+            container.mux(packet)
+    return buf.getvalue()

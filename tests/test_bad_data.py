@@ -246,9 +246,10 @@ def test_caption_row_without_image_is_counted_missing_image(tmp_path):
     assert stats["samples"] == 1 and stats["bad"]["skipped_by_reason"] == {"missing_image": 2}
 
 
-def test_video_rows_are_counted_not_kept_as_text(tmp_path):
+def test_video_rows_are_never_kept_as_text(tmp_path):
     """A row with a video (a field or a `<video>` tag) is not a text sample with its video dropped:
-    until video sources land it is skipped under its own reason, the other rows kept."""
+    a video that is not there is counted (missing_video), a tag without its video too
+    (video_tag_mismatch); the other rows are kept (tests/test_data_prepare_video.py: good videos)."""
     (tmp_path / "a.png").write_bytes(rgb_png(0))
     rows = [{"image": "a.png", "caption": f"image {i}"} for i in range(20)] + [
         {"video": "clip.mp4", "conversations": [{"from": "human", "value": "<video>\nWhat happens?"},
@@ -259,7 +260,8 @@ def test_video_rows_are_counted_not_kept_as_text(tmp_path):
         {"video": None, "text": "a document that merely has a null video field"},
     ]
     stats = prepare([write_jsonl(tmp_path / "c.jsonl", rows)], tmp_path / "data", max_bad_fraction=0.2)
-    assert stats["samples"] == 21 and stats["bad"]["skipped_by_reason"] == {"video_not_supported": 3}
+    assert stats["samples"] == 21
+    assert stats["bad"]["skipped_by_reason"] == {"missing_video": 2, "video_tag_mismatch": 1}
 
 
 @pytest.mark.parametrize("cut", ["inside_a_member", "empty_archive"])

@@ -12,17 +12,16 @@ with antialiasing, the frames returned untouched at their own size).
 import ast
 import fractions
 import importlib.util
-import io
 import math
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
-import av
 import numpy as np
 import pytest
 import torch
 
+from _data_helpers import audio_only_clip, make_clip
 from vlmcore.data.quality import BadSample
 from vlmcore.data.video import (VideoSettings, decode_frames, encode_video, frame_size, frame_timestamps,
                                 normalize_video_patches, probe, resize_frames, sample_frames, video_patches,
@@ -43,27 +42,6 @@ def transformers_method(module: str, cls: str, name: str):
     namespace = {"np": np, "torch": torch, "math": math, "logger": SimpleNamespace(warning_once=lambda *a: None)}
     exec(textwrap.dedent(ast.unparse(node)), namespace)
     return namespace[name]
-
-
-def make_clip(codec: str, fmt: str, *, frames: int, rate, width: int, height: int, pix_fmt: str = "yuv420p",
-              rotation: int | None = None) -> bytes:
-    """A clip of a square moving left to right over a colour ramp, encoded for real."""
-    buf = io.BytesIO()
-    with av.open(buf, "w", format=fmt) as container:
-        stream = container.add_stream(codec, rate=rate)
-        stream.width, stream.height, stream.pix_fmt = width, height, pix_fmt
-        if rotation is not None:
-            stream.set_display_rotation(rotation)
-        for i in range(frames):
-            image = np.zeros((height, width, 3), np.uint8)
-            image[..., 0] = np.linspace(0, 255, width, dtype=np.uint8)[None]
-            x = i * max(1, (width - 8) // max(1, frames))
-            image[height // 4:height // 4 + 8, x:x + 8] = (40, 220, 90)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buf.getvalue()
 
 
 CLIPS = {
@@ -167,15 +145,8 @@ def test_bad_clips_are_refused_by_reason(clips):
         with pytest.raises(BadSample) as e:
             encode_video(data, VideoSettings())
         reasons[name] = e.value.reason
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="wav") as container:
-        stream = container.add_stream("pcm_s16le", rate=8000)
-        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), np.int16), format="s16", layout="mono")
-        frame.sample_rate = 8000
-        for packet in stream.encode(frame):
-            container.mux(packet)
     with pytest.raises(BadSample) as e:
-        probe(buf.getvalue())
+        probe(audio_only_clip())
     reasons["audio_only"] = e.value.reason
     assert reasons == {"garbage": "unreadable_video", "cut_short": reasons["cut_short"], "audio_only": "no_video_stream"}
     assert reasons["cut_short"] in ("unreadable_video", "truncated_video")

@@ -68,6 +68,10 @@ def measure_sample(sample: dict, parts: dict, encoder: SampleEncoder, seq_len: i
     Returns the encoding, the names of the image parts it keeps, and the sizes of all its images.
     Raises BadSample or EncodingError for samples to skip.
     """
+    if sample.get("videos"):  # never measured as text: the tags would train as words, the clips dropped
+        if encoder.processor is None:
+            raise EncodingError("video_for_text_model", "the model has no video processor")
+        raise BadSample("video_not_supported", "`vlmcore pack` does not encode videos yet")
     names = sample.get("images", [])
     sizes = []
     for name in names:

@@ -11,14 +11,17 @@ Rows:
   {"images"|"image": ..., "messages"|"conversations": [{"role"|"from", "content"|"value"}]}
                                                      LLaVA / OpenAI-style conversation, `<image>` tags
   {"images": [...], "texts": [{"user", "assistant"}]}  FineVision
+  any of these but text with `video`/`videos` and `<video>` tags  LLaVA-Video / ShareGPT4Video style
 Images are paths (relative to `--images`, a directory or a tar file; default: the source's
-directory), raw bytes, `data:` URIs, or `{"bytes": raw or base64, "path": ...}` dicts.
-Rows with a video (a `video`/`videos` field or a `<video>` tag) are not read yet: each is
-skipped and counted as `video_not_supported`, never kept as text without its video.
+directory), raw bytes, `data:` URIs, or `{"bytes": raw or base64, "path": ...}` dicts. A video is
+the same kind of reference to a video file, or a list of frame images (as some corpora ship
+clips; `video_fps` in the row gives their rate). `video` holds one video, `videos` a list.
 
-Shard samples hold the normalised sample as `json` ({"messages"} or {"text"}) and the images
-as they were (RGB JPEG/PNG) or repaired to PNG. Tokenization happens later, in `vlmcore pack`
-and the loader, with the model's processor.
+Shard samples hold the normalised sample as `json` ({"messages"} or {"text"}), the images as
+they were (RGB JPEG/PNG) or repaired to PNG, and the video files as they were (no re-encoding)
+with the clip's metadata in the json (`vlmcore.data.video.check_video`: frames, fps, duration,
+size, codec, read without decoding more than the first frame). Tokenization happens later, in
+`vlmcore pack` and the loader, with the model's processor.
 """
 
 import argparse
@@ -45,10 +48,12 @@ from vlmcore.data.quality import (
     safe_relative_path,
 )
 from vlmcore.data.shards import ShardWriter, energon_prepare
+from vlmcore.data.video import check_video
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192
+DEFAULT_MAX_VIDEO_SECONDS = 3 * 3600
 SOURCE_KINDS = {"captions": ("caption",), "conversations": ("messages", "conversations", "texts"), "text": ("text",)}
 
 
@@ -83,18 +88,18 @@ class ImageFiles:
             if self.rejected_members:
                 logger.warning("%s: rejected %d tar members leaving the archive: %s", root, len(self.rejected_members), self.rejected_members[:5])
 
-    def read(self, name: str) -> bytes:
+    def read(self, name: str, what: str = "image") -> bytes:
         name = safe_relative_path(name)
         if self.tar is not None:
             if name not in self.members:
-                raise BadSample("missing_image", f"{name} not in {self.root}")
+                raise BadSample(f"missing_{what}", f"{name} not in {self.root}")
             try:
                 return self.tar.extractfile(self.members[name]).read()
             except (tarfile.TarError, OSError, EOFError) as e:
-                raise BadSample("missing_image", f"{name} cut short in {self.root}: {e}") from e
+                raise BadSample(f"missing_{what}", f"{name} cut short in {self.root}: {e}") from e
         path = self.root / name
         if not path.is_file():
-            raise BadSample("missing_image", str(path))
+            raise BadSample(f"missing_{what}", str(path))
         return path.read_bytes()
 
 
@@ -148,26 +153,27 @@ def read_rows(path: Path, log: BadDataLog):
         raise DataError(f"{path}: unknown source type (expected .jsonl, .json, .parquet or a datasets.save_to_disk directory)")
 
 
-def decode_base64(text: str) -> bytes:
+def decode_base64(text: str, bad_reason: str) -> bytes:
     try:
         return base64.b64decode(text, validate=True)
     except binascii.Error as e:
-        raise BadSample("corrupt_image", f"bad base64: {e}") from e
+        raise BadSample(bad_reason, f"bad base64: {e}") from e
 
 
-def image_bytes(ref, files: ImageFiles) -> bytes:
-    """Bytes of one image reference: a path, raw bytes, a `data:` URI, or {"bytes" (raw or base64), "path"}."""
+def image_bytes(ref, files: ImageFiles, what: str = "image") -> bytes:
+    """Bytes of one image (or video) reference: a path, raw bytes, a `data:` URI, or {"bytes" (raw or base64), "path"}."""
+    bad = "corrupt_image" if what == "image" else "unreadable_video"
     if isinstance(ref, bytes):
         return ref
     if isinstance(ref, dict):
         if ref.get("bytes") is not None:
-            return ref["bytes"] if isinstance(ref["bytes"], bytes) else decode_base64(ref["bytes"])
+            return ref["bytes"] if isinstance(ref["bytes"], bytes) else decode_base64(ref["bytes"], bad)
         if ref.get("path"):
-            return files.read(ref["path"])
-        raise BadSample("missing_image", "image entry has neither bytes nor path")
+            return files.read(ref["path"], what)
+        raise BadSample(f"missing_{what}", f"{what} entry has neither bytes nor path")
     if isinstance(ref, str):
-        return decode_base64(ref.split(",", 1)[-1]) if ref.startswith("data:") else files.read(ref)
-    raise BadSample("missing_image", f"unsupported image reference {type(ref).__name__}")
+        return decode_base64(ref.split(",", 1)[-1], bad) if ref.startswith("data:") else files.read(ref, what)
+    raise BadSample(f"missing_{what}", f"unsupported {what} reference {type(ref).__name__}")
 
 
 def row_images(row: dict) -> list:
@@ -179,28 +185,45 @@ def row_images(row: dict) -> list:
     return [im for im in images if im is not None]
 
 
-def video_in_row(row: dict) -> str | None:
-    """What makes a row a video sample (a `video`/`videos` field, a `<video>` tag), or None."""
-    for key in ("video", "videos"):
-        if row.get(key) not in (None, [], ""):
-            return f"a {key!r} field"
-    turns = row.get("messages", row.get("conversations", row.get("texts")))
-    texts = [row.get("text"), row.get("caption")]
-    if isinstance(turns, list):
-        texts += [v for turn in turns if isinstance(turn, dict) for v in turn.values()]
-    if any(isinstance(t, str) and "<video>" in t for t in texts):
-        return "a <video> tag"
-    return None
+def row_videos(row: dict) -> list:
+    """The row's video references: `videos` (a list), or `video` (one; a list there is one clip's frames)."""
+    videos = row.get("videos")
+    if videos is None:
+        videos = [row["video"]] if row.get("video") not in (None, "", []) else []
+    return [v for v in (videos if isinstance(videos, list) else [videos]) if v not in (None, "", [])]
 
 
-def row_to_sample(row, files: ImageFiles, max_image_pixels: int, log: BadDataLog, where: str):
-    """One source row -> (sample json, [(image bytes, ext)], image sizes); raises BadSample."""
+def video_entry(ref, row: dict, files: ImageFiles, max_pixels: int, max_seconds: float) -> tuple[list, dict]:
+    """One video of a row -> ([(bytes, ext)], metadata): the file as it is, or a clip given as frames."""
+    if not isinstance(ref, list):
+        data = image_bytes(ref, files, "video")
+        info = check_video(data, max_pixels, max_seconds)
+        return [(data, info.container)], {"kind": "file", **info.as_dict()}
+    frames = []
+    for frame in ref:
+        try:
+            data, ext, size, _ = check_image(image_bytes(frame, files), max_pixels)
+        except BadSample as e:
+            raise BadSample("bad_video_frame", f"{e.reason}: {e.detail}") from e
+        frames.append((data, ext, size))
+    if len({size for _, _, size in frames}) > 1:
+        raise BadSample("bad_video_frame", f"frames of different sizes {sorted({size for _, _, size in frames})}")
+    fps = row.get("video_fps")
+    if fps is not None and (not isinstance(fps, (int, float)) or fps <= 0):
+        raise BadSample("malformed_row", f"video_fps {fps!r}")
+    (width, height) = frames[0][2]
+    meta = {"kind": "frames", "frames": len(frames), "fps": fps, "width": width, "height": height}
+    if fps and len(frames) / fps > max_seconds:
+        raise BadSample("video_too_long", f"{len(frames) / fps:.1f} s > {max_seconds} s")
+    return [(data, ext) for data, ext, _ in frames], meta
+
+
+def row_to_sample(row, files: ImageFiles, max_image_pixels: int, log: BadDataLog, where: str,
+                  max_video_seconds: float = DEFAULT_MAX_VIDEO_SECONDS):
+    """One source row -> (sample json, [(image bytes, ext)], [([(video bytes, ext)], metadata)]); raises BadSample."""
     if not isinstance(row, dict):
         raise BadSample("malformed_row", f"row is {type(row).__name__}")
-    # Kept as text, the video would be dropped without a word and its tag trained as text.
-    if (video := video_in_row(row)) is not None:
-        raise BadSample("video_not_supported", f"{video}: `vlmcore prepare` does not read videos yet")
-    refs = row_images(row)
+    refs, video_refs = row_images(row), row_videos(row)
     if "messages" in row or "conversations" in row:
         messages = row.get("messages", row.get("conversations"))
     elif "texts" in row:
@@ -214,9 +237,10 @@ def row_to_sample(row, files: ImageFiles, max_image_pixels: int, log: BadDataLog
     elif "caption" in row:
         if not isinstance(row["caption"], str) or not row["caption"].strip():
             raise BadSample("empty_text", "empty caption")
-        if not refs:  # trained on, it would teach describing an image that is not there
-            raise BadSample("missing_image", "a caption row needs an image")
-        messages = [{"role": "user", "content": "<image>" * len(refs)}, {"role": "assistant", "content": row["caption"]}]
+        if not refs and not video_refs:  # trained on, it would teach describing an image that is not there
+            raise BadSample("missing_image", "a caption row needs an image or a video")
+        messages = [{"role": "user", "content": "<video>" * len(video_refs) + "<image>" * len(refs)},
+                    {"role": "assistant", "content": row["caption"]}]
     elif "text" in row:
         text = row["text"]
         if not isinstance(text, str) or not text.strip():
@@ -225,21 +249,23 @@ def row_to_sample(row, files: ImageFiles, max_image_pixels: int, log: BadDataLog
             raise BadSample("special_token_in_text")
         if refs:
             raise BadSample("image_tag_mismatch", "a text document cannot carry images")
+        if video_refs:
+            raise BadSample("video_tag_mismatch", "a text document cannot carry videos")
         return {"text": text}, [], []
     else:
         raise BadSample("malformed_row", f"no text/caption/messages/conversations/texts field in keys {sorted(row)}")
 
-    messages, repair = normalise_messages(messages, len(refs))
-    if repair:
+    messages, repairs = normalise_messages(messages, len(refs), len(video_refs))
+    videos = [video_entry(ref, row, files, max_image_pixels, max_video_seconds) for ref in video_refs]
+    for repair in repairs:
         log.repair(repair, where)
-    images, sizes = [], []
+    images = []
     for ref in refs:
-        data, ext, size, image_repair = check_image(image_bytes(ref, files), max_image_pixels)
+        data, ext, _, image_repair = check_image(image_bytes(ref, files), max_image_pixels)
         if image_repair:
             log.repair(image_repair, where)
         images.append((data, ext))
-        sizes.append(size)
-    return {"messages": messages}, images, sizes
+    return {"messages": messages}, images, videos
 
 
 def summary(values: list[int]) -> dict:
@@ -256,7 +282,8 @@ def summary(values: list[int]) -> dict:
 
 
 def prepare(sources, out_dir, images=None, shard_size: int = 1000, max_bad_fraction: float = 0.05,
-            max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, workers: int = 1) -> dict:
+            max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, workers: int = 1,
+            max_video_seconds: float = DEFAULT_MAX_VIDEO_SECONDS) -> dict:
     """Write the shards of all `sources` ([KIND:]PATH) into `out_dir`, index them with Energon, return the stats."""
     out_dir = Path(out_dir)
     log = BadDataLog("prepare", max_bad_fraction)
@@ -264,7 +291,7 @@ def prepare(sources, out_dir, images=None, shard_size: int = 1000, max_bad_fract
     if missing:  # before anything is written
         raise DataError(f"sources not found: {', '.join(missing)}")
     writer = ShardWriter(out_dir, shard_size)
-    text_chars, images_per_sample, kinds, rejected_members = [], [], {"conversation": 0, "text": 0}, 0
+    text_chars, images_per_sample, video_seconds, kinds, rejected_members = [], [], [], {"conversation": 0, "text": 0}, 0
     for kind, source in map(parse_source, sources):
         files = ImageFiles(images if images is not None else (source if source.is_dir() else source.parent))
         rejected_members += len(files.rejected_members)
@@ -273,11 +300,13 @@ def prepare(sources, out_dir, images=None, shard_size: int = 1000, max_bad_fract
             try:
                 if kind and not (isinstance(row, dict) and any(field in row for field in SOURCE_KINDS[kind])):
                     raise BadSample("malformed_row", f"a {kind} source row needs one of {SOURCE_KINDS[kind]}")
-                sample, sample_images, _ = row_to_sample(row, files, max_image_pixels, log, where)
+                sample, sample_images, videos = row_to_sample(row, files, max_image_pixels, log, where,
+                                                              max_video_seconds)
             except BadSample as e:
                 log.skip(e.reason, where, e.detail)
                 continue
-            writer.write(sample, sample_images)
+            writer.write(sample, sample_images, videos)
+            video_seconds += [meta.get("duration_s") or meta["frames"] / (meta["fps"] or 1) for _, meta in videos]
             kinds["text" if "text" in sample else "conversation"] += 1
             text_chars.append(len(sample["text"]) if "text" in sample else sum(len(m["content"]) for m in sample["messages"]))
             images_per_sample.append(len(sample_images))
@@ -288,6 +317,8 @@ def prepare(sources, out_dir, images=None, shard_size: int = 1000, max_bad_fract
         "samples_by_kind": kinds,
         "images": int(sum(images_per_sample)),
         "images_per_sample": summary(images_per_sample),
+        "videos": len(video_seconds),
+        "video_seconds": summary(video_seconds),
         "text_chars": summary(text_chars),
         "shards": len(shards),
         "shard_size": shard_size,
@@ -315,19 +346,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-size", type=positive_int, default=1000, help="samples per tar shard")
     parser.add_argument("--max-bad-fraction", type=fraction, default=0.05, help="fail when more of the samples are bad")
     parser.add_argument("--workers", type=positive_int, default=1, help="processes for indexing the shards (energon prepare)")
-    parser.add_argument("--max-image-pixels", type=positive_int, default=DEFAULT_MAX_IMAGE_PIXELS, help="larger images are skipped (decompression bombs)")
+    parser.add_argument("--max-image-pixels", type=positive_int, default=DEFAULT_MAX_IMAGE_PIXELS, help="larger images (and video frames) are skipped (decompression bombs)")
+    parser.add_argument("--max-video-seconds", type=positive_int, default=DEFAULT_MAX_VIDEO_SECONDS, help="longer videos are skipped")
 
 
 def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         stats = prepare(args.source, args.out, args.images, args.shard_size, args.max_bad_fraction,
-                        args.max_image_pixels, args.workers)
+                        args.max_image_pixels, args.workers, args.max_video_seconds)
     except TooMuchBadData as e:
         logger.error("%s (details in %s/stats.json)", e, args.out)
         return 1
     except DataError as e:
         logger.error("%s", e)
         return 1
-    print(json.dumps({k: stats[k] for k in ("samples", "images", "shards")} | {"skipped": stats["bad"]["skipped"]}))
+    print(json.dumps({k: stats[k] for k in ("samples", "images", "videos", "shards")} | {"skipped": stats["bad"]["skipped"]}))
     return 0

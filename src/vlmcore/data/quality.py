@@ -178,11 +178,12 @@ def to_rgb(image: Image.Image) -> tuple[Image.Image, str]:
     return image.convert("RGB"), f"{mode.lower()}_to_rgb"
 
 
-def normalise_messages(messages, num_images: int) -> tuple[list[dict], str | None]:
-    """LLaVA/OpenAI-style turns -> [{"role", "content"}] with one `<image>` tag per image.
+def normalise_messages(messages, num_images: int, num_videos: int = 0) -> tuple[list[dict], list[str]]:
+    """LLaVA/OpenAI-style turns -> [{"role", "content"}] with one `<image>` tag per image and one
+    `<video>` tag per video, and the repairs made.
 
-    Samples whose images carry no tag at all get the tags prepended to the first user turn (the
-    LLaVA convention); any other count mismatch is an error.
+    Samples whose images (videos) carry no tag at all get the tags prepended to the first user
+    turn (the LLaVA convention); any other count mismatch is an error.
     """
     if not isinstance(messages, list) or not messages:
         raise BadSample("empty_conversation")
@@ -202,11 +203,14 @@ def normalise_messages(messages, num_images: int) -> tuple[list[dict], str | Non
     if not any(m["role"] == "user" for m in out):
         raise BadSample("malformed_conversation", "no user turn")
 
-    num_tags = sum(m["content"].count("<image>") for m in out)
-    if num_tags == num_images:
-        return out, None
-    if num_tags == 0:
+    repairs = []
+    for kind, count in (("video", num_videos), ("image", num_images)):  # prepended: images first, then videos
+        num_tags = sum(m["content"].count(f"<{kind}>") for m in out)
+        if num_tags == count:
+            continue
+        if num_tags:
+            raise BadSample(f"{kind}_tag_mismatch", f"{num_tags} <{kind}> tags, {count} {kind}s")
         first_user = next(m for m in out if m["role"] == "user")
-        first_user["content"] = "<image>\n" * num_images + first_user["content"]
-        return out, "added_image_tags"
-    raise BadSample("image_tag_mismatch", f"{num_tags} <image> tags, {num_images} images")
+        first_user["content"] = f"<{kind}>\n" * count + first_user["content"]
+        repairs.append(f"added_{kind}_tags")
+    return out, repairs

@@ -31,14 +31,26 @@ class ShardWriter:
         self.writer = webdataset.ShardWriter(str(self.out_dir / "shard-%06d.tar"), maxcount=shard_size, verbose=0)
         self.count = 0
 
-    def write(self, sample: dict, images: list[tuple[bytes, str]]) -> None:
+    def write(self, sample: dict, images: list[tuple[bytes, str]], videos: list[tuple[list, dict]] = ()) -> None:
+        """One sample: its json with the part names of its `images` [(bytes, ext)] and, if any, its
+        `videos` [([(bytes, ext)], metadata)]: a file as one part, a clip given as frames one part a frame."""
         parts = {}
         names = []
         for k, (data, ext) in enumerate(images):
             name = f"img{k}.{ext}"
             parts[name] = data
             names.append(name)
-        record = {"__key__": f"{self.count:09d}", "json": json.dumps({**sample, "images": names}).encode()}
+        entries = []
+        for k, (files, meta) in enumerate(videos):
+            if meta["kind"] == "file":
+                (data, ext), = files
+                entries.append({**meta, "part": f"vid{k}.{ext}"})
+                parts[entries[-1]["part"]] = data
+            else:
+                entries.append({**meta, "parts": [f"vid{k}_{j:05d}.{ext}" for j, (_, ext) in enumerate(files)]})
+                parts.update(zip(entries[-1]["parts"], (data for data, _ in files)))
+        record = {"__key__": f"{self.count:09d}",
+                  "json": json.dumps({**sample, "images": names, **({"videos": entries} if entries else {})}).encode()}
         self.writer.write({**record, **parts})
         self.count += 1
 

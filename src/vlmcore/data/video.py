@@ -58,11 +58,21 @@ class VideoInfo:
     width: int
     height: int
     codec: str  # a rotation flag is not read: the processor's decoders hand frames over as stored
+    container: str = ""  # the file type, as a file name extension (mp4, webm, avi, mkv, ...)
+
+    def as_dict(self) -> dict:
+        return {"frames": self.frames, "fps": self.fps, "duration_s": self.duration_s, "width": self.width,
+                "height": self.height, "codec": self.codec}
+
+
+# FFmpeg's demuxer names -> a file name extension for the shard part.
+CONTAINER_EXTENSIONS = {"mov,mp4,m4a,3gp,3g2,mj2": "mp4", "matroska,webm": "mkv", "avi": "avi", "mpegts": "ts",
+                        "flv": "flv", "ogg": "ogv", "gif": "gif", "mpeg": "mpg"}
 
 
 def probe(data: bytes) -> VideoInfo:
-    """The clip's metadata from its container headers; the frame count is counted from the
-    packets (no decoding) when the container does not record it."""
+    """The clip's metadata from its container headers. The packets are counted without decoding:
+    the frame count when the container does not record it, and a file cut short when it does."""
     import av
 
     try:
@@ -73,19 +83,53 @@ def probe(data: bytes) -> VideoInfo:
             rate = stream.average_rate or stream.guessed_rate
             if not rate:
                 raise BadSample("unreadable_video", "no frame rate in the container")
-            frames = stream.frames
-            if not frames:
-                frames = sum(1 for packet in container.demux(stream) if packet.size)
+            packets, end = 0, 0.0
+            for packet in container.demux(stream):
+                if packet.size:
+                    packets += 1
+                    if packet.pts is not None:
+                        end = max(end, float((packet.pts - (stream.start_time or 0) + (packet.duration or 0))
+                                             * stream.time_base))
+            frames = stream.frames or packets
+            if packets < frames:
+                raise BadSample("truncated_video", f"{packets} of the {frames} frames the container records are there")
+            # Without a recorded frame count (webm, mkv), a cut file shows in the time its frames
+            # span against the duration its header records (only for video alone: audio may run on).
+            recorded = (container.duration or 0) / 1e6
+            if not stream.frames and len(container.streams) == 1 and end < 0.9 * recorded:
+                raise BadSample("truncated_video", f"its frames span {end:.2f} s of the {recorded:.2f} s the container records")
             duration = (float(stream.duration * stream.time_base) if stream.duration
                         else frames / float(rate))
+            extension = CONTAINER_EXTENSIONS.get(container.format.name, container.format.name.split(",")[0])
+            if extension == "mkv" and stream.codec_context.name in ("vp8", "vp9", "av1"):
+                extension = "webm"
             info = VideoInfo(frames=frames, fps=float(rate), duration_s=duration, width=stream.codec_context.width,
-                             height=stream.codec_context.height, codec=stream.codec_context.name)
+                             height=stream.codec_context.height, codec=stream.codec_context.name,
+                             container=extension)
     except BadSample:
         raise
     except Exception as e:  # FFmpeg's errors come in many types
         raise BadSample("unreadable_video", f"{type(e).__name__}: {e}") from e
     if info.frames == 0:
         raise BadSample("zero_frames", "the video stream has no frames")
+    return info
+
+
+def check_video(data: bytes, max_pixels: int, max_seconds: float) -> VideoInfo:
+    """A clip fit to keep, and its metadata: `probe`, a decoder for its codec, its first frame
+    decoding, and the pixel and duration limits; BadSample with the reason otherwise."""
+    import av
+
+    info = probe(data)
+    try:
+        av.codec.Codec(info.codec, "r")
+    except Exception as e:
+        raise BadSample("unsupported_codec", f"no decoder for {info.codec!r} in this FFmpeg") from e
+    if info.width * info.height > max_pixels:
+        raise BadSample("video_too_large", f"{info.width}x{info.height} > {max_pixels} pixels a frame")
+    if info.duration_s > max_seconds:
+        raise BadSample("video_too_long", f"{info.duration_s:.1f} s > {max_seconds} s")
+    decode_frames(data, [0])
     return info
 
 
