@@ -150,3 +150,111 @@ def test_bad_clips_are_refused_by_reason(clips):
     reasons["audio_only"] = e.value.reason
     assert reasons == {"garbage": "unreadable_video", "cut_short": reasons["cut_short"], "audio_only": "no_video_stream"}
     assert reasons["cut_short"] in ("unreadable_video", "truncated_video")
+
+
+# A whole sample: tokens and labels against transformers' Qwen3VLProcessor. Its video processor
+# needs torchvision, which does not load beside the CPU torch here: a stand-in hands the processor
+# what the video processor returns (the grid and the sampled frames' metadata), computed by
+# `plan_video`, whose pieces are tested against the video processor's own code above. The text
+# expansion, the template and the tokenizer are the processor's.
+
+class VideoProcessorStandIn:
+    def __init__(self, plans, fps):
+        self.plans, self.fps = plans, fps
+        self.merge_size, self.temporal_patch_size = 2, 2
+
+    def __call__(self, videos, **kwargs):
+        return {"pixel_values_videos": torch.zeros(1, 1),
+                "video_grid_thw": torch.tensor([plan.grid for plan in self.plans]),
+                "video_metadata": [SimpleNamespace(fps=fps, frames_indices=plan.indices)
+                                   for plan, fps in zip(self.plans, self.fps)]}
+
+
+@pytest.fixture(scope="module")
+def video_model(tmp_path_factory):
+    from _data_helpers import make_demo_model_dir
+
+    return make_demo_model_dir(tmp_path_factory.mktemp("video_model") / "model", max_pixels=64 * 64)
+
+
+@pytest.fixture(scope="module")
+def encoder(video_model):
+    from vlmcore.data.encoder import SampleEncoder
+
+    return SampleEncoder(video_model)
+
+
+SAMPLES = {
+    "one video": ([{"role": "user", "content": "<video>\nWhat moves?"},
+                   {"role": "assistant", "content": "A green square."}], ["h264_mp4_30"], []),
+    "two videos and an image, two turns": (
+        [{"role": "user", "content": "<video> then <image> then <video>: same square?"},
+         {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "Which is faster?"},
+         {"role": "assistant", "content": "The first."}], ["h264_mp4_29.97", "mjpeg_avi_odd_size"], [(40, 30)]),
+    "frames without a rate, shorter than min_frames": (
+        [{"role": "user", "content": "<video>"}, {"role": "assistant", "content": "Three frames."}],
+        ["shorter_than_min_frames"], []),
+}
+
+
+@pytest.mark.parametrize("name", SAMPLES)
+def test_video_sample_tokens_are_the_processors(encoder, clips, name):
+    from PIL import Image
+
+    from vlmcore.data.encoder import IGNORE_INDEX, to_chat_messages
+
+    messages, clip_names, image_sizes = SAMPLES[name]
+    metas = [probe(clips[c]).as_dict() for c in clip_names]
+    if name.startswith("frames without a rate"):
+        metas = [{**meta, "fps": None} for meta in metas]
+    enc = encoder.encode_text({"messages": messages}, image_sizes, metas)
+    plans = [encoder.video_plan(meta) for meta in metas]
+    processor = encoder.processor
+    processor.video_processor = VideoProcessorStandIn(plans, [meta["fps"] or 24 for meta in metas])
+    try:
+        text = processor.apply_chat_template([to_chat_messages(messages)], tokenize=False)
+        images = [Image.new("RGB", size) for size in image_sizes] or None
+        expected = processor(text=text, images=images, videos=[np.zeros((2, 8, 8, 3), np.uint8)] * len(metas),
+                             return_metadata=True)
+    finally:
+        processor.video_processor = None
+    assert enc.input_ids == expected["input_ids"][0]
+    assert enc.video_grid_thw == [tuple(g) for g in expected["video_grid_thw"].tolist()]
+    if image_sizes:
+        assert enc.image_grid_thw == [tuple(g) for g in expected["image_grid_thw"].tolist()]
+    # Labels: the assistant answers and their end-of-turn tokens, nothing of the videos.
+    answers = encoder.tokenizer.decode([t for t in enc.labels if t != IGNORE_INDEX])
+    assert answers == "".join(m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant")
+    assert len(enc.video_spans) == len(metas)
+    for (start, end), plan in zip(enc.video_spans, plans):
+        pads = enc.input_ids[start:end].count(encoder.tokenizer.convert_tokens_to_ids("<|video_pad|>"))
+        assert pads == plan.patches // 4
+
+
+def test_truncation_never_splits_a_video(encoder, clips):
+    messages, clip_names, _ = SAMPLES["one video"]
+    metas = [probe(clips[c]).as_dict() for c in clip_names]
+    enc = encoder.encode_text({"messages": [{"role": "user", "content": "Look: <video>"}] + messages[1:]}, [], metas)
+    (start, end), = enc.video_spans
+    for max_len in (start + 1, (start + end) // 2, end - 1):
+        assert encoder.truncation_point(enc.input_ids, max_len, enc.video_spans) == start
+        truncated = encoder.truncate(enc, start)
+        assert truncated.video_grid_thw == [] and truncated.video_spans == []
+    assert encoder.truncate(enc, end).video_grid_thw == enc.video_grid_thw
+
+
+def test_positions_of_an_encoded_video_sample_are_transformers(video_model, encoder, clips):
+    """The processor's layout (the template's wrapper around the frame groups) gives the M-RoPE
+    positions transformers' get_rope_index gives."""
+    from transformers import AutoConfig, Qwen3VLForConditionalGeneration
+
+    import vlmcore.models as models
+
+    messages, clip_names, image_sizes = SAMPLES["two videos and an image, two turns"]
+    enc = encoder.encode_text({"messages": messages}, image_sizes, [probe(clips[c]).as_dict() for c in clip_names])
+    config = AutoConfig.from_pretrained(video_model)
+    ids = torch.tensor([enc.input_ids])
+    grid, video_grid = torch.tensor(enc.image_grid_thw), torch.tensor(enc.video_grid_thw)
+    types = (ids == config.image_token_id).long() + 2 * (ids == config.video_token_id).long()
+    expected, _ = Qwen3VLForConditionalGeneration(config).model.get_rope_index(ids, types, grid, video_grid)
+    assert torch.equal(models.position_ids(config, ids, grid, None, video_grid), expected)

@@ -89,7 +89,7 @@ def measure_sample(sample: dict, parts: dict, encoder: SampleEncoder, seq_len: i
         if overlong == "drop":
             counts["dropped_overlong"] += 1
             raise BadSample("overlong", f"{len(enc.input_ids)} tokens > seq_len {seq_len}")
-        enc = encoder.truncate(enc, encoder.truncation_point(enc.input_ids, seq_len))
+        enc = encoder.truncate(enc, encoder.truncation_point(enc.input_ids, seq_len, enc.video_spans))
         if all(label == IGNORE_INDEX for label in enc.labels):
             raise BadSample("no_labels", f"nothing left to train on after truncation to {seq_len} tokens")
         counts["truncated"] += 1

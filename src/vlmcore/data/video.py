@@ -133,6 +133,34 @@ def check_video(data: bytes, max_pixels: int, max_seconds: float) -> VideoInfo:
     return info
 
 
+@dataclass(frozen=True)
+class VideoPlan:
+    """What the processor makes of a clip, from its metadata alone."""
+
+    indices: list  # the sampled frames
+    size: tuple  # (height, width) of the resized frames
+    grid: tuple  # (t, h, w) in patches: t frame groups
+    timestamps: list  # seconds of each frame group
+
+    @property
+    def patches(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+
+DEFAULT_FPS = 24  # what the processor assumes of frames given without a rate (it warns)
+
+
+def plan_video(meta: dict, s: VideoSettings) -> VideoPlan:
+    """The processor's frames, size, grid and timestamps for a clip whose metadata (frames, fps,
+    width, height: `vlmcore prepare` keeps them with the sample) is `meta`."""
+    fps = meta.get("fps") or DEFAULT_FPS
+    indices = sample_frames(meta["frames"], fps, s)
+    height, width = frame_size(len(indices), meta["height"], meta["width"], s)
+    t = -(-len(indices) // s.temporal_patch_size)
+    grid = (t, height // s.patch_size, width // s.patch_size)
+    return VideoPlan(indices, (height, width), grid, frame_timestamps(indices, fps, s.temporal_patch_size))
+
+
 def sample_frames(total_frames: int, video_fps: float, s: VideoSettings) -> list[int]:
     """The frame indices the processor samples: `fps` a second, at least `min_frames` and at most
     `max_frames` (and the clip's frames), spread evenly from the first frame to the last."""
