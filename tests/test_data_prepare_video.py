@@ -1,6 +1,8 @@
-"""`vlmcore prepare` with videos (issue 29, item 1): video rows of every source shape kept with
-their files as they were and the clip's metadata, bad videos counted by reason with the good
-data kept, and `vlmcore pack` never treating a video sample as text."""
+"""Videos from the source to the batch (issue 29, items 1-3): `vlmcore prepare` keeps video rows
+of every source shape with their files as they were and the clip's metadata, and counts bad
+videos by reason with the good data kept; `vlmcore pack` measures clips from their metadata
+(fewer frames for a clip too long for a row); the loaders decode them into the batch exactly as
+the processor would; a text model's pack names the video samples it cannot take."""
 
 import base64
 import io
@@ -11,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from PIL import Image
 
 from _data_helpers import audio_only_clip, make_clip, make_demo_model_dir, write_jsonl
@@ -131,18 +134,141 @@ def test_bad_videos_are_counted_by_reason_and_the_good_rows_kept(raw, tmp_path):
         "video_too_long": 1, "video_too_large": 1, "video_tag_mismatch": 3, "bad_video_frame": 2}
 
 
-def test_pack_never_measures_a_video_sample_as_text(raw, tmp_path):
-    """Until the pack measures clips (issue 29 item 3) a video sample is counted, by model: a
-    model without video support names that."""
+def video_rows(clips_dir: str) -> list[dict]:
+    return [{"video": f"{clips_dir}/a.mp4", "messages": convo("<video> What moves?")},
+            {"videos": [f"{clips_dir}/b.webm", f"{clips_dir}/c.avi"], "image": "x.png",
+             "messages": convo("<video><image><video> Which is longer?")},
+            {"video": ["f0.png", "f1.png", "f2.png", "f3.png", "f0.png"], "video_fps": 2, "caption": "Frames."}] + \
+        [{"text": f"a document number {i} about shapes"} for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def packed_videos(raw, tmp_path_factory):
+    root, _ = raw
+    out = tmp_path_factory.mktemp("packed_videos")
+    prepare([write_jsonl(root / "videos.jsonl", video_rows("clips"))], out / "data", shard_size=4, max_bad_fraction=0.0)
+    model = make_demo_model_dir(out / "model", max_pixels=64 * 64)
+    stats = pack(out / "data", model, out / "packed", seq_len=512, max_patches=2048, shard_size=2, max_bad_fraction=0.0)
+    return out, stats
+
+
+def test_videos_are_packed_and_loaded_as_the_processor_makes_them(raw, packed_videos):
+    """prepare -> pack -> loader: every video sample kept, and each row's tokens, video patches
+    (normalised on the device), grids and positions those of the encoder, the clip pipeline
+    (`plan_video`, decode, resize, patchify: each tested against transformers' video processor)
+    and the model's position rule, for file clips (H.264, VP9, MJPEG) and a clip given as frames."""
+    from vlmcore.data.encoder import SampleEncoder
+    from vlmcore.data.loader import build_loader
+    from vlmcore.data.video import clip_patches, normalize_video_patches
+    from vlmcore.models import load_hf_config, position_ids
+
+    root, clips = raw
+    out, stats = packed_videos
+    assert stats["samples"] == 6 and stats["bad"]["skipped"] == 0 and stats["fewer_video_frames"] == 0
+    encoder = SampleEncoder(out / "model")
+    config = load_hf_config(out / "model")
+    expected = {}  # sample key -> (ids, [uint8 patches of each video], [grids])
+    for (sample, parts), key in zip(read_back(out / "data"), [f"{i:09d}" for i in range(6)]):
+        videos = sample.get("videos", [])
+        images = [Image.open(io.BytesIO(parts[name])).size for name in sample["images"]]
+        enc = encoder.encode_text(sample, images, videos)
+        patches = [clip_patches(v, [parts[n] for n in ([v["part"]] if v["kind"] == "file" else v["parts"])],
+                                encoder.video_plan(v), encoder.video) for v in videos]
+        expected[key] = (enc.input_ids, patches)
+    loader = build_loader(out / "packed", dp_rank=0, dp_world=1, micro_batch_size=1, seed=0, num_workers=0)
+    seen = set()
+    for batch in [next(it) for it in [iter(loader)] for _ in range(len(list((out / "packed").glob("shard-*.tar"))) * 2)]:
+        ids, video_patches, video_grids = batch.input_ids[0].tolist(), [], []
+        position = 0
+        for length in batch.segment_lengths().tolist():
+            segment = ids[position:position + length]
+            key = next((k for k, (e, _) in expected.items() if e == segment), None)
+            if key is not None:
+                seen.add(key)
+                video_patches += [p for p, _ in expected[key][1]]
+                video_grids += [list(g) for _, g in expected[key][1]]
+            position += length
+        if not video_grids:
+            assert batch.videos is None
+            continue
+        assert batch.videos.grids() == video_grids
+        assert torch.equal(batch.videos.pixel_values, torch.cat(video_patches))
+        on_device = batch.to(torch.device("cpu")).videos.pixel_values
+        assert torch.equal(on_device, normalize_video_patches(torch.cat(video_patches), encoder.video.image_mean,
+                                                              encoder.video.image_std))
+        assert torch.equal(batch.position_ids, position_ids(
+            config, batch.input_ids, batch.images.grid_thw if batch.images else None, batch.cu_seqlens,
+            batch.videos.grid_thw))
+    assert seen == set(expected)
+
+
+def test_a_clip_too_long_for_the_row_gets_fewer_frames(raw, tmp_path):
+    """Within the processor's rules: `max_frames` halved (not under `min_frames`) until the sample
+    fits the row and the patch budget, counted; the loader samples the same frames."""
+    from vlmcore.data.encoder import SampleEncoder
+    from vlmcore.data.loader import build_loader
+
+    root, _ = raw
+    long_clip = make_clip("libx264", "mp4", frames=120, rate=30, width=64, height=48)  # 4 s: 8 frames at 2 fps
+    (root / "clips" / "long4s.mp4").write_bytes(long_clip)
+    prepare([write_jsonl(root / "long.jsonl", [{"video": "clips/long4s.mp4", "messages": convo("<video> What?")}])],
+            tmp_path / "data", max_bad_fraction=0.0)
+    model = make_demo_model_dir(tmp_path / "model", max_pixels=64 * 64)
+    (sample, _), = read_back(tmp_path / "data")
+    encoder = SampleEncoder(model)
+    whole = len(encoder.encode_text(sample, [], sample["videos"]).input_ids)
+    halved = len(encoder.encode_text(sample, [], sample["videos"], max_frames=4).input_ids)
+    assert halved < whole
+    full = pack(tmp_path / "data", model, tmp_path / "full", seq_len=whole, max_patches=4096, max_bad_fraction=0.0)
+    fewer = pack(tmp_path / "data", model, tmp_path / "fewer", seq_len=halved, max_patches=4096, max_bad_fraction=0.0)
+    assert full["fewer_video_frames"] == 0 and fewer["fewer_video_frames"] == 1
+    assert full["truncated"] == fewer["truncated"] == 0
+    grids = []
+    for path in (tmp_path / "full", tmp_path / "fewer"):
+        batch = next(iter(build_loader(path, dp_rank=0, dp_world=1, micro_batch_size=1, seed=0, num_workers=0)))
+        grids.append(batch.videos.grids())
+    assert grids[0][0][0] == 4 and grids[1][0][0] == 2  # frame groups: 8 frames sampled, then 4
+
+
+def test_online_packing_reads_videos_too(raw, packed_videos):
+    from vlmcore.data.online import build_online_loader
+
+    out, _ = packed_videos
+    loader = build_online_loader(out / "data", out / "model", seq_len=512, max_patches=2048, buffer_size=6,
+                                 dp_rank=0, dp_world=1, micro_batch_size=1, seed=0, num_workers=0)
+    rows = [loader.row(j) for j in range(len(loader.plan(0)))]
+    assert sum(row.num_samples for row in rows) == 6 and not any(row.skipped for row in rows)
+    assert sum(len(row.video_grid_thw) for row in rows if row.video_grid_thw is not None) == 4
+
+
+def test_a_text_model_refuses_video_samples_by_name(raw, tmp_path):
     root, _ = raw
     rows = [{"text": f"a document number {i} about shapes"} for i in range(6)] + [
         {"video": "clips/a.mp4", "messages": convo("<video> What moves?")}]
     prepare([write_jsonl(root / "mixed.jsonl", rows)], tmp_path / "data", max_bad_fraction=0.0)
-    vl = make_demo_model_dir(tmp_path / "vl")
-    text = shutil.copytree(vl, tmp_path / "text")
+    text = shutil.copytree(make_demo_model_dir(tmp_path / "vl"), tmp_path / "text")
     for name in ("preprocessor_config.json", "video_preprocessor_config.json"):  # a text-only snapshot
         (text / name).unlink(missing_ok=True)
-    for name, model, reason in [("vl", vl, "video_not_supported"), ("text", text, "video_for_text_model")]:
-        stats = pack(tmp_path / "data", model, tmp_path / f"packed_{name}", seq_len=128, max_patches=256,
-                     max_bad_fraction=0.2)
-        assert stats["bad"]["skipped_by_reason"] == {reason: 1}, name
+    stats = pack(tmp_path / "data", text, tmp_path / "packed", seq_len=128, max_patches=256, max_bad_fraction=0.2)
+    assert stats["bad"]["skipped_by_reason"] == {"video_for_text_model": 1}
+
+
+def test_vlmcore_train_steps_on_packed_videos(raw, tmp_path):
+    """`vlmcore train` on a packed dataset with video samples (file clips and a clip of frames):
+    the steps run, the loss is finite and the vision tower does work on the rows with videos."""
+    import math
+
+    from _train_helpers import read_metrics, train, write_config
+    from vlmcore.download import build_tiny_model
+
+    root, _ = raw
+    build_tiny_model(tmp_path / "model", overrides={"text_config": {"num_hidden_layers": 1}, "vision_config": {"depth": 1}})
+    prepare([write_jsonl(root / "train_videos.jsonl", video_rows("clips"))], tmp_path / "data", max_bad_fraction=0.0)
+    pack(tmp_path / "data", tmp_path / "model", tmp_path / "packed", seq_len=512, max_patches=2048, shard_size=2,
+         max_bad_fraction=0.0)
+    config = write_config(tmp_path / "train.yaml", tmp_path / "model", tmp_path / "out", steps=3,
+                          data_path=str(tmp_path / "packed"), data={"kind": "packed"})
+    train(1, config)
+    metrics = read_metrics(tmp_path / "out")
+    assert len(metrics) == 3 and all(math.isfinite(m["loss"]) for m in metrics)
+    assert any(m["vision_tflops_per_device"] > 0 for m in metrics)

@@ -114,7 +114,7 @@ def test_patches_and_normalisation_are_the_processors():
     normalized = frames.to(torch.float32).sub_(mean[:, None, None]).div_(std[:, None, None])  # torchvision's normalize
     expected, t, h, w = patchify(None, normalized[None], 16, 2, 2)
     assert (t, h, w) == grid
-    assert torch.equal(normalize_video_patches(patches, s), expected[0])
+    assert torch.equal(normalize_video_patches(patches, s.image_mean, s.image_std), expected[0])
 
 
 def test_resize_follows_torchvision_on_the_cpu(clips):

@@ -14,6 +14,7 @@ import torch
 
 from vlmcore.data import IGNORE_INDEX
 from vlmcore.data.processor import normalize_patches
+from vlmcore.data.video import normalize_video_patches
 
 
 @dataclass
@@ -23,13 +24,16 @@ class Images:
 
     pixel_values: torch.Tensor  # (N_patches, C*P*P) uint8 patches (or float values: see `normalize`)
     grid_thw: torch.Tensor | list  # (N_images, 3) int64 (t, h, w) in patches; a list of [t, h, w] after `to`
-    normalize: dict | None = None  # the image processor's {rescale_factor, mean, std, temporal_patch_size};
+    normalize: dict | None = None  # the image processor's {rescale_factor, mean, std, temporal_patch_size}
+    # (`normalize_patches`) or the video processor's {image_mean, image_std} (`normalize_video_patches`);
     # None: `pixel_values` are the model's float inputs already
+    kind: str = "image"  # or "video": which processor's normalisation `normalize` is for
 
     def to(self, device: torch.device) -> "Images":
         pixels = self.pixel_values.to(device, non_blocking=True)
         if self.normalize is not None:
-            pixels = normalize_patches(pixels, **self.normalize)
+            normalize = normalize_video_patches if self.kind == "video" else normalize_patches
+            pixels = normalize(pixels, **self.normalize)
         grids = self.grid_thw.tolist() if torch.is_tensor(self.grid_thw) else self.grid_thw
         return Images(pixels, grids, None)
 
@@ -56,7 +60,7 @@ class Images:
             return parts[0]
         grids = [g for part in parts for g in part.grids()]
         return Images(torch.cat([part.pixel_values for part in parts]), torch.tensor(grids, dtype=torch.long),
-                      parts[0].normalize)
+                      parts[0].normalize, parts[0].kind)
 
 
 @dataclass

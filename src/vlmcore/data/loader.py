@@ -37,7 +37,9 @@ from megatron.energon import (
 from vlmcore.data.batch import Batch, Images
 from vlmcore.data.encoder import IGNORE_INDEX, EncodingError, SampleEncoder, TextEncoding
 from vlmcore.data.pack import PACK_MODEL_DIR
+from vlmcore.data.measure import video_part_names
 from vlmcore.data.processor import ImagePatcher
+from vlmcore.data.video import clip_patches
 from vlmcore.data.quality import LOGGED_PER_REASON, BadSample, load_image, load_json
 from vlmcore.data.order import RowOrder, rows_of
 from vlmcore.data.shards import IndexedShards
@@ -56,6 +58,8 @@ class PackedRow(Sample):
     image_grid_thw: torch.Tensor | None
     num_samples: int
     skipped: dict[str, int]  # bad samples left out of this row, by reason
+    video_pixels: torch.Tensor | None = None  # uint8 patches of the row's videos (`video_patches`)
+    video_grid_thw: torch.Tensor | None = None
 
 
 @edataclass
@@ -143,10 +147,13 @@ class PackedTaskEncoder(DefaultTaskEncoder):
                 skip(skipped, e.reason, f"pack {stored.__key__} segment {i}", e)
         return self.assemble_row(basic_keys(stored), encoded, skipped)
 
-    def encode_segment(self, stored: StoredSample, segment: dict) -> tuple[str, TextEncoding, list[bytes]]:
+    def encode_segment(self, stored: StoredSample, segment: dict) -> tuple:
         try:
             sizes = [tuple(size) for size in segment["image_sizes"]]
-            enc = self.encoder.truncate(self.encoder.encode_text(segment["sample"], sizes), segment["num_tokens"])
+            videos, max_frames = segment.get("videos", []), segment.get("max_frames")
+            enc = self.encoder.truncate(self.encoder.encode_text(segment["sample"], sizes, videos, max_frames),
+                                        segment["num_tokens"])
+            clips = self.clips(enc, videos, max_frames, stored.parts)
             missing = [name for name in segment["images"] if name not in stored.parts]
         except (KeyError, TypeError, AttributeError) as e:
             raise BadSample("malformed_segment", f"{type(e).__name__}: {e}") from e
@@ -157,24 +164,37 @@ class PackedTaskEncoder(DefaultTaskEncoder):
                 f"pack {stored.__key__}, sample {segment['key']}: encodes to {len(enc.input_ids)} tokens but was "
                 f"packed as {segment['num_tokens']}; the packed dataset's model/ files changed since `vlmcore pack`"
             )
-        return segment["key"], enc, [stored.parts[name] for name in segment["images"]]
+        return segment["key"], enc, [stored.parts[name] for name in segment["images"]], clips
 
-    def assemble_row(self, keys: dict, segments: list[tuple[str, TextEncoding, list[bytes]]], skipped: Counter) -> PackedRow:
-        """Concatenate encoded samples (key, encoding, kept images' bytes) into one padded row;
-        a sample whose images do not decode is left out and counted in `skipped`."""
-        ids, labels, seq_lens, images = [], [], [], []
-        for key, enc, image_bytes in segments:
-            if image_bytes:
-                try:
-                    decoded = [load_image(data) for data in image_bytes]
-                except BadSample as e:
-                    skip(skipped, e.reason, f"sample {key}", e)
-                    continue
-                resized = [self.patcher.resized(image) for image in decoded]
-                grids = [self.patcher.grid(image) for image in resized]
-                if grids != [tuple(g) for g in enc.image_grid_thw]:
-                    raise ValueError(f"{keys.get('__key__')}: image grids {grids} != {enc.image_grid_thw}")
-                images += resized
+    def clips(self, enc: TextEncoding, videos: list[dict], max_frames: int | None, parts: dict) -> list:
+        """(metadata, plan, parts' bytes) of each video the encoding keeps."""
+        out = []
+        for video in videos[: len(enc.video_grid_thw)]:
+            names = video_part_names(video)
+            if any(name not in parts for name in names):
+                raise BadSample("missing_video", f"parts {[n for n in names if n not in parts][:3]}")
+            out.append((video, self.encoder.video_plan(video, max_frames), [parts[name] for name in names]))
+        return out
+
+    def assemble_row(self, keys: dict, segments: list[tuple], skipped: Counter) -> PackedRow:
+        """Concatenate encoded samples (key, encoding, kept images' bytes, kept clips) into one
+        padded row; a sample whose images or videos do not decode is left out and counted in `skipped`."""
+        ids, labels, seq_lens, images, videos = [], [], [], [], []
+        for key, enc, image_bytes, clips in segments:
+            try:
+                decoded = [load_image(data) for data in image_bytes]
+                clip_results = [clip_patches(meta, data, plan, self.encoder.video) for meta, plan, data in clips]
+            except BadSample as e:
+                skip(skipped, e.reason, f"sample {key}", e)
+                continue
+            resized = [self.patcher.resized(image) for image in decoded]
+            grids = [self.patcher.grid(image) for image in resized]
+            if grids != [tuple(g) for g in enc.image_grid_thw] or \
+                    [grid for _, grid in clip_results] != [tuple(g) for g in enc.video_grid_thw]:
+                raise ValueError(f"{keys.get('__key__')}: image grids {grids} (videos "
+                                 f"{[grid for _, grid in clip_results]}) != {enc.image_grid_thw} ({enc.video_grid_thw})")
+            images += resized
+            videos += clip_results
             ids += enc.input_ids
             labels += enc.labels
             seq_lens.append(len(enc.input_ids))
@@ -188,8 +208,10 @@ class PackedTaskEncoder(DefaultTaskEncoder):
             seq_lens.append(padding)
         input_ids = torch.tensor(ids, dtype=torch.long)
         pixel_values, image_grid_thw = self.row_patches(images) if images else (None, None)
+        video_pixels = torch.cat([patches for patches, _ in videos]) if videos else None
+        video_grid_thw = torch.tensor([grid for _, grid in videos], dtype=torch.long) if videos else None
         cu_seqlens = torch.tensor([0] + seq_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        positions = position_ids(self.model_config, input_ids[None], image_grid_thw, cu_seqlens)
+        positions = position_ids(self.model_config, input_ids[None], image_grid_thw, cu_seqlens, video_grid_thw)
         return PackedRow(
             **keys,
             input_ids=input_ids,
@@ -200,6 +222,8 @@ class PackedTaskEncoder(DefaultTaskEncoder):
             image_grid_thw=image_grid_thw,
             num_samples=num_samples,
             skipped=dict(skipped),
+            video_pixels=video_pixels,
+            video_grid_thw=video_grid_thw,
         )
 
     def row_patches(self, images: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,12 +242,17 @@ class PackedTaskEncoder(DefaultTaskEncoder):
         with_images = [row for row in rows if row.pixel_values is not None]
         images = Images.cat([Images(row.pixel_values, row.image_grid_thw, self.patcher.normalize)
                              for row in with_images]) if with_images else None
+        with_videos = [row for row in rows if row.video_pixels is not None]
+        video_normalize = {"image_mean": self.encoder.video.image_mean, "image_std": self.encoder.video.image_std}
+        videos = Images.cat([Images(row.video_pixels, row.video_grid_thw, video_normalize, "video")
+                             for row in with_videos]) if with_videos else None
         return Batch(
             input_ids=torch.stack([row.input_ids for row in rows]),
             labels=torch.stack([row.labels for row in rows]),
             cu_seqlens=torch.tensor([0] + seq_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32),
             position_ids=torch.stack([row.position_ids for row in rows], dim=-2),
             images=images,
+            videos=videos,
             num_samples=sum(row.num_samples for row in rows),
             skipped_samples=dict(sum((Counter(row.skipped) for row in rows), Counter())),
             row_keys=[row.__key__ for row in rows],

@@ -40,12 +40,16 @@ MODEL_FILES = [
 ]
 
 
-# Per-sample state of pass 1, kept in compact arrays (about 50 bytes a sample, 20 an image, plus
-# its key): where its json part lies in its shard, its images, and its budget.
+# Per-sample state of pass 1, kept in compact arrays (about 55 bytes a sample, 20 an image or a
+# video part, plus its key): where its json part lies in its shard, its images (then its videos'
+# parts, in the `IMAGE` rows after its images), and its budget. `max_frames`: the frames its
+# videos were sampled at to fit the row (0: the processor's setting).
 SAMPLE = np.dtype([
     ("shard", "<u4"), ("json_offset", "<u8"), ("json_size", "<u4"), ("key_offset", "<u8"), ("key_size", "<u2"),
     ("first_image", "<u8"), ("num_images", "<u2"), ("kept_images", "<u2"), ("tokens", "<u4"), ("patches", "<u4"),
+    ("video_parts", "<u2"), ("kept_videos", "<u2"), ("max_frames", "<u2"),
 ])  # fmt: skip
+FORMAT = 2  # of the measurements kept between runs: 2 added the videos
 IMAGE = np.dtype([("offset", "<u8"), ("size", "<u4"), ("width", "<u4"), ("height", "<u4")])
 
 
@@ -60,18 +64,27 @@ class MeasuredShard:
     cpu_seconds: float
 
 
-def measure_sample(sample: dict, parts: dict, encoder: SampleEncoder, seq_len: int, max_patches: int,
-                   overlong: str, counts: dict, decode: bool = True) -> tuple[TextEncoding, list[str], list[tuple[int, int]]]:
-    """Encode the text of one stored sample as the loader will, and apply the overlong policy;
-    its images are decoded in full, or with `decode` False only their headers are read.
+def video_part_names(video: dict) -> list[str]:
+    """The shard parts of one of a sample's videos: its file, or its frames."""
+    return [video["part"]] if video["kind"] == "file" else list(video["parts"])
 
-    Returns the encoding, the names of the image parts it keeps, and the sizes of all its images.
+
+def measure_sample(sample: dict, parts: dict, encoder: SampleEncoder, seq_len: int, max_patches: int,
+                   overlong: str, counts: dict, decode: bool = True) -> tuple[TextEncoding, list[str], list[tuple[int, int]], int]:
+    """Encode the text of one stored sample as the loader will, and apply the overlong policy;
+    its images are decoded in full, or with `decode` False only their headers are read. Videos
+    are measured from the metadata `vlmcore prepare` keeps; a sample too long for the row or the
+    patch budget samples fewer frames from its videos (halving the processor's `max_frames`, not
+    under its `min_frames`) before the overlong policy applies, and is counted.
+
+    Returns the encoding, the names of the image parts it keeps, the sizes of all its images and
+    the frames its videos are sampled at (0: the processor's `max_frames`).
     Raises BadSample or EncodingError for samples to skip.
     """
-    if sample.get("videos"):  # never measured as text: the tags would train as words, the clips dropped
-        if encoder.processor is None:
-            raise EncodingError("video_for_text_model", "the model has no video processor")
-        raise BadSample("video_not_supported", "`vlmcore pack` does not encode videos yet")
+    videos = sample.get("videos", [])
+    missing = [name for video in videos for name in video_part_names(video) if name not in parts]
+    if missing:
+        raise BadSample("missing_video", f"parts {missing[:3]}")
     names = sample.get("images", [])
     sizes = []
     for name in names:
@@ -81,7 +94,14 @@ def measure_sample(sample: dict, parts: dict, encoder: SampleEncoder, seq_len: i
             sizes.append(open_image(parts[name], Image.MAX_IMAGE_PIXELS, decode=decode).size)
         except BadSample as e:
             raise BadSample(e.reason, f"{name}: {e.detail}") from e
-    enc = encoder.encode_text(sample, sizes)
+    enc = encoder.encode_text(sample, sizes, videos)
+    max_frames = 0
+    if videos and (len(enc.input_ids) > seq_len or enc.num_patches > max_patches):
+        frames = max(len(encoder.video_plan(video).indices) for video in videos)
+        while (len(enc.input_ids) > seq_len or enc.num_patches > max_patches) and frames > encoder.video.min_frames:
+            frames = max(frames // 2, encoder.video.min_frames)
+            enc, max_frames = encoder.encode_text(sample, sizes, videos, frames), frames
+        counts["fewer_video_frames"] = counts.get("fewer_video_frames", 0) + 1
     if enc.num_patches > max_patches:
         counts["dropped_overlong"] += 1
         raise BadSample("too_many_patches", f"{enc.num_patches} patches > max_patches {max_patches}")
@@ -95,14 +115,14 @@ def measure_sample(sample: dict, parts: dict, encoder: SampleEncoder, seq_len: i
         counts["truncated"] += 1
     if all(label == IGNORE_INDEX for label in enc.labels):
         raise BadSample("no_labels", "nothing to train on")
-    return enc, names[: len(enc.image_grid_thw)], sizes
+    return enc, names[: len(enc.image_grid_thw)], sizes, max_frames
 
 
 def measure(shard_sample, encoder: SampleEncoder, seq_len: int, max_patches: int, overlong: str,
-            counts: dict) -> tuple[TextEncoding, list[str], list[tuple[int, int]]]:
+            counts: dict) -> tuple[TextEncoding, dict, list[tuple[int, int]], int]:
     """Size one shard sample as the loader will encode it; raises BadSample/EncodingError to skip it.
 
-    Returns the encoding, the names of all its images and their sizes."""
+    Returns the encoding, the sample, its images' sizes and its videos' frames (`measure_sample`)."""
     if shard_sample.unsafe_names:
         raise BadSample("unsafe_tar_member", repr(shard_sample.unsafe_names[0]))
     if "json" not in shard_sample.data:
@@ -111,8 +131,9 @@ def measure(shard_sample, encoder: SampleEncoder, seq_len: int, max_patches: int
         sample = json.loads(decode_utf8(shard_sample.data["json"]))
     except json.JSONDecodeError as e:
         raise BadSample("malformed_json", str(e)) from e
-    enc, _, sizes = measure_sample(sample, shard_sample.data, encoder, seq_len, max_patches, overlong, counts)
-    return enc, sample.get("images", []), sizes
+    enc, _, sizes, max_frames = measure_sample(sample, shard_sample.data, encoder, seq_len, max_patches, overlong,
+                                               counts)
+    return enc, sample, sizes, max_frames
 
 
 _worker = {}  # per measuring process: the encoder and the pack settings
@@ -126,22 +147,28 @@ def measure_shard(job: tuple[int, Path]) -> MeasuredShard:
     shard_index, shard = job
     start = time.process_time()
     samples, images, keys, bad = [], [], bytearray(), []
-    counts = {"truncated": 0, "dropped_overlong": 0}
+    counts = {"truncated": 0, "dropped_overlong": 0, "fewer_video_frames": 0}
     seen = 0
     for shard_sample in iter_shard_samples(shard):
         seen += 1
         try:
-            enc, names, sizes = measure(shard_sample, _worker["encoder"], _worker["seq_len"], _worker["max_patches"],
-                                        _worker["overlong"], counts)
+            enc, sample, sizes, max_frames = measure(shard_sample, _worker["encoder"], _worker["seq_len"],
+                                                     _worker["max_patches"], _worker["overlong"], counts)
         except (BadSample, EncodingError) as e:
             bad.append((e.reason, f"{shard.name}:{shard_sample.key}", str(e)))
             continue
         key = shard_sample.key.encode()
         json_part = shard_sample.parts["json"]
+        names = sample.get("images", [])
+        video_parts = [(name, video["width"], video["height"]) for video in sample.get("videos", [])
+                       for name in video_part_names(video)]
         samples.append((shard_index, json_part.offset, json_part.size, len(keys), len(key), len(images), len(names),
-                        len(enc.image_grid_thw), len(enc.input_ids), enc.num_patches))
+                        len(enc.image_grid_thw), len(enc.input_ids), enc.num_patches, len(video_parts),
+                        len(enc.video_grid_thw), max_frames))
         keys += key
-        images += [(shard_sample.parts[n].offset, shard_sample.parts[n].size, w, h) for n, (w, h) in zip(names, sizes)]
+        images += [(shard_sample.parts[n].offset, shard_sample.parts[n].size, w, h)
+                   for n, (w, h) in zip(names, sizes)]
+        images += [(shard_sample.parts[n].offset, shard_sample.parts[n].size, w, h) for n, w, h in video_parts]
     return MeasuredShard(np.array(samples, SAMPLE), np.array(images, IMAGE), bytes(keys), seen, bad, counts,
                          time.process_time() - start)
 
@@ -149,7 +176,7 @@ def measure_shard(job: tuple[int, Path]) -> MeasuredShard:
 def inputs_identity(shards: list[Path], model_dir: Path, seq_len: int, max_patches: int, overlong: str) -> dict:
     """What the measurements depend on: the measure settings and every input file's size and mtime."""
     inputs = shards + [model_dir / name for name in MODEL_FILES if (model_dir / name).is_file()]
-    return {"settings": [str(model_dir), seq_len, max_patches, overlong],
+    return {"format": FORMAT, "settings": [str(model_dir), seq_len, max_patches, overlong],
             "files": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in inputs]}
 
 
@@ -205,6 +232,7 @@ def load_measured(path: Path) -> MeasuredShard:
 
 
 def concatenate(measured: list[MeasuredShard]) -> tuple[np.ndarray, np.ndarray, bytes]:
+    """The shards' measurements as one dataset's arrays (offsets made global)."""
     key_start = image_start = 0
     for m in measured:
         m.samples["key_offset"] += key_start

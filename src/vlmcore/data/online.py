@@ -39,14 +39,16 @@ class OnlineRowLoader(RowLoader):
         self._plans = {}  # buffer -> its packs (sample indices), the last few
 
     def measure(self, crude: dict) -> tuple:
-        """(encoding, the kept images' bytes) of a sample read by index; BadSample or EncodingError if it is bad."""
+        """(encoding, the kept images' bytes, the kept clips) of a sample read by index; BadSample or
+        EncodingError if it is bad."""
         parts = {k: v for k, v in crude.items() if k not in ("__key__", "json")}
         if "json" not in crude:
             raise BadSample("malformed_row", f"no json part, parts {sorted(parts)}")
-        enc, kept, _ = measure_sample(load_json(crude["json"]), parts, self.task_encoder.encoder,
-                                      self.task_encoder.seq_len, self.max_patches, self.overlong,
-                                      Counter(), decode=False)
-        return enc, [parts[name] for name in kept]
+        sample = load_json(crude["json"])
+        enc, kept, _, max_frames = measure_sample(sample, parts, self.task_encoder.encoder, self.task_encoder.seq_len,
+                                                  self.max_patches, self.overlong, Counter(), decode=False)
+        clips = self.task_encoder.clips(enc, sample.get("videos", []), max_frames or None, parts)
+        return enc, [parts[name] for name in kept], clips
 
     def plan(self, b: int) -> list[list[int]]:
         """The packs of buffer b, each a list of sample indices (bad samples in the first)."""
@@ -55,7 +57,7 @@ class OnlineRowLoader(RowLoader):
             for position in range(b * self.buffer_size, (b + 1) * self.buffer_size):
                 index = self.order[position][1]
                 try:
-                    enc, _ = self.measure(self.datasets[0].read(index))
+                    enc = self.measure(self.datasets[0].read(index))[0]
                 except (BadSample, EncodingError):
                     bad.append(index)
                     continue

@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from vlmcore.cli import UsageError, existing_dir, fraction, non_negative_int, positive_int
 from vlmcore.data.bin_packing import best_fit_decreasing, packing_stats
-from vlmcore.data.measure import MODEL_FILES, concatenate, inputs_identity, measure_shards
+from vlmcore.data.measure import MODEL_FILES, concatenate, inputs_identity, measure_shards, video_part_names
 from vlmcore.data.quality import BadDataLog, DataError, TooMuchBadData
 from vlmcore.data.shards import energon_prepare, shard_paths
 
@@ -134,19 +134,35 @@ def write_shard(index: int) -> float:
                 record = {"__key__": f"{pack_index:09d}"}
                 segments = []
                 for s, i in enumerate(members[starts[pack_index] : starts[pack_index + 1]].tolist()):
-                    shard, json_offset, json_size, key_offset, key_size, first, num, kept, tokens, _ = samples[i].tolist()
+                    (shard, json_offset, json_size, key_offset, key_size, first, num, kept, tokens, _, _, kept_videos,
+                     max_frames) = samples[i].tolist()
                     sample = json.loads(read(shard, json_offset, json_size))
                     image_names = sample.pop("images", [])
                     names = []
                     for k, (offset, size, _, _) in enumerate(images[first : first + kept].tolist()):
                         names.append(f"s{s}_img{k}.{image_names[k].rsplit('.', 1)[-1]}")
                         record[names[-1]] = read(shard, offset, size)
+                    # Every video's metadata (the text holds all their tags; truncation drops the
+                    # later ones again in the loader), the parts of the kept ones, which follow
+                    # the images' rows.
+                    videos, part = [], first + num
+                    for k, video in enumerate(sample.pop("videos", [])):
+                        old = video_part_names(video)
+                        video = {key: value for key, value in video.items() if key not in ("part", "parts")}
+                        if k < kept_videos:
+                            new = [f"s{s}_vid{k}_{j:05d}.{name.rsplit('.', 1)[-1]}" for j, name in enumerate(old)]
+                            for name, (offset, size, _, _) in zip(new, images[part : part + len(old)].tolist()):
+                                record[name] = read(shard, offset, size)
+                            video.update({"part": new[0]} if video["kind"] == "file" else {"parts": new})
+                        videos.append(video)
+                        part += len(old)
                     segments.append(
                         {
                             "key": keys[key_offset : key_offset + key_size].tobytes().decode(),
                             "sample": sample,
                             "image_sizes": [(w, h) for _, _, w, h in images[first : first + num].tolist()],
                             "images": names,
+                            **({"videos": videos, "max_frames": max_frames or None} if videos else {}),
                             "num_tokens": tokens,
                         }
                     )
@@ -209,7 +225,7 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
                             "make it first with vlmcore pack --plan-only")
         measured = measure_shards(shards, model_dir, seq_len, max_patches, overlong, workers, cache, identity)
         log = BadDataLog("pack", max_bad_fraction)
-        counts = {"truncated": 0, "dropped_overlong": 0}
+        counts = {"truncated": 0, "dropped_overlong": 0, "fewer_video_frames": 0}
         for m in measured:
             log.seen += m.seen
             for reason, where, detail in m.bad:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vlmcore.data.quality import BadSample
+from vlmcore.data.quality import BadSample, load_image
 
 
 @dataclass(frozen=True)
@@ -247,21 +247,34 @@ def video_patches(frames: torch.Tensor, s: VideoSettings) -> tuple[torch.Tensor,
     return x.reshape(t * h * w, c * tp * p * p), (t, h, w)
 
 
-def normalize_video_patches(patches: torch.Tensor, s: VideoSettings) -> torch.Tensor:
+def normalize_video_patches(patches: torch.Tensor, image_mean, image_std) -> torch.Tensor:
     """uint8 patches -> the processor's float32 pixel_values_videos (rescale and normalize fused:
     (x - 255 mean) / (255 std), per channel)."""
-    mean = torch.tensor(s.image_mean, device=patches.device) * (1.0 / (1 / 255))
-    std = torch.tensor(s.image_std, device=patches.device) * (1.0 / (1 / 255))
-    per_value = patches.shape[-1] // len(s.image_mean)
-    x = patches.to(torch.float32).view(patches.shape[0], len(s.image_mean), per_value)
+    mean = torch.tensor(image_mean, device=patches.device) * (1.0 / (1 / 255))
+    std = torch.tensor(image_std, device=patches.device) * (1.0 / (1 / 255))
+    per_value = patches.shape[-1] // len(image_mean)
+    x = patches.to(torch.float32).view(patches.shape[0], len(image_mean), per_value)
     return x.sub(mean[:, None]).div(std[:, None]).view(patches.shape)
 
 
+def clip_frames(meta: dict, parts: list[bytes], indices: list[int]) -> torch.Tensor:
+    """The frames at `indices` of a clip stored as a file (`parts`: its bytes) or as frame images
+    (`parts`: one image a frame), RGB uint8 (T, 3, H, W)."""
+    if meta["kind"] == "file":
+        return decode_frames(parts[0], indices)
+    frames = [np.asarray(load_image(parts[i]).convert("RGB")) for i in indices]
+    return torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2).contiguous()
+
+
+def clip_patches(meta: dict, parts: list[bytes], plan: VideoPlan, s: VideoSettings) -> tuple[torch.Tensor, tuple]:
+    """The uint8 patches and grid of a clip as `plan` samples and sizes it."""
+    return video_patches(resize_frames(clip_frames(meta, parts, plan.indices), *plan.size), s)
+
+
 def encode_video(data: bytes, s: VideoSettings) -> tuple[torch.Tensor, tuple[int, int, int], list[float], VideoInfo]:
-    """One clip, end to end: (uint8 patches, grid, frame group timestamps, metadata)."""
+    """One clip file, end to end: (uint8 patches, grid, frame group timestamps, metadata)."""
     info = probe(data)
-    indices = sample_frames(info.frames, info.fps, s)
-    frames = decode_frames(data, indices)
-    height, width = frame_size(len(indices), frames.shape[-2], frames.shape[-1], s)
-    patches, grid = video_patches(resize_frames(frames, height, width), s)
-    return patches, grid, frame_timestamps(indices, info.fps, s.temporal_patch_size), info
+    meta = {"kind": "file", **info.as_dict()}
+    plan = plan_video(meta, s)
+    patches, grid = clip_patches(meta, [data], plan, s)
+    return patches, grid, plan.timestamps, info
