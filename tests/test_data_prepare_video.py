@@ -272,3 +272,23 @@ def test_vlmcore_train_steps_on_packed_videos(raw, tmp_path):
     metrics = read_metrics(tmp_path / "out")
     assert len(metrics) == 3 and all(math.isfinite(m["loss"]) for m in metrics)
     assert any(m["vision_tflops_per_device"] > 0 for m in metrics)
+
+
+def test_video_sampling_settings_of_a_pack(raw, tmp_path):
+    """`pack.video` (`vlmcore pack --video-*`): the clips sampled at the pack's settings, which
+    the packed dataset's model files carry, so the loader samples the same frames."""
+    from vlmcore.data.loader import build_loader
+
+    root, _ = raw
+    (root / "clips" / "long4s.mp4").write_bytes(make_clip("libx264", "mp4", frames=120, rate=30, width=64, height=48))
+    prepare([write_jsonl(root / "long.jsonl", [{"video": "clips/long4s.mp4", "messages": convo("<video> What?")}])],
+            tmp_path / "data", max_bad_fraction=0.0)
+    model = make_demo_model_dir(tmp_path / "model", max_pixels=64 * 64)
+    grids = {}
+    for name, video in (("default", None), ("one_fps", {"fps": 1.0}), ("capped", {"max_frames": 6, "fps": 4.0})):
+        pack(tmp_path / "data", model, tmp_path / name, seq_len=512, max_patches=4096, max_bad_fraction=0.0, video=video)
+        batch = next(iter(build_loader(tmp_path / name, dp_rank=0, dp_world=1, micro_batch_size=1, seed=0, num_workers=0)))
+        grids[name] = batch.videos.grids()[0][0]
+        config = json.loads((tmp_path / name / "model" / "video_preprocessor_config.json").read_text())
+        assert all(config[k] == v for k, v in (video or {}).items())
+    assert grids == {"default": 4, "one_fps": 2, "capped": 3}  # frame groups of 8, 4 and 6 sampled frames

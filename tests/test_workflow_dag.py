@@ -75,7 +75,7 @@ def test_moe_demo_plans_the_demo_with_a_tiny_moe_model(tmp_path):
 # pass scattered over 32 CPU jobs, the writing over 16 (docs/hpc.md section 12).
 CORPUS_100M = {
     "data": {"datasets": {"corpus_100m": {"sources": ["conversations:staged/data/corpus-100m"], "shard_size": 10000}}},
-    "pack": {"measure_jobs": 32, "write_jobs": 16},
+    "pack": {"measure_jobs": 32, "write_jobs": 16, "video": {"fps": 1, "max_frames": 64}},
 }
 
 
@@ -105,3 +105,5 @@ def test_corpus_of_100m_samples_plans_its_scattered_pack(tmp_path, cluster, part
     assert all(f"--measure-group {g}/32 " in shell for g in range(32))
     assert all(f"--write-group {g}/16 " in shell for g in range(16))
     assert shell.count("--plan-only ") == 1
+    # The video sampling settings reach every job of the pack (they decide the packs' bytes).
+    assert shell.count("--video-fps 1 --video-max-frames 64") == 32 + 1 + 16 + 1

@@ -43,7 +43,7 @@ WRITE_JOBS = config["pack"]["write_jobs"]
 # The settings that decide the packs' bytes, the same in every job of a dataset's pack.
 PACK_SETTINGS = "--seq-len {seq_len} --max-patches {max_patches} --overlong {overlong} --shard-size {shard_size}".format(
     **config["pack"]
-)
+) + "".join(f" --video-{key.replace('_', '-')} {value}" for key, value in config["pack"].get("video", {}).items())
 
 
 # The markers of the scattered steps of a dataset's pack (none for a step in one job).

@@ -29,7 +29,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 
 from vlmcore.data import IGNORE_INDEX
 from vlmcore.data.processor import load_processor
-from vlmcore.data.video import VideoPlan, VideoSettings, plan_video, video_prompt
+from vlmcore.data.video import VideoPlan, VideoSettings, plan_video, video_prompt, with_video_settings
 
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
@@ -74,7 +74,8 @@ class SampleEncoder:
     """Encodes samples for the model snapshot in `model_dir`; text-only snapshots (no
     preprocessor_config.json) encode documents and image-free conversations."""
 
-    def __init__(self, model_dir):
+    def __init__(self, model_dir, video: dict | None = None):
+        """`video`: sampling settings that replace the snapshot's video processor's (`VIDEO_KEYS`)."""
         model_dir = Path(model_dir)
         self.processor = load_processor(model_dir) if (model_dir / "preprocessor_config.json").is_file() else None
         self.tokenizer = self.processor.tokenizer if self.processor else AutoTokenizer.from_pretrained(model_dir)
@@ -85,8 +86,8 @@ class SampleEncoder:
             self.min_pixels = image_processor.size["shortest_edge"]
             self.max_pixels = image_processor.size["longest_edge"]
             video_config = model_dir / "video_preprocessor_config.json"
-            self.video = VideoSettings.from_processor_config(
-                json.loads(video_config.read_text()) if video_config.is_file() else {})
+            self.video = VideoSettings.from_processor_config(with_video_settings(
+                json.loads(video_config.read_text()) if video_config.is_file() else {}, video or {}))
         self.image_token = self.processor.image_token if self.processor else "<|image_pad|>"
         self.vision_start_id = self.tokenizer.convert_tokens_to_ids("<|vision_start|>")
         self.vision_end_id = self.tokenizer.convert_tokens_to_ids("<|vision_end|>")

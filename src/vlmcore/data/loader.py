@@ -113,9 +113,9 @@ def samples_in(dataset_dir: Path) -> int:
 class PackedTaskEncoder(DefaultTaskEncoder):
     decoder = None  # the cooker decodes the raw parts itself
 
-    def __init__(self, model_dir, seq_len: int):
+    def __init__(self, model_dir, seq_len: int, video: dict | None = None):
         super().__init__()
-        self.encoder = SampleEncoder(model_dir)
+        self.encoder = SampleEncoder(model_dir, video)
         self.patcher = ImagePatcher(self.encoder.processor.image_processor) if self.encoder.processor else None
         self.model_config = load_hf_config(model_dir)
         self.seq_len = seq_len

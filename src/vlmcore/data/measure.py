@@ -139,8 +139,9 @@ def measure(shard_sample, encoder: SampleEncoder, seq_len: int, max_patches: int
 _worker = {}  # per measuring process: the encoder and the pack settings
 
 
-def start_worker(model_dir, seq_len: int, max_patches: int, overlong: str) -> None:
-    _worker.update(encoder=SampleEncoder(model_dir), seq_len=seq_len, max_patches=max_patches, overlong=overlong)
+def start_worker(model_dir, seq_len: int, max_patches: int, overlong: str, video: dict | None = None) -> None:
+    _worker.update(encoder=SampleEncoder(model_dir, video), seq_len=seq_len, max_patches=max_patches,
+                   overlong=overlong)
 
 
 def measure_shard(job: tuple[int, Path]) -> MeasuredShard:
@@ -173,21 +174,23 @@ def measure_shard(job: tuple[int, Path]) -> MeasuredShard:
                          time.process_time() - start)
 
 
-def inputs_identity(shards: list[Path], model_dir: Path, seq_len: int, max_patches: int, overlong: str) -> dict:
+def inputs_identity(shards: list[Path], model_dir: Path, seq_len: int, max_patches: int, overlong: str,
+                    video: dict | None = None) -> dict:
     """What the measurements depend on: the measure settings and every input file's size and mtime."""
     inputs = shards + [model_dir / name for name in MODEL_FILES if (model_dir / name).is_file()]
-    return {"format": FORMAT, "settings": [str(model_dir), seq_len, max_patches, overlong],
+    return {"format": FORMAT, "settings": [str(model_dir), seq_len, max_patches, overlong, video or {}],
             "files": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in inputs]}
 
 
 def measure_shards(shards: list[Path], model_dir: Path, seq_len: int, max_patches: int, overlong: str, workers: int,
-                   cache: Path, identity: dict, group: tuple[int, int] = (0, 1)) -> list[MeasuredShard]:
+                   cache: Path, identity: dict, group: tuple[int, int] = (0, 1),
+                   video: dict | None = None) -> list[MeasuredShard]:
     """MeasuredShard per shard, in shard order, from `workers` processes. Each shard's result is
     saved in `cache` (measurements of the inputs `identity`) as it comes, so a rerun after a kill
     measures only the shards left. `group` (g, n): measure only the shards whose index is g modulo
     n and return nothing; n such jobs, run at once, fill the same cache (the workflow's scatter of
     the measure pass)."""
-    settings = (model_dir, seq_len, max_patches, overlong)
+    settings = (model_dir, seq_len, max_patches, overlong, video)
     identity = json.dumps(identity)
     stamp = cache / "identity.json"
     if stamp.is_file() and stamp.read_text() != identity:  # measured from other inputs or settings

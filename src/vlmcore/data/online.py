@@ -103,9 +103,11 @@ class OnlineRowLoader(RowLoader):
 
 def build_online_loader(data_dir, model_dir, *, seq_len: int, max_patches: int, buffer_size: int,
                         overlong: str = "truncate", dp_rank: int, dp_world: int, micro_batch_size: int,
-                        seed: int, num_workers: int, grad_accum_steps: int = 1) -> OnlineRowLoader:
-    """Batches packed online from a prepared dataset, `buffer_size` samples at a time."""
-    return OnlineRowLoader(data_dir, PackedTaskEncoder(model_dir, seq_len), max_patches=max_patches,
+                        seed: int, num_workers: int, grad_accum_steps: int = 1,
+                        video: dict | None = None) -> OnlineRowLoader:
+    """Batches packed online from a prepared dataset, `buffer_size` samples at a time; `video`:
+    sampling settings in place of the model's video processor's (as `vlmcore pack --video-*`)."""
+    return OnlineRowLoader(data_dir, PackedTaskEncoder(model_dir, seq_len, video), max_patches=max_patches,
                            overlong=overlong, buffer_size=buffer_size, dp_rank=dp_rank, dp_world=dp_world,
                            micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps, seed=seed,
                            num_workers=num_workers)

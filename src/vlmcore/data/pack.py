@@ -39,6 +39,7 @@ from vlmcore.data.bin_packing import best_fit_decreasing, packing_stats
 from vlmcore.data.measure import MODEL_FILES, concatenate, inputs_identity, measure_shards, video_part_names
 from vlmcore.data.quality import BadDataLog, DataError, TooMuchBadData
 from vlmcore.data.shards import energon_prepare, shard_paths
+from vlmcore.data.video import VIDEO_KEYS, with_video_settings
 
 logger = logging.getLogger(__name__)
 
@@ -182,17 +183,22 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def copy_model_files(model_dir: Path, out_dir: Path) -> None:
+def copy_model_files(model_dir: Path, out_dir: Path, video: dict | None = None) -> None:
+    """The files the loader encodes with, the video sampling settings of the pack in them."""
     target = out_dir / PACK_MODEL_DIR
     target.mkdir(parents=True, exist_ok=True)
     for name in MODEL_FILES:
         if (model_dir / name).is_file():
             shutil.copy2(model_dir / name, target / name)
+    video_config = target / "video_preprocessor_config.json"
+    if video and video_config.is_file():
+        video_config.write_text(json.dumps(with_video_settings(json.loads(video_config.read_text()), video), indent=2) + "\n")
 
 
 def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong: str = "truncate",
          shard_size: int = 1000, seed: int = 0, max_bad_fraction: float = 0.05, workers: int = 1,
-         measure_group: tuple[int, int] = (0, 1), plan_only: bool = False, write_group: tuple[int, int] = (0, 1)) -> dict:
+         measure_group: tuple[int, int] = (0, 1), plan_only: bool = False, write_group: tuple[int, int] = (0, 1),
+         video: dict | None = None) -> dict:
     """Packs the prepared dataset `data_dir` into `out_dir`, in steps that the workflow runs as
     separate jobs; each resumes where a killed one stopped, and any split gives the same bytes:
 
@@ -208,13 +214,13 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
     data_dir, model_dir, out_dir = Path(data_dir), Path(model_dir), Path(out_dir)
     shards = shard_paths(data_dir)
     workers = max(1, workers)
-    identity = inputs_identity(shards, model_dir, seq_len, max_patches, overlong)
+    identity = inputs_identity(shards, model_dir, seq_len, max_patches, overlong, video)
     plan_identity = {**identity, "plan": [seed, shard_size, max_bad_fraction]}
     cache = out_dir.with_name(out_dir.name + ".measured")
     partial = out_dir.with_name(out_dir.name + ".partial")
     start = time.perf_counter()
     if measure_group[1] > 1:
-        measure_shards(shards, model_dir, seq_len, max_patches, overlong, workers, cache, identity, measure_group)
+        measure_shards(shards, model_dir, seq_len, max_patches, overlong, workers, cache, identity, measure_group, video)
         logger.info("measure group %d of %d: done in %.1f s", *measure_group, time.perf_counter() - start)
         return {"measure_group": list(measure_group)}
 
@@ -223,7 +229,7 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
         if write_group[1] > 1:
             raise DataError(f"{partial / PLAN_DIR}: no packing plan of these inputs and settings; "
                             "make it first with vlmcore pack --plan-only")
-        measured = measure_shards(shards, model_dir, seq_len, max_patches, overlong, workers, cache, identity)
+        measured = measure_shards(shards, model_dir, seq_len, max_patches, overlong, workers, cache, identity, video=video)
         log = BadDataLog("pack", max_bad_fraction)
         counts = {"truncated": 0, "dropped_overlong": 0, "fewer_video_frames": 0}
         for m in measured:
@@ -281,8 +287,9 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
     del plan
     for leftover in partial.glob("shard-*.tar.tmp"):  # of a writer killed before the rerun that wrote its shard
         leftover.unlink()
-    copy_model_files(model_dir, partial)
-    (partial / "pack_config.json").write_text(json.dumps({"seq_len": seq_len, "max_patches": max_patches}) + "\n")
+    copy_model_files(model_dir, partial, video)
+    (partial / "pack_config.json").write_text(json.dumps({"seq_len": seq_len, "max_patches": max_patches,
+                                                          **({"video": video} if video else {})}) + "\n")
     start, cpu = time.perf_counter(), cpu_seconds()
     energon_prepare(partial, workers)
     logger.info("index: %d packs in %.1f s (%.1f CPU s)", stats["packs"], time.perf_counter() - start, cpu_seconds() - cpu)
@@ -310,6 +317,12 @@ def job_group(text: str) -> tuple[int, int]:
     return int(g), int(n)
 
 
+def video_settings(args) -> dict | None:
+    """The `--video-*` settings given, by the video processor's names."""
+    video = {key: getattr(args, f"video_{key}") for key in VIDEO_KEYS if getattr(args, f"video_{key}") is not None}
+    return video or None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True, type=existing_dir, help="prepared Energon dataset (data/<dataset>)")
     parser.add_argument("--model", required=True, type=existing_dir, help="model snapshot directory (tokenizer, chat template, processor)")
@@ -330,6 +343,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="only write the plan's output shards whose index is G modulo N into <out>.partial "
                            "(the workflow's scatter of the writing over N jobs; a plain pack then finishes)")
     parser.add_argument("--workers", type=positive_int, default=os.cpu_count(), help="measuring, writing and indexing processes (measuring: at most one per shard)")
+    video = parser.add_argument_group("video sampling (default: the model's video processor settings)")
+    video.add_argument("--video-fps", type=float, help="frames sampled per second of video")
+    video.add_argument("--video-min-frames", type=positive_int, help="frames sampled at least")
+    video.add_argument("--video-max-frames", type=positive_int, help="frames sampled at most (a clip too long for a row gets fewer)")
+    video.add_argument("--video-min-pixels", type=positive_int, help="pixels of all sampled frames of a clip together, at least")
+    video.add_argument("--video-max-pixels", type=positive_int, help="pixels of all sampled frames of a clip together, at most")
 
 
 def run(args) -> int:
@@ -339,7 +358,7 @@ def run(args) -> int:
     try:
         stats = pack(args.data, args.model, args.out, args.seq_len, args.max_patches, args.overlong,
                      args.shard_size, args.seed, args.max_bad_fraction, args.workers, args.measure_group,
-                     args.plan_only, args.write_group)
+                     args.plan_only, args.write_group, video_settings(args))
     except TooMuchBadData as e:
         logger.error("%s (details in %s/stats.json)", e, args.out)
         return 1

@@ -50,6 +50,19 @@ class VideoSettings:
         return cls(**{k: v for k, v in values.items() if v is not None})
 
 
+# The sampling settings a pack may set (`vlmcore pack --video-*`, the workflow's `pack.video`),
+# by their names in the video processor's config.
+VIDEO_KEYS = ("fps", "min_frames", "max_frames", "min_pixels", "max_pixels")
+
+
+def with_video_settings(config: dict, video: dict) -> dict:
+    """A video processor config (video_preprocessor_config.json) with `video`'s settings."""
+    config = {**config, **{k: v for k, v in video.items() if k in ("fps", "min_frames", "max_frames")}}
+    size = {**config.get("size", {}), **({"shortest_edge": video["min_pixels"]} if "min_pixels" in video else {}),
+            **({"longest_edge": video["max_pixels"]} if "max_pixels" in video else {})}
+    return {**config, "size": size} if size else config
+
+
 @dataclass(frozen=True)
 class VideoInfo:
     frames: int
