@@ -7,6 +7,7 @@
     python benchmarks/data.py --part pack-split --pack-samples 100000 --write-jobs 2
     python benchmarks/data.py --part mixing        # the loader's epoch order against a uniform shuffle
     python benchmarks/data.py --part online        # online packing: measuring every buffer vs making a rank's rows
+    python benchmarks/data.py --part video         # rows of 720p/1080p H.264 clips vs one H100's need (minutes)
 
 Packing: one long-tailed mix of samples (log-normal text lengths, 0-2 images of 64-4096
 patches, 4 patches per image token), seq_len 8192, image-patch budget 3 x 8192, compared:
@@ -53,6 +54,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -354,18 +356,24 @@ CORES_PER_GPU = {"MN5": 20, "JUPITER": 72}
 IMAGE_MIXES = {"jpeg mix 1024x768 / 640x480": [(1024, 768), (640, 480)], "high-res 2048x1536": [(2048, 1536)]}
 
 
-def natural_jpeg(width: int, height: int, rng) -> bytes:
-    """A photo-like JPEG (q90): smooth colour fields from upsampled noise, plus fine grain."""
-    import io
-
+def natural_pixels(width: int, height: int, rng):
+    """Photo-like RGB pixels: smooth colour fields from upsampled noise, plus fine grain."""
     import numpy as np
     from PIL import Image
 
     coarse = Image.fromarray(rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)).resize((width, height), Image.BICUBIC)
     grain = rng.normal(0, 12, (height, width, 3))
-    pixels = np.clip(np.asarray(coarse, dtype=np.float32) + grain, 0, 255).astype(np.uint8)
+    return np.clip(np.asarray(coarse, dtype=np.float32) + grain, 0, 255).astype(np.uint8)
+
+
+def natural_jpeg(width: int, height: int, rng) -> bytes:
+    """A photo-like JPEG (q90) of `natural_pixels`."""
+    import io
+
+    from PIL import Image
+
     out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="JPEG", quality=90)
+    Image.fromarray(natural_pixels(width, height, rng)).save(out, format="JPEG", quality=90)
     return out.getvalue()
 
 
@@ -453,6 +461,85 @@ def bench_loader(rows: int, worker_counts: list[int], samples: int) -> list[dict
     return results
 
 
+VIDEO_CLIPS = {"720p 10 s": (1280, 720, 10), "720p 60 s": (1280, 720, 60), "1080p 10 s": (1920, 1080, 10),
+               "1080p 30 s": (1920, 1080, 30)}
+# Qwen3-VL's published video processor settings (Qwen3-VL-2B-Instruct's video_preprocessor_config.json).
+QWEN3_VL_VIDEO = {"fps": 2.0, "min_frames": 4, "max_frames": 768, "min_pixels": 4096, "max_pixels": 25165824}
+GPU_SECONDS_PER_TOKEN = GPU_SECONDS_PER_ROW / 8192  # the 2B model on one H100 (the image loader's estimate)
+
+
+def natural_clip(width: int, height: int, seconds: int, rng) -> bytes:
+    """An H.264 clip (30 fps, x264 veryfast, CRF 23, keyframe every 250 frames: x264's default)
+    of smooth colour fields panning under moving shapes and grain: decoding it costs what a
+    camera clip of that size does, not what a flat test pattern does."""
+    import io
+
+    import av
+    import numpy as np
+
+    base = natural_pixels(width * 2, height, rng)
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=30, options={"preset": "veryfast", "crf": "23"})
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(30 * seconds):
+            x = (i * 3) % width
+            frame = base[:, x:x + width].copy()
+            y, s = int(height / 2 + height / 3 * np.sin(i / 20)), height // 8
+            frame[max(0, y - s):y + s, (i * 7) % (width - 2 * s):(i * 7) % (width - 2 * s) + 2 * s] = (220, 60, 40)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return out.getvalue()
+
+
+def bench_video(clips: dict, worker_counts: list[int], rows: int) -> list[dict]:
+    """Rows with one clip each (prepare -> pack -> `build_loader`, Qwen3-VL's video settings) per
+    CPU core, against what one H100 trains on the 2B model per token."""
+    import numpy as np
+
+    from vlmcore.data.loader import build_loader
+    from vlmcore.data.pack import pack
+    from vlmcore.data.prepare import prepare
+    from vlmcore.data.processor import write_processor_files
+    from vlmcore.download import build_tiny_model
+
+    results = []
+    for name, (width, height, seconds) in clips.items():
+        root = Path(tempfile.mkdtemp(prefix="vlmcore-bench-video-"))
+        build_tiny_model(root / "model")
+        write_processor_files(root / "model", min_pixels=65536, max_pixels=16777216)
+        t0 = time.perf_counter()
+        (root / "clip.mp4").write_bytes(natural_clip(width, height, seconds, np.random.default_rng(0)))
+        encode_s = time.perf_counter() - t0
+        with open(root / "videos.jsonl", "w") as f:
+            for i in range(rows + 1):
+                f.write(json.dumps({"video": "clip.mp4", "caption": f"clip {i}: a red block moves over a landscape"}) + "\n")
+        prepare([root / "videos.jsonl"], root / "data", shard_size=64)
+        stats = pack(root / "data", root / "model", root / "packed", seq_len=32768, max_patches=4 * 32768,
+                     shard_size=8, video=QWEN3_VL_VIDEO)
+        for workers in worker_counts:
+            loader = build_loader(root / "packed", dp_rank=0, dp_world=1, micro_batch_size=1, seed=0, num_workers=workers)
+            it = iter(loader)
+            next(it)  # worker start-up and the first row
+            tokens = 0
+            t0, c0 = time.perf_counter(), cpu_seconds()
+            for _ in range(rows):
+                tokens += int((next(it).segment_lengths()[:-1]).sum())
+            seconds_, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+            need_cpu = tokens / rows * GPU_SECONDS_PER_TOKEN  # GPU seconds a row's tokens take, per row
+            results.append({
+                "clip": name, "workers": workers, "clip_mb": (root / "clip.mp4").stat().st_size / 1e6,
+                "clips_per_row": stats["samples"] / stats["packs"], "tokens_per_row": tokens / rows,
+                "cpu_s_per_row": cpu / rows, "rows_per_s": rows / seconds_,
+                **{f"x_need_{c}": cores * need_cpu / (cpu / rows) for c, cores in CORES_PER_GPU.items()},
+                "encode_clip_s": encode_s})
+            del it, loader
+        shutil.rmtree(root, ignore_errors=True)
+    return results
+
+
 def bench_online(samples: int, buffer_size: int, dp_worlds: list[int], workers: int) -> list[dict]:
     """Online packing in the global order (vlmcore.data.online): the CPU time to measure a sample
     (every loader worker of every rank measures every buffer) against the time to make a row
@@ -522,7 +609,7 @@ def print_table(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=["packing", "loader", "bfd-scaling", "pack", "pack-split", "mixing", "resume",
-                                           "online", "all"],
+                                           "online", "video", "all"],
                         default="all")
     parser.add_argument("--pack-samples", type=int, nargs="+", default=[10000, 100000], help="sizes for --part pack")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="measuring processes for --part pack")
@@ -531,6 +618,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=20000, help="samples in the packing mix")
     parser.add_argument("--loader-samples", type=int, default=256, help="image-caption samples for the loader part")
     parser.add_argument("--mixing-samples", type=int, default=20000, help="demo-like samples packed for the mixing part")
+    parser.add_argument("--video-rows", type=int, default=3, help="rows timed per clip and worker count (--part video)")
     parser.add_argument("--rows", type=int, default=16, help="8,192-token rows timed per image mix and worker count")
     args = parser.parse_args()
     RESULTS.mkdir(exist_ok=True)
@@ -552,6 +640,10 @@ def main() -> None:
     if args.part == "resume":  # minutes (the pack): not part of "all"
         rows = bench_resume(args.pack_samples[-1], seq_len=1024, max_patches=4096)
         (RESULTS / f"data_resume_{args.pack_samples[-1]}.json").write_text(json.dumps(rows, indent=2) + "\n")
+    if args.part == "video":  # minutes (clips are encoded first): not part of "all"
+        rows = bench_video(VIDEO_CLIPS, worker_counts=[0, 2], rows=args.video_rows)
+        print_table(rows)
+        (RESULTS / "data_video.json").write_text(json.dumps(rows, indent=2) + "\n")
     if args.part in ("online", "all"):
         rows = bench_online(512, buffer_size=128, dp_worlds=[1, 8, 64], workers=4)
         print_table(rows)
