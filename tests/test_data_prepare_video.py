@@ -200,6 +200,9 @@ def test_videos_are_packed_and_loaded_as_the_processor_makes_them(raw, packed_vi
             config, batch.input_ids, batch.images.grid_thw if batch.images else None, batch.cu_seqlens,
             batch.videos.grid_thw))
     assert seen == set(expected)
+    longest = max(g[0] for _, patches in expected.values() for _, g in patches)
+    assert stats["videos"] == 4 and stats["video_groups"] == longest  # what `vlmcore memory` estimates with
+    assert json.loads((out / "packed" / "pack_config.json").read_text())["video_groups"] == longest
 
 
 def test_a_clip_too_long_for_the_row_gets_fewer_frames(raw, tmp_path):

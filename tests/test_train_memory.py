@@ -134,6 +134,23 @@ def test_cli_takes_the_row_shape_from_the_packed_dataset(configs, tmp_path):
     assert total[0] == "total" and float(total[1]) == pytest.approx(result["peak_bytes"] / 2**20, abs=0.01)
 
 
+def test_a_packed_dataset_with_videos_is_estimated_with_its_longest_clip(configs, tmp_path):
+    """pack_config.json's `video_groups` (the longest clip's frame groups, written by the pack):
+    the estimate's row holds a video that long, its frames sharing the patch budget."""
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    (packed / "pack_config.json").write_text(json.dumps({"seq_len": 160, "max_patches": 144, "video_groups": 3}))
+    out = tmp_path / "estimate.json"
+    proc = subprocess.run(command(1, "memory", str(configs["qwen3_vl"]), "--world-size", "1", "--set",
+                                  f"data_path={packed}", "--set", "data.kind=packed", "--json", str(out)),
+                          capture_output=True, text=True, env=env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    # 3 frame groups of 48 patches at most: 6x6-patch frames, 3x3 merged.
+    assert (result["video_frames"], result["image_side"]) == (3, 3)
+    assert "video of 3 frame groups" in proc.stdout
+
+
 def test_cli_names_what_does_not_fit(configs, tmp_path, capsys):
     from vlmcore.cli import main
 

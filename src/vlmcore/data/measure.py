@@ -43,11 +43,12 @@ MODEL_FILES = [
 # Per-sample state of pass 1, kept in compact arrays (about 55 bytes a sample, 20 an image or a
 # video part, plus its key): where its json part lies in its shard, its images (then its videos'
 # parts, in the `IMAGE` rows after its images), and its budget. `max_frames`: the frames its
-# videos were sampled at to fit the row (0: the processor's setting).
+# videos were sampled at to fit the row (0: the processor's setting); `video_groups`: its
+# longest video's frame groups.
 SAMPLE = np.dtype([
     ("shard", "<u4"), ("json_offset", "<u8"), ("json_size", "<u4"), ("key_offset", "<u8"), ("key_size", "<u2"),
     ("first_image", "<u8"), ("num_images", "<u2"), ("kept_images", "<u2"), ("tokens", "<u4"), ("patches", "<u4"),
-    ("video_parts", "<u2"), ("kept_videos", "<u2"), ("max_frames", "<u2"),
+    ("video_parts", "<u2"), ("kept_videos", "<u2"), ("max_frames", "<u2"), ("video_groups", "<u2"),
 ])  # fmt: skip
 FORMAT = 2  # of the measurements kept between runs: 2 added the videos
 IMAGE = np.dtype([("offset", "<u8"), ("size", "<u4"), ("width", "<u4"), ("height", "<u4")])
@@ -165,7 +166,7 @@ def measure_shard(job: tuple[int, Path]) -> MeasuredShard:
                        for name in video_part_names(video)]
         samples.append((shard_index, json_part.offset, json_part.size, len(keys), len(key), len(images), len(names),
                         len(enc.image_grid_thw), len(enc.input_ids), enc.num_patches, len(video_parts),
-                        len(enc.video_grid_thw), max_frames))
+                        len(enc.video_grid_thw), max_frames, max((t for t, _, _ in enc.video_grid_thw), default=0)))
         keys += key
         images += [(shard_sample.parts[n].offset, shard_sample.parts[n].size, w, h)
                    for n, (w, h) in zip(names, sizes)]

@@ -136,7 +136,7 @@ def write_shard(index: int) -> float:
                 segments = []
                 for s, i in enumerate(members[starts[pack_index] : starts[pack_index + 1]].tolist()):
                     (shard, json_offset, json_size, key_offset, key_size, first, num, kept, tokens, _, _, kept_videos,
-                     max_frames) = samples[i].tolist()
+                     max_frames, _) = samples[i].tolist()
                     sample = json.loads(read(shard, json_offset, json_size))
                     image_names = sample.pop("images", [])
                     names = []
@@ -260,6 +260,9 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
             "overlong": overlong,
             **packing_stats(bins, tokens, patches, seq_len, max_patches),
             **counts,
+            "videos": int(samples["kept_videos"].sum()),
+            # The longest clip's frame groups: `vlmcore memory` estimates a stage with a video that long.
+            "video_groups": int(samples["video_groups"].max(initial=0)),
             "bad": log.as_dict(),
         }
         (partial / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
@@ -289,7 +292,9 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
         leftover.unlink()
     copy_model_files(model_dir, partial, video)
     (partial / "pack_config.json").write_text(json.dumps({"seq_len": seq_len, "max_patches": max_patches,
-                                                          **({"video": video} if video else {})}) + "\n")
+                                                          **({"video": video} if video else {}),
+                                                          **({"video_groups": stats["video_groups"]}
+                                                             if stats["video_groups"] else {})}) + "\n")
     start, cpu = time.perf_counter(), cpu_seconds()
     energon_prepare(partial, workers)
     logger.info("index: %d packs in %.1f s (%.1f CPU s)", stats["packs"], time.perf_counter() - start, cpu_seconds() - cpu)

@@ -84,7 +84,9 @@ def estimate_stage(cfg: TrainConfig, world_size: int, seq_len: int | None = None
                    image_side: int | None = None, video_frames: int = 0) -> dict:
     """`estimate_memory` of a stage config at its worst-case row: a packed row is one sample
     holding the largest image the dataset allows (or a video of `video_frames` frame groups of
-    that size); random rows are estimated as configured."""
+    that size: by default, for a packed dataset with videos, its longest clip's); random rows are
+    estimated as configured."""
+    video_frames = video_frames or packed_limits(cfg).get("video_groups", 0)
     seq_len, image_side = batch_shape(cfg, seq_len, image_side, video_frames)
     segments = cfg.data.segments if cfg.data.kind == "random" else 1
     return estimate_memory(cfg, world_size, seq_len, image_side, segments=segments, video_frames=video_frames)
@@ -124,12 +126,17 @@ def fit_line(result: dict) -> str:
             f"usable on a {result['gpu_memory_gib']:g} GiB GPU")
 
 
+def packed_limits(cfg: TrainConfig) -> dict:
+    """The packed dataset's pack_config.json (seq_len, max_patches, video_groups), or {}."""
+    pack = Path(cfg.data_path or "") / "pack_config.json"
+    return json.loads(pack.read_text()) if cfg.data.kind == "packed" and pack.is_file() else {}
+
+
 def batch_shape(cfg: TrainConfig, seq_len: int | None, image_side: int | None,
                 video_frames: int = 0) -> tuple[int, int]:
     """The row length and image (or video frame) size to estimate with: given, else the packed
     dataset's limits (pack_config.json), else the config's random-data shape."""
-    pack = Path(cfg.data_path or "") / "pack_config.json"
-    limits = json.loads(pack.read_text()) if cfg.data.kind == "packed" and pack.is_file() else {}
+    limits = packed_limits(cfg)
     seq_len = seq_len or limits.get("seq_len") or cfg.data.seq_len
     config_file = Path(cfg.model_path) / "config.json"
     if not config_file.is_file():
@@ -139,7 +146,8 @@ def batch_shape(cfg: TrainConfig, seq_len: int | None, image_side: int | None,
         return seq_len, 0  # a text model: no image
     if image_side is None:
         merge = model_config.get("vision_config", {}).get("spatial_merge_size", 2)
-        image_side = math.isqrt(limits["max_patches"]) // merge if "max_patches" in limits else cfg.data.image_side
+        patches = limits["max_patches"] // max(video_frames, 1) if "max_patches" in limits else 0
+        image_side = math.isqrt(patches) // merge if patches else cfg.data.image_side
         image_side = min(image_side, math.isqrt(seq_len - 4))  # the image and its two markers fit the row
         if video_frames:  # each frame group with its timestamp and markers fits the row
             image_side = min(image_side, math.isqrt(max(0, (seq_len - 2) // video_frames - 5)))
