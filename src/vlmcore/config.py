@@ -242,6 +242,7 @@ WARNINGS = [
 # YAML keys that are not valid Python identifiers.
 _KEY_ALIASES = {"async": "async_save"}
 _YAML_NAMES = {v: k for k, v in _KEY_ALIASES.items()}
+_EXPECTED = {bool: "true or false", int: "an integer", str: "a string"}
 
 
 def _convert(value, tp, key):
@@ -277,13 +278,9 @@ def _convert(value, tp, key):
         if not isinstance(value, (list, tuple)) or len(value) != len(inner):
             raise ConfigError(f"{key}: expected a list of {len(inner)} values, got {value!r}", key)
         return tuple(_convert(v, t, f"{key}[{i}]") for i, (v, t) in enumerate(zip(value, inner)))
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}", key)
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}", key)
+    if tp in _EXPECTED:
+        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+            raise ConfigError(f"{key}: expected {_EXPECTED[tp]}, got {value!r}", key)
         return value
     if tp is float:
         # YAML 1.1 reads `1e-3` (no dot) as a string.
@@ -295,10 +292,6 @@ def _convert(value, tp, key):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}", key)
         return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}", key)
-        return value
     raise TypeError(f"unsupported config annotation {tp} for {key}")
 
 

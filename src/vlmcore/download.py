@@ -123,15 +123,9 @@ def tiny_vl_config(tokenizer_ids: dict, vocab_size: int, family: str = "qwen3_vl
     )
     text.update(overrides.get("text_config", {}))
     vision.update(overrides.get("vision_config", {}))
-    return dict(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=tokenizer_ids["image_token_id"],
-        video_token_id=tokenizer_ids["video_token_id"],
-        vision_start_token_id=tokenizer_ids["vision_start_token_id"],
-        vision_end_token_id=tokenizer_ids["vision_end_token_id"],
-        tie_word_embeddings=text["tie_word_embeddings"],
-    )
+    special = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return dict(text_config=text, vision_config=vision, **{k: tokenizer_ids[k] for k in special},
+                tie_word_embeddings=text["tie_word_embeddings"])
 
 
 def build_tiny_model(out, seed: int = 0, overrides: dict | None = None, family: str = "qwen3_vl") -> dict:

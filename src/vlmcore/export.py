@@ -123,11 +123,8 @@ def data_fingerprint(stats_paths) -> dict:
 def build_provenance(checkpoint_dir, model_dir, stage_configs=(), data_stats=(), dtype=None) -> dict:
     checkpoint_dir, model_dir = Path(checkpoint_dir), Path(model_dir)
     manifest_path = model_dir / "manifest.json"
-    if manifest_path.is_file():
-        manifest = json.loads(manifest_path.read_text())
-        source = {"repo_id": manifest.get("repo_id"), "revision": manifest.get("revision"), "path": str(model_dir)}
-    else:
-        source = {"repo_id": None, "revision": None, "path": str(model_dir)}
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    source = {"repo_id": manifest.get("repo_id"), "revision": manifest.get("revision"), "path": str(model_dir)}
     meta_path = checkpoint_dir / "meta.json"
     stages = {}
     for path in map(Path, stage_configs):

@@ -39,10 +39,8 @@ def _key_path(error) -> str:
 
 
 def validate_config(config: dict, schema_path) -> dict:
-    """Check `config` against the JSON schema, fill defaults, and check cross references.
-
-    Raises ConfigError naming every offending key.
-    """
+    """Check `config` against the JSON schema, fill defaults, and check cross references;
+    raises ConfigError naming every offending key."""
     import jsonschema
 
     schema = yaml.safe_load(Path(schema_path).read_text())

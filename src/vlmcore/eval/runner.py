@@ -68,18 +68,9 @@ def evaluate(model_dir, tasks: list[str], out, vqa_data=None, limit=None, batch_
     metadata = {"vqa_data": str(Path(vqa_data).resolve())} if vqa_data else {}
     task_manager = TaskManager(include_path=[str(BUNDLED_TASKS), *map(str, include_path)], metadata=metadata)
     result = lm_eval.simple_evaluate(
-        model=model,
-        model_args={"pretrained": str(model_dir), "dtype": dtype},
-        tasks=tasks,
-        num_fewshot=num_fewshot,
-        batch_size=batch_size,
-        device=device,
-        limit=limit,
-        task_manager=task_manager,
-        apply_chat_template=apply_chat_template,
-        log_samples=True,
-        bootstrap_iters=1000,
-    )
+        model=model, model_args={"pretrained": str(model_dir), "dtype": dtype}, tasks=tasks, num_fewshot=num_fewshot,
+        batch_size=batch_size, device=device, limit=limit, task_manager=task_manager,
+        apply_chat_template=apply_chat_template, log_samples=True, bootstrap_iters=1000)
     samples = result.pop("samples")
     result["lm_eval_model"] = model
     result["chance"], result["breakdown"] = {}, {}

@@ -51,6 +51,9 @@ class TextModelParts:
         """The modules that map vision features into the LLM (inside the vision tower)."""
         return []
 
+    def output(self, h: torch.Tensor, return_hidden: bool) -> ModelOutput:
+        return ModelOutput(hidden_states=h) if return_hidden else ModelOutput(logits=self.lm_head(h))
+
     def tie_weights(self):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.token_embedding().weight

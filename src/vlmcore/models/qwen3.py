@@ -109,7 +109,4 @@ class Qwen3ForCausalLM(TextModelParts, nn.Module):
         h = self.model.embed_tokens(input_ids)
         inv_freq = rope_inv_freq(self.config.rope_parameters, self.head_dim, "qwen3 config")
         cos, sin = rope_cos_sin(inv_freq, position_ids, h.dtype)
-        h = self.model(h, cos, sin, cu_seqlens, max_seqlen)
-        if return_hidden:
-            return ModelOutput(hidden_states=h)
-        return ModelOutput(logits=self.lm_head(h))
+        return self.output(self.model(h, cos, sin, cu_seqlens, max_seqlen), return_hidden)

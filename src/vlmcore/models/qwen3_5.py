@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
 from .attention import attention
-from .layers import VisualTokens, ZeroCenteredRMSNorm, apply_rotary, mrope_cos_sin, rope_inv_freq
+from .layers import ZeroCenteredRMSNorm, apply_rotary, mrope_cos_sin, rope_inv_freq
 from .parts import ModelOutput, TextModelParts, VisionLanguageParts
 from .linear_attention import causal_depthwise_conv, gated_delta_rule, host_segments, row_segments
 from .moe import feed_forward
@@ -213,27 +213,17 @@ class Qwen3_5ForConditionalGeneration(VisionLanguageParts, nn.Module):
         self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
         self.tie_weights()
 
-    position_ids = Qwen3VLForConditionalGeneration.position_ids  # the same M-RoPE positions
-
-    def embed(self, input_ids, pixel_values, image_grid_thw, pixel_values_videos=None, video_grid_thw=None):
-        h = self.model.language_model.embed_tokens(input_ids)
-        visual = VisualTokens.of(self.config, input_ids, pixel_values, image_grid_thw, pixel_values_videos,
-                                 video_grid_thw)
-        if visual is None:
-            return h
-        embeds, _ = self.model.visual(visual.pixels, visual.grids)
-        return visual.scatter(h, embeds)
+    # Qwen3-VL's M-RoPE positions and embeddings (its DeepStack features, none here, are not used).
+    position_ids = Qwen3VLForConditionalGeneration.position_ids
+    embed = Qwen3VLForConditionalGeneration.embed
 
     def forward(self, input_ids, pixel_values=None, image_grid_thw=None, position_ids=None,
                 cu_seqlens=None, max_seqlen=None, return_hidden=False, pixel_values_videos=None,
                 video_grid_thw=None) -> ModelOutput:
-        h = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+        h, _, _ = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
         if position_ids is None:
             position_ids = self.position_ids(input_ids, image_grid_thw, cu_seqlens, video_grid_thw)
-        h = self.model.language_model(h, position_ids, cu_seqlens, max_seqlen)
-        if return_hidden:
-            return ModelOutput(hidden_states=h)
-        return ModelOutput(logits=self.lm_head(h))
+        return self.output(self.model.language_model(h, position_ids, cu_seqlens, max_seqlen), return_hidden)
 
 
 class Qwen3_5ForCausalLM(TextModelParts, nn.Module):
@@ -254,6 +244,4 @@ class Qwen3_5ForCausalLM(TextModelParts, nn.Module):
         if position_ids is None:
             position_ids = text_position_ids(input_ids, cu_seqlens)
         h = self.model(self.model.embed_tokens(input_ids), position_ids, cu_seqlens, max_seqlen)
-        if return_hidden:
-            return ModelOutput(hidden_states=h)
-        return ModelOutput(logits=self.lm_head(h))
+        return self.output(h, return_hidden)

@@ -20,11 +20,7 @@ from .parts import ModelOutput, VisionLanguageParts
 from .qwen3 import Qwen3TextModel, check_text_config
 
 DEFAULT_MROPE_SECTION = [24, 20, 20]  # transformers' value when the config has none
-VISION_ACTIVATIONS = {
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-    "silu": F.silu,
-}
+VISION_ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
 
 
 def vision_activation(name: str):
@@ -128,9 +124,8 @@ class VisionModel(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
         self.merger = PatchMerger(config, postshuffle_norm=False)
         self.deepstack_visual_indexes = list(getattr(config, "deepstack_visual_indexes", []) or [])
-        self.deepstack_merger_list = nn.ModuleList(
-            PatchMerger(config, postshuffle_norm=True) for _ in self.deepstack_visual_indexes
-        )
+        self.deepstack_merger_list = nn.ModuleList(PatchMerger(config, postshuffle_norm=True)
+                                                   for _ in self.deepstack_visual_indexes)
 
     def position_embeddings(self, grids):
         """The learned (side, side) table resampled to each image's (h, w) grid, in patch order."""
@@ -161,10 +156,8 @@ class VisionModel(nn.Module):
         grids = grid_list(grid_thw)
         x = self.patch_embed(pixel_values)
         if x.shape[0] != sum(t * h * w for t, h, w in grids):
-            raise ValueError(
-                f"pixel_values has {x.shape[0]} patches but image_grid_thw {grids} describes "
-                f"{sum(t * h * w for t, h, w in grids)}"
-            )
+            raise ValueError(f"pixel_values has {x.shape[0]} patches but image_grid_thw {grids} describes "
+                             f"{sum(t * h * w for t, h, w in grids)}")
         x = x + self.position_embeddings(grids).to(x.dtype)
         cos, sin = self.rotary(grids, x.device)
         # Each frame of each image attends only to itself.
@@ -215,10 +208,7 @@ def mrope_position_ids(input_ids, image_grid_thw, cu_seqlens, image_token_id: in
     video frame groups likewise from `video_grid_thw` (video_frame_groups).
     """
     batch, seq_len = input_ids.shape
-    if cu_seqlens is None:
-        bounds = list(range(0, batch * seq_len + 1, seq_len))
-    else:
-        bounds = cu_seqlens.tolist()
+    bounds = list(range(0, batch * seq_len + 1, seq_len)) if cu_seqlens is None else cu_seqlens.tolist()
     grids = {image_token_id: iter(grid_list(image_grid_thw))}
     if video_token_id is not None:
         grids[video_token_id] = iter(video_frame_groups(video_grid_thw))
@@ -286,7 +276,5 @@ class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
         inv_freq = rope_inv_freq(rope, self.head_dim, "qwen3_vl text_config")
         cos, sin = mrope_cos_sin(inv_freq, position_ids, rope.get("mrope_section", DEFAULT_MROPE_SECTION), h.dtype)
         h = self.model.language_model(h, cos, sin, cu_seqlens, max_seqlen, visual, deepstack)
-        if return_hidden:
-            return ModelOutput(hidden_states=h)
-        return ModelOutput(logits=self.lm_head(h))
+        return self.output(h, return_hidden)
 

@@ -54,8 +54,7 @@ class Meshes:
 
     def _module_mesh(self, module: str, device: torch.device) -> DeviceMesh:
         grid = self.layout.grid(module)
-        prefix = "vision_" if module == "vision" and self.layout.vision_mesh_of_its_own else ""
-        names = tuple(prefix + name for name in ("dp_replicate", "dp_shard", "tp"))
+        names = tuple(self._name(module, name) for name in ("dp_replicate", "dp_shard", "tp"))
         shape = (grid.dims.dp_replicate, grid.dims.dp_shard, grid.dims.tp)
         if not self.layout.disjoint:
             return init_device_mesh(device.type, shape, mesh_dim_names=names)

@@ -163,11 +163,10 @@ def write_report(out, scaling=None, imports=(), train=None, evals=None, hardware
     if points:
         table = scaling_table(points)
         table.to_csv(out / "scaling.csv", index=False)
-        name = title
-        plots.plot_throughput(table, out / "plots/scaling_throughput.png", f"{name}: throughput")
-        plots.plot_efficiency(table, out / "plots/scaling_efficiency.png", f"{name}: scaling efficiency")
-        plots.plot_flops(table, out / "plots/scaling_flops.png", f"{name}: FLOPs and MFU")
-        plots.plot_memory(table, out / "plots/scaling_memory.png", f"{name}: memory")
+        plots.plot_throughput(table, out / "plots/scaling_throughput.png", f"{title}: throughput")
+        plots.plot_efficiency(table, out / "plots/scaling_efficiency.png", f"{title}: scaling efficiency")
+        plots.plot_flops(table, out / "plots/scaling_flops.png", f"{title}: FLOPs and MFU")
+        plots.plot_memory(table, out / "plots/scaling_memory.png", f"{title}: memory")
         md += ["## Scaling", "",
                f"Each point is a fixed-step training run; figures are means over its steps after the first {warmup_steps} "
                "(warm-up), peak memory is the maximum. Efficiency = tokens/s per device relative to the smallest run "

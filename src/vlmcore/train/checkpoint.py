@@ -236,11 +236,9 @@ def save_final(output_dir: str | Path, model: nn.Module, meta: dict) -> None:
 def load_model_weights(model: nn.Module, init_from: str | Path) -> None:
     """Loads a final/ directory (or any DCP checkpoint with `model.*` keys) into the (sharded)
     model: every rank reads only its shards."""
-    model_sd = get_model_state_dict(model)
-    state = {"model": model_sd}
+    state = {"model": get_model_state_dict(model)}
     dcp.load(state, checkpoint_id=str(init_from))
     set_model_state_dict(model, state["model"])
-
 
 
 def resume_latest(cfg, out: Path, split: dict, model: nn.Module, optimizer: torch.optim.Optimizer, data):

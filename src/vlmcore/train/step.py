@@ -15,6 +15,7 @@ still on the host (`Batch.to`), and losses and norms stay on the device until th
 
 import math
 from collections import defaultdict
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -109,11 +110,8 @@ def forward_backward(model, micro: list[Batch], label_tokens: float, vision_dumm
             routed = counts if routed is None else routed + counts
         if received is not None:  # the bridge's backward (a collective) runs even if no image uses it
             loss = loss + 0.0 * received.sum()
-        if moe is None:
+        with moe.routing.not_kept() if moe is not None else nullcontext():
             loss.backward()
-        else:
-            with moe.routing.not_kept():
-                loss.backward()
         local_sum = local_sum.detach().double()
         loss_sum = local_sum if loss_sum is None else loss_sum + local_sum
         del output
