@@ -169,8 +169,9 @@ VIDEO_DATA = {"kind": "random", "seq_len": 96, "segments": 3, "image_fraction": 
 
 def test_video_rows_under_fsdp_tp_and_vision_tp_match_one_process(tmp_path):
     """Rows with videos (two frame groups each, DeepStack features at their tokens) and images:
-    FSDP x TP 2 with the vision tower's own TP 2 on the same ranks gives the one-process run.
-    Images and videos go through the tower in one pass, so its sharding is the images'."""
+    FSDP x TP 2 with the vision tower's own TP 2 on the same ranks, and a disjoint layout (the
+    tower on two ranks of its own), each give the one-process run. Images and videos go through
+    the tower in one pass, so its sharding is the images'."""
     from _train_helpers import hf_config
     from vlmcore.train.random_data import RandomBatches
 
@@ -188,3 +189,12 @@ def test_video_rows_under_fsdp_tp_and_vision_tp_match_one_process(tmp_path):
     torch.testing.assert_close(torch.tensor(four), torch.tensor(one), rtol=1e-5, atol=1e-5)
     for key in one_weights:
         torch.testing.assert_close(four_weights[key], one_weights[key], rtol=1e-4, atol=1e-4, msg=key)
+    # Disjoint layouts: two encoder ranks each encode one row's images and videos and send them to
+    # the one language rank, which puts them in its model's order (all images, then all videos).
+    three, three_weights = run_layout(tmp_path, snapshot, "video_disjoint", 3,
+                                      {"grad_accum_steps": 1, "micro_batch_size": 2, "data": VIDEO_DATA,
+                                       "parallel": {"modules": {"vision": {"ranks": [0, 2]},
+                                                                "language": {"ranks": [2, 3]}}}})
+    torch.testing.assert_close(torch.tensor(three), torch.tensor(one), rtol=1e-5, atol=1e-5)
+    for key in one_weights:
+        torch.testing.assert_close(three_weights[key], one_weights[key], rtol=1e-4, atol=1e-4, msg=key)

@@ -93,7 +93,8 @@ def test_disjoint_bridge_sends_every_row_once_to_its_language_rank(vision_ranks,
     """Planned on every rank from the batches it reads (as `vlmcore train` does): each encoder
     rank encodes a contiguous slice of the global micro-batch's rows, whose slice may cross the
     language ranks' micro-batches; what each sends to a language rank is what that rank expects,
-    and the images over the encoder ranks are the global micro-batch's, in order, each once."""
+    and the images (and the videos) over the encoder ranks are the global micro-batch's, in
+    order, each once."""
     import torch
 
     from _train_helpers import hf_config
@@ -104,36 +105,42 @@ def test_disjoint_bridge_sends_every_row_once_to_its_language_rank(vision_ranks,
     parallel = {"modules": {"vision": {"ranks": [0, vision_ranks]}, "language": {"ranks": [vision_ranks, world]}}}
     layout = check_run(config(parallel, micro_batch_size), world)
     language = layout.language.dims.dp
-    loaders = [RandomBatches(model_config, seq_len=32, segments=3, image_fraction=0.5,
+    loaders = [RandomBatches(model_config, seq_len=64, segments=3, image_fraction=0.5, video_fraction=0.5,
                              micro_batch_size=micro_batch_size, dp_rank=j, dp_world=language, grad_accum_steps=2,
                              seed=0) for j in range(language)]
     steps = [[[next(iter(loader)) for _ in range(2)] for loader in loaders] for _ in range(3)]  # [step][rank][micro]
     bridges = [DisjointBridge(model_config, layout, micro_batch_size, torch.float32, torch.device("cpu"), rank)
                for rank in range(world)]
-    seen_images = 0
+    seen = {"images": 0, "videos": 0}
     for step in steps:
-        images = {}
+        inputs = {}
         for bridge in bridges:
             if bridge.is_vision:
                 sources = [tuple(step[j][a] for j in bridge.source_ranks()) for a in range(2)]
-                images[bridge.rank] = bridge.plan_step(sources)
+                inputs[bridge.rank] = bridge.plan_step(sources)
             else:
                 bridge.plan_step(step[bridge.rank - vision_ranks])
         for a in range(2):
             for e in range(vision_ranks):
                 for lang in range(vision_ranks, world):
                     assert bridges[e].plans[a][0][lang] == bridges[lang].plans[a][1][e]
+                    for kind in ("images", "videos"):
+                        assert bridges[e].plans[a][2][kind][lang] == bridges[lang].plans[a][2][kind][e]
             batches = [step[j][a] for j in range(language)]
-            expected = [g for b in batches if b.images is not None for g in b.images.grid_thw.tolist()]
-            encoded = [images[e][a] for e in range(vision_ranks) if images[e][a] is not None]
-            assert [g for b in encoded for g in b.grid_thw.tolist()] == expected
-            if expected:
-                torch.testing.assert_close(torch.cat([b.pixel_values for b in encoded]),
-                                           torch.cat([b.images.pixel_values for b in batches if b.images is not None]))
-            tokens = sum(int((b.input_ids == model_config.image_token_id).sum()) for b in batches)
-            assert sum(sum(bridges[lang].plans[a][1]) for lang in range(vision_ranks, world)) == tokens
-            seen_images += len(expected)
-    assert seen_images > 0
+            for kind, token in (("images", model_config.image_token_id), ("videos", model_config.video_token_id)):
+                expected = [g for b in batches if getattr(b, kind) is not None for g in getattr(b, kind).grid_thw.tolist()]
+                encoded = [getattr(inputs[e][a], kind) for e in range(vision_ranks) if inputs[e][a] is not None]
+                encoded = [x for x in encoded if x is not None]
+                assert [g for x in encoded for g in x.grid_thw.tolist()] == expected
+                if expected:
+                    torch.testing.assert_close(torch.cat([x.pixel_values for x in encoded]), torch.cat(
+                        [getattr(b, kind).pixel_values for b in batches if getattr(b, kind) is not None]))
+                tokens = sum(int((b.input_ids == token).sum()) for b in batches)
+                received = sum(sum(bridges[lang].plans[a][2][kind]) for lang in range(vision_ranks, world))
+                sent = sum(sum(bridges[e].plans[a][2][kind]) for e in range(vision_ranks))
+                assert received == sent == tokens
+                seen[kind] += len(expected)
+    assert seen["images"] > 0 and seen["videos"] > 0
 
 
 @pytest.mark.slow

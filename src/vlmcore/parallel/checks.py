@@ -80,9 +80,6 @@ def check_model(cfg: TrainConfig, layout: RunLayout, config) -> None:
     if not model.vision and cfg.parallel.modules.vision != type(cfg.parallel.modules.vision)():
         raise ConfigError(f"parallel.modules.vision: the {config.model_type} model has no vision tower",
                           "parallel.modules.vision")
-    if layout.disjoint and cfg.data.kind == "random" and cfg.data.video_fraction > 0:
-        raise ConfigError("data.video_fraction: disjoint module layouts (parallel.modules.*.ranks) do not carry "
-                          "videos yet (use colocated layouts)", "data.video_fraction")
     if layout.disjoint and model.experts:
         raise ConfigError("parallel.modules.vision.ranks: disjoint layouts of a mixture-of-experts model are not "
                           "supported yet (use colocated layouts)", "parallel.modules.vision.ranks")

@@ -4,8 +4,8 @@ language model on the others, and everything that makes them one run:
 - `hold_one_module`: each rank keeps its module of the meta model, FSDP-sharded over its own
   ranks' mesh; an encoder rank drops the language model and the LM head, a language rank puts a
   parameterless stand-in (`ReceivedImages`) where the vision tower was;
-- `DisjointBridge`: moves each micro-batch's image embeddings from the encoder ranks to the language
-  ranks and their gradients back (one differentiable all_to_all over the world), runs an encoder
+- `DisjointBridge`: moves each micro-batch's image and video embeddings from the encoder ranks to
+  the language ranks and their gradients back (one differentiable all_to_all over the world), runs an encoder
   rank's side of the step (`encoder_step`), combines the two grids' gradient norms, and gives an
   encoder rank its data (`encoder_data`): the micro-batches of the language data-parallel ranks
   whose rows it encodes (`SourceBatches`), so the global micro-batch is the one the language
@@ -16,6 +16,7 @@ Each module runs with tp 1 for now (vlmcore.parallel.checks refuses tensor paral
 
 import copy
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -62,12 +63,12 @@ def hold_one_module(model: nn.Module, module: str, cfg: TrainConfig, meshes: Mes
                reduce_dtype=getattr(torch, cfg.precision.reduce_dtype))
 
 
-def row_grids(batch, image_token_id: int, merge: int) -> list[list[list[int]]]:
-    """The image grids of each row of a host micro-batch (images are in token order, so a row's
-    image tokens are those of its images)."""
-    grids = iter(batch.images.grids() if batch.images is not None else [])
+def row_grids(batch, images: Images | None, token_id: int, merge: int) -> list[list[list[int]]]:
+    """The grids of `images` (a host micro-batch's images, or its videos) in each of its rows
+    (they are in token order, so a row's image tokens are those of its images)."""
+    grids = iter(images.grids() if images is not None else [])
     rows = []
-    for tokens in (batch.input_ids == image_token_id).sum(1).tolist():
+    for tokens in (batch.input_ids == token_id).sum(1).tolist():
         rows.append([])
         while tokens > 0:
             rows[-1].append(next(grids))
@@ -97,6 +98,20 @@ class SourceBatches:
             loader.seek(rows)
 
 
+@dataclass
+class EncoderInputs:
+    """An encoder rank's share of a micro-batch: the images and the videos of its rows."""
+
+    images: Images | None
+    videos: Images | None
+
+    def to(self, device: torch.device) -> "EncoderInputs":
+        return EncoderInputs(*(None if x is None else x.to(device) for x in (self.images, self.videos)))
+
+    def map_tensors(self, fn) -> "EncoderInputs":
+        return EncoderInputs(*(None if x is None else x.map_tensors(fn) for x in (self.images, self.videos)))
+
+
 class ReceivedImages(nn.Module):
     """Stands in for the vision tower on the language ranks: returns the image embeddings (and
     DeepStack features) the bridge received for this micro-batch. No parameters; an empty merger
@@ -113,14 +128,17 @@ class ReceivedImages(nn.Module):
 
 
 class DisjointBridge:
-    """Moves image embeddings from the encoder ranks to the language ranks (forward) and their
-    gradients back (backward): one all_to_all over the world per micro-batch, differentiable.
+    """Moves image and video embeddings from the encoder ranks to the language ranks (forward) and
+    their gradients back (backward): one all_to_all over the world per micro-batch, differentiable.
 
     The global micro-batch is the language data-parallel ranks' micro-batches in rank order
-    (`micro_batch_size` rows each); encoder data-parallel rank i encodes the images of its
-    contiguous slice of those rows and sends each row's embeddings to the language rank that owns
-    the row. Every rank computes the sizes from the batches it holds (no host exchange).
-    Language and vision tp are 1 (refused otherwise), so a data-parallel rank is one rank.
+    (`micro_batch_size` rows each); encoder data-parallel rank i encodes the images and videos of
+    its contiguous slice of those rows and sends each row's embeddings to the language rank that
+    owns the row, each destination's images then its videos. A language rank puts what it
+    receives (its sources' images and videos, source after source) in the order its model takes
+    the tower's output: all images, then all videos. Every rank computes the sizes from the
+    batches it holds (no host exchange). Language and vision tp are 1 (refused otherwise), so a
+    data-parallel rank is one rank.
     """
 
     def __init__(self, config, layout: RunLayout, micro_batch_size: int, dtype: torch.dtype, device: torch.device,
@@ -132,11 +150,12 @@ class DisjointBridge:
         self.micro_batch_size = micro_batch_size
         self.rows_per_encoder = micro_batch_size * len(self.language_ranks) // len(self.vision_ranks)
         vision = config.vision_config
-        self.merge, self.image_token_id = vision.spatial_merge_size, config.image_token_id
+        self.merge = vision.spatial_merge_size
+        self.kinds = {"images": config.image_token_id, "videos": getattr(config, "video_token_id", None)}
         self.width = vision.out_hidden_size
         self.columns = self.width * (1 + len(getattr(vision, "deepstack_visual_indexes", None) or []))
         self.dtype, self.device = dtype, device
-        self.plans = []  # per micro-batch of the step: (send sizes, receive sizes) by world rank
+        self.plans = []  # per micro-batch: (send sizes, receive sizes, sizes by kind) by world rank
         self.stand_in = None  # ReceivedImages on a language rank
 
     def encoder_rows(self) -> range:
@@ -156,68 +175,85 @@ class DisjointBridge:
     def plan_step(self, host_micro: list) -> list:
         """Plans the step's micro-batches from the host batches this rank read: on a language
         rank its own micro-batches (returned as they are), on an encoder rank a tuple of the
-        source ranks' for each (returned: the host image batch of its rows, None if imageless)."""
+        source ranks' for each (returned: the images and videos of its rows, None if it has none)."""
         self.plans = []
-        if any(b.videos is not None for batch in host_micro for b in (batch if self.is_vision else (batch,))):
-            raise ConfigError("parallel.modules.vision.ranks: disjoint module layouts do not carry videos yet; "
-                              "train rows with videos with colocated layouts", "parallel.modules.vision.ranks")
         if self.is_vision:
             return [self._plan_encoder(sources) for sources in host_micro]
         for batch in host_micro:
             self._plan_language(batch)
         return host_micro
 
-    def _plan_encoder(self, sources: tuple) -> Images | None:
-        send, pixels, grids = [0] * self.world, [], []
-        for j, batch in zip(self.source_ranks(), sources):
-            start = 0
-            for k, images in enumerate(row_grids(batch, self.image_token_id, self.merge)):
-                patches = sum(math.prod(g) for g in images)
-                if images and j * self.micro_batch_size + k in self.encoder_rows():
-                    pixels.append(batch.images.pixel_values[start:start + patches])
-                    grids += images
-                    send[self.language_ranks[j]] += patches // self.merge**2
-                start += patches
-        self.plans.append((send, [0] * self.world))
-        if not grids:
-            return None
-        normalize = next(b.images.normalize for b in sources if b.images is not None)
-        return Images(torch.cat(pixels), torch.tensor(grids), normalize)
+    def _plan_encoder(self, sources: tuple) -> EncoderInputs | None:
+        sizes, inputs = {}, {}
+        for kind, token in self.kinds.items():
+            sizes[kind], pixels, grids = [0] * self.world, [], []
+            for j, batch in zip(self.source_ranks(), sources):
+                start = 0
+                for k, images in enumerate(row_grids(batch, getattr(batch, kind), token, self.merge)):
+                    patches = sum(math.prod(g) for g in images)
+                    if images and j * self.micro_batch_size + k in self.encoder_rows():
+                        pixels.append(getattr(batch, kind).pixel_values[start:start + patches])
+                        grids += images
+                        sizes[kind][self.language_ranks[j]] += patches // self.merge**2
+                    start += patches
+            first = next((getattr(b, kind) for b in sources if getattr(b, kind) is not None), None)
+            inputs[kind] = Images(torch.cat(pixels), torch.tensor(grids), first.normalize, first.kind) if grids else None
+        send = [a + b for a, b in zip(sizes["images"], sizes["videos"])]
+        self.plans.append((send, [0] * self.world, sizes))
+        return None if inputs["images"] is None and inputs["videos"] is None else EncoderInputs(**inputs)
 
     def _plan_language(self, batch) -> None:
-        receive, j = [0] * self.world, self.rank - self.language_ranks.start
-        for k, images in enumerate(row_grids(batch, self.image_token_id, self.merge)):
-            encoder = self.vision_ranks[(j * self.micro_batch_size + k) // self.rows_per_encoder]
-            receive[encoder] += sum(math.prod(g) for g in images) // self.merge**2
-        self.plans.append(([0] * self.world, receive))
+        sizes, j = {}, self.rank - self.language_ranks.start
+        for kind, token in self.kinds.items():
+            sizes[kind] = [0] * self.world
+            for k, images in enumerate(row_grids(batch, getattr(batch, kind), token, self.merge)):
+                encoder = self.vision_ranks[(j * self.micro_batch_size + k) // self.rows_per_encoder]
+                sizes[kind][encoder] += sum(math.prod(g) for g in images) // self.merge**2
+        receive = [a + b for a, b in zip(sizes["images"], sizes["videos"])]
+        self.plans.append(([0] * self.world, receive, sizes))
 
     def exchange(self, i: int, send: torch.Tensor) -> torch.Tensor:
         """Micro-batch i's all_to_all: `send` (rows for the language ranks, in their order) goes
         out, this rank's rows come in; backward sends the gradients the other way."""
-        send_sizes, receive_sizes = self.plans[i]
+        send_sizes, receive_sizes, _ = self.plans[i]
         return all_to_all_single_autograd(send.to(self.dtype).contiguous(), receive_sizes, send_sizes,
                                           dist.group.WORLD)
 
-    def encoder_step(self, model: nn.Module, images: list[Images | None]) -> torch.Tensor:
-        """An encoder rank's forward and backward: runs the vision tower on the images of its rows
-        of each micro-batch, sends the embeddings to the language ranks and backpropagates the
-        gradients they send back. Without images it runs a tiny zero image and sends none of it, so
-        the tower's collectives match its other ranks'. Returns a zero loss sum (the language ranks
-        have it)."""
+    def encoder_step(self, model: nn.Module, inputs: list[EncoderInputs | None]) -> torch.Tensor:
+        """An encoder rank's forward and backward: runs the vision tower on the images and videos
+        of its rows of each micro-batch (in one pass, images first, as the model does), sends the
+        embeddings to the language ranks and backpropagates the gradients they send back. Without
+        either it runs a tiny zero image and sends none of it, so the tower's collectives match its
+        other ranks'. Returns a zero loss sum (the language ranks have it)."""
         vision, device = model.vision_tower(), next(model.parameters()).device
-        for i, batch in enumerate(images):
-            vision.set_requires_gradient_sync(i == len(images) - 1)
-            batch = batch if batch is not None else Images.zero(model.config.vision_config, device)
-            embeds, deepstack = vision(batch.pixel_values, batch.grid_thw)
+        for i, batch in enumerate(inputs):
+            vision.set_requires_gradient_sync(i == len(inputs) - 1)
+            kinds = [Images.zero(model.config.vision_config, device)] if batch is None else \
+                [x for x in (batch.images, batch.videos) if x is not None]
+            pixels = torch.cat([x.pixel_values for x in kinds]) if len(kinds) > 1 else kinds[0].pixel_values
+            embeds, deepstack = vision(pixels, [g for x in kinds for g in x.grids()])
             sent = torch.cat([embeds, *deepstack], dim=1)
-            received = self.exchange(i, sent if images[i] is not None else sent[:0])
+            sent = self._by_destination(sent, self.plans[i][2]) if batch is not None else sent[:0]
+            received = self.exchange(i, sent)
             received.sum().backward()  # nothing arrives on an encoder rank; its backward brings `sent`'s gradient
         return torch.zeros((), dtype=torch.float64, device=device)
 
+    def _by_destination(self, rows: torch.Tensor, sizes: dict) -> torch.Tensor:
+        """The tower's output (all images, then all videos, each by destination) as the
+        all_to_all sends it: each destination's images, then its videos."""
+        images, videos = rows.split([sum(sizes["images"]), sum(sizes["videos"])])
+        parts = zip(images.split(sizes["images"]), videos.split(sizes["videos"]))
+        return torch.cat([part for pair in parts for part in pair])
+
     def receive(self, i: int) -> torch.Tensor:
-        """On a language rank: micro-batch i's image embeddings, for the model's stand-in."""
+        """On a language rank: micro-batch i's image and video embeddings, for the model's
+        stand-in: the images of every source, then the videos (as the model's tower pass orders them)."""
         nothing = torch.zeros(0, self.columns, dtype=self.dtype, device=self.device, requires_grad=True)
-        self.stand_in.received = self.exchange(i, nothing)
+        received = self.exchange(i, nothing)
+        _, receive_sizes, sizes = self.plans[i]
+        by_source = [part.split([a, b]) for part, a, b in
+                     zip(received.split(receive_sizes), sizes["images"], sizes["videos"])]
+        self.stand_in.received = torch.cat([images for images, _ in by_source] + [videos for _, videos in by_source])
         return self.stand_in.received
 
     def global_norm(self, norm: torch.Tensor) -> torch.Tensor:
