@@ -12,6 +12,7 @@ with antialiasing, the frames returned untouched at their own size).
 import ast
 import fractions
 import importlib.util
+import io
 import math
 import textwrap
 from pathlib import Path
@@ -258,3 +259,48 @@ def test_positions_of_an_encoded_video_sample_are_transformers(video_model, enco
     types = (ids == config.image_token_id).long() + 2 * (ids == config.video_token_id).long()
     expected, _ = Qwen3VLForConditionalGeneration(config).model.get_rope_index(ids, types, grid, video_grid)
     assert torch.equal(models.position_ids(config, ids, grid, None, video_grid), expected)
+
+
+def vfr_clip() -> bytes:
+    """An H.264/mp4 clip whose frames come at uneven times (a variable frame rate, as phones record)."""
+    import av
+
+    buf, times_ms = io.BytesIO(), [0, 33, 100, 117, 150, 250, 267, 300, 400, 417, 450, 533, 567, 600]
+    with av.open(buf, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=30)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        stream.codec_context.time_base = fractions.Fraction(1, 1000)
+        for i, t in enumerate(times_ms):
+            image = np.full((48, 64, 3), 15 * i, np.uint8)
+            frame = av.VideoFrame.from_ndarray(image, format="rgb24")
+            frame.pts, frame.time_base = t, fractions.Fraction(1, 1000)
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("name", [*CLIPS, "variable_frame_rate"])
+def test_metadata_and_sampled_frames_are_transformers_pyav_readers(clips, name, tmp_path):
+    """transformers' own PyAV video reader (`read_video_pyav`: the frame count and average rate
+    the container records, frames counted in decode order) gives the metadata `probe` reads and
+    the frames `decode_frames` returns, for the same sampled indices, a variable frame rate
+    included. A webm records no frame count: that reader sees 0 frames and fails, `probe` counts
+    the packets."""
+    import av
+    from transformers.video_utils import read_video_pyav
+
+    data = vfr_clip() if name == "variable_frame_rate" else clips[name]
+    if name == "vp9_webm":
+        with av.open(io.BytesIO(data)) as container:
+            assert container.streams.video[0].frames == 0
+        assert probe(data).frames == CLIPS[name]["frames"]
+        return
+    (tmp_path / "clip").write_bytes(data)
+    info, s = probe(data), VideoSettings(min_frames=2)
+    video, metadata = read_video_pyav(str(tmp_path / "clip"), lambda metadata, **kw: sample_frames(
+        metadata.total_num_frames, metadata.fps, s))
+    assert (metadata.total_num_frames, metadata.fps) == (info.frames, info.fps)
+    assert metadata.frames_indices == sample_frames(info.frames, info.fps, s)
+    assert torch.equal(torch.from_numpy(video).permute(0, 3, 1, 2), decode_frames(data, metadata.frames_indices))
