@@ -5,7 +5,8 @@ config/experiments/*.yaml, estimated without a GPU, against the recipe's train.g
 
 Each stage is estimated as `snakemake memory` does on the cluster (`vlmcore memory` on the
 stage's config at its rank count): its worst-case row is one sample holding the largest image
-the recipe's pack.max_patches allows, in a row of pack.seq_len tokens. The models are built from
+the recipe's pack.max_patches allows (a video recipe: a clip of pack.video.max_frames frames
+sharing that budget), in a row of pack.seq_len tokens. The models are built from
 the architecture fields of the published config.json of each recipe's repo_id (no weights).
 """
 
@@ -37,7 +38,12 @@ def estimate_recipe(recipe: Path, tmp: Path) -> list[dict]:
         # The stage's packed dataset as far as the estimate reads it: its row limits.
         packed = tmp / recipe.stem / "packed" / stage
         packed.mkdir(parents=True)
-        (packed / "pack_config.json").write_text(json.dumps(config["pack"]))
+        # A video recipe's worst row: a clip of max_frames (temporal patch 2: half as many groups),
+        # which the real pack writes as its longest clip's video_groups.
+        limits = dict(config["pack"])
+        if limits.get("video", {}).get("max_frames"):
+            limits["video_groups"] = -(-limits["video"]["max_frames"] // 2)
+        (packed / "pack_config.json").write_text(json.dumps(limits))
         settings = dict(exp.stage_config(stage), model_path=str(model_dir), data_path=str(packed),
                         output_dir=str(tmp / recipe.stem / "train" / stage), init_from=None)
         stage_config = tmp / recipe.stem / f"{stage}.yaml"
@@ -56,7 +62,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "memory_recipes.json")
     args = parser.parse_args()
     recipes = args.recipes or sorted((REPO / "config" / "experiments").glob("*.yaml"))
-    print(f"{'recipe':<22}{'stage':<8}{'ranks':>6}{'mesh':>9}{'AC':>11}{'mbs':>4}{'tokens':>7}{'image':>7}"
+    print(f"{'recipe':<26}{'stage':<8}{'ranks':>6}{'mesh':>9}{'AC':>11}{'mbs':>4}{'tokens':>7}{'image':>10}"
           f"{'states':>8}{'activ.':>8}{'peak GiB':>9}{'GPU GiB':>8}  fits")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -67,8 +73,9 @@ def main() -> int:
                 states = sum(kinds.get(k, 0) for k in ("Sharded Param", "Sharded Grad", "OptState")) / 2**30
                 mesh = f"{r['dp_shard']}x{r['tp']}"
                 side = f"{r['image_side']}^2" if r["image_side"] else "-"
-                print(f"{r['recipe']:<22}{r['stage']:<8}{r['world_size']:>6}{mesh:>9}"
-                      f"{r['activation_checkpointing']:>11}{r['micro_batch_size']:>4}{r['seq_len']:>7}{side:>7}"
+                side += f"x{r['video_frames']}" if r.get("video_frames") else ""  # frame groups of a clip
+                print(f"{r['recipe']:<26}{r['stage']:<8}{r['world_size']:>6}{mesh:>9}"
+                      f"{r['activation_checkpointing']:>11}{r['micro_batch_size']:>4}{r['seq_len']:>7}{side:>10}"
                       f"{states:>8.1f}{kinds.get('Activation', 0) / 2**30:>8.1f}{r['peak_bytes'] / 2**30:>9.1f}"
                       f"{r['gpu_memory_gib']:>8g}  {'yes' if r['fits'] else 'NO'}", flush=True)
     for r in rows:

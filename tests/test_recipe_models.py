@@ -53,7 +53,7 @@ print("RESULT" + json.dumps(out))
 # Parameter counts of the published checkpoints (the model cards), without Qwen3.5's
 # multi-token-prediction layer, which vlmcore does not train.
 # qwen3vl-8b-vit6b is assembled by hand (benchmarks/recipe_models.py): its count is the architecture's.
-PARAMS = {"qwen3vl-2b": 2.13e9, "qwen3vl-8b": 8.77e9, "qwen35-9b": 9.4e9, "qwen3vl-8b-vit6b": 13.95e9,
+PARAMS = {"qwen3vl-2b": 2.13e9, "qwen3vl-8b": 8.77e9, "qwen3vl-8b-video": 8.77e9, "qwen35-9b": 9.4e9, "qwen3vl-8b-vit6b": 13.95e9,
           "qwen3vl-30b-a3b": 31.07e9}
 
 
