@@ -74,7 +74,8 @@ def test_video_rows_of_every_source_shape(raw, tmp_path):
     pq.write_table(pa.Table.from_pylist([{"video": {"bytes": clips["a.mp4"], "path": "a.mp4"},
                                           "messages": convo("<video> Watch.")}]), parquet)
     sources = [jsonl, json_list, parquet]
-    datasets = pytest.importorskip("datasets")
+    import datasets  # a dependency of vlmcore (save_to_disk sources)
+
     datasets.Dataset.from_list([{"video": {"bytes": clips["b.webm"], "path": "b.webm"},
                                  "caption": "From a save_to_disk directory."}]).save_to_disk(str(root / "hf"))
     sources.append(root / "hf")

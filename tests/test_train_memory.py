@@ -117,16 +117,22 @@ def test_moe_recompute_is_freed_layer_by_layer(configs, tmp_path):
     assert fake["peak_bytes_by_kind"] == real["peak_bytes_by_kind"]
 
 
-def test_cli_takes_the_row_shape_from_the_packed_dataset(configs, tmp_path):
+def estimate_packed(config, tmp_path, limits: dict, world_size: int):
+    """`vlmcore memory` of `config` on a packed dataset whose pack_config.json is `limits`:
+    (the process, its JSON estimate)."""
     packed = tmp_path / "packed"
     packed.mkdir()
-    (packed / "pack_config.json").write_text(json.dumps({"seq_len": 160, "max_patches": 144}))
+    (packed / "pack_config.json").write_text(json.dumps(limits))
     out = tmp_path / "estimate.json"
-    proc = subprocess.run(command(1, "memory", str(configs["qwen3_vl"]), "--world-size", "2", "--set",
+    proc = subprocess.run(command(1, "memory", str(config), "--world-size", str(world_size), "--set",
                                   f"data_path={packed}", "--set", "data.kind=packed", "--json", str(out)),
                           capture_output=True, text=True, env=env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    return proc, json.loads(out.read_text())
+
+
+def test_cli_takes_the_row_shape_from_the_packed_dataset(configs, tmp_path):
+    proc, result = estimate_packed(configs["qwen3_vl"], tmp_path, {"seq_len": 160, "max_patches": 144}, 2)
     # 144 patches at most: a 12x12-patch image, 6x6 merged (spatial merge 2).
     assert (result["seq_len"], result["image_side"], result["dp_shard"]) == (160, 6, 2)
     assert "rank 0 of 2 (dp_replicate 1 x dp_shard 2 x tp 1), 1 x 160 tokens" in proc.stdout
@@ -137,15 +143,8 @@ def test_cli_takes_the_row_shape_from_the_packed_dataset(configs, tmp_path):
 def test_a_packed_dataset_with_videos_is_estimated_with_its_longest_clip(configs, tmp_path):
     """pack_config.json's `video_groups` (the longest clip's frame groups, written by the pack):
     the estimate's row holds a video that long, its frames sharing the patch budget."""
-    packed = tmp_path / "packed"
-    packed.mkdir()
-    (packed / "pack_config.json").write_text(json.dumps({"seq_len": 160, "max_patches": 144, "video_groups": 3}))
-    out = tmp_path / "estimate.json"
-    proc = subprocess.run(command(1, "memory", str(configs["qwen3_vl"]), "--world-size", "1", "--set",
-                                  f"data_path={packed}", "--set", "data.kind=packed", "--json", str(out)),
-                          capture_output=True, text=True, env=env(), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    proc, result = estimate_packed(configs["qwen3_vl"], tmp_path,
+                                   {"seq_len": 160, "max_patches": 144, "video_groups": 3}, 1)
     # 3 frame groups of 48 patches at most: 6x6-patch frames, 3x3 merged.
     assert (result["video_frames"], result["image_side"]) == (3, 3)
     assert "video of 3 frame groups" in proc.stdout
