@@ -15,6 +15,7 @@ from transformers.convert_slow_tokenizer import TikTokenConverter
 from vlmcore.data.processor import write_processor_files
 from vlmcore.data.synthetic import corpus_texts
 from vlmcore.data.tokenizer import CHAT_TEMPLATE, QWEN_SPECIAL_TOKENS, QWEN_TEXT_TOKENS, build_demo_tokenizer, special_token_ids
+from vlmcore.data.video import encode_clip
 
 
 def write_vl_config(model_dir: Path, tokenizer, vocab_size: int) -> None:
@@ -79,22 +80,14 @@ def write_jsonl(path: Path, rows) -> Path:
 def make_clip(codec: str, fmt: str, *, frames: int, rate, width: int, height: int, pix_fmt: str = "yuv420p",
               rotation: int | None = None) -> bytes:
     """A clip of a square moving left to right over a colour ramp, encoded for real."""
-    buf = io.BytesIO()
-    with av.open(buf, "w", format=fmt) as container:
-        stream = container.add_stream(codec, rate=rate)
-        stream.width, stream.height, stream.pix_fmt = width, height, pix_fmt
-        if rotation is not None:
-            stream.set_display_rotation(rotation)
-        for i in range(frames):
-            image = np.zeros((height, width, 3), np.uint8)
-            image[..., 0] = np.linspace(0, 255, width, dtype=np.uint8)[None]
-            x = i * max(1, (width - 8) // max(1, frames))
-            image[height // 4:height // 4 + 8, x:x + 8] = (40, 220, 90)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buf.getvalue()
+    images = []
+    for i in range(frames):
+        image = np.zeros((height, width, 3), np.uint8)
+        image[..., 0] = np.linspace(0, 255, width, dtype=np.uint8)[None]
+        x = i * max(1, (width - 8) // max(1, frames))
+        image[height // 4:height // 4 + 8, x:x + 8] = (40, 220, 90)
+        images.append(image)
+    return encode_clip(images, rate, codec, fmt, pix_fmt, rotation)
 
 
 def audio_only_clip() -> bytes:

@@ -3,13 +3,16 @@
 import filecmp
 import json
 
+import torch
 from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer
 
 from vlmcore.cli import main
+from vlmcore.data import synthetic_video
 from vlmcore.data.processor import load_processor, write_processor_files
 from vlmcore.data.synthetic import COLORS, QUESTIONS, SHAPES, corpus_texts, generate
 from vlmcore.data.tokenizer import QWEN_SPECIAL_TOKENS, build_demo_tokenizer, special_token_ids
+from vlmcore.data.video import VideoSettings, decode_frames, plan_video, probe
 
 
 def read_jsonl(path):
@@ -83,3 +86,53 @@ def test_processor_files_load_offline_without_torchvision(tmp_path):
     assert out["image_grid_thw"].tolist() == [[1, 2, 4]]  # 100x50 -> 128x64 > max_pixels -> 64x32
     assert out["pixel_values"].shape == (8, 1536)
     assert out["input_ids"][0].count(processor.image_token_id) == 2
+
+
+def sampled_frames(path):
+    """The 8 frames the demo model's video processor samples from a clip (its default settings)."""
+    data = path.read_bytes()
+    info = probe(data)
+    plan = plan_video({"kind": "file", **info.as_dict()}, VideoSettings(min_pixels=32 * 32, max_pixels=2 * 128 * 128))
+    assert (info.frames, info.fps, info.codec, plan.grid) == (16, 4.0, "mpeg4", (4, 4, 4))
+    return decode_frames(data, plan.indices).float()
+
+
+def shapes_seen(frame):
+    """(colour name, centre (x, y)) of what differs from the background, by nearest named colour."""
+    out = []
+    for name, rgb in COLORS.items():
+        mask = (frame - torch.tensor(rgb, dtype=torch.float32)[:, None, None]).abs().amax(0) < 40
+        if mask.sum() > 30:
+            ys, xs = mask.nonzero(as_tuple=True)
+            out.append((name, (xs.float().mean().item(), ys.float().mean().item())))
+    return out
+
+
+def test_video_demo_answers_are_in_the_sampled_frames(tmp_path):
+    """Each held-out answer can be read off the frames the model is given, and not off one frame."""
+    meta = synthetic_video.generate(tmp_path / "a", num_train=6, num_eval=24, seed=2)
+    assert main(["synth", "--kind", "video", "--out", str(tmp_path / "b"), "--num-train", "6", "--num-eval", "24",
+                 "--seed", "2"]) == 0
+    same = filecmp.dircmp(tmp_path / "a" / "videos", tmp_path / "b" / "videos")
+    assert not same.diff_files and not same.left_only and len(same.common) == 30
+    root = tmp_path / "a"
+    assert meta["eval_count_by_kind"] == {"direction": 8, "order": 8, "count": 8}
+    conversations = read_jsonl(root / "conversations.jsonl")
+    assert all(c["messages"][0]["content"].startswith("<video>\n") for c in conversations)
+    assert {c["video"] for c in read_jsonl(root / "captions.jsonl")} == {c["video"] for c in conversations}
+    for row in read_jsonl(root / "eval.jsonl"):
+        answer = row["choices"][row["answer"]]
+        seen = [shapes_seen(frame) for frame in sampled_frames(root / row["video"])]
+        assert all(len(s) <= 1 for s in seen), row["id"]
+        if row["kind"] == "direction":
+            (_, start), (_, end) = seen[0][0], seen[-1][0]
+            dx, dy = end[0] - start[0], end[1] - start[1]
+            moved = ("right" if dx > 0 else "left") if abs(dx) > abs(dy) else ("down" if dy > 0 else "up")
+            assert moved == answer and max(abs(dx), abs(dy)) > 20, row["id"]
+        elif row["kind"] == "order":
+            colors = [s[0][0] for s in seen]
+            assert colors[0] == answer and colors[-1] != answer and len(set(colors)) == 2, row["id"]
+        else:
+            shown = [s[0] for s in seen if s]
+            distinct = {(name, x // 32, y // 32) for name, (x, y) in shown}  # colour and corner
+            assert len(distinct) == synthetic_video.COUNTS.index(answer) + 1, row["id"]

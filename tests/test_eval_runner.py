@@ -6,6 +6,7 @@ with its image. A local text task runs through lm-eval's `hf` model on a tiny Qw
 """
 
 import json
+import zlib
 
 import pandas as pd
 import pytest
@@ -16,10 +17,14 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 
 from _export_helpers import tiny_snapshot
 from vlmcore import cli
+from vlmcore.data import IGNORE_INDEX, synthetic_video
+from vlmcore.data.encoder import SampleEncoder
 from vlmcore.data.processor import load_processor
 from vlmcore.data.synthetic import generate
 from vlmcore.eval.results import gather, results_table
+from vlmcore.data.video import decode_frames, normalize_video_patches, probe, resize_frames, video_patches
 from vlmcore.eval.runner import evaluate
+from vlmcore.eval.vlm import VideoClip
 
 pytestmark = pytest.mark.slow
 LIMIT = 9  # three of each question kind
@@ -113,6 +118,66 @@ def test_gather_stacks_runs_into_one_table(vqa_run):
     assert table.groupby("run").size().to_dict() == {"demo/stage1": 9, "demo/stage2": 9}
     with pytest.raises(ValueError, match="no eval results"):
         gather({"missing": out / "nope"})
+
+
+@pytest.fixture(scope="module")
+def video_qa_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("video_qa")
+    model = tiny_snapshot("qwen3_vl", root / "model")
+    synthetic_video.generate(root / "raw", num_train=1, num_eval=6, seed=1)
+    out = root / "eval"
+    assert cli.main(["eval", "--model", str(model), "--tasks", "demo_video_qa,demo_video_qa_shuffled", "--vqa-data",
+                     str(root / "raw/eval.jsonl"), "--out", str(out), "--batch-size", "4"]) == 0
+    return root, model, out
+
+
+def video_answer_logprob(model, encoder, clip: bytes, question, answer, frame_order=None) -> float:
+    """log p(answer | the question about the clip), the row encoded as the training data is
+    (SampleEncoder: the conversation with its answer), scored by a transformers forward."""
+    info = probe(clip)
+    meta = {"kind": "file", **info.as_dict()}
+    conversation = {"messages": [{"role": "user", "content": "<video>\n" + question}, {"role": "assistant", "content": answer}]}
+    enc = encoder.encode_text(conversation, [], [meta])
+    first = next(t for t, label in enumerate(enc.labels) if label != IGNORE_INDEX) + 1  # the answer's first token
+    answer_ids = encoder.tokenizer(answer, add_special_tokens=False)["input_ids"]
+    ids = enc.input_ids[:first + len(answer_ids)]
+    assert ids[first:] == answer_ids
+    plan = encoder.video_plan(meta)
+    frames = decode_frames(clip, plan.indices)
+    if frame_order is not None:
+        frames = frames[frame_order]
+    patches, grid = video_patches(resize_frames(frames, *plan.size), encoder.video)
+    inputs = {"input_ids": torch.tensor([ids]), "video_grid_thw": torch.tensor([grid]),
+              "pixel_values_videos": normalize_video_patches(patches, encoder.video.image_mean, encoder.video.image_std),
+              "mm_token_type_ids": torch.tensor(encoder.processor.create_mm_token_type_ids([ids]))}
+    with torch.no_grad():
+        logits = model(**inputs).logits[0]
+    log_probs = F.log_softmax(logits[first - 1:len(ids) - 1].float(), dim=-1)
+    return log_probs.gather(-1, torch.tensor(answer_ids)[:, None]).sum().item()
+
+
+def test_video_questions_score_as_a_transformers_forward_of_the_training_encoding(video_qa_run):
+    """A video question's choice scores equal transformers' forward of the row as training encodes it;
+    the control feeds the same frames in a shuffled order, one fixed permutation per clip."""
+    root, model_dir, out = video_qa_run
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    encoder = SampleEncoder(model_dir)
+    for task in ("demo_video_qa", "demo_video_qa_shuffled"):
+        samples = [json.loads(line) for line in (out / f"samples_{task}.jsonl").read_text().splitlines()]
+        assert len(samples) == 6 and {s["doc"]["kind"] for s in samples} == {"direction", "order", "count"}
+        for sample in samples[:3]:
+            doc = sample["doc"]
+            clip = (root / "raw" / doc["video"]).read_bytes()
+            order = None
+            if task.endswith("shuffled"):
+                order = VideoClip(doc["video_path"], zlib.crc32(doc["id"].encode())).frame_order(8)
+                assert sorted(order) == list(range(8)) and order != list(range(8))
+            expected = [video_answer_logprob(model, encoder, clip, doc["question"], c, order) for c in doc["choices"]]
+            got = [resp[0][0] for resp in sample["resps"]]
+            assert got == pytest.approx(expected, abs=1e-4), (task, doc["id"])
+    result = json.loads((out / "results.json").read_text())
+    assert set(result["breakdown"]["demo_video_qa_shuffled"]) == {"direction", "order", "count"}
+    assert result["chance"]["demo_video_qa"] == pytest.approx((2 / 4 + 2 / 6 + 2 / 3) / 6)
 
 
 TEXT_TASK = """task: tiny_colors

@@ -218,3 +218,24 @@ def test_exported_model_reads_video_as_the_native_model_does(exported):
                      mm_token_type_ids=2 * (ids == config.video_token_id).int()).logits
         got = native.eval()(ids, pixel_values_videos=pixels, video_grid_thw=grid).logits
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_export_samples_video_as_the_packed_data_was(tmp_path):
+    """`--packed-data`: the video sampling the last stage's data was packed with (`pack.video`,
+    written into packed/<dataset>/model) goes into the export; without it, the snapshot's."""
+    from vlmcore.data.encoder import SampleEncoder
+    from vlmcore.data.pack import copy_model_files
+
+    snapshot = tiny_snapshot("qwen3_vl", tmp_path / "model")
+    final = write_final_checkpoint(AutoModelForImageTextToText.from_pretrained(snapshot), tmp_path / "train" / "stage1")
+    packed = tmp_path / "packed" / "videos"
+    copy_model_files(snapshot, packed, video={"fps": 1, "max_frames": 32, "max_pixels": 4096})
+    assert cli.main(["export", "--checkpoint", str(final), "--model", str(snapshot), "--out", str(tmp_path / "hf"),
+                     "--packed-data", str(packed)]) == 0
+    settings = SampleEncoder(tmp_path / "hf").video
+    assert (settings.fps, settings.max_frames, settings.max_pixels) == (1, 32, 4096)
+    assert settings == SampleEncoder(packed / "model").video != SampleEncoder(snapshot).video
+    # A stage on random batches has an empty packed folder: the snapshot's settings stay.
+    (tmp_path / "packed" / "random").mkdir()
+    export_hf(final, snapshot, tmp_path / "hf", packed_dir=tmp_path / "packed" / "random")
+    assert SampleEncoder(tmp_path / "hf").video == SampleEncoder(snapshot).video

@@ -185,6 +185,10 @@ def without(section, key):
     (workflow("scaling", stage="nope"), "scaling.stage"),
     (workflow("scaling", dataset="nope"), "scaling.dataset"),
     (without("data", "synthetic"), "data.synthetic"),
+    (lambda c: c["data"]["synthetic"].update(kind="movie"), "data.synthetic.kind"),
+    # the demo's questions against its generated data
+    (workflow("eval", tasks=["demo_video_qa"]), "eval.tasks"),
+    (lambda c: c["data"]["synthetic"].update(kind="video"), "eval.tasks"),
     # the stages' vlmcore train settings, by TrainConfig's rules and the stage's ranks
     (common(parallel={"tp": 3}), "train.common.parallel"),
     (stage("stage2", parallel={"dp_shard": 4}), "train.stages.stage2.parallel"),

@@ -71,6 +71,27 @@ def test_moe_demo_plans_the_demo_with_a_tiny_moe_model(tmp_path):
     assert moe == demo
 
 
+def test_video_demo_plans_the_demo_on_generated_clips(tmp_path):
+    """config/demo-video.yaml: the demo's whole DAG on synthetic clips, evaluated with its control."""
+    proc = snakemake("-n", "-p", "--profile", str(REPO / "profiles/local"), "--snakefile", str(REPO / "Snakefile"),
+                     "--configfile", str(REPO / "config/demo-video.yaml"), "--directory", str(tmp_path), "train_all")
+    assert proc.returncode == 0, proc.stderr
+    stats = job_stats(proc.stdout)
+    stats.pop("train_all", None)
+    assert stats == {"download_model": 1, "synth_data": 1, "prepare_data": 2, **PACK, "train_stage": 2,
+                     "export_hf": 1, "evaluate": 1, "scaling_run": 2, "scaling_report": 1}
+    assert "vlmcore synth --kind video --out results/demo-video/raw" in proc.stdout
+    assert "--tasks demo_video_qa,demo_video_qa_shuffled" in proc.stdout
+    # The demo's model, training and packing; its data and questions are video.
+    demo, video = (yaml.safe_load((REPO / "config" / name).read_text()) for name in ("config.yaml", "demo-video.yaml"))
+    assert video["data"].pop("synthetic")["kind"] == "video" and video.pop("eval") == {
+        "tasks": ["demo_video_qa", "demo_video_qa_shuffled"], "batch_size": 16}
+    for config in (demo, video):
+        config.pop("experiment")
+    demo["data"].pop("synthetic"), demo.pop("eval")
+    assert video == demo
+
+
 # A corpus of 100M samples (10,000 input shards of 10,000), on top of a cluster recipe: the measure
 # pass scattered over 32 CPU jobs, the writing over 16 (docs/hpc.md section 12).
 CORPUS_100M = {

@@ -27,6 +27,7 @@ from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 
 import vlmcore
+from vlmcore.data.pack import PACK_MODEL_DIR
 from vlmcore.hashing import sha256_of, sha256_of_digests
 from vlmcore.families import family
 from vlmcore.models.expert_storage import stored_format, to_disk
@@ -36,6 +37,7 @@ PROVENANCE = "provenance.json"
 # Snapshot files that describe the source weights, not the exported ones.
 NOT_COPIED_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".pt", ".pth", ".bin.index.json")
 NOT_COPIED_NAMES = {"manifest.json"}
+VIDEO_PROCESSOR_CONFIG = "video_preprocessor_config.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -142,8 +144,13 @@ def build_provenance(checkpoint_dir, model_dir, stage_configs=(), data_stats=(),
     }
 
 
-def export_hf(checkpoint_dir, model_dir, out, stage_configs=(), data_stats=(), max_shard_size="5GB", dtype=None) -> Path:
+def export_hf(checkpoint_dir, model_dir, out, stage_configs=(), data_stats=(), max_shard_size="5GB", dtype=None,
+              packed_dir=None) -> Path:
     """Writes the HF directory `out` from a `final/` checkpoint and the snapshot it was trained from.
+
+    packed_dir: the last stage's packed dataset; the video processor config of its model/ (the
+    sampling the clips were packed with, `pack.video`) replaces the snapshot's, so the export
+    samples clips as training did.
 
     dtype: None keeps each tensor's dtype from the snapshot (a bf16 release stays bf16 although
     training kept fp32 master weights); a torch dtype casts every floating tensor to it and
@@ -170,6 +177,9 @@ def export_hf(checkpoint_dir, model_dir, out, stage_configs=(), data_stats=(), m
         for src in sorted(model_dir.iterdir()):
             if src.is_file() and src.name not in NOT_COPIED_NAMES and not src.name.endswith(NOT_COPIED_SUFFIXES):
                 shutil.copy2(src, tmp / src.name)
+        packed_video_config = Path(packed_dir or "", PACK_MODEL_DIR, VIDEO_PROCESSOR_CONFIG)
+        if packed_dir is not None and packed_video_config.is_file():
+            shutil.copy2(packed_video_config, tmp / VIDEO_PROCESSOR_CONFIG)
         if dtype is not None:
             config = json.loads((tmp / "config.json").read_text())
             config["dtype"] = str(dtype).removeprefix("torch.")
@@ -210,11 +220,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="packed/<dataset>/stats.json of the training data, fingerprinted in provenance.json (repeatable)")
     parser.add_argument("--max-shard-size", default="5GB", type=shard_size, help="largest safetensors shard, e.g. 5GB or 500MB")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating weights to this dtype (default: the snapshot's)")
+    parser.add_argument("--packed-data", type=existing_dir,
+                        help="packed/<dataset> of the last stage: the video sampling it was packed with goes into the export")
 
 
 def run(args) -> int:
     out = export_hf(args.checkpoint, args.model, args.out, args.stage_config, args.data_stats,
-                    args.max_shard_size, DTYPES[args.dtype] if args.dtype else None)
+                    args.max_shard_size, DTYPES[args.dtype] if args.dtype else None, args.packed_data)
     files = sorted(p.name for p in out.iterdir())
     print(f"exported {args.checkpoint} -> {out}: {', '.join(files)}")
     return 0

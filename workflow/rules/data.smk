@@ -12,7 +12,7 @@ rule synth_data:
     conda:
         "../envs/vlmcore.yaml"
     shell:
-        "vlmcore synth --out {params.out} --num-train {params.cfg[num_train]}"
+        "vlmcore synth --kind {params.cfg[kind]} --out {params.out} --num-train {params.cfg[num_train]}"
         " --num-eval {params.cfg[num_eval]} --seed {params.cfg[seed]} --min-size {params.cfg[min_size]}"
         " --max-size {params.cfg[max_size]} > {log} 2>&1"
 

@@ -66,15 +66,17 @@ def draw_scene(scene: dict) -> Image.Image:
     draw = ImageDraw.Draw(image)
     # The shape fills most of its half of the image, so it stays visible after resizing.
     x0 = 0 if scene["side"] == "left" else w // 2
-    box = (x0 + w * 0.04, h * 0.15, x0 + w * 0.46, h * 0.85)
-    fill = COLORS[scene["color"]]
-    if scene["shape"] == "circle":
+    draw_shape(draw, scene["shape"], (x0 + w * 0.04, h * 0.15, x0 + w * 0.46, h * 0.85), COLORS[scene["color"]])
+    return image
+
+
+def draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple, fill: tuple) -> None:
+    if shape == "circle":
         draw.ellipse(box, fill=fill)
-    elif scene["shape"] == "square":
+    elif shape == "square":
         draw.rectangle(box, fill=fill)
     else:
         draw.polygon([((box[0] + box[2]) / 2, box[1]), (box[2], box[3]), (box[0], box[3])], fill=fill)
-    return image
 
 
 def caption_for(scene: dict, rng: random.Random) -> str:
@@ -183,16 +185,26 @@ def generate(out_dir, num_train: int, num_eval: int, seed: int = 0, min_size: in
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output directory (raw/)")
-    parser.add_argument("--num-train", type=positive_int, default=512, help="number of training images")
+    parser.add_argument("--kind", choices=["image", "video"], default="image",
+                        help="image: shapes in pictures; video: shapes that move or come in turn (vlmcore.data.synthetic_video)")
+    parser.add_argument("--num-train", type=positive_int, default=512, help="number of training images or clips")
     parser.add_argument("--num-eval", type=non_negative_int, default=96, help="number of held-out eval questions")
     parser.add_argument("--seed", type=non_negative_int, default=0)
-    parser.add_argument("--min-size", type=positive_int, default=32, help="smallest image side in pixels")
-    parser.add_argument("--max-size", type=positive_int, default=112, help="largest image side in pixels")
+    parser.add_argument("--min-size", type=positive_int, help="smallest image or frame side in pixels (default: 32 images, 64 frames)")
+    parser.add_argument("--max-size", type=positive_int, help="largest image or frame side in pixels (default: 112 images, 64 frames)")
 
 
 def run(args) -> int:
-    if not 8 <= args.min_size <= args.max_size:
-        raise UsageError(f"--min-size, --max-size: must satisfy 8 <= min <= max, got {args.min_size}, {args.max_size}")
-    meta = generate(args.out, args.num_train, args.num_eval, args.seed, args.min_size, args.max_size)
+    from vlmcore.data import synthetic_video
+
+    default = (32, 112) if args.kind == "image" else (64, 64)
+    min_size, max_size = args.min_size or default[0], args.max_size or max(default[1], args.min_size or 0)
+    if not 8 <= min_size <= max_size:
+        raise UsageError(f"--min-size, --max-size: must satisfy 8 <= min <= max, got {min_size}, {max_size}")
+    write = generate if args.kind == "image" else synthetic_video.generate
+    try:
+        meta = write(args.out, args.num_train, args.num_eval, args.seed, min_size, max_size)
+    except ValueError as e:
+        raise UsageError(f"--min-size, --max-size: {e}") from e
     print(json.dumps(meta))
     return 0

@@ -284,6 +284,25 @@ def clip_patches(meta: dict, parts: list[bytes], plan: VideoPlan, s: VideoSettin
     return video_patches(resize_frames(clip_frames(meta, parts, plan.indices), *plan.size), s)
 
 
+def encode_clip(frames, rate, codec: str = "libx264", container: str = "mp4", pix_fmt: str = "yuv420p",
+                rotation: int | None = None) -> bytes:
+    """RGB uint8 frames (each H x W x 3) encoded as a video file at `rate` frames a second. FFmpeg's
+    own encoders (mpeg4, mjpeg) give the same bytes for the same frames; libx264 does not always."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=container) as out:
+        stream = out.add_stream(codec, rate=rate)
+        stream.height, stream.width = frames[0].shape[:2]
+        stream.pix_fmt = pix_fmt
+        if rotation is not None:
+            stream.set_display_rotation(rotation)
+        for frame in frames:
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
+        out.mux(stream.encode())
+    return buf.getvalue()
+
+
 def encode_video(data: bytes, s: VideoSettings) -> tuple[torch.Tensor, tuple[int, int, int], list[float], VideoInfo]:
     """One clip file, end to end: (uint8 patches, grid, frame group timestamps, metadata)."""
     info = probe(data)

@@ -4,8 +4,9 @@ Text-only models run through lm-eval's `hf` model. Vision-language exports run e
 through `vlmcore-vlm` (vlmcore/eval/vlm.py): lm-eval's `hf` cannot load them
 (AutoModelForCausalLM does not map Qwen3-VL), and `hf-multimodal` cannot score multiple choice
 with images. Tasks are lm-eval's by name (mmlu, arc_challenge, ...; their datasets must be in
-the local HF cache), bundled here under vlmcore/eval/tasks/ (demo_vqa, multiple choice, and
-demo_vqa_gen, free answers, both on the file given by --vqa-data), or from --include-path.
+the local HF cache), bundled here under vlmcore/eval/tasks/ (on the file given by --vqa-data:
+demo_vqa, multiple choice, and demo_vqa_gen, free answers, for the image demo; demo_video_qa and
+its frame-shuffled control demo_video_qa_shuffled for the video demo), or from --include-path.
 
 EVAL_DIR gets `results.json` (lm-eval's results, configs and versions, plus `chance`: the chance
 level of every multiple-choice task, and `breakdown`: the score per question kind of tasks whose
@@ -30,6 +31,8 @@ import vlmcore.eval.vlm  # noqa: E402,F401  (registers `vlmcore-vlm`)
 from vlmcore.eval.results import results_table  # noqa: E402
 
 BUNDLED_TASKS = Path(__file__).parent / "tasks"
+# The bundled tasks that read the demo's held-out file (`--vqa-data`).
+DEMO_TASKS = ("demo_vqa", "demo_vqa_gen", "demo_video_qa", "demo_video_qa_shuffled")
 
 
 def is_vision_language(model_dir) -> bool:
@@ -62,8 +65,8 @@ def evaluate(model_dir, tasks: list[str], out, vqa_data=None, limit=None, batch_
     """Runs lm-eval and writes EVAL_DIR/results.json, results.csv and samples_<task>.jsonl."""
     model_dir, out = Path(model_dir).resolve(), Path(out)
     model = "vlmcore-vlm" if is_vision_language(model_dir) else "hf"
-    if {"demo_vqa", "demo_vqa_gen"} & set(tasks) and vqa_data is None:
-        raise ValueError("tasks demo_vqa and demo_vqa_gen need --vqa-data (the raw/eval.jsonl written by `vlmcore synth`)")
+    if set(DEMO_TASKS) & set(tasks) and vqa_data is None:
+        raise ValueError(f"tasks {', '.join(DEMO_TASKS)} need --vqa-data (the raw/eval.jsonl written by `vlmcore synth`)")
     # Task metadata reaches the bundled tasks' loaders (demo_vqa reads `vqa_data`).
     metadata = {"vqa_data": str(Path(vqa_data).resolve())} if vqa_data else {}
     task_manager = TaskManager(include_path=[str(BUNDLED_TASKS), *map(str, include_path)], metadata=metadata)
@@ -99,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, type=existing_dir, help="exported HF directory (vlmcore export)")
     parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task names (e.g. demo_vqa,arc_challenge)")
     parser.add_argument("--out", required=True, help="output directory (results.json, results.csv, samples)")
-    parser.add_argument("--vqa-data", type=existing_file, help="raw/eval.jsonl of the demo, for the demo_vqa and demo_vqa_gen tasks")
+    parser.add_argument("--vqa-data", type=existing_file, help="raw/eval.jsonl of the demo, for the tasks " + ", ".join(DEMO_TASKS))
     parser.add_argument("--limit", type=positive_int, help="at most this many examples per task")
     parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:0, ...")
@@ -116,8 +119,8 @@ def run(args) -> int:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise UsageError(f"--tasks: no task names in {args.tasks!r}")
-    if {"demo_vqa", "demo_vqa_gen"} & set(tasks) and args.vqa_data is None:
-        raise UsageError("--vqa-data: required by the tasks demo_vqa and demo_vqa_gen (raw/eval.jsonl of `vlmcore synth`)")
+    if set(DEMO_TASKS) & set(tasks) and args.vqa_data is None:
+        raise UsageError(f"--vqa-data: required by the tasks {', '.join(DEMO_TASKS)} (raw/eval.jsonl of `vlmcore synth`)")
     result = evaluate(args.model, tasks, args.out, vqa_data=args.vqa_data, limit=args.limit, batch_size=args.batch_size,
                       device=args.device, dtype=args.dtype, include_path=args.include_path,
                       apply_chat_template=args.apply_chat_template, num_fewshot=args.num_fewshot)

@@ -12,9 +12,17 @@ Requests with images are always put in the chat form the model was trained on: t
 (with `<image>` placeholders) becomes the user turn of the model's chat template and the answer
 is the assistant's turn. A multiple-choice score is the summed log-probability of the answer
 tokens. Text-only requests follow lm-eval's `--apply_chat_template` setting as usual.
+
+Videos: a task's `doc_to_image` may return `VideoClip`s among its visuals (`<video>` marks their
+place). transformers' video processor needs torchvision, which the project does not, so clips are
+sampled, resized and laid out by vlmcore's own video code (vlmcore.data.video, tested equal to
+the processor) and the row is encoded as the training data is (`SampleEncoder`). Multiple choice
+only: `generate_until` with videos is refused.
 """
 
 import dataclasses
+from functools import cached_property
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -22,19 +30,41 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.hf_vlms import DEFAULT_IMAGE_PLACEHOLDER, HFMultimodalLM
 from tqdm import tqdm
 
-from vlmcore.data.encoder import to_chat_messages
+from vlmcore.data.encoder import VIDEO_PLACEHOLDER, SampleEncoder, to_chat_messages
 from vlmcore.data.processor import load_processor
+from vlmcore.data.video import clip_frames, normalize_video_patches, probe, resize_frames, video_patches
 
 
-def user_turn(context: str, num_images: int) -> list[dict]:
-    """The chat message of a context, built like the training data: images where `<image>`
-    stands, or all before the text when the context has no placeholder."""
-    if DEFAULT_IMAGE_PLACEHOLDER not in context:
-        context = DEFAULT_IMAGE_PLACEHOLDER * num_images + context
-    if context.count(DEFAULT_IMAGE_PLACEHOLDER) != num_images:
-        raise ValueError(f"context has {context.count(DEFAULT_IMAGE_PLACEHOLDER)} {DEFAULT_IMAGE_PLACEHOLDER} "
-                         f"placeholders but the request has {num_images} images: {context!r}")
+@dataclasses.dataclass(frozen=True)
+class VideoClip:
+    """A video file among a request's visuals; `shuffle_seed` set: its sampled frames go to the
+    model in an order shuffled by that seed (a control for questions that need time)."""
+
+    path: str
+    shuffle_seed: int | None = None
+
+    def frame_order(self, count: int) -> list[int]:
+        order = list(range(count))
+        if self.shuffle_seed is not None and count > 1:
+            generator = torch.Generator().manual_seed(self.shuffle_seed)
+            while order == sorted(order):
+                order = torch.randperm(count, generator=generator).tolist()
+        return order
+
+
+def user_turn(context: str, num_images: int, num_videos: int = 0) -> list[dict]:
+    """The chat message of a context, built like the training data: images and videos where
+    `<image>` and `<video>` stand, or all before the text when the context has no placeholder."""
+    for tag, count in ((VIDEO_PLACEHOLDER, num_videos), (DEFAULT_IMAGE_PLACEHOLDER, num_images)):
+        if tag not in context:
+            context = tag * count + context
+        if context.count(tag) != count:
+            raise ValueError(f"context has {context.count(tag)} {tag} placeholders but the request has "
+                             f"{count} {'videos' if tag == VIDEO_PLACEHOLDER else 'images'}: {context!r}")
     return to_chat_messages([{"role": "user", "content": context}])
+
+
+VISUAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
 
 @register_model("vlmcore-vlm")
@@ -59,29 +89,42 @@ class VisionLanguageLM(HFMultimodalLM):
                 self.cache_hook.add_partial("loglikelihood", requests[i].args[:2], result)
         return results
 
-    def chat_prompt(self, context: str, num_images: int) -> str:
+    def chat_prompt(self, context: str, num_images: int, num_videos: int = 0) -> str:
         """The context as a chat-templated user turn, unless lm-eval has applied the template already."""
         if self.chat_applied:
             return context
-        return self.processor.apply_chat_template(user_turn(context, num_images), add_generation_prompt=True, tokenize=False)
+        return self.processor.apply_chat_template(user_turn(context, num_images, num_videos),
+                                                  add_generation_prompt=True, tokenize=False)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         templated = []
         for request in requests:
             if len(request.args) == 3:
                 context, gen_kwargs, aux = request.args
+                if any(isinstance(v, VideoClip) for v in aux.get("visual") or []):
+                    raise ValueError("vlmcore-vlm scores videos in multiple-choice tasks only; "
+                                     f"generation with a video was asked for: {context!r}")
                 request = dataclasses.replace(request, arguments=(self.chat_prompt(context, len(aux.get("visual") or [])), gen_kwargs, aux))
             templated.append(request)
         return super().generate_until(templated, disable_tqdm=disable_tqdm)
 
+    @cached_property
+    def sample_encoder(self) -> SampleEncoder:
+        return SampleEncoder(self.model.name_or_path)
+
     def encode_row(self, context: str, continuation: str, aux: dict) -> dict:
-        images = aux.get("visual") or []
-        context = self.chat_prompt(context, len(images))
-        encoding = self.processor(text=[context], images=images or None, return_tensors="pt")
+        visuals = aux.get("visual") or []
+        images = [v for v in visuals if not isinstance(v, VideoClip)]
+        videos = [v for v in visuals if isinstance(v, VideoClip)]
+        context = self.chat_prompt(context, len(images), len(videos))
+        if videos:
+            encoding = self.encode_with_videos(context, images, videos)
+        else:
+            encoding = self.processor(text=[context], images=images or None, return_tensors="pt")
         continuation_ids = self.tokenizer(continuation, add_special_tokens=False)["input_ids"]
         if not continuation_ids:
             raise ValueError(f"empty continuation after context {context!r}")
-        row = {key: value for key, value in encoding.items() if key in ("pixel_values", "image_grid_thw")}
+        row = {key: value for key, value in encoding.items() if key in VISUAL_KEYS}
         context_ids = encoding["input_ids"][0].tolist()
         row["input_ids"] = context_ids + continuation_ids
         row["attention_mask"] = [1] * len(row["input_ids"])
@@ -89,6 +132,25 @@ class VisionLanguageLM(HFMultimodalLM):
         if "mm_token_type_ids" in encoding:
             row["mm_token_type_ids"] = encoding["mm_token_type_ids"][0].tolist() + [0] * len(continuation_ids)
         return row
+
+    def encode_with_videos(self, prompt: str, images: list, videos: list[VideoClip]) -> dict:
+        """The processor's outputs for a templated prompt with videos, made as the training data is."""
+        encoder = self.sample_encoder
+        out = dict(self.processor.image_processor(images, return_tensors="pt")) if images else {}
+        grids = [tuple(g) for g in out["image_grid_thw"].tolist()] if images else []
+        plans, pixels = [], []
+        for clip in videos:
+            data = Path(clip.path).read_bytes()
+            meta = {"kind": "file", **probe(data).as_dict()}
+            plan = encoder.video_plan(meta)
+            frames = clip_frames(meta, [data], plan.indices)[clip.frame_order(len(plan.indices))]
+            patches, _ = video_patches(resize_frames(frames, *plan.size), encoder.video)
+            pixels.append(normalize_video_patches(patches, encoder.video.image_mean, encoder.video.image_std))
+            plans.append(plan)
+        input_ids = self.tokenizer(encoder.expand_image_tokens(prompt, grids, plans))["input_ids"]
+        return {**out, "input_ids": torch.tensor([input_ids]), "pixel_values_videos": torch.cat(pixels),
+                "video_grid_thw": torch.tensor([plan.grid for plan in plans]),
+                "mm_token_type_ids": torch.tensor(self.processor.create_mm_token_type_ids([input_ids]))}
 
     @torch.no_grad()
     def score_batch(self, batch: list[dict]) -> list[tuple[float, bool]]:
@@ -107,11 +169,12 @@ class VisionLanguageLM(HFMultimodalLM):
                   "attention_mask": left_padded("attention_mask", 0)}
         if all("mm_token_type_ids" in row for row in batch):
             inputs["mm_token_type_ids"] = left_padded("mm_token_type_ids", 0)
-        for key in ("pixel_values", "image_grid_thw"):
+        for key in VISUAL_KEYS:
             if any(key in row for row in batch):
                 inputs[key] = torch.cat([row[key] for row in batch if key in row]).to(self.device)
-        if "pixel_values" in inputs:
-            inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
+        for key in ("pixel_values", "pixel_values_videos"):
+            if key in inputs:
+                inputs[key] = inputs[key].to(self.model.dtype)
         logits = self.model(**inputs, logits_to_keep=keep).logits
         results = []
         for b, row in enumerate(batch):
