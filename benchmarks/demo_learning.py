@@ -4,6 +4,10 @@ pack shard sizes: held-out accuracy per kind of question, and the wall time of e
 
     python benchmarks/demo_learning.py                          # seeds 0 1 2 x shard sizes 16 1000
     python benchmarks/demo_learning.py --seeds 0 --shard-sizes 16 --config config/demo-moe.yaml
+    python benchmarks/demo_learning.py --seeds 0 --shard-sizes 16 --config config/demo-video.yaml
+
+The score is the config's first eval task's (demo_vqa, or demo_video_qa), per question kind; a
+second task (the video demo's frame-shuffled control) is printed beside it as `<kind>/ctl`.
 
 A seed is the demo's every seed at once: the tiny model's weights and tokenizer corpus
 (model.tiny.seed), the synthetic images and questions (data.synthetic.seed) and training
@@ -25,7 +29,6 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-KINDS = ("color", "shape", "side")
 
 
 def run_demo(config_path: Path, seed: int, shard_size: int, work: Path) -> dict:
@@ -47,10 +50,13 @@ def run_demo(config_path: Path, seed: int, shard_size: int, work: Path) -> dict:
     root = work / config["results_dir"] / config["experiment"]
     results = json.loads((root / "eval" / "results.json").read_text())
     packs = json.loads((root / "packed" / "conversations" / "stats.json").read_text())["packs"]
-    breakdown = results["breakdown"]["demo_vqa"]
-    return {"seed": seed, "shard_size": shard_size, "wall_s": round(wall),
-            "all": results["results"]["demo_vqa"]["acc,none"], **{k: breakdown[k]["value"] for k in KINDS},
-            "conversation_packs": packs}
+    task, *control = config["eval"]["tasks"]
+    row = {"seed": seed, "shard_size": shard_size, "wall_s": round(wall), "conversation_packs": packs,
+           "all": results["results"][task]["acc,none"],
+           **{kind: figures["value"] for kind, figures in results["breakdown"][task].items()}}
+    if control:
+        row.update({f"{kind}/ctl": figures["value"] for kind, figures in results["breakdown"][control[0]].items()})
+    return row
 
 
 def main() -> int:
@@ -61,15 +67,17 @@ def main() -> int:
     args = parser.parse_args()
     args.config = args.config.resolve()
     rows = []
-    print(f"{'seed':>4} {'shards':>6} {'all':>5} {'color':>5} {'shape':>5} {'side':>5} {'wall s':>6}")
     for seed in args.seeds:
         for shard_size in args.shard_sizes:
             with tempfile.TemporaryDirectory(prefix="demo_learning_") as tmp:
                 row = run_demo(args.config, seed, shard_size, Path(tmp))
+            if not rows:
+                columns = [c for c in row if c not in ("seed", "shard_size", "wall_s", "conversation_packs")]
+                print(f"{'seed':>4} {'shards':>6} " + " ".join(f"{c:>9}" for c in columns) + f" {'wall s':>6}")
             rows.append(row)
-            print(f"{seed:>4} {shard_size:>6} {row['all']:>5.2f} {row['color']:>5.2f} {row['shape']:>5.2f} "
-                  f"{row['side']:>5.2f} {row['wall_s']:>6}", flush=True)
-    worst = {k: min(r[k] for r in rows) for k in ("all", *KINDS)}
+            print(f"{seed:>4} {shard_size:>6} " + " ".join(f"{row[c]:>9.2f}" for c in columns) + f" {row['wall_s']:>6}",
+                  flush=True)
+    worst = {c: min(r[c] for r in rows) for c in columns if not c.endswith("/ctl")}
     print("worst " + "  ".join(f"{k} {v:.2f}" for k, v in worst.items()))
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"demo_learning_{args.config.stem}.json"
