@@ -109,7 +109,9 @@ def test_bad_videos_are_counted_by_reason_and_the_good_rows_kept(raw, tmp_path):
     bad_files = {"garbage.mp4": b"not a video" * 50, "cut.avi": avi[: len(avi) * 6 // 10],
                  "cut.webm": webm[: len(webm) * 6 // 10], "sound.wav": audio_only_clip(),
                  "long.mp4": make_clip("libx264", "mp4", frames=90, rate=30, width=64, height=48),
-                 "big.mp4": make_clip("libx264", "mp4", frames=4, rate=30, width=128, height=96)}
+                 "big.mp4": make_clip("libx264", "mp4", frames=4, rate=30, width=128, height=96),
+                 # an MJPEG avi whose FourCC names a codec no FFmpeg knows
+                 "unknown.avi": avi.replace(b"MJPG", b"VLMX")}
     for name, data in bad_files.items():
         (root / "clips" / name).write_bytes(data)
     (root / "wide.png").write_bytes(png(5, w=40))
@@ -121,6 +123,7 @@ def test_bad_videos_are_counted_by_reason_and_the_good_rows_kept(raw, tmp_path):
         {"video": "clips/sound.wav", "caption": "x"},
         {"video": "clips/long.mp4", "caption": "3 s > 2 s"},
         {"video": "clips/big.mp4", "caption": "128x96 > 10,000 pixels"},
+        {"video": "clips/unknown.avi", "caption": "x"},
         {"video": "clips/a.mp4", "messages": convo("<video> and <video>?")},
         {"messages": convo("<video> with no video")},
         {"video": ["f0.png", "wide.png"], "caption": "frames of two sizes"},
@@ -132,7 +135,7 @@ def test_bad_videos_are_counted_by_reason_and_the_good_rows_kept(raw, tmp_path):
     assert stats["samples"] == 12
     assert stats["bad"]["skipped_by_reason"] == {
         "missing_video": 1, "unreadable_video": 1, "truncated_video": 2, "no_video_stream": 1,
-        "video_too_long": 1, "video_too_large": 1, "video_tag_mismatch": 3, "bad_video_frame": 2}
+        "video_too_long": 1, "video_too_large": 1, "video_tag_mismatch": 3, "bad_video_frame": 2, "unsupported_codec": 1}
 
 
 def video_rows(clips_dir: str) -> list[dict]:

@@ -125,7 +125,7 @@ class SampleEncoder:
         except ValueError as e:
             raise EncodingError("bad_aspect_ratio", f"video {meta['width']}x{meta['height']}: {e}") from e
 
-    def expand_image_tokens(self, text: str, grids: list[tuple[int, int, int]], videos: list[VideoPlan] = ()) -> str:
+    def expand_visual_tokens(self, text: str, grids: list[tuple[int, int, int]], videos: list[VideoPlan] = ()) -> str:
         """Each image token as the image's merged patches, each video token as the clip's frame groups."""
         merge = self.merge_size**2 if self.processor else 1
         tokens = {"video": "<|video_pad|>", "vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>"}
@@ -175,13 +175,13 @@ class SampleEncoder:
                     "assistant tokens cannot be located from it",
                 )
             # Train on the answer and its end-of-turn token, not the newline the template adds after it.
-            start = len(self.expand_image_tokens(before, grids, plans))
-            end = len(self.expand_image_tokens(through, grids, plans).rstrip())
+            start = len(self.expand_visual_tokens(before, grids, plans))
+            end = len(self.expand_visual_tokens(through, grids, plans).rstrip())
             spans.append((start, end))
         if not spans:
             raise EncodingError("no_assistant_turn", "conversation has no assistant turn to train on")
 
-        text = self.expand_image_tokens(full, grids, plans)
+        text = self.expand_visual_tokens(full, grids, plans)
         encoded = self.tokenizer(text, return_offsets_mapping=True)
         ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
         supervised = [any(s <= start < e for s, e in spans) for start, _ in offsets]

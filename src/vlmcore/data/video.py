@@ -93,6 +93,8 @@ def probe(data: bytes) -> VideoInfo:
             if not container.streams.video:
                 raise BadSample("no_video_stream", "the container has no video stream")
             stream = container.streams.video[0]
+            if stream.codec_context is None:  # a codec this FFmpeg does not know
+                raise BadSample("unsupported_codec", "no decoder for the video stream's codec in this FFmpeg")
             rate = stream.average_rate or stream.guessed_rate
             if not rate:
                 raise BadSample("unreadable_video", "no frame rate in the container")

@@ -147,7 +147,7 @@ class VisionLanguageLM(HFMultimodalLM):
             patches, _ = video_patches(resize_frames(frames, *plan.size), encoder.video)
             pixels.append(normalize_video_patches(patches, encoder.video.image_mean, encoder.video.image_std))
             plans.append(plan)
-        input_ids = self.tokenizer(encoder.expand_image_tokens(prompt, grids, plans))["input_ids"]
+        input_ids = self.tokenizer(encoder.expand_visual_tokens(prompt, grids, plans))["input_ids"]
         return {**out, "input_ids": torch.tensor([input_ids]), "pixel_values_videos": torch.cat(pixels),
                 "video_grid_thw": torch.tensor([plan.grid for plan in plans]),
                 "mm_token_type_ids": torch.tensor(self.processor.create_mm_token_type_ids([input_ids]))}
