@@ -142,13 +142,14 @@ def bench_vlmcore(cfg, host_batch, device, args, family: str):
     from vlmcore.parallel.mesh import init_distributed
     from vlmcore.train.build import build_run, check_kernels
     from vlmcore.train.metrics_log import batch_flops
+    from vlmcore.train.step import to_device
 
     init_distributed(device)
     check_kernels(cfg, device)
     run = build_run(cfg, check_run(cfg, dist.get_world_size(), load_hf_config(cfg.model_path)), device)
     flops = sum(batch_flops(run.model.config, host_batch))
     labels = host_batch.label_tokens
-    batch = host_batch.to(device)
+    batch = to_device(host_batch, device, run.context)
 
     def step():
         run.step([batch], labels, set_lr=lambda optimizer: None)

@@ -15,6 +15,7 @@ import torch
 from vlmcore.data import IGNORE_INDEX
 from vlmcore.data.processor import normalize_patches
 from vlmcore.data.video import normalize_video_patches
+from vlmcore.models.qwen3 import text_position_ids
 
 
 @dataclass
@@ -63,6 +64,15 @@ class Images:
                       parts[0].normalize, parts[0].kind)
 
 
+def row_chunk(x: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torch.Tensor:
+    """This rank's contiguous 1/cp of the rows along `dim` (their length a multiple of cp)."""
+    length = x.shape[dim]
+    if length % cp:
+        raise ValueError(f"rows of {length} tokens do not split into cp {cp} equal chunks: pack rows "
+                         f"(pack.seq_len) to a multiple of cp")
+    return x.narrow(dim, cp_rank * (length // cp), length // cp)
+
+
 @dataclass
 class Batch:
     """A micro-batch of B packed rows of S tokens."""
@@ -77,6 +87,9 @@ class Batch:
     skipped_samples: dict = field(default_factory=dict)  # {reason: count} of bad samples left out of the rows
     row_keys: list[str] = field(default_factory=list)  # each row's pack (Energon key)
     max_seqlen: int | None = None  # the longest segment, a host int (set by `to`)
+    # Context parallelism (`context_chunk`): per kind present (images, then videos), the indices of
+    # the vision tower's output rows at this rank's tokens; None: all of them
+    visual_selection: list[torch.Tensor] | None = None
 
     def to(self, device: torch.device) -> "Batch":
         """The batch on `device`; its host metadata (`max_seqlen`, the image and video grids) stays on the host."""
@@ -89,6 +102,8 @@ class Batch:
             position_ids=None if self.position_ids is None else self.position_ids.to(device, non_blocking=True),
             images=None if self.images is None else self.images.to(device),
             videos=None if self.videos is None else self.videos.to(device),
+            visual_selection=None if self.visual_selection is None else
+            [t.to(device, non_blocking=True) for t in self.visual_selection],
             max_seqlen=self.max_seqlen if self.max_seqlen is not None else int(lengths.max()),
         )
 
@@ -103,7 +118,46 @@ class Batch:
         return replace(self, input_ids=fn(self.input_ids), labels=fn(self.labels), cu_seqlens=fn(self.cu_seqlens),
                        position_ids=None if self.position_ids is None else fn(self.position_ids),
                        images=None if self.images is None else self.images.map_tensors(fn),
-                       videos=None if self.videos is None else self.videos.map_tensors(fn))
+                       videos=None if self.videos is None else self.videos.map_tensors(fn),
+                       visual_selection=None if self.visual_selection is None else list(map(fn, self.visual_selection)))
+
+    def context_chunk(self, cp_rank: int, cp: int, visual_tokens: dict | None = None, merge: int = 1) -> "Batch":
+        """Context parallelism (vlmcore.parallel.cp): this rank's contiguous 1/cp of every row's tokens,
+        labels and positions (the positions of the whole rows, taken before the cut). `cu_seqlens` and
+        `max_seqlen` stay the whole rows': attention sees whole rows after its all-to-all.
+
+        Images and videos: only those with a token in the chunk stay (one cut by the chunk's edge
+        stays on both sides), and `visual_selection` says which of their tower's output rows are
+        this chunk's. `visual_tokens`: {"image": id, "video": id} of a VL model; `merge`: its
+        spatial merge size."""
+        positions = self.position_ids if self.position_ids is not None else text_position_ids(self.input_ids,
+                                                                                              self.cu_seqlens)
+        in_chunk = torch.zeros_like(self.input_ids, dtype=torch.bool)
+        row_chunk(in_chunk, cp_rank, cp).fill_(True)
+        kept, selections = {}, {}
+        for kind in ("images", "videos"):
+            items = getattr(self, kind)
+            if items is None:
+                kept[kind] = None
+                continue
+            token = visual_tokens[kind.removesuffix("s")]
+            selected = in_chunk[self.input_ids == token]  # over the kind's tokens of the whole rows, in order
+            grids = items.grids()
+            tokens = [t * h * w // merge**2 for t, h, w in grids]
+            patches = [t * h * w for t, h, w in grids]
+            keep = [bool(part.any()) for part in selected.split(tokens)]
+            if not any(keep):
+                kept[kind] = None
+                continue
+            rows = torch.cat([torch.full((n,), k, dtype=torch.bool) for n, k in zip(patches, keep)])
+            grid_thw = torch.tensor([g for g, k in zip(grids, keep) if k], dtype=torch.long)
+            kept[kind] = replace(items, pixel_values=items.pixel_values[rows], grid_thw=grid_thw)
+            # Indices into the kept items' tower output rows: those at this chunk's tokens.
+            selections[kind] = torch.cat([part for part, k in zip(selected.split(tokens), keep) if k]).nonzero()[:, 0]
+        return replace(self, input_ids=row_chunk(self.input_ids, cp_rank, cp),
+                       labels=row_chunk(self.labels, cp_rank, cp), position_ids=row_chunk(positions, cp_rank, cp, dim=-1),
+                       images=kept["images"], videos=kept["videos"],
+                       visual_selection=[selections[k] for k in ("images", "videos") if k in selections] or None)
 
     @property
     def has_visual(self) -> bool:

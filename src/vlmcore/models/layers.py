@@ -35,7 +35,9 @@ class VisualTokens:
     where the tower's output rows go: the image tokens, then the video tokens, each in order."""
 
     def __init__(self, config, input_ids, pixel_values, image_grid_thw, pixel_values_videos=None,
-                 video_grid_thw=None):
+                 video_grid_thw=None, selection=None):
+        """`selection`: context parallelism (vlmcore.data.batch.Batch.context_chunk): per kind, the
+        indices of the tower's output rows at the tokens of `input_ids`, a chunk of the rows; None: all."""
         merge = config.vision_config.spatial_merge_size
         kinds = [("image", config.image_token_id, pixel_values, grid_list(image_grid_thw)),
                  ("video", getattr(config, "video_token_id", None), pixel_values_videos, grid_list(video_grid_thw))]
@@ -47,17 +49,22 @@ class VisualTokens:
         self.masks = [input_ids == token for _, token, _, _ in kinds]
         self.counts = [sum(t * h * w for t, h, w in grids) // merge**2 for *_, grids in kinds]
         self.kinds = [(kind, grids) for kind, _, _, grids in kinds]
+        self.selection = selection
 
     @classmethod
-    def of(cls, config, input_ids, pixel_values, image_grid_thw, pixel_values_videos=None, video_grid_thw=None):
+    def of(cls, config, input_ids, pixel_values, image_grid_thw, pixel_values_videos=None, video_grid_thw=None,
+           selection=None):
         """None for a text-only batch."""
         if pixel_values is None and pixel_values_videos is None:
             return None
-        return cls(config, input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+        return cls(config, input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, selection)
 
     def scatter(self, h: torch.Tensor, features: torch.Tensor, check: bool = True) -> torch.Tensor:
         """h with the tower's output rows (or a DeepStack level's) written at the visual tokens."""
-        for mask, part, (kind, grids) in zip(self.masks, features.split(self.counts), self.kinds):
+        parts = features.split(self.counts)
+        if self.selection is not None:
+            parts = [part.index_select(0, rows) for part, rows in zip(parts, self.selection)]
+        for mask, part, (kind, grids) in zip(self.masks, parts, self.kinds):
             if check:
                 h = scatter_image_features(h, mask, part, grids, kind)
             else:

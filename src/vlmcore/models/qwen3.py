@@ -36,6 +36,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        # Context parallelism (vlmcore.parallel.cp.apply_cp): x is this rank's chunk of the rows and
+        # this runs `attention` on the whole rows over a share of the heads.
+        self.context_parallel = None
 
     def forward(self, x, cos, sin, cu_seqlens, max_seqlen=None):
         batch, seq_len, _ = x.shape
@@ -44,7 +47,10 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(batch, seq_len, -1, self.head_dim))
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attention(q, k, v, cu_seqlens, max_seqlen, causal=True)
+        if self.context_parallel is None:
+            out = attention(q, k, v, cu_seqlens, max_seqlen, causal=True)
+        else:
+            out = self.context_parallel(attention, q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, causal=True)
         return self.o_proj(out.reshape(batch, seq_len, -1))
 
 

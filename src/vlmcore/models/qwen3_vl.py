@@ -255,12 +255,13 @@ class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
                                   self.config.vision_config.spatial_merge_size, video_grid_thw,
                                   getattr(self.config, "video_token_id", None))
 
-    def embed(self, input_ids, pixel_values, image_grid_thw, pixel_values_videos=None, video_grid_thw=None):
+    def embed(self, input_ids, pixel_values, image_grid_thw, pixel_values_videos=None, video_grid_thw=None,
+              visual_selection=None):
         """Token embeddings with image and video features scattered in; also where they went
         (VisualTokens) and the DeepStack features."""
         h = self.model.language_model.embed_tokens(input_ids)
         visual = VisualTokens.of(self.config, input_ids, pixel_values, image_grid_thw, pixel_values_videos,
-                                 video_grid_thw)
+                                 video_grid_thw, visual_selection)
         if visual is None:
             return h, None, []
         embeds, deepstack = self.model.visual(visual.pixels, visual.grids)
@@ -268,8 +269,11 @@ class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
 
     def forward(self, input_ids, pixel_values=None, image_grid_thw=None, position_ids=None,
                 cu_seqlens=None, max_seqlen=None, return_hidden=False, pixel_values_videos=None,
-                video_grid_thw=None) -> ModelOutput:
-        h, visual, deepstack = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+                video_grid_thw=None, visual_selection=None) -> ModelOutput:
+        """`visual_selection`: under context parallelism (vlmcore.parallel.cp) input_ids is a chunk
+        of the rows and this says which features of the images and videos go to it."""
+        h, visual, deepstack = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
+                                          visual_selection)
         if position_ids is None:
             position_ids = self.position_ids(input_ids, image_grid_thw, cu_seqlens, video_grid_thw)
         rope = self.config.text_config.rope_parameters

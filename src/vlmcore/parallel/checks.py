@@ -22,6 +22,7 @@ def check_run(cfg: TrainConfig, world_size: int, model_config=None) -> RunLayout
     layout = dataclasses.replace(layout, grad_accum_steps=grad_accum_steps(cfg, layout))
     check_rows(cfg, layout)
     check_disjoint(layout)
+    check_cp(cfg, layout)
     if model_config is not None:
         check_model(cfg, layout, as_config(model_config))
     return layout
@@ -72,6 +73,21 @@ def check_disjoint(layout: RunLayout) -> None:
                               f"tensor parallelism are not implemented yet; use tp 1", f"parallel.modules.{module}.tp")
 
 
+def check_cp(cfg: TrainConfig, layout: RunLayout) -> None:
+    """Context parallelism, as far as it is built (issue 30): with data parallelism only."""
+    cp = layout.language.dims.cp
+    if cp == 1:
+        return
+    for key, value in (("tp", layout.language.dims.tp), ("ep", layout.language.dims.ep)):
+        if value > 1:
+            raise ConfigError(f"parallel.cp: {cp} with parallel.{key} {value} is not implemented yet", "parallel.cp")
+    if modules_set(cfg.parallel):
+        raise ConfigError(f"parallel.cp: {cp} with parallel.modules is not implemented yet", "parallel.cp")
+    if cfg.data.kind == "random" and cfg.data.seq_len % cp:
+        raise ConfigError(f"parallel.cp: {cp} does not divide the rows' length (data.seq_len {cfg.data.seq_len})",
+                          "parallel.cp")
+
+
 def check_model(cfg: TrainConfig, layout: RunLayout, config) -> None:
     try:
         model = family(config)
@@ -84,6 +100,8 @@ def check_model(cfg: TrainConfig, layout: RunLayout, config) -> None:
         raise ConfigError("parallel.modules.vision.ranks: disjoint layouts of a mixture-of-experts model are not "
                           "supported yet (use colocated layouts)", "parallel.modules.vision.ranks")
     check_ep(config, layout.language.dims.ep)
+    if layout.language.dims.cp > 1:
+        check_cp_model(config, model, layout.language.dims.cp)
     if layout.language.dims.tp > 1:
         check_tp(config, layout.language.dims.tp)
     if model.vision and layout.vision.dims.tp > 1:
@@ -110,6 +128,18 @@ def check_tp(config, tp: int) -> None:
         value = getattr(text, key)
         if value % tp:
             raise ConfigError(f"parallel.tp: {tp} does not divide the model's {key} ({value})")
+
+
+def check_cp_model(config, model, cp: int) -> None:
+    """The heads split over `cp` ranks; the families whose context parallelism is built."""
+    if model.linear_attention or model.experts:
+        raise ConfigError(f"parallel.cp: context parallelism of {config.model_type} models is not implemented yet "
+                          f"(dense models with softmax attention: qwen3, qwen3_vl)", "parallel.cp")
+    text = text_config(config)
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        if getattr(text, key) % cp:
+            raise ConfigError(f"parallel.cp: {cp} does not divide the model's {key} ({getattr(text, key)}): the "
+                              f"all-to-all gives each cp rank whole heads", "parallel.cp")
 
 
 def check_vision_tp(config, tp: int) -> None:

@@ -29,6 +29,7 @@ class ParallelDims:
     dp_shard: int
     tp: int
     ep: int = 1
+    cp: int = 1  # context parallelism: the cp ranks of a data-parallel rank share its rows, 1/cp each
 
     @property
     def dp_shard_mod_ep(self) -> int:
@@ -40,7 +41,7 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp
+        return self.dp * self.cp * self.tp
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,12 @@ class Grid:
     ranks: range
 
     def data_rank(self, rank: int) -> int:
-        """The data-parallel rank of global `rank` (tp peers read the same micro-batch)."""
-        return (rank - self.ranks.start) // self.dims.tp
+        """The data-parallel rank of global `rank` (cp and tp peers read the same micro-batch)."""
+        return (rank - self.ranks.start) // (self.dims.cp * self.dims.tp)
+
+    def cp_rank(self, rank: int) -> int:
+        """Which 1/cp of its rows `rank` holds."""
+        return (rank - self.ranks.start) // self.dims.tp % self.dims.cp
 
 
 @dataclass(frozen=True)
@@ -87,16 +92,18 @@ class RunLayout:
         return self.disjoint or self.vision.dims != dataclasses.replace(self.language.dims, ep=1)
 
 
-def _fit(replicate: int, shard: int, tp: int, mode: str, world_size: int, key: str, where: str) -> ParallelDims:
+def _fit(replicate: int, shard: int, tp: int, mode: str, world_size: int, key: str, where: str,
+         cp: int = 1) -> ParallelDims:
     """Fills in `dp_shard: -1` (and dp_replicate under ddp) and checks the product against the world size."""
-    written = f"dp_replicate ({replicate}) x dp_shard ({shard}) x tp ({tp})"
+    written = f"dp_replicate ({replicate}) x dp_shard ({shard}) x {f'cp ({cp}) x ' if cp > 1 else ''}tp ({tp})"
+    inner = cp * tp
     if mode == "ddp":  # dp_shard is 1 or -1 (vlmcore.config.RULES)
         shard, replicate = 1, -1 if replicate == 1 else replicate
     if replicate == -1:
-        replicate = world_size // tp if world_size % tp == 0 else 0
+        replicate = world_size // inner if world_size % inner == 0 else 0
     if shard == -1:
-        shard = world_size // (replicate * tp) if world_size % (replicate * tp) == 0 else 0
-    dims = ParallelDims(replicate, shard, tp)
+        shard = world_size // (replicate * inner) if world_size % (replicate * inner) == 0 else 0
+    dims = ParallelDims(replicate, shard, tp, cp=cp)
     if shard < 1 or dims.world_size != world_size:
         raise ConfigError(f"{key}: {written} does not fit {where}", key)
     return dims
@@ -137,7 +144,7 @@ def resolve_layout(cfg: ParallelConfig, world_size: int) -> RunLayout:
     key = "parallel.modules.language" if language != ModuleLayout() else "parallel"
     where = f"the world size {world_size}" if language.ranks == "all" else f"its {len(ranks['language'])} ranks"
     lang = _fit(_pick(language.dp_replicate, cfg.dp_replicate), _pick(language.dp_shard, cfg.dp_shard),
-                _pick(language.tp, cfg.tp), cfg.mode, len(ranks["language"]), key, where)
+                _pick(language.tp, cfg.tp), cfg.mode, len(ranks["language"]), key, where, cfg.cp)
     if lang.dp_shard % cfg.ep:
         raise ConfigError(f"parallel.ep: {cfg.ep} does not divide the data-parallel shard ranks (dp_shard "
                           f"{lang.dp_shard} on {len(ranks['language'])} ranks)", "parallel.ep")

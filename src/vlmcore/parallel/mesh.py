@@ -33,7 +33,8 @@ class Meshes:
     """The device meshes of a run layout, found by module name. Every rank builds all of them:
     making process groups is collective over the world.
 
-    A module's mesh is `dp_replicate x dp_shard x tp` over its ranks (tp innermost). The vision
+    A module's mesh is `dp_replicate x dp_shard x tp` over its ranks (tp innermost; with context
+    parallelism `dp_replicate x dp_shard x cp x tp`). The vision
     tower shares the language model's unless its degrees differ or it has ranks of its own (its
     dimensions are then named `vision_*`). Under expert parallelism the experts get the language
     ranks again with dp_shard unflattened into `dp_shard_mod_ep x ep`: their weights are split over
@@ -44,6 +45,14 @@ class Meshes:
         self.layout = layout
         self.meshes = {"language": self._module_mesh("language", device)}
         language = layout.language.dims
+        self.data_cp = None
+        if language.cp > 1:
+            # FSDP shards over dp_shard x cp: the cp ranks of a row hold different tokens, so their
+            # gradients add up like those of different rows. A mesh of its own (tp is 1 under cp,
+            # vlmcore.parallel.checks) rather than a flattened slice of the root.
+            shape = (language.dp_replicate, language.dp_shard * language.cp)
+            self.data_cp = DeviceMesh(device.type, torch.arange(layout.world_size).view(shape),
+                                      mesh_dim_names=("dp_replicate", "dp_shard_cp"))
         self.experts = None
         if language.ep > 1:
             # dim by index: torch 2.10's _unflatten refuses a dimension given by a name it has.
@@ -54,8 +63,9 @@ class Meshes:
 
     def _module_mesh(self, module: str, device: torch.device) -> DeviceMesh:
         grid = self.layout.grid(module)
-        names = tuple(self._name(module, name) for name in ("dp_replicate", "dp_shard", "tp"))
-        shape = (grid.dims.dp_replicate, grid.dims.dp_shard, grid.dims.tp)
+        dims = ("dp_replicate", "dp_shard", "cp", "tp") if grid.dims.cp > 1 else ("dp_replicate", "dp_shard", "tp")
+        names = tuple(self._name(module, name) for name in dims)
+        shape = tuple(getattr(grid.dims, name) for name in dims)
         if not self.layout.disjoint:
             return init_device_mesh(device.type, shape, mesh_dim_names=names)
         return DeviceMesh(device.type, torch.arange(grid.ranks.start, grid.ranks.stop).view(shape), mesh_dim_names=names)
@@ -69,7 +79,13 @@ class Meshes:
     def dp(self, module: str = "language") -> DeviceMesh:
         """The mesh FSDP2 shards the module over: 1-D (FSDP) or 2-D replicate x shard (HSDP / DDP)."""
         mesh, replicate, shard = self.meshes[module], self._name(module, "dp_replicate"), self._name(module, "dp_shard")
+        if module == "language" and self.data_cp is not None:
+            mesh, shard = self.data_cp, "dp_shard_cp"
         return mesh[shard] if self.layout.grid(module).dims.dp_replicate == 1 else mesh[replicate, shard]
+
+    def cp(self) -> DeviceMesh:
+        """The language model's context-parallel ranks: the ranks that share rows."""
+        return self.meshes["language"]["cp"]
 
     def ep(self) -> DeviceMesh:
         return self.experts["ep"]

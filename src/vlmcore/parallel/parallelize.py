@@ -1,4 +1,4 @@
-"""Applies the parallelisms to a model on the meta device, in their required order: TP, EP,
+"""Applies the parallelisms to a model on the meta device, in their required order: TP, EP, CP,
 activation checkpointing, per-block compile, then FSDP2 (FSDP, HSDP or DDP by the mesh). The run
 layout says what this rank holds: under colocated layouts both modules, the language model on the
 language mesh and the vision tower on its own layout of the same ranks; under disjoint layouts one
@@ -12,6 +12,7 @@ from vlmcore.config import TrainConfig
 from vlmcore.parallel.ac import apply_ac
 from vlmcore.parallel.bridge import VisionBridge, count_images_once
 from vlmcore.parallel.compile import apply_compile
+from vlmcore.parallel.cp import apply_cp
 from vlmcore.parallel.disjoint import hold_one_module
 from vlmcore.parallel.expert_parallel import apply_ep
 from vlmcore.parallel.fsdp import apply_fsdp
@@ -32,6 +33,8 @@ def parallelize(model: nn.Module, cfg: TrainConfig, layout: RunLayout, meshes: M
     partial = apply_tp(model, meshes.tp(), cfg.parallel.sequence_parallel) if dims.tp > 1 else []
     if dims.ep > 1:
         apply_ep(model, meshes.ep())
+    if dims.cp > 1:
+        apply_cp(model, meshes.cp())
     if vision is not None:
         if layout.vision.dims.tp > 1:
             apply_vision_tp(model, meshes.tp("vision"))

@@ -27,7 +27,7 @@ from vlmcore.parallel.mesh import Meshes
 from vlmcore.parallel.parallelize import parallelize
 from vlmcore.train.checkpoint import load_model_weights
 from vlmcore.train.optim import build_optimizer, freeze
-from vlmcore.train.step import Step, build_step
+from vlmcore.train.step import Step, build_step, context_of
 
 
 def check_kernels(cfg: TrainConfig, device: torch.device) -> dict:
@@ -89,6 +89,12 @@ class Run:
         tp_group = self.meshes.tp().get_group() if dims.tp > 1 and self.role == "both" else None
         self.step = build_step(self.model, self.optimizer, self.partial, tp_group, self.cfg.loss_chunk_tokens,
                                self.cfg.max_grad_norm, compiled_loss=self.cfg.parallel.compile, bridge=self.bridge)
+
+    @property
+    def context(self) -> dict | None:
+        """What cuts this rank's chunk from the rows under context parallelism (`to_device`)."""
+        cp = self.layout.language.dims.cp
+        return context_of(self.model, self.layout.language.cp_rank(self.rank), cp) if cp > 1 else None
 
     def data(self, source=None):
         """This rank's batches: its language data-parallel rank's, or on an encoder rank those of

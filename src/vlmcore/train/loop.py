@@ -30,6 +30,7 @@ from vlmcore.train.metrics_log import MetricsLogger, global_counts, peak_tflops,
 from vlmcore.train.module_timer import ModuleTimer
 from vlmcore.train.optim import lr_factor, schedule_total, set_lr
 from vlmcore.train.profiling import StepProfiler
+from vlmcore.train.step import to_device
 from vlmcore.train.run_dir import mark_done, prepare_output_dir
 
 
@@ -150,14 +151,15 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, stop: _StopSignal)
         t0 = time.perf_counter()
         host_micro = [next(batches) for _ in range(layout.grad_accum_steps)]
         data_wait = time.perf_counter() - t0
-        counts = global_counts([] if encoder else host_micro, model.config, dims.tp)  # encoder ranks count nothing
+        # cp and tp peers hold the same rows; encoder ranks count nothing
+        counts = global_counts([] if encoder else host_micro, model.config, dims.tp * dims.cp)
         if counts["label_tokens"] == 0:
             raise TrainingError(f"step {state['step'] + 1}: the global batch has no label tokens")
         done = state["step"] + 1 if cfg.schedule.unit == "steps" else state["samples"] + int(counts["samples"])
         factor = lr_factor(cfg.schedule, done, schedule_total(cfg))
         if run.bridge is not None:  # an encoder rank gets the image batches of its rows
             host_micro = run.bridge.plan_step(host_micro)
-        result = train_step([b if b is None else b.to(device) for b in host_micro], counts["label_tokens"],
+        result = train_step([to_device(b, device, run.context) for b in host_micro], counts["label_tokens"],
                             lambda opt: set_lr(opt, factor))
         nonfinite_in_a_row = 0 if result.applied else nonfinite_in_a_row + 1
         state["skipped_steps"] += not result.applied

@@ -32,6 +32,7 @@ from vlmcore.models.moe import grouped_mm
 from vlmcore.parallel.checks import check_run
 from vlmcore.train.build import build_meta_run
 from vlmcore.train.random_data import RandomBatches
+from vlmcore.train.step import to_device
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -233,7 +234,8 @@ def estimate_memory(cfg: TrainConfig, world_size: int, seq_len: int, image_side:
              for role, rank in ranks.items()}
     role = max(peaks, key=lambda r: peaks[r]["Total"])
     dims = layout.language.dims
-    result = {"world_size": world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
+    result = {"world_size": world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
+              "tp": dims.tp,
               "seq_len": seq_len, "segments": segments, "micro_batch_size": cfg.micro_batch_size,
               "image_side": image_side, "video_frames": video_frames, "activation_checkpointing": cfg.parallel.activation_checkpointing,
               "param_dtype": cfg.precision.param_dtype, "fake": fake, "rank": ranks[role],
@@ -274,7 +276,7 @@ def _estimate_rank(cfg, layout, rank: int, seq_len: int, image_side: int, segmen
         label_tokens = float(sum(b.label_tokens for b in own)) * layout.data.dims.dp
         if run.bridge is not None:
             micro = run.bridge.plan_step(micro)
-        micro = [b if b is None else b.to(device) for b in micro]  # an encoder rank's may hold no image
+        micro = [to_device(b, device, run.context) for b in micro]  # an encoder rank's may hold no image
         with _fake_mode_with_constant_batch(fake) as mode:
             if mode is not None:
                 convert = mode.fake_tensor_converter.from_real_tensor
@@ -334,7 +336,8 @@ def format_table(result: dict) -> str:
     image = f"image {side}x{side} merged patches" if side else "no image"
     if side and result.get("video_frames"):
         image = f"video of {result['video_frames']} frame groups of {side}x{side} merged patches"
-    mesh = f"dp_replicate {result['dp_replicate']} x dp_shard {result['dp_shard']} x tp {result['tp']}"
+    cp = f"cp {result['cp']} x " if result.get("cp", 1) > 1 else ""
+    mesh = f"dp_replicate {result['dp_replicate']} x dp_shard {result['dp_shard']} x {cp}tp {result['tp']}"
     lines = [f"peak memory per device, rank {result['rank']} of {result['world_size']} ({mesh}), "
              f"{result['micro_batch_size']} x {result['seq_len']} tokens, {image}, "
              f"activation checkpointing {result['activation_checkpointing']}, {result['param_dtype']} compute, eager"]

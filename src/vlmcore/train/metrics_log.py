@@ -36,9 +36,9 @@ def batch_flops(config, batch) -> tuple[float, float]:
     return llm_flops(config, batch.segment_lengths().cpu()), vision_flops(config, grids)
 
 
-def global_counts(host_micro: list, model_config, tp: int) -> dict:
+def global_counts(host_micro: list, model_config, peers: int) -> dict:
     """Label tokens, samples, tokens, FLOPs and bad samples of the global batch, summed over the
-    ranks on the host (gloo: no GPU wait); tp peers hold the same batch, hence the division."""
+    ranks on the host (gloo: no GPU wait); `peers`: ranks that hold the same batch (tp x cp), hence the division."""
     flops = [batch_flops(model_config, b) for b in host_micro]
     skipped = sum((Counter(b.skipped_samples) for b in host_micro), Counter())
     keys = ("label_tokens", "samples", "tokens", "llm_flops", "vision_flops", "skipped_samples")
@@ -46,13 +46,13 @@ def global_counts(host_micro: list, model_config, tp: int) -> dict:
                            sum(b.tokens for b in host_micro), sum(f[0] for f in flops), sum(f[1] for f in flops),
                            sum(skipped.values())], dtype=torch.float64)
     dist.all_reduce(counts)
-    counts = dict(zip(keys, (counts / tp).tolist()))
+    counts = dict(zip(keys, (counts / peers).tolist()))
     # By reason only on steps that have any: every rank sees the same global sum, so all gather or none.
     if counts["skipped_samples"]:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, dict(skipped))
         by_reason = sum(map(Counter, gathered), Counter())
-        counts["skipped_samples_by_reason"] = {name: n // tp for name, n in sorted(by_reason.items())}
+        counts["skipped_samples_by_reason"] = {name: n // peers for name, n in sorted(by_reason.items())}
     return counts
 
 

@@ -85,7 +85,8 @@ def forward_backward(model, micro: list[Batch], label_tokens: float, vision_dumm
     over the micro-batches (on the device, `Batch.to`); returns this rank's sum of token
     losses, and for MoE models the sum of the micro-batches' load-balancing losses and the tokens
     routed to each expert per MoE layer (None otherwise), all on the device.
-    `bridge`: a language rank of disjoint layouts receives each micro-batch's image embeddings."""
+    `bridge`: a language rank of disjoint layouts receives each micro-batch's image embeddings.
+    Under context parallelism the micro-batches are this rank's chunks of the rows (`Step.on_device`)."""
     loss_sum, aux_sum, routed = None, None, None
     for i, batch in enumerate(micro):
         if isinstance(model, FSDPModule):
@@ -98,7 +99,8 @@ def forward_backward(model, micro: list[Batch], label_tokens: float, vision_dumm
                        image_grid_thw=images.grid_thw if images else None, position_ids=batch.position_ids,
                        cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen, return_hidden=True,
                        pixel_values_videos=videos.pixel_values if videos else None,
-                       video_grid_thw=videos.grid_thw if videos else None)
+                       video_grid_thw=videos.grid_thw if videos else None,
+                       **({"visual_selection": batch.visual_selection} if batch.visual_selection is not None else {}))
         local_sum, _ = chunked_cross_entropy(output.hidden_states, model.lm_head.weight, batch.labels,
                                              chunk_tokens, compiled=compiled_loss)
         loss = local_sum / label_tokens
@@ -209,6 +211,25 @@ def build_step(model, optimizer, partial_params: list, tp_group, chunk_tokens: i
     vision_dummy = VisionDummy(model) if model.vision_tower() is not None and bridge is None else None
     return Step(model, optimizer, trainable, partial, tp_group, vision_dummy, chunk_tokens, max_grad_norm,
                 compiled_loss, moe, bridge)
+
+
+def context_of(model, cp_rank: int, cp: int) -> dict:
+    """`Batch.context_chunk`'s arguments for this rank of a context-parallel run."""
+    visual = {}
+    if model.vision_tower() is not None:
+        config = model.config
+        visual = {"visual_tokens": {"image": config.image_token_id, "video": getattr(config, "video_token_id", None)},
+                  "merge": config.vision_config.spatial_merge_size}
+    return {"cp_rank": cp_rank, "cp": cp, **visual}
+
+
+def to_device(batch: Batch | None, device: torch.device, context: dict | None = None) -> Batch | None:
+    """A host micro-batch as this rank trains on it, on the device: under context parallelism
+    (`context`, from `context_of`) its 1/cp of the rows, cut on the host, where finding the image
+    tokens costs no device wait."""
+    if batch is not None and context is not None:
+        batch = batch.context_chunk(**context)
+    return None if batch is None else batch.to(device)
 
 
 class VisionDummy:

@@ -1,0 +1,68 @@
+"""Context parallelism by all-to-all over heads (the scheme of DeepSpeed-Ulysses), for rows too
+long for one GPU (`parallel.cp`; issue 30: text models with softmax attention so far).
+
+A packed row is cut into `cp` contiguous chunks, one a rank (`Batch.context_chunk`): embeddings, norms,
+MLPs, the LM head and the loss run on the rank's chunk, so activations shrink by cp. Attention
+needs the whole row: one all-to-all before it gives each rank the whole row for 1/cp of the heads
+(`sequence_to_heads`), one after it gives each rank its chunk back with every head
+(`heads_to_sequence`). Between them each rank runs the packed-row kernel it runs without CP
+(varlen on the GPU, SDPA per segment on the CPU) on whole documents: causal masking and document
+boundaries need nothing new, and every rank does exactly 1/cp of the attention work whatever
+the lengths of the documents, with no balancing (a ring over sequence chunks needs head/tail
+chunks or per-document balancing for that). The same split suits Qwen3.5's Gated DeltaNet: its
+recurrence and short convolution run per head over whole sequences.
+
+The limit: cp divides the k/v heads a rank holds (Qwen3-VL-8B: 8, divided by tp), beyond which
+a ring over the heads' sequence chunks is the way (docs/hpc.md, "Context parallelism").
+"""
+
+import torch
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def sequence_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """(B, S/cp, H, D) chunk of every head -> (B, S, H/cp, D): the whole row, this rank's heads."""
+    batch, chunk, heads, dim = x.shape
+    if heads % cp:
+        raise ValueError(f"{heads} heads do not split over cp {cp} ranks")
+    # Head group j goes to rank j; what arrives from rank i is sequence chunk i.
+    x = x.reshape(batch, chunk, cp, heads // cp, dim).permute(2, 0, 1, 3, 4).contiguous()
+    x = all_to_all_single_autograd(x, None, None, group)
+    return x.permute(1, 0, 2, 3, 4).reshape(batch, cp * chunk, heads // cp, dim)
+
+
+def heads_to_sequence(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """(B, S, H/cp, D) of this rank's heads -> (B, S/cp, H, D): this rank's chunk, every head."""
+    batch, length, heads, dim = x.shape
+    # Sequence chunk i goes to rank i; what arrives from rank j is head group j.
+    x = x.reshape(batch, cp, length // cp, heads, dim).permute(1, 0, 2, 3, 4).contiguous()
+    x = all_to_all_single_autograd(x, None, None, group)
+    return x.permute(1, 2, 0, 3, 4).reshape(batch, length // cp, cp * heads, dim)
+
+
+def ulysses_attention(attend, q, k, v, group, cp: int, **kwargs) -> torch.Tensor:
+    """`attend(q, k, v, **kwargs)` (vlmcore.models.attention.attention, with the whole row's
+    cu_seqlens) on q (B, S/cp, Hq, D), k/v (B, S/cp, Hkv, D) chunks -> the (B, S/cp, Hq, D) chunk
+    of the whole row's attention. Grouped-query heads stay grouped: rank j holds q heads
+    [j Hq/cp, (j+1) Hq/cp) and the k/v heads they read, [j Hkv/cp, (j+1) Hkv/cp)."""
+    q, k, v = (sequence_to_heads(t, group, cp) for t in (q, k, v))
+    return heads_to_sequence(attend(q, k, v, **kwargs), group, cp)
+
+
+class UlyssesAttention:
+    """What a model's attention module calls instead of its kernel under context parallelism."""
+
+    def __init__(self, group, cp: int):
+        self.group, self.cp = group, cp
+
+    def __call__(self, attend, q, k, v, **kwargs) -> torch.Tensor:
+        return ulysses_attention(attend, q, k, v, self.group, self.cp, **kwargs)
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
+    """Every softmax-attention module of the language model attends over the cp ranks' whole rows."""
+    context_parallel = UlyssesAttention(cp_mesh.get_group(), cp_mesh.size())
+    for block in model.decoder_layers():
+        block.self_attn.context_parallel = context_parallel

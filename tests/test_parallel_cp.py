@@ -1,0 +1,224 @@
+"""Context parallelism (vlmcore.parallel.cp) on 2 gloo processes.
+
+The attention: each rank holds a contiguous half of packed rows, the all-to-all over heads gives
+it the whole rows for half the heads, and the packed-row attention on them equals one process's
+on the whole rows, forward and backward, with grouped-query heads, documents crossing the chunk
+boundary and several rows (this file launches itself under torchrun). The run: `parallel.cp: 2`
+trains Qwen3 as one process does (loss and gradient-norm trajectories, final weights), and its
+checkpoint resumes at cp 1 on the uninterrupted run."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+CASES = {  # name: (rows, row length, q heads, k/v heads, segment lengths of the flattened rows)
+    "gqa, a document across the chunks": (1, 24, 4, 2, [5, 14, 5]),
+    "two rows, mha": (2, 16, 2, 2, [16, 3, 9, 4]),
+    "one document a row": (2, 12, 8, 2, [12, 12]),
+}
+
+
+def worker(report_path: Path) -> None:
+    import torch.distributed as dist
+
+    from vlmcore.models.attention import attention
+    from vlmcore.data.batch import row_chunk
+    from vlmcore.parallel.cp import ulysses_attention
+    from vlmcore.parallel.mesh import init_distributed
+
+    init_distributed(torch.device("cpu"))
+    rank, cp, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
+    report = {}
+    for name, (rows, length, q_heads, kv_heads, segments) in CASES.items():
+        generator = torch.Generator().manual_seed(len(name))
+        q, k, v, weight = (torch.randn(rows, length, heads, 8, generator=generator)
+                           for heads in (q_heads, kv_heads, kv_heads, q_heads))
+        cu_seqlens = torch.tensor([0, *torch.tensor(segments).cumsum(0).tolist()], dtype=torch.int32)
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attention(*whole, cu_seqlens=cu_seqlens)
+        (out * weight).sum().backward()
+
+        chunks = [row_chunk(t, rank, cp).detach().clone().requires_grad_() for t in (q, k, v)]
+        chunk_out = ulysses_attention(attention, *chunks, group, cp, cu_seqlens=cu_seqlens)
+        (chunk_out * row_chunk(weight, rank, cp)).sum().backward()
+        report[name] = {
+            "out": (chunk_out - row_chunk(out, rank, cp)).abs().max().item(),
+            "grads": max((c.grad - row_chunk(w.grad, rank, cp)).abs().max().item() for c, w in zip(chunks, whole)),
+            "shape": list(chunk_out.shape)}
+    reports = [None] * cp
+    dist.all_gather_object(reports, report)
+    if rank == 0:
+        report_path.write_text(json.dumps(reports))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_all_to_all_attention_equals_one_process(tmp_path):
+    from _train_helpers import env
+
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env())
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    reports = json.loads(out.read_text())
+    for rank, report in enumerate(reports):
+        assert set(report) == set(CASES)
+        for name, r in report.items():
+            rows, length, q_heads, _, _ = CASES[name]
+            assert r["shape"] == [rows, length // 2, q_heads, 8], (rank, name)
+            assert r["out"] < 1e-6 and r["grads"] < 1e-6, (rank, name, r)
+
+
+STEPS, CUT = 6, 3
+
+
+def config(tmp_path, snapshot, name, data, **overrides):
+    from _train_helpers import write_config
+
+    return write_config(tmp_path / f"{name}.yaml", snapshot, tmp_path / name, steps=STEPS, grad_accum_steps=2,
+                        optimizer={"lr": 3.0e-3, "weight_decay": 0.01}, data=data, **overrides)
+
+
+# Qwen3: rows of 3 documents. Qwen3-VL: every row with images (4 tokens each), some cut by the
+# chunks' edge (checked below), and vision tower trained too.
+DATA = {"qwen3": {"kind": "random", "seq_len": 32, "segments": 3},
+        "qwen3_vl": {"kind": "random", "seq_len": 48, "segments": 2, "image_fraction": 1.0}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(DATA))
+def test_cp2_trains_as_one_process(tmp_path, family):
+    """cp 2 against one process over 6 steps of 2 micro-batches (4 heads, 2 k/v heads); for Qwen3 its
+    step-3 checkpoint resumed by one process ends as the uninterrupted run."""
+    from _train_helpers import load_dcp, read_metrics, tiny_snapshot, train
+    from test_train_elastic import cut_back
+
+    snapshot = tiny_snapshot(family, tmp_path / "model")
+    train(1, config(tmp_path, snapshot, "reference", DATA[family], checkpoint={"enabled": False}))
+    train(2, config(tmp_path, snapshot, "cp2", DATA[family], checkpoint={"interval": 1, "keep": 10},
+                    parallel={"cp": 2}))
+    reference, run = read_metrics(tmp_path / "reference"), read_metrics(tmp_path / "cp2")
+    trajectory = lambda metrics: torch.tensor([(m["loss"], m["grad_norm"]) for m in metrics])  # noqa: E731
+    torch.testing.assert_close(trajectory(run), trajectory(reference), rtol=1e-5, atol=1e-5)
+    assert [m["label_tokens"] for m in run] == [m["label_tokens"] for m in reference]
+    ref_weights = load_dcp(tmp_path / "reference" / "final")
+    for out in ("cp2", "cp1_resumed") if family == "qwen3" else ("cp2",):
+        if out == "cp1_resumed":
+            cut_back(tmp_path / "cp2", tmp_path / out, CUT)
+            train(1, config(tmp_path, snapshot, out, DATA[family], checkpoint={"interval": 1, "keep": 10}))
+            torch.testing.assert_close(trajectory(read_metrics(tmp_path / out)[CUT:]), trajectory(reference[CUT:]),
+                                       rtol=1e-5, atol=1e-5)
+        weights = load_dcp(tmp_path / out / "final")
+        assert weights.keys() == ref_weights.keys()
+        assert any(".visual." in key for key in weights) == (family == "qwen3_vl")
+        for key, value in ref_weights.items():
+            torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-5, msg=key)
+
+
+def test_qwen3_vl_rows_have_images_cut_by_the_chunks_edge():
+    """The Qwen3-VL case above trains on images on both sides of the edge and cut by it."""
+    from _train_helpers import SPECIAL, hf_config
+    from vlmcore.train.random_data import RandomBatches
+
+    data = DATA["qwen3_vl"]
+    batches = RandomBatches(hf_config("qwen3_vl"), seq_len=data["seq_len"], segments=data["segments"],
+                            image_fraction=1.0, micro_batch_size=1, dp_rank=0, dp_world=1, grad_accum_steps=2, seed=0)
+    cut = 0
+    for i in range(2 * STEPS):
+        ids = batches.batch(i).input_ids[0]
+        image = ids == SPECIAL["image_token_id"]
+        cut += bool(image[23] and image[24])
+    assert cut > 0
+
+
+def test_context_chunk_keeps_the_images_at_its_tokens():
+    """Two rows of 8 tokens, cp 2: an image (4 tokens) in row 0 cut by the edge at 4, one in row 1
+    inside chunk 1. Each chunk keeps the images with a token in it, and says which of their tower
+    output rows are its tokens; together the chunks take every image token once. Likewise a video
+    whose frame groups fall on both sides."""
+    from vlmcore.data.batch import Batch, Images
+
+    I = 9  # noqa: E741  the image token
+    ids = torch.tensor([[1, 2, I, I, I, I, 3, 4], [5, 6, 7, 8, I, I, I, I]])
+    grids = torch.tensor([[1, 4, 4], [1, 4, 4]])  # 16 patches, 4 tokens each (merge 2)
+    pixels = torch.arange(32)[:, None].expand(32, 3)
+    batch = Batch(ids, ids.clone(), torch.tensor([0, 8, 16], dtype=torch.int32), torch.arange(8).expand(2, 8),
+                  images=Images(pixels, grids))
+    chunks = [batch.context_chunk(r, 2, {"image": I, "video": None}, merge=2) for r in range(2)]
+    assert chunks[0].input_ids.tolist() == [[1, 2, I, I], [5, 6, 7, 8]]
+    assert chunks[0].images.grid_thw.tolist() == [[1, 4, 4]] and chunks[0].images.pixel_values[:, 0].tolist() == list(range(16))
+    assert [t.tolist() for t in chunks[0].visual_selection] == [[0, 1]]
+    assert chunks[1].images.grid_thw.tolist() == [[1, 4, 4], [1, 4, 4]]
+    assert [t.tolist() for t in chunks[1].visual_selection] == [[2, 3, 4, 5, 6, 7]]
+    assert chunks[1].position_ids.tolist() == [[4, 5, 6, 7], [4, 5, 6, 7]]
+    # A video of 2 frame groups (4 tokens each, a timestamp token between them) cut by the edge at 6.
+    V = 7  # noqa: E741  the video token
+    ids = torch.tensor([[1, V, V, V, V, 2, V, V, V, V, 3, 4]])
+    video = Images(torch.arange(32)[:, None].expand(32, 3), torch.tensor([[2, 4, 4]]), kind="video")
+    batch = Batch(ids, ids.clone(), torch.tensor([0, 12], dtype=torch.int32), torch.arange(12).expand(3, 1, 12),
+                  videos=video)
+    chunks = [batch.context_chunk(r, 2, {"image": I, "video": V}, merge=2) for r in range(2)]
+    assert [c.videos.grid_thw.tolist() for c in chunks] == [[[2, 4, 4]]] * 2 and chunks[0].images is None
+    assert [[t.tolist() for t in c.visual_selection] for c in chunks] == [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
+    assert chunks[1].position_ids.shape == (3, 1, 6)  # M-RoPE positions, cut on the sequence
+    text = Batch(ids[:1], ids[:1], torch.tensor([0, 5, 12], dtype=torch.int32))
+    assert text.context_chunk(1, 2).position_ids.tolist() == [[1, 2, 3, 4, 5, 6]]  # the whole row's, from 5 on
+
+
+@pytest.mark.parametrize("parallel, world, model, message", [
+    ({"cp": 2, "tp": 2}, 4, "qwen3", "parallel.cp: 2 with parallel.tp 2 is not implemented yet"),
+    ({"cp": 2}, 3, "qwen3", r"parallel: dp_replicate \(1\) x dp_shard \(-1\) x cp \(2\) x tp \(1\) does not fit the world size 3"),
+    ({"cp": 2, "modules": {"vision": {"tp": 2}}}, 2, "qwen3_vl", "parallel.cp: 2 with parallel.modules is not implemented yet"),
+    ({"cp": 2}, 2, "qwen3_5", "parallel.cp: context parallelism of qwen3_5 models is not implemented yet"),
+    ({"cp": 2}, 2, "qwen3_vl_moe", "parallel.cp: context parallelism of qwen3_vl_moe models is not implemented yet"),
+    ({"cp": 4}, 4, "qwen3", r"parallel.cp: 4 does not divide the model's num_key_value_heads \(2\)"),
+    ({"cp": 3}, 3, "qwen3", r"parallel.cp: 3 does not divide the rows' length \(data.seq_len 32\)"),
+])
+def test_unsupported_or_unfit_cp_is_refused_naming_the_key(parallel, world, model, message):
+    from _train_helpers import hf_config
+    from vlmcore.config import ConfigError, from_dict
+    from vlmcore.parallel.checks import check_run
+
+    cfg = from_dict({"model_path": "m", "output_dir": "o", "parallel": parallel,
+                     "data": {"kind": "random", "seq_len": 32}})
+    with pytest.raises(ConfigError, match=message):
+        check_run(cfg, world, hf_config(model))
+
+
+def test_cp_ranks_share_their_data_rank():
+    from vlmcore.config import from_dict
+    from vlmcore.parallel.checks import check_run
+
+    layout = check_run(from_dict({"model_path": "m", "output_dir": "o", "parallel": {"cp": 2},
+                                  "data": {"kind": "random"}}), 8)
+    grid = layout.language
+    assert (grid.dims.dp_shard, grid.dims.cp, grid.dims.world_size) == (4, 2, 8)
+    assert [grid.data_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [grid.cp_rank(r) for r in range(8)] == [0, 1] * 4
+
+
+def test_memory_estimate_follows_the_split_of_the_rows(tmp_path):
+    """`vlmcore memory` runs the real step on fake tensors: at cp 2 a rank's activations are half
+    of one rank's with the whole rows (8,192-token rows of a tiny Qwen3)."""
+    from _train_helpers import tiny_snapshot
+    from vlmcore.config import from_dict
+    from vlmcore.train.memory import estimate_stage, format_table
+
+    snapshot = tiny_snapshot("qwen3", tmp_path / "model")
+    activations = {}
+    for cp in (1, 2):
+        cfg = from_dict({"model_path": str(snapshot), "output_dir": str(tmp_path / "out"), "parallel": {"cp": cp},
+                         "data": {"kind": "random", "seq_len": 8192, "segments": 2}})
+        result = estimate_stage(cfg, cp)
+        activations[cp] = result["peak_bytes_by_kind"]["Activation"]
+        assert result["cp"] == cp and (f"cp {cp} x tp 1" in format_table(result)) == (cp > 1)
+    assert 0.45 < activations[2] / activations[1] < 0.55, activations
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    worker(Path(sys.argv[1]))
