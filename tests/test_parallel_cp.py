@@ -92,15 +92,19 @@ DATA = {"qwen3": {"kind": "random", "seq_len": 32, "segments": 3},
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(DATA))
 def test_cp2_trains_as_one_process(tmp_path, family):
-    """cp 2 against one process over 6 steps of 2 micro-batches (4 heads, 2 k/v heads); for Qwen3 its
-    step-3 checkpoint resumed by one process ends as the uninterrupted run."""
+    """cp 2 against one eager process over 6 steps of 2 micro-batches (4 heads, 2 k/v heads); for Qwen3
+    its step-3 checkpoint resumed by one process ends as the uninterrupted run; Qwen3-VL's cp run is
+    compiled, under full activation checkpointing."""
     from _train_helpers import load_dcp, read_metrics, tiny_snapshot, train
     from test_train_elastic import cut_back
 
     snapshot = tiny_snapshot(family, tmp_path / "model")
     train(1, config(tmp_path, snapshot, "reference", DATA[family], checkpoint={"enabled": False}))
+    # Qwen3-VL's blocks compiled under full activation checkpointing: the all-to-all inside the graph
+    # (compiled fp32 sums in another order: weights within 5e-5 after 6 steps, 1.1e-5 seen).
+    compiled = {"compile": True, "activation_checkpointing": "full"} if family == "qwen3_vl" else {}
     train(2, config(tmp_path, snapshot, "cp2", DATA[family], checkpoint={"interval": 1, "keep": 10},
-                    parallel={"cp": 2}))
+                    parallel={"cp": 2, **compiled}))
     reference, run = read_metrics(tmp_path / "reference"), read_metrics(tmp_path / "cp2")
     trajectory = lambda metrics: torch.tensor([(m["loss"], m["grad_norm"]) for m in metrics])  # noqa: E731
     torch.testing.assert_close(trajectory(run), trajectory(reference), rtol=1e-5, atol=1e-5)
@@ -115,8 +119,9 @@ def test_cp2_trains_as_one_process(tmp_path, family):
         weights = load_dcp(tmp_path / out / "final")
         assert weights.keys() == ref_weights.keys()
         assert any(".visual." in key for key in weights) == (family == "qwen3_vl")
+        atol = 5e-5 if compiled else 1e-5
         for key, value in ref_weights.items():
-            torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-5, msg=key)
+            torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=atol, msg=key)
 
 
 def test_qwen3_vl_rows_have_images_cut_by_the_chunks_edge():
