@@ -232,6 +232,58 @@ def test_video_sample_tokens_are_the_processors(encoder, clips, name):
         assert pads == plan.patches // 4
 
 
+def whole_video_processor(model_dir):
+    """transformers' processor with its own video processor, where torchvision loads (the GPU
+    machines' CUDA torch); None here, where torchvision's CUDA wheel fails beside the CPU torch."""
+    try:
+        import torchvision  # noqa: F401
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(model_dir)
+    except Exception:  # the CUDA wheel fails at import with a RuntimeError, not an ImportError
+        return None
+    return processor if getattr(processor, "video_processor", None) is not None else None
+
+
+@pytest.mark.parametrize("name", SAMPLES)
+def test_video_samples_equal_the_whole_processor_where_torchvision_loads(encoder, clips, video_model, name):
+    """The real thing, where it loads: transformers' Qwen3VLProcessor with its Qwen3VLVideoProcessor,
+    given each clip's decoded frames and metadata, samples, resizes and lays out the clips as
+    vlmcore does: the same token ids and grids, and pixel_values_videos equal to the loader's
+    patches normalized on the device. Passed on 2026-11-28 on the CPU machine with torchvision
+    0.28.0's Python parts loaded by hand (its C++ ops, which the video processor does not use,
+    taken out); skipped where torchvision does not load."""
+    from PIL import Image
+
+    from vlmcore.data.encoder import to_chat_messages
+    from vlmcore.data.video import clip_patches, normalize_video_patches
+
+    processor = whole_video_processor(video_model)
+    if processor is None:
+        pytest.skip("transformers' video processor needs torchvision, which does not load beside this CPU torch")
+    messages, clip_names, image_sizes = SAMPLES[name]
+    infos = [probe(clips[c]) for c in clip_names]
+    metas = [info.as_dict() for info in infos]
+    if name.startswith("frames without a rate"):
+        metas = [{**meta, "fps": None} for meta in metas]
+    frames = [decode_frames(clips[c], list(range(info.frames))) for c, info in zip(clip_names, infos)]
+    metadata = [{"total_num_frames": meta["frames"], "fps": meta["fps"], "width": meta["width"],
+                 "height": meta["height"], "duration": meta["duration_s"] if meta["fps"] else None} for meta in metas]
+    text = processor.apply_chat_template([to_chat_messages(messages)], tokenize=False)
+    images = [Image.new("RGB", size) for size in image_sizes] or None
+    out = processor(text=text, images=images, videos=frames, video_metadata=metadata, do_sample_frames=True,
+                    return_tensors="pt")
+    enc = encoder.encode_text({"messages": messages}, image_sizes, metas)
+    assert out["input_ids"][0].tolist() == enc.input_ids
+    assert out["video_grid_thw"].tolist() == [list(g) for g in enc.video_grid_thw]
+    settings = encoder.video
+    ours = torch.cat([normalize_video_patches(clip_patches({"kind": "file", **meta}, [clips[c]],
+                                                           encoder.video_plan(meta), settings)[0],
+                                              settings.image_mean, settings.image_std)
+                      for c, meta in zip(clip_names, metas)])
+    torch.testing.assert_close(out["pixel_values_videos"], ours, rtol=0, atol=1e-5)
+
+
 def test_truncation_never_splits_a_video(encoder, clips):
     messages, clip_names, _ = SAMPLES["one video"]
     metas = [probe(clips[c]).as_dict() for c in clip_names]
