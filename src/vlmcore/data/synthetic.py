@@ -198,7 +198,7 @@ def run(args) -> int:
     from vlmcore.data import synthetic_video
 
     default = (32, 112) if args.kind == "image" else (64, 64)
-    min_size, max_size = args.min_size or default[0], args.max_size or max(default[1], args.min_size or 0)
+    min_size, max_size = args.min_size or default[0], args.max_size or default[1]
     if not 8 <= min_size <= max_size:
         raise UsageError(f"--min-size, --max-size: must satisfy 8 <= min <= max, got {min_size}, {max_size}")
     write = generate if args.kind == "image" else synthetic_video.generate
