@@ -72,9 +72,9 @@ def _check_references(config: dict):
     demo_tasks = {"image": ("demo_vqa", "demo_vqa_gen"), "video": ("demo_video_qa", "demo_video_qa_shuffled")}
     for kind, tasks in demo_tasks.items():
         for task in set(tasks) & set(config.get("eval", {}).get("tasks", [])):
-            if synthetic.get("kind") != kind and (synthetic or not uses_raw):  # else said above
-                problems.append(f"eval.tasks: {task} asks questions of the {kind} demo data, but data.synthetic"
-                                + (f".kind is {synthetic['kind']!r}" if synthetic else " is not configured"))
+            if synthetic and synthetic.get("kind") != kind:
+                problems.append(f"eval.tasks: {task} asks questions of the {kind} demo data, but "
+                                f"data.synthetic.kind is {synthetic['kind']!r}")
     seen = []
     for name, stage in config["train"]["stages"].items():
         if stage["dataset"] not in datasets:
