@@ -143,12 +143,12 @@ def test_stage_cut_by_time_limit_resumes_in_retry(two_node_stage, tmp_path):
 
 def test_video_demo_through_slurm(slurm, tmp_path):
     """The video demo (config/demo-video.yaml), every rule a SLURM job; training and scaling as
-    2-node jobs. Small: that the model learns is measured with the whole config (docs/video.md,
-    benchmarks/demo_learning.py) and, for the image demo with the same rules, checked by
-    tests/test_pipeline_demo.py."""
+    2-node jobs. Small (150 clips, 10 + 30 steps): that the model learns is measured with the whole
+    config (docs/video.md, benchmarks/demo_learning.py) and, for the image demo with the same
+    rules, checked by tests/test_pipeline_demo.py."""
     configfile, root = write_config(tmp_path, "demo-video", "demo-video.yaml", nodes=2, nproc_per_node=1)
     config = yaml.safe_load(configfile.read_text())
-    config["data"]["synthetic"].update(num_train=300, num_eval=60)
+    config["data"]["synthetic"].update(num_train=150, num_eval=30)
     config["train"]["stages"]["stage1"]["steps"] = 10
     config["train"]["stages"]["stage2"]["steps"] = 30
     config["scaling"]["steps"] = 4
@@ -159,8 +159,8 @@ def test_video_demo_through_slurm(slurm, tmp_path):
     assert len(jobs) == 2 and all(j["NumNodes"] == "2" and j["JobState"] == "COMPLETED" for j in jobs.values())
     assert (root / "report" / "SCALABILITY.md").is_file()
     stats = json.loads((root / "packed" / "conversations" / "stats.json").read_text())
-    assert stats["videos"] == 300 and stats["bad"]["skipped"] == 0
+    assert stats["videos"] == 150 and stats["bad"]["skipped"] == 0
     results = json.loads((root / "eval" / "results.json").read_text())
     for task in ("demo_video_qa", "demo_video_qa_shuffled"):
         assert {kind: figures["n"] for kind, figures in results["breakdown"][task].items()} == \
-            {"direction": 20, "order": 20, "count": 20}
+            {"direction": 10, "order": 10, "count": 10}

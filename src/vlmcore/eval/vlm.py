@@ -21,7 +21,7 @@ only: `generate_until` with videos is refused.
 """
 
 import dataclasses
-from functools import cached_property
+import functools
 from pathlib import Path
 
 import torch
@@ -108,7 +108,7 @@ class VisionLanguageLM(HFMultimodalLM):
             templated.append(request)
         return super().generate_until(templated, disable_tqdm=disable_tqdm)
 
-    @cached_property
+    @functools.cached_property
     def sample_encoder(self) -> SampleEncoder:
         return SampleEncoder(self.model.name_or_path)
 
@@ -138,19 +138,22 @@ class VisionLanguageLM(HFMultimodalLM):
         encoder = self.sample_encoder
         out = dict(self.processor.image_processor(images, return_tensors="pt")) if images else {}
         grids = [tuple(g) for g in out["image_grid_thw"].tolist()] if images else []
-        plans, pixels = [], []
-        for clip in videos:
-            data = Path(clip.path).read_bytes()
-            meta = {"kind": "file", **probe(data).as_dict()}
-            plan = encoder.video_plan(meta)
-            frames = clip_frames(meta, [data], plan.indices)[clip.frame_order(len(plan.indices))]
-            patches, _ = video_patches(resize_frames(frames, *plan.size), encoder.video)
-            pixels.append(normalize_video_patches(patches, encoder.video.image_mean, encoder.video.image_std))
-            plans.append(plan)
+        plans, pixels = zip(*map(self.clip_inputs, videos))
         input_ids = self.tokenizer(encoder.expand_visual_tokens(prompt, grids, plans))["input_ids"]
         return {**out, "input_ids": torch.tensor([input_ids]), "pixel_values_videos": torch.cat(pixels),
                 "video_grid_thw": torch.tensor([plan.grid for plan in plans]),
                 "mm_token_type_ids": torch.tensor(self.processor.create_mm_token_type_ids([input_ids]))}
+
+    @functools.lru_cache(maxsize=32)  # a multiple-choice question asks once per choice
+    def clip_inputs(self, clip: VideoClip):
+        """The clip's VideoPlan and its pixel_values_videos, as the training data has them."""
+        encoder = self.sample_encoder
+        data = Path(clip.path).read_bytes()
+        meta = {"kind": "file", **probe(data).as_dict()}
+        plan = encoder.video_plan(meta)
+        frames = clip_frames(meta, [data], plan.indices)[clip.frame_order(len(plan.indices))]
+        patches, _ = video_patches(resize_frames(frames, *plan.size), encoder.video)
+        return plan, normalize_video_patches(patches, encoder.video.image_mean, encoder.video.image_std)
 
     @torch.no_grad()
     def score_batch(self, batch: list[dict]) -> list[tuple[float, bool]]:
