@@ -53,41 +53,43 @@ def test_each_target_plans_its_stages(tmp_path, target, expected):
     assert stats == expected
 
 
-def test_moe_demo_plans_the_demo_with_a_tiny_moe_model(tmp_path):
-    """config/demo-moe.yaml: the demo's whole DAG, its tiny model a Qwen3-VL-MoE."""
+DEMO_JOBS = {"download_model": 1, "synth_data": 1, "prepare_data": 2, **PACK, "train_stage": 2,
+             "export_hf": 1, "evaluate": 1, "scaling_run": 2, "scaling_report": 1}
+
+
+def plan_demo_variant(tmp_path, name: str) -> tuple[str, dict, dict]:
+    """The dry-run of config/<name> (every job of the demo's DAG, checked), its printed commands, and
+    that config and config/config.yaml with their `experiment` taken out."""
     proc = snakemake("-n", "-p", "--profile", str(REPO / "profiles/local"), "--snakefile", str(REPO / "Snakefile"),
-                     "--configfile", str(REPO / "config/demo-moe.yaml"), "--directory", str(tmp_path), "train_all")
+                     "--configfile", str(REPO / "config" / name), "--directory", str(tmp_path), "train_all")
     assert proc.returncode == 0, proc.stderr
     stats = job_stats(proc.stdout)
     stats.pop("train_all", None)
-    assert stats == {"download_model": 1, "synth_data": 1, "prepare_data": 2, **PACK, "train_stage": 2,
-                     "export_hf": 1, "evaluate": 1, "scaling_run": 2, "scaling_report": 1}
-    assert "vlmcore download --tiny --tiny-family qwen3_vl_moe " in proc.stdout
-    assert "results/demo-moe/model" in proc.stdout
-    # It is the demo in all else (a --configfile replaces config/config.yaml, hence a full copy).
-    demo, moe = (yaml.safe_load((REPO / "config" / name).read_text()) for name in ("config.yaml", "demo-moe.yaml"))
-    assert moe.pop("experiment") == "demo-moe" and moe["model"]["tiny"].pop("family") == "qwen3_vl_moe"
+    assert stats == DEMO_JOBS
+    demo, variant = (yaml.safe_load((REPO / "config" / f).read_text()) for f in ("config.yaml", name))
     demo.pop("experiment")
+    assert variant.pop("experiment") == name.removesuffix(".yaml")
+    return proc.stdout, demo, variant
+
+
+def test_moe_demo_plans_the_demo_with_a_tiny_moe_model(tmp_path):
+    """config/demo-moe.yaml: the demo's whole DAG, its tiny model a Qwen3-VL-MoE."""
+    stdout, demo, moe = plan_demo_variant(tmp_path, "demo-moe.yaml")
+    assert "vlmcore download --tiny --tiny-family qwen3_vl_moe " in stdout
+    assert "results/demo-moe/model" in stdout
+    # It is the demo in all else (a --configfile replaces config/config.yaml, hence a full copy).
+    assert moe["model"]["tiny"].pop("family") == "qwen3_vl_moe"
     assert moe == demo
 
 
 def test_video_demo_plans_the_demo_on_generated_clips(tmp_path):
     """config/demo-video.yaml: the demo's whole DAG on synthetic clips, evaluated with its control."""
-    proc = snakemake("-n", "-p", "--profile", str(REPO / "profiles/local"), "--snakefile", str(REPO / "Snakefile"),
-                     "--configfile", str(REPO / "config/demo-video.yaml"), "--directory", str(tmp_path), "train_all")
-    assert proc.returncode == 0, proc.stderr
-    stats = job_stats(proc.stdout)
-    stats.pop("train_all", None)
-    assert stats == {"download_model": 1, "synth_data": 1, "prepare_data": 2, **PACK, "train_stage": 2,
-                     "export_hf": 1, "evaluate": 1, "scaling_run": 2, "scaling_report": 1}
-    assert "vlmcore synth --kind video --out results/demo-video/raw" in proc.stdout
-    assert "--tasks demo_video_qa,demo_video_qa_shuffled" in proc.stdout
+    stdout, demo, video = plan_demo_variant(tmp_path, "demo-video.yaml")
+    assert "vlmcore synth --kind video --out results/demo-video/raw" in stdout
+    assert "--tasks demo_video_qa,demo_video_qa_shuffled" in stdout
     # The demo's model, training and packing; its data and questions are video.
-    demo, video = (yaml.safe_load((REPO / "config" / name).read_text()) for name in ("config.yaml", "demo-video.yaml"))
     assert video["data"].pop("synthetic")["kind"] == "video" and video.pop("eval") == {
         "tasks": ["demo_video_qa", "demo_video_qa_shuffled"], "batch_size": 16}
-    for config in (demo, video):
-        config.pop("experiment")
     demo["data"].pop("synthetic"), demo.pop("eval")
     assert video == demo
 
