@@ -1,5 +1,5 @@
 """Context parallelism by all-to-all over heads (the scheme of DeepSpeed-Ulysses), for rows too
-long for one GPU (`parallel.cp`; issue 30: text models with softmax attention so far).
+long for one GPU (`parallel.cp`; issue 30: Qwen3 and Qwen3-VL so far).
 
 A packed row is cut into `cp` contiguous chunks, one a rank (`Batch.context_chunk`): embeddings, norms,
 MLPs, the LM head and the loss run on the rank's chunk, so activations shrink by cp. Attention
