@@ -79,47 +79,66 @@ STEPS, CUT = 6, 3
 def config(tmp_path, snapshot, name, data, **overrides):
     from _train_helpers import write_config
 
-    return write_config(tmp_path / f"{name}.yaml", snapshot, tmp_path / name, steps=STEPS, grad_accum_steps=2,
-                        optimizer={"lr": 3.0e-3, "weight_decay": 0.01}, data=data, **overrides)
+    settings = {"steps": STEPS, "grad_accum_steps": 2, "optimizer": {"lr": 3.0e-3, "weight_decay": 0.01}, **overrides}
+    return write_config(tmp_path / f"{name}.yaml", snapshot, tmp_path / name, data=data, **settings)
 
 
 # Qwen3: rows of 3 documents. Qwen3-VL: every row with images (4 tokens each), some cut by the
-# chunks' edge (checked below), and vision tower trained too.
+# chunks' edge (checked below), and vision tower trained too. Qwen3.5: Gated DeltaNet layers (their
+# convolution and recurrence across the edge) and gated attention, images in half the rows.
+# Qwen3-VL-MoE: experts split over the two cp ranks (ep 2), the load-balancing loss of whole rows.
 DATA = {"qwen3": {"kind": "random", "seq_len": 32, "segments": 3},
-        "qwen3_vl": {"kind": "random", "seq_len": 48, "segments": 2, "image_fraction": 1.0}}
+        "qwen3_vl": {"kind": "random", "seq_len": 48, "segments": 2, "image_fraction": 1.0},
+        "qwen3_5": {"kind": "random", "seq_len": 32, "segments": 2, "image_fraction": 0.5},
+        "qwen3_vl_moe": {"kind": "random", "seq_len": 32, "segments": 2, "image_fraction": 0.5}}
+# family: (ranks, parallel settings of the cp run, its other settings); every run has a global batch
+# of 2 rows a step (2 micro-batches on one data-parallel rank, 1 on each of two).
+RUNS = {"qwen3": (4, {"cp": 2, "dp_shard": 2}, {"grad_accum_steps": 1, "global_batch_rows": 2}),
+        # Qwen3-VL's blocks compiled under full activation checkpointing: the all-to-all inside the graph
+        # (compiled fp32 sums in another order: weights within 5e-5 after 6 steps, 1.1e-5 seen).
+        "qwen3_vl": (2, {"cp": 2, "compile": True, "activation_checkpointing": "full"}, {}),
+        "qwen3_5": (2, {"cp": 2}, {}),
+        "qwen3_vl_moe": (2, {"cp": 2, "ep": 2}, {})}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(DATA))
 def test_cp2_trains_as_one_process(tmp_path, family):
-    """cp 2 against one eager process over 6 steps of 2 micro-batches (4 heads, 2 k/v heads); for Qwen3
-    its step-3 checkpoint resumed by one process ends as the uninterrupted run; Qwen3-VL's cp run is
-    compiled, under full activation checkpointing."""
+    """cp 2 against one eager process over 6 steps of 2 micro-batches (4 heads, 2 k/v heads; Qwen3.5's
+    linear attention 2 key and 4 value heads): loss and gradient-norm trajectories, label counts,
+    final weights (and the MoE load-balancing loss, a term of the loss). Resumes across cp sizes:
+    Qwen3's step-3 checkpoint at cp 2 x dp_shard 2 resumed by one process, and one process's step-3
+    checkpoint of Qwen3.5 resumed at cp 2, each end as the uninterrupted run."""
     from _train_helpers import load_dcp, read_metrics, tiny_snapshot, train
     from test_train_elastic import cut_back
 
+    ranks, parallel, settings = RUNS[family]
     snapshot = tiny_snapshot(family, tmp_path / "model")
-    train(1, config(tmp_path, snapshot, "reference", DATA[family], checkpoint={"enabled": False}))
-    # Qwen3-VL's blocks compiled under full activation checkpointing: the all-to-all inside the graph
-    # (compiled fp32 sums in another order: weights within 5e-5 after 6 steps, 1.1e-5 seen).
-    compiled = {"compile": True, "activation_checkpointing": "full"} if family == "qwen3_vl" else {}
-    train(2, config(tmp_path, snapshot, "cp2", DATA[family], checkpoint={"interval": 1, "keep": 10},
-                    parallel={"cp": 2, **compiled}))
+    train(1, config(tmp_path, snapshot, "reference", DATA[family],
+                    checkpoint={"interval": 1, "keep": 10} if family == "qwen3_5" else {"enabled": False}))
+    train(ranks, config(tmp_path, snapshot, "cp2", DATA[family], checkpoint={"interval": 1, "keep": 10},
+                        parallel=parallel, **settings))
     reference, run = read_metrics(tmp_path / "reference"), read_metrics(tmp_path / "cp2")
     trajectory = lambda metrics: torch.tensor([(m["loss"], m["grad_norm"]) for m in metrics])  # noqa: E731
     torch.testing.assert_close(trajectory(run), trajectory(reference), rtol=1e-5, atol=1e-5)
     assert [m["label_tokens"] for m in run] == [m["label_tokens"] for m in reference]
+    if family == "qwen3_vl_moe":
+        aux = lambda metrics: torch.tensor([m["moe_aux_loss"] for m in metrics])  # noqa: E731
+        torch.testing.assert_close(aux(run), aux(reference), rtol=1e-5, atol=1e-6)
     ref_weights = load_dcp(tmp_path / "reference" / "final")
-    for out in ("cp2", "cp1_resumed") if family == "qwen3" else ("cp2",):
-        if out == "cp1_resumed":
-            cut_back(tmp_path / "cp2", tmp_path / out, CUT)
-            train(1, config(tmp_path, snapshot, out, DATA[family], checkpoint={"interval": 1, "keep": 10}))
+    resumed = {"qwen3": ("cp1_resumed", "cp2", 1), "qwen3_5": ("cp2_resumed", "reference", ranks)}.get(family)
+    for out in ("cp2",) + ((resumed[0],) if resumed else ()):
+        if resumed and out == resumed[0]:
+            _, source, resumed_ranks = resumed
+            cut_back(tmp_path / source, tmp_path / out, CUT)
+            train(resumed_ranks, config(tmp_path, snapshot, out, DATA[family], checkpoint={"interval": 1, "keep": 10},
+                                        parallel=parallel if resumed_ranks > 1 else {}))
             torch.testing.assert_close(trajectory(read_metrics(tmp_path / out)[CUT:]), trajectory(reference[CUT:]),
                                        rtol=1e-5, atol=1e-5)
         weights = load_dcp(tmp_path / out / "final")
         assert weights.keys() == ref_weights.keys()
-        assert any(".visual." in key for key in weights) == (family == "qwen3_vl")
-        atol = 5e-5 if compiled else 1e-5
+        assert any(".visual." in key for key in weights) == (family != "qwen3")
+        atol = 5e-5 if parallel.get("compile") else 1e-5
         for key, value in ref_weights.items():
             torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=atol, msg=key)
 
@@ -178,8 +197,8 @@ def test_context_chunk_keeps_the_images_at_its_tokens():
     ({"cp": 2, "tp": 2}, 4, "qwen3", "parallel.cp: 2 with parallel.tp 2 is not implemented yet"),
     ({"cp": 2}, 3, "qwen3", r"parallel: dp_replicate \(1\) x dp_shard \(-1\) x cp \(2\) x tp \(1\) does not fit the world size 3"),
     ({"cp": 2, "modules": {"vision": {"tp": 2}}}, 2, "qwen3_vl", "parallel.cp: 2 with parallel.modules is not implemented yet"),
-    ({"cp": 2}, 2, "qwen3_5", "parallel.cp: context parallelism of qwen3_5 models is not implemented yet"),
-    ({"cp": 2}, 2, "qwen3_vl_moe", "parallel.cp: context parallelism of qwen3_vl_moe models is not implemented yet"),
+    ({"cp": 4}, 4, "qwen3_5", r"parallel.cp: 4 does not divide the model's num_key_value_heads \(2\)"),
+    ({"cp": 2, "ep": 4}, 2, "qwen3_vl_moe", r"parallel.ep: 4 does not divide the data-parallel shard ranks \(dp_shard 1 x cp 2 on 2 ranks\)"),
     ({"cp": 4}, 4, "qwen3", r"parallel.cp: 4 does not divide the model's num_key_value_heads \(2\)"),
     ({"cp": 3}, 3, "qwen3", r"parallel.cp: 3 does not divide the rows' length \(data.seq_len 32\)"),
 ])

@@ -195,8 +195,9 @@ class RoutingStats:
     """The routing of the blocks' last forward, for the load-balancing loss and the load metrics:
     per block, the tokens per expert (E,), the summed router probabilities (E,) and the tokens."""
 
-    def __init__(self, blocks: list[SparseMoeBlock]):
-        self.blocks, self.keeping = blocks, True
+    def __init__(self, blocks: list[SparseMoeBlock], row_group=None):
+        """`row_group`: under context parallelism, the ranks that hold the other chunks of the rows."""
+        self.blocks, self.keeping, self.row_group = blocks, True, row_group
         for block in blocks:
             block.routing = self
         self.clear()
@@ -214,14 +215,22 @@ class RoutingStats:
             aux = E * sum_e f_e * P_e,   f_e = routed pairs to e / (layers * tokens),
                                          P_e = summed probability of e / (layers * tokens)
 
-        where both sums run over all MoE layers at once (not a mean of per-layer losses)."""
+        where both sums run over all MoE layers at once (not a mean of per-layer losses).
+
+        Under context parallelism (`row_group`) the sums are the whole rows': f from the routed
+        pairs of every chunk (summed over the group, no gradient flows through f), P from this
+        rank's chunk only, so the group's losses add up to the rows' loss, gradient included."""
         routed = [b.last_routing for b in self.blocks if b.last_routing is not None]
         if not routed:
             return None
         counts = torch.stack([c for c, _, _ in routed])
         probs = torch.stack([p for _, p, _ in routed]).sum(dim=0)
         rows = sum(n for _, _, n in routed)
-        aux = self.blocks[0].num_experts * (counts.sum(dim=0).float() / rows * (probs / rows)).sum()
+        routed_pairs = counts.sum(dim=0).float()
+        if self.row_group is not None:
+            torch.distributed.all_reduce(routed_pairs, group=self.row_group)
+            rows *= torch.distributed.get_world_size(self.row_group)  # the chunks are equal
+        aux = self.blocks[0].num_experts * (routed_pairs / rows * (probs / rows)).sum()
         return aux, counts
 
     def clear(self) -> None:

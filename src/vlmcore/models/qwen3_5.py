@@ -73,6 +73,7 @@ class GatedDeltaNet(nn.Module):
         # (rank, ranks) under tensor parallelism: this rank computes heads [rank/ranks, (rank+1)/ranks)
         # of every head group; their inputs from the column-parallel projections arrive already split.
         self.head_shard = (0, 1)
+        self.context_parallel = None  # vlmcore.parallel.cp.apply_cp
         self.reset_own_parameters()
 
     def reset_own_parameters(self, std: float = 0.02):
@@ -82,36 +83,54 @@ class GatedDeltaNet(nn.Module):
 
     def own_heads(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """This rank's share of each block of `sizes` rows of t (all of t without TP)."""
-        rank, ranks = self.head_shard
-        if ranks == 1:
-            return t
-        return torch.cat([block.chunk(ranks)[rank] for block in t.split(sizes)])
+        return block_share(t, sizes, *self.head_shard)
 
     def forward(self, x, cu_seqlens, cu_seqlens_cpu=None):
         batch, seq_len, _ = x.shape
-        cu_seqlens = row_segments(cu_seqlens, batch, seq_len, x.device)
+        # Under context parallelism x is this rank's chunk of the rows; the recurrence and the
+        # convolution run on whole rows for a share of the heads (vlmcore.parallel.cp).
+        cp = self.context_parallel
+        length = seq_len * (cp.cp if cp is not None else 1)
+        cu_seqlens = row_segments(cu_seqlens, batch, length, x.device)
         x = x.flatten(0, 1)
         # Under TP, x is a replicated DTensor (the column-parallel projections take it as is) and the
         # rows of qkv read here are plain tensors: this rank's heads give a part of x's gradient.
         x_local = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else x
-        qkv_weight = self.own_heads(self.in_proj_qkv.weight, self.split)
+        sizes = [size // self.head_shard[1] for size in self.split]
+        mixed = F.linear(x_local, self.own_heads(self.in_proj_qkv.weight, self.split))
         conv_weight = self.own_heads(self.conv1d.weight, self.split)
-        qkv = causal_depthwise_conv(F.linear(x_local, qkv_weight), conv_weight, cu_seqlens).to(x.dtype)
-        q, k, v = qkv.split([size // self.head_shard[1] for size in self.split], dim=-1)
+        A_log, dt_bias = (self.own_heads(p, [self.n_v_heads]) for p in (self.A_log, self.dt_bias))
+        beta = self.in_proj_b(x).sigmoid()
+        g = -A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + dt_bias)
+        if cp is not None:
+            mixed = cp.channels_to_rows(mixed.view(batch, seq_len, -1), sizes).flatten(0, 1)
+            conv_weight = block_share(conv_weight, sizes, cp.rank, cp.cp)
+            sizes = [size // cp.cp for size in sizes]
+            gates = torch.stack([beta.float(), g], dim=-1).view(batch, seq_len, -1)  # head h: channels 2h, 2h + 1
+            gates = cp.channels_to_rows(gates, [gates.shape[-1]]).flatten(0, 1).unflatten(-1, (-1, 2))
+            beta, g = gates[..., 0].to(beta.dtype), gates[..., 1]
+        qkv = causal_depthwise_conv(mixed, conv_weight, cu_seqlens).to(x.dtype)
+        q, k, v = qkv.split(sizes, dim=-1)
         q, k = q.unflatten(-1, (-1, self.k_dim)), k.unflatten(-1, (-1, self.k_dim))
         v = v.unflatten(-1, (-1, self.v_dim))
         # Each key head serves a run of consecutive value heads.
         groups = v.shape[1] // q.shape[1]
         q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
-        A_log, dt_bias = (self.own_heads(p, [self.n_v_heads]) for p in (self.A_log, self.dt_bias))
-        beta = self.in_proj_b(x).sigmoid()
-        g = -A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + dt_bias)
         # z before the kernel: under torch.compile the kernel is a graph break, and a DTensor view
         # (x) live across it cannot be rebuilt after it.
         z = self.in_proj_z(x).unflatten(-1, (-1, self.v_dim))
         out = gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+        if cp is not None:
+            out = cp.heads_to_chunk(out.view(batch, length, -1, self.v_dim)).flatten(0, 1)
         out = self.norm(out, z)
         return self.out_proj(out.reshape(batch, seq_len, -1))
+
+
+def block_share(t: torch.Tensor, sizes: list[int], rank: int, ranks: int) -> torch.Tensor:
+    """Share `rank` of `ranks` equal parts of each block of `sizes` rows of t (all of t for one rank)."""
+    if ranks == 1:
+        return t
+    return torch.cat([block.chunk(ranks)[rank] for block in t.split(sizes)])
 
 
 class GatedAttention(nn.Module):
@@ -128,6 +147,7 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(n_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.context_parallel = None  # as Qwen3's Attention
 
     def forward(self, x, cos, sin, cu_seqlens, max_seqlen=None):
         batch, seq_len, _ = x.shape
@@ -136,7 +156,11 @@ class GatedAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(batch, seq_len, -1, self.head_dim))
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attention(q, k, v, cu_seqlens, max_seqlen, causal=True) * torch.sigmoid(gate)
+        if self.context_parallel is None:
+            out = attention(q, k, v, cu_seqlens, max_seqlen, causal=True)
+        else:
+            out = self.context_parallel(attention, q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, causal=True)
+        out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(batch, seq_len, -1))
 
 
@@ -219,8 +243,10 @@ class Qwen3_5ForConditionalGeneration(VisionLanguageParts, nn.Module):
 
     def forward(self, input_ids, pixel_values=None, image_grid_thw=None, position_ids=None,
                 cu_seqlens=None, max_seqlen=None, return_hidden=False, pixel_values_videos=None,
-                video_grid_thw=None) -> ModelOutput:
-        h, _, _ = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+                video_grid_thw=None, visual_selection=None) -> ModelOutput:
+        """`visual_selection`: as Qwen3-VL's (context parallelism)."""
+        h, _, _ = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
+                             visual_selection)
         if position_ids is None:
             position_ids = self.position_ids(input_ids, image_grid_thw, cu_seqlens, video_grid_thw)
         return self.output(self.model.language_model(h, position_ids, cu_seqlens, max_seqlen), return_hidden)

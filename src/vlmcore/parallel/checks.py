@@ -74,13 +74,13 @@ def check_disjoint(layout: RunLayout) -> None:
 
 
 def check_cp(cfg: TrainConfig, layout: RunLayout) -> None:
-    """Context parallelism, as far as it is built (issue 30): with data parallelism only."""
+    """Context parallelism, as far as it is built (issue 30): with data and expert parallelism."""
     cp = layout.language.dims.cp
     if cp == 1:
         return
-    for key, value in (("tp", layout.language.dims.tp), ("ep", layout.language.dims.ep)):
-        if value > 1:
-            raise ConfigError(f"parallel.cp: {cp} with parallel.{key} {value} is not implemented yet", "parallel.cp")
+    if layout.language.dims.tp > 1:
+        raise ConfigError(f"parallel.cp: {cp} with parallel.tp {layout.language.dims.tp} is not implemented yet",
+                          "parallel.cp")
     if modules_set(cfg.parallel):
         raise ConfigError(f"parallel.cp: {cp} with parallel.modules is not implemented yet", "parallel.cp")
     if cfg.data.kind == "random" and cfg.data.seq_len % cp:
@@ -131,12 +131,12 @@ def check_tp(config, tp: int) -> None:
 
 
 def check_cp_model(config, model, cp: int) -> None:
-    """The heads split over `cp` ranks; the families whose context parallelism is built."""
-    if model.linear_attention or model.experts:
-        raise ConfigError(f"parallel.cp: context parallelism of {config.model_type} models is not implemented yet "
-                          f"(dense models with softmax attention: qwen3, qwen3_vl)", "parallel.cp")
+    """The heads of every token mixer split over `cp` ranks (the all-to-all gives each whole heads)."""
     text = text_config(config)
-    for key in ("num_attention_heads", "num_key_value_heads"):
+    keys = ["num_attention_heads", "num_key_value_heads"]
+    if model.linear_attention:
+        keys += ["linear_num_key_heads", "linear_num_value_heads"]
+    for key in keys:
         if getattr(text, key) % cp:
             raise ConfigError(f"parallel.cp: {cp} does not divide the model's {key} ({getattr(text, key)}): the "
                               f"all-to-all gives each cp rank whole heads", "parallel.cp")

@@ -1,5 +1,5 @@
 """Context parallelism by all-to-all over heads (the scheme of DeepSpeed-Ulysses), for rows too
-long for one GPU (`parallel.cp`; issue 30: Qwen3 and Qwen3-VL so far).
+long for one GPU (`parallel.cp`; issue 30).
 
 A packed row is cut into `cp` contiguous chunks, one a rank (`Batch.context_chunk`): embeddings, norms,
 MLPs, the LM head and the loss run on the rank's chunk, so activations shrink by cp. Attention
@@ -10,13 +10,16 @@ needs the whole row: one all-to-all before it gives each rank the whole row for 
 boundaries need nothing new, and every rank does exactly 1/cp of the attention work whatever
 the lengths of the documents, with no balancing (a ring over sequence chunks needs head/tail
 chunks or per-document balancing for that). The same split suits Qwen3.5's Gated DeltaNet: its
-recurrence and short convolution run per head over whole sequences.
+recurrence and short causal convolution run per head (per channel) over whole sequences, so one
+all-to-all of the projected q/k/v channels, the decays and the write strengths before them, and
+one of the output after, make it exact too (`UlyssesAttention.channels_to_rows`).
 
 The limit: cp divides the k/v heads a rank holds (Qwen3-VL-8B: 8, divided by tp), beyond which
 a ring over the heads' sequence chunks is the way (docs/hpc.md, "Context parallelism").
 """
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
@@ -52,17 +55,32 @@ def ulysses_attention(attend, q, k, v, group, cp: int, **kwargs) -> torch.Tensor
 
 
 class UlyssesAttention:
-    """What a model's attention module calls instead of its kernel under context parallelism."""
+    """What a model's token mixer calls under context parallelism: softmax attention calls it
+    instead of its kernel; Gated DeltaNet moves its per-channel inputs and its output with it."""
 
     def __init__(self, group, cp: int):
         self.group, self.cp = group, cp
+        self.rank = dist.get_rank(group)
 
     def __call__(self, attend, q, k, v, **kwargs) -> torch.Tensor:
         return ulysses_attention(attend, q, k, v, self.group, self.cp, **kwargs)
 
+    def channels_to_rows(self, x: torch.Tensor, blocks: list[int]) -> torch.Tensor:
+        """(B, S/cp, C) chunk of every channel, C made of `blocks` of per-head channels -> (B, S, C/cp):
+        the whole rows for this rank's share (`rank` of `cp` equal parts) of every block."""
+        shares = [block.unflatten(-1, (self.cp, -1)) for block in x.split(blocks, dim=-1)]
+        return sequence_to_heads(torch.cat(shares, dim=-1), self.group, self.cp).flatten(-2)
+
+    def heads_to_chunk(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S, H/cp, D) whole rows of this rank's heads -> (B, S/cp, H, D): its chunk, every head."""
+        return heads_to_sequence(x, self.group, self.cp)
+
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
-    """Every softmax-attention module of the language model attends over the cp ranks' whole rows."""
+    """Every token mixer of the language model (softmax attention, Gated DeltaNet) works on the cp
+    ranks' whole rows."""
     context_parallel = UlyssesAttention(cp_mesh.get_group(), cp_mesh.size())
     for block in model.decoder_layers():
-        block.self_attn.context_parallel = context_parallel
+        for mixer in ("self_attn", "linear_attn"):
+            if hasattr(block, mixer):
+                getattr(block, mixer).context_parallel = context_parallel

@@ -5,8 +5,8 @@ Each module (the vision tower, the language model) has a grid: `dp_replicate x d
 over its ranks. Colocated layouts put both modules on every rank (the vision tower's degrees may
 differ from the language model's); disjoint layouts give each module its own ranks, ranges that
 tile the world. The language model's grid is the data's: its data-parallel ranks each read their
-own micro-batches. Expert parallelism (the language model's) is carved out of its shard ranks:
-`dp_shard = dp_shard_mod_ep x ep`; each group of `ep` consecutive shard ranks splits the experts
+own micro-batches. Expert parallelism (the language model's) is carved out of its shard ranks
+(with context parallelism, of dp_shard x cp): `dp_shard = dp_shard_mod_ep x ep`; each group of `ep` consecutive shard ranks splits the experts
 between its ranks, the `dp_shard_mod_ep` ranks orthogonal to it FSDP-shard each expert shard
 further.
 
@@ -33,7 +33,9 @@ class ParallelDims:
 
     @property
     def dp_shard_mod_ep(self) -> int:
-        return self.dp_shard // self.ep
+        """The ranks that FSDP-shard each expert shard: expert parallelism takes its ranks from
+        dp_shard x cp (the cp ranks of a row hold different tokens, as different rows)."""
+        return self.dp_shard * self.cp // self.ep
 
     @property
     def dp(self) -> int:
@@ -145,9 +147,10 @@ def resolve_layout(cfg: ParallelConfig, world_size: int) -> RunLayout:
     where = f"the world size {world_size}" if language.ranks == "all" else f"its {len(ranks['language'])} ranks"
     lang = _fit(_pick(language.dp_replicate, cfg.dp_replicate), _pick(language.dp_shard, cfg.dp_shard),
                 _pick(language.tp, cfg.tp), cfg.mode, len(ranks["language"]), key, where, cfg.cp)
-    if lang.dp_shard % cfg.ep:
+    if lang.dp_shard * lang.cp % cfg.ep:
         raise ConfigError(f"parallel.ep: {cfg.ep} does not divide the data-parallel shard ranks (dp_shard "
-                          f"{lang.dp_shard} on {len(ranks['language'])} ranks)", "parallel.ep")
+                          f"{lang.dp_shard}{f' x cp {lang.cp}' if lang.cp > 1 else ''} on {len(ranks['language'])} "
+                          f"ranks)", "parallel.ep")
     lang = dataclasses.replace(lang, ep=cfg.ep)
     where = f"the world size {world_size}" if vision.ranks == "all" else f"its {len(ranks['vision'])} ranks"
     replicate = lang.dp_replicate if lang.tp == 1 and vision.ranks == "all" else 1

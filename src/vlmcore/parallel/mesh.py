@@ -37,7 +37,7 @@ class Meshes:
     parallelism `dp_replicate x dp_shard x cp x tp`). The vision
     tower shares the language model's unless its degrees differ or it has ranks of its own (its
     dimensions are then named `vision_*`). Under expert parallelism the experts get the language
-    ranks again with dp_shard unflattened into `dp_shard_mod_ep x ep`: their weights are split over
+    ranks again with dp_shard (under cp: dp_shard x cp) unflattened into `dp_shard_mod_ep x ep`: their weights are split over
     `ep` and FSDP-sharded over `dp_shard_mod_ep` (a mesh of its own rather than `dp_shard` flattened
     from the two: torch deprecates slicing a flattened dimension from the root mesh)."""
 
@@ -54,7 +54,12 @@ class Meshes:
             self.data_cp = DeviceMesh(device.type, torch.arange(layout.world_size).view(shape),
                                       mesh_dim_names=("dp_replicate", "dp_shard_cp"))
         self.experts = None
-        if language.ep > 1:
+        if language.ep > 1 and self.data_cp is not None:
+            # ep out of dp_shard x cp: consecutive ranks, which under cp are first a row's cp ranks.
+            shape = (language.dp_replicate, language.dp_shard_mod_ep, language.ep)
+            self.experts = DeviceMesh(device.type, torch.arange(layout.world_size).view(shape),
+                                      mesh_dim_names=("dp_replicate", "dp_shard_mod_ep", "ep"))
+        elif language.ep > 1:
             # dim by index: torch 2.10's _unflatten refuses a dimension given by a name it has.
             self.experts = self.meshes["language"]._unflatten(1, (language.dp_shard_mod_ep, language.ep),
                                                              ("dp_shard_mod_ep", "ep"))

@@ -87,8 +87,10 @@ class Run:
         self.optimizer = build_optimizer(self.model, self.cfg.optimizer)
         dims = self.layout.language.dims
         tp_group = self.meshes.tp().get_group() if dims.tp > 1 and self.role == "both" else None
+        cp_group = self.meshes.cp().get_group() if dims.cp > 1 else None
         self.step = build_step(self.model, self.optimizer, self.partial, tp_group, self.cfg.loss_chunk_tokens,
-                               self.cfg.max_grad_norm, compiled_loss=self.cfg.parallel.compile, bridge=self.bridge)
+                               self.cfg.max_grad_norm, compiled_loss=self.cfg.parallel.compile, bridge=self.bridge,
+                               cp_group=cp_group)
 
     @property
     def context(self) -> dict | None:

@@ -77,6 +77,7 @@ class MoE:
     routing: RoutingStats
     aux_loss_coef: float
     dp_size: int  # data-parallel ranks: the global batch is split over them
+    cp: int = 1  # context-parallel ranks: each a chunk of the rows, its loss a part of theirs
 
 
 def forward_backward(model, micro: list[Batch], label_tokens: float, vision_dummy, chunk_tokens: int,
@@ -178,7 +179,7 @@ class Step:
         moe = None
         if routed is not None:
             routed_total = torch.tensor(moe_totals[1:], dtype=torch.float64).view(routed.shape)
-            moe = moe_metrics(moe_totals[0], routed_total, len(micro), ranks)
+            moe = moe_metrics(moe_totals[0], routed_total, len(micro), ranks // self.moe.cp)
         finite = math.isfinite(norm_value) and math.isfinite(loss_value)
         if finite:
             clip_grads(self.trainable, norm_value, self.max_grad_norm)
@@ -198,14 +199,16 @@ def clip_grads(params: list[torch.Tensor], norm: float, max_norm: float) -> None
 
 
 def build_step(model, optimizer, partial_params: list, tp_group, chunk_tokens: int, max_grad_norm: float,
-               compiled_loss: bool = False, bridge=None) -> Step:
-    """`partial_params`: (module, attribute name) of the TP-partial parameters (`apply_tp`)."""
+               compiled_loss: bool = False, bridge=None, cp_group=None) -> Step:
+    """`partial_params`: (module, attribute name) of the TP-partial parameters (`apply_tp`);
+    `cp_group`: this rank's context-parallel peers (None without context parallelism)."""
     moe = None
     if blocks := moe_blocks(model):
         tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        cp = dist.get_world_size(cp_group) if cp_group is not None else 1
         ranks = dist.get_world_size() if dist.is_initialized() else 1
         coef = getattr(model.config.get_text_config(), "router_aux_loss_coef", 0.0) or 0.0
-        moe = MoE(RoutingStats(blocks), coef, ranks // tp)
+        moe = MoE(RoutingStats(blocks, cp_group), coef, ranks // (tp * cp), cp)
     trainable = [p for p in model.parameters() if p.requires_grad]
     partial = [getattr(m, name) for m, name in partial_params if getattr(m, name).requires_grad]
     vision_dummy = VisionDummy(model) if model.vision_tower() is not None and bridge is None else None
