@@ -56,14 +56,17 @@ def hf_config(kind: str):
     raise ValueError(kind)
 
 
-def tiny_snapshot(kind: str, path: Path, seed: int = 0) -> Path:
-    """An HF snapshot directory (config.json + model.safetensors) of a tiny random model."""
+def tiny_snapshot(kind: str, path: Path, seed: int = 0, **text) -> Path:
+    """An HF snapshot directory (config.json + model.safetensors) of a tiny random model; `text`:
+    settings of its language model that differ from hf_config's."""
     import transformers
 
     if (path / "config.json").exists():
         return path
     torch.manual_seed(seed)
     config = hf_config(kind)
+    for key, value in text.items():
+        setattr(config.get_text_config(), key, value)
     cls = {"qwen3": transformers.Qwen3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM, "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
            "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,
            "qwen3_5": transformers.Qwen3_5ForConditionalGeneration,

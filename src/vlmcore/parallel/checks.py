@@ -74,13 +74,10 @@ def check_disjoint(layout: RunLayout) -> None:
 
 
 def check_cp(cfg: TrainConfig, layout: RunLayout) -> None:
-    """Context parallelism, as far as it is built (issue 30): with data and expert parallelism."""
+    """Context parallelism, as far as it is built (issue 30): with data, tensor and expert parallelism."""
     cp = layout.language.dims.cp
     if cp == 1:
         return
-    if layout.language.dims.tp > 1:
-        raise ConfigError(f"parallel.cp: {cp} with parallel.tp {layout.language.dims.tp} is not implemented yet",
-                          "parallel.cp")
     if modules_set(cfg.parallel):
         raise ConfigError(f"parallel.cp: {cp} with parallel.modules is not implemented yet", "parallel.cp")
     if cfg.data.kind == "random" and cfg.data.seq_len % cp:
@@ -101,7 +98,7 @@ def check_model(cfg: TrainConfig, layout: RunLayout, config) -> None:
                           "supported yet (use colocated layouts)", "parallel.modules.vision.ranks")
     check_ep(config, layout.language.dims.ep)
     if layout.language.dims.cp > 1:
-        check_cp_model(config, model, layout.language.dims.cp)
+        check_cp_model(config, model, layout.language.dims.cp, layout.language.dims.tp)
     if layout.language.dims.tp > 1:
         check_tp(config, layout.language.dims.tp)
     if model.vision and layout.vision.dims.tp > 1:
@@ -130,15 +127,17 @@ def check_tp(config, tp: int) -> None:
             raise ConfigError(f"parallel.tp: {tp} does not divide the model's {key} ({value})")
 
 
-def check_cp_model(config, model, cp: int) -> None:
-    """The heads of every token mixer split over `cp` ranks (the all-to-all gives each whole heads)."""
+def check_cp_model(config, model, cp: int, tp: int = 1) -> None:
+    """The heads of every token mixer, those of a TP rank, split over `cp` ranks (the all-to-all gives
+    each whole heads)."""
     text = text_config(config)
     keys = ["num_attention_heads", "num_key_value_heads"]
     if model.linear_attention:
         keys += ["linear_num_key_heads", "linear_num_value_heads"]
     for key in keys:
-        if getattr(text, key) % cp:
-            raise ConfigError(f"parallel.cp: {cp} does not divide the model's {key} ({getattr(text, key)}): the "
+        if getattr(text, key) % (cp * tp):
+            ranks = f"cp x tp = {cp} x {tp}" if tp > 1 else f"{cp}"
+            raise ConfigError(f"parallel.cp: {ranks} does not divide the model's {key} ({getattr(text, key)}): the "
                               f"all-to-all gives each cp rank whole heads", "parallel.cp")
 
 

@@ -34,7 +34,7 @@ class Meshes:
     making process groups is collective over the world.
 
     A module's mesh is `dp_replicate x dp_shard x tp` over its ranks (tp innermost; with context
-    parallelism `dp_replicate x dp_shard x cp x tp`). The vision
+    parallelism `dp_replicate x dp_shard_cp x tp`, the cp ranks innermost in dp_shard_cp). The vision
     tower shares the language model's unless its degrees differ or it has ranks of its own (its
     dimensions are then named `vision_*`). Under expert parallelism the experts get the language
     ranks again with dp_shard (under cp: dp_shard x cp) unflattened into `dp_shard_mod_ep x ep`: their weights are split over
@@ -45,21 +45,16 @@ class Meshes:
         self.layout = layout
         self.meshes = {"language": self._module_mesh("language", device)}
         language = layout.language.dims
-        self.data_cp = None
+        self.context = None
         if language.cp > 1:
-            # FSDP shards over dp_shard x cp: the cp ranks of a row hold different tokens, so their
-            # gradients add up like those of different rows. A mesh of its own (tp is 1 under cp,
-            # vlmcore.parallel.checks) rather than a flattened slice of the root.
-            shape = (language.dp_replicate, language.dp_shard * language.cp)
-            self.data_cp = DeviceMesh(device.type, torch.arange(layout.world_size).view(shape),
-                                      mesh_dim_names=("dp_replicate", "dp_shard_cp"))
+            # The language mesh is `dp_replicate x dp_shard_cp x tp`: FSDP shards over dp_shard x cp
+            # (the cp ranks of a row hold different tokens, so their gradients add up like those of
+            # different rows), and the cp ranks are that dimension unflattened, from the same root
+            # mesh as the TP mesh (FSDP2 composes only meshes of one root).
+            self.context = self.meshes["language"]._unflatten(1, (language.dp_shard, language.cp), ("dp_shard", "cp"))
         self.experts = None
-        if language.ep > 1 and self.data_cp is not None:
-            # ep out of dp_shard x cp: consecutive ranks, which under cp are first a row's cp ranks.
-            shape = (language.dp_replicate, language.dp_shard_mod_ep, language.ep)
-            self.experts = DeviceMesh(device.type, torch.arange(layout.world_size).view(shape),
-                                      mesh_dim_names=("dp_replicate", "dp_shard_mod_ep", "ep"))
-        elif language.ep > 1:
+        if language.ep > 1:
+            # ep out of dp_shard (x cp): consecutive ranks, under cp first a row's cp ranks.
             # dim by index: torch 2.10's _unflatten refuses a dimension given by a name it has.
             self.experts = self.meshes["language"]._unflatten(1, (language.dp_shard_mod_ep, language.ep),
                                                              ("dp_shard_mod_ep", "ep"))
@@ -68,9 +63,11 @@ class Meshes:
 
     def _module_mesh(self, module: str, device: torch.device) -> DeviceMesh:
         grid = self.layout.grid(module)
-        dims = ("dp_replicate", "dp_shard", "cp", "tp") if grid.dims.cp > 1 else ("dp_replicate", "dp_shard", "tp")
+        dims = ("dp_replicate", "dp_shard", "tp")
         names = tuple(self._name(module, name) for name in dims)
         shape = tuple(getattr(grid.dims, name) for name in dims)
+        if grid.dims.cp > 1:
+            names, shape = ("dp_replicate", "dp_shard_cp", "tp"), (shape[0], shape[1] * grid.dims.cp, shape[2])
         if not self.layout.disjoint:
             return init_device_mesh(device.type, shape, mesh_dim_names=names)
         return DeviceMesh(device.type, torch.arange(grid.ranks.start, grid.ranks.stop).view(shape), mesh_dim_names=names)
@@ -84,13 +81,13 @@ class Meshes:
     def dp(self, module: str = "language") -> DeviceMesh:
         """The mesh FSDP2 shards the module over: 1-D (FSDP) or 2-D replicate x shard (HSDP / DDP)."""
         mesh, replicate, shard = self.meshes[module], self._name(module, "dp_replicate"), self._name(module, "dp_shard")
-        if module == "language" and self.data_cp is not None:
-            mesh, shard = self.data_cp, "dp_shard_cp"
+        if module == "language" and self.context is not None:
+            shard = "dp_shard_cp"
         return mesh[shard] if self.layout.grid(module).dims.dp_replicate == 1 else mesh[replicate, shard]
 
     def cp(self) -> DeviceMesh:
         """The language model's context-parallel ranks: the ranks that share rows."""
-        return self.meshes["language"]["cp"]
+        return self.context["cp"]
 
     def ep(self) -> DeviceMesh:
         return self.experts["ep"]
