@@ -124,16 +124,21 @@ def config(tmp_path, snapshot, name, data, **overrides):
 # Qwen3: rows of 3 documents. Qwen3-VL: every row with images (4 tokens each), some cut by the
 # chunks' edge (checked below), and vision tower trained too. Qwen3.5: Gated DeltaNet layers (their
 # convolution and recurrence across the edge) and gated attention, images in half the rows.
-# Qwen3-VL-MoE: experts split over the two cp ranks (ep 2), the load-balancing loss of whole rows.
+# Qwen3-VL-MoE: experts split over the two cp ranks (ep 2), the load-balancing loss of whole rows,
+# rows with images or videos of 2 frame groups (one cut by the edge, checked below).
 DATA = {"qwen3": {"kind": "random", "seq_len": 32, "segments": 3},
         "qwen3_vl": {"kind": "random", "seq_len": 48, "segments": 2, "image_fraction": 1.0},
         "qwen3_5": {"kind": "random", "seq_len": 32, "segments": 2, "image_fraction": 0.5},
-        "qwen3_vl_moe": {"kind": "random", "seq_len": 32, "segments": 2, "image_fraction": 0.5}}
+        "qwen3_vl_moe": {"kind": "random", "seq_len": 48, "segments": 2, "image_fraction": 0.5,
+                         "video_fraction": 0.5, "video_frames": 2}}
 # family: (ranks, parallel settings of the cp run, its other settings); every run has a global batch
 # of 2 rows a step (2 micro-batches on one data-parallel rank, 1 on each of two).
 RUNS = {"qwen3": (4, {"cp": 2, "dp_shard": 2}, {"grad_accum_steps": 1, "global_batch_rows": 2}),
-        # Qwen3-VL's blocks compiled under full activation checkpointing: the all-to-all inside the graph.
-        "qwen3_vl": (2, {"cp": 2, "compile": True, "activation_checkpointing": "full"}, {}),
+        # Qwen3-VL's blocks compiled under full activation checkpointing (the all-to-all inside the
+        # graph), its vision tower with a layout of its own: tp 2 over the two cp ranks, which bring
+        # the images of their chunks.
+        "qwen3_vl": (2, {"cp": 2, "compile": True, "activation_checkpointing": "full",
+                         "modules": {"vision": {"tp": 2}}}, {}),
         # Qwen3.5 with 4 k/v heads (and 4 linear key heads): 1 a rank under cp 2 x tp 2.
         "qwen3_5": (4, {"cp": 2, "tp": 2}, {}),
         "qwen3_vl_moe": (2, {"cp": 2, "ep": 2}, {})}
@@ -142,7 +147,7 @@ RUNS = {"qwen3": (4, {"cp": 2, "dp_shard": 2}, {"grad_accum_steps": 1, "global_b
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(DATA))
 def test_cp2_trains_as_one_process(tmp_path, family):
-    """cp 2 (with dp_shard 2, tp 2 or ep 2) against one eager process over 6 steps of 2 micro-batches
+    """cp 2 (with dp_shard 2, tp 2, ep 2 or a vision layout of its own) against one eager process over 6 steps of 2 micro-batches
     (4 heads, 2 k/v heads): loss and gradient-norm trajectories, label counts, final weights (and the
     MoE load-balancing loss, a term of the loss). Resumes across cp sizes: Qwen3's step-3 checkpoint
     at cp 2 x dp_shard 2 resumed by one process, and one process's step-3 checkpoint of Qwen3.5
@@ -183,20 +188,23 @@ def test_cp2_trains_as_one_process(tmp_path, family):
             torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=atol, msg=key)
 
 
-def test_qwen3_vl_rows_have_images_cut_by_the_chunks_edge():
-    """The Qwen3-VL case above trains on images on both sides of the edge and cut by it."""
+def test_qwen3_vl_rows_have_images_and_videos_cut_by_the_chunks_edge():
+    """The Qwen3-VL case above trains on images on both sides of the edge and cut by it; the
+    Qwen3-VL-MoE case on videos, one of them cut by the edge between its frame groups."""
     from _train_helpers import SPECIAL, hf_config
     from vlmcore.train.random_data import RandomBatches
 
-    data = DATA["qwen3_vl"]
-    batches = RandomBatches(hf_config("qwen3_vl"), seq_len=data["seq_len"], segments=data["segments"],
-                            image_fraction=1.0, micro_batch_size=1, dp_rank=0, dp_world=1, grad_accum_steps=2, seed=0)
-    cut = 0
-    for i in range(2 * STEPS):
-        ids = batches.batch(i).input_ids[0]
-        image = ids == SPECIAL["image_token_id"]
-        cut += bool(image[23] and image[24])
-    assert cut > 0
+    for family, token in (("qwen3_vl", SPECIAL["image_token_id"]), ("qwen3_vl_moe", SPECIAL["video_token_id"])):
+        data = {k: v for k, v in DATA[family].items() if k != "kind"}
+        batches = RandomBatches(hf_config(family), **data, micro_batch_size=1, dp_rank=0, dp_world=1,
+                                grad_accum_steps=2, seed=0)
+        edge, seen, cut = data["seq_len"] // 2, 0, 0
+        for i in range(2 * STEPS):
+            ids = batches.batch(i).input_ids[0]
+            visual = ids == token
+            seen += bool(visual.any())
+            cut += bool(visual[:edge].any() and visual[edge:].any())
+        assert seen > STEPS and cut > 0, family
 
 
 def test_context_chunk_keeps_the_images_at_its_tokens():
@@ -236,7 +244,8 @@ def test_context_chunk_keeps_the_images_at_its_tokens():
 @pytest.mark.parametrize("parallel, world, model, message", [
     ({"cp": 2, "tp": 2}, 4, "qwen3", r"parallel.cp: cp x tp = 2 x 2 does not divide the model's num_key_value_heads \(2\)"),
     ({"cp": 2}, 3, "qwen3", r"parallel: dp_replicate \(1\) x dp_shard \(-1\) x cp \(2\) x tp \(1\) does not fit the world size 3"),
-    ({"cp": 2, "modules": {"vision": {"tp": 2}}}, 2, "qwen3_vl", "parallel.cp: 2 with parallel.modules is not implemented yet"),
+    ({"cp": 2, "modules": {"vision": {"ranks": [0, 1]}, "language": {"ranks": [1, 3]}}}, 3, "qwen3_vl",
+     r"parallel.cp: 2 with disjoint layouts \(parallel.modules.\*.ranks\) is not implemented yet"),
     ({"cp": 4}, 4, "qwen3_5", r"parallel.cp: 4 does not divide the model's num_key_value_heads \(2\)"),
     ({"cp": 2, "ep": 4}, 2, "qwen3_vl_moe", r"parallel.ep: 4 does not divide the data-parallel shard ranks \(dp_shard 1 x cp 2 on 2 ranks\)"),
     ({"cp": 4}, 4, "qwen3", r"parallel.cp: 4 does not divide the model's num_key_value_heads \(2\)"),

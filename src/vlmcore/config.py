@@ -92,9 +92,10 @@ class ParallelConfig:
     dp_shard: int = setting(-1, "FSDP shards; -1 = whatever is left of the world size", ge=1, also=(-1,))
     tp: int = setting(1, "tensor-parallel ranks (inside a node)", ge=1)
     ep: int = setting(1, "expert-parallel ranks (MoE models): each holds num_experts / ep experts; carved out of "
-                      "dp_shard, which it must divide", ge=1)
-    cp: int = setting(1, "context-parallel ranks: each holds 1/cp of every row, attention by all-to-all over heads "
-                      "(docs/hpc.md); Qwen3 and Qwen3-VL without tp or ep for now", ge=1)
+                      "dp_shard (x cp), which it must divide", ge=1)
+    cp: int = setting(1, "context-parallel ranks: each holds 1/cp of every row, attention and linear attention by "
+                      "all-to-all over heads, so cp x tp must divide the k/v heads (docs/hpc.md section 15); not with "
+                      "disjoint layouts yet", ge=1)
     mode: Literal["fsdp", "ddp"] = setting(
         "fsdp", "fsdp: FSDP2 (HSDP when dp_replicate > 1); ddp: replicate everything")
     sequence_parallel: bool = setting(True, "under tp > 1: norms and the residual stream split on the sequence")

@@ -14,6 +14,10 @@ recurrence and short causal convolution run per head (per channel) over whole se
 all-to-all of the projected q/k/v channels, the decays and the write strengths before them, and
 one of the output after, make it exact too (`UlyssesAttention.channels_to_rows`).
 
+Composes with FSDP (over dp_shard x cp), TP (the all-to-all splits a TP rank's heads further),
+EP (experts split over dp_shard x cp) and a vision layout of its own; the MoE load-balancing
+loss is the whole rows' (vlmcore.models.moe.RoutingStats).
+
 The limit: cp divides the k/v heads a rank holds (Qwen3-VL-8B: 8, divided by tp), beyond which
 a ring over the heads' sequence chunks is the way (docs/hpc.md, "Context parallelism").
 """
