@@ -1,7 +1,17 @@
-"""Fixtures shared across test files."""
+"""Fixtures shared across test files, and the order of the files."""
 
 import pytest
 import torch.distributed as dist
+
+# The files that take longest (minutes each: the demo pipeline, the real SLURM runs) start first,
+# so that under pytest-xdist (the README's command: two workers, whole files each) neither worker
+# is left running one of them alone at the end.
+LONGEST_FIRST = ("test_pipeline_demo.py", "test_slurm_real.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    # A stable sort: every file's tests stay together and in their order.
+    items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)
 
 
 @pytest.fixture
