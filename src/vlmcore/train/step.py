@@ -7,6 +7,7 @@ Mixture-of-experts models add the load-balancing loss of each micro-batch (trans
 over the micro-batch's tokens, models/moe.py) times the config's `router_aux_loss_coef`, weighted
 1 / (micro-batches x data-parallel ranks): every micro-batch has the same number of tokens, so this
 is the token-weighted mean over the global batch, and any split of it gives the same gradients.
+Under context parallelism each cp rank's term is its part of the whole rows' loss (RoutingStats).
 
 The GPU is never waited for inside forward/backward: what the kernels need on the host (the
 longest packed segment, the image grids, the label count) is taken from the batch while it is
