@@ -2,11 +2,13 @@
 config/experiments/*.yaml, estimated without a GPU, against the recipe's train.gpu_memory_gib.
 
     python benchmarks/memory_recipes.py [RECIPE ...]   # writes benchmarks/results/memory_recipes.json
+    python benchmarks/memory_recipes.py --merge RECIPE ...   # replaces those recipes' rows in it, keeps the others
 
 Each stage is estimated as `snakemake memory` does on the cluster (`vlmcore memory` on the
 stage's config at its rank count): its worst-case row is one sample holding the largest image
 the recipe's pack.max_patches allows (a video recipe: a clip of pack.video.max_frames frames
-sharing that budget), in a row of pack.seq_len tokens. The models are built from
+sharing that budget), in a row of pack.seq_len tokens (under parallel.cp each rank holds 1/cp of
+it, and the images and videos with a token in its chunk). The models are built from
 the architecture fields of the published config.json of each recipe's repo_id (no weights).
 """
 
@@ -60,9 +62,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("recipes", nargs="*", type=Path, help="default: config/experiments/*.yaml")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "memory_recipes.json")
+    parser.add_argument("--merge", action="store_true", help="keep --out's rows of the other recipes (a run on all "
+                        "recipes takes over half an hour on 2 cores, Qwen3.5-9B's most of it)")
     args = parser.parse_args()
     recipes = args.recipes or sorted((REPO / "config" / "experiments").glob("*.yaml"))
-    print(f"{'recipe':<26}{'stage':<8}{'ranks':>6}{'mesh':>9}{'AC':>11}{'mbs':>4}{'tokens':>7}{'image':>10}"
+    print(f"{'recipe':<26}{'stage':<8}{'ranks':>6}{'mesh':>10}{'AC':>11}{'mbs':>4}{'tokens':>7}{'image':>10}"
           f"{'states':>8}{'activ.':>8}{'peak GiB':>9}{'GPU GiB':>8}  fits")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -71,10 +75,10 @@ def main() -> int:
                 rows.append(r)
                 kinds = r["peak_bytes_by_kind"]
                 states = sum(kinds.get(k, 0) for k in ("Sharded Param", "Sharded Grad", "OptState")) / 2**30
-                mesh = f"{r['dp_shard']}x{r['tp']}"
+                mesh = f"{r['dp_shard']}x{r['cp']}x{r['tp']}"  # dp_shard x cp x tp
                 side = f"{r['image_side']}^2" if r["image_side"] else "-"
                 side += f"x{r['video_frames']}" if r.get("video_frames") else ""  # frame groups of a clip
-                print(f"{r['recipe']:<26}{r['stage']:<8}{r['world_size']:>6}{mesh:>9}"
+                print(f"{r['recipe']:<26}{r['stage']:<8}{r['world_size']:>6}{mesh:>10}"
                       f"{r['activation_checkpointing']:>11}{r['micro_batch_size']:>4}{r['seq_len']:>7}{side:>10}"
                       f"{states:>8.1f}{kinds.get('Activation', 0) / 2**30:>8.1f}{r['peak_bytes'] / 2**30:>9.1f}"
                       f"{r['gpu_memory_gib']:>8g}  {'yes' if r['fits'] else 'NO'}", flush=True)
@@ -82,6 +86,10 @@ def main() -> int:
         if r["problem"]:
             print(f"{r['recipe']} {r['stage']}: {r['problem']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.merge and args.out.is_file():
+        estimated = {r["recipe"] for r in rows}
+        kept = [r for r in json.loads(args.out.read_text())["rows"] if r["recipe"] not in estimated]
+        rows = kept + rows
     args.out.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
     return 0 if all(r["fits"] for r in rows) else 1
 
