@@ -211,7 +211,7 @@ def test_context_chunk_keeps_the_images_at_its_tokens():
     """Two rows of 8 tokens, cp 2: an image (4 tokens) in row 0 cut by the edge at 4, one in row 1
     inside chunk 1. Each chunk keeps the images with a token in it, and says which of their tower
     output rows are its tokens; together the chunks take every image token once. Likewise a video
-    whose frame groups fall on both sides."""
+    whose frame groups fall on both sides: each chunk keeps only its own groups."""
     from vlmcore.data.batch import Batch, Images
 
     I = 9  # noqa: E741  the image token
@@ -234,11 +234,25 @@ def test_context_chunk_keeps_the_images_at_its_tokens():
     batch = Batch(ids, ids.clone(), torch.tensor([0, 12], dtype=torch.int32), torch.arange(12).expand(3, 1, 12),
                   videos=video)
     chunks = [batch.context_chunk(r, 2, {"image": I, "video": V}, merge=2) for r in range(2)]
-    assert [c.videos.grid_thw.tolist() for c in chunks] == [[[2, 4, 4]]] * 2 and chunks[0].images is None
-    assert [[t.tolist() for t in c.visual_selection] for c in chunks] == [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
+    # Each chunk keeps the frame group at its tokens (the tower encodes each group on its own).
+    assert [c.videos.grid_thw.tolist() for c in chunks] == [[[1, 4, 4]]] * 2 and chunks[0].images is None
+    assert [c.videos.pixel_values[:, 0].tolist() for c in chunks] == [list(range(16)), list(range(16, 32))]
+    assert [[t.tolist() for t in c.visual_selection] for c in chunks] == [[[0, 1, 2, 3]], [[0, 1, 2, 3]]]
     assert chunks[1].position_ids.shape == (3, 1, 6)  # M-RoPE positions, cut on the sequence
     text = Batch(ids[:1], ids[:1], torch.tensor([0, 5, 12], dtype=torch.int32))
     assert text.context_chunk(1, 2).position_ids.tolist() == [[1, 2, 3, 4, 5, 6]]  # the whole row's, from 5 on
+    # A video of 3 groups (tokens 1-4, 6-9, 11-14) over 4 chunks of 4: chunk 1 holds the end of group
+    # 0 and the start of group 1, chunk 2 the end of group 1 and the start of group 2; each chunk has
+    # one grid for the video's groups it keeps.
+    ids = torch.tensor([[1, V, V, V, V, 2, V, V, V, V, 3, V, V, V, V, 4]])
+    video = Images(torch.arange(48)[:, None].expand(48, 3), torch.tensor([[3, 4, 4]]), kind="video")
+    batch = Batch(ids, ids.clone(), torch.tensor([0, 16], dtype=torch.int32), torch.arange(16).expand(3, 1, 16),
+                  videos=video)
+    quarters = [batch.context_chunk(r, 4, {"image": I, "video": V}, merge=2) for r in range(4)]
+    assert [c.videos.grid_thw.tolist() for c in quarters] == [[[1, 4, 4]], [[2, 4, 4]], [[2, 4, 4]], [[1, 4, 4]]]
+    assert quarters[1].videos.pixel_values[:, 0].tolist() == list(range(32))
+    assert quarters[3].videos.pixel_values[:, 0].tolist() == list(range(32, 48))
+    assert [[t.tolist() for t in c.visual_selection] for c in quarters] == [[[0, 1, 2]], [[3, 4, 5]], [[2, 3, 4]], [[1, 2, 3]]]
 
 
 @pytest.mark.parametrize("parallel, world, model, message", [

@@ -8,6 +8,7 @@ metrics and the bridge between module layouts read the fields by name (docs/inte
 batches"); a new kind of input is a new field here and in its producers.
 """
 
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -126,10 +127,11 @@ class Batch:
         labels and positions (the positions of the whole rows, taken before the cut). `cu_seqlens` and
         `max_seqlen` stay the whole rows': attention sees whole rows after its all-to-all.
 
-        Images and videos: only those with a token in the chunk stay (one cut by the chunk's edge
-        stays on both sides), and `visual_selection` says which of their tower's output rows are
-        this chunk's. `visual_tokens`: {"image": id, "video": id} of a VL model; `merge`: its
-        spatial merge size."""
+        Images and videos' frame groups (the vision tower encodes each on its own: a (t, h, w)
+        video is t (1, h, w) grids to it): only those with a token in the chunk stay (one cut by
+        the chunk's edge stays on both sides), so a clip longer than a chunk is encoded a part on
+        each rank; `visual_selection` says which of their tower's output rows are this chunk's.
+        `visual_tokens`: {"image": id, "video": id} of a VL model; `merge`: its spatial merge size."""
         positions = self.position_ids if self.position_ids is not None else text_position_ids(self.input_ids,
                                                                                               self.cu_seqlens)
         in_chunk = torch.zeros_like(self.input_ids, dtype=torch.bool)
@@ -143,16 +145,19 @@ class Batch:
             token = visual_tokens[kind.removesuffix("s")]
             selected = in_chunk[self.input_ids == token]  # over the kind's tokens of the whole rows, in order
             grids = items.grids()
-            tokens = [t * h * w // merge**2 for t, h, w in grids]
-            patches = [t * h * w for t, h, w in grids]
+            groups = [(i, h * w) for i, (t, h, w) in enumerate(grids) for _ in range(t)]  # (item, patches)
+            tokens = [patches // merge**2 for _, patches in groups]
             keep = [bool(part.any()) for part in selected.split(tokens)]
             if not any(keep):
                 kept[kind] = None
                 continue
-            rows = torch.cat([torch.full((n,), k, dtype=torch.bool) for n, k in zip(patches, keep)])
-            grid_thw = torch.tensor([g for g, k in zip(grids, keep) if k], dtype=torch.long)
+            rows = torch.cat([torch.full((patches,), k, dtype=torch.bool) for (_, patches), k in zip(groups, keep)])
+            # An item's kept groups are consecutive (the chunk is): one grid of that many groups.
+            kept_groups = Counter(i for (i, _), k in zip(groups, keep) if k)
+            grid_thw = torch.tensor([[kept_groups[i], h, w] for i, (_, h, w) in enumerate(grids) if kept_groups[i]],
+                                    dtype=torch.long)
             kept[kind] = replace(items, pixel_values=items.pixel_values[rows], grid_thw=grid_thw)
-            # Indices into the kept items' tower output rows: those at this chunk's tokens.
+            # Indices into the kept groups' tower output rows: those at this chunk's tokens.
             selections[kind] = torch.cat([part for part, k in zip(selected.split(tokens), keep) if k]).nonzero()[:, 0]
         return replace(self, input_ids=row_chunk(self.input_ids, cp_rank, cp),
                        labels=row_chunk(self.labels, cp_rank, cp), position_ids=row_chunk(positions, cp_rank, cp, dim=-1),
