@@ -131,23 +131,28 @@ DATA = {"qwen3": {"kind": "random", "seq_len": 32, "segments": 3},
         "qwen3_5": {"kind": "random", "seq_len": 32, "segments": 2, "image_fraction": 0.5},
         "qwen3_vl_moe": {"kind": "random", "seq_len": 48, "segments": 2, "image_fraction": 0.5,
                          "video_fraction": 0.5, "video_frames": 2}}
-# family: (ranks, parallel settings of the cp run, its other settings); every run has a global batch
-# of 2 rows a step (2 micro-batches on one data-parallel rank, 1 on each of two).
-RUNS = {"qwen3": (4, {"cp": 2, "dp_shard": 2}, {"grad_accum_steps": 1, "global_batch_rows": 2}),
+# case: (family, ranks, parallel settings of the cp run, its other settings); every run has a
+# global batch of 2 rows a step (2 micro-batches on one data-parallel rank, 1 on each of two).
+RUNS = {"qwen3": ("qwen3", 4, {"cp": 2, "dp_shard": 2}, {"grad_accum_steps": 1, "global_batch_rows": 2}),
         # Qwen3-VL's blocks compiled under full activation checkpointing (the all-to-all inside the
         # graph), its vision tower with a layout of its own: tp 2 over the two cp ranks, which bring
         # the images of their chunks.
-        "qwen3_vl": (2, {"cp": 2, "compile": True, "activation_checkpointing": "full",
-                         "modules": {"vision": {"tp": 2}}}, {}),
+        "qwen3_vl": ("qwen3_vl", 2, {"cp": 2, "compile": True, "activation_checkpointing": "full",
+                                     "modules": {"vision": {"tp": 2}}}, {}),
+        # Disjoint layouts: the vision tower on rank 0 sends the whole rows' embeddings to both cp
+        # ranks; two rows a micro-batch, so a chunk holds the image of one row and not the other's.
+        "qwen3_vl_disjoint": ("qwen3_vl", 3, {"cp": 2, "modules": {"vision": {"ranks": [0, 1]},
+                                                                   "language": {"ranks": [1, 3]}}},
+                              {"micro_batch_size": 2, "grad_accum_steps": 1}),
         # Qwen3.5 with 4 k/v heads (and 4 linear key heads): 1 a rank under cp 2 x tp 2.
-        "qwen3_5": (4, {"cp": 2, "tp": 2}, {}),
-        "qwen3_vl_moe": (2, {"cp": 2, "ep": 2}, {})}
+        "qwen3_5": ("qwen3_5", 4, {"cp": 2, "tp": 2}, {}),
+        "qwen3_vl_moe": ("qwen3_vl_moe", 2, {"cp": 2, "ep": 2}, {})}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", list(DATA))
-def test_cp2_trains_as_one_process(tmp_path, family):
-    """cp 2 (with dp_shard 2, tp 2, ep 2 or a vision layout of its own) against one eager process over 6 steps of 2 micro-batches
+@pytest.mark.parametrize("case", list(RUNS))
+def test_cp2_trains_as_one_process(tmp_path, case):
+    """cp 2 (with dp_shard 2, tp 2, ep 2, a vision layout of its own or disjoint layouts) against one eager process over 6 steps of 2 micro-batches
     (4 heads, 2 k/v heads): loss and gradient-norm trajectories, label counts, final weights (and the
     MoE load-balancing loss, a term of the loss). Resumes across cp sizes: Qwen3's step-3 checkpoint
     at cp 2 x dp_shard 2 resumed by one process, and one process's step-3 checkpoint of Qwen3.5
@@ -155,10 +160,11 @@ def test_cp2_trains_as_one_process(tmp_path, family):
     from _train_helpers import load_dcp, read_metrics, tiny_snapshot, train
     from test_train_elastic import cut_back
 
-    ranks, parallel, settings = RUNS[family]
+    family, ranks, parallel, settings = RUNS[case]
     heads = {"num_key_value_heads": 4, "linear_num_key_heads": 4} if parallel.get("tp", 1) > 1 else {}
     snapshot = tiny_snapshot(family, tmp_path / "model", **heads)
-    train(1, config(tmp_path, snapshot, "reference", DATA[family],
+    # The reference takes the same micro-batches of the global batch (the sum order of fp32 gradients).
+    train(1, config(tmp_path, snapshot, "reference", DATA[family], **settings,
                     checkpoint={"interval": 1, "keep": 10} if family == "qwen3_5" else {"enabled": False}))
     train(ranks, config(tmp_path, snapshot, "cp2", DATA[family], checkpoint={"interval": 1, "keep": 10},
                         parallel=parallel, **settings))
@@ -170,7 +176,7 @@ def test_cp2_trains_as_one_process(tmp_path, family):
         aux = lambda metrics: torch.tensor([m["moe_aux_loss"] for m in metrics])  # noqa: E731
         torch.testing.assert_close(aux(run), aux(reference), rtol=1e-5, atol=1e-6)
     ref_weights = load_dcp(tmp_path / "reference" / "final")
-    resumed = {"qwen3": ("cp1_resumed", "cp2", 1), "qwen3_5": ("cp2_resumed", "reference", ranks)}.get(family)
+    resumed = {"qwen3": ("cp1_resumed", "cp2", 1), "qwen3_5": ("cp2_resumed", "reference", ranks)}.get(case)
     for out in ("cp2",) + ((resumed[0],) if resumed else ()):
         if resumed and out == resumed[0]:
             _, source, resumed_ranks = resumed
@@ -182,8 +188,9 @@ def test_cp2_trains_as_one_process(tmp_path, family):
         weights = load_dcp(tmp_path / out / "final")
         assert weights.keys() == ref_weights.keys()
         assert any(".visual." in key for key in weights) == (family != "qwen3")
-        # fp32 sums in another order: compiled blocks (1.1e-5 seen), TP's partial sums (1.05e-5 seen).
-        atol = 5e-5 if parallel.get("compile") or parallel.get("tp", 1) > 1 else 1e-5
+        # fp32 sums in another order, which AdamW's normalisation magnifies where a gradient is near
+        # zero: compiled blocks (1.1e-5 seen), TP's partial sums (1.05e-5), disjoint layouts (2.5e-5).
+        atol = 5e-5 if parallel.get("compile") or parallel.get("tp", 1) > 1 or "modules" in parallel else 1e-5
         for key, value in ref_weights.items():
             torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=atol, msg=key)
 
@@ -258,8 +265,6 @@ def test_context_chunk_keeps_the_images_at_its_tokens():
 @pytest.mark.parametrize("parallel, world, model, message", [
     ({"cp": 2, "tp": 2}, 4, "qwen3", r"parallel.cp: cp x tp = 2 x 2 does not divide the model's num_key_value_heads \(2\)"),
     ({"cp": 2}, 3, "qwen3", r"parallel: dp_replicate \(1\) x dp_shard \(-1\) x cp \(2\) x tp \(1\) does not fit the world size 3"),
-    ({"cp": 2, "modules": {"vision": {"ranks": [0, 1]}, "language": {"ranks": [1, 3]}}}, 3, "qwen3_vl",
-     r"parallel.cp: 2 with disjoint layouts \(parallel.modules.\*.ranks\) is not implemented yet"),
     ({"cp": 4}, 4, "qwen3_5", r"parallel.cp: 4 does not divide the model's num_key_value_heads \(2\)"),
     ({"cp": 2, "ep": 4}, 2, "qwen3_vl_moe", r"parallel.ep: 4 does not divide the data-parallel shard ranks \(dp_shard 1 x cp 2 on 2 ranks\)"),
     ({"cp": 4}, 4, "qwen3", r"parallel.cp: 4 does not divide the model's num_key_value_heads \(2\)"),

@@ -94,8 +94,7 @@ class ParallelConfig:
     ep: int = setting(1, "expert-parallel ranks (MoE models): each holds num_experts / ep experts; carved out of "
                       "dp_shard (x cp), which it must divide", ge=1)
     cp: int = setting(1, "context-parallel ranks: each holds 1/cp of every row, attention and linear attention by "
-                      "all-to-all over heads, so cp x tp must divide the k/v heads (docs/hpc.md section 15); not with "
-                      "disjoint layouts yet", ge=1)
+                      "all-to-all over heads, so cp x tp must divide the k/v heads (docs/hpc.md section 15)", ge=1)
     mode: Literal["fsdp", "ddp"] = setting(
         "fsdp", "fsdp: FSDP2 (HSDP when dp_replicate > 1); ddp: replicate everything")
     sequence_parallel: bool = setting(True, "under tp > 1: norms and the residual stream split on the sequence")

@@ -122,7 +122,8 @@ class Batch:
                        videos=None if self.videos is None else self.videos.map_tensors(fn),
                        visual_selection=None if self.visual_selection is None else list(map(fn, self.visual_selection)))
 
-    def context_chunk(self, cp_rank: int, cp: int, visual_tokens: dict | None = None, merge: int = 1) -> "Batch":
+    def context_chunk(self, cp_rank: int, cp: int, visual_tokens: dict | None = None, merge: int = 1,
+                      keep_all: bool = False) -> "Batch":
         """Context parallelism (vlmcore.parallel.cp): this rank's contiguous 1/cp of every row's tokens,
         labels and positions (the positions of the whole rows, taken before the cut). `cu_seqlens` and
         `max_seqlen` stay the whole rows': attention sees whole rows after its all-to-all.
@@ -131,7 +132,10 @@ class Batch:
         video is t (1, h, w) grids to it): only those with a token in the chunk stay (one cut by
         the chunk's edge stays on both sides), so a clip longer than a chunk is encoded a part on
         each rank; `visual_selection` says which of their tower's output rows are this chunk's.
-        `visual_tokens`: {"image": id, "video": id} of a VL model; `merge`: its spatial merge size."""
+        `visual_tokens`: {"image": id, "video": id} of a VL model; `merge`: its spatial merge size.
+        `keep_all`: the tower's output comes for the whole rows from elsewhere (a language rank of
+        disjoint layouts: vlmcore.parallel.disjoint), so every image and group stays and the
+        selection indexes the whole rows' output."""
         positions = self.position_ids if self.position_ids is not None else text_position_ids(self.input_ids,
                                                                                               self.cu_seqlens)
         in_chunk = torch.zeros_like(self.input_ids, dtype=torch.bool)
@@ -147,7 +151,7 @@ class Batch:
             grids = items.grids()
             groups = [(i, h * w) for i, (t, h, w) in enumerate(grids) for _ in range(t)]  # (item, patches)
             tokens = [patches // merge**2 for _, patches in groups]
-            keep = [bool(part.any()) for part in selected.split(tokens)]
+            keep = [keep_all or bool(part.any()) for part in selected.split(tokens)]
             if not any(keep):
                 kept[kind] = None
                 continue

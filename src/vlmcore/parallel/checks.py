@@ -78,9 +78,6 @@ def check_cp(cfg: TrainConfig, layout: RunLayout) -> None:
     cp = layout.language.dims.cp
     if cp == 1:
         return
-    if layout.disjoint:
-        raise ConfigError(f"parallel.cp: {cp} with disjoint layouts (parallel.modules.*.ranks) is not implemented "
-                          "yet", "parallel.cp")
     if cfg.data.kind == "random" and cfg.data.seq_len % cp:
         raise ConfigError(f"parallel.cp: {cp} does not divide the rows' length (data.seq_len {cfg.data.seq_len})",
                           "parallel.cp")

@@ -15,8 +15,9 @@ all-to-all of the projected q/k/v channels, the decays and the write strengths b
 one of the output after, make it exact too (`UlyssesAttention.channels_to_rows`).
 
 Composes with FSDP (over dp_shard x cp), TP (the all-to-all splits a TP rank's heads further),
-EP (experts split over dp_shard x cp) and a vision layout of its own; the MoE load-balancing
-loss is the whole rows' (vlmcore.models.moe.RoutingStats).
+EP (experts split over dp_shard x cp) and per-module layouts, colocated or disjoint
+(vlmcore.parallel.disjoint); the MoE load-balancing loss is the whole rows'
+(vlmcore.models.moe.RoutingStats).
 
 The limit: cp divides the k/v heads a rank holds (Qwen3-VL-8B: 8, divided by tp), beyond which
 a ring over the heads' sequence chunks is the way (docs/hpc.md, "Context parallelism").

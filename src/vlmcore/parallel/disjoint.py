@@ -12,6 +12,8 @@ language model on the others, and everything that makes them one run:
   ranks read.
 
 Each module runs with tp 1 for now (vlmcore.parallel.checks refuses tensor parallelism here).
+Under context parallelism each language rank of a row receives the whole row's embeddings and
+keeps the rows of its chunk (`Batch.context_chunk(keep_all=True)`).
 """
 
 import copy
@@ -27,6 +29,7 @@ from vlmcore.config import ConfigError, TrainConfig
 from vlmcore.data.batch import Images
 from vlmcore.parallel.ac import apply_ac
 from vlmcore.parallel.compile import apply_compile
+from vlmcore.parallel.cp import apply_cp
 from vlmcore.parallel.fsdp import apply_fsdp
 from vlmcore.parallel.layout import RunLayout
 from vlmcore.parallel.mesh import Meshes
@@ -52,6 +55,8 @@ def hold_one_module(model: nn.Module, module: str, cfg: TrainConfig, meshes: Mes
         width = model.config.vision_config.out_hidden_size
         model.dropped_prefixes = (_replace(model, model.vision_tower(), ReceivedImages(width)),)
         stack, root, blocks = model.decoder_layers(), model, list(model.decoder_layers().children())
+        if meshes.layout.language.dims.cp > 1:
+            apply_cp(model, meshes.cp())
     if not any(p.requires_grad for p in model.parameters()):  # its ranks would have nothing to do
         raise ConfigError(f"trainable: no parameter of the {'vision tower' if module == 'vision' else 'language model'}"
                           f" trains, but it has ranks of its own (parallel.modules.{module}.ranks); train this stage "
@@ -138,17 +143,18 @@ class DisjointBridge:
     receives (its sources' images and videos, source after source) in the order its model takes
     the tower's output: all images, then all videos. Every rank computes the sizes from the
     batches it holds (no host exchange). Language and vision tp are 1 (refused otherwise), so a
-    data-parallel rank is one rank.
+    data-parallel rank is one rank, or under context parallelism its `cp` consecutive ranks, each
+    of which is sent the embeddings of the whole rows.
     """
 
     def __init__(self, config, layout: RunLayout, micro_batch_size: int, dtype: torch.dtype, device: torch.device,
                  rank: int):
         self.vision_ranks, self.language_ranks = layout.vision.ranks, layout.language.ranks
-        self.data_world = layout.language.dims.dp
+        self.data_world, self.cp = layout.language.dims.dp, layout.language.dims.cp
         self.rank, self.world = rank, layout.world_size
         self.is_vision = self.rank in self.vision_ranks
         self.micro_batch_size = micro_batch_size
-        self.rows_per_encoder = micro_batch_size * len(self.language_ranks) // len(self.vision_ranks)
+        self.rows_per_encoder = micro_batch_size * self.data_world // len(self.vision_ranks)
         vision = config.vision_config
         self.merge = vision.spatial_merge_size
         self.kinds = {"images": config.image_token_id, "videos": getattr(config, "video_token_id", None)}
@@ -184,9 +190,9 @@ class DisjointBridge:
         return host_micro
 
     def _plan_encoder(self, sources: tuple) -> EncoderInputs | None:
-        sizes, inputs = {}, {}
+        sizes, inputs = {}, {}  # sizes: per kind, the rows for each language data-parallel rank
         for kind, token in self.kinds.items():
-            sizes[kind], pixels, grids = [0] * self.world, [], []
+            sizes[kind], pixels, grids = [0] * self.data_world, [], []
             for j, batch in zip(self.source_ranks(), sources):
                 start = 0
                 for k, images in enumerate(row_grids(batch, getattr(batch, kind), token, self.merge)):
@@ -194,16 +200,19 @@ class DisjointBridge:
                     if images and j * self.micro_batch_size + k in self.encoder_rows():
                         pixels.append(getattr(batch, kind).pixel_values[start:start + patches])
                         grids += images
-                        sizes[kind][self.language_ranks[j]] += patches // self.merge**2
+                        sizes[kind][j] += patches // self.merge**2
                     start += patches
             first = next((getattr(b, kind) for b in sources if getattr(b, kind) is not None), None)
             inputs[kind] = Images(torch.cat(pixels), torch.tensor(grids), first.normalize, first.kind) if grids else None
-        send = [a + b for a, b in zip(sizes["images"], sizes["videos"])]
+        send = [0] * self.world
+        for j in range(self.data_world):  # every cp rank of data-parallel rank j gets j's rows
+            for rank in self.language_ranks[j * self.cp:(j + 1) * self.cp]:
+                send[rank] = sizes["images"][j] + sizes["videos"][j]
         self.plans.append((send, [0] * self.world, sizes))
         return None if inputs["images"] is None and inputs["videos"] is None else EncoderInputs(**inputs)
 
     def _plan_language(self, batch) -> None:
-        sizes, j = {}, self.rank - self.language_ranks.start
+        sizes, j = {}, (self.rank - self.language_ranks.start) // self.cp
         for kind, token in self.kinds.items():
             sizes[kind] = [0] * self.world
             for k, images in enumerate(row_grids(batch, getattr(batch, kind), token, self.merge)):
@@ -239,11 +248,12 @@ class DisjointBridge:
         return torch.zeros((), dtype=torch.float64, device=device)
 
     def _by_destination(self, rows: torch.Tensor, sizes: dict) -> torch.Tensor:
-        """The tower's output (all images, then all videos, each by destination) as the
-        all_to_all sends it: each destination's images, then its videos."""
+        """The tower's output (all images, then all videos, each by language data-parallel rank) as
+        the all_to_all sends it: each destination's images, then its videos (the same to each cp
+        rank of a data-parallel rank)."""
         images, videos = rows.split([sum(sizes["images"]), sum(sizes["videos"])])
         parts = zip(images.split(sizes["images"]), videos.split(sizes["videos"]))
-        return torch.cat([part for pair in parts for part in pair])
+        return torch.cat([part for pair in parts for _ in range(self.cp) for part in pair])
 
     def receive(self, i: int) -> torch.Tensor:
         """On a language rank: micro-batch i's image and video embeddings, for the model's

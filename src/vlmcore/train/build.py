@@ -87,16 +87,20 @@ class Run:
         self.optimizer = build_optimizer(self.model, self.cfg.optimizer)
         dims = self.layout.language.dims
         tp_group = self.meshes.tp().get_group() if dims.tp > 1 and self.role == "both" else None
-        cp_group = self.meshes.cp().get_group() if dims.cp > 1 else None
+        cp_group = self.meshes.cp().get_group() if dims.cp > 1 and self.role != "vision" else None
         self.step = build_step(self.model, self.optimizer, self.partial, tp_group, self.cfg.loss_chunk_tokens,
                                self.cfg.max_grad_norm, compiled_loss=self.cfg.parallel.compile, bridge=self.bridge,
                                cp_group=cp_group)
 
     @property
     def context(self) -> dict | None:
-        """What cuts this rank's chunk from the rows under context parallelism (`to_device`)."""
+        """What cuts this rank's chunk from the rows under context parallelism (`to_device`); None on
+        an encoder rank of disjoint layouts (its images are whole)."""
         cp = self.layout.language.dims.cp
-        return context_of(self.model, self.layout.language.cp_rank(self.rank), cp) if cp > 1 else None
+        if cp == 1 or self.role == "vision":
+            return None
+        return context_of(self.model, self.layout.language.cp_rank(self.rank), cp,
+                          received_visuals=self.role == "language")
 
     def data(self, source=None):
         """This rank's batches: its language data-parallel rank's, or on an encoder rank those of

@@ -217,13 +217,14 @@ def build_step(model, optimizer, partial_params: list, tp_group, chunk_tokens: i
                 compiled_loss, moe, bridge)
 
 
-def context_of(model, cp_rank: int, cp: int) -> dict:
-    """`Batch.context_chunk`'s arguments for this rank of a context-parallel run."""
+def context_of(model, cp_rank: int, cp: int, received_visuals: bool = False) -> dict:
+    """`Batch.context_chunk`'s arguments for this rank of a context-parallel run; `received_visuals`:
+    a language rank of disjoint layouts, which receives the whole rows' image embeddings."""
     visual = {}
     if model.vision_tower() is not None:
         config = model.config
         visual = {"visual_tokens": {"image": config.image_token_id, "video": getattr(config, "video_token_id", None)},
-                  "merge": config.vision_config.spatial_merge_size}
+                  "merge": config.vision_config.spatial_merge_size, "keep_all": received_visuals}
     return {"cp_rank": cp_rank, "cp": cp, **visual}
 
 
