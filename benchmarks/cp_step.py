@@ -4,7 +4,7 @@ rows) of a Qwen3-VL-shaped model at each row length and cp size, one table and o
     python benchmarks/cp_step.py                  # Qwen3-VL-8B's shape, rows of 32k/64k/128k, cp 1/2/4, every GPU
     python benchmarks/cp_step.py --model 2b       # Qwen3-VL-2B's shape
     python benchmarks/cp_step.py --lengths 131072 --cps 2 4   # part of the table (a command of limited time)
-    python benchmarks/cp_step.py --video          # rows as the long-video recipes: one clip each, tower frozen
+    python benchmarks/cp_step.py --video          # rows as the long-video recipes: one clip each
     python benchmarks/cp_step.py --tiny           # CPU: a tiny Qwen3-VL, rows of 256/512, cp 1/2, 2 gloo processes
 
 Each case is `vlmcore train` for warmup + steps steps on --nproc ranks (default: every GPU of the
@@ -13,8 +13,8 @@ node): FSDP over dp_shard = nproc / cp, tp 1, full activation checkpointing, com
 group holds 1/cp of its row. The rows are `data.kind: random`: a document every ~8k tokens on
 average (--doc-tokens; random lengths) and one 512x512 image (256 tokens) in the longest; with
 --video, as in config/experiments/qwen3vl-*-128k/256k-*.yaml, one clip filling the row (frame
-groups of 26x26 merged patches, as many as fit) and the vision tower frozen: every rank of a cp
-group encodes the whole clip (docs/hpc.md section 15, "Recipes").
+groups of 26x26 merged patches, as many as fit): each rank of a cp group encodes the frame groups
+in its chunk (docs/hpc.md section 15, "Recipes"). Every weight is trained, the vision tower too.
 
 The model is the architecture of benchmarks/recipe_models.py with random weights (normal, std
 0.02), written once in bf16 to --cache (17 GB for the 8B) and reused. A case
@@ -79,15 +79,6 @@ def data_config(args, seq_len: int) -> dict:
             "image_side": args.image_side, "video_frames": frames}
 
 
-def trainable(args, model_path: Path) -> list[str]:
-    """Everything, or with --video the long-video recipes' stage 2: all but the vision tower."""
-    if not args.video:
-        return []
-    tied = json.loads((model_path / "config.json").read_text()).get("tie_word_embeddings", False)
-    return ["model.language_model.*", "model.visual.merger.*", "model.visual.deepstack_merger_list.*"] + \
-        ([] if tied else ["lm_head.*"])
-
-
 def run_case(args, model_path: Path, seq_len: int, cp: int, gpu: bool) -> dict:
     """One `vlmcore train` run; its medians, or {"status": "out of memory"}."""
     out = args.work / f"run_{seq_len}_cp{cp}{'_video' if args.video else ''}"
@@ -96,7 +87,7 @@ def run_case(args, model_path: Path, seq_len: int, cp: int, gpu: bool) -> dict:
         "save_final": False, "checkpoint": {"enabled": False},
         "metrics": {"tensorboard": False, "module_times": False},
         "micro_batch_size": 1, "grad_accum_steps": 1, "optimizer": {"lr": 1e-5},
-        "trainable": trainable(args, model_path),
+        "trainable": [],
         "parallel": {"cp": cp, "tp": 1, "dp_shard": -1, "activation_checkpointing": "full", "compile": args.compile},
         "precision": {"param_dtype": "bfloat16" if gpu else "float32"},
         "data": data_config(args, seq_len),
@@ -150,7 +141,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, help="steps before the timed ones: compile and allocator (default 3)")
     parser.add_argument("--doc-tokens", type=int, help="mean document length in a row (default 8192)")
     parser.add_argument("--video", action="store_true", help="rows as the long-video recipes: one clip filling "
-                        "each row, the vision tower frozen")
+                        "each row")
     parser.add_argument("--eager", action="store_true", help="no torch.compile")
     parser.add_argument("--cache", type=Path, help="where the model snapshot is written once "
                         "(default: $TMPDIR/vlmcore_cp_step/<model>)")
@@ -176,7 +167,7 @@ def main() -> int:
     cache = args.cache or Path(os.environ.get("TMPDIR", "/tmp")) / "vlmcore_cp_step" / model
     args.work = cache.parent / f"runs_{model}"
     device = torch.cuda.get_device_name() if gpu else f"CPU ({os.cpu_count()} cores)"
-    rows = "one clip a row, tower frozen" if args.video else f"a document every ~{args.doc_tokens} tokens, an image"
+    rows = "one clip a row" if args.video else f"a document every ~{args.doc_tokens} tokens, an image"
     title = (f"{model} Qwen3-VL shape, {args.nproc} x {device}, {'compiled' if args.compile else 'eager'}, "
              f"full activation checkpointing, {rows}, median of {args.steps} steps after {args.warmup}")
     started = time.perf_counter()

@@ -8,7 +8,7 @@ Each stage is estimated as `snakemake memory` does on the cluster (`vlmcore memo
 stage's config at its rank count): its worst-case row is one sample holding the largest image
 the recipe's pack.max_patches allows (a video recipe: a clip of pack.video.max_frames frames
 sharing that budget), in a row of pack.seq_len tokens (under parallel.cp each rank holds 1/cp of
-it, and the images and videos with a token in its chunk). The models are built from
+it, and the images and video frame groups with a token in its chunk). The models are built from
 the architecture fields of the published config.json of each recipe's repo_id (no weights).
 """
 
