@@ -3,10 +3,10 @@
 import pytest
 import torch.distributed as dist
 
-# The files that take longest (minutes each: the demo pipeline, the real SLURM runs) start first,
-# so that under pytest-xdist (the README's command: two workers, whole files each) neither worker
-# is left running one of them alone at the end.
-LONGEST_FIRST = ("test_pipeline_demo.py", "test_slurm_real.py")
+# The files that take longest (minutes each: the demo pipeline) start first, so that under
+# pytest-xdist (the README's command: two workers, whole files each) neither worker is left
+# running one of them alone at the end. (The real-SLURM tests run apart, after the others.)
+LONGEST_FIRST = ("test_pipeline_demo.py",)
 
 
 def pytest_collection_modifyitems(config, items):
