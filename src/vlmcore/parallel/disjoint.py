@@ -190,9 +190,9 @@ class DisjointBridge:
         return host_micro
 
     def _plan_encoder(self, sources: tuple) -> EncoderInputs | None:
-        sizes, inputs = {}, {}  # sizes: per kind, the rows for each language data-parallel rank
+        sizes, inputs = {}, {}  # sizes: per kind, the rows for each rank (every cp rank of a row gets it)
         for kind, token in self.kinds.items():
-            sizes[kind], pixels, grids = [0] * self.data_world, [], []
+            sizes[kind], pixels, grids = [0] * self.world, [], []
             for j, batch in zip(self.source_ranks(), sources):
                 start = 0
                 for k, images in enumerate(row_grids(batch, getattr(batch, kind), token, self.merge)):
@@ -200,14 +200,12 @@ class DisjointBridge:
                     if images and j * self.micro_batch_size + k in self.encoder_rows():
                         pixels.append(getattr(batch, kind).pixel_values[start:start + patches])
                         grids += images
-                        sizes[kind][j] += patches // self.merge**2
+                        for rank in self.language_ranks[j * self.cp:(j + 1) * self.cp]:
+                            sizes[kind][rank] += patches // self.merge**2
                     start += patches
             first = next((getattr(b, kind) for b in sources if getattr(b, kind) is not None), None)
             inputs[kind] = Images(torch.cat(pixels), torch.tensor(grids), first.normalize, first.kind) if grids else None
-        send = [0] * self.world
-        for j in range(self.data_world):  # every cp rank of data-parallel rank j gets j's rows
-            for rank in self.language_ranks[j * self.cp:(j + 1) * self.cp]:
-                send[rank] = sizes["images"][j] + sizes["videos"][j]
+        send = [a + b for a, b in zip(sizes["images"], sizes["videos"])]
         self.plans.append((send, [0] * self.world, sizes))
         return None if inputs["images"] is None and inputs["videos"] is None else EncoderInputs(**inputs)
 
@@ -251,8 +249,11 @@ class DisjointBridge:
         """The tower's output (all images, then all videos, each by language data-parallel rank) as
         the all_to_all sends it: each destination's images, then its videos (the same to each cp
         rank of a data-parallel rank)."""
-        images, videos = rows.split([sum(sizes["images"]), sum(sizes["videos"])])
-        parts = zip(images.split(sizes["images"]), videos.split(sizes["videos"]))
+        # The tower ran once per data-parallel rank's rows: their sizes are those of its first cp rank.
+        firsts = self.language_ranks[::self.cp]
+        images_by_data, videos_by_data = ([sizes[kind][rank] for rank in firsts] for kind in ("images", "videos"))
+        images, videos = rows.split([sum(images_by_data), sum(videos_by_data)])
+        parts = zip(images.split(images_by_data), videos.split(videos_by_data))
         return torch.cat([part for pair in parts for _ in range(self.cp) for part in pair])
 
     def receive(self, i: int) -> torch.Tensor:
