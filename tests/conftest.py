@@ -3,15 +3,29 @@
 import pytest
 import torch.distributed as dist
 
-# The files that take longest (minutes each: the demo pipeline) start first, so that under
-# pytest-xdist (the README's command: two workers, whole files each) neither worker is left
-# running one of them alone at the end. (The real-SLURM tests run apart, after the others.)
-LONGEST_FIRST = ("test_pipeline_demo.py",)
+# The files that take longest (minutes each), longest first, start before all others, so that
+# under pytest-xdist (tests/run_all.sh: two workers, whole files each, `--no-loadscope-reorder`,
+# which keeps this order instead of xdist's default of the files with most tests first) neither
+# worker is left running one of them alone at the end.
+LONGEST_FIRST = (
+    "test_pipeline_demo.py",  # the demo pipeline run, then reruns on it
+    "test_parallel_exactness.py",
+    "test_parallel_moe.py",
+    "test_parallel_cp.py",
+    "test_recipe_models.py",
+    "test_train_checkpoint.py",
+    "test_train_elastic.py",
+    "test_faults.py",
+    "test_slurm_fake.py",
+    "test_benchmark_train_step.py",
+    "test_benchmark_cp_step.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):
     # A stable sort: every file's tests stay together and in their order.
-    items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
 
 
 @pytest.fixture

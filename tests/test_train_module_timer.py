@@ -13,7 +13,8 @@ from vlmcore.train.module_timer import ModuleTimer
 from vlmcore.train.random_data import RandomBatches
 from vlmcore.train.step import forward_backward
 
-DELAY = 0.25  # seconds added to each of four places; the tiny model's own compute is a few ms
+DELAY = 0.5  # seconds added to each of four places; the tiny model's own compute is a few ms (up to
+# 0.7 s on a loaded 2-core machine, which 0.25 s did not leave room for below 6 * DELAY)
 
 
 def batches(model, image_fraction: float, n: int, device: str = "cpu") -> list:
