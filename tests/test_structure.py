@@ -1,0 +1,123 @@
+"""The package's structure (docs/internals.md "Code structure"): its import layers, read from the
+source with an AST walk. A module imports only from its own layer or below, the bottom two layers
+are torch-free at import (they run on a login node, in the workflow's planning), the module-level
+imports have no cycle, and no file grows past about 450 lines."""
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# Bottom to top, as docs/internals.md lists them; a module's layer is that of its longest prefix here.
+LAYERS = [
+    ("vlmcore", "vlmcore.config", "vlmcore.families", "vlmcore.hashing", "vlmcore.cli"),
+    ("vlmcore.parallel.layout", "vlmcore.parallel.checks", "vlmcore.kernels", "vlmcore.workflow"),
+    ("vlmcore.models",),
+    ("vlmcore.data",),
+    ("vlmcore.parallel",),
+    ("vlmcore.train",),
+    ("vlmcore.download", "vlmcore.export", "vlmcore.eval", "vlmcore.report", "vlmcore.train.loop",
+     "vlmcore.train.memory", "vlmcore.config_docs"),
+]
+TORCH_FREE_LAYERS = 2
+# Imports made inside a function on purpose, from a layer above: `vlmcore kernels` reads the
+# attention module only when asked about a GPU's varlen kernel.
+LAZY_UPWARD = {("vlmcore.kernels", "vlmcore.models.attention")}
+MAX_LINES = 460
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> int:
+    best = None
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > len(best[1])):
+                best = (index, prefix)
+    assert best is not None, f"{module} is in no layer of tests/test_structure.py"
+    return best[0]
+
+
+def imports(path: Path):
+    """(imported module, at module level?) for every import in the file, relative ones resolved;
+    `from a import b` counts as a.b when a.b is a module of the package."""
+    module = module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    top_level = {id(node) for node in tree.body} | {id(n) for node in tree.body if isinstance(node, ast.If) for n in node.body}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            names = [f"{base}.{alias.name}" if is_module(f"{base}.{alias.name}") else base for alias in node.names]
+        else:
+            continue
+        for name in names:
+            yield name, id(node) in top_level
+
+
+def is_module(name: str) -> bool:
+    path = SRC / Path(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def package_modules():
+    return {module_name(p): p for p in sorted((SRC / "vlmcore").rglob("*.py"))}
+
+
+def test_every_import_goes_to_the_same_layer_or_below():
+    upward = []
+    for module, path in package_modules().items():
+        for name, _ in imports(path):
+            if name.startswith("vlmcore") and layer_of(name) > layer_of(module) and (module, name) not in LAZY_UPWARD:
+                upward.append(f"{module} (layer {layer_of(module) + 1}) imports {name} (layer {layer_of(name) + 1})")
+    assert not upward, "\n".join(upward)
+
+
+def test_the_bottom_layers_import_no_torch_at_module_level():
+    found = [f"{module} imports {name}" for module, path in package_modules().items() if layer_of(module) < TORCH_FREE_LAYERS
+             for name, top in imports(path) if top and name.split(".")[0] in ("torch", "transformers", "vlmcore.models")]
+    assert not found, "\n".join(found)
+
+
+def test_module_level_imports_have_no_cycle():
+    modules = package_modules()
+    graph = {m: {n for n, top in imports(p) if top and n in modules and n != m} for m, p in modules.items()}
+    # A package's __init__ importing its own submodules is how a package exports; leave those edges out.
+    graph = {m: {n for n in deps if not n.startswith(m + ".")} for m, deps in graph.items()}
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(n):] + [n]))
+            if n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_no_file_is_over_about_450_lines():
+    long = {m: n for m, p in package_modules().items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, long
+
+
+def test_the_layers_cover_every_module_and_the_walk_sees_imports():
+    modules = package_modules()
+    assert all(layer_of(m) >= 0 for m in modules)
+    # The walk itself: a known import at each level and a relative one resolved.
+    assert ("vlmcore.families", True) in set(imports(modules["vlmcore.models.hf"]))
+    assert any(name == "vlmcore.models.attention" and not top for name, top in imports(modules["vlmcore.kernels"]))
