@@ -139,10 +139,9 @@ def write_shard(index: int) -> float:
                      max_frames, _) = samples[i].tolist()
                     sample = json.loads(read(shard, json_offset, json_size))
                     image_names = sample.pop("images", [])
-                    names = []
-                    for k, (offset, size, _, _) in enumerate(images[first : first + kept].tolist()):
-                        names.append(f"s{s}_img{k}.{image_names[k].rsplit('.', 1)[-1]}")
-                        record[names[-1]] = read(shard, offset, size)
+                    names = [f"s{s}_img{k}.{name.rsplit('.', 1)[-1]}" for k, name in enumerate(image_names[:kept])]
+                    for name, (offset, size, _, _) in zip(names, images[first : first + kept].tolist()):
+                        record[name] = read(shard, offset, size)
                     # Every video's metadata (the text holds all their tags; truncation drops the
                     # later ones again in the loader), the parts of the kept ones, which follow
                     # the images' rows.
@@ -319,8 +318,7 @@ def job_group(text: str) -> tuple[int, int]:
 
 def video_settings(args) -> dict | None:
     """The `--video-*` settings given, by the video processor's names."""
-    video = {key: getattr(args, f"video_{key}") for key in VIDEO_KEYS if getattr(args, f"video_{key}") is not None}
-    return video or None
+    return {key: getattr(args, f"video_{key}") for key in VIDEO_KEYS if getattr(args, f"video_{key}") is not None} or None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
