@@ -10,9 +10,10 @@ wrapper), each `<|image_pad|>` is expanded to the image's merged-patch count and
 `<|video_pad|>` to the clip's frame groups (`<t.t seconds>`, vision start, the group's video
 tokens, vision end; the template's wrapper stays around them, as transformers' processor leaves
 it), and the text is tokenized: the same steps and the same code as the transformers processor.
-A video needs only its metadata here (`vlmcore.data.video.plan_video`). Labels cover the assistant turns only. Their character spans come from
-the template itself: the text rendered up to turn i with the generation prompt, and the text
-rendered through turn i, differ by exactly that assistant turn.
+A video needs only its metadata here (`vlmcore.data.video.plan_video`). Labels cover the
+assistant turns only. Their character spans come from the template itself: the text rendered up
+to turn i with the generation prompt, and the text rendered through turn i, differ by exactly
+that assistant turn.
 
 Documents are tokenized as they are, followed by `<|endoftext|>`, and fully supervised.
 """
@@ -154,12 +155,10 @@ class SampleEncoder:
             return TextEncoding(ids, ids[1:] + [IGNORE_INDEX], [])
 
         messages = sample["messages"]
-        num_tags = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
-        if num_tags != len(grids):
-            raise EncodingError("image_tag_mismatch", f"{num_tags} <image> tags but {len(grids)} images")
-        num_tags = sum(m["content"].count(VIDEO_PLACEHOLDER) for m in messages)
-        if num_tags != len(plans):
-            raise EncodingError("video_tag_mismatch", f"{num_tags} <video> tags but {len(plans)} videos")
+        for what, placeholder, items in (("image", IMAGE_PLACEHOLDER, grids), ("video", VIDEO_PLACEHOLDER, plans)):
+            num_tags = sum(m["content"].count(placeholder) for m in messages)
+            if num_tags != len(items):
+                raise EncodingError(f"{what}_tag_mismatch", f"{num_tags} <{what}> tags but {len(items)} {what}s")
         # Two template calls per sample: the whole conversation with the prefixes through each
         # assistant turn (the last one is the whole conversation when it ends it), and the
         # prefixes before each assistant turn with the generation prompt.

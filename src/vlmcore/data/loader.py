@@ -1,22 +1,19 @@
 """The training loader: packed Energon dataset -> `Batch`es (vlmcore.data.batch, docs/internals.md "Data batches").
 
 Packs are read as crude samples (their parts still compressed); `encode_sample` (in the loader
-workers) tokenizes every segment with the
-model files copied into the packed dataset, decodes and resizes the images as the transformers image
-processor does and writes their uint8 patches into one buffer per row (`ImagePatcher`; the step
-normalises them on the device), concatenates the segments, pads the row to `seq_len` (the padding
-is a segment of its own, with no loss), and computes the per-segment position ids with
-`vlmcore.models.position_ids`.
+workers) tokenizes every segment with the model files copied into the packed dataset, decodes and
+resizes the images as the transformers image processor does and writes their uint8 patches into
+one buffer per row (`ImagePatcher`; the step normalises them on the device), concatenates the
+segments, pads the row to `seq_len` (the padding is a segment of its own, with no loss), and
+computes the per-segment position ids with `vlmcore.models.position_ids`.
 
 `build_loader` also accepts an Energon metadataset YAML (`write_blend`) that blends several packed
 datasets made with the same model and `seq_len`. `vlmcore.data.online` is the alternative to
 offline packing: rows packed in the loader from a prepared dataset with a buffer.
 
-Order and resuming: `build_loader` reads the packs in the global row order of
-`vlmcore.data.order` (a function of the datasets, the seed and the row only), each pack by its
-index (`IndexedShards`); step k's global batch is rows [k * G, (k + 1) * G) and a rank's share a
-slice of it. The position is the rows consumed: a run resumed under another layout with the same
-rows per step goes on exactly (`RowLoader.seek`); so does the online-packing loader's.
+Order and resuming (`RowLoader`): the packs are read in the global row order of
+`vlmcore.data.order`, each by its index; the position is the rows consumed, so a run resumed
+under another layout with the same rows per step goes on exactly.
 """
 
 import json
@@ -74,7 +71,7 @@ def packed_dataset_files(path) -> tuple[Path, dict]:
     All datasets of a blend must have been packed with the same tokenizer and pack config.
     """
     found = []
-    for dataset_dir in dataset_entries(path):
+    for dataset_dir in blend_entries(path)[0]:
         config = dataset_dir / "pack_config.json"
         if not config.is_file():
             raise FileNotFoundError(f"{dataset_dir} is not a packed dataset (no pack_config.json); run `vlmcore pack`")
@@ -84,11 +81,6 @@ def packed_dataset_files(path) -> tuple[Path, dict]:
         if other_config != pack_config or (other_dir / "tokenizer.json").read_bytes() != (model_dir / "tokenizer.json").read_bytes():
             raise ValueError(f"{path}: {other_dir.parent} was packed with another tokenizer or pack config than {model_dir.parent}")
     return model_dir, pack_config
-
-
-def dataset_entries(path) -> list[Path]:
-    """The dataset directories of a dataset directory or of a blend YAML."""
-    return blend_entries(path)[0]
 
 
 def blend_entries(path) -> tuple[list[Path], list[float] | None, list[int] | None]:
@@ -101,9 +93,7 @@ def blend_entries(path) -> tuple[list[Path], list[float] | None, list[int] | Non
     dirs = [(path.parent / entry["path"]).resolve() for entry in entries]
     if "blend" in node:
         return dirs, [float(entry["weight"]) for entry in entries], None
-    if "blend_epochized" in node:
-        return dirs, None, [int(entry["repetitions"]) for entry in entries]
-    return dirs, None, None
+    return dirs, None, [int(entry["repetitions"]) for entry in entries] if "blend_epochized" in node else None
 
 
 def samples_in(dataset_dir: Path) -> int:
@@ -315,10 +305,7 @@ class RowLoader:
 
     def micro_batch(self, m: int) -> Batch:
         step, micro = divmod(m, self.split["grad_accum_steps"])
-        rows = rows_of(step, micro, self.split["dp_rank"], dp_world=self.split["dp_world"],
-                       micro_batch_size=self.split["micro_batch_size"],
-                       grad_accum_steps=self.split["grad_accum_steps"])
-        return self.task_encoder.batch([self.row(self.first_row + j) for j in rows])
+        return self.task_encoder.batch([self.row(self.first_row + j) for j in rows_of(step, micro, **self.split)])
 
     def row(self, j: int) -> PackedRow:
         """Global row j: its pack, read by index and encoded."""

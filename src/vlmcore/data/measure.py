@@ -22,20 +22,12 @@ from PIL import Image
 from tqdm import tqdm
 
 from vlmcore.data.encoder import IGNORE_INDEX, EncodingError, SampleEncoder, TextEncoding
-from vlmcore.data.quality import BadSample, decode_utf8, open_image
+from vlmcore.data.quality import BadSample, load_json, open_image
 from vlmcore.data.shards import iter_shard_samples
 
 MODEL_FILES = [
-    "config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "vocab.json",
-    "merges.txt",
-    "preprocessor_config.json",
-    "video_preprocessor_config.json",
+    "config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+    "chat_template.json", "vocab.json", "merges.txt", "preprocessor_config.json", "video_preprocessor_config.json",
     "processor_config.json",
 ]
 
@@ -128,12 +120,8 @@ def measure(shard_sample, encoder: SampleEncoder, seq_len: int, max_patches: int
         raise BadSample("unsafe_tar_member", repr(shard_sample.unsafe_names[0]))
     if "json" not in shard_sample.data:
         raise BadSample("malformed_row", f"no json part, parts {sorted(shard_sample.parts)}")
-    try:
-        sample = json.loads(decode_utf8(shard_sample.data["json"]))
-    except json.JSONDecodeError as e:
-        raise BadSample("malformed_json", str(e)) from e
-    enc, _, sizes, max_frames = measure_sample(sample, shard_sample.data, encoder, seq_len, max_patches, overlong,
-                                               counts)
+    sample = load_json(shard_sample.data["json"])
+    enc, _, sizes, max_frames = measure_sample(sample, shard_sample.data, encoder, seq_len, max_patches, overlong, counts)
     return enc, sample, sizes, max_frames
 
 
@@ -162,15 +150,14 @@ def measure_shard(job: tuple[int, Path]) -> MeasuredShard:
         key = shard_sample.key.encode()
         json_part = shard_sample.parts["json"]
         names = sample.get("images", [])
-        video_parts = [(name, video["width"], video["height"]) for video in sample.get("videos", [])
+        video_parts = [(name, (video["width"], video["height"])) for video in sample.get("videos", [])
                        for name in video_part_names(video)]
         samples.append((shard_index, json_part.offset, json_part.size, len(keys), len(key), len(images), len(names),
                         len(enc.image_grid_thw), len(enc.input_ids), enc.num_patches, len(video_parts),
                         len(enc.video_grid_thw), max_frames, max((t for t, _, _ in enc.video_grid_thw), default=0)))
         keys += key
         images += [(shard_sample.parts[n].offset, shard_sample.parts[n].size, w, h)
-                   for n, (w, h) in zip(names, sizes)]
-        images += [(shard_sample.parts[n].offset, shard_sample.parts[n].size, w, h) for n, w, h in video_parts]
+                   for n, (w, h) in [*zip(names, sizes), *video_parts]]
     return MeasuredShard(np.array(samples, SAMPLE), np.array(images, IMAGE), bytes(keys), seen, bad, counts,
                          time.process_time() - start)
 

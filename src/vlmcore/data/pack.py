@@ -37,7 +37,7 @@ from tqdm import tqdm
 from vlmcore.cli import UsageError, existing_dir, fraction, non_negative_int, positive_int
 from vlmcore.data.bin_packing import best_fit_decreasing, packing_stats
 from vlmcore.data.measure import MODEL_FILES, concatenate, inputs_identity, measure_shards, video_part_names
-from vlmcore.data.quality import BadDataLog, DataError, TooMuchBadData
+from vlmcore.data.quality import BadDataLog, DataError, TooMuchBadData, run_stage
 from vlmcore.data.shards import energon_prepare, shard_paths
 from vlmcore.data.video import VIDEO_KEYS, with_video_settings
 
@@ -139,10 +139,9 @@ def write_shard(index: int) -> float:
                      max_frames, _) = samples[i].tolist()
                     sample = json.loads(read(shard, json_offset, json_size))
                     image_names = sample.pop("images", [])
-                    names = []
-                    for k, (offset, size, _, _) in enumerate(images[first : first + kept].tolist()):
-                        names.append(f"s{s}_img{k}.{image_names[k].rsplit('.', 1)[-1]}")
-                        record[names[-1]] = read(shard, offset, size)
+                    names = [f"s{s}_img{k}.{name.rsplit('.', 1)[-1]}" for k, name in enumerate(image_names[:kept])]
+                    for name, (offset, size, _, _) in zip(names, images[first : first + kept].tolist()):
+                        record[name] = read(shard, offset, size)
                     # Every video's metadata (the text holds all their tags; truncation drops the
                     # later ones again in the loader), the parts of the kept ones, which follow
                     # the images' rows.
@@ -231,13 +230,11 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
                             "make it first with vlmcore pack --plan-only")
         measured = measure_shards(shards, model_dir, seq_len, max_patches, overlong, workers, cache, identity, video=video)
         log = BadDataLog("pack", max_bad_fraction)
-        counts = {"truncated": 0, "dropped_overlong": 0, "fewer_video_frames": 0}
         for m in measured:
             log.seen += m.seen
-            for reason, where, detail in m.bad:
-                log.skip(reason, where, detail)
-            for k in counts:
-                counts[k] += m.counts[k]
+            for bad in m.bad:
+                log.skip(*bad)
+        counts = {k: sum(m.counts[k] for m in measured) for k in ("truncated", "dropped_overlong", "fewer_video_frames")}
         samples, images, keys = concatenate(measured)
         logger.info("measure: %d samples kept of %d in %.1f s (%.1f CPU s in %d workers), state %d bytes", len(samples),
                     log.seen, time.perf_counter() - start, sum(m.cpu_seconds for m in measured), workers,
@@ -253,10 +250,7 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
         # Packs leave BFD largest-first; shuffle so the stream does not start with all the long ones.
         random.Random(seed).shuffle(bins)
         stats = {
-            "data": str(data_dir),
-            "model": str(model_dir),
-            "seq_len": seq_len,
-            "max_patches": max_patches,
+            "data": str(data_dir), "model": str(model_dir), "seq_len": seq_len, "max_patches": max_patches,
             "overlong": overlong,
             **packing_stats(bins, tokens, patches, seq_len, max_patches),
             **counts,
@@ -324,8 +318,7 @@ def job_group(text: str) -> tuple[int, int]:
 
 def video_settings(args) -> dict | None:
     """The `--video-*` settings given, by the video processor's names."""
-    video = {key: getattr(args, f"video_{key}") for key in VIDEO_KEYS if getattr(args, f"video_{key}") is not None}
-    return video or None
+    return {key: getattr(args, f"video_{key}") for key in VIDEO_KEYS if getattr(args, f"video_{key}") is not None} or None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -359,19 +352,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     if Path(args.out).resolve() == Path(args.data).resolve():
         raise UsageError("--out: must not be --data (its shards would be replaced)")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        stats = pack(args.data, args.model, args.out, args.seq_len, args.max_patches, args.overlong,
-                     args.shard_size, args.seed, args.max_bad_fraction, args.workers, args.measure_group,
-                     args.plan_only, args.write_group, video_settings(args))
-    except TooMuchBadData as e:
-        logger.error("%s (details in %s/stats.json)", e, args.out)
+    stats = run_stage(lambda: pack(args.data, args.model, args.out, args.seq_len, args.max_patches, args.overlong,
+                                   args.shard_size, args.seed, args.max_bad_fraction, args.workers, args.measure_group,
+                                   args.plan_only, args.write_group, video_settings(args)), args.out, logger)
+    if stats is None:
         return 1
-    except DataError as e:
-        logger.error("%s", e)
-        return 1
-    if "measure_group" in stats or "write_group" in stats:
-        print(json.dumps(stats))
-        return 0
-    print(json.dumps({k: stats[k] for k in ("packs", "samples", "efficiency", "truncated", "dropped_overlong")}))
+    if "measure_group" not in stats and "write_group" not in stats:
+        stats = {k: stats[k] for k in ("packs", "samples", "efficiency", "truncated", "dropped_overlong")}
+    print(json.dumps(stats))
     return 0

@@ -44,7 +44,9 @@ from vlmcore.data.quality import (
     TooMuchBadData,
     check_image,
     decode_utf8,
+    load_json,
     normalise_messages,
+    run_stage,
     safe_relative_path,
 )
 from vlmcore.data.shards import ShardWriter, energon_prepare
@@ -118,11 +120,8 @@ def read_rows(path: Path, log: BadDataLog):
                 batches = pq.ParquetFile(path).iter_batches(batch_size=256)
         except (OSError, ValueError) as e:  # ArrowInvalid is a ValueError
             raise DataError(f"{path}: not a readable {'datasets directory' if path.is_dir() else 'parquet file'}: {e}") from e
-        i = 0
-        for batch in batches:
-            for row in batch.to_pylist():
-                yield f"{path}[{i}]", row
-                i += 1
+        for i, row in enumerate(row for batch in batches for row in batch.to_pylist()):
+            yield f"{path}[{i}]", row
     elif path.suffix == ".jsonl":
         with open(path, "rb") as f:
             for line_no, line in enumerate(f, 1):
@@ -130,14 +129,10 @@ def read_rows(path: Path, log: BadDataLog):
                     continue
                 where = f"{path}:{line_no}"
                 try:
-                    row = json.loads(decode_utf8(line))
-                except BadSample as e:
+                    row = load_json(line)
+                except BadSample as e:  # not UTF-8, or malformed JSON
                     log.seen += 1
                     log.skip(e.reason, where, e.detail)
-                    continue
-                except json.JSONDecodeError as e:
-                    log.seen += 1
-                    log.skip("malformed_json", where, str(e))
                     continue
                 yield where, row
     elif path.suffix == ".json":
@@ -176,21 +171,13 @@ def image_bytes(ref, files: ImageFiles, what: str = "image") -> bytes:
     raise BadSample(f"missing_{what}", f"unsupported {what} reference {type(ref).__name__}")
 
 
-def row_images(row: dict) -> list:
-    images = row.get("images")
-    if images is None:
-        images = [row["image"]] if row.get("image") is not None else []
-    if not isinstance(images, list):
-        images = [images]
-    return [im for im in images if im is not None]
-
-
-def row_videos(row: dict) -> list:
-    """The row's video references: `videos` (a list), or `video` (one; a list there is one clip's frames)."""
-    videos = row.get("videos")
-    if videos is None:
-        videos = [row["video"]] if row.get("video") not in (None, "", []) else []
-    return [v for v in (videos if isinstance(videos, list) else [videos]) if v not in (None, "", [])]
+def row_refs(row: dict, kind: str, empty: tuple = (None,)) -> list:
+    """The row's image (video) references: `images` (a list, or one), or `image` (one; a list
+    there is one video clip's frames); values in `empty` left out."""
+    refs = row.get(f"{kind}s")
+    if refs is None:
+        refs = [row[kind]] if row.get(kind) not in empty else []
+    return [ref for ref in (refs if isinstance(refs, list) else [refs]) if ref not in empty]
 
 
 def video_entry(ref, row: dict, files: ImageFiles, max_pixels: int, max_seconds: float) -> tuple[list, dict]:
@@ -223,7 +210,7 @@ def row_to_sample(row, files: ImageFiles, max_image_pixels: int, log: BadDataLog
     """One source row -> (sample json, [(image bytes, ext)], [([(video bytes, ext)], metadata)]); raises BadSample."""
     if not isinstance(row, dict):
         raise BadSample("malformed_row", f"row is {type(row).__name__}")
-    refs, video_refs = row_images(row), row_videos(row)
+    refs, video_refs = row_refs(row, "image"), row_refs(row, "video", (None, "", []))
     if "messages" in row or "conversations" in row:
         messages = row.get("messages", row.get("conversations"))
     elif "texts" in row:
@@ -272,13 +259,8 @@ def summary(values: list[int]) -> dict:
     if not values:
         return {"count": 0}
     array = np.asarray(values)
-    return {
-        "count": len(values),
-        "mean": float(array.mean()),
-        "p50": float(np.percentile(array, 50)),
-        "p95": float(np.percentile(array, 95)),
-        "max": int(array.max()),
-    }
+    return {"count": len(values), "mean": float(array.mean()), "p50": float(np.percentile(array, 50)),
+            "p95": float(np.percentile(array, 95)), "max": int(array.max())}
 
 
 def prepare(sources, out_dir, images=None, shard_size: int = 1000, max_bad_fraction: float = 0.05,
@@ -312,18 +294,10 @@ def prepare(sources, out_dir, images=None, shard_size: int = 1000, max_bad_fract
             images_per_sample.append(len(sample_images))
     shards = writer.close()
     stats = {
-        "sources": [str(s) for s in sources],
-        "samples": writer.count,
-        "samples_by_kind": kinds,
-        "images": int(sum(images_per_sample)),
-        "images_per_sample": summary(images_per_sample),
-        "videos": len(video_seconds),
-        "video_seconds": summary(video_seconds),
-        "text_chars": summary(text_chars),
-        "shards": len(shards),
-        "shard_size": shard_size,
-        "rejected_tar_members": rejected_members,
-        "bad": log.as_dict(),
+        "sources": [str(s) for s in sources], "samples": writer.count, "samples_by_kind": kinds,
+        "images": int(sum(images_per_sample)), "images_per_sample": summary(images_per_sample),
+        "videos": len(video_seconds), "video_seconds": summary(video_seconds), "text_chars": summary(text_chars),
+        "shards": len(shards), "shard_size": shard_size, "rejected_tar_members": rejected_members, "bad": log.as_dict(),
     }
     (out_dir / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
     log.check()
@@ -351,15 +325,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        stats = prepare(args.source, args.out, args.images, args.shard_size, args.max_bad_fraction,
-                        args.max_image_pixels, args.workers, args.max_video_seconds)
-    except TooMuchBadData as e:
-        logger.error("%s (details in %s/stats.json)", e, args.out)
-        return 1
-    except DataError as e:
-        logger.error("%s", e)
+    stats = run_stage(lambda: prepare(args.source, args.out, args.images, args.shard_size, args.max_bad_fraction,
+                                      args.max_image_pixels, args.workers, args.max_video_seconds), args.out, logger)
+    if stats is None:
         return 1
     print(json.dumps({k: stats[k] for k in ("samples", "images", "videos", "shards")} | {"skipped": stats["bad"]["skipped"]}))
     return 0

@@ -31,52 +31,25 @@ IMAGE_MEAN = [0.5, 0.5, 0.5]
 IMAGE_STD = [0.5, 0.5, 0.5]
 
 
-def write_processor_files(
-    out_dir,
-    patch_size: int = 16,
-    temporal_patch_size: int = 2,
-    merge_size: int = 2,
-    min_pixels: int = 32 * 32,
-    max_pixels: int = 128 * 128,
-) -> None:
+def write_processor_files(out_dir, patch_size: int = 16, temporal_patch_size: int = 2, merge_size: int = 2,
+                          min_pixels: int = 32 * 32, max_pixels: int = 128 * 128) -> None:
     factor = patch_size * merge_size
     if min_pixels < factor * factor or max_pixels < min_pixels:
         raise ValueError(
             f"need {factor * factor} <= min_pixels <= max_pixels (patch_size*merge_size = {factor}), "
             f"got min_pixels={min_pixels}, max_pixels={max_pixels}"
         )
-    image_config = {
-        "image_processor_type": "Qwen2VLImageProcessorPil",
-        "processor_class": "Qwen3VLProcessor",
-        "do_convert_rgb": True,
-        "do_resize": True,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": IMAGE_MEAN,
-        "image_std": IMAGE_STD,
-        "resample": 3,
-        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
-        "patch_size": patch_size,
-        "temporal_patch_size": temporal_patch_size,
-        "merge_size": merge_size,
-    }
+    shared = {"do_convert_rgb": True, "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
+              "do_normalize": True, "image_mean": IMAGE_MEAN, "image_std": IMAGE_STD, "resample": 3}
+    patches = {"patch_size": patch_size, "temporal_patch_size": temporal_patch_size, "merge_size": merge_size}
+    image_config = {"image_processor_type": "Qwen2VLImageProcessorPil", "processor_class": "Qwen3VLProcessor", **shared,
+                    "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}, **patches}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "preprocessor_config.json").write_text(json.dumps(image_config, indent=2) + "\n")
-    video_config = {
-        key: image_config[key]
-        for key in ("do_convert_rgb", "do_resize", "do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std", "resample")
-    }
-    video_config.update(
-        video_processor_type="Qwen3VLVideoProcessor",
-        processor_class="Qwen3VLProcessor",
-        size={"shortest_edge": min_pixels, "longest_edge": max_pixels * temporal_patch_size},
-        patch_size=patch_size,
-        temporal_patch_size=temporal_patch_size,
-        merge_size=merge_size,
-        fps=2,
-    )
+    video_config = {**shared, "video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor",
+                    "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels * temporal_patch_size},
+                    **patches, "fps": 2}
     (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video_config, indent=2) + "\n")
     (out_dir / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}, indent=2) + "\n")
 

@@ -81,6 +81,18 @@ class BadDataLog:
             )
 
 
+def run_stage(stage, out, stage_logger: logging.Logger) -> dict | None:
+    """The stats `stage()` returns, or None once the DataError it raised is logged (the CLI's exit 1)."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return stage()
+    except TooMuchBadData as e:
+        stage_logger.error("%s (details in %s/stats.json)", e, out)
+    except DataError as e:
+        stage_logger.error("%s", e)
+    return None
+
+
 def safe_relative_path(name: str) -> str:
     """`name` normalised, or BadSample if it is absolute or climbs out of its directory."""
     path = PurePosixPath(name.replace("\\", "/"))

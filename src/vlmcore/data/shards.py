@@ -34,12 +34,8 @@ class ShardWriter:
     def write(self, sample: dict, images: list[tuple[bytes, str]], videos: list[tuple[list, dict]] = ()) -> None:
         """One sample: its json with the part names of its `images` [(bytes, ext)] and, if any, its
         `videos` [([(bytes, ext)], metadata)]: a file as one part, a clip given as frames one part a frame."""
-        parts = {}
-        names = []
-        for k, (data, ext) in enumerate(images):
-            name = f"img{k}.{ext}"
-            parts[name] = data
-            names.append(name)
+        names = [f"img{k}.{ext}" for k, (_, ext) in enumerate(images)]
+        parts = dict(zip(names, (data for data, _ in images)))
         entries = []
         for k, (files, meta) in enumerate(videos):
             if meta["kind"] == "file":

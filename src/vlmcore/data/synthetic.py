@@ -13,6 +13,7 @@ Layout written under `out_dir`:
 """
 
 import argparse
+import itertools
 import json
 import random
 from pathlib import Path
@@ -23,14 +24,8 @@ from tqdm import tqdm
 from vlmcore.cli import UsageError, non_negative_int, positive_int
 
 
-COLORS = {
-    "red": (220, 30, 30),
-    "green": (30, 170, 40),
-    "blue": (30, 60, 220),
-    "yellow": (235, 215, 20),
-    "purple": (140, 40, 180),
-    "orange": (245, 130, 20),
-}
+COLORS = {"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220), "yellow": (235, 215, 20),
+          "purple": (140, 40, 180), "orange": (245, 130, 20)}
 SHAPES = ["circle", "square", "triangle"]
 SIDES = ["left", "right"]
 BACKGROUNDS = {"white": (245, 245, 245), "gray": (128, 128, 128), "black": (15, 15, 15)}
@@ -103,15 +98,9 @@ def corpus_texts(seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     texts = [question for question, _ in QUESTIONS.values()] + [TWO_IMAGE_QUESTION]
     texts += [answer for _, answers in QUESTIONS.values() for answer in answers]
-    for _ in range(200):
-        scene = random_scene(rng, 32, 32)
-        texts.append(caption_for(scene, rng))
-    for template in CAPTION_TEMPLATES:
-        for color in COLORS:
-            for shape in SHAPES:
-                for background in BACKGROUNDS:
-                    for side in SIDES:
-                        texts.append(template.format(color=color, shape=shape, background=background, side=side))
+    texts += [caption_for(random_scene(rng, 32, 32), rng) for _ in range(200)]
+    texts += [template.format(color=color, shape=shape, background=background, side=side) for template, color, shape,
+              background, side in itertools.product(CAPTION_TEMPLATES, COLORS, SHAPES, BACKGROUNDS, SIDES)]
     return texts
 
 
@@ -119,6 +108,16 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
     with open(path, "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
+
+
+def write_dataset(out_dir: Path, captions: list, conversations: list, eval_rows: list, questions: dict, meta: dict) -> dict:
+    """The jsonl files, and meta.json: `meta` with each question kind's chance level and eval count."""
+    for name, rows in (("captions", captions), ("conversations", conversations), ("eval", eval_rows)):
+        write_jsonl(out_dir / f"{name}.jsonl", rows)
+    meta.update(chance={kind: 1.0 / len(choices) for kind, (_, choices) in questions.items()},
+                eval_count_by_kind={kind: sum(r["kind"] == kind for r in eval_rows) for kind in questions})
+    (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
 
 
 def generate(out_dir, num_train: int, num_eval: int, seed: int = 0, min_size: int = 32, max_size: int = 112) -> dict:
@@ -155,32 +154,13 @@ def generate(out_dir, num_train: int, num_eval: int, seed: int = 0, min_size: in
         scene = random_scene(rng, min_size, max_size)
         kind = kinds[i % len(kinds)]
         question, choices = QUESTIONS[kind]
-        eval_rows.append(
-            {
-                "id": f"eval_{i:06d}",
-                "kind": kind,
-                "image": save(scene, f"eval_{i:06d}"),
-                "question": question,
-                "choices": choices,
-                "answer": choices.index(scene[kind]),
-            }
-        )
+        eval_rows.append({"id": f"eval_{i:06d}", "kind": kind, "image": save(scene, f"eval_{i:06d}"),
+                          "question": question, "choices": choices, "answer": choices.index(scene[kind])})
 
-    write_jsonl(out_dir / "captions.jsonl", captions)
-    write_jsonl(out_dir / "conversations.jsonl", conversations)
-    write_jsonl(out_dir / "eval.jsonl", eval_rows)
-    meta = {
-        "seed": seed,
-        "num_train_images": num_train,
-        "num_eval": num_eval,
-        "num_captions": len(captions),
-        "num_conversations": len(conversations),
-        "image_size_range": [min_size, max_size],
-        "chance": {kind: 1.0 / len(choices) for kind, (_, choices) in QUESTIONS.items()},
-        "eval_count_by_kind": {kind: sum(r["kind"] == kind for r in eval_rows) for kind in QUESTIONS},
-    }
-    (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return meta
+    return write_dataset(out_dir, captions, conversations, eval_rows, QUESTIONS, {
+        "seed": seed, "num_train_images": num_train, "num_eval": num_eval, "num_captions": len(captions),
+        "num_conversations": len(conversations), "image_size_range": [min_size, max_size],
+    })
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

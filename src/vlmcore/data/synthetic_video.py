@@ -3,9 +3,9 @@
 Every question needs more than one frame: the way a shape moves, which of two colours comes
 first, how many shapes appear in turn. The clips are real MPEG-4 (part 2) mp4 files, made by
 FFmpeg's own encoder (the same seed gives the same bytes; libx264 varies run to run on these
-tiny frames), 16 frames at 4 fps
-(4 s), so a video processor sampling 2 frames a second takes 8 frames: 4 frame groups, each
-from one quarter of the clip, in which nothing changes but a moving shape's place.
+tiny frames), 16 frames at 4 fps (4 s), so a video processor sampling 2 frames a second takes
+8 frames: 4 frame groups, each from one quarter of the clip, in which nothing changes but a
+moving shape's place.
 
 Layout written under `out_dir` (the image demo's, with videos):
   videos/*.mp4         train clips, then eval clips (separate files)
@@ -15,7 +15,6 @@ Layout written under `out_dir` (the image demo's, with videos):
   meta.json            counts and chance level per question kind
 """
 
-import json
 import random
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
-from vlmcore.data.synthetic import BACKGROUNDS, COLORS, SHAPES, draw_shape, write_jsonl
+from vlmcore.data.synthetic import BACKGROUNDS, COLORS, SHAPES, draw_shape, write_dataset
 from vlmcore.data.video import encode_clip
 
 FRAMES, FPS, QUARTER = 16, 4, 4  # frames of a clip, its frame rate, frames of a quarter
@@ -54,8 +53,7 @@ def random_clip(rng: random.Random, kind: str, size: int) -> dict:
 
 
 def answer_of(clip: dict) -> str:
-    return {"direction": lambda: clip["direction"], "order": lambda: clip["colors"][0],
-            "count": lambda: clip["count"]}[clip["kind"]]()
+    return clip["colors"][0] if clip["kind"] == "order" else clip[clip["kind"]]  # the direction, or the count
 
 
 def shapes_in_frame(clip: dict, frame: int) -> list[tuple[str, tuple, str]]:
@@ -139,21 +137,8 @@ def generate(out_dir, num_train: int, num_eval: int, seed: int = 0, min_size: in
         eval_rows.append({"id": f"eval_{i:06d}", "kind": clip["kind"], "video": save(clip, f"eval_{i:06d}"),
                           "question": question, "choices": choices, "answer": choices.index(answer_of(clip))})
 
-    write_jsonl(out_dir / "captions.jsonl", captions)
-    write_jsonl(out_dir / "conversations.jsonl", conversations)
-    write_jsonl(out_dir / "eval.jsonl", eval_rows)
-    meta = {
-        "seed": seed,
-        "kind": "video",
-        "num_train_videos": num_train,
-        "num_eval": num_eval,
-        "num_captions": len(captions),
-        "num_conversations": len(conversations),
-        "frame_sizes": sizes,
-        "frames": FRAMES,
-        "fps": FPS,
-        "chance": {kind: 1.0 / len(choices) for kind, (_, choices) in QUESTIONS.items()},
-        "eval_count_by_kind": {kind: sum(r["kind"] == kind for r in eval_rows) for kind in QUESTIONS},
-    }
-    (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return meta
+    return write_dataset(out_dir, captions, conversations, eval_rows, QUESTIONS, {
+        "seed": seed, "kind": "video", "num_train_videos": num_train, "num_eval": num_eval,
+        "num_captions": len(captions), "num_conversations": len(conversations), "frame_sizes": sizes,
+        "frames": FRAMES, "fps": FPS,
+    })

@@ -15,7 +15,7 @@ workers.
 
 import io
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -74,8 +74,7 @@ class VideoInfo:
     container: str = ""  # the file type, as a file name extension (mp4, webm, avi, mkv, ...)
 
     def as_dict(self) -> dict:
-        return {"frames": self.frames, "fps": self.fps, "duration_s": self.duration_s, "width": self.width,
-                "height": self.height, "codec": self.codec}
+        return {k: v for k, v in asdict(self).items() if k != "container"}
 
 
 # FFmpeg's demuxer names -> a file name extension for the shard part.
