@@ -76,19 +76,14 @@ def evaluate(model_dir, tasks: list[str], out, vqa_data=None, limit=None, batch_
         apply_chat_template=apply_chat_template, log_samples=True, bootstrap_iters=1000)
     samples = result.pop("samples")
     result["lm_eval_model"] = model
-    result["chance"], result["breakdown"] = {}, {}
-    for task, task_samples in samples.items():
-        chance, breakdown = chance_and_breakdown(task_samples)
-        if chance is not None:
-            result["chance"][task] = chance
-        if breakdown:
-            result["breakdown"][task] = breakdown
+    figures = {task: chance_and_breakdown(task_samples) for task, task_samples in samples.items()}
+    result["chance"] = {task: chance for task, (chance, _) in figures.items() if chance is not None}
+    result["breakdown"] = {task: breakdown for task, (_, breakdown) in figures.items() if breakdown}
 
     out.mkdir(parents=True, exist_ok=True)
     for task, task_samples in samples.items():
-        with open(out / f"samples_{task}.jsonl", "w") as f:
-            for sample in task_samples:
-                f.write(json.dumps(sample, default=handle_non_serializable) + "\n")
+        lines = [json.dumps(sample, default=handle_non_serializable) + "\n" for sample in task_samples]
+        (out / f"samples_{task}.jsonl").write_text("".join(lines))
     results_table(result).to_csv(out / "results.csv", index=False)
     tmp = out / "results.json.tmp"
     tmp.write_text(json.dumps(result, indent=2, default=handle_non_serializable) + "\n")
