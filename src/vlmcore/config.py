@@ -310,15 +310,13 @@ def _from_dict(cls, data: dict, prefix: str = ""):
     return cls(**kwargs)
 
 
-def _set_dotted(data: dict, dotted: str, value) -> None:
-    keys = dotted.split(".")
-    node = data
-    for k in keys[:-1]:
-        child = node.setdefault(k, {})
-        if not isinstance(child, dict):
+def _set_dotted(node: dict, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    for k in parents:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
             raise ConfigError(f"--set {dotted}: {k} is not a mapping")
-        node = child
-    node[keys[-1]] = value
+    node[last] = value
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[str, object]]:
@@ -417,9 +415,8 @@ def from_dict(data: dict) -> TrainConfig:
 def load_config(path: str | Path | None, overrides: list[str] = (), paths_must_exist: bool = False) -> TrainConfig:
     """YAML file (or defaults when None) + `--set` overrides -> validated TrainConfig."""
     data = {}
-    where = "config"
+    where = "config" if path is None else str(path)
     if path is not None:
-        where = str(path)
         try:
             data = yaml.safe_load(Path(path).read_text()) or {}
         except (OSError, yaml.YAMLError) as e:
@@ -438,16 +435,12 @@ def load_config(path: str | Path | None, overrides: list[str] = (), paths_must_e
 
 
 def to_dict(cfg: TrainConfig) -> dict:
-    """Plain dict with the YAML key names (round-trips through load_config)."""
-
-    def convert(obj):
-        if dataclasses.is_dataclass(obj):
-            return {_YAML_NAMES.get(f.name, f.name): convert(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-        if isinstance(obj, (list, tuple)):
-            return [convert(v) for v in obj]
-        return obj
-
-    return convert(cfg)
+    """Plain dict with the YAML key names (round-trips through load_config); lists for tuples."""
+    if dataclasses.is_dataclass(cfg):
+        return {_YAML_NAMES.get(f.name, f.name): to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    return cfg
 
 
 def save_config(cfg: TrainConfig, path: str | Path) -> None:
