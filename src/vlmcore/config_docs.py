@@ -117,12 +117,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     doc = Path(args.doc).read_text()
     generated = render(doc, yaml.safe_load(Path(args.schema).read_text()))
-    if args.check:
-        if generated != doc:
-            print(f"error: {args.doc} is stale: run python -m vlmcore.config_docs", file=sys.stderr)
-            return 1
-        return 0
-    Path(args.doc).write_text(generated)
+    if not args.check:
+        Path(args.doc).write_text(generated)
+    elif generated != doc:
+        print(f"error: {args.doc} is stale: run python -m vlmcore.config_docs", file=sys.stderr)
+        return 1
     return 0
 
 
