@@ -137,17 +137,11 @@ def disjoint(w: Workload, c: Cluster, world: int, vision_ranks: int) -> Predicti
 
 def candidates(w: Workload, c: Cluster, world: int) -> list[Prediction]:
     """Every layout whose degrees divide (module docstring), baseline first."""
-    out = []
-    tp = 1
-    while tp <= min(c.gpus_per_node, world):
-        if world % tp == 0 and w.vision_heads % tp == 0:
-            out.append(colocated(w, c, world, tp))
-        tp *= 2
+    tps = [1 << i for i in range(min(c.gpus_per_node, world).bit_length())]  # the powers of two up to a node
     rows = world // w.llm_tp * w.micro_batch_size * w.micro_batches
-    for k in range(1, world):
-        if (world - k) % w.llm_tp == 0 and rows % k == 0 and rows % ((world - k) // w.llm_tp) == 0:
-            out.append(disjoint(w, c, world, k))
-    return out
+    return ([colocated(w, c, world, tp) for tp in tps if world % tp == 0 and w.vision_heads % tp == 0]
+            + [disjoint(w, c, world, k) for k in range(1, world)
+               if (world - k) % w.llm_tp == 0 and rows % k == 0 and rows % ((world - k) // w.llm_tp) == 0])
 
 
 def compare(w: Workload, c: Cluster, world: int) -> list[Prediction]:
