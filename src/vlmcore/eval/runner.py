@@ -1,9 +1,8 @@
 """`vlmcore eval`: lm-eval on an exported HF directory, offline by default.
 
-Text-only models run through lm-eval's `hf` model. Vision-language exports run every task
-through `vlmcore-vlm` (vlmcore/eval/vlm.py): lm-eval's `hf` cannot load them
-(AutoModelForCausalLM does not map Qwen3-VL), and `hf-multimodal` cannot score multiple choice
-with images. Tasks are lm-eval's by name (mmlu, arc_challenge, ...; their datasets must be in
+Text-only models run through lm-eval's `hf` model, vision-language exports through `vlmcore-vlm`
+(vlmcore/eval/vlm.py says why; `hf` cannot load them at all: AutoModelForCausalLM does not map
+Qwen3-VL). Tasks are lm-eval's by name (mmlu, arc_challenge, ...; their datasets must be in
 the local HF cache), bundled here under vlmcore/eval/tasks/ (on the file given by --vqa-data:
 demo_vqa, multiple choice, and demo_vqa_gen, free answers, for the image demo; demo_video_qa and
 its frame-shuffled control demo_video_qa_shuffled for the video demo), or from --include-path.
