@@ -7,6 +7,7 @@ Every error names the config key (and the file when there is one), so a typo in 
 workflow-written YAML is found at once instead of deep inside the training loop.
 """
 
+import contextlib
 import dataclasses
 import math
 import operator
@@ -285,12 +286,9 @@ def _convert(value, tp, key):
             raise ConfigError(f"{key}: expected {_EXPECTED[tp]}, got {value!r}", key)
         return value
     if tp is float:
-        # YAML 1.1 reads `1e-3` (no dot) as a string.
-        if isinstance(value, str):
-            try:
+        if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
+            with contextlib.suppress(ValueError):
                 return float(value)
-            except ValueError:
-                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}", key)
         return float(value)
@@ -298,13 +296,12 @@ def _convert(value, tp, key):
 
 
 def _from_dict(cls, data: dict, prefix: str = ""):
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)  # every field, by name
     kwargs = {}
     for raw_key, value in data.items():
         name = _KEY_ALIASES.get(raw_key, raw_key)
-        if name not in names:
-            known = ", ".join(sorted(_YAML_NAMES.get(n, n) for n in names))
+        if name not in hints:
+            known = ", ".join(sorted(_YAML_NAMES.get(n, n) for n in hints))
             raise ConfigError(f"{prefix}{raw_key}: unknown key (known: {known})", prefix + raw_key)
         kwargs[name] = _convert(value, hints[name], prefix + raw_key)
     return cls(**kwargs)
