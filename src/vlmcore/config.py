@@ -7,6 +7,7 @@ Every error names the config key (and the file when there is one), so a typo in 
 workflow-written YAML is found at once instead of deep inside the training loop.
 """
 
+import contextlib
 import dataclasses
 import math
 import operator
@@ -285,12 +286,9 @@ def _convert(value, tp, key):
             raise ConfigError(f"{key}: expected {_EXPECTED[tp]}, got {value!r}", key)
         return value
     if tp is float:
-        # YAML 1.1 reads `1e-3` (no dot) as a string.
-        if isinstance(value, str):
-            try:
+        if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
+            with contextlib.suppress(ValueError):
                 return float(value)
-            except ValueError:
-                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}", key)
         return float(value)
@@ -298,27 +296,24 @@ def _convert(value, tp, key):
 
 
 def _from_dict(cls, data: dict, prefix: str = ""):
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)  # every field, by name
     kwargs = {}
     for raw_key, value in data.items():
         name = _KEY_ALIASES.get(raw_key, raw_key)
-        if name not in names:
-            known = ", ".join(sorted(_YAML_NAMES.get(n, n) for n in names))
+        if name not in hints:
+            known = ", ".join(sorted(_YAML_NAMES.get(n, n) for n in hints))
             raise ConfigError(f"{prefix}{raw_key}: unknown key (known: {known})", prefix + raw_key)
         kwargs[name] = _convert(value, hints[name], prefix + raw_key)
     return cls(**kwargs)
 
 
-def _set_dotted(data: dict, dotted: str, value) -> None:
-    keys = dotted.split(".")
-    node = data
-    for k in keys[:-1]:
-        child = node.setdefault(k, {})
-        if not isinstance(child, dict):
+def _set_dotted(node: dict, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    for k in parents:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
             raise ConfigError(f"--set {dotted}: {k} is not a mapping")
-        node = child
-    node[keys[-1]] = value
+    node[last] = value
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[str, object]]:
@@ -417,9 +412,8 @@ def from_dict(data: dict) -> TrainConfig:
 def load_config(path: str | Path | None, overrides: list[str] = (), paths_must_exist: bool = False) -> TrainConfig:
     """YAML file (or defaults when None) + `--set` overrides -> validated TrainConfig."""
     data = {}
-    where = "config"
+    where = "config" if path is None else str(path)
     if path is not None:
-        where = str(path)
         try:
             data = yaml.safe_load(Path(path).read_text()) or {}
         except (OSError, yaml.YAMLError) as e:
@@ -438,16 +432,12 @@ def load_config(path: str | Path | None, overrides: list[str] = (), paths_must_e
 
 
 def to_dict(cfg: TrainConfig) -> dict:
-    """Plain dict with the YAML key names (round-trips through load_config)."""
-
-    def convert(obj):
-        if dataclasses.is_dataclass(obj):
-            return {_YAML_NAMES.get(f.name, f.name): convert(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-        if isinstance(obj, (list, tuple)):
-            return [convert(v) for v in obj]
-        return obj
-
-    return convert(cfg)
+    """Plain dict with the YAML key names (round-trips through load_config); lists for tuples."""
+    if dataclasses.is_dataclass(cfg):
+        return {_YAML_NAMES.get(f.name, f.name): to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    return cfg
 
 
 def save_config(cfg: TrainConfig, path: str | Path) -> None:

@@ -71,11 +71,9 @@ def _schema_allowed(node: dict) -> str:
 
 
 def _schema_bounds(node: dict) -> str:
-    if "minimum" in node and "maximum" in node:
-        text = f" in [{node['minimum']}, {node['maximum']}]"
-    else:
-        lower = (("minimum", ">="), ("exclusiveMinimum", ">"))
-        text = "".join(f" {op} {node[word]}" for word, op in lower if word in node)
+    words = {"minimum": "ge", "exclusiveMinimum": "gt", "maximum": "le"}
+    text = config.range_text({"bounds": {op: node[word] for word, op in words.items() if word in node}})
+    text = f" {text}" if text else ""
     if node.get("minItems", node.get("minProperties")) == 1:
         text += ", not empty"
     if node.get("uniqueItems"):
@@ -117,12 +115,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     doc = Path(args.doc).read_text()
     generated = render(doc, yaml.safe_load(Path(args.schema).read_text()))
-    if args.check:
-        if generated != doc:
-            print(f"error: {args.doc} is stale: run python -m vlmcore.config_docs", file=sys.stderr)
-            return 1
-        return 0
-    Path(args.doc).write_text(generated)
+    if not args.check:
+        Path(args.doc).write_text(generated)
+    elif generated != doc:
+        print(f"error: {args.doc} is stale: run python -m vlmcore.config_docs", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -22,20 +22,14 @@ from vlmcore.parallel.checks import check_run
 def _fill_defaults(schema: dict, value):
     if not isinstance(value, dict) or schema.get("type") not in (None, "object"):
         return
-    for key, sub in schema.get("properties", {}).items():
+    properties = schema.get("properties", {})
+    for key, sub in properties.items():
         if key not in value and "default" in sub:
             value[key] = copy.deepcopy(sub["default"])
-        if key in value:
-            _fill_defaults(sub, value[key])
-    extra = schema.get("additionalProperties")
-    if isinstance(extra, dict):
-        for key, item in value.items():
-            if key not in schema.get("properties", {}):
-                _fill_defaults(extra, item)
-
-
-def _key_path(error) -> str:
-    return ".".join(str(p) for p in error.absolute_path) or "(top level)"
+    for key, item in value.items():
+        sub = properties.get(key, schema.get("additionalProperties"))
+        if isinstance(sub, dict):
+            _fill_defaults(sub, item)
 
 
 def validate_config(config: dict, schema_path) -> dict:
@@ -47,7 +41,7 @@ def validate_config(config: dict, schema_path) -> dict:
     validator = jsonschema.Draft202012Validator(schema)
     errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     if errors:
-        lines = [f"  {_key_path(e)}: {e.message}" for e in errors]
+        lines = [f"  {'.'.join(map(str, e.absolute_path)) or '(top level)'}: {e.message}" for e in errors]
         raise ConfigError("invalid workflow config:\n" + "\n".join(lines))
     _fill_defaults(schema, config)
     _check_references(config)
@@ -119,12 +113,10 @@ def _written_at(config: dict, stage: str, key: str) -> str:
 
 
 def _check_stage_settings(config: dict):
-    """Each stage's vlmcore train settings (train.common + the stage) pass TrainConfig's own
-    checks and vlmcore train's checks against its ranks (and each scaling point) and, once the
-    model's config.json is here (a staged snapshot, or after the download), against the model
-    (vlmcore.parallel.checks): a typo, a bad range, a mesh that does not divide or a degree the
-    model's heads or experts do not take stops the workflow before any job runs. The warnings of a
-    suspicious setting are printed."""
+    """Each stage's settings (train.common + the stage), and each scaling point's, pass TrainConfig's
+    checks and vlmcore.parallel.checks against its ranks and, once the model's config.json is here
+    (staged, or downloaded), against the model: a typo, a bad range, a mesh that does not divide or a
+    degree the model does not take stops the workflow before any job runs. Warnings are printed."""
     exp = Experiment(config)
     model_config = exp.model_config()
     written = {f"train.stages.{stage}": config["train"]["stages"][stage] for stage in exp.stages}
@@ -185,10 +177,8 @@ def check_kernels(config: dict, stage_settings: dict) -> None:
 def deep_merge(base: dict, override: dict) -> dict:
     merged = copy.deepcopy(base)
     for key, value in override.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = deep_merge(merged[key], value)
-        else:
-            merged[key] = copy.deepcopy(value)
+        both_mappings = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = deep_merge(merged[key], value) if both_mappings else copy.deepcopy(value)
     return merged
 
 

@@ -33,6 +33,19 @@ def results_table(result: dict) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
+def jsonl_records(path: Path):
+    """(line number, object) of each non-blank line of a JSON-lines file; a line that is not JSON
+    raises ValueError naming it."""
+    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{line_no}: not JSON ({e})") from None
+        yield line_no, record
+
+
 def read_results(path) -> dict:
     """results.json, or the results.json inside a directory."""
     path = Path(path)
@@ -51,5 +64,4 @@ def gather(runs: dict) -> pd.DataFrame:
     tables = [results_table(read_results(path)).assign(run=label) for label, path in runs.items()]
     if not tables:
         return pd.DataFrame(columns=["run", *COLUMNS])
-    table = pd.concat(tables, ignore_index=True)
-    return table[["run", *COLUMNS]]
+    return pd.concat(tables, ignore_index=True)[["run", *COLUMNS]]

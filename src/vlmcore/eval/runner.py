@@ -1,9 +1,8 @@
 """`vlmcore eval`: lm-eval on an exported HF directory, offline by default.
 
-Text-only models run through lm-eval's `hf` model. Vision-language exports run every task
-through `vlmcore-vlm` (vlmcore/eval/vlm.py): lm-eval's `hf` cannot load them
-(AutoModelForCausalLM does not map Qwen3-VL), and `hf-multimodal` cannot score multiple choice
-with images. Tasks are lm-eval's by name (mmlu, arc_challenge, ...; their datasets must be in
+Text-only models run through lm-eval's `hf` model, vision-language exports through `vlmcore-vlm`
+(vlmcore/eval/vlm.py says why; `hf` cannot load them at all: AutoModelForCausalLM does not map
+Qwen3-VL). Tasks are lm-eval's by name (mmlu, arc_challenge, ...; their datasets must be in
 the local HF cache), bundled here under vlmcore/eval/tasks/ (on the file given by --vqa-data:
 demo_vqa, multiple choice, and demo_vqa_gen, free answers, for the image demo; demo_video_qa and
 its frame-shuffled control demo_video_qa_shuffled for the video demo), or from --include-path.
@@ -76,19 +75,14 @@ def evaluate(model_dir, tasks: list[str], out, vqa_data=None, limit=None, batch_
         apply_chat_template=apply_chat_template, log_samples=True, bootstrap_iters=1000)
     samples = result.pop("samples")
     result["lm_eval_model"] = model
-    result["chance"], result["breakdown"] = {}, {}
-    for task, task_samples in samples.items():
-        chance, breakdown = chance_and_breakdown(task_samples)
-        if chance is not None:
-            result["chance"][task] = chance
-        if breakdown:
-            result["breakdown"][task] = breakdown
+    figures = {task: chance_and_breakdown(task_samples) for task, task_samples in samples.items()}
+    result["chance"] = {task: chance for task, (chance, _) in figures.items() if chance is not None}
+    result["breakdown"] = {task: breakdown for task, (_, breakdown) in figures.items() if breakdown}
 
     out.mkdir(parents=True, exist_ok=True)
     for task, task_samples in samples.items():
-        with open(out / f"samples_{task}.jsonl", "w") as f:
-            for sample in task_samples:
-                f.write(json.dumps(sample, default=handle_non_serializable) + "\n")
+        lines = [json.dumps(sample, default=handle_non_serializable) + "\n" for sample in task_samples]
+        (out / f"samples_{task}.jsonl").write_text("".join(lines))
     results_table(result).to_csv(out / "results.csv", index=False)
     tmp = out / "results.json.tmp"
     tmp.write_text(json.dumps(result, indent=2, default=handle_non_serializable) + "\n")

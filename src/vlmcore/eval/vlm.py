@@ -124,11 +124,10 @@ class VisionLanguageLM(HFMultimodalLM):
         continuation_ids = self.tokenizer(continuation, add_special_tokens=False)["input_ids"]
         if not continuation_ids:
             raise ValueError(f"empty continuation after context {context!r}")
-        row = {key: value for key, value in encoding.items() if key in VISUAL_KEYS}
         context_ids = encoding["input_ids"][0].tolist()
-        row["input_ids"] = context_ids + continuation_ids
-        row["attention_mask"] = [1] * len(row["input_ids"])
-        row["continuation_start"] = len(context_ids)
+        row = {key: value for key, value in encoding.items() if key in VISUAL_KEYS}
+        row.update(input_ids=context_ids + continuation_ids, attention_mask=[1] * (len(context_ids) + len(continuation_ids)),
+                   continuation_start=len(context_ids))
         if "mm_token_type_ids" in encoding:
             row["mm_token_type_ids"] = encoding["mm_token_type_ids"][0].tolist() + [0] * len(continuation_ids)
         return row
@@ -174,10 +173,8 @@ class VisionLanguageLM(HFMultimodalLM):
             inputs["mm_token_type_ids"] = left_padded("mm_token_type_ids", 0)
         for key in VISUAL_KEYS:
             if any(key in row for row in batch):
-                inputs[key] = torch.cat([row[key] for row in batch if key in row]).to(self.device)
-        for key in ("pixel_values", "pixel_values_videos"):
-            if key in inputs:
-                inputs[key] = inputs[key].to(self.model.dtype)
+                dtype = self.model.dtype if key.startswith("pixel_values") else None  # the grids stay integers
+                inputs[key] = torch.cat([row[key] for row in batch if key in row]).to(self.device, dtype)
         logits = self.model(**inputs, logits_to_keep=keep).logits
         results = []
         for b, row in enumerate(batch):

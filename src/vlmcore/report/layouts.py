@@ -137,17 +137,11 @@ def disjoint(w: Workload, c: Cluster, world: int, vision_ranks: int) -> Predicti
 
 def candidates(w: Workload, c: Cluster, world: int) -> list[Prediction]:
     """Every layout whose degrees divide (module docstring), baseline first."""
-    out = []
-    tp = 1
-    while tp <= min(c.gpus_per_node, world):
-        if world % tp == 0 and w.vision_heads % tp == 0:
-            out.append(colocated(w, c, world, tp))
-        tp *= 2
+    tps = [1 << i for i in range(min(c.gpus_per_node, world).bit_length())]  # the powers of two up to a node
     rows = world // w.llm_tp * w.micro_batch_size * w.micro_batches
-    for k in range(1, world):
-        if (world - k) % w.llm_tp == 0 and rows % k == 0 and rows % ((world - k) // w.llm_tp) == 0:
-            out.append(disjoint(w, c, world, k))
-    return out
+    return ([colocated(w, c, world, tp) for tp in tps if world % tp == 0 and w.vision_heads % tp == 0]
+            + [disjoint(w, c, world, k) for k in range(1, world)
+               if (world - k) % w.llm_tp == 0 and rows % k == 0 and rows % ((world - k) // w.llm_tp) == 0])
 
 
 def compare(w: Workload, c: Cluster, world: int) -> list[Prediction]:
@@ -159,10 +153,10 @@ def compare(w: Workload, c: Cluster, world: int) -> list[Prediction]:
     return sorted(layouts, key=lambda p: p.step_s)
 
 
-def workload_of(config, vision_s: float, llm_s: float, patches: float, micro_batches: int = 1,
-                micro_batch_size: int = 1, llm_tp: int = 1) -> Workload:
+def workload_of(config, vision_s: float, llm_s: float, patches: float, **step) -> Workload:
     """A Workload for an HF model config (Qwen3-VL / Qwen3.5): parameter counts from the model
-    built on the meta device, shapes from its vision config."""
+    built on the meta device, shapes from its vision config; `step`: the Workload fields
+    micro_batches, micro_batch_size and llm_tp."""
     from vlmcore.models import build_model
 
     model = build_model(config, device="meta")
@@ -172,21 +166,18 @@ def workload_of(config, vision_s: float, llm_s: float, patches: float, micro_bat
                     llm_params=sum(p.numel() for p in model.parameters()) - vision_params,
                     vision_depth=v.depth, vision_hidden=v.hidden_size, vision_heads=v.num_heads, patches=patches,
                     image_tokens=patches / v.spatial_merge_size ** 2, bridge_hidden=v.out_hidden_size,
-                    bridge_tensors=1 + len(getattr(v, "deepstack_visual_indexes", None) or []),
-                    micro_batches=micro_batches, micro_batch_size=micro_batch_size, llm_tp=llm_tp)
+                    bridge_tensors=1 + len(getattr(v, "deepstack_visual_indexes", None) or []), **step)
 
 
-def flops_workload(config, rows: int, seq_len: int, image_grids: list, achieved_tflops: float, micro_batches: int = 1,
-                   micro_batch_size: int = 1, llm_tp: int = 1) -> Workload:
+def flops_workload(config, rows: int, seq_len: int, image_grids: list, achieved_tflops: float, **step) -> Workload:
     """A Workload before any run, from FLOPs (vlmcore.models.flops): `rows` packed rows per step,
     each one segment of `seq_len` tokens holding the images `image_grids` ([t, h, w] in patches),
-    at `achieved_tflops` per device."""
+    at `achieved_tflops` per device; `step` as in workload_of."""
     from vlmcore.models.flops import llm_flops, vision_flops
 
     return workload_of(config, vision_s=seconds_from_flops(rows * vision_flops(config, image_grids), achieved_tflops),
                        llm_s=seconds_from_flops(rows * llm_flops(config, [seq_len]), achieved_tflops),
-                       patches=rows * sum(t * h * w for t, h, w in image_grids), micro_batches=micro_batches,
-                       micro_batch_size=micro_batch_size, llm_tp=llm_tp)
+                       patches=rows * sum(t * h * w for t, h, w in image_grids), **step)
 
 
 def measured_workload(metrics, settings: dict, warmup_steps: int) -> Workload | None:

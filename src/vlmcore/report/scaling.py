@@ -63,9 +63,8 @@ def markdown_table(rows: list[dict], columns: dict[str, tuple[str, str]]) -> str
     """columns: key -> (header, format spec; "" = as text)."""
     lines = ["| " + " | ".join(header for header, _ in columns.values()) + " |",
              "|" + "|".join("---" if not spec else "---:" for _, spec in columns.values()) + "|"]
-    for row in rows:
-        lines.append("| " + " | ".join(fmt(row.get(key), spec) if spec else str(row.get(key, ""))
-                                       for key, (_, spec) in columns.items()) + " |")
+    lines += ["| " + " | ".join(fmt(row.get(key), spec) if spec else str(row.get(key, ""))
+                                for key, (_, spec) in columns.items()) + " |" for row in rows]
     return "\n".join(lines)
 
 

@@ -10,11 +10,12 @@ elsewhere: a `scaling.csv` written by another report, a `metrics.jsonl`, or a di
 for `metrics.jsonl` files (for example the output directories of cluster jobs at 16..256 GPUs).
 """
 
-import json
 from pathlib import Path
 
 import pandas as pd
 import yaml
+
+from vlmcore.eval.results import jsonl_records
 
 # Columns of scaling.csv, in order; `efficiency` and `speedup` are relative to the smallest point.
 SCALING_COLUMNS = [
@@ -35,13 +36,7 @@ def read_metrics(path) -> pd.DataFrame:
     if not path.is_file():
         raise ValueError(f"{path}: no metrics file")
     records = []
-    for line_no, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{line_no}: not JSON ({e})") from None
+    for line_no, record in jsonl_records(path):
         if "step" not in record:
             raise ValueError(f"{path}:{line_no}: no `step` key")
         records.append(record)

@@ -1,10 +1,12 @@
 """Loading the demo's held-out VQA file for lm-eval: rows checked, image paths made absolute."""
 
-import json
 from pathlib import Path
 
 import datasets
 from PIL import Image
+
+from vlmcore.eval.results import jsonl_records
+
 
 def load_vqa_jsonl(vqa_data=None, **_metadata) -> datasets.DatasetDict:
     """`{"id", "image" (relative to the file's directory), "question", "choices", "answer"}` per line."""
@@ -20,10 +22,7 @@ def load_rows(vqa_data, media: str, task: str) -> datasets.DatasetDict:
     if not path.is_file():
         raise ValueError(f"--vqa-data {path}: no such file")
     rows = []
-    for line_no, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    for line_no, row in jsonl_records(path):
         missing = [key for key in ("id", media, "question", "choices", "answer") if key not in row]
         if missing:
             raise ValueError(f"{path}:{line_no}: missing {missing}" + (
