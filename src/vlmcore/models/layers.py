@@ -75,37 +75,32 @@ class VisualTokens:
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32, scaled in the input dtype (as transformers' Qwen models do)."""
 
+    init_value = 1.0  # of the weight
+
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.full((dim,), self.init_value))
+
+    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+        """x / rms(x), in fp32."""
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * self.normalized(x).to(x.dtype)
 
     def reset_own_parameters(self, std: float = 0.02):
-        nn.init.ones_(self.weight)
+        nn.init.constant_(self.weight, self.init_value)
 
 
-class ZeroCenteredRMSNorm(nn.Module):
+class ZeroCenteredRMSNorm(RMSNorm):
     """RMSNorm whose scale is `1 + weight` (weight initialised to 0), all in fp32 (Qwen3.5)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
+    init_value = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x * (1.0 + self.weight.float())).to(dtype)
-
-    def reset_own_parameters(self, std: float = 0.02):
-        nn.init.zeros_(self.weight)
+        return (self.normalized(x) * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class SwiGLU(nn.Module):
@@ -166,6 +161,11 @@ def mrope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, mrope_sect
     freqs = torch.gather(freqs, 0, axis.expand(1, *freqs.shape[1:3], -1)).squeeze(0)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def head_dim_of(config) -> int:
+    """A text config's attention head size (`head_dim`, else hidden_size / heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def init_weights(model: nn.Module, std: float):

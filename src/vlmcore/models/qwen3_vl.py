@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import attention
-from .layers import VisualTokens, apply_rotary, grid_list, mrope_cos_sin, rope_inv_freq
+from .layers import VisualTokens, apply_rotary, grid_list, head_dim_of, mrope_cos_sin, rope_inv_freq
 from .parts import ModelOutput, VisionLanguageParts
-from .qwen3 import Qwen3TextModel, check_text_config
+from .qwen3 import Qwen3TextModel
 
 DEFAULT_MROPE_SECTION = [24, 20, 20]  # transformers' value when the config has none
 VISION_ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
@@ -172,24 +172,22 @@ class VisionModel(nn.Module):
 
 
 class LanguageModel(Qwen3TextModel):
-    """The Qwen3 decoder; DeepStack features are added at image and video positions after the first layers."""
+    """The Qwen3 decoder with interleaved M-RoPE and DeepStack."""
 
-    def forward(self, h, cos, sin, cu_seqlens, max_seqlen=None, visual: VisualTokens | None = None, deepstack=()):
-        full_shape, dtype = h.shape, h.dtype
-        h = self.split_sequence(h)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cu_seqlens, max_seqlen=max_seqlen)
-            if i < len(deepstack):
-                features = torch.zeros(full_shape, dtype=dtype, device=h.device)
-                h = h + self.split_sequence(visual.scatter(features, deepstack[i], check=False))
-        return self.norm(h)
+    config_name = "qwen3_vl text_config"
+
+    def rotary(self, position_ids, dtype):
+        """cos/sin of the interleaved M-RoPE of (3, B, S) positions."""
+        rope = self.config.rope_parameters
+        inv_freq = rope_inv_freq(rope, head_dim_of(self.config), self.config_name)
+        return mrope_cos_sin(inv_freq, position_ids, rope.get("mrope_section", DEFAULT_MROPE_SECTION), dtype)
 
 
 class Qwen3VLModel(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, text_model_class):
         super().__init__()
         self.visual = VisionModel(config.vision_config)
-        self.language_model = LanguageModel(config.text_config)
+        self.language_model = text_model_class(config.text_config)
 
 
 def video_frame_groups(video_grid_thw) -> list[list[int]]:
@@ -240,13 +238,14 @@ def mrope_position_ids(input_ids, image_grid_thw, cu_seqlens, image_token_id: in
 
 
 class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
+    text_model_class = LanguageModel
+
     def __init__(self, config):
         super().__init__()
-        check_text_config(config.text_config, "qwen3_vl text_config")
         self.config = config
         text = config.text_config
-        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self.model = Qwen3VLModel(config)
+        self.head_dim = head_dim_of(text)
+        self.model = Qwen3VLModel(config, self.text_model_class)
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tie_weights()
 
@@ -276,9 +275,5 @@ class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
                                           visual_selection)
         if position_ids is None:
             position_ids = self.position_ids(input_ids, image_grid_thw, cu_seqlens, video_grid_thw)
-        rope = self.config.text_config.rope_parameters
-        inv_freq = rope_inv_freq(rope, self.head_dim, "qwen3_vl text_config")
-        cos, sin = mrope_cos_sin(inv_freq, position_ids, rope.get("mrope_section", DEFAULT_MROPE_SECTION), h.dtype)
-        h = self.model.language_model(h, cos, sin, cu_seqlens, max_seqlen, visual, deepstack)
+        h = self.model.language_model(h, position_ids, cu_seqlens, max_seqlen, visual, deepstack)
         return self.output(h, return_hidden)
-
