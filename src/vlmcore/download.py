@@ -28,6 +28,14 @@ def snapshot_files(directory: Path) -> list[Path]:
     )
 
 
+def remove_path(path: Path) -> None:
+    """Removes what is at `path`, if anything: a directory tree, or a file or link."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
 def write_manifest(directory, repo_id: str, revision: str) -> dict:
     directory = Path(directory)
     files = {
@@ -90,10 +98,7 @@ def use_staged_snapshot(staged, out, revision: str | None = None) -> dict:
     staged = Path(staged).resolve()
     manifest = verify_snapshot(staged, revision=revision)
     out = Path(out)
-    if out.is_symlink() or out.is_file():
-        out.unlink()
-    elif out.exists():
-        shutil.rmtree(out)
+    remove_path(out)
     for rel in manifest["files"]:
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         (out / rel).symlink_to(staged / rel)
@@ -162,8 +167,7 @@ def build_tiny_model(out, seed: int = 0, overrides: dict | None = None, family: 
     write_processor_files(tmp, patch_size=config.vision_config.patch_size, merge_size=config.vision_config.spatial_merge_size,
                           temporal_patch_size=config.vision_config.temporal_patch_size)
     manifest = write_manifest(tmp, f"vlmcore/tiny-{family.replace('_', '-')}-demo", f"generated-seed{seed}")
-    if out.exists() or out.is_symlink():
-        shutil.rmtree(out) if out.is_dir() and not out.is_symlink() else out.unlink()
+    remove_path(out)
     os.replace(tmp, out)
     return manifest
 

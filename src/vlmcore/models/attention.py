@@ -24,12 +24,6 @@ import torch.nn.functional as F
 from .gpu_kernels import GpuKernel
 
 
-def segment_ids(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
-    """(B, S) index of the segment each token belongs to."""
-    tokens = torch.arange(batch * seq_len, device=cu_seqlens.device)
-    return torch.bucketize(tokens, cu_seqlens[1:].to(tokens.dtype), right=True).view(batch, seq_len)
-
-
 def adapt_varlen_kernel(kernel):
     """A call `(q, k, v, cu_seqlens, max_seqlen, causal, scale) -> out` on flattened (T, H, D)
     tensors, for a varlen kernel with one of the known signatures:

@@ -8,9 +8,10 @@ q_norm/k_norm act per head (shape head_dim), so they are replicated.
 import torch
 from torch import nn
 
-from .attention import attention, segment_ids
-from .moe import feed_forward
+from .attention import attention
 from .layers import RMSNorm, VisualTokens, apply_rotary, head_dim_of, rope_cos_sin, rope_inv_freq
+from .linear_attention import token_segments
+from .moe import feed_forward
 from .parts import ModelOutput, TextModelParts
 
 
@@ -78,7 +79,7 @@ def text_position_ids(input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None) 
     if cu_seqlens is None:
         return torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len)
     cu_seqlens = cu_seqlens.to(input_ids.device)
-    seg = segment_ids(cu_seqlens, batch, seq_len)
+    seg = token_segments(cu_seqlens, batch * seq_len).view(batch, seq_len)
     flat = torch.arange(batch * seq_len, device=input_ids.device).view(batch, seq_len)
     return flat - cu_seqlens.long()[seg]
 

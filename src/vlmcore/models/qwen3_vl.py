@@ -196,8 +196,7 @@ def video_frame_groups(video_grid_thw) -> list[list[int]]:
     return [[1, h, w] for t, h, w in grid_list(video_grid_thw) for _ in range(t)]
 
 
-def mrope_position_ids(input_ids, image_grid_thw, cu_seqlens, image_token_id: int, merge: int,
-                       video_grid_thw=None, video_token_id: int | None = None) -> torch.Tensor:
+def mrope_position_ids(config, input_ids, image_grid_thw, cu_seqlens, video_grid_thw=None) -> torch.Tensor:
     """(3, B, S) multimodal positions (t, h, w), restarting at 0 in every segment.
 
     Text tokens advance all three axes together. An image starting at position p spans
@@ -205,6 +204,8 @@ def mrope_position_ids(input_ids, image_grid_thw, cu_seqlens, image_token_id: in
     p + max(H, W) / merge. Images are taken from `image_grid_thw` in token order over the batch,
     video frame groups likewise from `video_grid_thw` (video_frame_groups).
     """
+    image_token_id, video_token_id = config.image_token_id, getattr(config, "video_token_id", None)
+    merge = config.vision_config.spatial_merge_size
     batch, seq_len = input_ids.shape
     bounds = list(range(0, batch * seq_len + 1, seq_len)) if cu_seqlens is None else cu_seqlens.tolist()
     grids = {image_token_id: iter(grid_list(image_grid_thw))}
@@ -250,9 +251,7 @@ class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
         self.tie_weights()
 
     def position_ids(self, input_ids, image_grid_thw=None, cu_seqlens=None, video_grid_thw=None):
-        return mrope_position_ids(input_ids, image_grid_thw, cu_seqlens, self.config.image_token_id,
-                                  self.config.vision_config.spatial_merge_size, video_grid_thw,
-                                  getattr(self.config, "video_token_id", None))
+        return mrope_position_ids(self.config, input_ids, image_grid_thw, cu_seqlens, video_grid_thw)
 
     def embed(self, input_ids, pixel_values, image_grid_thw, pixel_values_videos=None, video_grid_thw=None,
               visual_selection=None):
