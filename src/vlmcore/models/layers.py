@@ -13,22 +13,6 @@ def grid_list(image_grid_thw) -> list[list[int]]:
     return image_grid_thw.tolist() if torch.is_tensor(image_grid_thw) else [list(g) for g in image_grid_thw]
 
 
-def scatter_image_features(h: torch.Tensor, image_mask: torch.Tensor, features: torch.Tensor, grids,
-                           kind: str = "image") -> torch.Tensor:
-    """h with `features` written at the image tokens, in order. The count of image tokens must
-    match the features: checked on the host when h is there, and by a device-side assert on the
-    GPU (a host check would stall it; the data loader has checked every sample already)."""
-    if h.device.type == "cpu":
-        n_tokens = int(image_mask.sum())
-        if n_tokens != features.shape[0]:
-            raise ValueError(f"input_ids has {n_tokens} {kind} tokens but the {kind}s give {features.shape[0]} "
-                             f"features ({kind}_grid_thw {grids})")
-    else:
-        torch._assert_async(image_mask.sum() == features.shape[0],
-                            f"input_ids and {kind}_grid_thw disagree on the number of {kind} tokens")
-    return h.masked_scatter(image_mask[..., None], features.to(h.dtype))
-
-
 class VisualTokens:
     """The images and videos of a batch, run through the vision tower in one pass (images first,
     then videos: each frame group attends only to itself, so the pass equals one per kind), and
@@ -51,24 +35,24 @@ class VisualTokens:
         self.kinds = [(kind, grids) for kind, _, _, grids in kinds]
         self.selection = selection
 
-    @classmethod
-    def of(cls, config, input_ids, pixel_values, image_grid_thw, pixel_values_videos=None, video_grid_thw=None,
-           selection=None):
-        """None for a text-only batch."""
-        if pixel_values is None and pixel_values_videos is None:
-            return None
-        return cls(config, input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, selection)
-
     def scatter(self, h: torch.Tensor, features: torch.Tensor, check: bool = True) -> torch.Tensor:
-        """h with the tower's output rows (or a DeepStack level's) written at the visual tokens."""
+        """h with the tower's output rows (or a DeepStack level's) written at the visual tokens, in order.
+        `check`: each kind's count of tokens must match its rows; checked on the host when h is there,
+        and by a device-side assert on the GPU (a host check would stall it; the data loader has
+        checked every sample already)."""
         parts = features.split(self.counts)
         if self.selection is not None:
             parts = [part.index_select(0, rows) for part, rows in zip(parts, self.selection)]
         for mask, part, (kind, grids) in zip(self.masks, parts, self.kinds):
-            if check:
-                h = scatter_image_features(h, mask, part, grids, kind)
-            else:
-                h = h.masked_scatter(mask[..., None], part.to(h.dtype))
+            if check and h.device.type == "cpu":
+                n_tokens = int(mask.sum())
+                if n_tokens != part.shape[0]:
+                    raise ValueError(f"input_ids has {n_tokens} {kind} tokens but the {kind}s give {part.shape[0]} "
+                                     f"features ({kind}_grid_thw {grids})")
+            elif check:
+                torch._assert_async(mask.sum() == part.shape[0],
+                                    f"input_ids and {kind}_grid_thw disagree on the number of {kind} tokens")
+            h = h.masked_scatter(mask[..., None], part.to(h.dtype))
         return h
 
 

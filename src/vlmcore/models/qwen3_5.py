@@ -68,10 +68,6 @@ class GatedDeltaNet(nn.Module):
         with torch.no_grad():
             self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log())
 
-    def own_heads(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """This rank's share of each block of `sizes` rows of t (all of t without TP)."""
-        return block_share(t, sizes, *self.head_shard)
-
     def forward(self, x, cu_seqlens, cu_seqlens_cpu=None):
         batch, seq_len, _ = x.shape
         # Under context parallelism x is this rank's chunk of the rows; the recurrence and the
@@ -84,9 +80,10 @@ class GatedDeltaNet(nn.Module):
         # rows of qkv read here are plain tensors: this rank's heads give a part of x's gradient.
         x_local = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else x
         sizes = [size // self.head_shard[1] for size in self.split]
-        mixed = F.linear(x_local, self.own_heads(self.in_proj_qkv.weight, self.split))
-        conv_weight = self.own_heads(self.conv1d.weight, self.split)
-        A_log, dt_bias = (self.own_heads(p, [self.n_v_heads]) for p in (self.A_log, self.dt_bias))
+        # This rank's heads (all of them without TP).
+        mixed = F.linear(x_local, block_share(self.in_proj_qkv.weight, self.split, *self.head_shard))
+        conv_weight = block_share(self.conv1d.weight, self.split, *self.head_shard)
+        A_log, dt_bias = (block_share(p, [self.n_v_heads], *self.head_shard) for p in (self.A_log, self.dt_bias))
         beta = self.in_proj_b(x).sigmoid()
         g = -A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + dt_bias)
         if cp is not None:

@@ -258,10 +258,10 @@ class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
         """Token embeddings with image and video features scattered in; also where they went
         (VisualTokens) and the DeepStack features."""
         h = self.model.language_model.embed_tokens(input_ids)
-        visual = VisualTokens.of(self.config, input_ids, pixel_values, image_grid_thw, pixel_values_videos,
-                                 video_grid_thw, visual_selection)
-        if visual is None:
+        if pixel_values is None and pixel_values_videos is None:
             return h, None, []
+        visual = VisualTokens(self.config, input_ids, pixel_values, image_grid_thw, pixel_values_videos,
+                              video_grid_thw, visual_selection)
         embeds, deepstack = self.model.visual(visual.pixels, visual.grids)
         return visual.scatter(h, embeds), visual, deepstack
 
