@@ -119,7 +119,7 @@ def attention_backend(capability: tuple[int, int] | None) -> str:
         return "sdpa (per packed segment)"
     from vlmcore.models import attention
 
-    kernel = attention.varlen_kernel()
+    kernel = attention.VARLEN.kernel
     if kernel is None:
         return "sdpa (per packed segment; no varlen kernel: install torch >= 2.10 or flash-attn)"
     try:

@@ -88,10 +88,6 @@ VARLEN = GpuKernel(adapt_varlen_kernel, _installed_varlen_kernel())
 set_varlen_kernel = VARLEN.set
 
 
-def varlen_kernel():
-    return VARLEN.kernel
-
-
 def attention(q, k, v, cu_seqlens=None, max_seqlen=None, causal=True, scale=None) -> torch.Tensor:
     """q (B, S, Hq, D), k/v (B, S, Hkv, D) -> (B, S, Hq, D)."""
     batch, seq_len, n_heads, _ = q.shape

@@ -53,8 +53,7 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv(x).view(1, n, 3, -1, self.head_dim).unbind(2)
         # Rotary in fp32, as transformers does for the vision tower.
-        q = apply_rotary(q.float(), cos, sin).to(v.dtype)
-        k = apply_rotary(k.float(), cos, sin).to(v.dtype)
+        q, k = (apply_rotary(t.float(), cos, sin).to(v.dtype) for t in (q, k))
         out = attention(q, k, v, cu_seqlens, max_seqlen, causal=False)
         return self.proj(out.reshape(n, -1))
 
@@ -145,8 +144,7 @@ class VisionModel(nn.Module):
             rows, cols = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
             hw = merge_block_order(torch.stack((rows, cols), dim=-1), self.merge)
             coords.append(hw.repeat(t, 1))
-        freqs = torch.cat(coords)[..., None].float() * inv_freq  # (N, 2, head_dim / 4)
-        freqs = freqs.flatten(1)
+        freqs = (torch.cat(coords)[..., None].float() * inv_freq).flatten(1)  # (N, head_dim / 2): rows, columns
         emb = torch.cat((freqs, freqs), dim=-1)[None]
         return emb.cos(), emb.sin()
 
@@ -154,14 +152,12 @@ class VisionModel(nn.Module):
         """-> (image embeddings (N / merge**2, out_hidden), [DeepStack features of the same shape]).
         `grid_thw`: a (N, 3) tensor or a list of [t, h, w] (host ints: no GPU sync)."""
         grids = grid_list(grid_thw)
+        lengths = [h * w for t, h, w in grids for _ in range(t)]  # each frame of each image attends only to itself
         x = self.patch_embed(pixel_values)
-        if x.shape[0] != sum(t * h * w for t, h, w in grids):
-            raise ValueError(f"pixel_values has {x.shape[0]} patches but image_grid_thw {grids} describes "
-                             f"{sum(t * h * w for t, h, w in grids)}")
+        if x.shape[0] != sum(lengths):
+            raise ValueError(f"pixel_values has {x.shape[0]} patches but image_grid_thw {grids} describes {sum(lengths)}")
         x = x + self.position_embeddings(grids).to(x.dtype)
         cos, sin = self.rotary(grids, x.device)
-        # Each frame of each image attends only to itself.
-        lengths = [h * w for t, h, w in grids for _ in range(t)]
         cu_seqlens = F.pad(torch.tensor(lengths, device=x.device).cumsum(0, dtype=torch.int32), (1, 0))
         deepstack = []
         for i, block in enumerate(self.blocks):
