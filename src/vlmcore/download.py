@@ -21,11 +21,8 @@ DEFAULT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*
 
 
 def snapshot_files(directory: Path) -> list[Path]:
-    return sorted(
-        p.relative_to(directory)
-        for p in directory.rglob("*")
-        if p.is_file() and p.name != MANIFEST and ".cache" not in p.relative_to(directory).parts
-    )
+    return sorted(p.relative_to(directory) for p in directory.rglob("*")
+                  if p.is_file() and p.name != MANIFEST and ".cache" not in p.relative_to(directory).parts)
 
 
 def remove_path(path: Path) -> None:
@@ -38,10 +35,8 @@ def remove_path(path: Path) -> None:
 
 def write_manifest(directory, repo_id: str, revision: str) -> dict:
     directory = Path(directory)
-    files = {
-        str(rel): {"size": (directory / rel).stat().st_size, "sha256": sha256_of(directory / rel)}
-        for rel in snapshot_files(directory)
-    }
+    files = {str(rel): {"size": (directory / rel).stat().st_size, "sha256": sha256_of(directory / rel)}
+             for rel in snapshot_files(directory)}
     manifest = {"repo_id": repo_id, "revision": revision, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": files}
     tmp = directory / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
