@@ -21,19 +21,22 @@ DEFAULT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*
 
 
 def snapshot_files(directory: Path) -> list[Path]:
-    return sorted(
-        p.relative_to(directory)
-        for p in directory.rglob("*")
-        if p.is_file() and p.name != MANIFEST and ".cache" not in p.relative_to(directory).parts
-    )
+    return sorted(p.relative_to(directory) for p in directory.rglob("*")
+                  if p.is_file() and p.name != MANIFEST and ".cache" not in p.relative_to(directory).parts)
+
+
+def remove_path(path: Path) -> None:
+    """Removes what is at `path`, if anything: a directory tree, or a file or link."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 def write_manifest(directory, repo_id: str, revision: str) -> dict:
     directory = Path(directory)
-    files = {
-        str(rel): {"size": (directory / rel).stat().st_size, "sha256": sha256_of(directory / rel)}
-        for rel in snapshot_files(directory)
-    }
+    files = {str(rel): {"size": (directory / rel).stat().st_size, "sha256": sha256_of(directory / rel)}
+             for rel in snapshot_files(directory)}
     manifest = {"repo_id": repo_id, "revision": revision, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": files}
     tmp = directory / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
@@ -90,10 +93,7 @@ def use_staged_snapshot(staged, out, revision: str | None = None) -> dict:
     staged = Path(staged).resolve()
     manifest = verify_snapshot(staged, revision=revision)
     out = Path(out)
-    if out.is_symlink() or out.is_file():
-        out.unlink()
-    elif out.exists():
-        shutil.rmtree(out)
+    remove_path(out)
     for rel in manifest["files"]:
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         (out / rel).symlink_to(staged / rel)
@@ -162,8 +162,7 @@ def build_tiny_model(out, seed: int = 0, overrides: dict | None = None, family: 
     write_processor_files(tmp, patch_size=config.vision_config.patch_size, merge_size=config.vision_config.spatial_merge_size,
                           temporal_patch_size=config.vision_config.temporal_patch_size)
     manifest = write_manifest(tmp, f"vlmcore/tiny-{family.replace('_', '-')}-demo", f"generated-seed{seed}")
-    if out.exists() or out.is_symlink():
-        shutil.rmtree(out) if out.is_dir() and not out.is_symlink() else out.unlink()
+    remove_path(out)
     os.replace(tmp, out)
     return manifest
 

@@ -28,6 +28,7 @@ from safetensors import safe_open
 
 import vlmcore
 from vlmcore.data.pack import PACK_MODEL_DIR
+from vlmcore.download import remove_path
 from vlmcore.hashing import sha256_of, sha256_of_digests
 from vlmcore.families import family
 from vlmcore.models.expert_storage import stored_format, to_disk
@@ -185,10 +186,7 @@ def export_hf(checkpoint_dir, model_dir, out, stage_configs=(), data_stats=(), m
             config["dtype"] = str(dtype).removeprefix("torch.")
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
-        if out.is_symlink() or out.is_file():
-            out.unlink()
-        elif out.exists():
-            shutil.rmtree(out)
+        remove_path(out)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

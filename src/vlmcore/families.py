@@ -91,10 +91,7 @@ def family_of_repo(repo_id: str) -> Family | None:
     (Qwen3-VL-30B-A3B, Qwen3.5-397B-A17B). None for other names."""
     name = repo_id.lower()
     moe = re.search(r"-a\d+(\.\d+)?b\b", name) is not None
-    if "qwen3.5" in name or "qwen3_5" in name:
-        return FAMILIES["qwen3_5_moe" if moe else "qwen3_5"]
-    if "qwen3-vl" in name or "qwen3_vl" in name:
-        return FAMILIES["qwen3_vl_moe" if moe else "qwen3_vl"]
-    if "qwen3" in name:
-        return FAMILIES["qwen3_moe" if moe else "qwen3"]
+    for base, spelling in (("qwen3_5", "qwen3.5"), ("qwen3_vl", "qwen3-vl"), ("qwen3", "qwen3")):
+        if base in name or spelling in name:
+            return FAMILIES[f"{base}_moe" if moe else base]
     return None

@@ -63,11 +63,10 @@ def _fla_has_tilelang_backend() -> bool:
 def installed_versions() -> dict:
     """Versions of the packages whose kernels vlmcore calls (None: not installed), read from the
     package metadata: nothing is imported, so this runs on a login node without a GPU."""
-    fla = _version("fla-core") or _version("flash-linear-attention")
     return {
         "torch": _version("torch"),
         "triton": _version("triton") or _version("pytorch-triton"),
-        "fla": fla,
+        "fla": _version("fla-core") or _version("flash-linear-attention"),
         "tilelang": _version("tilelang"),
         "flash_attn": _version("flash-attn") or _version("flash_attn"),
         "fla_tilelang_backend": _fla_has_tilelang_backend(),
@@ -119,7 +118,7 @@ def attention_backend(capability: tuple[int, int] | None) -> str:
         return "sdpa (per packed segment)"
     from vlmcore.models import attention
 
-    kernel = attention.varlen_kernel()
+    kernel = attention.VARLEN.kernel
     if kernel is None:
         return "sdpa (per packed segment; no varlen kernel: install torch >= 2.10 or flash-attn)"
     try:

@@ -58,9 +58,7 @@ def position_ids(config, input_ids, image_grid_thw=None, cu_seqlens=None, video_
     """The positions the model computes when given none: (B, S) for text models, (3, B, S) for M-RoPE."""
     if family(config).positions == "text":
         return text_position_ids(input_ids, cu_seqlens)
-    merge = config.vision_config.spatial_merge_size
-    return mrope_position_ids(input_ids, image_grid_thw, cu_seqlens, config.image_token_id, merge,
-                              video_grid_thw, getattr(config, "video_token_id", None))
+    return mrope_position_ids(config, input_ids, image_grid_thw, cu_seqlens, video_grid_thw)
 
 
 def use_backends(backends: dict) -> None:

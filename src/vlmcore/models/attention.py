@@ -24,12 +24,6 @@ import torch.nn.functional as F
 from .gpu_kernels import GpuKernel
 
 
-def segment_ids(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
-    """(B, S) index of the segment each token belongs to."""
-    tokens = torch.arange(batch * seq_len, device=cu_seqlens.device)
-    return torch.bucketize(tokens, cu_seqlens[1:].to(tokens.dtype), right=True).view(batch, seq_len)
-
-
 def adapt_varlen_kernel(kernel):
     """A call `(q, k, v, cu_seqlens, max_seqlen, causal, scale) -> out` on flattened (T, H, D)
     tensors, for a varlen kernel with one of the known signatures:
@@ -92,10 +86,6 @@ def _installed_varlen_kernel():
 
 VARLEN = GpuKernel(adapt_varlen_kernel, _installed_varlen_kernel())
 set_varlen_kernel = VARLEN.set
-
-
-def varlen_kernel():
-    return VARLEN.kernel
 
 
 def attention(q, k, v, cu_seqlens=None, max_seqlen=None, causal=True, scale=None) -> torch.Tensor:

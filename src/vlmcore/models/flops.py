@@ -34,6 +34,7 @@ import torch
 
 from vlmcore.families import family
 
+from .layers import head_dim_of
 from .linear_attention import CHUNK_SIZE
 from .moe import is_sparse_layer
 
@@ -41,10 +42,6 @@ from .moe import is_sparse_layer
 def text_config_of(config):
     family(config)  # a known family, or ValueError naming the supported ones
     return getattr(config, "text_config", config)
-
-
-def head_dim_of(text) -> int:
-    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
 
 
 def layer_counts(text) -> tuple[int, int]:

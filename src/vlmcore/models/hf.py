@@ -37,12 +37,8 @@ SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F
                       "I64": "int64", "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
 
-def snapshot_tensor_info(path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """name -> (shape, dtype) of every tensor in a snapshot's safetensors files (headers only)."""
-    return {name: (shape, dtype) for name, (shape, dtype, _) in _snapshot_headers(path).items()}
-
-
-def _snapshot_headers(path) -> dict[str, tuple[tuple[int, ...], torch.dtype, Path]]:
+def snapshot_tensor_info(path) -> dict[str, tuple[tuple[int, ...], torch.dtype, Path]]:
+    """name -> (shape, dtype, file) of every tensor in a snapshot's safetensors files (headers only)."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors weights (only safetensors weights are read)")
@@ -63,10 +59,10 @@ def load_hf_weights(model, path) -> None:
     Fails, listing them, on missing, unexpected or mis-shaped tensors; tensors the family carries
     but the model does not use (the family's `ignored_prefixes`) are skipped. A tied `lm_head` is tied again.
     MoE experts stored in another format than the model's (models/expert_storage.py, recognised by
-    the snapshot's tensor names) are read
-    block by block from the safetensors files; everything else through DCP's HF reader."""
+    the snapshot's tensor names) are read block by block from the safetensors files; everything
+    else through DCP's HF reader."""
     path, tied = Path(path), model.config.tie_word_embeddings
-    headers = _snapshot_headers(path)
+    headers = snapshot_tensor_info(path)
     state = get_model_state_dict(model)
     if tied:
         state.pop("lm_head.weight")  # stored once, as the input embedding

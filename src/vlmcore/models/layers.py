@@ -13,22 +13,6 @@ def grid_list(image_grid_thw) -> list[list[int]]:
     return image_grid_thw.tolist() if torch.is_tensor(image_grid_thw) else [list(g) for g in image_grid_thw]
 
 
-def scatter_image_features(h: torch.Tensor, image_mask: torch.Tensor, features: torch.Tensor, grids,
-                           kind: str = "image") -> torch.Tensor:
-    """h with `features` written at the image tokens, in order. The count of image tokens must
-    match the features: checked on the host when h is there, and by a device-side assert on the
-    GPU (a host check would stall it; the data loader has checked every sample already)."""
-    if h.device.type == "cpu":
-        n_tokens = int(image_mask.sum())
-        if n_tokens != features.shape[0]:
-            raise ValueError(f"input_ids has {n_tokens} {kind} tokens but the {kind}s give {features.shape[0]} "
-                             f"features ({kind}_grid_thw {grids})")
-    else:
-        torch._assert_async(image_mask.sum() == features.shape[0],
-                            f"input_ids and {kind}_grid_thw disagree on the number of {kind} tokens")
-    return h.masked_scatter(image_mask[..., None], features.to(h.dtype))
-
-
 class VisualTokens:
     """The images and videos of a batch, run through the vision tower in one pass (images first,
     then videos: each frame group attends only to itself, so the pass equals one per kind), and
@@ -51,61 +35,56 @@ class VisualTokens:
         self.kinds = [(kind, grids) for kind, _, _, grids in kinds]
         self.selection = selection
 
-    @classmethod
-    def of(cls, config, input_ids, pixel_values, image_grid_thw, pixel_values_videos=None, video_grid_thw=None,
-           selection=None):
-        """None for a text-only batch."""
-        if pixel_values is None and pixel_values_videos is None:
-            return None
-        return cls(config, input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, selection)
-
     def scatter(self, h: torch.Tensor, features: torch.Tensor, check: bool = True) -> torch.Tensor:
-        """h with the tower's output rows (or a DeepStack level's) written at the visual tokens."""
+        """h with the tower's output rows (or a DeepStack level's) written at the visual tokens, in order.
+        `check`: each kind's count of tokens must match its rows; checked on the host when h is there,
+        and by a device-side assert on the GPU (a host check would stall it; the data loader has
+        checked every sample already)."""
         parts = features.split(self.counts)
         if self.selection is not None:
             parts = [part.index_select(0, rows) for part, rows in zip(parts, self.selection)]
         for mask, part, (kind, grids) in zip(self.masks, parts, self.kinds):
-            if check:
-                h = scatter_image_features(h, mask, part, grids, kind)
-            else:
-                h = h.masked_scatter(mask[..., None], part.to(h.dtype))
+            if check and h.device.type == "cpu":
+                n_tokens = int(mask.sum())
+                if n_tokens != part.shape[0]:
+                    raise ValueError(f"input_ids has {n_tokens} {kind} tokens but the {kind}s give {part.shape[0]} "
+                                     f"features ({kind}_grid_thw {grids})")
+            elif check:
+                torch._assert_async(mask.sum() == part.shape[0],
+                                    f"input_ids and {kind}_grid_thw disagree on the number of {kind} tokens")
+            h = h.masked_scatter(mask[..., None], part.to(h.dtype))
         return h
 
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32, scaled in the input dtype (as transformers' Qwen models do)."""
 
+    init_value = 1.0  # of the weight
+
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.full((dim,), self.init_value))
+
+    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+        """x / rms(x), in fp32."""
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * self.normalized(x).to(x.dtype)
 
     def reset_own_parameters(self, std: float = 0.02):
-        nn.init.ones_(self.weight)
+        nn.init.constant_(self.weight, self.init_value)
 
 
-class ZeroCenteredRMSNorm(nn.Module):
+class ZeroCenteredRMSNorm(RMSNorm):
     """RMSNorm whose scale is `1 + weight` (weight initialised to 0), all in fp32 (Qwen3.5)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
+    init_value = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x * (1.0 + self.weight.float())).to(dtype)
-
-    def reset_own_parameters(self, std: float = 0.02):
-        nn.init.zeros_(self.weight)
+        return (self.normalized(x) * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class SwiGLU(nn.Module):
@@ -166,6 +145,11 @@ def mrope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, mrope_sect
     freqs = torch.gather(freqs, 0, axis.expand(1, *freqs.shape[1:3], -1)).squeeze(0)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def head_dim_of(config) -> int:
+    """A text config's attention head size (`head_dim`, else hidden_size / heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def init_weights(model: nn.Module, std: float):

@@ -193,9 +193,7 @@ set_gdn_kernel = FLA.set  # None: the torch chunked rule everywhere
 def host_segments(cu_seqlens, x: torch.Tensor):
     """The segment bounds on the host, read once per forward for fla (which would otherwise read
     them in every layer); None when fla does not run."""
-    if cu_seqlens is None or not FLA.runs_on(x):
-        return None
-    return cu_seqlens.cpu()
+    return None if cu_seqlens is None or not FLA.runs_on(x) else cu_seqlens.cpu()
 
 
 # Run eagerly under torch.compile: fla's kernels are Triton already, and not traceable.

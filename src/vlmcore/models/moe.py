@@ -18,14 +18,8 @@ and back, and `GroupedExperts` then holds only the local experts. A dispatcher s
 reads the host (`reads_host`), which breaks a compiled graph: the block says so in turn
 (`breaks_graph`, parallel/compile.py).
 
-Load balancing: a `RoutingStats` collector, given the model's blocks, receives from each block's
-forward the tokens routed to each expert and the sum of router probabilities per expert; `loss`
-combines them over the layers exactly as transformers' `load_balancing_loss_func` does (the counts
-and probabilities are summed over the layers before their product), and the train step adds it to
-the loss. The step turns the collecting off during backward (`not_kept`): activation checkpointing
-runs each block's forward again there, and what that forward kept would hold the recomputed
-layer's whole graph, every activation it saved, until the next forward (0.67 GiB per layer of
-Qwen3-VL-30B-A3B at 8,192 tokens, for all 48 layers at once).
+Load balancing: a `RoutingStats` collector receives each block's routing in its forward and
+gives transformers' auxiliary loss over all the layers, which the train step adds to the loss.
 """
 
 from contextlib import contextmanager
@@ -240,7 +234,9 @@ class RoutingStats:
 
     @contextmanager
     def not_kept(self):
-        """The blocks' forwards inside the context (activation checkpointing's recompute) keep nothing."""
+        """The blocks' forwards inside the context keep nothing. The train step runs backward in it:
+        activation checkpointing's recompute would otherwise keep the recomputed layer's whole graph
+        until the next forward (0.67 GiB per layer of Qwen3-VL-30B-A3B at 8,192 tokens, all 48 at once)."""
         self.keeping = False
         try:
             yield

@@ -22,9 +22,8 @@ class ModelOutput:
 
 
 class TextModelParts:
-    """The named parts of a text-only model (`self.model` is the decoder stack, `self.lm_head` the
-    output projection), which parallelism, freezing and parameter groups act on: found through
-    these accessors, never by module paths."""
+    """The named parts of a text-only model: `self.model` is the decoder stack, `self.lm_head` the
+    output projection."""
 
     # State-dict prefixes of the parts this rank does not hold (disjoint layouts,
     # vlmcore.parallel.parallelize): the snapshot's tensors under them are not loaded here.

@@ -8,9 +8,10 @@ q_norm/k_norm act per head (shape head_dim), so they are replicated.
 import torch
 from torch import nn
 
-from .attention import attention, segment_ids
+from .attention import attention
+from .layers import RMSNorm, VisualTokens, apply_rotary, head_dim_of, rope_cos_sin, rope_inv_freq
+from .linear_attention import token_segments
 from .moe import feed_forward
-from .layers import RMSNorm, apply_rotary, rope_cos_sin, rope_inv_freq
 from .parts import ModelOutput, TextModelParts
 
 
@@ -22,20 +23,20 @@ def check_text_config(config, where: str):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with per-head RMSNorm on q and k, then RoPE."""
+    """Grouped-query attention with per-head `norm` on q and k, then RoPE. `gated` (Qwen3.5): q_proj
+    rows are per head [query | gate], and sigmoid(gate) scales the output per channel."""
 
-    def __init__(self, config):
+    def __init__(self, config, norm=RMSNorm, gated: bool = False):
         super().__init__()
-        self.n_heads = config.num_attention_heads
-        self.n_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        self.head_dim, self.gated = head_dim_of(config), gated
+        n_heads, n_kv_heads = config.num_attention_heads, config.num_key_value_heads
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.q_proj = nn.Linear(config.hidden_size, n_heads * self.head_dim * (2 if gated else 1), bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(n_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = norm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = norm(self.head_dim, config.rms_norm_eps)
         # Context parallelism (vlmcore.parallel.cp.apply_cp): x is this rank's chunk of the rows and
         # this runs `attention` on the whole rows over a share of the heads.
         self.context_parallel = None
@@ -43,7 +44,10 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cu_seqlens, max_seqlen=None):
         batch, seq_len, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of whole heads.
-        q = self.q_norm(self.q_proj(x).view(batch, seq_len, -1, self.head_dim))
+        q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim * (2 if self.gated else 1))
+        if self.gated:
+            q, gate = q.chunk(2, dim=-1)
+        q = self.q_norm(q)
         k = self.k_norm(self.k_proj(x).view(batch, seq_len, -1, self.head_dim))
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -51,6 +55,8 @@ class Attention(nn.Module):
             out = attention(q, k, v, cu_seqlens, max_seqlen, causal=True)
         else:
             out = self.context_parallel(attention, q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, causal=True)
+        if self.gated:
+            out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(batch, seq_len, -1))
 
 
@@ -73,35 +79,58 @@ def text_position_ids(input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None) 
     if cu_seqlens is None:
         return torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len)
     cu_seqlens = cu_seqlens.to(input_ids.device)
-    seg = segment_ids(cu_seqlens, batch, seq_len)
+    seg = token_segments(cu_seqlens, batch * seq_len).view(batch, seq_len)
     flat = torch.arange(batch * seq_len, device=input_ids.device).view(batch, seq_len)
     return flat - cu_seqlens.long()[seg]
 
 
 class Qwen3TextModel(nn.Module):
+    """The decoder stack; with Qwen3-VL's DeepStack features, `deepstack[i]` is added at the image
+    and video tokens (`visual`) after layer i."""
+
+    config_name = "qwen3 config"  # how errors name the config
+    norm_class = RMSNorm
+
     def __init__(self, config):
         super().__init__()
+        check_text_config(config, self.config_name)
+        self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(self.decoder_layers(config))
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         # Identity on one device; under sequence parallelism the TP plan makes it split the
         # sequence over the TP ranks (the residual stream between the blocks).
         self.split_sequence = nn.Identity()
 
-    def forward(self, h, cos, sin, cu_seqlens, max_seqlen=None):
+    def decoder_layers(self, config):
+        return (Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+
+    def rotary(self, position_ids, dtype):
+        """cos/sin of the RoPE of (B, S) positions."""
+        inv_freq = rope_inv_freq(self.config.rope_parameters, head_dim_of(self.config), self.config_name)
+        return rope_cos_sin(inv_freq, position_ids, dtype)
+
+    def forward(self, h, position_ids, cu_seqlens, max_seqlen=None, visual: VisualTokens | None = None, deepstack=()):
+        cos, sin = self.rotary(position_ids, h.dtype)
+        full_shape, dtype = h.shape, h.dtype
         h = self.split_sequence(h)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, cu_seqlens, max_seqlen=max_seqlen)
+            if i < len(deepstack):
+                features = torch.zeros(full_shape, dtype=dtype, device=h.device)
+                h = h + self.split_sequence(visual.scatter(features, deepstack[i], check=False))
         return self.norm(h)
 
 
 class Qwen3ForCausalLM(TextModelParts, nn.Module):
+    text_model_class = Qwen3TextModel
+    name = "qwen3"  # how errors name the model
+
     def __init__(self, config):
         super().__init__()
-        check_text_config(config, "qwen3 config")
         self.config = config
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.model = Qwen3TextModel(config)
+        self.head_dim = head_dim_of(config)
+        self.model = self.text_model_class(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
@@ -109,10 +138,8 @@ class Qwen3ForCausalLM(TextModelParts, nn.Module):
                 cu_seqlens=None, max_seqlen=None, return_hidden=False, pixel_values_videos=None,
                 video_grid_thw=None) -> ModelOutput:
         if pixel_values is not None or pixel_values_videos is not None:
-            raise ValueError("qwen3 is a text model: pixel_values and pixel_values_videos must be None")
+            raise ValueError(f"{self.name} is a text model: pixel_values and pixel_values_videos must be None")
         if position_ids is None:
             position_ids = text_position_ids(input_ids, cu_seqlens)
-        h = self.model.embed_tokens(input_ids)
-        inv_freq = rope_inv_freq(self.config.rope_parameters, self.head_dim, "qwen3 config")
-        cos, sin = rope_cos_sin(inv_freq, position_ids, h.dtype)
-        return self.output(self.model(h, cos, sin, cu_seqlens, max_seqlen), return_hidden)
+        h = self.model(self.model.embed_tokens(input_ids), position_ids, cu_seqlens, max_seqlen)
+        return self.output(h, return_hidden)

@@ -22,33 +22,20 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
-from .attention import attention
-from .layers import ZeroCenteredRMSNorm, apply_rotary, mrope_cos_sin, rope_inv_freq
-from .parts import ModelOutput, TextModelParts, VisionLanguageParts
+from .layers import RMSNorm, ZeroCenteredRMSNorm, head_dim_of, mrope_cos_sin, rope_inv_freq
 from .linear_attention import causal_depthwise_conv, gated_delta_rule, host_segments, row_segments
 from .moe import feed_forward
-from .qwen3 import check_text_config, text_position_ids
-from .qwen3_vl import Qwen3VLForConditionalGeneration, VisionModel
+from .qwen3 import Attention, Qwen3ForCausalLM, Qwen3TextModel
+from .qwen3_vl import Qwen3VLForConditionalGeneration
 
 DEFAULT_MROPE_SECTION = [11, 11, 10]  # transformers' value when the config has none
 
 
-class GatedRMSNorm(nn.Module):
+class GatedRMSNorm(RMSNorm):
     """RMSNorm (unit-initialised scale) followed by a SiLU gate, per value head."""
 
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
     def forward(self, x, gate):
-        dtype = x.dtype
-        x = x.float()
-        x = self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
-        return (x * F.silu(gate.float())).to(dtype)
-
-    def reset_own_parameters(self, std: float = 0.02):
-        nn.init.ones_(self.weight)
+        return (super().forward(x) * F.silu(gate.float())).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -81,10 +68,6 @@ class GatedDeltaNet(nn.Module):
         with torch.no_grad():
             self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log())
 
-    def own_heads(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """This rank's share of each block of `sizes` rows of t (all of t without TP)."""
-        return block_share(t, sizes, *self.head_shard)
-
     def forward(self, x, cu_seqlens, cu_seqlens_cpu=None):
         batch, seq_len, _ = x.shape
         # Under context parallelism x is this rank's chunk of the rows; the recurrence and the
@@ -97,9 +80,10 @@ class GatedDeltaNet(nn.Module):
         # rows of qkv read here are plain tensors: this rank's heads give a part of x's gradient.
         x_local = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else x
         sizes = [size // self.head_shard[1] for size in self.split]
-        mixed = F.linear(x_local, self.own_heads(self.in_proj_qkv.weight, self.split))
-        conv_weight = self.own_heads(self.conv1d.weight, self.split)
-        A_log, dt_bias = (self.own_heads(p, [self.n_v_heads]) for p in (self.A_log, self.dt_bias))
+        # This rank's heads (all of them without TP).
+        mixed = F.linear(x_local, block_share(self.in_proj_qkv.weight, self.split, *self.head_shard))
+        conv_weight = block_share(self.conv1d.weight, self.split, *self.head_shard)
+        A_log, dt_bias = (block_share(p, [self.n_v_heads], *self.head_shard) for p in (self.A_log, self.dt_bias))
         beta = self.in_proj_b(x).sigmoid()
         g = -A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + dt_bias)
         if cp is not None:
@@ -133,37 +117,6 @@ def block_share(t: torch.Tensor, sizes: list[int], rank: int, ranks: int) -> tor
     return torch.cat([block.chunk(ranks)[rank] for block in t.split(sizes)])
 
 
-class GatedAttention(nn.Module):
-    """Grouped-query attention whose output is gated per channel by sigmoid(gate), gate from q_proj."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        n_heads, n_kv = config.num_attention_heads, config.num_key_value_heads
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, n_heads * self.head_dim * 2, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, n_kv * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, n_kv * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(n_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.context_parallel = None  # as Qwen3's Attention
-
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen=None):
-        batch, seq_len, _ = x.shape
-        q, gate = self.q_proj(x).view(batch, seq_len, -1, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(batch, seq_len, -1, self.head_dim))
-        v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.context_parallel is None:
-            out = attention(q, k, v, cu_seqlens, max_seqlen, causal=True)
-        else:
-            out = self.context_parallel(attention, q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, causal=True)
-        out = out * torch.sigmoid(gate)
-        return self.o_proj(out.reshape(batch, seq_len, -1))
-
-
 class Qwen3_5DecoderLayer(nn.Module):
     def __init__(self, config, layer_type: str, layer_idx: int):
         super().__init__()
@@ -171,7 +124,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         if layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(config)
         elif layer_type == "full_attention":
-            self.self_attn = GatedAttention(config)
+            self.self_attn = Attention(config, ZeroCenteredRMSNorm, gated=True)
         else:
             raise ValueError(f"qwen3_5 text config: unknown layer type {layer_type!r} in layer_types")
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -187,33 +140,27 @@ class Qwen3_5DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3_5TextModel(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        check_text_config(config, "qwen3_5 text config")
+class Qwen3_5TextModel(Qwen3TextModel):
+    config_name = "qwen3_5 text config"
+    norm_class = ZeroCenteredRMSNorm
+
+    def decoder_layers(self, config):
         if len(config.layer_types) != config.num_hidden_layers:
             raise ValueError(f"qwen3_5 text config: {len(config.layer_types)} layer_types for "
                              f"{config.num_hidden_layers} layers")
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, t, i) for i, t in enumerate(config.layer_types))
-        self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
-        # Identity on one device; under sequence parallelism the TP plan makes it split the
-        # sequence over the TP ranks (the residual stream between the blocks).
-        self.split_sequence = nn.Identity()
+        return (Qwen3_5DecoderLayer(config, t, i) for i, t in enumerate(config.layer_types))
 
     def rotary(self, position_ids, dtype):
         """cos/sin of the partial interleaved M-RoPE; (B, S) positions drive all three axes."""
-        config = self.config
-        rope = config.rope_parameters
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rot_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
-        inv_freq = rope_inv_freq(rope, rot_dim, "qwen3_5 text config")
+        rope = self.config.rope_parameters
+        rot_dim = int(head_dim_of(self.config) * rope.get("partial_rotary_factor", 1.0))
+        inv_freq = rope_inv_freq(rope, rot_dim, self.config_name)
         if position_ids.dim() == 2:
             position_ids = position_ids.expand(3, -1, -1)
         return mrope_cos_sin(inv_freq, position_ids, rope.get("mrope_section", DEFAULT_MROPE_SECTION), dtype)
 
-    def forward(self, h, position_ids, cu_seqlens, max_seqlen=None):
+    def forward(self, h, position_ids, cu_seqlens, max_seqlen=None, visual=None, deepstack=()):
+        """`visual` and `deepstack` are not used: Qwen3.5 has no DeepStack."""
         cos, sin = self.rotary(position_ids, h.dtype)
         bounds = host_segments(cu_seqlens, h)
         h = self.split_sequence(h)
@@ -222,52 +169,14 @@ class Qwen3_5TextModel(nn.Module):
         return self.norm(h)
 
 
-class Qwen3_5Model(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.visual = VisionModel(config.vision_config)
-        self.language_model = Qwen3_5TextModel(config.text_config)
+class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration):
+    """Qwen3-VL's model around the Qwen3.5 decoder (its vision tower has no DeepStack)."""
+
+    text_model_class = Qwen3_5TextModel
 
 
-class Qwen3_5ForConditionalGeneration(VisionLanguageParts, nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.model = Qwen3_5Model(config)
-        self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
-        self.tie_weights()
-
-    # Qwen3-VL's M-RoPE positions and embeddings (its DeepStack features, none here, are not used).
-    position_ids = Qwen3VLForConditionalGeneration.position_ids
-    embed = Qwen3VLForConditionalGeneration.embed
-
-    def forward(self, input_ids, pixel_values=None, image_grid_thw=None, position_ids=None,
-                cu_seqlens=None, max_seqlen=None, return_hidden=False, pixel_values_videos=None,
-                video_grid_thw=None, visual_selection=None) -> ModelOutput:
-        """`visual_selection`: as Qwen3-VL's (context parallelism)."""
-        h, _, _ = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
-                             visual_selection)
-        if position_ids is None:
-            position_ids = self.position_ids(input_ids, image_grid_thw, cu_seqlens, video_grid_thw)
-        return self.output(self.model.language_model(h, position_ids, cu_seqlens, max_seqlen), return_hidden)
-
-
-class Qwen3_5ForCausalLM(TextModelParts, nn.Module):
+class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
     """The text-only variant (`model_type` "qwen3_5_text" / "qwen3_5_moe_text"): `model.*`, `lm_head.weight`."""
 
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.model = Qwen3_5TextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
-
-    def forward(self, input_ids, pixel_values=None, image_grid_thw=None, position_ids=None,
-                cu_seqlens=None, max_seqlen=None, return_hidden=False, pixel_values_videos=None,
-                video_grid_thw=None) -> ModelOutput:
-        if pixel_values is not None or pixel_values_videos is not None:
-            raise ValueError(f"{self.config.model_type} is a text model: pixel_values and pixel_values_videos must be None")
-        if position_ids is None:
-            position_ids = text_position_ids(input_ids, cu_seqlens)
-        h = self.model(self.model.embed_tokens(input_ids), position_ids, cu_seqlens, max_seqlen)
-        return self.output(h, return_hidden)
+    text_model_class = Qwen3_5TextModel
+    name = property(lambda self: self.config.model_type)

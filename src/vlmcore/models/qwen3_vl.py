@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import attention
-from .layers import VisualTokens, apply_rotary, grid_list, mrope_cos_sin, rope_inv_freq
+from .layers import VisualTokens, apply_rotary, grid_list, head_dim_of, mrope_cos_sin, rope_inv_freq
 from .parts import ModelOutput, VisionLanguageParts
-from .qwen3 import Qwen3TextModel, check_text_config
+from .qwen3 import Qwen3TextModel
 
 DEFAULT_MROPE_SECTION = [24, 20, 20]  # transformers' value when the config has none
 VISION_ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
@@ -53,8 +53,7 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv(x).view(1, n, 3, -1, self.head_dim).unbind(2)
         # Rotary in fp32, as transformers does for the vision tower.
-        q = apply_rotary(q.float(), cos, sin).to(v.dtype)
-        k = apply_rotary(k.float(), cos, sin).to(v.dtype)
+        q, k = (apply_rotary(t.float(), cos, sin).to(v.dtype) for t in (q, k))
         out = attention(q, k, v, cu_seqlens, max_seqlen, causal=False)
         return self.proj(out.reshape(n, -1))
 
@@ -145,8 +144,7 @@ class VisionModel(nn.Module):
             rows, cols = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
             hw = merge_block_order(torch.stack((rows, cols), dim=-1), self.merge)
             coords.append(hw.repeat(t, 1))
-        freqs = torch.cat(coords)[..., None].float() * inv_freq  # (N, 2, head_dim / 4)
-        freqs = freqs.flatten(1)
+        freqs = (torch.cat(coords)[..., None].float() * inv_freq).flatten(1)  # (N, head_dim / 2): rows, columns
         emb = torch.cat((freqs, freqs), dim=-1)[None]
         return emb.cos(), emb.sin()
 
@@ -154,14 +152,12 @@ class VisionModel(nn.Module):
         """-> (image embeddings (N / merge**2, out_hidden), [DeepStack features of the same shape]).
         `grid_thw`: a (N, 3) tensor or a list of [t, h, w] (host ints: no GPU sync)."""
         grids = grid_list(grid_thw)
+        lengths = [h * w for t, h, w in grids for _ in range(t)]  # each frame of each image attends only to itself
         x = self.patch_embed(pixel_values)
-        if x.shape[0] != sum(t * h * w for t, h, w in grids):
-            raise ValueError(f"pixel_values has {x.shape[0]} patches but image_grid_thw {grids} describes "
-                             f"{sum(t * h * w for t, h, w in grids)}")
+        if x.shape[0] != sum(lengths):
+            raise ValueError(f"pixel_values has {x.shape[0]} patches but image_grid_thw {grids} describes {sum(lengths)}")
         x = x + self.position_embeddings(grids).to(x.dtype)
         cos, sin = self.rotary(grids, x.device)
-        # Each frame of each image attends only to itself.
-        lengths = [h * w for t, h, w in grids for _ in range(t)]
         cu_seqlens = F.pad(torch.tensor(lengths, device=x.device).cumsum(0, dtype=torch.int32), (1, 0))
         deepstack = []
         for i, block in enumerate(self.blocks):
@@ -172,24 +168,22 @@ class VisionModel(nn.Module):
 
 
 class LanguageModel(Qwen3TextModel):
-    """The Qwen3 decoder; DeepStack features are added at image and video positions after the first layers."""
+    """The Qwen3 decoder with interleaved M-RoPE and DeepStack."""
 
-    def forward(self, h, cos, sin, cu_seqlens, max_seqlen=None, visual: VisualTokens | None = None, deepstack=()):
-        full_shape, dtype = h.shape, h.dtype
-        h = self.split_sequence(h)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cu_seqlens, max_seqlen=max_seqlen)
-            if i < len(deepstack):
-                features = torch.zeros(full_shape, dtype=dtype, device=h.device)
-                h = h + self.split_sequence(visual.scatter(features, deepstack[i], check=False))
-        return self.norm(h)
+    config_name = "qwen3_vl text_config"
+
+    def rotary(self, position_ids, dtype):
+        """cos/sin of the interleaved M-RoPE of (3, B, S) positions."""
+        rope = self.config.rope_parameters
+        inv_freq = rope_inv_freq(rope, head_dim_of(self.config), self.config_name)
+        return mrope_cos_sin(inv_freq, position_ids, rope.get("mrope_section", DEFAULT_MROPE_SECTION), dtype)
 
 
 class Qwen3VLModel(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, text_model_class):
         super().__init__()
         self.visual = VisionModel(config.vision_config)
-        self.language_model = LanguageModel(config.text_config)
+        self.language_model = text_model_class(config.text_config)
 
 
 def video_frame_groups(video_grid_thw) -> list[list[int]]:
@@ -198,8 +192,7 @@ def video_frame_groups(video_grid_thw) -> list[list[int]]:
     return [[1, h, w] for t, h, w in grid_list(video_grid_thw) for _ in range(t)]
 
 
-def mrope_position_ids(input_ids, image_grid_thw, cu_seqlens, image_token_id: int, merge: int,
-                       video_grid_thw=None, video_token_id: int | None = None) -> torch.Tensor:
+def mrope_position_ids(config, input_ids, image_grid_thw, cu_seqlens, video_grid_thw=None) -> torch.Tensor:
     """(3, B, S) multimodal positions (t, h, w), restarting at 0 in every segment.
 
     Text tokens advance all three axes together. An image starting at position p spans
@@ -207,6 +200,8 @@ def mrope_position_ids(input_ids, image_grid_thw, cu_seqlens, image_token_id: in
     p + max(H, W) / merge. Images are taken from `image_grid_thw` in token order over the batch,
     video frame groups likewise from `video_grid_thw` (video_frame_groups).
     """
+    image_token_id, video_token_id = config.image_token_id, getattr(config, "video_token_id", None)
+    merge = config.vision_config.spatial_merge_size
     batch, seq_len = input_ids.shape
     bounds = list(range(0, batch * seq_len + 1, seq_len)) if cu_seqlens is None else cu_seqlens.tolist()
     grids = {image_token_id: iter(grid_list(image_grid_thw))}
@@ -240,30 +235,29 @@ def mrope_position_ids(input_ids, image_grid_thw, cu_seqlens, image_token_id: in
 
 
 class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
+    text_model_class = LanguageModel
+
     def __init__(self, config):
         super().__init__()
-        check_text_config(config.text_config, "qwen3_vl text_config")
         self.config = config
         text = config.text_config
-        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self.model = Qwen3VLModel(config)
+        self.head_dim = head_dim_of(text)
+        self.model = Qwen3VLModel(config, self.text_model_class)
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tie_weights()
 
     def position_ids(self, input_ids, image_grid_thw=None, cu_seqlens=None, video_grid_thw=None):
-        return mrope_position_ids(input_ids, image_grid_thw, cu_seqlens, self.config.image_token_id,
-                                  self.config.vision_config.spatial_merge_size, video_grid_thw,
-                                  getattr(self.config, "video_token_id", None))
+        return mrope_position_ids(self.config, input_ids, image_grid_thw, cu_seqlens, video_grid_thw)
 
     def embed(self, input_ids, pixel_values, image_grid_thw, pixel_values_videos=None, video_grid_thw=None,
               visual_selection=None):
         """Token embeddings with image and video features scattered in; also where they went
         (VisualTokens) and the DeepStack features."""
         h = self.model.language_model.embed_tokens(input_ids)
-        visual = VisualTokens.of(self.config, input_ids, pixel_values, image_grid_thw, pixel_values_videos,
-                                 video_grid_thw, visual_selection)
-        if visual is None:
+        if pixel_values is None and pixel_values_videos is None:
             return h, None, []
+        visual = VisualTokens(self.config, input_ids, pixel_values, image_grid_thw, pixel_values_videos,
+                              video_grid_thw, visual_selection)
         embeds, deepstack = self.model.visual(visual.pixels, visual.grids)
         return visual.scatter(h, embeds), visual, deepstack
 
@@ -276,9 +270,5 @@ class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
                                           visual_selection)
         if position_ids is None:
             position_ids = self.position_ids(input_ids, image_grid_thw, cu_seqlens, video_grid_thw)
-        rope = self.config.text_config.rope_parameters
-        inv_freq = rope_inv_freq(rope, self.head_dim, "qwen3_vl text_config")
-        cos, sin = mrope_cos_sin(inv_freq, position_ids, rope.get("mrope_section", DEFAULT_MROPE_SECTION), h.dtype)
-        h = self.model.language_model(h, cos, sin, cu_seqlens, max_seqlen, visual, deepstack)
+        h = self.model.language_model(h, position_ids, cu_seqlens, max_seqlen, visual, deepstack)
         return self.output(h, return_hidden)
-
