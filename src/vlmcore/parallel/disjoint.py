@@ -28,7 +28,6 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from vlmcore.config import ConfigError, TrainConfig
 from vlmcore.data.batch import Images
 from vlmcore.parallel.ac import apply_ac
-from vlmcore.parallel.compile import apply_compile
 from vlmcore.parallel.cp import apply_cp
 from vlmcore.parallel.fsdp import apply_fsdp
 from vlmcore.parallel.layout import RunLayout
@@ -61,11 +60,8 @@ def hold_one_module(model: nn.Module, module: str, cfg: TrainConfig, meshes: Mes
         raise ConfigError(f"trainable: no parameter of the {'vision tower' if module == 'vision' else 'language model'}"
                           f" trains, but it has ranks of its own (parallel.modules.{module}.ranks); train this stage "
                           f"with colocated layouts", "trainable")
-    apply_ac(stack, cfg.parallel.activation_checkpointing)
-    if cfg.parallel.compile:
-        apply_compile(stack, cfg.parallel.activation_checkpointing)
-    apply_fsdp(root, blocks, None, meshes.dp(module), None, param_dtype=getattr(torch, cfg.precision.param_dtype),
-               reduce_dtype=getattr(torch, cfg.precision.reduce_dtype))
+    apply_ac(stack, cfg.parallel.activation_checkpointing, cfg.parallel.compile)
+    apply_fsdp(root, blocks, None, meshes.dp(module), None, cfg.precision)
 
 
 def row_grids(batch, images: Images | None, token_id: int, merge: int) -> list[list[list[int]]]:
