@@ -96,10 +96,8 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
     # Row-parallel outputs: reduce-scattered onto the sequence split (kept as DTensors for the
     # residual add), or all-reduced to a replicated plain tensor.
     row_out = RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sequence_parallel else RowwiseParallel()
-    plan = {}
-    if sequence_parallel:
-        plan["input_layernorm"] = SequenceParallel()
-        plan["post_attention_layernorm"] = SequenceParallel()
+    plan = ({"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()}
+            if sequence_parallel else {})
     if hasattr(block, "self_attn"):
         if sequence_parallel:
             plan["self_attn"] = _gather(4)  # (x, cos, sin, cu_seqlens)

@@ -180,8 +180,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, stop: _StopSignal)
             _finish(checkpointer, logger)
             raise TrainingError(f"step {state['step']}: {nonfinite_in_a_row} steps in a row with a non-finite "
                                 f"loss or gradient norm; checkpoint saved, stopping (max_nonfinite_steps)")
-        signum = agreed_signal(stop)
-        if signum:
+        if signum := agreed_signal(stop):
             save_checkpoint()
             _finish(checkpointer, logger)
             if rank == 0:

@@ -73,8 +73,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight_grad else None
         for start in range(0, hidden.shape[0], chunk_tokens):
             end = min(start + chunk_tokens, hidden.shape[0])
-            h = hidden[start:end]
-            labels_chunk = labels[start:end]
+            h, labels_chunk = hidden[start:end], labels[start:end]
             loss, grad_logits = chunk_fn(h @ weight.t(), labels_chunk - vocab_start, labels_chunk != IGNORE_INDEX,
                                          weight.shape[0], group)
             total += loss
@@ -125,7 +124,5 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
 
 def _shard_offset(weight: DTensor) -> int:
     """First vocabulary row held by this rank (DTensor Shard(0) uses torch.chunk sizes)."""
-    rows = weight.shape[0]
-    size = weight.device_mesh.size()
-    per_rank = -(-rows // size)
-    return min(rows, per_rank * weight.device_mesh.get_local_rank())
+    rows, mesh = weight.shape[0], weight.device_mesh
+    return min(rows, -(-rows // mesh.size()) * mesh.get_local_rank())

@@ -235,11 +235,10 @@ def estimate_memory(cfg: TrainConfig, world_size: int, seq_len: int, image_side:
     role = max(peaks, key=lambda r: peaks[r]["Total"])
     dims = layout.language.dims
     result = {"world_size": world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
-              "tp": dims.tp,
-              "seq_len": seq_len, "segments": segments, "micro_batch_size": cfg.micro_batch_size,
-              "image_side": image_side, "video_frames": video_frames, "activation_checkpointing": cfg.parallel.activation_checkpointing,
-              "param_dtype": cfg.precision.param_dtype, "fake": fake, "rank": ranks[role],
-              "peak_bytes": peaks[role]["Total"], "peak_bytes_by_kind": _kinds(peaks[role])}
+              "tp": dims.tp, "seq_len": seq_len, "segments": segments, "micro_batch_size": cfg.micro_batch_size,
+              "image_side": image_side, "video_frames": video_frames,
+              "activation_checkpointing": cfg.parallel.activation_checkpointing, "param_dtype": cfg.precision.param_dtype,
+              "fake": fake, "rank": ranks[role], "peak_bytes": peaks[role]["Total"], "peak_bytes_by_kind": _kinds(peaks[role])}
     if layout.disjoint:
         result["modules"] = {m: {"rank": ranks[m], "ranks": [layout.grid(m).ranks.start, layout.grid(m).ranks.stop],
                                  "peak_bytes": peaks[m]["Total"], "peak_bytes_by_kind": _kinds(peaks[m])}

@@ -83,8 +83,7 @@ class ModuleTimer:
         """{"vision_time_s", "llm_time_s", "vision_patches"} of the micro-batches since the last
         read (forward-only calls, which have no backward end, are left out); then starts over.
         `vision_patches`: the patches this rank's vision tower took (the cost model's input)."""
-        vision = llm = 0.0
-        patches = 0
+        vision, llm, patches = 0.0, 0.0, 0
         for m in self.micro:
             if "end" not in m:
                 continue

@@ -25,8 +25,7 @@ def freeze(model: nn.Module, patterns: list[str]) -> int:
         for param in model.parameters():
             param.requires_grad_(True)
         return sum(1 for _ in model.parameters())
-    used = set()
-    trainable = 0
+    used, trainable = set(), 0
     for name, param in model.named_parameters():
         hits = [p for p in patterns if fnmatch.fnmatchcase(clean_name(name), p)]
         used.update(hits)

@@ -45,8 +45,7 @@ def _by_layout(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     groups = defaultdict(list)
     for p in params:
         if p.grad is not None:
-            g = p.grad
-            groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(p)
+            groups[(p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None].append(p)
     return list(groups.values())
 
 
@@ -158,9 +157,8 @@ class Step:
     def __call__(self, micro: list, label_tokens: float, set_lr) -> StepResult:
         """One optimizer step over the device micro-batches (an encoder rank of disjoint layouts:
         the image batches of its rows); `set_lr(optimizer)` sets this step's lr."""
-        aux_sum = routed = None
         if self.bridge is not None and self.bridge.is_vision:
-            loss_sum = self.bridge.encoder_step(self.model, micro)
+            loss_sum, aux_sum, routed = self.bridge.encoder_step(self.model, micro), None, None
         else:
             loss_sum, aux_sum, routed = forward_backward(self.model, micro, label_tokens, self.vision_dummy,
                                                          self.chunk_tokens, self.compiled_loss, self.moe, self.bridge)
