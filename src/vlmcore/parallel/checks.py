@@ -65,10 +65,8 @@ def check_rows(cfg: TrainConfig, layout: RunLayout) -> None:
 def check_disjoint(layout: RunLayout) -> None:
     """Disjoint layouts run each module with tp 1 (vlmcore.parallel.disjoint); tensor parallelism
     on them resolves (the workflow plans it) but cannot run yet."""
-    if not layout.disjoint:
-        return
     for module in MODULES:
-        if layout.grid(module).dims.tp > 1:
+        if layout.disjoint and layout.grid(module).dims.tp > 1:
             raise ConfigError(f"parallel.modules.{module}.tp: disjoint layouts (parallel.modules.*.ranks) with "
                               f"tensor parallelism are not implemented yet; use tp 1", f"parallel.modules.{module}.tp")
 
@@ -76,9 +74,7 @@ def check_disjoint(layout: RunLayout) -> None:
 def check_cp(cfg: TrainConfig, layout: RunLayout) -> None:
     """Context parallelism, as far as it is built (issue 30): with data, tensor and expert parallelism."""
     cp = layout.language.dims.cp
-    if cp == 1:
-        return
-    if cfg.data.kind == "random" and cfg.data.seq_len % cp:
+    if cp > 1 and cfg.data.kind == "random" and cfg.data.seq_len % cp:
         raise ConfigError(f"parallel.cp: {cp} does not divide the rows' length (data.seq_len {cfg.data.seq_len})",
                           "parallel.cp")
 

@@ -1,15 +1,7 @@
 """Disjoint layouts (`parallel.modules.*.ranks`): the vision tower on its ranks (encoder ranks), the
-language model on the others, and everything that makes them one run:
-
-- `hold_one_module`: each rank keeps its module of the meta model, FSDP-sharded over its own
-  ranks' mesh; an encoder rank drops the language model and the LM head, a language rank puts a
-  parameterless stand-in (`ReceivedImages`) where the vision tower was;
-- `DisjointBridge`: moves each micro-batch's image and video embeddings from the encoder ranks to
-  the language ranks and their gradients back (one differentiable all_to_all over the world), runs an encoder
-  rank's side of the step (`encoder_step`), combines the two grids' gradient norms, and gives an
-  encoder rank its data (`encoder_data`): the micro-batches of the language data-parallel ranks
-  whose rows it encodes (`SourceBatches`), so the global micro-batch is the one the language
-  ranks read.
+language model on the others. `hold_one_module` keeps a rank's module of the meta model (a language
+rank gets a parameterless stand-in, `ReceivedImages`, for the tower); `DisjointBridge` carries the
+embeddings between them, runs an encoder rank's side of the step and gives it its data.
 
 Each module runs with tp 1 for now (vlmcore.parallel.checks refuses tensor parallelism here).
 Under context parallelism each language rank of a row receives the whole row's embeddings and
@@ -44,7 +36,7 @@ def _replace(model: nn.Module, part: nn.Module, new: nn.Module | None) -> str:
 
 def hold_one_module(model: nn.Module, module: str, cfg: TrainConfig, meshes: Meshes) -> None:
     """This rank holds `module` ("vision" or "language") of the meta model only, FSDP-sharded over
-    its own ranks' mesh."""
+    its own ranks' mesh: an encoder rank drops the language model and the LM head."""
     if module == "vision":
         model.dropped_prefixes = tuple(_replace(model, part, None) for part in (model.text_model(), model.lm_head))
         model.config = copy.copy(model.config)

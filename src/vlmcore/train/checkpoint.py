@@ -9,11 +9,7 @@ Layout under `output_dir`:
 A step is written to `step_<N>.tmp` and renamed when every rank has finished, so a run
 killed mid-save leaves only a `.tmp` directory that is never loaded (and is removed at the
 next start). DCP stores full logical tensors, so a checkpoint reshards on load: another
-world size or another dp/tp layout reads it.
-
-Per-rank state (loader position, RNG) is stored under keys that name the rank and is only
-restored when the run splits its global batch as the writer did (`resume_latest`); the model and
-optimizer always are.
+world size or another dp/tp layout reads it (the per-rank state only under the same split: `resume`).
 
 Before the rename, `manifest.json` records the size and sha256 of every file (each rank hashes
 the files it wrote, most often still in its page cache). A checkpoint damaged after it was written

@@ -72,7 +72,8 @@ def run(args) -> int:
     problem = None
     if args.gpu_memory_gib:
         problem = check_fit(result, args.gpu_memory_gib)
-        print(fit_line(result))
+        print(f"{'fits' if result['fits'] else 'DOES NOT FIT'}: {result['peak_bytes'] / 2**30:.1f} GiB of the "
+              f"{result['usable_bytes'] / 2**30:.1f} GiB usable on a {result['gpu_memory_gib']:g} GiB GPU")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     if problem:
@@ -119,12 +120,6 @@ def check_fit(result: dict, gpu_memory_gib: float, headroom: float = HEADROOM) -
             f"{usable / 2**30:.1f} GiB ({gpu_memory_gib:g} GiB GPU, {headroom:.0%} kept free); largest: "
             + ", ".join(f"{k} {n / 2**30:.1f} GiB" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])[:2] if n)
             + ". Try: " + "; ".join(fixes))
-
-
-def fit_line(result: dict) -> str:
-    verdict = "fits" if result["fits"] else "DOES NOT FIT"
-    return (f"{verdict}: {result['peak_bytes'] / 2**30:.1f} GiB of the {result['usable_bytes'] / 2**30:.1f} GiB "
-            f"usable on a {result['gpu_memory_gib']:g} GiB GPU")
 
 
 def packed_limits(cfg: TrainConfig) -> dict:

@@ -37,26 +37,16 @@ def freeze(model: nn.Module, patterns: list[str]) -> int:
     return trainable
 
 
-def param_kinds(model: nn.Module) -> dict[int, str]:
-    """'projector' or 'vision' by parameter id, from the model's own parts; the rest is 'llm'."""
-    kinds = {}
-    vision = model.vision_tower()
-    if vision is not None:
-        kinds.update({id(p): "vision" for p in vision.parameters()})
-    kinds.update({id(p): "projector" for module in model.projectors() for p in module.parameters()})
-    return kinds
-
-
-def embedding_tables(model: nn.Module) -> set[int]:
-    """Ids of the embedding tables (tokens, vision positions), which take no weight decay."""
-    return {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-
-
 def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
     lrs = {"llm": cfg.lr, "vision": cfg.lr if cfg.vision_lr is None else cfg.vision_lr,
            "projector": cfg.lr if cfg.projector_lr is None else cfg.projector_lr}
     groups = {}
-    kinds, embeddings = param_kinds(model), embedding_tables(model)
+    # 'projector' or 'vision' by parameter id, from the model's own parts; the rest is 'llm'.
+    vision = model.vision_tower()
+    kinds = {id(p): "vision" for p in vision.parameters()} if vision is not None else {}
+    kinds |= {id(p): "projector" for module in model.projectors() for p in module.parameters()}
+    # The embedding tables (tokens, vision positions) take no weight decay.
+    embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     for param in model.parameters():
         if not param.requires_grad:
             continue

@@ -215,20 +215,9 @@ def build_step(model, optimizer, partial_params: list, tp_group, chunk_tokens: i
                 compiled_loss, moe, bridge)
 
 
-def context_of(model, cp_rank: int, cp: int, received_visuals: bool = False) -> dict:
-    """`Batch.context_chunk`'s arguments for this rank of a context-parallel run; `received_visuals`:
-    a language rank of disjoint layouts, which receives the whole rows' image embeddings."""
-    visual = {}
-    if model.vision_tower() is not None:
-        config = model.config
-        visual = {"visual_tokens": {"image": config.image_token_id, "video": getattr(config, "video_token_id", None)},
-                  "merge": config.vision_config.spatial_merge_size, "keep_all": received_visuals}
-    return {"cp_rank": cp_rank, "cp": cp, **visual}
-
-
 def to_device(batch: Batch | None, device: torch.device, context: dict | None = None) -> Batch | None:
     """A host micro-batch as this rank trains on it, on the device: under context parallelism
-    (`context`, from `context_of`) its 1/cp of the rows, cut on the host, where finding the image
+    (`context`, from `vlmcore.train.build.Run.context`) its 1/cp of the rows, cut on the host, where finding the image
     tokens costs no device wait."""
     if batch is not None and context is not None:
         batch = batch.context_chunk(**context)
