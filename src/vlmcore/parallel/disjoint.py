@@ -258,7 +258,6 @@ class DisjointBridge:
     def global_norm(self, norm: torch.Tensor) -> torch.Tensor:
         """The gradient norm over both grids from each module's own (the same on its ranks)."""
         first = self.vision_ranks.start if self.is_vision else self.language_ranks.start
-        squares = norm.double() ** 2 if self.rank == first else torch.zeros((), dtype=torch.float64,
-                                                                            device=norm.device)
+        squares = norm.double() ** 2 if self.rank == first else torch.zeros((), dtype=torch.float64, device=norm.device)
         dist.all_reduce(squares)
         return squares.sqrt()

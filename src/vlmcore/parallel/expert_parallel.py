@@ -5,8 +5,7 @@ tokens travel to the ranks holding their experts and back.
 Dispatch, per MoE block (`AllToAllDispatch`, the block's dispatcher: rows already sorted by expert):
   1. all-to-all of the tokens-per-expert counts: each rank learns how many rows it gets from
      every peer for each of its local experts;
-  2. one host read of the split sizes per block (all-to-all takes them as host integers; in the
-     memory estimate's fake run, which has no values, the routing is taken as balanced);
+  2. one host read of the split sizes per block (all-to-all takes host integers: `_split_sizes`);
   3. all-to-all of the rows (differentiable: its backward is the reverse all-to-all), which
      arrive grouped by source rank, then by local expert; regrouped by local expert, run through
      the local experts, put back in arrival order;

@@ -94,13 +94,11 @@ def checkpoint_problem(path: Path, hash_part: tuple[int, int] | None = None) -> 
 def file_digests(path: Path) -> dict[str, list]:
     """{name: [size, sha256]} of the files this rank wrote into the DCP directory `path`:
     DCP's file writer names them `__<rank>_<n>.distcp`; rank 0 also takes every other file."""
-    rank = dist.get_rank()
-    digests = {}
-    for file in sorted(p for p in path.iterdir() if p.is_file()):
-        writer = int(file.name.split("_")[2]) if file.name.startswith("__") else 0
-        if writer == rank:
-            digests[file.name] = [file.stat().st_size, sha256_of(file)]
-    return digests
+    def writer(file: Path) -> int:
+        return int(file.name.split("_")[2]) if file.name.startswith("__") else 0
+
+    return {file.name: [file.stat().st_size, sha256_of(file)] for file in sorted(path.iterdir())
+            if file.is_file() and writer(file) == dist.get_rank()}
 
 
 class CheckpointError(RuntimeError):
@@ -122,8 +120,7 @@ def save_failure(tmp: Path, error: Exception) -> str:
 class Checkpointer:
     def __init__(self, output_dir: str | Path, keep: int, async_save: bool = False):
         self.dir = Path(output_dir) / "checkpoints"
-        self.keep = keep
-        self.async_save = async_save
+        self.keep, self.async_save = keep, async_save
         self._pending = None  # (future, tmp dir, final dir) of an async save
         self._async_group = dist.new_group(backend="gloo") if async_save else None
         if _is_rank0():

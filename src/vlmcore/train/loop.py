@@ -77,10 +77,7 @@ class _StopSignal:
     def __init__(self):
         self.signum = 0
         for s in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(s, self._handle)
-
-    def _handle(self, signum, frame):
-        self.signum = signum
+            signal.signal(s, lambda signum, frame: setattr(self, "signum", signum))
 
 
 def train(cfg: TrainConfig) -> int:

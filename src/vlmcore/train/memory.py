@@ -250,11 +250,10 @@ def _estimate_rank(cfg, layout, rank: int, seq_len: int, image_side: int, segmen
     """Peak bytes per kind (and "Total") of global rank `rank` of `layout`."""
     device = torch.device("cpu")
     with _process_group(layout.world_size, fake, rank):
-        # The meshes and the parallelized meta model are built on real (meta) tensors; only the
-        # materialized shards, the optimizer state and the steps are fake.
-        # FSDP units even for a one-rank fp32 run, which trains a plain module (parallel/fsdp.py):
-        # torch's memory tracker of plain modules fails on frozen weights. Counted that way, its
-        # estimate is above the run by one block's weight copy and the gradient reduce buffers.
+        # The meshes and the meta model are real; the materialized shards, optimizer state and steps
+        # are fake. FSDP units even for a one-rank fp32 run, which trains a plain module (torch's
+        # tracker of plain modules fails on frozen weights): above that run by one block's weight
+        # copy and the gradient reduce buffers.
         run = build_meta_run(cfg, layout, device, rank, shard_one_rank=True)
         # The rank's micro-batches, every row with an image or a video (an encoder rank: those of its
         # language ranks). Two micro-batches hold as much as more would: from the second on, the

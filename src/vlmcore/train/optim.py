@@ -22,8 +22,7 @@ def freeze(model: nn.Module, patterns: list[str]) -> int:
     """Leaves trainable only the parameters whose name matches one of the fnmatch patterns
     (all of them when `patterns` is empty); returns the number of trainable tensors."""
     if not patterns:
-        for param in model.parameters():
-            param.requires_grad_(True)
+        model.requires_grad_(True)
         return sum(1 for _ in model.parameters())
     used, trainable = set(), 0
     for name, param in model.named_parameters():
