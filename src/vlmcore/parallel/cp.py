@@ -60,8 +60,7 @@ class UlyssesAttention:
     instead of its kernel; Gated DeltaNet moves its per-channel inputs and its output with it."""
 
     def __init__(self, group, cp: int):
-        self.group, self.cp = group, cp
-        self.rank = dist.get_rank(group)
+        self.group, self.cp, self.rank = group, cp, dist.get_rank(group)
 
     def __call__(self, attend, q, k, v, **kwargs) -> torch.Tensor:
         return ulysses_attention(attend, q, k, v, self.group, self.cp, **kwargs)

@@ -130,9 +130,8 @@ class DisjointBridge:
     owns the row, each destination's images then its videos. A language rank puts what it
     receives (its sources' images and videos, source after source) in the order its model takes
     the tower's output: all images, then all videos. Every rank computes the sizes from the
-    batches it holds (no host exchange). Language and vision tp are 1 (refused otherwise), so a
-    data-parallel rank is one rank, or under context parallelism its `cp` consecutive ranks, each
-    of which is sent the embeddings of the whole rows.
+    batches it holds (no host exchange). With tp 1, a data-parallel rank is one rank, or under
+    context parallelism `cp` consecutive ranks, each sent the embeddings of the whole rows.
     """
 
     def __init__(self, config, layout: RunLayout, micro_batch_size: int, dtype: torch.dtype, device: torch.device,
@@ -144,9 +143,8 @@ class DisjointBridge:
         self.micro_batch_size = micro_batch_size
         self.rows_per_encoder = micro_batch_size * self.data_world // len(self.vision_ranks)
         vision = config.vision_config
-        self.merge = vision.spatial_merge_size
+        self.merge, self.width = vision.spatial_merge_size, vision.out_hidden_size
         self.kinds = {"images": config.image_token_id, "videos": getattr(config, "video_token_id", None)}
-        self.width = vision.out_hidden_size
         self.columns = self.width * (1 + len(getattr(vision, "deepstack_visual_indexes", None) or []))
         self.dtype, self.device = dtype, device
         self.plans = []  # per micro-batch: (send sizes, receive sizes, sizes by kind) by world rank

@@ -6,16 +6,16 @@ Layout under `output_dir`:
   final/                  model weights only, keys `model.<hf name>`, + meta.json
   done                    empty marker, written after final/
 
-A step is written to `step_<N>.tmp` and renamed when every rank has finished, so a run
-killed mid-save leaves only a `.tmp` directory that is never loaded (and is removed at the
-next start). DCP stores full logical tensors, so a checkpoint reshards on load: another
-world size or another dp/tp layout reads it (the per-rank state only under the same split: `resume`).
+A step is written to `step_<N>.tmp` and renamed when every rank has finished, so a run killed
+mid-save leaves only a `.tmp` directory that is never loaded (and is removed at the next start).
+DCP stores full logical tensors, so a checkpoint reshards on load: another world size or another
+dp/tp layout reads it (the per-rank state only under the same split: `resume`).
 
 Before the rename, `manifest.json` records the size and sha256 of every file (each rank hashes
-the files it wrote, most often still in its page cache). A checkpoint damaged after it was written
-(a file cut short by a full disk, a bad copy, flipped bytes) is found before loading and skipped for
-the one before it: `keep` > 1 is what makes that possible. Sizes are checked for every checkpoint;
-the hashes only of the one about to be loaded, with its files shared out among the ranks.
+the files it wrote, most often still in its page cache). A checkpoint damaged after it was
+written (a file cut short by a full disk, a bad copy, flipped bytes) is found before loading and
+skipped for the one before it (`keep` > 1). Sizes are checked for every checkpoint; the hashes
+only of the one about to be loaded, with its files shared out among the ranks.
 """
 
 import json

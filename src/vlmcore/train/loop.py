@@ -96,13 +96,6 @@ def train(cfg: TrainConfig) -> int:
         dist.destroy_process_group()
 
 
-def set_seed_and_determinism(cfg: TrainConfig) -> None:
-    if cfg.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-    torch.manual_seed(cfg.seed)
-
-
 def agreed_signal(stop: _StopSignal) -> int:
     """The stop signal any rank received (0: none), the same on every rank."""
     flag = torch.tensor([stop.signum])
@@ -113,7 +106,10 @@ def agreed_signal(stop: _StopSignal) -> int:
 def _train(cfg: TrainConfig, out: Path, device: torch.device, stop: _StopSignal) -> int:
     rank = dist.get_rank()
     layout = check_run(cfg, dist.get_world_size(), load_hf_config(cfg.model_path))
-    set_seed_and_determinism(cfg)
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    torch.manual_seed(cfg.seed)
     backends = check_kernels(cfg, device)  # before anything is written
     if rank == 0:
         print("kernels: " + ", ".join(f"{part} {backend}" for part, backend in backends.items()))

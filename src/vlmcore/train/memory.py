@@ -3,10 +3,9 @@ estimated on any machine, without a GPU, the other ranks or the weights.
 
 It runs two real training steps of the stage (the model from `model_path`'s config.json,
 frozen, parallelized and sharded as the config says for a world of N ranks, the same
-forward/backward, gradient norm and AdamW as `vlmcore train`) on fake tensors, which carry
-shapes and dtypes but no data, over a fake process group, and counts the bytes of every live
-tensor with torch's FSDP2 memory tracker. The peak is what rank 0 holds at its fullest
-moment, by kind (sharded and gathered parameters, gradients, optimizer state, activations...).
+forward/backward, gradient norm and AdamW as `vlmcore train`) on fake tensors (shapes and
+dtypes, no data) over a fake process group, and counts the bytes of every live tensor with
+torch's FSDP2 memory tracker: the peak is what rank 0 holds at its fullest moment, by kind.
 
 It counts tensor bytes, what `torch.cuda.max_memory_allocated` reports: not the caching
 allocator's reserve, the CUDA context or kernel workspaces. It runs eager, AdamW one weight

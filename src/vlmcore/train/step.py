@@ -66,8 +66,7 @@ def grad_norm(params: list[torch.Tensor], foreach: bool | None = None) -> torch.
 def sum_partial_grads(params: list[torch.Tensor], group) -> None:
     for p in params:
         if p.grad is not None:
-            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            dist.all_reduce(local, group=group)
+            dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=group)
 
 
 @dataclass
