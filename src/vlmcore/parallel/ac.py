@@ -1,10 +1,14 @@
 """Activation checkpointing per transformer block: full, or selective (keep matmul and attention
 outputs, recompute the cheap element-wise ops in between)."""
 
+from functools import partial
+
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
+
+from vlmcore.parallel.compile import apply_compile
 
 _SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
              torch.ops.aten._scaled_dot_product_efficient_attention.default,
@@ -36,18 +40,15 @@ def _save_matmuls(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _selective_context():
-    return create_selective_checkpoint_contexts(_save_matmuls)
-
-
-def apply_ac(blocks: nn.Module, mode: str) -> None:
-    """Wraps every child of `blocks` (a ModuleList / ModuleDict of transformer blocks) in place."""
-    if mode == "none":
-        return
-    if mode not in ("full", "selective"):
+def apply_ac(blocks: nn.Module, mode: str, compile_blocks: bool = False) -> None:
+    """Wraps every child of `blocks` (a ModuleList / ModuleDict of transformer blocks) in place;
+    with `compile_blocks`, then compiles each (`apply_compile`, which must come after this)."""
+    if mode not in ("none", "full", "selective"):
         raise ValueError(f"parallel.activation_checkpointing: unknown mode {mode!r}")
     if mode == "selective":
         SAC_IGNORED_OPS.update(_PROFILER_OPS)
-    context_fn = {"context_fn": _selective_context} if mode == "selective" else {}
-    for name, block in list(blocks.named_children()):
+    context_fn = {"context_fn": partial(create_selective_checkpoint_contexts, _save_matmuls)} if mode == "selective" else {}
+    for name, block in list(blocks.named_children()) if mode != "none" else []:
         blocks.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False, **context_fn))
+    if compile_blocks:
+        apply_compile(blocks, mode)

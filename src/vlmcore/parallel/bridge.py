@@ -6,10 +6,9 @@ Every rank reads the micro-batch of its language data-parallel rank (language tp
 same one) and needs the embeddings of its images. Under vision TP the ranks of a vision TP group
 must run the tower on the same patches, so before the tower they gather their images (each
 language data-parallel rank's once, in rank order), run it on the union, and each keeps the
-rows of its own micro-batch. The tower's output is the same on all of them; in backward each
-rank has the gradient of its own rows only, so the gradient of the union is the sum over the
-group (an all-reduce in backward), and the tower's backward, TP
-collectives included, runs on the same values on every rank of the group.
+rows of its own micro-batch. In backward each rank has the gradient of its own rows only: the
+union's is their sum over the group (an all-reduce), so the tower's backward, TP collectives
+included, runs on the same values on every rank of the group.
 
 Whatever the vision layout, each language micro-batch's images are computed `language tp` times
 (once per language TP rank, or per vision TP group it is in), and the gradients are summed over

@@ -21,8 +21,16 @@ def check_run(cfg: TrainConfig, world_size: int, model_config=None) -> RunLayout
     layout = resolve_layout(cfg.parallel, world_size)
     layout = dataclasses.replace(layout, grad_accum_steps=grad_accum_steps(cfg, layout))
     check_rows(cfg, layout)
-    check_disjoint(layout)
-    check_cp(cfg, layout)
+    # Disjoint layouts run each module with tp 1 (vlmcore.parallel.disjoint): tensor parallelism on
+    # them resolves (the workflow plans it) but cannot run yet.
+    for module in MODULES:
+        if layout.disjoint and layout.grid(module).dims.tp > 1:
+            raise ConfigError(f"parallel.modules.{module}.tp: disjoint layouts (parallel.modules.*.ranks) with "
+                              f"tensor parallelism are not implemented yet; use tp 1", f"parallel.modules.{module}.tp")
+    cp = layout.language.dims.cp
+    if cp > 1 and cfg.data.kind == "random" and cfg.data.seq_len % cp:
+        raise ConfigError(f"parallel.cp: {cp} does not divide the rows' length (data.seq_len {cfg.data.seq_len})",
+                          "parallel.cp")
     if model_config is not None:
         check_model(cfg, layout, as_config(model_config))
     return layout
@@ -60,27 +68,6 @@ def check_rows(cfg: TrainConfig, layout: RunLayout) -> None:
             f"micro_batch_size: the global micro-batch ({cfg.micro_batch_size} x {sizes['language']} language "
             f"data-parallel ranks = {rows} rows) is not divisible by {lcm}, the LCM of the module data-parallel "
             f"sizes ({', '.join(f'{m} {n}' for m, n in sizes.items())})", "micro_batch_size")
-
-
-def check_disjoint(layout: RunLayout) -> None:
-    """Disjoint layouts run each module with tp 1 (vlmcore.parallel.disjoint); tensor parallelism
-    on them resolves (the workflow plans it) but cannot run yet."""
-    if not layout.disjoint:
-        return
-    for module in MODULES:
-        if layout.grid(module).dims.tp > 1:
-            raise ConfigError(f"parallel.modules.{module}.tp: disjoint layouts (parallel.modules.*.ranks) with "
-                              f"tensor parallelism are not implemented yet; use tp 1", f"parallel.modules.{module}.tp")
-
-
-def check_cp(cfg: TrainConfig, layout: RunLayout) -> None:
-    """Context parallelism, as far as it is built (issue 30): with data, tensor and expert parallelism."""
-    cp = layout.language.dims.cp
-    if cp == 1:
-        return
-    if cfg.data.kind == "random" and cfg.data.seq_len % cp:
-        raise ConfigError(f"parallel.cp: {cp} does not divide the rows' length (data.seq_len {cfg.data.seq_len})",
-                          "parallel.cp")
 
 
 def check_model(cfg: TrainConfig, layout: RunLayout, config) -> None:

@@ -1,28 +1,23 @@
 """Per-block torch.compile: blocks repeat, so one compiled graph serves all of them.
 
-Under activation checkpointing dynamo traces a block as one checkpointed region, and anything it
-cannot put in that region makes it run the whole block eagerly: compile then does nothing for it.
-Worse, the blocks share their checkpoint wrapper's code, which dynamo then skips for every block,
-the ones that would have compiled (attention layers, the vision tower's blocks) included.
+Under activation checkpointing dynamo traces a block as one checkpointed region; anything it
+cannot put in that region makes it run the whole block eagerly, and as the blocks share their
+checkpoint wrapper's code, dynamo then skips it for every block, those that would have compiled
+(attention layers, the vision tower's blocks) included.
 
 An MoE block's forward hands its routing to the load-balancing loss's collector, a side effect
-that eager checkpointing would replay in the recompute; the train step turns the collecting off
-there anyway (`RoutingStats.not_kept`), so dynamo is told that the recompute need not replay side
-effects.
+that the train step turns off in the recompute anyway (`RoutingStats.not_kept`): dynamo is told
+that the recompute need not replay side effects.
 
-Two kinds of blocks hold a graph break no setting removes, and say so (`breaks_graph`,
-models/parts.py): Gated DeltaNet layers (fla's Triton kernel runs eagerly between two graphs) and
-MoE blocks under expert parallelism (the dispatch reads the all-to-all split sizes on the host). Under full checkpointing they are compiled inside
-the checkpoint (the block's layer compiles in pieces around the break; the recompute reruns the
-compiled pieces). Under selective checkpointing they run eagerly: its policy keeps outputs op by
-op and replays them in the recompute by counting ops, which compiled pieces do not go through op
-by op. Tried, the recompute failed for EP blocks, and for Gated DeltaNet layers as soon as a
-dispatch mode (a memory tracker, a profiler) was active in backward; without one the gradients
-were right, at a cost no GPU has measured. The other blocks of the model compile as
+Two kinds of blocks hold a graph break no setting removes (`breaks_graph`, models/parts.py):
+Gated DeltaNet layers (fla's Triton kernel runs eagerly between two graphs) and MoE blocks under
+expert parallelism (the dispatch reads the all-to-all split sizes on the host). Under full
+checkpointing they compile inside the checkpoint, in pieces around the break (the recompute
+reruns the compiled pieces). Under selective checkpointing they run eagerly: its policy replays
+saved outputs in the recompute by counting ops, which compiled pieces do not go through op by
+op (tried: the recompute failed for EP blocks, and for Gated DeltaNet layers whenever a dispatch
+mode, a memory tracker or a profiler, was active in backward). The other blocks compile as
 checkpointed regions either way.
-
-`max_seqlen`, the longest packed segment, is marked dynamic for every compiled frame from the
-first compile (torch.compiler.config.dynamic_sources): it changes with every batch.
 """
 
 import torch

@@ -1,26 +1,22 @@
 """Context parallelism by all-to-all over heads (the scheme of DeepSpeed-Ulysses), for rows too
 long for one GPU (`parallel.cp`; issue 30).
 
-A packed row is cut into `cp` contiguous chunks, one a rank (`Batch.context_chunk`): embeddings, norms,
-MLPs, the LM head and the loss run on the rank's chunk, so activations shrink by cp. Attention
-needs the whole row: one all-to-all before it gives each rank the whole row for 1/cp of the heads
-(`sequence_to_heads`), one after it gives each rank its chunk back with every head
-(`heads_to_sequence`). Between them each rank runs the packed-row kernel it runs without CP
-(varlen on the GPU, SDPA per segment on the CPU) on whole documents: causal masking and document
-boundaries need nothing new, and every rank does exactly 1/cp of the attention work whatever
-the lengths of the documents, with no balancing (a ring over sequence chunks needs head/tail
-chunks or per-document balancing for that). The same split suits Qwen3.5's Gated DeltaNet: its
-recurrence and short causal convolution run per head (per channel) over whole sequences, so one
-all-to-all of the projected q/k/v channels, the decays and the write strengths before them, and
-one of the output after, make it exact too (`UlyssesAttention.channels_to_rows`).
+A packed row is cut into `cp` contiguous chunks, one a rank (`Batch.context_chunk`): embeddings,
+norms, MLPs, the LM head and the loss run on the rank's chunk, so activations shrink by cp.
+Attention needs the whole row: an all-to-all before it gives each rank the whole row for 1/cp of
+the heads (`sequence_to_heads`), one after it gives each rank its chunk back with every head
+(`heads_to_sequence`). In between each rank runs its usual packed-row kernel on whole documents:
+causal masking and document boundaries need nothing new, and every rank does exactly 1/cp of
+the attention work whatever the documents' lengths, with no balancing (which a ring over
+sequence chunks needs). Qwen3.5's Gated DeltaNet splits the same way, its recurrence and short
+convolution running per head (per channel) over whole sequences: one all-to-all of its inputs,
+one of its output (`UlyssesAttention.channels_to_rows`).
 
 Composes with FSDP (over dp_shard x cp), TP (the all-to-all splits a TP rank's heads further),
-EP (experts split over dp_shard x cp) and per-module layouts, colocated or disjoint
-(vlmcore.parallel.disjoint); the MoE load-balancing loss is the whole rows'
-(vlmcore.models.moe.RoutingStats).
-
-The limit: cp divides the k/v heads a rank holds (Qwen3-VL-8B: 8, divided by tp), beyond which
-a ring over the heads' sequence chunks is the way (docs/hpc.md, "Context parallelism").
+EP (experts split over dp_shard x cp) and per-module layouts, colocated or disjoint; the MoE
+load-balancing loss is the whole rows' (vlmcore.models.moe.RoutingStats). The limit: cp divides
+the k/v heads a rank holds (Qwen3-VL-8B: 8, divided by tp), beyond which a ring over the heads'
+sequence chunks is the way (docs/hpc.md, "Context parallelism").
 """
 
 import torch
@@ -64,8 +60,7 @@ class UlyssesAttention:
     instead of its kernel; Gated DeltaNet moves its per-channel inputs and its output with it."""
 
     def __init__(self, group, cp: int):
-        self.group, self.cp = group, cp
-        self.rank = dist.get_rank(group)
+        self.group, self.cp, self.rank = group, cp, dist.get_rank(group)
 
     def __call__(self, attend, q, k, v, **kwargs) -> torch.Tensor:
         return ulysses_attention(attend, q, k, v, self.group, self.cp, **kwargs)

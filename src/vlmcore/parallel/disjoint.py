@@ -1,15 +1,7 @@
 """Disjoint layouts (`parallel.modules.*.ranks`): the vision tower on its ranks (encoder ranks), the
-language model on the others, and everything that makes them one run:
-
-- `hold_one_module`: each rank keeps its module of the meta model, FSDP-sharded over its own
-  ranks' mesh; an encoder rank drops the language model and the LM head, a language rank puts a
-  parameterless stand-in (`ReceivedImages`) where the vision tower was;
-- `DisjointBridge`: moves each micro-batch's image and video embeddings from the encoder ranks to
-  the language ranks and their gradients back (one differentiable all_to_all over the world), runs an encoder
-  rank's side of the step (`encoder_step`), combines the two grids' gradient norms, and gives an
-  encoder rank its data (`encoder_data`): the micro-batches of the language data-parallel ranks
-  whose rows it encodes (`SourceBatches`), so the global micro-batch is the one the language
-  ranks read.
+language model on the others. `hold_one_module` keeps a rank's module of the meta model (a language
+rank gets a parameterless stand-in, `ReceivedImages`, for the tower); `DisjointBridge` carries the
+embeddings between them, runs an encoder rank's side of the step and gives it its data.
 
 Each module runs with tp 1 for now (vlmcore.parallel.checks refuses tensor parallelism here).
 Under context parallelism each language rank of a row receives the whole row's embeddings and
@@ -28,7 +20,6 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from vlmcore.config import ConfigError, TrainConfig
 from vlmcore.data.batch import Images
 from vlmcore.parallel.ac import apply_ac
-from vlmcore.parallel.compile import apply_compile
 from vlmcore.parallel.cp import apply_cp
 from vlmcore.parallel.fsdp import apply_fsdp
 from vlmcore.parallel.layout import RunLayout
@@ -45,7 +36,7 @@ def _replace(model: nn.Module, part: nn.Module, new: nn.Module | None) -> str:
 
 def hold_one_module(model: nn.Module, module: str, cfg: TrainConfig, meshes: Meshes) -> None:
     """This rank holds `module` ("vision" or "language") of the meta model only, FSDP-sharded over
-    its own ranks' mesh."""
+    its own ranks' mesh: an encoder rank drops the language model and the LM head."""
     if module == "vision":
         model.dropped_prefixes = tuple(_replace(model, part, None) for part in (model.text_model(), model.lm_head))
         model.config = copy.copy(model.config)
@@ -61,11 +52,8 @@ def hold_one_module(model: nn.Module, module: str, cfg: TrainConfig, meshes: Mes
         raise ConfigError(f"trainable: no parameter of the {'vision tower' if module == 'vision' else 'language model'}"
                           f" trains, but it has ranks of its own (parallel.modules.{module}.ranks); train this stage "
                           f"with colocated layouts", "trainable")
-    apply_ac(stack, cfg.parallel.activation_checkpointing)
-    if cfg.parallel.compile:
-        apply_compile(stack, cfg.parallel.activation_checkpointing)
-    apply_fsdp(root, blocks, None, meshes.dp(module), None, param_dtype=getattr(torch, cfg.precision.param_dtype),
-               reduce_dtype=getattr(torch, cfg.precision.reduce_dtype))
+    apply_ac(stack, cfg.parallel.activation_checkpointing, cfg.parallel.compile)
+    apply_fsdp(root, blocks, None, meshes.dp(module), None, cfg.precision)
 
 
 def row_grids(batch, images: Images | None, token_id: int, merge: int) -> list[list[list[int]]]:
@@ -142,9 +130,8 @@ class DisjointBridge:
     owns the row, each destination's images then its videos. A language rank puts what it
     receives (its sources' images and videos, source after source) in the order its model takes
     the tower's output: all images, then all videos. Every rank computes the sizes from the
-    batches it holds (no host exchange). Language and vision tp are 1 (refused otherwise), so a
-    data-parallel rank is one rank, or under context parallelism its `cp` consecutive ranks, each
-    of which is sent the embeddings of the whole rows.
+    batches it holds (no host exchange). With tp 1, a data-parallel rank is one rank, or under
+    context parallelism `cp` consecutive ranks, each sent the embeddings of the whole rows.
     """
 
     def __init__(self, config, layout: RunLayout, micro_batch_size: int, dtype: torch.dtype, device: torch.device,
@@ -156,9 +143,8 @@ class DisjointBridge:
         self.micro_batch_size = micro_batch_size
         self.rows_per_encoder = micro_batch_size * self.data_world // len(self.vision_ranks)
         vision = config.vision_config
-        self.merge = vision.spatial_merge_size
+        self.merge, self.width = vision.spatial_merge_size, vision.out_hidden_size
         self.kinds = {"images": config.image_token_id, "videos": getattr(config, "video_token_id", None)}
-        self.width = vision.out_hidden_size
         self.columns = self.width * (1 + len(getattr(vision, "deepstack_visual_indexes", None) or []))
         self.dtype, self.device = dtype, device
         self.plans = []  # per micro-batch: (send sizes, receive sizes, sizes by kind) by world rank
@@ -270,7 +256,6 @@ class DisjointBridge:
     def global_norm(self, norm: torch.Tensor) -> torch.Tensor:
         """The gradient norm over both grids from each module's own (the same on its ranks)."""
         first = self.vision_ranks.start if self.is_vision else self.language_ranks.start
-        squares = norm.double() ** 2 if self.rank == first else torch.zeros((), dtype=torch.float64,
-                                                                            device=norm.device)
+        squares = norm.double() ** 2 if self.rank == first else torch.zeros((), dtype=torch.float64, device=norm.device)
         dist.all_reduce(squares)
         return squares.sqrt()

@@ -5,8 +5,7 @@ tokens travel to the ranks holding their experts and back.
 Dispatch, per MoE block (`AllToAllDispatch`, the block's dispatcher: rows already sorted by expert):
   1. all-to-all of the tokens-per-expert counts: each rank learns how many rows it gets from
      every peer for each of its local experts;
-  2. one host read of the split sizes per block (all-to-all takes them as host integers; in the
-     memory estimate's fake run, which has no values, the routing is taken as balanced);
+  2. one host read of the split sizes per block (all-to-all takes host integers: `_split_sizes`);
   3. all-to-all of the rows (differentiable: its backward is the reverse all-to-all), which
      arrive grouped by source rank, then by local expert; regrouped by local expert, run through
      the local experts, put back in arrival order;
@@ -48,24 +47,20 @@ class AllToAllDispatch:
         self.group = group
 
     def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
-        return all_to_all_dispatch(x, counts, experts, self.group)
-
-
-def all_to_all_dispatch(x: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts, group) -> torch.Tensor:
-    """x: (N, H) rows sorted by (global) expert, `counts[e]` rows for expert e -> the experts'
-    outputs, same rows and order. Rank r of the group holds experts [r * L, (r + 1) * L)."""
-    ep = dist.get_world_size(group)
-    local = experts.num_experts // ep
-    received = torch.empty_like(counts)  # received[src * L + l]: rows from rank src for local expert l
-    dist.all_to_all_single(received, counts, group=group)
-    send, recv = _split_sizes(counts.view(ep, local).sum(1), received.view(ep, local).sum(1), x.shape[0])
-    rows = all_to_all_single_autograd(x, recv, send, group)
-    expert = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(ep), received,
-                                     output_size=rows.shape[0])
-    order = torch.argsort(expert, stable=True)
-    y = experts(rows[order], received.view(ep, local).sum(0))
-    y = torch.zeros_like(y).index_copy(0, order, y)
-    return all_to_all_single_autograd(y, send, recv, group)
+        """x: (N, H) rows sorted by (global) expert, `counts[e]` rows for expert e -> the experts'
+        outputs, same rows and order. Rank r of the group holds experts [r * L, (r + 1) * L)."""
+        ep = dist.get_world_size(self.group)
+        local = experts.num_experts // ep
+        received = torch.empty_like(counts)  # received[src * L + l]: rows from rank src for local expert l
+        dist.all_to_all_single(received, counts, group=self.group)
+        send, recv = _split_sizes(counts.view(ep, local).sum(1), received.view(ep, local).sum(1), x.shape[0])
+        rows = all_to_all_single_autograd(x, recv, send, self.group)
+        expert = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(ep), received,
+                                         output_size=rows.shape[0])
+        order = torch.argsort(expert, stable=True)
+        y = experts(rows[order], received.view(ep, local).sum(0))
+        y = torch.zeros_like(y).index_copy(0, order, y)
+        return all_to_all_single_autograd(y, send, recv, self.group)
 
 
 def _split_sizes(send: torch.Tensor, recv: torch.Tensor, rows: int) -> list[list[int]]:

@@ -12,16 +12,18 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from vlmcore.config import PrecisionConfig
 from vlmcore.models.moe import moe_blocks
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], vision: nn.Module | None, mesh: DeviceMesh,
-               vision_mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               expert_mesh: DeviceMesh | None = None, shard_one_rank: bool = False) -> None:
+               vision_mesh: DeviceMesh, precision: PrecisionConfig, expert_mesh: DeviceMesh | None = None,
+               shard_one_rank: bool = False) -> None:
     """`vision_mesh`: the vision tower's own data-parallel mesh (vlmcore.parallel.bridge);
     `expert_mesh`: the experts' under expert parallelism; `shard_one_rank`: FSDP units even over
     one rank without a cast (the memory estimate: torch's tracker of plain modules fails on frozen
     weights)."""
+    param_dtype, reduce_dtype = getattr(torch, precision.param_dtype), getattr(torch, precision.reduce_dtype)
     if (not shard_one_rank and dist.get_world_size() == 1
             and all(p.dtype == param_dtype == reduce_dtype for p in model.parameters())):
         return

@@ -5,10 +5,9 @@ Each module (the vision tower, the language model) has a grid: `dp_replicate x d
 over its ranks. Colocated layouts put both modules on every rank (the vision tower's degrees may
 differ from the language model's); disjoint layouts give each module its own ranks, ranges that
 tile the world. The language model's grid is the data's: its data-parallel ranks each read their
-own micro-batches. Expert parallelism (the language model's) is carved out of its shard ranks
-(with context parallelism, of dp_shard x cp): `dp_shard = dp_shard_mod_ep x ep`; each group of `ep` consecutive shard ranks splits the experts
-between its ranks, the `dp_shard_mod_ep` ranks orthogonal to it FSDP-shard each expert shard
-further.
+own micro-batches. Expert parallelism (the language model's) is carved out of its shard ranks,
+`dp_shard x cp = dp_shard_mod_ep x ep`: each group of `ep` consecutive ones splits the experts,
+and the `dp_shard_mod_ep` ranks orthogonal to it FSDP-shard each expert shard further.
 
 No torch: the workflow resolves every stage's layout on the login node, before any job is queued.
 The meshes of a layout are vlmcore.parallel.mesh.Meshes; the checks that need the model too are

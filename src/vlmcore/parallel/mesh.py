@@ -37,27 +37,23 @@ class Meshes:
     parallelism `dp_replicate x dp_shard_cp x tp`, the cp ranks innermost in dp_shard_cp). The vision
     tower shares the language model's unless its degrees differ or it has ranks of its own (its
     dimensions are then named `vision_*`). Under expert parallelism the experts get the language
-    ranks again with dp_shard (under cp: dp_shard x cp) unflattened into `dp_shard_mod_ep x ep`: their weights are split over
-    `ep` and FSDP-sharded over `dp_shard_mod_ep` (a mesh of its own rather than `dp_shard` flattened
-    from the two: torch deprecates slicing a flattened dimension from the root mesh)."""
+    ranks again with dp_shard (under cp: dp_shard x cp) unflattened into `dp_shard_mod_ep x ep`:
+    their weights are split over `ep` and FSDP-sharded over `dp_shard_mod_ep` (a mesh of its own
+    rather than `dp_shard` flattened from the two: torch deprecates slicing a flattened dimension
+    from the root mesh)."""
 
     def __init__(self, layout: RunLayout, device: torch.device):
         self.layout = layout
         self.meshes = {"language": self._module_mesh("language", device)}
-        language = layout.language.dims
-        self.context = None
-        if language.cp > 1:
-            # The language mesh is `dp_replicate x dp_shard_cp x tp`: FSDP shards over dp_shard x cp
-            # (the cp ranks of a row hold different tokens, so their gradients add up like those of
-            # different rows), and the cp ranks are that dimension unflattened, from the same root
-            # mesh as the TP mesh (FSDP2 composes only meshes of one root).
-            self.context = self.meshes["language"]._unflatten(1, (language.dp_shard, language.cp), ("dp_shard", "cp"))
-        self.experts = None
-        if language.ep > 1:
-            # ep out of dp_shard (x cp): consecutive ranks, under cp first a row's cp ranks.
-            # dim by index: torch 2.10's _unflatten refuses a dimension given by a name it has.
-            self.experts = self.meshes["language"]._unflatten(1, (language.dp_shard_mod_ep, language.ep),
-                                                             ("dp_shard_mod_ep", "ep"))
+        dims, language = layout.language.dims, self.meshes["language"]
+        # FSDP shards over dp_shard x cp (the cp ranks of a row hold different tokens, so their
+        # gradients add up like those of different rows); the cp ranks are that dimension
+        # unflattened, from the same root mesh as the TP mesh (FSDP2 composes only meshes of one root).
+        # Dimension 1 by index: torch 2.10's _unflatten refuses a dimension given by a name it has.
+        self.context = language._unflatten(1, (dims.dp_shard, dims.cp), ("dp_shard", "cp")) if dims.cp > 1 else None
+        # ep out of dp_shard (x cp): consecutive ranks, under cp first a row's cp ranks.
+        self.experts = (language._unflatten(1, (dims.dp_shard_mod_ep, dims.ep), ("dp_shard_mod_ep", "ep"))
+                        if dims.ep > 1 else None)
         self.meshes["vision"] = (self._module_mesh("vision", device) if layout.vision_mesh_of_its_own
                                  else self.meshes["language"])
 

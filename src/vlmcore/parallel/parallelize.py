@@ -5,13 +5,11 @@ language mesh and the vision tower on its own layout of the same ranks; under di
 module on its own ranks (vlmcore.parallel.disjoint). The layout was checked against the model
 before (vlmcore.parallel.checks)."""
 
-import torch
 from torch import nn
 
 from vlmcore.config import TrainConfig
 from vlmcore.parallel.ac import apply_ac
 from vlmcore.parallel.bridge import VisionBridge, count_images_once
-from vlmcore.parallel.compile import apply_compile
 from vlmcore.parallel.cp import apply_cp
 from vlmcore.parallel.disjoint import hold_one_module
 from vlmcore.parallel.expert_parallel import apply_ep
@@ -41,11 +39,7 @@ def parallelize(model: nn.Module, cfg: TrainConfig, layout: RunLayout, meshes: M
             VisionBridge(vision, meshes.tp("vision"), dims.tp)
         count_images_once(vision, dims.tp)
     for stack in [blocks] + ([model.vision_layers()] if vision is not None else []):
-        apply_ac(stack, cfg.parallel.activation_checkpointing)
-        if cfg.parallel.compile:
-            apply_compile(stack, cfg.parallel.activation_checkpointing)
+        apply_ac(stack, cfg.parallel.activation_checkpointing, cfg.parallel.compile)
     apply_fsdp(model, list(blocks.children()), vision, meshes.dp(), meshes.dp("vision") if vision is not None else None,
-               param_dtype=getattr(torch, cfg.precision.param_dtype),
-               reduce_dtype=getattr(torch, cfg.precision.reduce_dtype),
-               expert_mesh=meshes.expert_dp() if dims.ep > 1 else None, shard_one_rank=shard_one_rank)
+               cfg.precision, expert_mesh=meshes.expert_dp() if dims.ep > 1 else None, shard_one_rank=shard_one_rank)
     return partial

@@ -7,13 +7,11 @@ is vocabulary-parallel, and the LM head weight is sharded on the vocabulary, whi
 loss uses directly (vocabulary-parallel loss).
 
 Sequence parallelism (default): between the sub-blocks the residual stream and the norms are
-split on the sequence (Shard(1)); each attention or MLP all-gathers its input and
-reduce-scatters its output, the same traffic as the two all-reduces per block without it, but
-norms and residual activations take 1/tp of the memory and compute. The sequence is split after
-the embedding (`split_sequence`), where Qwen3-VL's image features are already in place;
-DeepStack features are split the same way before they are added. The final norm's output is
-all-gathered by the loss. Without sequence parallelism the residual stream stays replicated and
-one all-reduce closes each sub-block.
+split on the sequence (Shard(1)); each attention or MLP all-gathers its input and reduce-scatters
+its output, the traffic of the all-reduce that closes each sub-block without it, but norms and
+residual activations take 1/tp of the memory and compute. The sequence is split after the
+embedding (`split_sequence`), where Qwen3-VL's image features are already in place (DeepStack
+features are split the same way), and the final norm's output is all-gathered by the loss.
 
 Qwen3.5's linear-attention (Gated DeltaNet) mixers are split over heads too: `in_proj_z/a/b`
 column-parallel, `out_proj` row-parallel. Their fused `in_proj_qkv` ([q | k | v], unequal
@@ -23,11 +21,9 @@ as it does for `A_log` and `dt_bias`.
 
 The vision tower has its own layout (`parallel.modules.vision`, by default tp 1: every language
 TP rank computes the same thing). With its own tp (`apply_vision_tp`), each vision block's
-attention `proj` and MLP `linear_fc2` are row-parallel and `linear_fc1` column-parallel. The
-fused `attn.qkv` ([q | k | v] rows) stays whole (a three-block row split is no shard that DCP
-can save): each rank computes its heads of q, k and v from their rows (`OwnHeadsLinear`). The
-residual stream stays replicated (no sequence parallelism): the vision TP group runs the tower
-on the same images (vlmcore.parallel.bridge).
+attention `proj` and MLP `linear_fc2` are row-parallel and `linear_fc1` column-parallel; the
+fused `attn.qkv` stays whole (`OwnHeadsLinear`), and the residual stream replicated: the vision
+TP group runs the tower on the same images (vlmcore.parallel.bridge).
 
 Parameters that are whole on every TP rank but used for local heads only (per-head q/k norms,
 the gated norm and the rows read by the linear-attention mixers) get partial gradients on each
@@ -62,9 +58,10 @@ def sum_grad_over(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 
 class OwnHeadsLinear(nn.Linear):
-    """The vision attention's fused qkv under vision TP: its weight stays whole (FSDP-sharded) and
-    each rank computes its heads of q, k and v from their rows of it; in backward the rows'
-    gradients are all-gathered, so the weight's gradient is whole on every rank, like the norms'."""
+    """The vision attention's fused qkv ([q | k | v] rows) under vision TP: its weight stays whole
+    (FSDP-sharded; a three-block row split is no shard that DCP can save) and each rank computes its
+    heads of q, k and v from their rows of it; in backward the rows' gradients are all-gathered, so
+    the weight's gradient is whole on every rank, like the norms'."""
 
     tp_mesh: DeviceMesh
 
@@ -96,10 +93,8 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
     # Row-parallel outputs: reduce-scattered onto the sequence split (kept as DTensors for the
     # residual add), or all-reduced to a replicated plain tensor.
     row_out = RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sequence_parallel else RowwiseParallel()
-    plan = {}
-    if sequence_parallel:
-        plan["input_layernorm"] = SequenceParallel()
-        plan["post_attention_layernorm"] = SequenceParallel()
+    plan = ({"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()}
+            if sequence_parallel else {})
     if hasattr(block, "self_attn"):
         if sequence_parallel:
             plan["self_attn"] = _gather(4)  # (x, cos, sin, cu_seqlens)

@@ -27,7 +27,7 @@ from vlmcore.parallel.mesh import Meshes
 from vlmcore.parallel.parallelize import parallelize
 from vlmcore.train.checkpoint import load_model_weights
 from vlmcore.train.optim import build_optimizer, freeze
-from vlmcore.train.step import Step, build_step, context_of
+from vlmcore.train.step import Step, build_step
 
 
 def check_kernels(cfg: TrainConfig, device: torch.device) -> dict:
@@ -94,13 +94,17 @@ class Run:
 
     @property
     def context(self) -> dict | None:
-        """What cuts this rank's chunk from the rows under context parallelism (`to_device`); None on
-        an encoder rank of disjoint layouts (its images are whole)."""
-        cp = self.layout.language.dims.cp
+        """What cuts this rank's chunk from the rows under context parallelism (`to_device`: the
+        arguments of `Batch.context_chunk`); None on an encoder rank of disjoint layouts (its images
+        are whole). A language rank of disjoint layouts receives the whole rows' image embeddings."""
+        cp, config = self.layout.language.dims.cp, self.model.config
         if cp == 1 or self.role == "vision":
             return None
-        return context_of(self.model, self.layout.language.cp_rank(self.rank), cp,
-                          received_visuals=self.role == "language")
+        context = {"cp_rank": self.layout.language.cp_rank(self.rank), "cp": cp}
+        if self.model.vision_tower() is not None:
+            context |= {"visual_tokens": {"image": config.image_token_id, "video": getattr(config, "video_token_id", None)},
+                        "merge": config.vision_config.spatial_merge_size, "keep_all": self.role == "language"}
+        return context
 
     def data(self, source=None):
         """This rank's batches: its language data-parallel rank's, or on an encoder rank those of

@@ -6,20 +6,16 @@ Layout under `output_dir`:
   final/                  model weights only, keys `model.<hf name>`, + meta.json
   done                    empty marker, written after final/
 
-A step is written to `step_<N>.tmp` and renamed when every rank has finished, so a run
-killed mid-save leaves only a `.tmp` directory that is never loaded (and is removed at the
-next start). DCP stores full logical tensors, so a checkpoint reshards on load: another
-world size or another dp/tp layout reads it.
-
-Per-rank state (loader position, RNG) is stored under keys that name the rank and is only
-restored when the run splits its global batch as the writer did (`resume_latest`); the model and
-optimizer always are.
+A step is written to `step_<N>.tmp` and renamed when every rank has finished, so a run killed
+mid-save leaves only a `.tmp` directory that is never loaded (and is removed at the next start).
+DCP stores full logical tensors, so a checkpoint reshards on load: another world size or another
+dp/tp layout reads it (the per-rank state only under the same split: `resume`).
 
 Before the rename, `manifest.json` records the size and sha256 of every file (each rank hashes
-the files it wrote, most often still in its page cache). A checkpoint damaged after it was written
-(a file cut short by a full disk, a bad copy, flipped bytes) is found before loading and skipped for
-the one before it: `keep` > 1 is what makes that possible. Sizes are checked for every checkpoint;
-the hashes only of the one about to be loaded, with its files shared out among the ranks.
+the files it wrote, most often still in its page cache). A checkpoint damaged after it was
+written (a file cut short by a full disk, a bad copy, flipped bytes) is found before loading and
+skipped for the one before it (`keep` > 1). Sizes are checked for every checkpoint; the hashes
+only of the one about to be loaded, with its files shared out among the ranks.
 """
 
 import json
@@ -98,13 +94,11 @@ def checkpoint_problem(path: Path, hash_part: tuple[int, int] | None = None) -> 
 def file_digests(path: Path) -> dict[str, list]:
     """{name: [size, sha256]} of the files this rank wrote into the DCP directory `path`:
     DCP's file writer names them `__<rank>_<n>.distcp`; rank 0 also takes every other file."""
-    rank = dist.get_rank()
-    digests = {}
-    for file in sorted(p for p in path.iterdir() if p.is_file()):
-        writer = int(file.name.split("_")[2]) if file.name.startswith("__") else 0
-        if writer == rank:
-            digests[file.name] = [file.stat().st_size, sha256_of(file)]
-    return digests
+    def writer(file: Path) -> int:
+        return int(file.name.split("_")[2]) if file.name.startswith("__") else 0
+
+    return {file.name: [file.stat().st_size, sha256_of(file)] for file in sorted(path.iterdir())
+            if file.is_file() and writer(file) == dist.get_rank()}
 
 
 class CheckpointError(RuntimeError):
@@ -126,8 +120,7 @@ def save_failure(tmp: Path, error: Exception) -> str:
 class Checkpointer:
     def __init__(self, output_dir: str | Path, keep: int, async_save: bool = False):
         self.dir = Path(output_dir) / "checkpoints"
-        self.keep = keep
-        self.async_save = async_save
+        self.keep, self.async_save = keep, async_save
         self._pending = None  # (future, tmp dir, final dir) of an async save
         self._async_group = dist.new_group(backend="gloo") if async_save else None
         if _is_rank0():

@@ -77,10 +77,7 @@ class _StopSignal:
     def __init__(self):
         self.signum = 0
         for s in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(s, self._handle)
-
-    def _handle(self, signum, frame):
-        self.signum = signum
+            signal.signal(s, lambda signum, frame: setattr(self, "signum", signum))
 
 
 def train(cfg: TrainConfig) -> int:
@@ -99,13 +96,6 @@ def train(cfg: TrainConfig) -> int:
         dist.destroy_process_group()
 
 
-def set_seed_and_determinism(cfg: TrainConfig) -> None:
-    if cfg.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-    torch.manual_seed(cfg.seed)
-
-
 def agreed_signal(stop: _StopSignal) -> int:
     """The stop signal any rank received (0: none), the same on every rank."""
     flag = torch.tensor([stop.signum])
@@ -116,7 +106,10 @@ def agreed_signal(stop: _StopSignal) -> int:
 def _train(cfg: TrainConfig, out: Path, device: torch.device, stop: _StopSignal) -> int:
     rank = dist.get_rank()
     layout = check_run(cfg, dist.get_world_size(), load_hf_config(cfg.model_path))
-    set_seed_and_determinism(cfg)
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    torch.manual_seed(cfg.seed)
     backends = check_kernels(cfg, device)  # before anything is written
     if rank == 0:
         print("kernels: " + ", ".join(f"{part} {backend}" for part, backend in backends.items()))
@@ -180,8 +173,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, stop: _StopSignal)
             _finish(checkpointer, logger)
             raise TrainingError(f"step {state['step']}: {nonfinite_in_a_row} steps in a row with a non-finite "
                                 f"loss or gradient norm; checkpoint saved, stopping (max_nonfinite_steps)")
-        signum = agreed_signal(stop)
-        if signum:
+        if signum := agreed_signal(stop):
             save_checkpoint()
             _finish(checkpointer, logger)
             if rank == 0:

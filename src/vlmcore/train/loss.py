@@ -73,8 +73,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight_grad else None
         for start in range(0, hidden.shape[0], chunk_tokens):
             end = min(start + chunk_tokens, hidden.shape[0])
-            h = hidden[start:end]
-            labels_chunk = labels[start:end]
+            h, labels_chunk = hidden[start:end], labels[start:end]
             loss, grad_logits = chunk_fn(h @ weight.t(), labels_chunk - vocab_start, labels_chunk != IGNORE_INDEX,
                                          weight.shape[0], group)
             total += loss
@@ -112,8 +111,9 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
         if weight.placements != (Shard(0),) and weight.placements != (Replicate(),):
             raise ValueError(f"lm_head weight: unsupported placements {weight.placements}")
         if weight.placements == (Shard(0),):
-            group = weight.device_mesh.get_group()
-            vocab_start = _shard_offset(weight)
+            rows, mesh = weight.shape[0], weight.device_mesh
+            # vocab_start: the first vocabulary row this rank holds (Shard(0) splits as torch.chunk does)
+            group, vocab_start = mesh.get_group(), min(rows, -(-rows // mesh.size()) * mesh.get_local_rank())
         weight = weight.to_local()
     if isinstance(hidden, DTensor):
         hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim).to_local()
@@ -121,11 +121,3 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     labels = labels.reshape(-1).to(hidden.device)
     loss_sum = _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, group, vocab_start, compiled)
     return loss_sum, (labels != IGNORE_INDEX).sum()
-
-
-def _shard_offset(weight: DTensor) -> int:
-    """First vocabulary row held by this rank (DTensor Shard(0) uses torch.chunk sizes)."""
-    rows = weight.shape[0]
-    size = weight.device_mesh.size()
-    per_rank = -(-rows // size)
-    return min(rows, per_rank * weight.device_mesh.get_local_rank())

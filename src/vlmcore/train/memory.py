@@ -3,10 +3,9 @@ estimated on any machine, without a GPU, the other ranks or the weights.
 
 It runs two real training steps of the stage (the model from `model_path`'s config.json,
 frozen, parallelized and sharded as the config says for a world of N ranks, the same
-forward/backward, gradient norm and AdamW as `vlmcore train`) on fake tensors, which carry
-shapes and dtypes but no data, over a fake process group, and counts the bytes of every live
-tensor with torch's FSDP2 memory tracker. The peak is what rank 0 holds at its fullest
-moment, by kind (sharded and gathered parameters, gradients, optimizer state, activations...).
+forward/backward, gradient norm and AdamW as `vlmcore train`) on fake tensors (shapes and
+dtypes, no data) over a fake process group, and counts the bytes of every live tensor with
+torch's FSDP2 memory tracker: the peak is what rank 0 holds at its fullest moment, by kind.
 
 It counts tensor bytes, what `torch.cuda.max_memory_allocated` reports: not the caching
 allocator's reserve, the CUDA context or kernel workspaces. It runs eager, AdamW one weight
@@ -72,7 +71,8 @@ def run(args) -> int:
     problem = None
     if args.gpu_memory_gib:
         problem = check_fit(result, args.gpu_memory_gib)
-        print(fit_line(result))
+        print(f"{'fits' if result['fits'] else 'DOES NOT FIT'}: {result['peak_bytes'] / 2**30:.1f} GiB of the "
+              f"{result['usable_bytes'] / 2**30:.1f} GiB usable on a {result['gpu_memory_gib']:g} GiB GPU")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     if problem:
@@ -119,12 +119,6 @@ def check_fit(result: dict, gpu_memory_gib: float, headroom: float = HEADROOM) -
             f"{usable / 2**30:.1f} GiB ({gpu_memory_gib:g} GiB GPU, {headroom:.0%} kept free); largest: "
             + ", ".join(f"{k} {n / 2**30:.1f} GiB" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])[:2] if n)
             + ". Try: " + "; ".join(fixes))
-
-
-def fit_line(result: dict) -> str:
-    verdict = "fits" if result["fits"] else "DOES NOT FIT"
-    return (f"{verdict}: {result['peak_bytes'] / 2**30:.1f} GiB of the {result['usable_bytes'] / 2**30:.1f} GiB "
-            f"usable on a {result['gpu_memory_gib']:g} GiB GPU")
 
 
 def packed_limits(cfg: TrainConfig) -> dict:
@@ -235,11 +229,10 @@ def estimate_memory(cfg: TrainConfig, world_size: int, seq_len: int, image_side:
     role = max(peaks, key=lambda r: peaks[r]["Total"])
     dims = layout.language.dims
     result = {"world_size": world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
-              "tp": dims.tp,
-              "seq_len": seq_len, "segments": segments, "micro_batch_size": cfg.micro_batch_size,
-              "image_side": image_side, "video_frames": video_frames, "activation_checkpointing": cfg.parallel.activation_checkpointing,
-              "param_dtype": cfg.precision.param_dtype, "fake": fake, "rank": ranks[role],
-              "peak_bytes": peaks[role]["Total"], "peak_bytes_by_kind": _kinds(peaks[role])}
+              "tp": dims.tp, "seq_len": seq_len, "segments": segments, "micro_batch_size": cfg.micro_batch_size,
+              "image_side": image_side, "video_frames": video_frames,
+              "activation_checkpointing": cfg.parallel.activation_checkpointing, "param_dtype": cfg.precision.param_dtype,
+              "fake": fake, "rank": ranks[role], "peak_bytes": peaks[role]["Total"], "peak_bytes_by_kind": _kinds(peaks[role])}
     if layout.disjoint:
         result["modules"] = {m: {"rank": ranks[m], "ranks": [layout.grid(m).ranks.start, layout.grid(m).ranks.stop],
                                  "peak_bytes": peaks[m]["Total"], "peak_bytes_by_kind": _kinds(peaks[m])}
@@ -256,11 +249,10 @@ def _estimate_rank(cfg, layout, rank: int, seq_len: int, image_side: int, segmen
     """Peak bytes per kind (and "Total") of global rank `rank` of `layout`."""
     device = torch.device("cpu")
     with _process_group(layout.world_size, fake, rank):
-        # The meshes and the parallelized meta model are built on real (meta) tensors; only the
-        # materialized shards, the optimizer state and the steps are fake.
-        # FSDP units even for a one-rank fp32 run, which trains a plain module (parallel/fsdp.py):
-        # torch's memory tracker of plain modules fails on frozen weights. Counted that way, its
-        # estimate is above the run by one block's weight copy and the gradient reduce buffers.
+        # The meshes and the meta model are real; the materialized shards, optimizer state and steps
+        # are fake. FSDP units even for a one-rank fp32 run, which trains a plain module (torch's
+        # tracker of plain modules fails on frozen weights): above that run by one block's weight
+        # copy and the gradient reduce buffers.
         run = build_meta_run(cfg, layout, device, rank, shard_one_rank=True)
         # The rank's micro-batches, every row with an image or a video (an encoder rank: those of its
         # language ranks). Two micro-batches hold as much as more would: from the second on, the

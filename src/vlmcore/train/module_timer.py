@@ -11,11 +11,9 @@ Marks are taken at five points of each micro-batch (CUDA events on a GPU, the wa
     vision = (Ve - Vs) + (E - Vb)        llm = (E - A) - vision
 
 summed over the step's micro-batches. The vision time is the tower with its mergers and their
-FSDP all-gathers; the LLM time is everything else of forward and backward (token embedding,
-decoder layers, LM head, chunked loss). The optimizer step, gradient norm and clipping are in
-neither. A micro-batch without images still runs the tower on a dummy image (step.VisionDummy),
-which is timed like any other (its patches counted); a model without a vision tower has no
-`vision_time_s` and no `vision_patches`.
+FSDP all-gathers; the LLM time is the rest of forward and backward, not the optimizer step,
+gradient norm or clipping. A micro-batch without images runs the tower on a dummy image
+(step.VisionDummy), timed and counted like any other.
 
 Nothing waits for the GPU: CUDA events are recorded on the current stream, and `read` is called
 after the step's one host read (step.read_host), when every event of the step has completed.
@@ -83,8 +81,7 @@ class ModuleTimer:
         """{"vision_time_s", "llm_time_s", "vision_patches"} of the micro-batches since the last
         read (forward-only calls, which have no backward end, are left out); then starts over.
         `vision_patches`: the patches this rank's vision tower took (the cost model's input)."""
-        vision = llm = 0.0
-        patches = 0
+        vision, llm, patches = 0.0, 0.0, 0
         for m in self.micro:
             if "end" not in m:
                 continue

@@ -22,11 +22,9 @@ def freeze(model: nn.Module, patterns: list[str]) -> int:
     """Leaves trainable only the parameters whose name matches one of the fnmatch patterns
     (all of them when `patterns` is empty); returns the number of trainable tensors."""
     if not patterns:
-        for param in model.parameters():
-            param.requires_grad_(True)
+        model.requires_grad_(True)
         return sum(1 for _ in model.parameters())
-    used = set()
-    trainable = 0
+    used, trainable = set(), 0
     for name, param in model.named_parameters():
         hits = [p for p in patterns if fnmatch.fnmatchcase(clean_name(name), p)]
         used.update(hits)
@@ -38,26 +36,16 @@ def freeze(model: nn.Module, patterns: list[str]) -> int:
     return trainable
 
 
-def param_kinds(model: nn.Module) -> dict[int, str]:
-    """'projector' or 'vision' by parameter id, from the model's own parts; the rest is 'llm'."""
-    kinds = {}
-    vision = model.vision_tower()
-    if vision is not None:
-        kinds.update({id(p): "vision" for p in vision.parameters()})
-    kinds.update({id(p): "projector" for module in model.projectors() for p in module.parameters()})
-    return kinds
-
-
-def embedding_tables(model: nn.Module) -> set[int]:
-    """Ids of the embedding tables (tokens, vision positions), which take no weight decay."""
-    return {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-
-
 def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
     lrs = {"llm": cfg.lr, "vision": cfg.lr if cfg.vision_lr is None else cfg.vision_lr,
            "projector": cfg.lr if cfg.projector_lr is None else cfg.projector_lr}
     groups = {}
-    kinds, embeddings = param_kinds(model), embedding_tables(model)
+    # 'projector' or 'vision' by parameter id, from the model's own parts; the rest is 'llm'.
+    vision = model.vision_tower()
+    kinds = {id(p): "vision" for p in vision.parameters()} if vision is not None else {}
+    kinds |= {id(p): "projector" for module in model.projectors() for p in module.parameters()}
+    # The embedding tables (tokens, vision positions) take no weight decay.
+    embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     for param in model.parameters():
         if not param.requires_grad:
             continue

@@ -40,8 +40,7 @@ class StepProfiler:
         """Call before step `step` (1-based) takes its data."""
         if step != self.first:
             return
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        self.profiler = profile(activities=activities)
+        self.profiler = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else []))
         if self.cuda:
             torch.cuda.synchronize()
         self.profiler.start()

@@ -28,19 +28,13 @@ RESUMABLE_CHANGES = {"steps", "checkpoint", "metrics", "num_workers", "output_di
 UNFINISHED = "unfinished"
 
 
-def _latest_step(out: Path) -> int | None:
-    latest = out / "checkpoints" / "latest"
-    if not latest.is_file():
-        return None
-    return int(latest.read_text().strip().removeprefix("step_"))
-
-
 def stale_run_reason(out, cfg: TrainConfig) -> str | None:
     """Why the checkpoints in `out` must not be resumed by `cfg`, or None when they may."""
     out = Path(out)
-    step = _latest_step(out)
-    if step is None:
+    latest = out / "checkpoints" / "latest"
+    if not latest.is_file():
         return None
+    step = int(latest.read_text().strip().removeprefix("step_"))
     finished = not (out / UNFINISHED).exists()
     if step > cfg.steps or (step == cfg.steps and finished):
         return f"the run in {out} already reached step {step} of {cfg.steps} and its outputs were removed: starting a new run"

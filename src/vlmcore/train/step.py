@@ -45,8 +45,7 @@ def _by_layout(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     groups = defaultdict(list)
     for p in params:
         if p.grad is not None:
-            g = p.grad
-            groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(p)
+            groups[(p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None].append(p)
     return list(groups.values())
 
 
@@ -67,8 +66,7 @@ def grad_norm(params: list[torch.Tensor], foreach: bool | None = None) -> torch.
 def sum_partial_grads(params: list[torch.Tensor], group) -> None:
     for p in params:
         if p.grad is not None:
-            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            dist.all_reduce(local, group=group)
+            dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=group)
 
 
 @dataclass
@@ -158,9 +156,8 @@ class Step:
     def __call__(self, micro: list, label_tokens: float, set_lr) -> StepResult:
         """One optimizer step over the device micro-batches (an encoder rank of disjoint layouts:
         the image batches of its rows); `set_lr(optimizer)` sets this step's lr."""
-        aux_sum = routed = None
         if self.bridge is not None and self.bridge.is_vision:
-            loss_sum = self.bridge.encoder_step(self.model, micro)
+            loss_sum, aux_sum, routed = self.bridge.encoder_step(self.model, micro), None, None
         else:
             loss_sum, aux_sum, routed = forward_backward(self.model, micro, label_tokens, self.vision_dummy,
                                                          self.chunk_tokens, self.compiled_loss, self.moe, self.bridge)
@@ -217,20 +214,9 @@ def build_step(model, optimizer, partial_params: list, tp_group, chunk_tokens: i
                 compiled_loss, moe, bridge)
 
 
-def context_of(model, cp_rank: int, cp: int, received_visuals: bool = False) -> dict:
-    """`Batch.context_chunk`'s arguments for this rank of a context-parallel run; `received_visuals`:
-    a language rank of disjoint layouts, which receives the whole rows' image embeddings."""
-    visual = {}
-    if model.vision_tower() is not None:
-        config = model.config
-        visual = {"visual_tokens": {"image": config.image_token_id, "video": getattr(config, "video_token_id", None)},
-                  "merge": config.vision_config.spatial_merge_size, "keep_all": received_visuals}
-    return {"cp_rank": cp_rank, "cp": cp, **visual}
-
-
 def to_device(batch: Batch | None, device: torch.device, context: dict | None = None) -> Batch | None:
     """A host micro-batch as this rank trains on it, on the device: under context parallelism
-    (`context`, from `context_of`) its 1/cp of the rows, cut on the host, where finding the image
+    (`context`, from `vlmcore.train.build.Run.context`) its 1/cp of the rows, cut on the host, where finding the image
     tokens costs no device wait."""
     if batch is not None and context is not None:
         batch = batch.context_chunk(**context)
