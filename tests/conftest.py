@@ -3,6 +3,8 @@
 import pytest
 import torch.distributed as dist
 
+from _slurm_helpers import require_slurm
+
 # The files that take longest (minutes each), longest first, start before all others, so that
 # under pytest-xdist (tests/run_all.sh: two workers, whole files each, `--no-loadscope-reorder`,
 # which keeps this order instead of xdist's default of the files with most tests first) neither
@@ -10,6 +12,7 @@ import torch.distributed as dist
 LONGEST_FIRST = (
     "test_pipeline_demo.py",  # the demo pipeline run, then reruns on it
     "test_parallel_exactness.py",
+    "test_slurm_demo.py",  # the video demo through SLURM
     "test_parallel_moe.py",
     "test_parallel_cp.py",
     "test_recipe_models.py",
@@ -26,6 +29,12 @@ def pytest_collection_modifyitems(config, items):
     # A stable sort: every file's tests stay together and in their order.
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """A real SLURM with two usable nodes (tests/_slurm_helpers.py), or the test is skipped (failed in CI)."""
+    require_slurm()
 
 
 @pytest.fixture

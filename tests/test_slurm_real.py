@@ -1,48 +1,21 @@
 """The SLURM path on a real SLURM: the two-node cluster of .ci/slurm_setup.sh (or any cluster
 where `sinfo` works and two nodes can run CPU jobs). A training stage runs through the
-executor as a 2-node job: `srun` one task per node, torchrun with c10d rendezvous, gloo. A
-stage cut by its time limit resumes in the retry, and the video demo runs end to end.
+executor as a 2-node job: `srun` one task per node, torchrun with c10d rendezvous, gloo; and a
+stage cut by its time limit resumes in the retry (the video demo through SLURM:
+tests/test_slurm_demo.py).
 
 In CI (CI=true) a missing SLURM is a failure; elsewhere these tests are skipped.
 """
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from _slurm_helpers import slurm_jobs, snakemake, write_config
 
 pytestmark = [pytest.mark.workflow, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def slurm():
-    try:
-        proc = subprocess.run(["sinfo", "-h", "-o", "%D %t"], capture_output=True, text=True, timeout=30)
-        idle_nodes = sum(int(line.split()[0]) for line in proc.stdout.splitlines() if line.split()[1] in ("idle", "mix"))
-        problem = None if proc.returncode == 0 and idle_nodes >= 2 else f"`sinfo` says: {proc.stdout.strip()} {proc.stderr.strip()}"
-    except (OSError, subprocess.TimeoutExpired) as e:
-        problem = f"`sinfo` failed: {e}"
-    if problem:
-        reason = f"no SLURM with two usable nodes ({problem}); start one with `.ci/slurm_setup.sh` (root)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
-
-
-def write_config(tmp_path, name, source="config.yaml", **train):
-    config = yaml.safe_load((REPO / "config" / source).read_text())
-    config["experiment"] = name
-    config["train"].update(train)
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path, tmp_path / "results" / name
 
 
 def random_data_experiment(tmp_path, name, steps, interval, runtime_minutes):
@@ -59,27 +32,6 @@ def random_data_experiment(tmp_path, name, steps, interval, runtime_minutes):
     configfile.write_text(yaml.safe_dump(config))
     (root / "packed" / "random").mkdir(parents=True)
     return configfile, root
-
-
-def snakemake(tmp_path, configfile, target, *extra, timeout=1200):
-    env = dict(os.environ, VLMCORE_CLUSTER="ci", OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
-    proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--profile", str(REPO / "profiles" / "slurm-ci"),
-         "--configfile", str(configfile), "--directory", str(tmp_path), *extra, target],
-        env=env, capture_output=True, text=True, timeout=timeout,
-    )
-    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-10000:]
-    return proc
-
-
-def slurm_jobs(tmp_path, rule):
-    """{job id: `scontrol show job` fields} of the SLURM jobs of `rule`, oldest first."""
-    ids = sorted(int(p.stem) for p in tmp_path.glob(f".snakemake/slurm_logs/rule_{rule}/**/*.log"))
-    jobs = {}
-    for job_id in ids:
-        out = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True).stdout
-        jobs[job_id] = dict(field.split("=", 1) for field in out.split() if "=" in field)
-    return jobs
 
 
 def metric_steps(root):
@@ -139,28 +91,3 @@ def test_stage_cut_by_time_limit_resumes_in_retry(two_node_stage, tmp_path):
     started = ["kernels:" in a for a in attempts]
     saved_before = [any("checkpoint saved at step" in b for b in attempts[:i]) for i in range(len(attempts))]
     assert sum(saved_before) >= 1 and [("resumed from" in a) for a in attempts] == [st and sb for st, sb in zip(started, saved_before)]
-
-
-def test_video_demo_through_slurm(slurm, tmp_path):
-    """The video demo (config/demo-video.yaml), every rule a SLURM job; training and scaling as
-    2-node jobs. Small (150 clips, 10 + 30 steps): that the model learns is measured with the whole
-    config (docs/video.md, benchmarks/demo_learning.py) and, for the image demo with the same
-    rules, checked by tests/test_pipeline_demo.py."""
-    configfile, root = write_config(tmp_path, "demo-video", "demo-video.yaml", nodes=2, nproc_per_node=1)
-    config = yaml.safe_load(configfile.read_text())
-    config["data"]["synthetic"].update(num_train=150, num_eval=30)
-    config["train"]["stages"]["stage1"]["steps"] = 10
-    config["train"]["stages"]["stage2"]["steps"] = 30
-    config["scaling"]["steps"] = 4
-    configfile.write_text(yaml.safe_dump(config))
-    snakemake(tmp_path, configfile, "train_all", timeout=3600)
-
-    jobs = slurm_jobs(tmp_path, "train_stage")
-    assert len(jobs) == 2 and all(j["NumNodes"] == "2" and j["JobState"] == "COMPLETED" for j in jobs.values())
-    assert (root / "report" / "SCALABILITY.md").is_file()
-    stats = json.loads((root / "packed" / "conversations" / "stats.json").read_text())
-    assert stats["videos"] == 150 and stats["bad"]["skipped"] == 0
-    results = json.loads((root / "eval" / "results.json").read_text())
-    for task in ("demo_video_qa", "demo_video_qa_shuffled"):
-        assert {kind: figures["n"] for kind, figures in results["breakdown"][task].items()} == \
-            {"direction": 10, "order": 10, "count": 10}
