@@ -47,8 +47,10 @@ def apply_ac(blocks: nn.Module, mode: str, compile_blocks: bool = False) -> None
         raise ValueError(f"parallel.activation_checkpointing: unknown mode {mode!r}")
     if mode == "selective":
         SAC_IGNORED_OPS.update(_PROFILER_OPS)
-    context_fn = {"context_fn": partial(create_selective_checkpoint_contexts, _save_matmuls)} if mode == "selective" else {}
-    for name, block in list(blocks.named_children()) if mode != "none" else []:
-        blocks.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False, **context_fn))
+    if mode != "none":
+        selective = partial(create_selective_checkpoint_contexts, _save_matmuls)
+        context_fn = {"context_fn": selective} if mode == "selective" else {}
+        for name, block in list(blocks.named_children()):
+            blocks.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False, **context_fn))
     if compile_blocks:
         apply_compile(blocks, mode)
