@@ -48,8 +48,11 @@ def pairs_per_rank(docs: list[int], cp: int, chunking: str) -> list[float]:
             for start, d in zip(starts, docs):
                 a, b = max(lo, start), min(hi, start + d)
                 if a < b:  # queries a..b-1 of this document, each attending to its earlier keys in the document
-                    total += sum(q - start + 1 for q in range(a, b)) if b - a < 64 else \
-                        (b - a) * ((a - start + 1) + (b - start)) / 2
+                    total += (
+                        sum(q - start + 1 for q in range(a, b))
+                        if b - a < 64
+                        else (b - a) * ((a - start + 1) + (b - start)) / 2
+                    )
         work.append(total)
     return work
 
@@ -73,8 +76,10 @@ def main() -> None:
     parser.add_argument("--mean-doc", type=int, default=8192, help="mean document length in a packed row")
     args = parser.parse_args()
     rows = []
-    print("row tokens | cp | max/mean attention work: all-to-all, ring contiguous, ring head/tail | "
-          "GB sent per rank a step: all-to-all, ring")
+    print(
+        "row tokens | cp | max/mean attention work: all-to-all, ring contiguous, ring head/tail | "
+        "GB sent per rank a step: all-to-all, ring"
+    )
     for length in args.lengths:
         docs = packed_row(length, seed=length, mean_doc=args.mean_doc)
         for cp in args.cps:
@@ -85,12 +90,21 @@ def main() -> None:
                 work = pairs_per_rank(docs, cp, chunking)
                 imbalance[chunking] = max(work) / (sum(work) / cp)
             sent = bytes_per_rank(length, cp, args.layers, args.heads, args.kv_heads, args.head_dim)
-            row = {"tokens": length, "cp": cp, "documents": len(docs), "all_to_all_imbalance": 1.0,
-                   "ring_contiguous_imbalance": imbalance["contiguous"], "ring_head_tail_imbalance": imbalance["head_tail"],
-                   **sent, "all_to_all_fits_heads": args.kv_heads % cp == 0}
+            row = {
+                "tokens": length,
+                "cp": cp,
+                "documents": len(docs),
+                "all_to_all_imbalance": 1.0,
+                "ring_contiguous_imbalance": imbalance["contiguous"],
+                "ring_head_tail_imbalance": imbalance["head_tail"],
+                **sent,
+                "all_to_all_fits_heads": args.kv_heads % cp == 0,
+            }
             rows.append(row)
-            print(f"{length:>10} | {cp:>2} | 1.00, {imbalance['contiguous']:.2f}, {imbalance['head_tail']:.2f} | "
-                  f"{sent['ulysses_gb']:.1f}, {sent['ring_gb']:.1f}")
+            print(
+                f"{length:>10} | {cp:>2} | 1.00, {imbalance['contiguous']:.2f}, {imbalance['head_tail']:.2f} | "
+                f"{sent['ulysses_gb']:.1f}, {sent['ring_gb']:.1f}"
+            )
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "cp.json"
     out.write_text(json.dumps({"model": vars(args), "rows": rows}, indent=2) + "\n")

@@ -71,22 +71,39 @@ def write_snapshot(model: str, path: Path) -> None:
 
 def data_config(args, seq_len: int) -> dict:
     if not args.video:
-        return {"kind": "random", "seq_len": seq_len, "segments": max(1, seq_len // args.doc_tokens),
-                "image_fraction": 1.0, "image_side": args.image_side}
+        return {
+            "kind": "random",
+            "seq_len": seq_len,
+            "segments": max(1, seq_len // args.doc_tokens),
+            "image_fraction": 1.0,
+            "image_side": args.image_side,
+        }
     # One clip of as many frame groups as fit: each its merged patches, a timestamp and markers.
     frames = (seq_len - 4) // (args.image_side**2 + 5)
-    return {"kind": "random", "seq_len": seq_len, "segments": 1, "image_fraction": 0.0, "video_fraction": 1.0,
-            "image_side": args.image_side, "video_frames": frames}
+    return {
+        "kind": "random",
+        "seq_len": seq_len,
+        "segments": 1,
+        "image_fraction": 0.0,
+        "video_fraction": 1.0,
+        "image_side": args.image_side,
+        "video_frames": frames,
+    }
 
 
 def run_case(args, model_path: Path, seq_len: int, cp: int, gpu: bool) -> dict:
     """One `vlmcore train` run; its medians, or {"status": "out of memory"}."""
     out = args.work / f"run_{seq_len}_cp{cp}{'_video' if args.video else ''}"
     config = {
-        "model_path": str(model_path), "output_dir": str(out), "steps": args.warmup + args.steps,
-        "save_final": False, "checkpoint": {"enabled": False},
+        "model_path": str(model_path),
+        "output_dir": str(out),
+        "steps": args.warmup + args.steps,
+        "save_final": False,
+        "checkpoint": {"enabled": False},
         "metrics": {"tensorboard": False, "module_times": False},
-        "micro_batch_size": 1, "grad_accum_steps": 1, "optimizer": {"lr": 1e-5},
+        "micro_batch_size": 1,
+        "grad_accum_steps": 1,
+        "optimizer": {"lr": 1e-5},
         "trainable": [],
         "parallel": {"cp": cp, "tp": 1, "dp_shard": -1, "activation_checkpointing": "full", "compile": args.compile},
         "precision": {"param_dtype": "bfloat16" if gpu else "float32"},
@@ -99,8 +116,17 @@ def run_case(args, model_path: Path, seq_len: int, cp: int, gpu: bool) -> dict:
     env = dict(os.environ, PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     if not gpu:
         env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "-m", "vlmcore.cli", "train", str(config_file)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        "-m",
+        "vlmcore.cli",
+        "train",
+        str(config_file),
+    ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     case = {"seq_len": seq_len, "cp": cp, "dp_shard": args.nproc // cp, "wall_s": round(time.perf_counter() - start, 1)}
@@ -108,13 +134,16 @@ def run_case(args, model_path: Path, seq_len: int, cp: int, gpu: bool) -> dict:
         if "OutOfMemoryError" in proc.stderr or "CUDA out of memory" in proc.stderr:
             return dict(case, status="out of memory")
         raise RuntimeError(f"vlmcore train at {seq_len} tokens, cp {cp} failed:\n{proc.stderr[-4000:]}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][args.warmup:]
-    return dict(case, status="ok",
-                step_s=statistics.median(r["step_time_s"] for r in rows),
-                tokens_per_s_per_gpu=statistics.median(r["tokens_per_s_per_device"] for r in rows),
-                tflops_per_gpu=statistics.median(r["tflops_per_device"] for r in rows),
-                peak_gib=max(r["peak_mem_gb"] for r in rows) * 1e9 / 2**30,
-                data_wait_share=statistics.median(r["data_wait_s"] / r["step_time_s"] for r in rows))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][args.warmup :]
+    return dict(
+        case,
+        status="ok",
+        step_s=statistics.median(r["step_time_s"] for r in rows),
+        tokens_per_s_per_gpu=statistics.median(r["tokens_per_s_per_device"] for r in rows),
+        tflops_per_gpu=statistics.median(r["tflops_per_device"] for r in rows),
+        peak_gib=max(r["peak_mem_gb"] for r in rows) * 1e9 / 2**30,
+        data_wait_share=statistics.median(r["data_wait_s"] / r["step_time_s"] for r in rows),
+    )
 
 
 def print_table(cases: list[dict], title: str) -> None:
@@ -124,27 +153,37 @@ def print_table(cases: list[dict], title: str) -> None:
         if c["status"] != "ok":
             print(f"{c['seq_len']:>8}{c['cp']:>4}{c['dp_shard']:>9}  {c['status']}")
             continue
-        print(f"{c['seq_len']:>8}{c['cp']:>4}{c['dp_shard']:>9}{c['step_s']:>9.3f}{c['tokens_per_s_per_gpu']:>14,.0f}"
-              f"{c['tflops_per_gpu']:>13.1f}{c['peak_gib']:>10.1f}", flush=True)
+        print(
+            f"{c['seq_len']:>8}{c['cp']:>4}{c['dp_shard']:>9}{c['step_s']:>9.3f}{c['tokens_per_s_per_gpu']:>14,.0f}"
+            f"{c['tflops_per_gpu']:>13.1f}{c['peak_gib']:>10.1f}",
+            flush=True,
+        )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="CPU test scale: a tiny Qwen3-VL, rows of 256/512, "
-                        "cp 1/2 on 2 gloo processes, 2 steps after 1 warm-up step, eager")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="CPU test scale: a tiny Qwen3-VL, rows of 256/512, "
+        "cp 1/2 on 2 gloo processes, 2 steps after 1 warm-up step, eager",
+    )
     parser.add_argument("--model", choices=REPO_IDS, default="8b", help="the published architecture to shape after")
     parser.add_argument("--lengths", type=int, nargs="+", help="row lengths (default: 32768 65536 131072)")
-    parser.add_argument("--cps", type=int, nargs="+", help="cp sizes (default: 1 2 4); those not dividing --nproc "
-                        "are left out")
+    parser.add_argument(
+        "--cps", type=int, nargs="+", help="cp sizes (default: 1 2 4); those not dividing --nproc are left out"
+    )
     parser.add_argument("--nproc", type=int, help="ranks (default: the GPUs of the node)")
     parser.add_argument("--steps", type=int, help="timed steps after the warm-up (default 5)")
     parser.add_argument("--warmup", type=int, help="steps before the timed ones: compile and allocator (default 3)")
     parser.add_argument("--doc-tokens", type=int, help="mean document length in a row (default 8192)")
-    parser.add_argument("--video", action="store_true", help="rows as the long-video recipes: one clip filling "
-                        "each row")
+    parser.add_argument(
+        "--video", action="store_true", help="rows as the long-video recipes: one clip filling each row"
+    )
     parser.add_argument("--eager", action="store_true", help="no torch.compile")
-    parser.add_argument("--cache", type=Path, help="where the model snapshot is written once "
-                        "(default: $TMPDIR/vlmcore_cp_step/<model>)")
+    parser.add_argument(
+        "--cache", type=Path, help="where the model snapshot is written once (default: $TMPDIR/vlmcore_cp_step/<model>)"
+    )
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or REPO / "benchmarks" / "results"))
     args = parser.parse_args()
     gpu = torch.cuda.is_available() and not args.tiny
@@ -152,8 +191,14 @@ def main() -> int:
     if args.tiny:
         scale = {"lengths": [256, 512], "cps": [1, 2], "nproc": 2, "steps": 2, "warmup": 1, "doc_tokens": 128}
     else:
-        scale = {"lengths": [32768, 65536, 131072], "cps": [1, 2, 4], "nproc": torch.cuda.device_count(),
-                 "steps": 5, "warmup": 3, "doc_tokens": 8192}
+        scale = {
+            "lengths": [32768, 65536, 131072],
+            "cps": [1, 2, 4],
+            "nproc": torch.cuda.device_count(),
+            "steps": 5,
+            "warmup": 3,
+            "doc_tokens": 8192,
+        }
     for key, value in scale.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -168,23 +213,39 @@ def main() -> int:
     args.work = cache.parent / f"runs_{model}"
     device = torch.cuda.get_device_name() if gpu else f"CPU ({os.cpu_count()} cores)"
     rows = "one clip a row" if args.video else f"a document every ~{args.doc_tokens} tokens, an image"
-    title = (f"{model} Qwen3-VL shape, {args.nproc} x {device}, {'compiled' if args.compile else 'eager'}, "
-             f"full activation checkpointing, {rows}, median of {args.steps} steps after {args.warmup}")
+    title = (
+        f"{model} Qwen3-VL shape, {args.nproc} x {device}, {'compiled' if args.compile else 'eager'}, "
+        f"full activation checkpointing, {rows}, median of {args.steps} steps after {args.warmup}"
+    )
     started = time.perf_counter()
     write_snapshot(model, cache / "model")
     print(f"model snapshot: {cache / 'model'} ({time.perf_counter() - started:.0f} s)", flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)
     result_file = args.out / f"cp_step_{'cuda' if gpu else 'cpu'}_{model}{'_video' if args.video else ''}.json"
-    header = {"model": model, "device": device, "nproc": args.nproc, "compile": args.compile, "video": args.video,
-              "doc_tokens": args.doc_tokens, "image_side": args.image_side, "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d")}
+    header = {
+        "model": model,
+        "device": device,
+        "nproc": args.nproc,
+        "compile": args.compile,
+        "video": args.video,
+        "doc_tokens": args.doc_tokens,
+        "image_side": args.image_side,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
     cases, out_of_memory = [], {}  # cp -> the shortest row that did not fit
     for cp in cps:
         for seq_len in sorted(args.lengths):
             if seq_len >= out_of_memory.get(cp, seq_len + 1):
-                cases.append({"seq_len": seq_len, "cp": cp, "dp_shard": args.nproc // cp,
-                              "status": f"skipped ({out_of_memory[cp]} did not fit)"})
+                cases.append(
+                    {
+                        "seq_len": seq_len,
+                        "cp": cp,
+                        "dp_shard": args.nproc // cp,
+                        "status": f"skipped ({out_of_memory[cp]} did not fit)",
+                    }
+                )
                 continue
             cases.append(run_case(args, cache / "model", seq_len, cp, gpu))
             if cases[-1]["status"] == "out of memory":

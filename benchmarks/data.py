@@ -109,30 +109,38 @@ def bench_packing(n: int, seq_len: int, max_patches: int, buffer_size: int) -> l
     mean_pixels = sum(patches) / n * PATCH_DIM * 4
     mean_tokens = sum(tokens) / n
     methods = {
-        "offline BFD (vlmcore pack)": (
-            lambda: best_fit_decreasing(tokens, patches, seq_len, max_patches), n * 16),
+        "offline BFD (vlmcore pack)": (lambda: best_fit_decreasing(tokens, patches, seq_len, max_patches), n * 16),
         f"online BFD, buffer {buffer_size} (vlmcore)": (
-            lambda: buffered(lambda ids: best_fit_decreasing([tokens[i] for i in ids], [patches[i] for i in ids],
-                                                             seq_len, max_patches), n, buffer_size),
-            3 * buffer_size * 8),  # the last three buffers' plans: sample indices
+            lambda: buffered(
+                lambda ids: best_fit_decreasing(
+                    [tokens[i] for i in ids], [patches[i] for i in ids], seq_len, max_patches
+                ),
+                n,
+                buffer_size,
+            ),
+            3 * buffer_size * 8,
+        ),  # the last three buffers' plans: sample indices
         f"seed FFD, buffer {buffer_size} (tokens only)": (
             lambda: buffered(lambda ids: seed_first_fit([tokens[i] for i in ids], seq_len), n, buffer_size),
-            buffer_size * (mean_tokens * 8 + mean_pixels)),
+            buffer_size * (mean_tokens * 8 + mean_pixels),
+        ),
     }
     rows = []
     for name, (run, held_bytes) in methods.items():
         t0 = time.perf_counter()
         bins = run()
         seconds = time.perf_counter() - t0
-        rows.append({
-            "method": name,
-            "samples": n,
-            "packs": len(bins),
-            "efficiency": sum(tokens) / (len(bins) * seq_len),
-            "packs_over_patch_budget": sum(sum(patches[i] for i in b) > max_patches for b in bins),
-            "memory_held_mb": held_bytes / 2**20,
-            "seconds": seconds,
-        })
+        rows.append(
+            {
+                "method": name,
+                "samples": n,
+                "packs": len(bins),
+                "efficiency": sum(tokens) / (len(bins) * seq_len),
+                "packs_over_patch_budget": sum(sum(patches[i] for i in b) > max_patches for b in bins),
+                "memory_held_mb": held_bytes / 2**20,
+                "seconds": seconds,
+            }
+        )
     return rows
 
 
@@ -143,9 +151,16 @@ def bench_bfd_scaling(sizes: list[int], seq_len: int, max_patches: int) -> list[
         t0 = time.process_time()
         bins = best_fit_decreasing(tokens, patches, seq_len, max_patches)
         seconds = time.process_time() - t0
-        rows.append({"samples": n, "packs": len(bins), "efficiency": sum(tokens) / (len(bins) * seq_len),
-                     "max_patches_in_a_pack": max(sum(patches[i] for i in b) for b in bins),
-                     "cpu_seconds": seconds, "cpu_seconds_per_million": seconds / n * 1e6})
+        rows.append(
+            {
+                "samples": n,
+                "packs": len(bins),
+                "efficiency": sum(tokens) / (len(bins) * seq_len),
+                "max_patches_in_a_pack": max(sum(patches[i] for i in b) for b in bins),
+                "cpu_seconds": seconds,
+                "cpu_seconds_per_million": seconds / n * 1e6,
+            }
+        )
     return rows
 
 
@@ -173,7 +188,10 @@ def write_synthetic_prepared(out_dir: Path, n: int, shard_size: int = 1000, seed
             tar, counts[name] = tarfile.open(out_dir / name, "w"), 0
         scene, png = pool[rng.randrange(len(pool))]
         if i % 2 == 0:
-            messages = [{"role": "user", "content": "<image>"}, {"role": "assistant", "content": caption_for(scene, rng)}]
+            messages = [
+                {"role": "user", "content": "<image>"},
+                {"role": "assistant", "content": caption_for(scene, rng)},
+            ]
             images = [png]
         elif i % 10 == 9:
             other, other_png = pool[rng.randrange(len(pool))]
@@ -207,9 +225,24 @@ def bench_pack(sizes: list[int], worker_counts: list[int], seq_len: int, max_pat
         generate_seconds = time.perf_counter() - t0
         for workers in worker_counts:
             out = root / f"packed_{n}_{workers}"
-            cmd = [sys.executable, "-m", "vlmcore.cli", "pack", "--data", str(data), "--model", str(root / "model"),
-                   "--out", str(out), "--seq-len", str(seq_len), "--max-patches", str(max_patches),
-                   "--workers", str(workers)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "vlmcore.cli",
+                "pack",
+                "--data",
+                str(data),
+                "--model",
+                str(root / "model"),
+                "--out",
+                str(out),
+                "--seq-len",
+                str(seq_len),
+                "--max-patches",
+                str(max_patches),
+                "--workers",
+                str(workers),
+            ]
             env = {**os.environ, "TQDM_DISABLE": "1"}
             t0 = time.perf_counter()
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -228,8 +261,10 @@ def bench_pack(sizes: list[int], worker_counts: list[int], seq_len: int, max_pat
             (root / f"pack_{n}_{workers}.log").write_text(stderr)
             if proc.returncode:
                 raise RuntimeError(f"pack failed:\n{stderr[-3000:]}")
-            phases = {name: re.search(rf"{name}: .* in ([0-9.]+) s \(([0-9.]+) CPU s", stderr).groups()
-                      for name in ("measure", "best fit", "write", "index")}
+            phases = {
+                name: re.search(rf"{name}: .* in ([0-9.]+) s \(([0-9.]+) CPU s", stderr).groups()
+                for name in ("measure", "best fit", "write", "index")
+            }
             wall_s = {name: float(w) for name, (w, _) in phases.items()}
             cpu_s = {name: float(c) for name, (_, c) in phases.items()}
             state = int(re.search(r"state ([0-9]+) bytes", stderr).group(1))
@@ -239,15 +274,24 @@ def bench_pack(sizes: list[int], worker_counts: list[int], seq_len: int, max_pat
             # process's): measuring, writing and indexing over the cores, best fit in one process.
             parallel_cpu = cpu_s["measure"] + cpu_s["write"] + cpu_s["index"]
             serial_cpu = cpu_s["best fit"]
-            rows.append({
-                "samples": n, "workers": workers, "generate_s": generate_seconds, "wall_s": wall,
-                **{f"{name.replace(' ', '_')}_s": wall_s[name] for name in phases},
-                **{f"{name.replace(' ', '_')}_cpu_s": cpu_s[name] for name in phases},
-                "measure_samples_per_s_per_core": n / cpu_s["measure"], "samples_per_s": n / wall,
-                "peak_main_mb": peak_main / 2**20, "peak_total_mb": peak_tree / 2**20,
-                "state_bytes_per_sample": state / n, "packs": stats["packs"], "efficiency": stats["efficiency"],
-                f"extrapolated_10M_s_on_{cores}_cores": 1e7 * (parallel_cpu / n / cores + serial_cpu / n) + startup,
-            })
+            rows.append(
+                {
+                    "samples": n,
+                    "workers": workers,
+                    "generate_s": generate_seconds,
+                    "wall_s": wall,
+                    **{f"{name.replace(' ', '_')}_s": wall_s[name] for name in phases},
+                    **{f"{name.replace(' ', '_')}_cpu_s": cpu_s[name] for name in phases},
+                    "measure_samples_per_s_per_core": n / cpu_s["measure"],
+                    "samples_per_s": n / wall,
+                    "peak_main_mb": peak_main / 2**20,
+                    "peak_total_mb": peak_tree / 2**20,
+                    "state_bytes_per_sample": state / n,
+                    "packs": stats["packs"],
+                    "efficiency": stats["efficiency"],
+                    f"extrapolated_10M_s_on_{cores}_cores": 1e7 * (parallel_cpu / n / cores + serial_cpu / n) + startup,
+                }
+            )
             print_table(rows[-1:])
     return rows
 
@@ -265,10 +309,29 @@ def bench_resume(n: int, seq_len: int, max_patches: int) -> list[dict]:
     build_tiny_model(root / "model")
     write_synthetic_prepared(root / "data", n)
     out = root / "packed"
-    subprocess.run([sys.executable, "-m", "vlmcore.cli", "pack", "--data", str(root / "data"), "--model",
-                    str(root / "model"), "--out", str(out), "--seq-len", str(seq_len), "--max-patches",
-                    str(max_patches), "--workers", "2"], check=True, capture_output=True,
-                   env={**os.environ, "TQDM_DISABLE": "1"})
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vlmcore.cli",
+            "pack",
+            "--data",
+            str(root / "data"),
+            "--model",
+            str(root / "model"),
+            "--out",
+            str(out),
+            "--seq-len",
+            str(seq_len),
+            "--max-patches",
+            str(max_patches),
+            "--workers",
+            "2",
+        ],
+        check=True,
+        capture_output=True,
+        env={**os.environ, "TQDM_DISABLE": "1"},
+    )
     rows = []
     for blend in (False, True):
         path = out
@@ -292,9 +355,18 @@ def bench_resume(n: int, seq_len: int, max_patches: int) -> list[dict]:
             for _ in range(200):
                 next(it)
             per_row = (time.perf_counter() - start) / 200
-            rows.append({"samples": n, "packs": packs, "blend": blend, "build_s": build_s, "resume_at_row": at,
-                         "seek_and_first_batch_s": first_s, "next_rows_ms": per_row * 1e3,
-                         "state_bytes": len(pickle.dumps(loader.state_dict()))})
+            rows.append(
+                {
+                    "samples": n,
+                    "packs": packs,
+                    "blend": blend,
+                    "build_s": build_s,
+                    "resume_at_row": at,
+                    "seek_and_first_batch_s": first_s,
+                    "next_rows_ms": per_row * 1e3,
+                    "state_bytes": len(pickle.dumps(loader.state_dict())),
+                }
+            )
             print_table(rows[-1:])
     return rows
 
@@ -318,13 +390,32 @@ def bench_pack_split(n: int, write_jobs: int, seq_len: int, max_patches: int) ->
     env = {**os.environ, "TQDM_DISABLE": "1"}
 
     def command(out: Path, *step: str) -> list[str]:
-        return [sys.executable, "-m", "vlmcore.cli", "pack", "--data", str(root / "data"), "--model", str(root / "model"),
-                "--out", str(out), "--seq-len", str(seq_len), "--max-patches", str(max_patches), "--workers", "1", *step]
+        return [
+            sys.executable,
+            "-m",
+            "vlmcore.cli",
+            "pack",
+            "--data",
+            str(root / "data"),
+            "--model",
+            str(root / "model"),
+            "--out",
+            str(out),
+            "--seq-len",
+            str(seq_len),
+            "--max-patches",
+            str(max_patches),
+            "--workers",
+            "1",
+            *step,
+        ]
 
     def run(*commands: list[str]) -> tuple[float, float]:
         """Runs the commands at once; their wall and CPU seconds."""
         t0, cpu0 = time.perf_counter(), children_cpu_seconds()
-        procs = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env) for c in commands]
+        procs = [
+            subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env) for c in commands
+        ]
         for proc in procs:
             if proc.wait():
                 raise RuntimeError(f"pack failed:\n{proc.stderr.read()[-3000:]}")
@@ -340,10 +431,20 @@ def bench_pack_split(n: int, write_jobs: int, seq_len: int, max_patches: int) ->
     def files(d: Path) -> dict:
         return {f.relative_to(d): f.read_bytes() for f in d.rglob("*") if f.is_file() and f.name != "index.uuid"}
 
-    row = {"samples": n, "write_jobs": write_jobs, "single_wall_s": single[0], "single_cpu_s": single[1],
-           "plan_wall_s": plan[0], "plan_cpu_s": plan[1], "write_wall_s": write[0], "write_cpu_s": write[1],
-           "finish_wall_s": finish[0], "finish_cpu_s": finish[1], "plan_bytes_per_sample": plan_bytes / n,
-           "same_bytes": files(out) == files(root / "single")}
+    row = {
+        "samples": n,
+        "write_jobs": write_jobs,
+        "single_wall_s": single[0],
+        "single_cpu_s": single[1],
+        "plan_wall_s": plan[0],
+        "plan_cpu_s": plan[1],
+        "write_wall_s": write[0],
+        "write_cpu_s": write[1],
+        "finish_wall_s": finish[0],
+        "finish_cpu_s": finish[1],
+        "plan_bytes_per_sample": plan_bytes / n,
+        "same_bytes": files(out) == files(root / "single"),
+    }
     print_table([row])
     return [row]
 
@@ -377,8 +478,9 @@ def natural_jpeg(width: int, height: int, rng) -> bytes:
     return out.getvalue()
 
 
-def image_dataset(root: Path, sizes: list[tuple[int, int]], num_samples: int, distinct: int = 8,
-                  packed: bool = True) -> Path:
+def image_dataset(
+    root: Path, sizes: list[tuple[int, int]], num_samples: int, distinct: int = 8, packed: bool = True
+) -> Path:
     """Captions of 20-120 words over `distinct` JPEGs per size, prepared and (if `packed`) packed
     into 8,192-token rows for a model with Qwen3-VL's image processor defaults."""
     import numpy as np
@@ -397,7 +499,22 @@ def image_dataset(root: Path, sizes: list[tuple[int, int]], num_samples: int, di
         for i in range(distinct):
             names.append(f"{w}x{h}_{i}.jpg")
             (root / "images" / names[-1]).write_bytes(natural_jpeg(w, h, rng))
-    words = "a photo of the scene shows some objects near the middle and left side".split()
+    words = [
+        "a",
+        "photo",
+        "of",
+        "the",
+        "scene",
+        "shows",
+        "some",
+        "objects",
+        "near",
+        "the",
+        "middle",
+        "and",
+        "left",
+        "side",
+    ]
     with open(root / "captions.jsonl", "w") as f:
         for i in range(num_samples):
             caption = " ".join(rng.choice(words, int(rng.integers(20, 120))))
@@ -453,16 +570,30 @@ def bench_loader(rows: int, worker_counts: list[int], samples: int) -> list[dict
             seconds, cpu = time.perf_counter() - t0, cpu_seconds() - c0
             per_core = rows / cpu
             wait, receive = paced_data_wait(it, rows)
-            results.append({"images": mix, "workers": workers, "rows": rows, "images_per_row": images / rows,
-                            "rows_per_s": rows / seconds, "cpu_s_per_row": cpu / rows, "rows_per_s_per_core": per_core,
-                            **{f"x_need_{name}": per_core * cores / need for name, cores in CORES_PER_GPU.items()},
-                            "data_wait_of_step": wait / GPU_SECONDS_PER_ROW, "receive_ms": receive * 1e3})
+            results.append(
+                {
+                    "images": mix,
+                    "workers": workers,
+                    "rows": rows,
+                    "images_per_row": images / rows,
+                    "rows_per_s": rows / seconds,
+                    "cpu_s_per_row": cpu / rows,
+                    "rows_per_s_per_core": per_core,
+                    **{f"x_need_{name}": per_core * cores / need for name, cores in CORES_PER_GPU.items()},
+                    "data_wait_of_step": wait / GPU_SECONDS_PER_ROW,
+                    "receive_ms": receive * 1e3,
+                }
+            )
             del it, loader
     return results
 
 
-VIDEO_CLIPS = {"720p 10 s": (1280, 720, 10), "720p 60 s": (1280, 720, 60), "1080p 10 s": (1920, 1080, 10),
-               "1080p 30 s": (1920, 1080, 30)}
+VIDEO_CLIPS = {
+    "720p 10 s": (1280, 720, 10),
+    "720p 60 s": (1280, 720, 60),
+    "1080p 10 s": (1920, 1080, 10),
+    "1080p 30 s": (1920, 1080, 30),
+}
 # Qwen3-VL's published video processor settings (Qwen3-VL-2B-Instruct's video_preprocessor_config.json).
 QWEN3_VL_VIDEO = {"fps": 2.0, "min_frames": 4, "max_frames": 768, "min_pixels": 4096, "max_pixels": 25165824}
 GPU_SECONDS_PER_TOKEN = GPU_SECONDS_PER_ROW / 8192  # the 2B model on one H100 (the image loader's estimate)
@@ -484,9 +615,9 @@ def natural_clip(width: int, height: int, seconds: int, rng) -> bytes:
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         for i in range(30 * seconds):
             x = (i * 3) % width
-            frame = base[:, x:x + width].copy()
+            frame = base[:, x : x + width].copy()
             y, s = int(height / 2 + height / 3 * np.sin(i / 20)), height // 8
-            frame[max(0, y - s):y + s, (i * 7) % (width - 2 * s):(i * 7) % (width - 2 * s) + 2 * s] = (220, 60, 40)
+            frame[max(0, y - s) : y + s, (i * 7) % (width - 2 * s) : (i * 7) % (width - 2 * s) + 2 * s] = (220, 60, 40)
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
@@ -515,12 +646,23 @@ def bench_video(clips: dict, worker_counts: list[int], rows: int) -> list[dict]:
         encode_s = time.perf_counter() - t0
         with open(root / "videos.jsonl", "w") as f:
             for i in range(rows + 1):
-                f.write(json.dumps({"video": "clip.mp4", "caption": f"clip {i}: a red block moves over a landscape"}) + "\n")
+                f.write(
+                    json.dumps({"video": "clip.mp4", "caption": f"clip {i}: a red block moves over a landscape"}) + "\n"
+                )
         prepare([root / "videos.jsonl"], root / "data", shard_size=64)
-        stats = pack(root / "data", root / "model", root / "packed", seq_len=32768, max_patches=4 * 32768,
-                     shard_size=8, video=QWEN3_VL_VIDEO)
+        stats = pack(
+            root / "data",
+            root / "model",
+            root / "packed",
+            seq_len=32768,
+            max_patches=4 * 32768,
+            shard_size=8,
+            video=QWEN3_VL_VIDEO,
+        )
         for workers in worker_counts:
-            loader = build_loader(root / "packed", dp_rank=0, dp_world=1, micro_batch_size=1, seed=0, num_workers=workers)
+            loader = build_loader(
+                root / "packed", dp_rank=0, dp_world=1, micro_batch_size=1, seed=0, num_workers=workers
+            )
             it = iter(loader)
             next(it)  # worker start-up and the first row
             tokens = 0
@@ -529,12 +671,19 @@ def bench_video(clips: dict, worker_counts: list[int], rows: int) -> list[dict]:
                 tokens += int((next(it).segment_lengths()[:-1]).sum())
             seconds_, cpu = time.perf_counter() - t0, cpu_seconds() - c0
             need_cpu = tokens / rows * GPU_SECONDS_PER_TOKEN  # GPU seconds a row's tokens take, per row
-            results.append({
-                "clip": name, "workers": workers, "clip_mb": (root / "clip.mp4").stat().st_size / 1e6,
-                "clips_per_row": stats["samples"] / stats["packs"], "tokens_per_row": tokens / rows,
-                "cpu_s_per_row": cpu / rows, "rows_per_s": rows / seconds_,
-                **{f"x_need_{c}": cores * need_cpu / (cpu / rows) for c, cores in CORES_PER_GPU.items()},
-                "encode_clip_s": encode_s})
+            results.append(
+                {
+                    "clip": name,
+                    "workers": workers,
+                    "clip_mb": (root / "clip.mp4").stat().st_size / 1e6,
+                    "clips_per_row": stats["samples"] / stats["packs"],
+                    "tokens_per_row": tokens / rows,
+                    "cpu_s_per_row": cpu / rows,
+                    "rows_per_s": rows / seconds_,
+                    **{f"x_need_{c}": cores * need_cpu / (cpu / rows) for c, cores in CORES_PER_GPU.items()},
+                    "encode_clip_s": encode_s,
+                }
+            )
             del it, loader
         shutil.rmtree(root, ignore_errors=True)
     return results
@@ -550,9 +699,18 @@ def bench_online(samples: int, buffer_size: int, dp_worlds: list[int], workers: 
     results = []
     for mix, sizes in IMAGE_MIXES.items():
         data = image_dataset(Path(tempfile.mkdtemp(prefix="vlmcore-bench-online-")), sizes, samples, packed=False)
-        loader = build_online_loader(data, data.parent / "model", seq_len=8192, max_patches=4 * 8192,
-                                     buffer_size=buffer_size, dp_rank=0, dp_world=1, micro_batch_size=1, seed=0,
-                                     num_workers=0)
+        loader = build_online_loader(
+            data,
+            data.parent / "model",
+            seq_len=8192,
+            max_patches=4 * 8192,
+            buffer_size=buffer_size,
+            dp_rank=0,
+            dp_world=1,
+            micro_batch_size=1,
+            seed=0,
+            num_workers=0,
+        )
         buffers = samples // buffer_size
         c0 = time.process_time()
         rows = sum(len(loader.plan(b)) for b in range(buffers))
@@ -562,10 +720,17 @@ def bench_online(samples: int, buffer_size: int, dp_worlds: list[int], workers: 
             loader.row(j)
         row = (time.process_time() - c0) / min(rows, 16)
         per_row = buffers * buffer_size / rows
-        result = {"images": mix, "buffer_size": buffer_size, "samples_per_row": per_row,
-                  "measure_ms_per_sample": measure * 1e3, "row_ms": row * 1e3}
+        result = {
+            "images": mix,
+            "buffer_size": buffer_size,
+            "samples_per_row": per_row,
+            "measure_ms_per_sample": measure * 1e3,
+            "row_ms": row * 1e3,
+        }
         for dp in dp_worlds:  # a rank makes 1/dp of the rows and measures all of them, in each worker
-            result[f"measure_share_dp{dp}_w{workers}"] = workers * dp * per_row * measure / (row + workers * dp * per_row * measure)
+            result[f"measure_share_dp{dp}_w{workers}"] = (
+                workers * dp * per_row * measure / (row + workers * dp * per_row * measure)
+            )
         results.append(result)
     return results
 
@@ -591,11 +756,13 @@ def bench_mixing(samples: int, dp_worlds: list[int]) -> list[dict]:
             order = epoch_order(out, dp_world)
             seconds = time.perf_counter() - start
             reference = reference or uniform_reference(len(order))
-            results.append({"shard_size": shard_size, "dp_world": dp_world, **order_statistics(order),
-                            "epoch_s": seconds})
+            results.append(
+                {"shard_size": shard_size, "dp_world": dp_world, **order_statistics(order), "epoch_s": seconds}
+            )
     for key, (low, high) in reference.items():
-        results.append({"shard_size": "uniform (0.5%, 99.5%)", "dp_world": "-", "statistic": key, "low": low,
-                        "high": high})
+        results.append(
+            {"shard_size": "uniform (0.5%, 99.5%)", "dp_world": "-", "statistic": key, "low": low, "high": high}
+        )
     return results
 
 
@@ -608,16 +775,31 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["packing", "loader", "bfd-scaling", "pack", "pack-split", "mixing", "resume",
-                                           "online", "video", "all"],
-                        default="all")
+    parser.add_argument(
+        "--part",
+        choices=[
+            "packing",
+            "loader",
+            "bfd-scaling",
+            "pack",
+            "pack-split",
+            "mixing",
+            "resume",
+            "online",
+            "video",
+            "all",
+        ],
+        default="all",
+    )
     parser.add_argument("--pack-samples", type=int, nargs="+", default=[10000, 100000], help="sizes for --part pack")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="measuring processes for --part pack")
     parser.add_argument("--write-jobs", type=int, default=2, help="concurrent write jobs for --part pack-split")
     parser.add_argument("--cores", type=int, default=32, help="cores of the node the pack part extrapolates to")
     parser.add_argument("--samples", type=int, default=20000, help="samples in the packing mix")
     parser.add_argument("--loader-samples", type=int, default=256, help="image-caption samples for the loader part")
-    parser.add_argument("--mixing-samples", type=int, default=20000, help="demo-like samples packed for the mixing part")
+    parser.add_argument(
+        "--mixing-samples", type=int, default=20000, help="demo-like samples packed for the mixing part"
+    )
     parser.add_argument("--video-rows", type=int, default=3, help="rows timed per clip and worker count (--part video)")
     parser.add_argument("--rows", type=int, default=16, help="8,192-token rows timed per image mix and worker count")
     args = parser.parse_args()
@@ -631,8 +813,12 @@ def main() -> None:
         print_table(rows)
         (RESULTS / "data_bfd_scaling.json").write_text(json.dumps(rows, indent=2) + "\n")
     if args.part == "pack-split":  # minutes: not part of "all"
-        rows = [r for n in args.pack_samples for r in bench_pack_split(n, args.write_jobs, seq_len=1024, max_patches=4096)]
-        (RESULTS / f"data_pack_split_{'_'.join(str(n) for n in args.pack_samples)}.json").write_text(json.dumps(rows, indent=2) + "\n")
+        rows = [
+            r for n in args.pack_samples for r in bench_pack_split(n, args.write_jobs, seq_len=1024, max_patches=4096)
+        ]
+        (RESULTS / f"data_pack_split_{'_'.join(str(n) for n in args.pack_samples)}.json").write_text(
+            json.dumps(rows, indent=2) + "\n"
+        )
     if args.part == "pack":  # minutes: not part of "all"
         rows = bench_pack(args.pack_samples, args.workers, seq_len=1024, max_patches=4096, cores=args.cores)
         name = "_".join(str(n) for n in args.pack_samples)

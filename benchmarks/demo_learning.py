@@ -42,8 +42,13 @@ def run_demo(config_path: Path, seed: int, shard_size: int, work: Path) -> dict:
     (work / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     start = time.time()
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "--profile", "profiles/local", "train_all",
-                           "--configfile", "config.yaml"], cwd=work, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--profile", "profiles/local", "train_all", "--configfile", "config.yaml"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     wall = time.time() - start
     if proc.returncode:
         raise RuntimeError(f"demo at seed {seed}, shard size {shard_size} failed:\n{proc.stderr[-3000:]}")
@@ -51,9 +56,14 @@ def run_demo(config_path: Path, seed: int, shard_size: int, work: Path) -> dict:
     results = json.loads((root / "eval" / "results.json").read_text())
     packs = json.loads((root / "packed" / "conversations" / "stats.json").read_text())["packs"]
     task, *control = config["eval"]["tasks"]
-    row = {"seed": seed, "shard_size": shard_size, "wall_s": round(wall), "conversation_packs": packs,
-           "all": results["results"][task]["acc,none"],
-           **{kind: figures["value"] for kind, figures in results["breakdown"][task].items()}}
+    row = {
+        "seed": seed,
+        "shard_size": shard_size,
+        "wall_s": round(wall),
+        "conversation_packs": packs,
+        "all": results["results"][task]["acc,none"],
+        **{kind: figures["value"] for kind, figures in results["breakdown"][task].items()},
+    }
     if control:
         row.update({f"{kind}/ctl": figures["value"] for kind, figures in results["breakdown"][control[0]].items()})
     return row
@@ -75,15 +85,26 @@ def main() -> int:
                 columns = [c for c in row if c not in ("seed", "shard_size", "wall_s", "conversation_packs")]
                 print(f"{'seed':>4} {'shards':>6} " + " ".join(f"{c:>9}" for c in columns) + f" {'wall s':>6}")
             rows.append(row)
-            print(f"{seed:>4} {shard_size:>6} " + " ".join(f"{row[c]:>9.2f}" for c in columns) + f" {row['wall_s']:>6}",
-                  flush=True)
+            print(
+                f"{seed:>4} {shard_size:>6} " + " ".join(f"{row[c]:>9.2f}" for c in columns) + f" {row['wall_s']:>6}",
+                flush=True,
+            )
     worst = {c: min(r[c] for r in rows) for c in columns if not c.endswith("/ctl")}
     print("worst " + "  ".join(f"{k} {v:.2f}" for k, v in worst.items()))
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"demo_learning_{args.config.stem}.json"
-    out.write_text(json.dumps({"config": str(args.config.relative_to(REPO) if args.config.is_relative_to(REPO)
-                                              else args.config),
-                               "machine": f"{os.cpu_count()} CPU cores", "runs": rows, "worst": worst}, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "config": str(args.config.relative_to(REPO) if args.config.is_relative_to(REPO) else args.config),
+                "machine": f"{os.cpu_count()} CPU cores",
+                "runs": rows,
+                "worst": worst,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
     return 0
 

@@ -72,22 +72,21 @@ def check_expert_mesh(tmp: Path) -> dict:
             grad_diffs[name] = (g.float() - p.grad.float()).abs().max().item()
         worst = max(grad_diffs, key=grad_diffs.get)
         ok = max_logit_diff == 0.0 and grad_diffs[worst] == 0.0
-        return dict(ok=ok, backends=backends, max_logit_diff=max_logit_diff, worst_grad=worst,
-                    worst_grad_diff=grad_diffs[worst])
+        return dict(
+            ok=ok, backends=backends, max_logit_diff=max_logit_diff, worst_grad=worst, worst_grad_diff=grad_diffs[worst]
+        )
     finally:
         dist.destroy_process_group()
 
 
 def check_moe_run(tmp: Path) -> dict:
     snapshot = tiny_snapshot("qwen3_vl_moe", tmp / "qwen3_vl_moe")
-    cfg = write_config(tmp / "moe.yaml", snapshot, tmp / "moe_run", steps=6,
-                       precision={"param_dtype": "bfloat16"})
+    cfg = write_config(tmp / "moe.yaml", snapshot, tmp / "moe_run", steps=6, precision={"param_dtype": "bfloat16"})
     proc = train(1, cfg, check=False)
     metrics = read_metrics(tmp / "moe_run")
     losses = [m["loss"] for m in metrics]
     ok = proc.returncode == 0 and len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
-    return dict(ok=ok, returncode=proc.returncode, losses=losses,
-                stderr_tail=None if ok else proc.stderr[-3000:])
+    return dict(ok=ok, returncode=proc.returncode, losses=losses, stderr_tail=None if ok else proc.stderr[-3000:])
 
 
 def check_resume(tmp: Path, compiled: bool) -> dict:
@@ -113,9 +112,16 @@ def check_resume(tmp: Path, compiled: bool) -> dict:
     ref_weights, weights = load_dcp(tmp / "full" / "final"), load_dcp(out / "final")
     different = [k for k in ref_weights if not torch.equal(weights[k], ref_weights[k])]
     ok = same_losses and same_norms and not different and len(resumed) == RESUME_STEPS
-    return dict(ok=ok, stopped_at=stopped_at, steps=len(resumed), same_losses=same_losses,
-                same_grad_norms=same_norms, tensors=len(ref_weights), different_tensors=different[:10],
-                final_loss=resumed[-1]["loss"] if resumed else None)
+    return dict(
+        ok=ok,
+        stopped_at=stopped_at,
+        steps=len(resumed),
+        same_losses=same_losses,
+        same_grad_norms=same_norms,
+        tensors=len(ref_weights),
+        different_tensors=different[:10],
+        final_loss=resumed[-1]["loss"] if resumed else None,
+    )
 
 
 def main() -> int:
@@ -125,11 +131,18 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_checks: no CUDA device", file=sys.stderr)
         return 2
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "date": time.strftime("%Y-%m-%d"), "checks": {}}
-    checks = [("expert_mesh", check_expert_mesh), ("moe_run_bf16", check_moe_run),
-              ("resume_bf16_fused_adamw_eager", lambda tmp: check_resume(tmp, compiled=False)),
-              ("resume_bf16_fused_adamw_compiled", lambda tmp: check_resume(tmp, compiled=True))]
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "checks": {},
+    }
+    checks = [
+        ("expert_mesh", check_expert_mesh),
+        ("moe_run_bf16", check_moe_run),
+        ("resume_bf16_fused_adamw_eager", lambda tmp: check_resume(tmp, compiled=False)),
+        ("resume_bf16_fused_adamw_compiled", lambda tmp: check_resume(tmp, compiled=True)),
+    ]
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for name, check in checks:

@@ -21,9 +21,14 @@ from vlmcore.config import TrainConfig
 from vlmcore.train.memory import estimate_memory
 
 ROWS = [  # family, world size, activation checkpointing
-    ("qwen3", 1, "none"), ("qwen3", 1, "selective"), ("qwen3", 1, "full"),
-    ("qwen3_vl", 1, "none"), ("qwen3_vl", 1, "selective"), ("qwen3_vl", 1, "full"),
-    ("qwen3_vl", 8, "none"), ("qwen3_vl", 8, "selective"),
+    ("qwen3", 1, "none"),
+    ("qwen3", 1, "selective"),
+    ("qwen3", 1, "full"),
+    ("qwen3_vl", 1, "none"),
+    ("qwen3_vl", 1, "selective"),
+    ("qwen3_vl", 1, "full"),
+    ("qwen3_vl", 8, "none"),
+    ("qwen3_vl", 8, "selective"),
 ]
 
 
@@ -33,8 +38,10 @@ def main() -> int:
     args = parser.parse_args()
     preset = PRESETS["2b"]
     results = []
-    print(f"{'family':<10}{'ranks':>6}{'AC':>11}{'params':>9}{'gathered':>10}{'grads':>8}{'optim':>8}"
-          f"{'activ.':>8}{'other':>8}{'peak GiB':>10}")
+    print(
+        f"{'family':<10}{'ranks':>6}{'AC':>11}{'params':>9}{'gathered':>10}{'grads':>8}{'optim':>8}"
+        f"{'activ.':>8}{'other':>8}{'peak GiB':>10}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for family, world, ac in ROWS:
             path = Path(tmp) / family
@@ -46,12 +53,24 @@ def main() -> int:
             r = estimate_memory(cfg, world, preset["seq_len"], preset["image_side"])
             results.append(dict(r, family=family))
             kinds = dict(r["peak_bytes_by_kind"])
-            gib = lambda *names: sum(kinds.pop(n, 0) for n in names) / 2**30  # noqa: E731
-            cols = [gib("Sharded Param"), gib("Unsharded Param", "All Gather"),
-                    gib("Sharded Grad", "Unsharded Grad", "Reduce Scatter"), gib("OptState"), gib("Activation")]
+
+            def gib(*names, kinds=kinds):
+                return sum(kinds.pop(n, 0) for n in names) / 2**30
+
+            cols = [
+                gib("Sharded Param"),
+                gib("Unsharded Param", "All Gather"),
+                gib("Sharded Grad", "Unsharded Grad", "Reduce Scatter"),
+                gib("OptState"),
+                gib("Activation"),
+            ]
             cols.append(sum(kinds.values()) / 2**30)
-            print(f"{family:<10}{world:>6}{ac:>11}" + "".join(f"{c:>{w}.1f}" for c, w in zip(cols, (9, 10, 8, 8, 8, 8)))
-                  + f"{r['peak_bytes'] / 2**30:>10.1f}", flush=True)
+            print(
+                f"{family:<10}{world:>6}{ac:>11}"
+                + "".join(f"{c:>{w}.1f}" for c, w in zip(cols, (9, 10, 8, 8, 8, 8)))
+                + f"{r['peak_bytes'] / 2**30:>10.1f}",
+                flush=True,
+            )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"preset": "2b", "rows": results}, indent=2) + "\n")
     return 0

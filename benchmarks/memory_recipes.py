@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import yaml
-
 from recipe_models import MODELS
 
 from vlmcore.config import load_config
@@ -46,15 +45,27 @@ def estimate_recipe(recipe: Path, tmp: Path) -> list[dict]:
         if limits.get("video", {}).get("max_frames"):
             limits["video_groups"] = -(-limits["video"]["max_frames"] // 2)
         (packed / "pack_config.json").write_text(json.dumps(limits))
-        settings = dict(exp.stage_config(stage), model_path=str(model_dir), data_path=str(packed),
-                        output_dir=str(tmp / recipe.stem / "train" / stage), init_from=None)
+        settings = dict(
+            exp.stage_config(stage),
+            model_path=str(model_dir),
+            data_path=str(packed),
+            output_dir=str(tmp / recipe.stem / "train" / stage),
+            init_from=None,
+        )
         stage_config = tmp / recipe.stem / f"{stage}.yaml"
         stage_config.write_text(yaml.safe_dump(settings))
         start = time.perf_counter()
         result = estimate_stage(load_config(stage_config, []), exp.stage_ranks(stage))
         problem = check_fit(result, config["train"]["gpu_memory_gib"])
-        rows.append(dict(result, recipe=recipe.stem, stage=stage, problem=problem,
-                         estimate_seconds=round(time.perf_counter() - start, 1)))
+        rows.append(
+            dict(
+                result,
+                recipe=recipe.stem,
+                stage=stage,
+                problem=problem,
+                estimate_seconds=round(time.perf_counter() - start, 1),
+            )
+        )
     return rows
 
 
@@ -62,12 +73,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("recipes", nargs="*", type=Path, help="default: config/experiments/*.yaml")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "memory_recipes.json")
-    parser.add_argument("--merge", action="store_true", help="keep --out's rows of the other recipes (a run on all "
-                        "recipes takes over half an hour on 2 cores, Qwen3.5-9B's most of it)")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep --out's rows of the other recipes (a run on all "
+        "recipes takes over half an hour on 2 cores, Qwen3.5-9B's most of it)",
+    )
     args = parser.parse_args()
     recipes = args.recipes or sorted((REPO / "config" / "experiments").glob("*.yaml"))
-    print(f"{'recipe':<26}{'stage':<8}{'ranks':>6}{'mesh':>10}{'AC':>11}{'mbs':>4}{'tokens':>7}{'image':>10}"
-          f"{'states':>8}{'activ.':>8}{'peak GiB':>9}{'GPU GiB':>8}  fits")
+    print(
+        f"{'recipe':<26}{'stage':<8}{'ranks':>6}{'mesh':>10}{'AC':>11}{'mbs':>4}{'tokens':>7}{'image':>10}"
+        f"{'states':>8}{'activ.':>8}{'peak GiB':>9}{'GPU GiB':>8}  fits"
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for recipe in recipes:
@@ -78,10 +95,13 @@ def main() -> int:
                 mesh = f"{r['dp_shard']}x{r['cp']}x{r['tp']}"  # dp_shard x cp x tp
                 side = f"{r['image_side']}^2" if r["image_side"] else "-"
                 side += f"x{r['video_frames']}" if r.get("video_frames") else ""  # frame groups of a clip
-                print(f"{r['recipe']:<26}{r['stage']:<8}{r['world_size']:>6}{mesh:>10}"
-                      f"{r['activation_checkpointing']:>11}{r['micro_batch_size']:>4}{r['seq_len']:>7}{side:>10}"
-                      f"{states:>8.1f}{kinds.get('Activation', 0) / 2**30:>8.1f}{r['peak_bytes'] / 2**30:>9.1f}"
-                      f"{r['gpu_memory_gib']:>8g}  {'yes' if r['fits'] else 'NO'}", flush=True)
+                print(
+                    f"{r['recipe']:<26}{r['stage']:<8}{r['world_size']:>6}{mesh:>10}"
+                    f"{r['activation_checkpointing']:>11}{r['micro_batch_size']:>4}{r['seq_len']:>7}{side:>10}"
+                    f"{states:>8.1f}{kinds.get('Activation', 0) / 2**30:>8.1f}{r['peak_bytes'] / 2**30:>9.1f}"
+                    f"{r['gpu_memory_gib']:>8g}  {'yes' if r['fits'] else 'NO'}",
+                    flush=True,
+                )
     for r in rows:
         if r["problem"]:
             print(f"{r['recipe']} {r['stage']}: {r['problem']}")

@@ -27,13 +27,34 @@ import transformers
 import vlmcore.models as models
 from vlmcore.models import flops
 
-TEXT = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+TEXT = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+)
 # Qwen3.5: 3 Gated DeltaNet layers, then 1 gated full-attention layer; rotary on 16 of 64 channels.
-LINEAR_ATTENTION = dict(linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
-                        linear_num_key_heads=4, linear_num_value_heads=8)
-VISION = dict(depth=4, hidden_size=128, intermediate_size=512, num_heads=2, out_hidden_size=256, patch_size=16,
-              spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304)
+LINEAR_ATTENTION = dict(
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+)
+VISION = dict(
+    depth=4,
+    hidden_size=128,
+    intermediate_size=512,
+    num_heads=2,
+    out_hidden_size=256,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=2304,
+)
 SPECIAL_TOKENS = dict(image_token_id=4090, vision_start_token_id=4091, vision_end_token_id=4092, video_token_id=4093)
 FAMILIES = ("qwen3", "qwen3_vl", "qwen3_5")
 SEGMENTS = 4
@@ -46,15 +67,24 @@ def hf_model(family: str):
     if family == "qwen3_vl":
         rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [12, 10, 10], "mrope_interleaved": True}
         config = transformers.Qwen3VLConfig(
-            text_config=dict(TEXT, rope_parameters=rope), vision_config=dict(VISION, deepstack_visual_indexes=[1, 2]),
-            tie_word_embeddings=False, **SPECIAL_TOKENS,
+            text_config=dict(TEXT, rope_parameters=rope),
+            vision_config=dict(VISION, deepstack_visual_indexes=[1, 2]),
+            tie_word_embeddings=False,
+            **SPECIAL_TOKENS,
         )
         return transformers.Qwen3VLForConditionalGeneration(config)
-    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [4, 2, 2],
-            "mrope_interleaved": True}
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 1e7,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [4, 2, 2],
+        "mrope_interleaved": True,
+    }
     config = transformers.Qwen3_5Config(
-        text_config=dict(TEXT, **LINEAR_ATTENTION, rope_parameters=rope), vision_config=VISION,
-        tie_word_embeddings=False, **SPECIAL_TOKENS,
+        text_config=dict(TEXT, **LINEAR_ATTENTION, rope_parameters=rope),
+        vision_config=VISION,
+        tie_word_embeddings=False,
+        **SPECIAL_TOKENS,
     )
     return transformers.Qwen3_5ForConditionalGeneration(config)
 
@@ -68,8 +98,10 @@ def batch(family: str, seq_len: int, generator):
     t, h, w = IMAGE_GRID
     image_tokens = t * h * w // VISION["spatial_merge_size"] ** 2
     if seq_len // SEGMENTS <= image_tokens:
-        raise ValueError(f"--seq-len {seq_len}: each of the {SEGMENTS} segments must hold an image of "
-                         f"{image_tokens} tokens (use at least {SEGMENTS * (image_tokens + 1)})")
+        raise ValueError(
+            f"--seq-len {seq_len}: each of the {SEGMENTS} segments must hold an image of "
+            f"{image_tokens} tokens (use at least {SEGMENTS * (image_tokens + 1)})"
+        )
     for start in range(0, seq_len, seq_len // SEGMENTS):
         ids[0, start + 1 : start + 1 + image_tokens] = SPECIAL_TOKENS["image_token_id"]
     grid = torch.tensor([IMAGE_GRID] * SEGMENTS)
@@ -120,6 +152,7 @@ def run_case(family: str, seq_len: int, repeat: int, device, dtype) -> dict:
         def step():
             native.zero_grad(set_to_none=True)
             loss_of(native(**inputs, cu_seqlens=cu_seqlens).logits, ids).backward()
+
         return step
 
     def hf_step():
@@ -127,8 +160,13 @@ def run_case(family: str, seq_len: int, repeat: int, device, dtype) -> dict:
         loss_of(hf(**hf_inputs).logits, ids).backward()
 
     steps = {"native_ms": native_step(), "native_packed_ms": native_step(cu), "transformers_ms": hf_step}
-    row = dict(family=family, tokens=seq_len, params=sum(p.numel() for p in native.parameters()),
-               images=0 if family == "qwen3" else SEGMENTS, **time_interleaved(steps, repeat, device))
+    row = dict(
+        family=family,
+        tokens=seq_len,
+        params=sum(p.numel() for p in native.parameters()),
+        images=0 if family == "qwen3" else SEGMENTS,
+        **time_interleaved(steps, repeat, device),
+    )
     row["speedup"] = row["transformers_ms"] / row["native_ms"]
     # Training FLOPs of the unpacked row by vlmcore.models.flops, LLM and vision tower together.
     grid = inputs.get("image_grid_thw")
@@ -149,17 +187,28 @@ def main():
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
 
     rows = [run_case(family, args.seq_len, args.repeat, device, dtype) for family in FAMILIES]
-    print(f"{'family':<9} {'params':>10} {'tokens':>7} {'images':>7} {'GFLOP':>7} {'native ms':>10} "
-          f"{'packed x' + str(SEGMENTS) + ' ms':>13} {'transformers ms':>16} {'speedup':>8} {'native GFLOP/s':>15}")
+    print(
+        f"{'family':<9} {'params':>10} {'tokens':>7} {'images':>7} {'GFLOP':>7} {'native ms':>10} "
+        f"{'packed x' + str(SEGMENTS) + ' ms':>13} {'transformers ms':>16} {'speedup':>8} {'native GFLOP/s':>15}"
+    )
     for r in rows:
-        print(f"{r['family']:<9} {r['params']:>10,} {r['tokens']:>7} {r['images']:>7} {r['gflop']:>7.1f} "
-              f"{r['native_ms']:>10.1f} {r['native_packed_ms']:>13.1f} {r['transformers_ms']:>16.1f} "
-              f"{r['speedup']:>8.2f} {r['native_gflops']:>15.1f}")
+        print(
+            f"{r['family']:<9} {r['params']:>10,} {r['tokens']:>7} {r['images']:>7} {r['gflop']:>7.1f} "
+            f"{r['native_ms']:>10.1f} {r['native_packed_ms']:>13.1f} {r['transformers_ms']:>16.1f} "
+            f"{r['speedup']:>8.2f} {r['native_gflops']:>15.1f}"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = dict(device=args.device, dtype=args.dtype, threads=torch.get_num_threads(), torch=torch.__version__,
-                transformers=transformers.__version__, repeat=args.repeat, what="forward + backward, median ms",
-                clock="wall" if device.type == "cuda" else "process CPU time")
+    meta = dict(
+        device=args.device,
+        dtype=args.dtype,
+        threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        repeat=args.repeat,
+        what="forward + backward, median ms",
+        clock="wall" if device.type == "cuda" else "process CPU time",
+    )
     out.write_text(json.dumps(dict(meta, results=rows), indent=2) + "\n")
     print(f"wrote {out}")
 

@@ -41,33 +41,74 @@ DENSE, MOE = ("qwen3_vl", "qwen3"), ("qwen3_vl_moe", "qwen3_moe")
 PRESETS = {
     # CPU-sized: big enough that matmuls, not Python, dominate. The MoE families put 8 experts,
     # top-2, of half the dense MLP in every layer: a token costs what it costs in the dense model.
-    "tiny": dict(text=dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=64),
-                 moe=dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=384),
-                 vision=dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=2, out_hidden_size=256),
-                 seq_len=1024, image_side=2, families=DENSE + MOE),
+    "tiny": dict(
+        text=dict(
+            vocab_size=4096,
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+        ),
+        moe=dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=384),
+        vision=dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=2, out_hidden_size=256),
+        seq_len=1024,
+        image_side=2,
+        families=DENSE + MOE,
+    ),
     # Qwen3-VL-2B / Qwen3-1.7B class.
-    "2b": dict(text=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                         num_attention_heads=16, num_key_value_heads=8, head_dim=128),
-               vision=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048),
-               # One 512x512 image per row (32x32 patches, 256 LLM tokens) among 16 packed samples.
-               seq_len=8192, image_side=16, families=DENSE),
+    "2b": dict(
+        text=dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+        ),
+        vision=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048),
+        # One 512x512 image per row (32x32 patches, 256 LLM tokens) among 16 packed samples.
+        seq_len=8192,
+        image_side=16,
+        families=DENSE,
+    ),
     # Qwen3-VL-30B-A3B / Qwen3-30B-A3B (benchmarks/recipe_models.py) with 4 of the 48 layers, so
     # that weights, gradients and AdamW states (3.7B parameters, 16 bytes each: 59 GB) fit one GPU.
-    "30b-a3b": dict(text=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=4,
-                              num_attention_heads=32, num_key_value_heads=4, head_dim=128),
-                    moe=dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
-                    vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
-                                out_hidden_size=2048, deepstack_visual_indexes=[8, 16, 24]),
-                    seq_len=8192, image_side=16, families=MOE),
+    "30b-a3b": dict(
+        text=dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=4,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+        ),
+        moe=dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+        vision=dict(
+            depth=27,
+            hidden_size=1152,
+            intermediate_size=4304,
+            num_heads=16,
+            out_hidden_size=2048,
+            deepstack_visual_indexes=[8, 16, 24],
+        ),
+        seq_len=8192,
+        image_side=16,
+        families=MOE,
+    ),
 }
 
 
 # family: (transformers config class, model class)
-HF_CLASSES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-              "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
-              "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-              "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration")}
+HF_CLASSES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
+}
 
 
 def hf_config(family: str, preset: dict):
@@ -80,15 +121,30 @@ def hf_config(family: str, preset: dict):
     if family in ("qwen3", "qwen3_moe"):
         return config_class(**text)
     half = text["head_dim"] // 2
-    rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_interleaved": True,
-            "mrope_section": [half - 2 * (half * 5 // 16), half * 5 // 16, half * 5 // 16]}
-    vision = dict(dict(deepstack_visual_indexes=[0]), **preset["vision"], patch_size=16, spatial_merge_size=2,
-                  temporal_patch_size=2, num_position_embeddings=2304)
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 5e6,
+        "mrope_interleaved": True,
+        "mrope_section": [half - 2 * (half * 5 // 16), half * 5 // 16, half * 5 // 16],
+    }
+    vision = dict(
+        dict(deepstack_visual_indexes=[0]),
+        **preset["vision"],
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=2304,
+    )
     vocab = text["vocab_size"]
-    return config_class(vision_config=vision, text_config=dict(text, rope_parameters=rope),
-                        image_token_id=vocab - 6, vision_start_token_id=vocab - 5,
-                        vision_end_token_id=vocab - 4, video_token_id=vocab - 3,
-                        tie_word_embeddings=text["tie_word_embeddings"])
+    return config_class(
+        vision_config=vision,
+        text_config=dict(text, rope_parameters=rope),
+        image_token_id=vocab - 6,
+        vision_start_token_id=vocab - 5,
+        vision_end_token_id=vocab - 4,
+        video_token_id=vocab - 3,
+        tie_word_embeddings=text["tie_word_embeddings"],
+    )
 
 
 def write_snapshot(family: str, preset: dict, path: Path) -> None:
@@ -164,7 +220,7 @@ def bench_vlmcore(cfg, host_batch, device, args, family: str):
             profiler.step_starts(n)
             step()
             profiler.step_ended(n)
-    del run
+    run = None  # frees the model before the process group goes
     dist.destroy_process_group()
     return result
 
@@ -177,37 +233,56 @@ def bench_loop(cfg, device, args, seq_len: int, image_side: int, family: str) ->
     import yaml
 
     out = Path(cfg.output_dir).parent / f"loop_{family}_{int(args.compile)}"
-    config = {"model_path": cfg.model_path, "output_dir": str(out), "steps": args.warmup + args.steps,
-              "save_final": False, "checkpoint": {"enabled": False}, "metrics": {"tensorboard": False},
-              "loss_chunk_tokens": cfg.loss_chunk_tokens, "max_grad_norm": cfg.max_grad_norm,
-              "optimizer": {"lr": cfg.optimizer.lr},
-              "parallel": {"compile": args.compile, "activation_checkpointing": args.activation_checkpointing},
-              "precision": {"param_dtype": cfg.precision.param_dtype},
-              "data": {"kind": "random", "seq_len": seq_len, "segments": max(1, seq_len // 512),
-                       "image_fraction": 1.0, "image_side": image_side}}
+    config = {
+        "model_path": cfg.model_path,
+        "output_dir": str(out),
+        "steps": args.warmup + args.steps,
+        "save_final": False,
+        "checkpoint": {"enabled": False},
+        "metrics": {"tensorboard": False},
+        "loss_chunk_tokens": cfg.loss_chunk_tokens,
+        "max_grad_norm": cfg.max_grad_norm,
+        "optimizer": {"lr": cfg.optimizer.lr},
+        "parallel": {"compile": args.compile, "activation_checkpointing": args.activation_checkpointing},
+        "precision": {"param_dtype": cfg.precision.param_dtype},
+        "data": {
+            "kind": "random",
+            "seq_len": seq_len,
+            "segments": max(1, seq_len // 512),
+            "image_fraction": 1.0,
+            "image_side": image_side,
+        },
+    }
     if args.profile:  # the (at most two) steps after the warmup
         config["metrics"]["profile_steps"] = [args.warmup + 1, args.warmup + min(2, args.steps)]
     out.parent.mkdir(parents=True, exist_ok=True)
     (out.parent / f"{out.name}.yaml").write_text(yaml.safe_dump(config))
     overrides = [a for setting in args.loop_set for a in ("--set", setting)]
-    proc = subprocess.run([sys.executable, "-m", "vlmcore.cli", "train", str(out.parent / f"{out.name}.yaml"),
-                           *overrides], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vlmcore.cli", "train", str(out.parent / f"{out.name}.yaml"), *overrides],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode:
         raise RuntimeError(f"vlmcore train failed:\n{proc.stderr[-3000:]}")
     if args.profile:
-        shutil.copytree(out / "profile", args.out / f"profile_loop_{case_tag(family, args)}",
-                        dirs_exist_ok=True)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][args.warmup:]
-    return {"step_s": statistics.median(r["step_time_s"] for r in rows),
-            "peak_mem_gib": max(r["peak_mem_gb"] for r in rows) * 1e9 / 2**30 if device.type == "cuda" else None,
-            "data_wait_share": statistics.median(r["data_wait_s"] / r["step_time_s"] for r in rows)}
+        shutil.copytree(out / "profile", args.out / f"profile_loop_{case_tag(family, args)}", dirs_exist_ok=True)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][args.warmup :]
+    return {
+        "step_s": statistics.median(r["step_time_s"] for r in rows),
+        "peak_mem_gib": max(r["peak_mem_gb"] for r in rows) * 1e9 / 2**30 if device.type == "cuda" else None,
+        "data_wait_share": statistics.median(r["data_wait_s"] / r["step_time_s"] for r in rows),
+    }
 
 
 def bench_transformers(path, batch, device, args, family: str, image_token_id):
     import transformers
 
-    cls = (transformers.AutoModelForCausalLM if family in ("qwen3", "qwen3_moe")
-           else transformers.AutoModelForImageTextToText)
+    cls = (
+        transformers.AutoModelForCausalLM
+        if family in ("qwen3", "qwen3_moe")
+        else transformers.AutoModelForImageTextToText
+    )
     model = cls.from_pretrained(path, dtype=torch.float32).to(device)
     model.train()
     if args.compile:
@@ -221,8 +296,11 @@ def bench_transformers(path, batch, device, args, family: str, image_token_id):
     if family in MOE:  # the load-balancing loss in the loss, as vlmcore's step has it
         inputs["output_router_logits"] = True
     if batch.images is not None:
-        inputs.update(pixel_values=batch.images.pixel_values, image_grid_thw=batch.images.grid_thw,
-                      mm_token_type_ids=(batch.input_ids == image_token_id).int())
+        inputs.update(
+            pixel_values=batch.images.pixel_values,
+            image_grid_thw=batch.images.grid_thw,
+            mm_token_type_ids=(batch.input_ids == image_token_id).int(),
+        )
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     def step():
@@ -235,7 +313,7 @@ def bench_transformers(path, batch, device, args, family: str, image_token_id):
 
     seconds = time_steps(step, args.warmup, args.steps, device)
     result = {"step_s": seconds, "peak_mem_gib": peak_memory_gib(device)}
-    del model, optimizer
+    model = optimizer = None  # frees them before the next case
     return result
 
 
@@ -287,17 +365,27 @@ def run_case(args, family: str, path: Path, device: torch.device) -> dict:
     started = time.perf_counter()
     cfg = train_config(args, path, path.parent / f"out_{family}_{int(args.compile)}", device)
     model_config = transformers.AutoConfig.from_pretrained(path)
-    batch = RandomBatches(model_config, seq_len=seq_len, segments=max(1, seq_len // 512), image_fraction=1.0,
-                          micro_batch_size=1, dp_rank=0, dp_world=1, grad_accum_steps=1, seed=0,
-                          image_side=preset["image_side"]).batch(0)
+    batch = RandomBatches(
+        model_config,
+        seq_len=seq_len,
+        segments=max(1, seq_len // 512),
+        image_fraction=1.0,
+        micro_batch_size=1,
+        dp_rank=0,
+        dp_world=1,
+        grad_accum_steps=1,
+        seed=0,
+        image_side=preset["image_side"],
+    ).batch(0)
     results = {"vlmcore": bench_vlmcore(cfg, batch, device, args, family)}
     print(f"{family} bare step: {json.dumps(results['vlmcore'])}", flush=True)
     release_device_memory(device)
     flops = results["vlmcore"]["flops_per_step"]
     if not args.skip_transformers:
         device_batch = batch.map_tensors(lambda t: t.to(device))
-        results["transformers"] = bench_transformers(path, device_batch, device, args, family,
-                                                     getattr(model_config, "image_token_id", None))
+        results["transformers"] = bench_transformers(
+            path, device_batch, device, args, family, getattr(model_config, "image_token_id", None)
+        )
         del device_batch
         release_device_memory(device)
     if not args.skip_loop:
@@ -310,36 +398,56 @@ def run_case(args, family: str, path: Path, device: torch.device) -> dict:
         r["tokens_per_s"] = tokens / r["step_s"]
         r["tflops"] = flops / r["step_s"] / 1e12
         r["mfu"] = 100 * r["tflops"] / peak if peak else None
-    return {"family": family, "compile": args.compile, "tokens": tokens, "flops_per_step": flops,
-            "results": results, "wall_s": time.perf_counter() - started}
+    return {
+        "family": family,
+        "compile": args.compile,
+        "tokens": tokens,
+        "flops_per_step": flops,
+        "results": results,
+        "wall_s": time.perf_counter() - started,
+    }
 
 
 def print_rows(cases: list[dict], name: str, preset: str) -> None:
     print(f"{preset} preset, {name}, torch {torch.__version__}")
-    print(f"{'family':<13}{'compile':>8}  {'engine':<15}{'step s':>9}{'tokens/s':>11}{'TFLOPS':>9}{'MFU %':>7}"
-          f"{'peak GiB':>9}{'est GiB':>8}{'vs HF':>7}")
+    print(
+        f"{'family':<13}{'compile':>8}  {'engine':<15}{'step s':>9}{'tokens/s':>11}{'TFLOPS':>9}{'MFU %':>7}"
+        f"{'peak GiB':>9}{'est GiB':>8}{'vs HF':>7}"
+    )
     for case in cases:
         hf = case["results"].get("transformers")
         for engine, r in case["results"].items():
             fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
             ratio = fmt(hf["step_s"] / r["step_s"], ".2f") + "x" if hf and engine != "transformers" else "-"
-            print(f"{case['family']:<13}{str(case['compile']):>8}  {engine:<15}{r['step_s']:>9.3f}"
-                  f"{r['tokens_per_s']:>11.0f}{r['tflops']:>9.2f}{fmt(r['mfu'], '.1f'):>7}"
-                  f"{fmt(r.get('peak_mem_gib'), '.1f'):>9}{fmt(r.get('estimated_peak_gib'), '.1f'):>8}{ratio:>7}")
+            print(
+                f"{case['family']:<13}{str(case['compile']):>8}  {engine:<15}{r['step_s']:>9.3f}"
+                f"{r['tokens_per_s']:>11.0f}{r['tflops']:>9.2f}{fmt(r['mfu'], '.1f'):>7}"
+                f"{fmt(r.get('peak_mem_gib'), '.1f'):>9}{fmt(r.get('estimated_peak_gib'), '.1f'):>8}{ratio:>7}"
+            )
         loop, bare = case["results"].get("vlmcore train"), case["results"]["vlmcore"]
         if loop:
-            print(f"{'':<23}real loop / bare step time: {loop['step_s'] / bare['step_s']:.3f}, "
-                  f"data wait {100 * loop['data_wait_share']:.1f}% of the loop's step")
+            print(
+                f"{'':<23}real loop / bare step time: {loop['step_s'] / bare['step_s']:.3f}, "
+                f"data wait {100 * loop['data_wait_share']:.1f}% of the loop's step"
+            )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=PRESETS, default="tiny")
-    parser.add_argument("--family", choices=DENSE + MOE, default=None,
-                        help="default: the preset's first (qwen3_vl, or qwen3_vl_moe for 30b-a3b); with --all, "
-                        "that family's part of the table only")
-    parser.add_argument("--all", action="store_true", help="every family of the preset, compiled and eager, with "
-                        "the real loop and the memory estimate: the whole table")
+    parser.add_argument(
+        "--family",
+        choices=DENSE + MOE,
+        default=None,
+        help="default: the preset's first (qwen3_vl, or qwen3_vl_moe for 30b-a3b); with --all, "
+        "that family's part of the table only",
+    )
+    parser.add_argument(
+        "--all",
+        action="store_true",
+        help="every family of the preset, compiled and eager, with "
+        "the real loop and the memory estimate: the whole table",
+    )
     parser.add_argument("--seq-len", type=int, default=None, help="packed tokens per step (default: preset's)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
@@ -348,11 +456,19 @@ def main() -> int:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-loop", action="store_true", help="no `vlmcore train` run")
     parser.add_argument("--memory-estimate", action="store_true", help="also `vlmcore memory`'s estimate")
-    parser.add_argument("--profile", action="store_true",
-                        help="trace two bare steps and two steps of the real loop (torch.profiler): a summary and a "
-                        "trace each, in --out's profile_bare_* and profile_loop_* folders")
-    parser.add_argument("--loop-set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a `vlmcore train --set` for the real loop (repeatable), e.g. metrics.module_times=false")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="trace two bare steps and two steps of the real loop (torch.profiler): a summary and a "
+        "trace each, in --out's profile_bare_* and profile_loop_* folders",
+    )
+    parser.add_argument(
+        "--loop-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a `vlmcore train --set` for the real loop (repeatable), e.g. metrics.module_times=false",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     families = PRESETS[args.preset]["families"]
@@ -367,8 +483,9 @@ def main() -> int:
     if args.all:
         args.memory_estimate = True
         # Compiled first: the targets are on the compiled step, and a run cut short keeps those.
-        runs = [(family, compiled) for family in ([args.family] if family_given else families)
-                for compiled in (True, False)]
+        runs = [
+            (family, compiled) for family in ([args.family] if family_given else families) for compiled in (True, False)
+        ]
         tag = f"{'cuda' if bf16 else 'cpu'}_{args.preset}_all{'_' + args.family if family_given else ''}"
     else:
         runs = [(args.family, args.compile)]
@@ -386,8 +503,14 @@ def main() -> int:
             write_snapshot(family, PRESETS[args.preset], snapshots[family])
         # The estimate runs on the CPU: beside the GPU cases, in a process of its own; on a CPU
         # run before them, so that it does not share the cores the step is timed on.
-        estimates = {family: pool.submit(estimate_peak_gib, args, family, path, device.type)
-                     for family, path in snapshots.items()} if args.memory_estimate else {}
+        estimates = (
+            {
+                family: pool.submit(estimate_peak_gib, args, family, path, device.type)
+                for family, path in snapshots.items()
+            }
+            if args.memory_estimate
+            else {}
+        )
         if not bf16:
             wait(estimates.values())
         for family, compiled in runs:

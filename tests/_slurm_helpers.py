@@ -16,8 +16,14 @@ REPO = Path(__file__).resolve().parents[1]
 def require_slurm():
     try:
         proc = subprocess.run(["sinfo", "-h", "-o", "%D %t"], capture_output=True, text=True, timeout=30)
-        idle_nodes = sum(int(line.split()[0]) for line in proc.stdout.splitlines() if line.split()[1] in ("idle", "mix"))
-        problem = None if proc.returncode == 0 and idle_nodes >= 2 else f"`sinfo` says: {proc.stdout.strip()} {proc.stderr.strip()}"
+        idle_nodes = sum(
+            int(line.split()[0]) for line in proc.stdout.splitlines() if line.split()[1] in ("idle", "mix")
+        )
+        problem = (
+            None
+            if proc.returncode == 0 and idle_nodes >= 2
+            else f"`sinfo` says: {proc.stdout.strip()} {proc.stderr.strip()}"
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         problem = f"`sinfo` failed: {e}"
     if problem:
@@ -37,11 +43,32 @@ def write_config(tmp_path, name, source="config.yaml", **train):
 
 
 def snakemake(tmp_path, configfile, target, *extra, timeout=1200):
-    env = dict(os.environ, VLMCORE_CLUSTER="ci", OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    env = dict(
+        os.environ,
+        VLMCORE_CLUSTER="ci",
+        OMP_NUM_THREADS="1",
+        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    )
     proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--profile", str(REPO / "profiles" / "slurm-ci"),
-         "--configfile", str(configfile), "--directory", str(tmp_path), *extra, target],
-        env=env, capture_output=True, text=True, timeout=timeout,
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "--snakefile",
+            str(REPO / "Snakefile"),
+            "--profile",
+            str(REPO / "profiles" / "slurm-ci"),
+            "--configfile",
+            str(configfile),
+            "--directory",
+            str(tmp_path),
+            *extra,
+            target,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-10000:]
     return proc

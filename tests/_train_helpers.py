@@ -17,10 +17,27 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
-TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
-VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
-              temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64)
+TEXT = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+)
+VISION = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    out_hidden_size=64,
+    num_position_embeddings=64,
+)
 # Mixture-of-experts text settings: 4 experts, 2 per token, a strong load-balancing coefficient
 # so that its gradients show in the exactness comparisons.
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, router_aux_loss_coef=0.05)
@@ -36,23 +53,42 @@ def hf_config(kind: str):
         return transformers.Qwen3MoeConfig(**TEXT, **MOE, norm_topk_prob=True, tie_word_embeddings=False)
     if kind == "qwen3_vl":
         rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
-        return transformers.Qwen3VLConfig(vision_config=dict(VISION, deepstack_visual_indexes=[0]),
-                                          text_config=dict(TEXT, rope_parameters=rope), **SPECIAL)
+        return transformers.Qwen3VLConfig(
+            vision_config=dict(VISION, deepstack_visual_indexes=[0]),
+            text_config=dict(TEXT, rope_parameters=rope),
+            **SPECIAL,
+        )
     if kind == "qwen3_vl_moe":
         rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
-        return transformers.Qwen3VLMoeConfig(vision_config=dict(VISION, deepstack_visual_indexes=[0]),
-                                             text_config=dict(TEXT, **MOE, rope_parameters=rope), **SPECIAL)
+        return transformers.Qwen3VLMoeConfig(
+            vision_config=dict(VISION, deepstack_visual_indexes=[0]),
+            text_config=dict(TEXT, **MOE, rope_parameters=rope),
+            **SPECIAL,
+        )
     if kind in ("qwen3_5", "qwen3_5_moe"):
-        rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                "mrope_section": [1, 1, 0], "mrope_interleaved": True}
-        text = dict(TEXT, num_hidden_layers=4, linear_conv_kernel_dim=4, linear_key_head_dim=16,
-                    linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                    rope_parameters=rope)
+        rope = {
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [1, 1, 0],
+            "mrope_interleaved": True,
+        }
+        text = dict(
+            TEXT,
+            num_hidden_layers=4,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            rope_parameters=rope,
+        )
         if kind == "qwen3_5":
             return transformers.Qwen3_5Config(vision_config=VISION, text_config=text, **SPECIAL)
         text = {k: v for k, v in text.items() if k != "intermediate_size"}  # every layer is sparse
-        return transformers.Qwen3_5MoeConfig(vision_config=VISION, **SPECIAL,
-                                             text_config=dict(text, **MOE, shared_expert_intermediate_size=32))
+        return transformers.Qwen3_5MoeConfig(
+            vision_config=VISION, **SPECIAL, text_config=dict(text, **MOE, shared_expert_intermediate_size=32)
+        )
     raise ValueError(kind)
 
 
@@ -67,23 +103,34 @@ def tiny_snapshot(kind: str, path: Path, seed: int = 0, **text) -> Path:
     config = hf_config(kind)
     for key, value in text.items():
         setattr(config.get_text_config(), key, value)
-    cls = {"qwen3": transformers.Qwen3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM, "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
-           "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,
-           "qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
-           "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration}[kind]
+    cls = {
+        "qwen3": transformers.Qwen3ForCausalLM,
+        "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+        "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+        "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,
+        "qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
+        "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration,
+    }[kind]
     cls(config).save_pretrained(path)
     return path
 
 
 def write_config(path: Path, model_path: Path, output_dir: Path, **overrides) -> Path:
     """A run config on random data; `overrides` are top-level keys (sections as dicts)."""
-    cfg = {"model_path": str(model_path), "output_dir": str(output_dir), "steps": 4, "micro_batch_size": 1,
-           "grad_accum_steps": 1, "seed": 0, "trainable": [],
-           "optimizer": {"lr": 1.0e-3, "weight_decay": 0.01},
-           "schedule": {"name": "cosine", "warmup_steps": min(2, overrides.get("steps", 4)), "min_lr_ratio": 0.1},
-           "checkpoint": {"interval": 0, "keep": 2},
-           "metrics": {"tensorboard": False},
-           "data": {"kind": "random", "seq_len": 32, "segments": 3, "image_fraction": 0.5}}
+    cfg = {
+        "model_path": str(model_path),
+        "output_dir": str(output_dir),
+        "steps": 4,
+        "micro_batch_size": 1,
+        "grad_accum_steps": 1,
+        "seed": 0,
+        "trainable": [],
+        "optimizer": {"lr": 1.0e-3, "weight_decay": 0.01},
+        "schedule": {"name": "cosine", "warmup_steps": min(2, overrides.get("steps", 4)), "min_lr_ratio": 0.1},
+        "checkpoint": {"interval": 0, "keep": 2},
+        "metrics": {"tensorboard": False},
+        "data": {"kind": "random", "seq_len": 32, "segments": 3, "image_fraction": 0.5},
+    }
     for key, value in overrides.items():
         if isinstance(value, dict):
             cfg.setdefault(key, {}).update(value)
@@ -97,8 +144,16 @@ def command(nproc: int, *args: str, module: str = "vlmcore.cli") -> list[str]:
     """`python -m vlmcore.cli ...` for one process (no torchrun), else torchrun on gloo."""
     if nproc == 1:
         return [sys.executable, "-m", module, *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", module, *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        module,
+        *args,
+    ]
 
 
 # Quiet trainers, but a deprecation in how they use torch.distributed fails them (as in pyproject.toml).
@@ -118,8 +173,9 @@ def train(nproc: int, config: Path, *sets: str, check: bool = True, timeout: int
 
 
 def start_train(config: Path) -> subprocess.Popen:
-    return subprocess.Popen(command(1, "train", str(config)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env())
+    return subprocess.Popen(
+        command(1, "train", str(config)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env()
+    )
 
 
 def read_metrics(output_dir: Path) -> list[dict]:
@@ -136,8 +192,11 @@ def load_dcp(path: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata)
+    }
     dcp.load(state, checkpoint_id=str(path), no_dist=True)
     return state
 
@@ -163,8 +222,9 @@ def dump_state(config_path: str, out_path: str) -> None:
     checkpointer = Checkpointer(cfg.output_dir, keep=cfg.checkpoint.keep)
     train_state = {"step": 0}
     checkpointer.load(checkpointer.latest(), model, optimizer, train_state, None)
-    model_sd, optim_sd = get_state_dict(model, optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    model_sd, optim_sd = get_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if dist.get_rank() == 0:
         flat = {f"model.{k}": v for k, v in model_sd.items()}
         for name, state in optim_sd["state"].items():

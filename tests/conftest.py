@@ -2,7 +2,6 @@
 
 import pytest
 import torch.distributed as dist
-
 from _slurm_helpers import require_slurm
 
 # The files that take longest (minutes each), longest first, start before all others, so that

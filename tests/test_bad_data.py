@@ -10,9 +10,9 @@ from collections import Counter
 import numpy as np
 import pytest
 import webdataset
+from _data_helpers import make_demo_model_dir, write_jsonl
 from PIL import Image
 
-from _data_helpers import make_demo_model_dir, write_jsonl
 from vlmcore.cli import main
 from vlmcore.data.encoder import IGNORE_INDEX, SampleEncoder
 from vlmcore.data.loader import PackedTaskEncoder, build_loader
@@ -68,8 +68,24 @@ def cut_after_header(png: bytes) -> bytes:
 def test_directory_that_is_not_a_prepared_dataset_refused_by_pack(demo, tmp_path, caplog):
     (tmp_path / "raw").mkdir()
     out = tmp_path / "packed"
-    assert main(["pack", "--data", str(tmp_path / "raw"), "--model", str(demo / "model"), "--out", str(out),
-                 "--seq-len", str(SEQ_LEN), "--max-patches", "256"]) == 1
+    assert (
+        main(
+            [
+                "pack",
+                "--data",
+                str(tmp_path / "raw"),
+                "--model",
+                str(demo / "model"),
+                "--out",
+                str(out),
+                "--seq-len",
+                str(SEQ_LEN),
+                "--max-patches",
+                "256",
+            ]
+        )
+        == 1
+    )
     assert f"{tmp_path / 'raw'} is not a prepared Energon dataset" in caplog.text and not out.exists()
 
 
@@ -77,10 +93,24 @@ def test_directory_that_is_not_a_prepared_dataset_refused_by_pack(demo, tmp_path
 def test_damaged_prepared_shard_refused_by_pack(demo, tmp_path, how, caplog):
     shard = damaged_copy(demo / "data", tmp_path / "data", how)
     out = tmp_path / "packed"
-    args = ["pack", "--data", str(tmp_path / "data"), "--model", str(demo / "model"), "--out", str(out),
-            "--seq-len", str(SEQ_LEN), "--max-patches", "256"]
+    args = [
+        "pack",
+        "--data",
+        str(tmp_path / "data"),
+        "--model",
+        str(demo / "model"),
+        "--out",
+        str(out),
+        "--seq-len",
+        str(SEQ_LEN),
+        "--max-patches",
+        "256",
+    ]
     assert main(args) == 1
-    assert str(shard) in caplog.text and {"truncated": "truncated (", "empty": "truncated (0 bytes", "missing": "missing"}[how] in caplog.text
+    assert (
+        str(shard) in caplog.text
+        and {"truncated": "truncated (", "empty": "truncated (0 bytes", "missing": "missing"}[how] in caplog.text
+    )
     assert "Traceback" not in caplog.text
     assert not out.exists()  # refused before anything was written
 
@@ -127,12 +157,14 @@ def test_truncated_image_in_a_pack_drops_that_sample_only(demo, tmp_path, capfd)
     assert batch.skipped_samples == {"corrupt_image": 1}
     assert batch.num_samples == len(segments) - 1
     encoder = SampleEncoder(demo / "model")
-    expected = [encoder.encode_text(s["sample"], [tuple(x) for x in s["image_sizes"]]) for i, s in enumerate(segments) if i != 1]
+    expected = [
+        encoder.encode_text(s["sample"], [tuple(x) for x in s["image_sizes"]]) for i, s in enumerate(segments) if i != 1
+    ]
     cu = batch.cu_seqlens.tolist()
     ids, labels = batch.input_ids[0].tolist(), batch.labels[0].tolist()
     for (a, b), enc in zip(zip(cu, cu[1:]), expected):
         assert ids[a:b] == enc.input_ids and labels[a:b] == enc.labels
-    assert cu[-1] == SEQ_LEN and all(label == IGNORE_INDEX for label in labels[cu[len(expected)]:])
+    assert cu[-1] == SEQ_LEN and all(label == IGNORE_INDEX for label in labels[cu[len(expected)] :])
     assert batch.images.pixel_values.shape[0] == sum(t * h * w for e in expected for t, h, w in e.image_grid_thw)
     captured = capfd.readouterr()
     assert "Traceback" not in captured.out + captured.err
@@ -146,8 +178,11 @@ def junk_all_images(crude, segments):
 BAD_SEGMENTS = {
     # case: (edit of (crude, segments), skipped by reason, samples left in the row)
     "undecodable_image": (lambda c, s: c.update({s[1]["images"][0]: b"\x89PNG junk"}), {"corrupt_image": 1}, -1),
-    "image_cut_after_header": (lambda c, s: c.update({s[0]["images"][0]: cut_after_header(c[s[0]["images"][0]])}),
-                               {"corrupt_image": 1}, -1),
+    "image_cut_after_header": (
+        lambda c, s: c.update({s[0]["images"][0]: cut_after_header(c[s[0]["images"][0]])}),
+        {"corrupt_image": 1},
+        -1,
+    ),
     "image_part_missing": (lambda c, s: c.pop(s[1]["images"][0]), {"missing_image": 1}, -1),
     "segment_not_an_object": (lambda c, s: s.__setitem__(1, "oops"), {"malformed_segment": 1}, -1),
     "segment_without_sample": (lambda c, s: s[0].pop("sample"), {"malformed_segment": 1}, -1),
@@ -195,8 +230,18 @@ def test_online_packing_counts_bad_samples(demo, tmp_path):
         writer.write({"messages": row["messages"]}, [(png, "png") for png in pngs])
     writer.close()
     energon_prepare(data)
-    loader = build_online_loader(data, demo / "model", seq_len=SEQ_LEN, max_patches=256, buffer_size=6, dp_rank=0,
-                                 dp_world=1, micro_batch_size=1, seed=0, num_workers=0)
+    loader = build_online_loader(
+        data,
+        demo / "model",
+        seq_len=SEQ_LEN,
+        max_patches=256,
+        buffer_size=6,
+        dp_rank=0,
+        dp_world=1,
+        micro_batch_size=1,
+        seed=0,
+        num_workers=0,
+    )
     assert sorted(i for pack in loader.plan(0) for i in pack) == list(range(6))  # the bad ones ride along
     rows = [loader.row(j) for j in range(len(loader.plan(0)))]
     assert sum(row.num_samples for row in rows) == 4
@@ -240,8 +285,14 @@ def test_caption_row_without_image_is_counted_missing_image(tmp_path):
     """A caption describes an image: without one it would teach describing what is not there, so
     it is bad (missing_image), not a text-only sample (those are {"text": ...} rows)."""
     (tmp_path / "a.png").write_bytes(rgb_png(0))
-    source = write_jsonl(tmp_path / "c.jsonl", [{"image": "a.png", "caption": "noise"}, {"caption": "no image here"},
-                                                {"image": None, "caption": "a null image"}])
+    source = write_jsonl(
+        tmp_path / "c.jsonl",
+        [
+            {"image": "a.png", "caption": "noise"},
+            {"caption": "no image here"},
+            {"image": None, "caption": "a null image"},
+        ],
+    )
     stats = prepare([source], tmp_path / "data", max_bad_fraction=1.0)
     assert stats["samples"] == 1 and stats["bad"]["skipped_by_reason"] == {"missing_image": 2}
 
@@ -252,10 +303,17 @@ def test_video_rows_are_never_kept_as_text(tmp_path):
     (video_tag_mismatch); the other rows are kept (tests/test_data_prepare_video.py: good videos)."""
     (tmp_path / "a.png").write_bytes(rgb_png(0))
     rows = [{"image": "a.png", "caption": f"image {i}"} for i in range(20)] + [
-        {"video": "clip.mp4", "conversations": [{"from": "human", "value": "<video>\nWhat happens?"},
-                                                 {"from": "gpt", "value": "A ball rolls."}]},
-        {"videos": ["x.mp4"], "messages": [{"role": "user", "content": "Describe."},
-                                            {"role": "assistant", "content": "Nothing."}]},
+        {
+            "video": "clip.mp4",
+            "conversations": [
+                {"from": "human", "value": "<video>\nWhat happens?"},
+                {"from": "gpt", "value": "A ball rolls."},
+            ],
+        },
+        {
+            "videos": ["x.mp4"],
+            "messages": [{"role": "user", "content": "Describe."}, {"role": "assistant", "content": "Nothing."}],
+        },
         {"messages": [{"role": "user", "content": "<video> and text"}, {"role": "assistant", "content": "ok"}]},
         {"video": None, "text": "a document that merely has a null video field"},
     ]
@@ -302,9 +360,12 @@ def test_training_on_a_pack_with_a_bad_image_logs_the_count(tmp_path):
     """`vlmcore train` on a packed dataset whose packs each hold one image cut after its header:
     every step trains on the other samples and metrics.jsonl counts the bad ones by reason."""
     from _train_helpers import train, write_config
+
     from vlmcore.download import build_tiny_model
 
-    build_tiny_model(tmp_path / "model", overrides={"text_config": {"num_hidden_layers": 1}, "vision_config": {"depth": 1}})
+    build_tiny_model(
+        tmp_path / "model", overrides={"text_config": {"num_hidden_layers": 1}, "vision_config": {"depth": 1}}
+    )
     generate(tmp_path / "raw", num_train=8, num_eval=1, seed=4)
     prepare([tmp_path / "raw" / "conversations.jsonl"], tmp_path / "data")
     pack(tmp_path / "data", tmp_path / "model", tmp_path / "good", seq_len=SEQ_LEN, max_patches=256)
@@ -318,8 +379,14 @@ def test_training_on_a_pack_with_a_bad_image_logs_the_count(tmp_path):
                 writer.write({"__key__": s.key, **s.data, first_image: cut_after_header(s.data[first_image])})
     energon_prepare(packed)
 
-    config = write_config(tmp_path / "stage.yaml", tmp_path / "model", tmp_path / "out", steps=2, data_path=str(packed),
-                          data={"kind": "packed"})
+    config = write_config(
+        tmp_path / "stage.yaml",
+        tmp_path / "model",
+        tmp_path / "out",
+        steps=2,
+        data_path=str(packed),
+        data={"kind": "packed"},
+    )
     train(1, config)
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_samples"] for r in records] == [1, 1]
@@ -327,8 +394,14 @@ def test_training_on_a_pack_with_a_bad_image_logs_the_count(tmp_path):
 
     # A truncated shard: refused by name when the loader is built, before any step or output.
     shard = damaged_copy(packed, tmp_path / "damaged", "truncated", "shard-000000.tar")
-    config = write_config(tmp_path / "damaged.yaml", tmp_path / "model", tmp_path / "out2", steps=2,
-                          data_path=str(tmp_path / "damaged"), data={"kind": "packed"})
+    config = write_config(
+        tmp_path / "damaged.yaml",
+        tmp_path / "model",
+        tmp_path / "out2",
+        steps=2,
+        data_path=str(tmp_path / "damaged"),
+        data={"kind": "packed"},
+    )
     proc = train(1, config, check=False)
     assert proc.returncode == 1 and f"error: {shard}: truncated" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out2").exists()

@@ -16,10 +16,30 @@ def test_benchmark_prints_the_table_and_writes_json(tmp_path):
     """`--all --family qwen3_vl`: that family's part of the GPU table, compiled first, then eager;
     each case printed and written as it finishes, the memory estimate (from its own process)
     beside both; `--profile`: two bare steps and two of the loop traced, a summary beside each."""
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "train_step.py"), "--preset", "tiny", "--all",
-                           "--family", "qwen3_vl", "--steps", "1", "--warmup", "1", "--profile",
-                           "--loop-set", "metrics.module_times=false", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "train_step.py"),
+            "--preset",
+            "tiny",
+            "--all",
+            "--family",
+            "qwen3_vl",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--profile",
+            "--loop-set",
+            "metrics.module_times=false",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for engine in ("vlmcore ", "transformers", "vlmcore train", "real loop / bare step time"):
         assert engine in proc.stdout, proc.stdout
@@ -43,9 +63,27 @@ def test_benchmark_prints_the_table_and_writes_json(tmp_path):
 def test_benchmark_runs_a_moe_model_against_transformers(tmp_path):
     """The MoE case (8 experts, top-2, on CPU): the native step and transformers' on the same batch,
     FLOPs from the active parameters."""
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "train_step.py"), "--preset", "tiny",
-                           "--family", "qwen3_moe", "--steps", "1", "--warmup", "1", "--skip-loop",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "train_step.py"),
+            "--preset",
+            "tiny",
+            "--family",
+            "qwen3_moe",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--skip-loop",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (result,) = json.loads((tmp_path / "train_step_cpu_tiny_qwen3_moe.json").read_text())["cases"]
     assert set(result["results"]) == {"vlmcore", "transformers"}
@@ -56,4 +94,6 @@ def test_benchmark_runs_a_moe_model_against_transformers(tmp_path):
     # 1024^2. Counting all 8 experts would add 43 GFLOP, more than that whole range.
     active = 4 * (256 * 64 * 12 + 256 * 8 + 2 * 3 * 256 * 384) + 256 * 4096
     per_pair = 12 * 4 * 4 * 64
-    assert 6 * active * 1024 + per_pair * 2 * 512**2 <= result["flops_per_step"] <= 6 * active * 1024 + per_pair * 1024**2
+    assert (
+        6 * active * 1024 + per_pair * 2 * 512**2 <= result["flops_per_step"] <= 6 * active * 1024 + per_pair * 1024**2
+    )

@@ -25,24 +25,83 @@ REFUSED = [
     (["prepare", "--source", "{file}", "--out", "{out}", "--max-bad-fraction", "nan"], "--max-bad-fraction"),
     (["prepare", "--source", "{file}", "--out", "{out}", "--workers", "0"], "--workers"),
     (["prepare", "--source", "{file}", "--out", "{out}", "--max-image-pixels", "-1"], "--max-image-pixels"),
-    (["pack", "--data", "{dir}", "--model", "{dir}", "--out", "{out}", "--seq-len", "0", "--max-patches", "64"], "--seq-len"),
-    (["pack", "--data", "{dir}", "--model", "{dir}", "--out", "{out}", "--seq-len", "x", "--max-patches", "64"], "--seq-len"),
-    (["pack", "--data", "{dir}", "--model", "{dir}", "--out", "{out}", "--seq-len", "64", "--max-patches", "-1"], "--max-patches"),
-    (["pack", "--data", "{dir}", "--model", "{dir}", "--out", "{out}", "--seq-len", "64", "--max-patches", "64",
-      "--shard-size", "0"], "--shard-size"),
-    (["pack", "--data", "{dir}", "--model", "{dir}", "--out", "{out}", "--seq-len", "64", "--max-patches", "64",
-      "--max-bad-fraction", "-0.1"], "--max-bad-fraction"),
-    (["pack", "--data", "{missing}", "--model", "{dir}", "--out", "{out}", "--seq-len", "64", "--max-patches", "64"], "--data"),
-    (["pack", "--data", "{dir}", "--model", "{missing}", "--out", "{out}", "--seq-len", "64", "--max-patches", "64"], "--model"),
-    (["pack", "--data", "{dir}", "--model", "{file}", "--out", "{out}", "--seq-len", "64", "--max-patches", "64"], "--model"),
-    (["pack", "--data", "{dir}", "--model", "{dir}", "--out", "{dir}", "--seq-len", "64", "--max-patches", "64"], "--out"),
+    (
+        ["pack", "--data", "{dir}", "--model", "{dir}", "--out", "{out}", "--seq-len", "0", "--max-patches", "64"],
+        "--seq-len",
+    ),
+    (
+        ["pack", "--data", "{dir}", "--model", "{dir}", "--out", "{out}", "--seq-len", "x", "--max-patches", "64"],
+        "--seq-len",
+    ),
+    (
+        ["pack", "--data", "{dir}", "--model", "{dir}", "--out", "{out}", "--seq-len", "64", "--max-patches", "-1"],
+        "--max-patches",
+    ),
+    (
+        [
+            "pack",
+            "--data",
+            "{dir}",
+            "--model",
+            "{dir}",
+            "--out",
+            "{out}",
+            "--seq-len",
+            "64",
+            "--max-patches",
+            "64",
+            "--shard-size",
+            "0",
+        ],
+        "--shard-size",
+    ),
+    (
+        [
+            "pack",
+            "--data",
+            "{dir}",
+            "--model",
+            "{dir}",
+            "--out",
+            "{out}",
+            "--seq-len",
+            "64",
+            "--max-patches",
+            "64",
+            "--max-bad-fraction",
+            "-0.1",
+        ],
+        "--max-bad-fraction",
+    ),
+    (
+        ["pack", "--data", "{missing}", "--model", "{dir}", "--out", "{out}", "--seq-len", "64", "--max-patches", "64"],
+        "--data",
+    ),
+    (
+        ["pack", "--data", "{dir}", "--model", "{missing}", "--out", "{out}", "--seq-len", "64", "--max-patches", "64"],
+        "--model",
+    ),
+    (
+        ["pack", "--data", "{dir}", "--model", "{file}", "--out", "{out}", "--seq-len", "64", "--max-patches", "64"],
+        "--model",
+    ),
+    (
+        ["pack", "--data", "{dir}", "--model", "{dir}", "--out", "{dir}", "--seq-len", "64", "--max-patches", "64"],
+        "--out",
+    ),
     (["train", "{missing}"], "config"),
     (["memory", "{file}", "--world-size", "0"], "--world-size"),
     (["memory", "{file}", "--world-size", "1", "--seq-len", "-5"], "--seq-len"),
     (["kernels", "--gpu-capability", "hopper"], "--gpu-capability"),
     (["export", "--checkpoint", "{missing}", "--model", "{dir}", "--out", "{out}"], "--checkpoint"),
-    (["export", "--checkpoint", "{dir}", "--model", "{dir}", "--out", "{out}", "--max-shard-size", "5XB"], "--max-shard-size"),
-    (["export", "--checkpoint", "{dir}", "--model", "{dir}", "--out", "{out}", "--stage-config", "{missing}"], "--stage-config"),
+    (
+        ["export", "--checkpoint", "{dir}", "--model", "{dir}", "--out", "{out}", "--max-shard-size", "5XB"],
+        "--max-shard-size",
+    ),
+    (
+        ["export", "--checkpoint", "{dir}", "--model", "{dir}", "--out", "{out}", "--stage-config", "{missing}"],
+        "--stage-config",
+    ),
     (["eval", "--model", "{missing}", "--tasks", "arc_easy", "--out", "{out}"], "--model"),
     (["eval", "--model", "{dir}", "--tasks", "arc_easy", "--out", "{out}", "--batch-size", "0"], "--batch-size"),
     (["eval", "--model", "{dir}", "--tasks", "arc_easy", "--out", "{out}", "--limit", "0"], "--limit"),
@@ -60,8 +119,13 @@ def paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     (root / "dir").mkdir()
     (root / "file.yaml").write_text("model_path: nowhere\n")
-    return {"dir": str(root / "dir"), "file": str(root / "file.yaml"), "missing": str(root / "missing"),
-            "out": str(root / "out"), "root": root}
+    return {
+        "dir": str(root / "dir"),
+        "file": str(root / "file.yaml"),
+        "missing": str(root / "missing"),
+        "out": str(root / "out"),
+        "root": root,
+    }
 
 
 @pytest.mark.parametrize("argv,flag", REFUSED, ids=[f"{a[0]} {f}" for a, f in REFUSED])

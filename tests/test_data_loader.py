@@ -7,8 +7,8 @@ from functools import partial
 
 import pytest
 import torch
-
 from _data_helpers import make_demo_model_dir
+
 from vlmcore.data.encoder import IGNORE_INDEX, SampleEncoder
 from vlmcore.data.loader import build_loader, samples_in, write_blend
 from vlmcore.data.online import build_online_loader
@@ -54,7 +54,9 @@ def assert_same_batches(a, b):
 
 
 def test_batch_format(packed):
-    loader = build_loader(packed / "packed" / "conversations", dp_rank=0, dp_world=1, micro_batch_size=2, seed=0, num_workers=0)
+    loader = build_loader(
+        packed / "packed" / "conversations", dp_rank=0, dp_world=1, micro_batch_size=2, seed=0, num_workers=0
+    )
     config = load_hf_config(packed / "model")
     for batch in take(loader, 4):
         ids, labels, pos, cu = batch.input_ids, batch.labels, batch.position_ids, batch.cu_seqlens
@@ -64,7 +66,10 @@ def test_batch_format(packed):
         assert SEQ_LEN in cu.tolist()  # segments end at the row boundary
         assert torch.equal(pos, position_ids(config, ids, batch.images.grid_thw, cu))
         grid = batch.images.grid_thw
-        assert batch.images.pixel_values.dtype == torch.uint8 and batch.images.pixel_values.shape == (int(grid.prod(-1).sum()), 3 * 16 * 16)
+        assert batch.images.pixel_values.dtype == torch.uint8 and batch.images.pixel_values.shape == (
+            int(grid.prod(-1).sum()),
+            3 * 16 * 16,
+        )
         pixel_values = batch.to(torch.device("cpu")).images.pixel_values  # what the model gets
         assert grid.dtype == torch.int64 and pixel_values.shape == (int(grid.prod(-1).sum()), 3 * 2 * 16 * 16)
         assert int((ids == config.image_token_id).sum()) == batch.images.pixel_values.shape[0] // 4
@@ -80,7 +85,9 @@ def test_rows_hold_the_encoded_samples(packed):
     """Each segment of a packed row is exactly the encoder's output for that sample."""
     from vlmcore.data.shards import iter_shard_samples, shard_paths
 
-    loader = build_loader(packed / "packed" / "captions", dp_rank=0, dp_world=1, micro_batch_size=1, seed=0, num_workers=0)
+    loader = build_loader(
+        packed / "packed" / "captions", dp_rank=0, dp_world=1, micro_batch_size=1, seed=0, num_workers=0
+    )
     encoder = SampleEncoder(packed / "model")
     segments_by_tokens = {}
     for shard in shard_paths(packed / "packed" / "captions"):
@@ -108,10 +115,14 @@ def test_row_pixels_equal_the_image_processor(packed):
 
     path = packed / "packed" / "conversations"
     task_encoder = PackedTaskEncoder(path / "model", SEQ_LEN)
-    stored = [task_encoder.cook({"__key__": s.key, "__restore_key__": (), **s.data})
-              for s in iter_shard_samples(shard_paths(path)[0])][:2]
+    stored = [
+        task_encoder.cook({"__key__": s.key, "__restore_key__": (), **s.data})
+        for s in iter_shard_samples(shard_paths(path)[0])
+    ][:2]
     batch = task_encoder.batch([task_encoder.encode_sample(s) for s in stored])
-    images = [load_image(s.parts[name]) for s in stored for seg in json.loads(s.meta)["segments"] for name in seg["images"]]
+    images = [
+        load_image(s.parts[name]) for s in stored for seg in json.loads(s.meta)["segments"] for name in seg["images"]
+    ]
     assert len(images) >= 2
     expected = task_encoder.encoder.pixel_values(images)
     assert batch.images.pixel_values.dtype == torch.uint8
@@ -140,11 +151,17 @@ def test_resume_with_workers_yields_the_same_batches(packed):
     check_resume(packed / "packed" / "conversations", num_workers=2)
 
 
-def global_batches(path, steps, *, dp_world, micro_batch_size, grad_accum_steps, num_workers=0, seed=0, state=None,
-                   build=build_loader):
+def global_batches(
+    path, steps, *, dp_world, micro_batch_size, grad_accum_steps, num_workers=0, seed=0, state=None, build=build_loader
+):
     """The row keys of `steps` global batches, rank after rank, micro-batch after micro-batch."""
-    kwargs = dict(dp_world=dp_world, micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps,
-                  seed=seed, num_workers=num_workers)
+    kwargs = dict(
+        dp_world=dp_world,
+        micro_batch_size=micro_batch_size,
+        grad_accum_steps=grad_accum_steps,
+        seed=seed,
+        num_workers=num_workers,
+    )
     loaders = [build(path, dp_rank=r, **kwargs) for r in range(dp_world)]
     if state is not None:
         for loader in loaders:
@@ -155,10 +172,12 @@ def global_batches(path, steps, *, dp_world, micro_batch_size, grad_accum_steps,
 
 
 # The same global batch of 4 rows per step, split over ranks, micro-batches and workers differently.
-LAYOUTS = [dict(dp_world=1, micro_batch_size=4, grad_accum_steps=1),
-           dict(dp_world=2, micro_batch_size=1, grad_accum_steps=2),
-           dict(dp_world=4, micro_batch_size=1, grad_accum_steps=1, num_workers=2),
-           dict(dp_world=1, micro_batch_size=2, grad_accum_steps=2, num_workers=3)]
+LAYOUTS = [
+    dict(dp_world=1, micro_batch_size=4, grad_accum_steps=1),
+    dict(dp_world=2, micro_batch_size=1, grad_accum_steps=2),
+    dict(dp_world=4, micro_batch_size=1, grad_accum_steps=1, num_workers=2),
+    dict(dp_world=1, micro_batch_size=2, grad_accum_steps=2, num_workers=3),
+]
 
 
 @pytest.mark.parametrize("blend", [None, "weighted", "epochized"])
@@ -168,8 +187,11 @@ def test_global_batches_do_not_depend_on_the_layout(packed, blend):
     path = packed / "packed" / "conversations"
     if blend:
         path = packed / f"blend_{blend}.yaml"
-        write_blend(path, [(packed / "packed" / "captions", 1), (packed / "packed" / "conversations", 2)],
-                    epochized=blend == "epochized")
+        write_blend(
+            path,
+            [(packed / "packed" / "captions", 1), (packed / "packed" / "conversations", 2)],
+            epochized=blend == "epochized",
+        )
     runs = [global_batches(path, 6, **layout)[0] for layout in LAYOUTS]
     assert all(run == runs[0] for run in runs[1:])
     assert len({key for batch in runs[0] for key in batch}) > 12  # not one pack over and over
@@ -199,7 +221,9 @@ def test_every_pack_once_an_epoch_and_a_new_shuffle_the_next(packed):
 @pytest.mark.parametrize("epochized", [False, True])
 def test_blend_of_packed_datasets(packed, epochized):
     blend = packed / "blend.yaml"
-    write_blend(blend, [(packed / "packed" / "captions", 1), (packed / "packed" / "conversations", 2)], epochized=epochized)
+    write_blend(
+        blend, [(packed / "packed" / "captions", 1), (packed / "packed" / "conversations", 2)], epochized=epochized
+    )
     loader = build_loader(blend, dp_rank=0, dp_world=1, micro_batch_size=1, seed=0, num_workers=0)
     encoder = SampleEncoder(packed / "model")
     seen = {"captions": 0, "conversations": 0}
@@ -217,7 +241,16 @@ def test_data_parallel_ranks_read_different_packs(packed):
 
 
 def test_online_packing_loader(packed):
-    kwargs = dict(seq_len=SEQ_LEN, max_patches=256, buffer_size=16, dp_rank=0, dp_world=1, micro_batch_size=2, seed=1, num_workers=0)
+    kwargs = dict(
+        seq_len=SEQ_LEN,
+        max_patches=256,
+        buffer_size=16,
+        dp_rank=0,
+        dp_world=1,
+        micro_batch_size=2,
+        seed=1,
+        num_workers=0,
+    )
     loader = build_online_loader(packed / "data" / "conversations", packed / "model", **kwargs)
     it = iter(loader)
     first = [next(it) for _ in range(2)]
@@ -232,8 +265,9 @@ def test_online_packing_loader(packed):
 
 
 def online(packed, buffer_size=6):
-    return partial(build_online_loader, model_dir=packed / "model", seq_len=SEQ_LEN, max_patches=256,
-                   buffer_size=buffer_size)
+    return partial(
+        build_online_loader, model_dir=packed / "model", seq_len=SEQ_LEN, max_patches=256, buffer_size=buffer_size
+    )
 
 
 def test_online_packing_follows_the_global_batch(packed):

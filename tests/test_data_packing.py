@@ -12,14 +12,14 @@ import tarfile
 import time
 
 import pytest
+from _data_helpers import make_demo_model_dir, write_jsonl
 from PIL import Image
 
 import vlmcore.data.measure
 import vlmcore.data.pack
-from _data_helpers import make_demo_model_dir, write_jsonl
 from vlmcore.cli import main
-from vlmcore.data.pack import pack
 from vlmcore.data.bin_packing import best_fit_decreasing, packing_stats
+from vlmcore.data.pack import pack
 from vlmcore.data.prepare import prepare
 from vlmcore.data.shards import iter_shard_samples, shard_paths
 from vlmcore.data.synthetic import generate
@@ -82,8 +82,13 @@ def test_bfd_matches_the_plain_rule_when_either_budget_binds():
         seq_len = rng.choice([16, 100, 1024])
         max_patches = rng.choice([0, 8, 100, 3 * seq_len])
         n = rng.randint(1, 400)
-        tokens = [rng.randint(1, seq_len) if rng.random() < 0.3 else rng.randint(1, max(1, seq_len // 8)) for _ in range(n)]
-        patches = [min(max_patches, rng.choice([0, 0, 1, 4, max_patches // 3, max_patches // 2, max_patches])) for _ in range(n)]
+        tokens = [
+            rng.randint(1, seq_len) if rng.random() < 0.3 else rng.randint(1, max(1, seq_len // 8)) for _ in range(n)
+        ]
+        patches = [
+            min(max_patches, rng.choice([0, 0, 1, 4, max_patches // 3, max_patches // 2, max_patches]))
+            for _ in range(n)
+        ]
         expected = reference_best_fit_decreasing(tokens, patches, seq_len, max_patches)
         assert best_fit_decreasing(tokens, patches, seq_len, max_patches) == expected, seed
     tokens, patches = long_tailed_mix(2000, seed=3)
@@ -101,14 +106,24 @@ def demo(tmp_path_factory):
     # Two conversations far longer than the budget: a long answer, and a long question that
     # leaves nothing to train on once truncated.
     image = rows[0]["images"][0]
-    rows.append({"images": [image], "messages": [
-        {"role": "user", "content": "<image>\nWhat color is the shape?"},
-        {"role": "assistant", "content": "red " * 200},
-    ]})
-    rows.append({"images": [image], "messages": [
-        {"role": "user", "content": "<image>\n" + "What color is the shape? " * 60},
-        {"role": "assistant", "content": "red"},
-    ]})
+    rows.append(
+        {
+            "images": [image],
+            "messages": [
+                {"role": "user", "content": "<image>\nWhat color is the shape?"},
+                {"role": "assistant", "content": "red " * 200},
+            ],
+        }
+    )
+    rows.append(
+        {
+            "images": [image],
+            "messages": [
+                {"role": "user", "content": "<image>\n" + "What color is the shape? " * 60},
+                {"role": "assistant", "content": "red"},
+            ],
+        }
+    )
     write_jsonl(root / "raw" / "mixed.jsonl", rows + [{"text": "A red circle on a gray background."}] * 3)
     prepare([root / "raw" / "mixed.jsonl"], root / "data", shard_size=16)
     return root, model
@@ -119,7 +134,9 @@ def demo(tmp_path_factory):
 def test_pack_writes_packed_energon_dataset(demo, overlong):
     root, model = demo
     out = root / f"packed_{overlong}"
-    stats = pack(root / "data", model, out, seq_len=160, max_patches=96, overlong=overlong, shard_size=8, max_bad_fraction=0.1)
+    stats = pack(
+        root / "data", model, out, seq_len=160, max_patches=96, overlong=overlong, shard_size=8, max_bad_fraction=0.1
+    )
     assert (out / ".nv-meta" / ".info.json").is_file() and (out / "model" / "tokenizer.json").is_file()
     assert stats == json.loads((out / "stats.json").read_text())
     assert stats["bad"]["seen"] == 45
@@ -151,7 +168,19 @@ def test_unsafe_shard_members_are_rejected(demo, tmp_path):
             tar.addfile(info, io.BytesIO(sample))
     (data / ".nv-meta" / ".info.json").write_text(json.dumps({"shard_counts": {"shard-000000.tar": 4}}))
     out = tmp_path / "packed"
-    args = ["pack", "--data", str(data), "--model", str(model), "--out", str(out), "--seq-len", "64", "--max-patches", "64"]
+    args = [
+        "pack",
+        "--data",
+        str(data),
+        "--model",
+        str(model),
+        "--out",
+        str(out),
+        "--seq-len",
+        "64",
+        "--max-patches",
+        "64",
+    ]
     assert main(args + ["--max-bad-fraction", "0.4"]) == 1  # 2 of 4 bad
     assert main(args + ["--max-bad-fraction", "0.6"]) == 0
     stats = json.loads((out / "stats.json").read_text())
@@ -233,7 +262,10 @@ def test_packs_hold_the_stored_samples_and_do_not_depend_on_workers(demo, tmp_pa
     root, model = demo
     one, two = tmp_path / "one", tmp_path / "two"
     stats = pack(root / "data", model, one, seq_len=160, max_patches=96, shard_size=8, max_bad_fraction=0.1, workers=1)
-    assert pack(root / "data", model, two, seq_len=160, max_patches=96, shard_size=8, max_bad_fraction=0.1, workers=2) == stats
+    assert (
+        pack(root / "data", model, two, seq_len=160, max_patches=96, shard_size=8, max_bad_fraction=0.1, workers=2)
+        == stats
+    )
     assert packed_members(one) == packed_members(two)
 
     stored = {s.key: s.data for shard in shard_paths(root / "data") for s in iter_shard_samples(shard)}
@@ -287,16 +319,41 @@ def test_measure_pass_scattered_over_jobs_packs_the_same_bytes(demo, tmp_path):
     single = tmp_path / "single"
     stats = pack(root / "data", model, single, seq_len=160, max_patches=96, shard_size=8, max_bad_fraction=0.1)
     out = tmp_path / "scattered"
-    args = ["--data", str(root / "data"), "--model", str(model), "--out", str(out), "--seq-len", "160",
-            "--max-patches", "96", "--shard-size", "8", "--max-bad-fraction", "0.1", "--workers", "1"]
+    args = [
+        "--data",
+        str(root / "data"),
+        "--model",
+        str(model),
+        "--out",
+        str(out),
+        "--seq-len",
+        "160",
+        "--max-patches",
+        "96",
+        "--shard-size",
+        "8",
+        "--max-bad-fraction",
+        "0.1",
+        "--workers",
+        "1",
+    ]
     groups = 3
-    jobs = [subprocess.Popen([sys.executable, "-m", "vlmcore.cli", "pack", *args, "--measure-group", f"{g}/{groups}"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for g in range(groups)]
+    jobs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "vlmcore.cli", "pack", *args, "--measure-group", f"{g}/{groups}"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for g in range(groups)
+    ]
     for job in jobs:
         stdout, stderr = job.communicate(timeout=300)
         assert job.returncode == 0, stderr
     measured = out.with_name("scattered.measured")
-    assert sorted(p.name for p in measured.glob("*.npz")) == [f"{i:06d}.npz" for i in range(len(shard_paths(root / "data")))]
+    assert sorted(p.name for p in measured.glob("*.npz")) == [
+        f"{i:06d}.npz" for i in range(len(shard_paths(root / "data")))
+    ]
     assert not out.exists()
 
     def measuring_again(job):
@@ -324,8 +381,24 @@ PACK_ARGS = dict(seq_len=160, max_patches=96, shard_size=4, max_bad_fraction=0.1
 
 
 def cli_args(root, model, out) -> list[str]:
-    return ["--data", str(root / "data"), "--model", str(model), "--out", str(out), "--seq-len", "160", "--max-patches",
-            "96", "--shard-size", "4", "--max-bad-fraction", "0.1", "--workers", "1"]
+    return [
+        "--data",
+        str(root / "data"),
+        "--model",
+        str(model),
+        "--out",
+        str(out),
+        "--seq-len",
+        "160",
+        "--max-patches",
+        "96",
+        "--shard-size",
+        "4",
+        "--max-bad-fraction",
+        "0.1",
+        "--workers",
+        "1",
+    ]
 
 
 def test_writing_scattered_over_jobs_gives_the_same_bytes(demo, tmp_path):
@@ -341,9 +414,23 @@ def test_writing_scattered_over_jobs_gives_the_same_bytes(demo, tmp_path):
     partial = out.with_name("scattered.partial")
     assert not out.exists() and not list(partial.glob("shard-*")) and (partial / "plan" / "plan.json").is_file()
     groups = 2
-    jobs = [subprocess.Popen([sys.executable, "-m", "vlmcore.cli", "pack", *cli_args(root, model, out),
-                              "--write-group", f"{g}/{groups}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for g in range(groups)]
+    jobs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "vlmcore.cli",
+                "pack",
+                *cli_args(root, model, out),
+                "--write-group",
+                f"{g}/{groups}",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for g in range(groups)
+    ]
     for job in jobs:
         stdout, stderr = job.communicate(timeout=300)
         assert job.returncode == 0, stderr
@@ -385,8 +472,11 @@ def test_killed_while_writing_resumes_with_the_shards_left(demo, tmp_path):
     # Shard 2's file is a pipe that nobody reads: the writer blocks in it, after shards 0 and 1.
     blocker = partial / "shard-000002.tar.tmp"
     os.mkfifo(blocker)
-    job = subprocess.Popen([sys.executable, "-m", "vlmcore.cli", "pack", *cli_args(root, model, out)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    job = subprocess.Popen(
+        [sys.executable, "-m", "vlmcore.cli", "pack", *cli_args(root, model, out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 300
         while not (partial / "shard-000001.tar").is_file() and job.poll() is None and time.monotonic() < deadline:

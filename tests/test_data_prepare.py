@@ -11,9 +11,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from _data_helpers import write_jsonl
 from PIL import Image
 
-from _data_helpers import write_jsonl
 from vlmcore.data.prepare import prepare
 from vlmcore.data.quality import TooMuchBadData
 from vlmcore.data.shards import iter_shard_samples, shard_paths
@@ -56,22 +56,33 @@ def test_all_source_kinds(tmp_path):
     captions = write_jsonl(raw / "captions.jsonl", [{"image": "images/0.png", "caption": "a caption"}])
     # LLaVA JSON list: human/gpt turns, two images (one file, one embedded as base64), multi-turn.
     llava = raw / "llava.json"
-    llava.write_text(json.dumps([{
-        "id": "x",
-        "images": ["images/1.png", {"bytes": base64.b64encode(png_bytes(rgb(seed=7))).decode()}],
-        "conversations": [
-            {"from": "human", "value": "<image>\n<image>\nCompare."},
-            {"from": "gpt", "value": "Both are noise."},
-            {"from": "human", "value": "Sure?"},
-            {"from": "gpt", "value": "Yes."},
-        ],
-    }]))
+    llava.write_text(
+        json.dumps(
+            [
+                {
+                    "id": "x",
+                    "images": ["images/1.png", {"bytes": base64.b64encode(png_bytes(rgb(seed=7))).decode()}],
+                    "conversations": [
+                        {"from": "human", "value": "<image>\n<image>\nCompare."},
+                        {"from": "gpt", "value": "Both are noise."},
+                        {"from": "human", "value": "Sure?"},
+                        {"from": "gpt", "value": "Yes."},
+                    ],
+                }
+            ]
+        )
+    )
     # FineVision-style parquet: embedded image structs and user/assistant text pairs.
     finevision = raw / "finevision.parquet"
-    pq.write_table(pa.table({
-        "images": [[{"bytes": png_bytes(rgb(seed=8)), "path": None}]],
-        "texts": [[{"user": "What is this?", "assistant": "Noise."}]],
-    }), finevision)
+    pq.write_table(
+        pa.table(
+            {
+                "images": [[{"bytes": png_bytes(rgb(seed=8)), "path": None}]],
+                "texts": [[{"user": "What is this?", "assistant": "Noise."}]],
+            }
+        ),
+        finevision,
+    )
     text_parquet = raw / "text.parquet"
     pq.write_table(pa.table({"text": ["first document", "second document"]}), text_parquet)
     text_jsonl = write_jsonl(raw / "text.jsonl", [{"text": "third document"}])
@@ -85,7 +96,11 @@ def test_all_source_kinds(tmp_path):
     ).save_to_disk(str(hf_dir))
 
     out = tmp_path / "data"
-    stats = prepare([f"captions:{captions}", f"conversations:{llava}", finevision, text_parquet, text_jsonl, hf_dir], out, shard_size=3)
+    stats = prepare(
+        [f"captions:{captions}", f"conversations:{llava}", finevision, text_parquet, text_jsonl, hf_dir],
+        out,
+        shard_size=3,
+    )
     assert stats["samples"] == 7 and stats["shards"] == 3
     assert stats["samples_by_kind"] == {"conversation": 4, "text": 3}
     assert stats["images"] == 5
@@ -93,7 +108,10 @@ def test_all_source_kinds(tmp_path):
     assert (out / ".nv-meta" / ".info.json").is_file() and (out / "stats.json").is_file()
 
     samples = read_back(out)
-    assert samples[0]["messages"] == [{"role": "user", "content": "<image>"}, {"role": "assistant", "content": "a caption"}]
+    assert samples[0]["messages"] == [
+        {"role": "user", "content": "<image>"},
+        {"role": "assistant", "content": "a caption"},
+    ]
     assert [m["role"] for m in samples[1]["messages"]] == ["user", "assistant", "user", "assistant"]
     assert len(samples[1]["_images"]) == 2
     assert np.array_equal(np.asarray(samples[1]["_images"][1]), np.asarray(rgb(seed=7)))
@@ -124,7 +142,10 @@ def bad_source(tmp_path):
     (raw / "secret.png").write_bytes(png_bytes(rgb()))
 
     def conv(image, question="What is it?"):
-        return {"image": image, "conversations": [{"from": "human", "value": f"<image>\n{question}"}, {"from": "gpt", "value": "red"}]}
+        return {
+            "image": image,
+            "conversations": [{"from": "human", "value": f"<image>\n{question}"}, {"from": "gpt", "value": "red"}],
+        }
 
     rows = [
         conv("img/good.png"),
@@ -141,7 +162,10 @@ def bad_source(tmp_path):
         conv("img/bomb.png"),
         conv("../secret.png"),
         {"image": "img/good.png", "conversations": []},
-        {"image": "img/good.png", "conversations": [{"from": "alien", "value": "<image>"}, {"from": "gpt", "value": "x"}]},
+        {
+            "image": "img/good.png",
+            "conversations": [{"from": "alien", "value": "<image>"}, {"from": "gpt", "value": "x"}],
+        },
         conv("img/good.png", "<image> two tags, one image"),
         {"text": "smuggled <|image_pad|> token"},
     ]

@@ -14,9 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from _data_helpers import audio_only_clip, make_clip, make_demo_model_dir, write_jsonl
 from PIL import Image
 
-from _data_helpers import audio_only_clip, make_clip, make_demo_model_dir, write_jsonl
 from vlmcore.data.pack import pack
 from vlmcore.data.prepare import prepare
 from vlmcore.data.shards import iter_shard_samples, shard_paths
@@ -32,9 +32,11 @@ def png(seed: int, w: int = 32, h: int = 24) -> bytes:
 @pytest.fixture(scope="module")
 def raw(tmp_path_factory):
     root = tmp_path_factory.mktemp("video_sources")
-    clips = {"a.mp4": make_clip("libx264", "mp4", frames=30, rate=30, width=64, height=48),
-             "b.webm": make_clip("libvpx-vp9", "webm", frames=10, rate=25, width=48, height=32),
-             "c.avi": make_clip("mjpeg", "avi", frames=6, rate=15, width=33, height=21, pix_fmt="yuvj444p")}
+    clips = {
+        "a.mp4": make_clip("libx264", "mp4", frames=30, rate=30, width=64, height=48),
+        "b.webm": make_clip("libvpx-vp9", "webm", frames=10, rate=25, width=48, height=32),
+        "c.avi": make_clip("mjpeg", "avi", frames=6, rate=15, width=33, height=21, pix_fmt="yuvj444p"),
+    }
     (root / "clips").mkdir()
     for name, data in clips.items():
         (root / "clips" / name).write_bytes(data)
@@ -45,7 +47,9 @@ def raw(tmp_path_factory):
 
 
 def read_back(dataset_dir) -> list[tuple[dict, dict]]:
-    return [(json.loads(s.data["json"]), s.data) for shard in shard_paths(dataset_dir) for s in iter_shard_samples(shard)]
+    return [
+        (json.loads(s.data["json"]), s.data) for shard in shard_paths(dataset_dir) for s in iter_shard_samples(shard)
+    ]
 
 
 def convo(user: str, answer: str = "A square moves right.") -> list[dict]:
@@ -54,30 +58,46 @@ def convo(user: str, answer: str = "A square moves right.") -> list[dict]:
 
 def test_video_rows_of_every_source_shape(raw, tmp_path):
     root, clips = raw
-    jsonl = write_jsonl(root / "rows.jsonl", [
-        # LLaVA-Video-178K: one clip, ShareGPT turns
-        {"video": "clips/a.mp4", "conversations": [{"from": "human", "value": "<video>\nWhat moves?"},
-                                                    {"from": "gpt", "value": "A square."}]},
-        # several videos and an image in one sample
-        {"videos": ["clips/b.webm", "clips/c.avi"], "image": "x.png",
-         "messages": convo("<video><video><image> Compare the clips with the picture.")},
-        # no tags: prepended, as for images (LLaVA's convention), and counted as a repair
-        {"video": "clips/a.mp4", "messages": convo("Describe the clip.")},
-        # a clip shipped as frames, with its rate
-        {"video": ["f0.png", "f1.png", "f2.png", "f3.png"], "video_fps": 2, "caption": "Four frames."},
-        # embedded as base64, a caption row
-        {"video": {"bytes": base64.b64encode(clips["c.avi"]).decode()}, "caption": "A clip."},
-    ])
+    jsonl = write_jsonl(
+        root / "rows.jsonl",
+        [
+            # LLaVA-Video-178K: one clip, ShareGPT turns
+            {
+                "video": "clips/a.mp4",
+                "conversations": [
+                    {"from": "human", "value": "<video>\nWhat moves?"},
+                    {"from": "gpt", "value": "A square."},
+                ],
+            },
+            # several videos and an image in one sample
+            {
+                "videos": ["clips/b.webm", "clips/c.avi"],
+                "image": "x.png",
+                "messages": convo("<video><video><image> Compare the clips with the picture."),
+            },
+            # no tags: prepended, as for images (LLaVA's convention), and counted as a repair
+            {"video": "clips/a.mp4", "messages": convo("Describe the clip.")},
+            # a clip shipped as frames, with its rate
+            {"video": ["f0.png", "f1.png", "f2.png", "f3.png"], "video_fps": 2, "caption": "Four frames."},
+            # embedded as base64, a caption row
+            {"video": {"bytes": base64.b64encode(clips["c.avi"]).decode()}, "caption": "A clip."},
+        ],
+    )
     json_list = root / "rows.json"
     json_list.write_text(json.dumps([{"videos": ["clips/b.webm"], "messages": convo("<video> What is it?")}]))
     parquet = root / "rows.parquet"
-    pq.write_table(pa.Table.from_pylist([{"video": {"bytes": clips["a.mp4"], "path": "a.mp4"},
-                                          "messages": convo("<video> Watch.")}]), parquet)
+    pq.write_table(
+        pa.Table.from_pylist(
+            [{"video": {"bytes": clips["a.mp4"], "path": "a.mp4"}, "messages": convo("<video> Watch.")}]
+        ),
+        parquet,
+    )
     sources = [jsonl, json_list, parquet]
     import datasets  # a dependency of vlmcore (save_to_disk sources)
 
-    datasets.Dataset.from_list([{"video": {"bytes": clips["b.webm"], "path": "b.webm"},
-                                 "caption": "From a save_to_disk directory."}]).save_to_disk(str(root / "hf"))
+    datasets.Dataset.from_list(
+        [{"video": {"bytes": clips["b.webm"], "path": "b.webm"}, "caption": "From a save_to_disk directory."}]
+    ).save_to_disk(str(root / "hf"))
     sources.append(root / "hf")
 
     stats = prepare(sources, tmp_path / "data", shard_size=3, max_bad_fraction=0.0)
@@ -97,8 +117,14 @@ def test_video_rows_of_every_source_shape(raw, tmp_path):
     assert samples[1][0]["images"] == ["img0.png"]
     assert samples[2][0]["messages"][0]["content"] == "<video>\nDescribe the clip."
     frames = samples[3][0]["videos"][0]
-    assert frames == {"kind": "frames", "frames": 4, "fps": 2, "width": 32, "height": 24,
-                      "parts": [f"vid0_{j:05d}.png" for j in range(4)]}
+    assert frames == {
+        "kind": "frames",
+        "frames": 4,
+        "fps": 2,
+        "width": 32,
+        "height": 24,
+        "parts": [f"vid0_{j:05d}.png" for j in range(4)],
+    }
     assert [samples[3][1][p] for p in frames["parts"]] == [(root / f"f{j}.png").read_bytes() for j in range(4)]
 
 
@@ -106,12 +132,16 @@ def test_bad_videos_are_counted_by_reason_and_the_good_rows_kept(raw, tmp_path):
     root, clips = raw
     avi = make_clip("mjpeg", "avi", frames=30, rate=30, width=64, height=48, pix_fmt="yuvj444p")
     webm = make_clip("libvpx-vp9", "webm", frames=30, rate=30, width=64, height=48)
-    bad_files = {"garbage.mp4": b"not a video" * 50, "cut.avi": avi[: len(avi) * 6 // 10],
-                 "cut.webm": webm[: len(webm) * 6 // 10], "sound.wav": audio_only_clip(),
-                 "long.mp4": make_clip("libx264", "mp4", frames=90, rate=30, width=64, height=48),
-                 "big.mp4": make_clip("libx264", "mp4", frames=4, rate=30, width=128, height=96),
-                 # an MJPEG avi whose FourCC names a codec no FFmpeg knows
-                 "unknown.avi": avi.replace(b"MJPG", b"VLMX")}
+    bad_files = {
+        "garbage.mp4": b"not a video" * 50,
+        "cut.avi": avi[: len(avi) * 6 // 10],
+        "cut.webm": webm[: len(webm) * 6 // 10],
+        "sound.wav": audio_only_clip(),
+        "long.mp4": make_clip("libx264", "mp4", frames=90, rate=30, width=64, height=48),
+        "big.mp4": make_clip("libx264", "mp4", frames=4, rate=30, width=128, height=96),
+        # an MJPEG avi whose FourCC names a codec no FFmpeg knows
+        "unknown.avi": avi.replace(b"MJPG", b"VLMX"),
+    }
     for name, data in bad_files.items():
         (root / "clips" / name).write_bytes(data)
     (root / "wide.png").write_bytes(png(5, w=40))
@@ -130,20 +160,37 @@ def test_bad_videos_are_counted_by_reason_and_the_good_rows_kept(raw, tmp_path):
         {"video": ["f0.png", "gone.png"], "caption": "a frame missing"},
         {"video": "clips/a.mp4", "text": "a text document cannot carry a video"},
     ]
-    stats = prepare([write_jsonl(root / "bad.jsonl", rows)], tmp_path / "data", max_bad_fraction=0.6,
-                    max_video_seconds=2, max_image_pixels=10_000)
+    stats = prepare(
+        [write_jsonl(root / "bad.jsonl", rows)],
+        tmp_path / "data",
+        max_bad_fraction=0.6,
+        max_video_seconds=2,
+        max_image_pixels=10_000,
+    )
     assert stats["samples"] == 12
     assert stats["bad"]["skipped_by_reason"] == {
-        "missing_video": 1, "unreadable_video": 1, "truncated_video": 2, "no_video_stream": 1,
-        "video_too_long": 1, "video_too_large": 1, "video_tag_mismatch": 3, "bad_video_frame": 2, "unsupported_codec": 1}
+        "missing_video": 1,
+        "unreadable_video": 1,
+        "truncated_video": 2,
+        "no_video_stream": 1,
+        "video_too_long": 1,
+        "video_too_large": 1,
+        "video_tag_mismatch": 3,
+        "bad_video_frame": 2,
+        "unsupported_codec": 1,
+    }
 
 
 def video_rows(clips_dir: str) -> list[dict]:
-    return [{"video": f"{clips_dir}/a.mp4", "messages": convo("<video> What moves?")},
-            {"videos": [f"{clips_dir}/b.webm", f"{clips_dir}/c.avi"], "image": "x.png",
-             "messages": convo("<video><image><video> Which is longer?")},
-            {"video": ["f0.png", "f1.png", "f2.png", "f3.png", "f0.png"], "video_fps": 2, "caption": "Frames."}] + \
-        [{"text": f"a document number {i} about shapes"} for i in range(3)]
+    return [
+        {"video": f"{clips_dir}/a.mp4", "messages": convo("<video> What moves?")},
+        {
+            "videos": [f"{clips_dir}/b.webm", f"{clips_dir}/c.avi"],
+            "image": "x.png",
+            "messages": convo("<video><image><video> Which is longer?"),
+        },
+        {"video": ["f0.png", "f1.png", "f2.png", "f3.png", "f0.png"], "video_fps": 2, "caption": "Frames."},
+    ] + [{"text": f"a document number {i} about shapes"} for i in range(3)]
 
 
 @pytest.fixture(scope="module")
@@ -176,16 +223,25 @@ def test_videos_are_packed_and_loaded_as_the_processor_makes_them(raw, packed_vi
         videos = sample.get("videos", [])
         images = [Image.open(io.BytesIO(parts[name])).size for name in sample["images"]]
         enc = encoder.encode_text(sample, images, videos)
-        patches = [clip_patches(v, [parts[n] for n in ([v["part"]] if v["kind"] == "file" else v["parts"])],
-                                encoder.video_plan(v), encoder.video) for v in videos]
+        patches = [
+            clip_patches(
+                v,
+                [parts[n] for n in ([v["part"]] if v["kind"] == "file" else v["parts"])],
+                encoder.video_plan(v),
+                encoder.video,
+            )
+            for v in videos
+        ]
         expected[key] = (enc.input_ids, patches)
     loader = build_loader(out / "packed", dp_rank=0, dp_world=1, micro_batch_size=1, seed=0, num_workers=0)
     seen = set()
-    for batch in [next(it) for it in [iter(loader)] for _ in range(len(list((out / "packed").glob("shard-*.tar"))) * 2)]:
+    for batch in [
+        next(it) for it in [iter(loader)] for _ in range(len(list((out / "packed").glob("shard-*.tar"))) * 2)
+    ]:
         ids, video_patches, video_grids = batch.input_ids[0].tolist(), [], []
         position = 0
         for length in batch.segment_lengths().tolist():
-            segment = ids[position:position + length]
+            segment = ids[position : position + length]
             key = next((k for k, (e, _) in expected.items() if e == segment), None)
             if key is not None:
                 seen.add(key)
@@ -198,11 +254,20 @@ def test_videos_are_packed_and_loaded_as_the_processor_makes_them(raw, packed_vi
         assert batch.videos.grids() == video_grids
         assert torch.equal(batch.videos.pixel_values, torch.cat(video_patches))
         on_device = batch.to(torch.device("cpu")).videos.pixel_values
-        assert torch.equal(on_device, normalize_video_patches(torch.cat(video_patches), encoder.video.image_mean,
-                                                              encoder.video.image_std))
-        assert torch.equal(batch.position_ids, position_ids(
-            config, batch.input_ids, batch.images.grid_thw if batch.images else None, batch.cu_seqlens,
-            batch.videos.grid_thw))
+        assert torch.equal(
+            on_device,
+            normalize_video_patches(torch.cat(video_patches), encoder.video.image_mean, encoder.video.image_std),
+        )
+        assert torch.equal(
+            batch.position_ids,
+            position_ids(
+                config,
+                batch.input_ids,
+                batch.images.grid_thw if batch.images else None,
+                batch.cu_seqlens,
+                batch.videos.grid_thw,
+            ),
+        )
     assert seen == set(expected)
     longest = max(g[0] for _, patches in expected.values() for _, g in patches)
     assert stats["videos"] == 4 and stats["video_groups"] == longest  # what `vlmcore memory` estimates with
@@ -218,10 +283,13 @@ def test_a_clip_too_long_for_the_row_gets_fewer_frames(raw, tmp_path):
     root, _ = raw
     long_clip = make_clip("libx264", "mp4", frames=120, rate=30, width=64, height=48)  # 4 s: 8 frames at 2 fps
     (root / "clips" / "long4s.mp4").write_bytes(long_clip)
-    prepare([write_jsonl(root / "long.jsonl", [{"video": "clips/long4s.mp4", "messages": convo("<video> What?")}])],
-            tmp_path / "data", max_bad_fraction=0.0)
+    prepare(
+        [write_jsonl(root / "long.jsonl", [{"video": "clips/long4s.mp4", "messages": convo("<video> What?")}])],
+        tmp_path / "data",
+        max_bad_fraction=0.0,
+    )
     model = make_demo_model_dir(tmp_path / "model", max_pixels=64 * 64)
-    (sample, _), = read_back(tmp_path / "data")
+    ((sample, _),) = read_back(tmp_path / "data")
     encoder = SampleEncoder(model)
     whole = len(encoder.encode_text(sample, [], sample["videos"]).input_ids)
     halved = len(encoder.encode_text(sample, [], sample["videos"], max_frames=4).input_ids)
@@ -241,8 +309,18 @@ def test_online_packing_reads_videos_too(raw, packed_videos):
     from vlmcore.data.online import build_online_loader
 
     out, _ = packed_videos
-    loader = build_online_loader(out / "data", out / "model", seq_len=512, max_patches=2048, buffer_size=6,
-                                 dp_rank=0, dp_world=1, micro_batch_size=1, seed=0, num_workers=0)
+    loader = build_online_loader(
+        out / "data",
+        out / "model",
+        seq_len=512,
+        max_patches=2048,
+        buffer_size=6,
+        dp_rank=0,
+        dp_world=1,
+        micro_batch_size=1,
+        seed=0,
+        num_workers=0,
+    )
     rows = [loader.row(j) for j in range(len(loader.plan(0)))]
     assert sum(row.num_samples for row in rows) == 6 and not any(row.skipped for row in rows)
     assert sum(len(row.video_grid_thw) for row in rows if row.video_grid_thw is not None) == 4
@@ -251,7 +329,8 @@ def test_online_packing_reads_videos_too(raw, packed_videos):
 def test_a_text_model_refuses_video_samples_by_name(raw, tmp_path):
     root, _ = raw
     rows = [{"text": f"a document number {i} about shapes"} for i in range(6)] + [
-        {"video": "clips/a.mp4", "messages": convo("<video> What moves?")}]
+        {"video": "clips/a.mp4", "messages": convo("<video> What moves?")}
+    ]
     prepare([write_jsonl(root / "mixed.jsonl", rows)], tmp_path / "data", max_bad_fraction=0.0)
     text = shutil.copytree(make_demo_model_dir(tmp_path / "vl"), tmp_path / "text")
     for name in ("preprocessor_config.json", "video_preprocessor_config.json"):  # a text-only snapshot
@@ -266,15 +345,31 @@ def test_vlmcore_train_steps_on_packed_videos(raw, tmp_path):
     import math
 
     from _train_helpers import read_metrics, train, write_config
+
     from vlmcore.download import build_tiny_model
 
     root, _ = raw
-    build_tiny_model(tmp_path / "model", overrides={"text_config": {"num_hidden_layers": 1}, "vision_config": {"depth": 1}})
+    build_tiny_model(
+        tmp_path / "model", overrides={"text_config": {"num_hidden_layers": 1}, "vision_config": {"depth": 1}}
+    )
     prepare([write_jsonl(root / "train_videos.jsonl", video_rows("clips"))], tmp_path / "data", max_bad_fraction=0.0)
-    pack(tmp_path / "data", tmp_path / "model", tmp_path / "packed", seq_len=512, max_patches=2048, shard_size=2,
-         max_bad_fraction=0.0)
-    config = write_config(tmp_path / "train.yaml", tmp_path / "model", tmp_path / "out", steps=3,
-                          data_path=str(tmp_path / "packed"), data={"kind": "packed"})
+    pack(
+        tmp_path / "data",
+        tmp_path / "model",
+        tmp_path / "packed",
+        seq_len=512,
+        max_patches=2048,
+        shard_size=2,
+        max_bad_fraction=0.0,
+    )
+    config = write_config(
+        tmp_path / "train.yaml",
+        tmp_path / "model",
+        tmp_path / "out",
+        steps=3,
+        data_path=str(tmp_path / "packed"),
+        data={"kind": "packed"},
+    )
     train(1, config)
     metrics = read_metrics(tmp_path / "out")
     assert len(metrics) == 3 and all(math.isfinite(m["loss"]) for m in metrics)
@@ -288,13 +383,20 @@ def test_video_sampling_settings_of_a_pack(raw, tmp_path):
 
     root, _ = raw
     (root / "clips" / "long4s.mp4").write_bytes(make_clip("libx264", "mp4", frames=120, rate=30, width=64, height=48))
-    prepare([write_jsonl(root / "long.jsonl", [{"video": "clips/long4s.mp4", "messages": convo("<video> What?")}])],
-            tmp_path / "data", max_bad_fraction=0.0)
+    prepare(
+        [write_jsonl(root / "long.jsonl", [{"video": "clips/long4s.mp4", "messages": convo("<video> What?")}])],
+        tmp_path / "data",
+        max_bad_fraction=0.0,
+    )
     model = make_demo_model_dir(tmp_path / "model", max_pixels=64 * 64)
     grids = {}
     for name, video in (("default", None), ("one_fps", {"fps": 1.0}), ("capped", {"max_frames": 6, "fps": 4.0})):
-        pack(tmp_path / "data", model, tmp_path / name, seq_len=512, max_patches=4096, max_bad_fraction=0.0, video=video)
-        batch = next(iter(build_loader(tmp_path / name, dp_rank=0, dp_world=1, micro_batch_size=1, seed=0, num_workers=0)))
+        pack(
+            tmp_path / "data", model, tmp_path / name, seq_len=512, max_patches=4096, max_bad_fraction=0.0, video=video
+        )
+        batch = next(
+            iter(build_loader(tmp_path / name, dp_rank=0, dp_world=1, micro_batch_size=1, seed=0, num_workers=0))
+        )
         grids[name] = batch.videos.grids()[0][0]
         config = json.loads((tmp_path / name / "model" / "video_preprocessor_config.json").read_text())
         assert all(config[k] == v for k, v in (video or {}).items())

@@ -38,7 +38,9 @@ def test_generate_is_deterministic_and_well_formed(tmp_path):
     assert all(32 <= s <= 112 for size in sizes for s in size)
     for conv in conversations:
         tags = sum(m["content"].count("<image>") for m in conv["messages"])
-        assert tags == len(conv["images"]) and [m["role"] for m in conv["messages"]][::2] == ["user"] * (len(conv["messages"]) // 2)
+        assert tags == len(conv["images"]) and [m["role"] for m in conv["messages"]][::2] == ["user"] * (
+            len(conv["messages"]) // 2
+        )
     assert any(len(c["images"]) == 2 for c in conversations)
     assert any(len(c["messages"]) > 2 for c in conversations)
     train_images = {c["image"] for c in captions}
@@ -61,18 +63,36 @@ def test_demo_tokenizer(tmp_path):
     ids = special_token_ids(loaded)
     assert ids == special_token_ids(tokenizer)
     assert loaded.convert_ids_to_tokens(ids["image_token_id"]) == "<|image_pad|>"
-    assert len({ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "eos_token_id")}) == 5
+    assert (
+        len(
+            {
+                ids[k]
+                for k in (
+                    "image_token_id",
+                    "video_token_id",
+                    "vision_start_token_id",
+                    "vision_end_token_id",
+                    "eos_token_id",
+                )
+            }
+        )
+        == 5
+    )
     for token in QWEN_SPECIAL_TOKENS:
         assert len(loaded(token, add_special_tokens=False)["input_ids"]) == 1
     for text in texts[:50]:
         assert loaded.decode(loaded(text)["input_ids"]) == text
     rendered = loaded.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What color is the shape?"}]},
-         {"role": "assistant", "content": [{"type": "text", "text": "red"}]}],
+        [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What color is the shape?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
+        ],
         tokenize=False,
     )
-    assert rendered == ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What color is the shape?<|im_end|>\n"
-                        "<|im_start|>assistant\nred<|im_end|>\n")
+    assert rendered == (
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What color is the shape?<|im_end|>\n"
+        "<|im_start|>assistant\nred<|im_end|>\n"
+    )
 
 
 def test_processor_files_load_offline_without_torchvision(tmp_path):
@@ -111,8 +131,24 @@ def shapes_seen(frame):
 def test_video_demo_answers_are_in_the_sampled_frames(tmp_path):
     """Each held-out answer can be read off the frames the model is given, and not off one frame."""
     meta = synthetic_video.generate(tmp_path / "a", num_train=6, num_eval=24, seed=2)
-    assert main(["synth", "--kind", "video", "--out", str(tmp_path / "b"), "--num-train", "6", "--num-eval", "24",
-                 "--seed", "2"]) == 0
+    assert (
+        main(
+            [
+                "synth",
+                "--kind",
+                "video",
+                "--out",
+                str(tmp_path / "b"),
+                "--num-train",
+                "6",
+                "--num-eval",
+                "24",
+                "--seed",
+                "2",
+            ]
+        )
+        == 0
+    )
     same = filecmp.dircmp(tmp_path / "a" / "videos", tmp_path / "b" / "videos")
     assert not same.diff_files and not same.left_only and len(same.common) == 30
     root = tmp_path / "a"

@@ -21,12 +21,22 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-
 from _data_helpers import audio_only_clip, make_clip
+
 from vlmcore.data.quality import BadSample
-from vlmcore.data.video import (VideoSettings, decode_frames, encode_video, frame_size, frame_timestamps,
-                                normalize_video_patches, probe, resize_frames, sample_frames, video_patches,
-                                video_prompt)
+from vlmcore.data.video import (
+    VideoSettings,
+    decode_frames,
+    encode_video,
+    frame_size,
+    frame_timestamps,
+    normalize_video_patches,
+    probe,
+    resize_frames,
+    sample_frames,
+    video_patches,
+    video_prompt,
+)
 
 QWEN3_VL = "transformers.models.qwen3_vl"
 
@@ -35,8 +45,13 @@ def transformers_method(module: str, cls: str, name: str):
     """A method of a transformers class, compiled from transformers' own source without its
     annotations (the class itself does not import here: it needs torchvision)."""
     text = Path(importlib.util.find_spec(module).origin).read_text()
-    node = next(f for c in ast.parse(text).body if isinstance(c, ast.ClassDef) and c.name == cls
-                for f in c.body if isinstance(f, ast.FunctionDef) and f.name == name)
+    node = next(
+        f
+        for c in ast.parse(text).body
+        if isinstance(c, ast.ClassDef) and c.name == cls
+        for f in c.body
+        if isinstance(f, ast.FunctionDef) and f.name == name
+    )
     for arg in node.args.args + node.args.kwonlyargs:
         arg.annotation = None
     node.returns, node.decorator_list = None, []
@@ -47,8 +62,12 @@ def transformers_method(module: str, cls: str, name: str):
 
 CLIPS = {
     "h264_mp4_30": dict(codec="libx264", fmt="mp4", frames=24, rate=30, width=96, height=64),
-    "h264_mp4_29.97": dict(codec="libx264", fmt="mp4", frames=31, rate=fractions.Fraction(30000, 1001), width=96, height=64),
-    "h264_mp4_23.976": dict(codec="libx264", fmt="mp4", frames=25, rate=fractions.Fraction(24000, 1001), width=64, height=96),
+    "h264_mp4_29.97": dict(
+        codec="libx264", fmt="mp4", frames=31, rate=fractions.Fraction(30000, 1001), width=96, height=64
+    ),
+    "h264_mp4_23.976": dict(
+        codec="libx264", fmt="mp4", frames=25, rate=fractions.Fraction(24000, 1001), width=64, height=96
+    ),
     "vp9_webm": dict(codec="libvpx-vp9", fmt="webm", frames=12, rate=25, width=80, height=48),
     "mjpeg_avi_odd_size": dict(codec="mjpeg", fmt="avi", frames=9, rate=15, width=71, height=45, pix_fmt="yuvj444p"),
     "shorter_than_min_frames": dict(codec="libx264", fmt="mp4", frames=3, rate=30, width=64, height=64),
@@ -86,8 +105,15 @@ def test_frame_size_is_the_processors():
     s = VideoSettings()
     for frames in (2, 3, 4, 8, 64, 768):
         for height, width in ((45, 71), (64, 96), (720, 1280), (1080, 1920), (20, 500), (1920, 1080)):
-            expected = smart_resize(num_frames=frames, height=height, width=width, factor=32, temporal_factor=2,
-                                    min_pixels=s.min_pixels, max_pixels=s.max_pixels)
+            expected = smart_resize(
+                num_frames=frames,
+                height=height,
+                width=width,
+                factor=32,
+                temporal_factor=2,
+                min_pixels=s.min_pixels,
+                max_pixels=s.max_pixels,
+            )
             assert frame_size(frames, height, width, s) == tuple(expected), (frames, height, width)
 
 
@@ -98,8 +124,10 @@ def test_timestamps_and_prompt_are_the_processors():
             assert frame_timestamps(indices, fps) == reference(None, list(indices), fps, 2)
     tokens = {"video": "<|video_pad|>", "vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>"}
     prompt = video_prompt((2, 4, 6), [0.5, 1.25], 2, tokens)
-    assert prompt == ("<0.5 seconds><|vision_start|>" + "<|video_pad|>" * 6 + "<|vision_end|>"
-                      "<1.2 seconds><|vision_start|>" + "<|video_pad|>" * 6 + "<|vision_end|>")
+    assert prompt == (
+        "<0.5 seconds><|vision_start|>" + "<|video_pad|>" * 6 + "<|vision_end|>"
+        "<1.2 seconds><|vision_start|>" + "<|video_pad|>" * 6 + "<|vision_end|>"
+    )
 
 
 def test_patches_and_normalisation_are_the_processors():
@@ -141,15 +169,21 @@ def test_encode_video_end_to_end(clips, name):
 
 def test_bad_clips_are_refused_by_reason(clips):
     reasons = {}
-    for name, data in {"garbage": b"not a video at all" * 10,
-                       "cut_short": clips["h264_mp4_30"][: len(clips["h264_mp4_30"]) // 3]}.items():
+    for name, data in {
+        "garbage": b"not a video at all" * 10,
+        "cut_short": clips["h264_mp4_30"][: len(clips["h264_mp4_30"]) // 3],
+    }.items():
         with pytest.raises(BadSample) as e:
             encode_video(data, VideoSettings())
         reasons[name] = e.value.reason
     with pytest.raises(BadSample) as e:
         probe(audio_only_clip())
     reasons["audio_only"] = e.value.reason
-    assert reasons == {"garbage": "unreadable_video", "cut_short": reasons["cut_short"], "audio_only": "no_video_stream"}
+    assert reasons == {
+        "garbage": "unreadable_video",
+        "cut_short": reasons["cut_short"],
+        "audio_only": "no_video_stream",
+    }
     assert reasons["cut_short"] in ("unreadable_video", "truncated_video")
 
 
@@ -159,16 +193,20 @@ def test_bad_clips_are_refused_by_reason(clips):
 # `plan_video`, whose pieces are tested against the video processor's own code above. The text
 # expansion, the template and the tokenizer are the processor's.
 
+
 class VideoProcessorStandIn:
     def __init__(self, plans, fps):
         self.plans, self.fps = plans, fps
         self.merge_size, self.temporal_patch_size = 2, 2
 
     def __call__(self, videos, **kwargs):
-        return {"pixel_values_videos": torch.zeros(1, 1),
-                "video_grid_thw": torch.tensor([plan.grid for plan in self.plans]),
-                "video_metadata": [SimpleNamespace(fps=fps, frames_indices=plan.indices)
-                                   for plan, fps in zip(self.plans, self.fps)]}
+        return {
+            "pixel_values_videos": torch.zeros(1, 1),
+            "video_grid_thw": torch.tensor([plan.grid for plan in self.plans]),
+            "video_metadata": [
+                SimpleNamespace(fps=fps, frames_indices=plan.indices) for plan, fps in zip(self.plans, self.fps)
+            ],
+        }
 
 
 @pytest.fixture(scope="module")
@@ -186,15 +224,26 @@ def encoder(video_model):
 
 
 SAMPLES = {
-    "one video": ([{"role": "user", "content": "<video>\nWhat moves?"},
-                   {"role": "assistant", "content": "A green square."}], ["h264_mp4_30"], []),
+    "one video": (
+        [{"role": "user", "content": "<video>\nWhat moves?"}, {"role": "assistant", "content": "A green square."}],
+        ["h264_mp4_30"],
+        [],
+    ),
     "two videos and an image, two turns": (
-        [{"role": "user", "content": "<video> then <image> then <video>: same square?"},
-         {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "Which is faster?"},
-         {"role": "assistant", "content": "The first."}], ["h264_mp4_29.97", "mjpeg_avi_odd_size"], [(40, 30)]),
+        [
+            {"role": "user", "content": "<video> then <image> then <video>: same square?"},
+            {"role": "assistant", "content": "Yes."},
+            {"role": "user", "content": "Which is faster?"},
+            {"role": "assistant", "content": "The first."},
+        ],
+        ["h264_mp4_29.97", "mjpeg_avi_odd_size"],
+        [(40, 30)],
+    ),
     "frames without a rate, shorter than min_frames": (
         [{"role": "user", "content": "<video>"}, {"role": "assistant", "content": "Three frames."}],
-        ["shorter_than_min_frames"], []),
+        ["shorter_than_min_frames"],
+        [],
+    ),
 }
 
 
@@ -215,8 +264,9 @@ def test_video_sample_tokens_are_the_processors(encoder, clips, name):
     try:
         text = processor.apply_chat_template([to_chat_messages(messages)], tokenize=False)
         images = [Image.new("RGB", size) for size in image_sizes] or None
-        expected = processor(text=text, images=images, videos=[np.zeros((2, 8, 8, 3), np.uint8)] * len(metas),
-                             return_metadata=True)
+        expected = processor(
+            text=text, images=images, videos=[np.zeros((2, 8, 8, 3), np.uint8)] * len(metas), return_metadata=True
+        )
     finally:
         processor.video_processor = None
     assert enc.input_ids == expected["input_ids"][0]
@@ -267,20 +317,35 @@ def test_video_samples_equal_the_whole_processor_where_torchvision_loads(encoder
     if name.startswith("frames without a rate"):
         metas = [{**meta, "fps": None} for meta in metas]
     frames = [decode_frames(clips[c], list(range(info.frames))) for c, info in zip(clip_names, infos)]
-    metadata = [{"total_num_frames": meta["frames"], "fps": meta["fps"], "width": meta["width"],
-                 "height": meta["height"], "duration": meta["duration_s"] if meta["fps"] else None} for meta in metas]
+    metadata = [
+        {
+            "total_num_frames": meta["frames"],
+            "fps": meta["fps"],
+            "width": meta["width"],
+            "height": meta["height"],
+            "duration": meta["duration_s"] if meta["fps"] else None,
+        }
+        for meta in metas
+    ]
     text = processor.apply_chat_template([to_chat_messages(messages)], tokenize=False)
     images = [Image.new("RGB", size) for size in image_sizes] or None
-    out = processor(text=text, images=images, videos=frames, video_metadata=metadata, do_sample_frames=True,
-                    return_tensors="pt")
+    out = processor(
+        text=text, images=images, videos=frames, video_metadata=metadata, do_sample_frames=True, return_tensors="pt"
+    )
     enc = encoder.encode_text({"messages": messages}, image_sizes, metas)
     assert out["input_ids"][0].tolist() == enc.input_ids
     assert out["video_grid_thw"].tolist() == [list(g) for g in enc.video_grid_thw]
     settings = encoder.video
-    ours = torch.cat([normalize_video_patches(clip_patches({"kind": "file", **meta}, [clips[c]],
-                                                           encoder.video_plan(meta), settings)[0],
-                                              settings.image_mean, settings.image_std)
-                      for c, meta in zip(clip_names, metas)])
+    ours = torch.cat(
+        [
+            normalize_video_patches(
+                clip_patches({"kind": "file", **meta}, [clips[c]], encoder.video_plan(meta), settings)[0],
+                settings.image_mean,
+                settings.image_std,
+            )
+            for c, meta in zip(clip_names, metas)
+        ]
+    )
     torch.testing.assert_close(out["pixel_values_videos"], ours, rtol=0, atol=1e-5)
 
 
@@ -288,7 +353,7 @@ def test_truncation_never_splits_a_video(encoder, clips):
     messages, clip_names, _ = SAMPLES["one video"]
     metas = [probe(clips[c]).as_dict() for c in clip_names]
     enc = encoder.encode_text({"messages": [{"role": "user", "content": "Look: <video>"}] + messages[1:]}, [], metas)
-    (start, end), = enc.video_spans
+    ((start, end),) = enc.video_spans
     for max_len in (start + 1, (start + end) // 2, end - 1):
         assert encoder.truncation_point(enc.input_ids, max_len, enc.video_spans) == start
         truncated = encoder.truncate(enc, start)
@@ -351,8 +416,9 @@ def test_metadata_and_sampled_frames_are_transformers_pyav_readers(clips, name, 
         return
     (tmp_path / "clip").write_bytes(data)
     info, s = probe(data), VideoSettings(min_frames=2)
-    video, metadata = read_video_pyav(str(tmp_path / "clip"), lambda metadata, **kw: sample_frames(
-        metadata.total_num_frames, metadata.fps, s))
+    video, metadata = read_video_pyav(
+        str(tmp_path / "clip"), lambda metadata, **kw: sample_frames(metadata.total_num_frames, metadata.fps, s)
+    )
     assert (metadata.total_num_frames, metadata.fps) == (info.frames, info.fps)
     assert metadata.frames_indices == sample_frames(info.frames, info.fps, s)
     assert torch.equal(torch.from_numpy(video).permute(0, 3, 1, 2), decode_frames(data, metadata.frames_indices))

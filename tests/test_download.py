@@ -22,7 +22,13 @@ def test_tiny_model_is_a_real_snapshot(tiny):
     from vlmcore.models import from_pretrained
 
     manifest = verify_snapshot(tiny)
-    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", "preprocessor_config.json"} <= set(manifest["files"])
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "chat_template.jinja",
+        "preprocessor_config.json",
+    } <= set(manifest["files"])
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     reference = AutoModelForImageTextToText.from_pretrained(tiny)
     ids = special_token_ids(tokenizer)
@@ -31,7 +37,9 @@ def test_tiny_model_is_a_real_snapshot(tiny):
     native = from_pretrained(tiny)
     input_ids = torch.tensor([tokenizer("a red circle on the left").input_ids])
     with torch.no_grad():
-        torch.testing.assert_close(native(input_ids).logits, reference(input_ids=input_ids).logits, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            native(input_ids).logits, reference(input_ids=input_ids).logits, rtol=1e-4, atol=1e-5
+        )
 
 
 def test_tiny_model_is_deterministic(tiny, tmp_path):
@@ -111,7 +119,9 @@ def test_tiny_moe_model_is_a_qwen3_vl_moe_snapshot_transformers_loads(tmp_path):
     assert len(moe_blocks(native)) == 2
     input_ids = torch.tensor([tokenizer("a red circle on the left").input_ids])
     with torch.no_grad():
-        torch.testing.assert_close(native(input_ids).logits, reference(input_ids=input_ids).logits, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            native(input_ids).logits, reference(input_ids=input_ids).logits, rtol=1e-4, atol=1e-5
+        )
 
 
 def test_unknown_tiny_family_names_the_key(tmp_path):

@@ -12,17 +12,17 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
+from _export_helpers import tiny_snapshot
 from PIL import Image
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-from _export_helpers import tiny_snapshot
 from vlmcore import cli
 from vlmcore.data import IGNORE_INDEX, synthetic_video
 from vlmcore.data.encoder import SampleEncoder
 from vlmcore.data.processor import load_processor
 from vlmcore.data.synthetic import generate
-from vlmcore.eval.results import gather, results_table
 from vlmcore.data.video import decode_frames, normalize_video_patches, probe, resize_frames, video_patches
+from vlmcore.eval.results import gather, results_table
 from vlmcore.eval.runner import evaluate
 from vlmcore.eval.vlm import VideoClip
 
@@ -36,8 +36,26 @@ def vqa_run(tmp_path_factory):
     model = tiny_snapshot("qwen3_vl", root / "model")
     generate(root / "raw", num_train=2, num_eval=12, seed=3)
     out = root / "eval"
-    assert cli.main(["eval", "--model", str(model), "--tasks", "demo_vqa,demo_vqa_gen", "--vqa-data", str(root / "raw/eval.jsonl"),
-                     "--out", str(out), "--limit", str(LIMIT), "--batch-size", "4"]) == 0
+    assert (
+        cli.main(
+            [
+                "eval",
+                "--model",
+                str(model),
+                "--tasks",
+                "demo_vqa,demo_vqa_gen",
+                "--vqa-data",
+                str(root / "raw/eval.jsonl"),
+                "--out",
+                str(out),
+                "--limit",
+                str(LIMIT),
+                "--batch-size",
+                "4",
+            ]
+        )
+        == 0
+    )
     return root, model, out
 
 
@@ -50,9 +68,9 @@ def answer_logprob(model, processor, image_path, question, answer) -> float:
     with torch.no_grad():
         logits = model(**inputs).logits[0]
     ids = inputs["input_ids"][0]
-    assert ids[-len(answer_ids):].tolist() == answer_ids
-    log_probs = F.log_softmax(logits[-len(answer_ids) - 1:-1].float(), dim=-1)
-    return log_probs.gather(-1, ids[-len(answer_ids):, None]).sum().item()
+    assert ids[-len(answer_ids) :].tolist() == answer_ids
+    log_probs = F.log_softmax(logits[-len(answer_ids) - 1 : -1].float(), dim=-1)
+    return log_probs.gather(-1, ids[-len(answer_ids) :, None]).sum().item()
 
 
 def test_vqa_scores_equal_a_direct_transformers_forward(vqa_run):
@@ -63,7 +81,9 @@ def test_vqa_scores_equal_a_direct_transformers_forward(vqa_run):
     processor = load_processor(model_dir)
     for sample in samples[:4]:
         doc = sample["doc"]
-        expected = [answer_logprob(model, processor, root / "raw" / doc["image"], doc["question"], c) for c in doc["choices"]]
+        expected = [
+            answer_logprob(model, processor, root / "raw" / doc["image"], doc["question"], c) for c in doc["choices"]
+        ]
         got = [resp[0][0] for resp in sample["resps"]]
         assert got == pytest.approx(expected, abs=1e-4), doc["id"]
         assert sample["acc"] == float(max(range(len(got)), key=got.__getitem__) == doc["answer"])
@@ -80,8 +100,10 @@ def test_free_answers_equal_transformers_generate(vqa_run):
         doc = sample["doc"]
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "\n" + doc["question"]}]}]
         prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        inputs = processor(text=[prompt], images=[Image.open(root / "raw" / doc["image"]).convert("RGB")], return_tensors="pt")
-        tokens = model.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+        inputs = processor(
+            text=[prompt], images=[Image.open(root / "raw" / doc["image"]).convert("RGB")], return_tensors="pt"
+        )
+        tokens = model.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1] :]
         text = processor.tokenizer.decode(tokens, skip_special_tokens=False)
         expected = text.split("<|im_end|>")[0].split("\n")[0]
         assert sample["resps"][0][0] == expected.replace("<|endoftext|>", "")
@@ -98,7 +120,11 @@ def test_vqa_results_have_chance_levels_and_kinds(vqa_run):
     breakdown = result["breakdown"]["demo_vqa"]
     assert set(breakdown) == {"color", "shape", "side"}
     for kind, figures in breakdown.items():
-        assert figures["chance"] == pytest.approx(meta["chance"][kind]) and figures["n"] == 3 and figures["metric"] == "acc"
+        assert (
+            figures["chance"] == pytest.approx(meta["chance"][kind])
+            and figures["n"] == 3
+            and figures["metric"] == "acc"
+        )
     acc = result["results"]["demo_vqa"]["acc,none"]
     assert acc == pytest.approx(sum(f["value"] * f["n"] for f in breakdown.values()) / LIMIT)
     generated = result["breakdown"]["demo_vqa_gen"]
@@ -107,7 +133,11 @@ def test_vqa_results_have_chance_levels_and_kinds(vqa_run):
     table = pd.read_csv(out / "results.csv", keep_default_na=False)
     overall = table[(table["task"] == "demo_vqa") & (table["subset"] == "") & (table["metric"] == "acc")]
     assert overall["value"].item() == pytest.approx(acc) and overall["n_samples"].item() == LIMIT
-    assert sorted(table[(table["subset"] != "") & (table["task"] == "demo_vqa")]["subset"]) == ["color", "shape", "side"]
+    assert sorted(table[(table["subset"] != "") & (table["task"] == "demo_vqa")]["subset"]) == [
+        "color",
+        "shape",
+        "side",
+    ]
 
 
 def test_gather_stacks_runs_into_one_table(vqa_run):
@@ -126,8 +156,24 @@ def video_qa_run(tmp_path_factory):
     model = tiny_snapshot("qwen3_vl", root / "model")
     synthetic_video.generate(root / "raw", num_train=1, num_eval=6, seed=1)
     out = root / "eval"
-    assert cli.main(["eval", "--model", str(model), "--tasks", "demo_video_qa,demo_video_qa_shuffled", "--vqa-data",
-                     str(root / "raw/eval.jsonl"), "--out", str(out), "--batch-size", "4"]) == 0
+    assert (
+        cli.main(
+            [
+                "eval",
+                "--model",
+                str(model),
+                "--tasks",
+                "demo_video_qa,demo_video_qa_shuffled",
+                "--vqa-data",
+                str(root / "raw/eval.jsonl"),
+                "--out",
+                str(out),
+                "--batch-size",
+                "4",
+            ]
+        )
+        == 0
+    )
     return root, model, out
 
 
@@ -136,23 +182,28 @@ def video_answer_logprob(model, encoder, clip: bytes, question, answer, frame_or
     (SampleEncoder: the conversation with its answer), scored by a transformers forward."""
     info = probe(clip)
     meta = {"kind": "file", **info.as_dict()}
-    conversation = {"messages": [{"role": "user", "content": "<video>\n" + question}, {"role": "assistant", "content": answer}]}
+    conversation = {
+        "messages": [{"role": "user", "content": "<video>\n" + question}, {"role": "assistant", "content": answer}]
+    }
     enc = encoder.encode_text(conversation, [], [meta])
     first = next(t for t, label in enumerate(enc.labels) if label != IGNORE_INDEX) + 1  # the answer's first token
     answer_ids = encoder.tokenizer(answer, add_special_tokens=False)["input_ids"]
-    ids = enc.input_ids[:first + len(answer_ids)]
+    ids = enc.input_ids[: first + len(answer_ids)]
     assert ids[first:] == answer_ids
     plan = encoder.video_plan(meta)
     frames = decode_frames(clip, plan.indices)
     if frame_order is not None:
         frames = frames[frame_order]
     patches, grid = video_patches(resize_frames(frames, *plan.size), encoder.video)
-    inputs = {"input_ids": torch.tensor([ids]), "video_grid_thw": torch.tensor([grid]),
-              "pixel_values_videos": normalize_video_patches(patches, encoder.video.image_mean, encoder.video.image_std),
-              "mm_token_type_ids": torch.tensor(encoder.processor.create_mm_token_type_ids([ids]))}
+    inputs = {
+        "input_ids": torch.tensor([ids]),
+        "video_grid_thw": torch.tensor([grid]),
+        "pixel_values_videos": normalize_video_patches(patches, encoder.video.image_mean, encoder.video.image_std),
+        "mm_token_type_ids": torch.tensor(encoder.processor.create_mm_token_type_ids([ids])),
+    }
     with torch.no_grad():
         logits = model(**inputs).logits[0]
-    log_probs = F.log_softmax(logits[first - 1:len(ids) - 1].float(), dim=-1)
+    log_probs = F.log_softmax(logits[first - 1 : len(ids) - 1].float(), dim=-1)
     return log_probs.gather(-1, torch.tensor(answer_ids)[:, None]).sum().item()
 
 
@@ -199,8 +250,11 @@ metadata: {{version: 1.0}}
 def test_text_task_runs_through_lm_eval_hf_model(tmp_path):
     model_dir = tiny_snapshot("qwen3", tmp_path / "model")
     data = tmp_path / "tiny_colors.jsonl"
-    questions = [("What color is the sky?", ["blue", "red", "green"], 0), ("What color is grass?", ["red", "green"], 1),
-                 ("What color is snow?", ["white", "black", "red", "blue"], 0)]
+    questions = [
+        ("What color is the sky?", ["blue", "red", "green"], 0),
+        ("What color is grass?", ["red", "green"], 1),
+        ("What color is snow?", ["white", "black", "red", "blue"], 0),
+    ]
     data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in questions))
     tasks = tmp_path / "tasks"
     tasks.mkdir()
@@ -216,8 +270,10 @@ def test_text_task_runs_through_lm_eval_hf_model(tmp_path):
         continuation = tokenizer(" " + choice)["input_ids"]
         with torch.no_grad():
             logits = model(torch.tensor([context + continuation])).logits[0]
-        log_probs = F.log_softmax(logits[len(context) - 1:-1], dim=-1)
-        assert resp[0][0] == pytest.approx(log_probs.gather(-1, torch.tensor(continuation)[:, None]).sum().item(), abs=1e-4)
+        log_probs = F.log_softmax(logits[len(context) - 1 : -1], dim=-1)
+        assert resp[0][0] == pytest.approx(
+            log_probs.gather(-1, torch.tensor(continuation)[:, None]).sum().item(), abs=1e-4
+        )
     assert results_table(result)["task"].tolist() == ["tiny_colors"]
 
 

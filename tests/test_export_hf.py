@@ -6,16 +6,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from _export_helpers import perturbed, tiny_snapshot, write_final_checkpoint
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from _export_helpers import perturbed, tiny_snapshot, write_final_checkpoint
 from vlmcore import cli
 from vlmcore.export import export_hf, load_final_state_dict
 
-AUTO_CLASS = {"qwen3": AutoModelForCausalLM, "qwen3_vl": AutoModelForImageTextToText, "qwen3_5": AutoModelForImageTextToText}
+AUTO_CLASS = {
+    "qwen3": AutoModelForCausalLM,
+    "qwen3_vl": AutoModelForImageTextToText,
+    "qwen3_5": AutoModelForImageTextToText,
+}
 
 
 def vl_inputs(model_dir: Path) -> dict:
@@ -37,7 +41,9 @@ def exported(request, tmp_path_factory):
     snapshot = tiny_snapshot(family, root / "model")
     trained = perturbed(AUTO_CLASS[family].from_pretrained(snapshot)).eval()
     final = write_final_checkpoint(trained, root / "train" / "stage1")
-    out = export_hf(final, snapshot, root / "hf", stage_configs=[root / "train/stage1/config.yaml"], max_shard_size="100KB")
+    out = export_hf(
+        final, snapshot, root / "hf", stage_configs=[root / "train/stage1/config.yaml"], max_shard_size="100KB"
+    )
     return family, snapshot, final, out, trained
 
 
@@ -46,7 +52,13 @@ def test_export_writes_a_complete_sharded_hf_directory(exported):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(out.glob("model-*.safetensors"))
     assert len(shards) > 1 and set(index["weight_map"].values()) == {p.name for p in shards}
-    for name in ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]:
+    for name in [
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ]:
         assert (out / name).read_bytes() == (snapshot / name).read_bytes(), name
     if family != "qwen3":
         assert (out / "preprocessor_config.json").is_file() and (out / "processor_config.json").is_file()
@@ -62,7 +74,9 @@ def test_transformers_logits_equal_the_checkpoint(exported):
         expected, got = trained(**inputs).logits, loaded(**inputs).logits
     source = AUTO_CLASS[family].from_pretrained(snapshot).eval()
     with torch.no_grad():
-        assert not torch.allclose(source(**inputs).logits, got), "the export must hold the trained weights, not the snapshot's"
+        assert not torch.allclose(source(**inputs).logits, got), (
+            "the export must hold the trained weights, not the snapshot's"
+        )
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
@@ -93,7 +107,9 @@ def test_load_final_state_dict_matches_the_trained_weights(exported):
 
 def test_provenance_records_source_stages_code_and_data(tmp_path):
     snapshot = tiny_snapshot("qwen3", tmp_path / "model")
-    final = write_final_checkpoint(AutoModelForCausalLM.from_pretrained(snapshot), tmp_path / "train" / "stage2", step=11)
+    final = write_final_checkpoint(
+        AutoModelForCausalLM.from_pretrained(snapshot), tmp_path / "train" / "stage2", step=11
+    )
     stats = []
     for dataset, samples in [("captions", 100), ("conversations", 250)]:
         path = tmp_path / "packed" / dataset / "stats.json"
@@ -101,9 +117,26 @@ def test_provenance_records_source_stages_code_and_data(tmp_path):
         path.write_text(json.dumps({"num_samples": samples, "efficiency": 0.9, "skipped": {"too_long": 1}}))
         stats.append(path)
     out = tmp_path / "hf"
-    assert cli.main(["export", "--checkpoint", str(final), "--model", str(snapshot), "--out", str(out),
-                     "--stage-config", str(tmp_path / "train/stage2/config.yaml"),
-                     "--data-stats", str(stats[0]), "--data-stats", str(stats[1])]) == 0
+    assert (
+        cli.main(
+            [
+                "export",
+                "--checkpoint",
+                str(final),
+                "--model",
+                str(snapshot),
+                "--out",
+                str(out),
+                "--stage-config",
+                str(tmp_path / "train/stage2/config.yaml"),
+                "--data-stats",
+                str(stats[0]),
+                "--data-stats",
+                str(stats[1]),
+            ]
+        )
+        == 0
+    )
     provenance = json.loads((out / "provenance.json").read_text())
     assert provenance["source"]["repo_id"] == "test/tiny-qwen3" and provenance["source"]["revision"] == "seed0"
     assert provenance["checkpoint"]["meta"]["step"] == 11
@@ -120,14 +153,28 @@ def test_provenance_records_source_stages_code_and_data(tmp_path):
 def test_dtype_cast_and_default_keeps_the_snapshot_dtype(tmp_path):
     snapshot = tiny_snapshot("qwen3", tmp_path / "model")
     final = write_final_checkpoint(AutoModelForCausalLM.from_pretrained(snapshot), tmp_path / "train" / "stage1")
-    assert cli.main(["export", "--checkpoint", str(final), "--model", str(snapshot), "--out", str(tmp_path / "bf16"),
-                     "--dtype", "bfloat16"]) == 0
+    assert (
+        cli.main(
+            [
+                "export",
+                "--checkpoint",
+                str(final),
+                "--model",
+                str(snapshot),
+                "--out",
+                str(tmp_path / "bf16"),
+                "--dtype",
+                "bfloat16",
+            ]
+        )
+        == 0
+    )
     with safe_open(tmp_path / "bf16" / "model.safetensors", framework="pt") as f:
-        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+        assert {f.get_slice(k).get_dtype() for k in f} == {"BF16"}
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
     export_hf(final, snapshot, tmp_path / "same")
     with safe_open(tmp_path / "same" / "model.safetensors", framework="pt") as f:
-        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+        assert {f.get_slice(k).get_dtype() for k in f} == {"F32"}
 
 
 def test_mismatched_checkpoint_fails_and_keeps_the_previous_export(tmp_path):
@@ -166,12 +213,19 @@ def test_export_of_a_tensor_parallel_training_run(tmp_path, family):
     """`vlmcore train` under torchrun with tp=2 (Qwen3.5's fused projections sharded by head) writes
     final/; the export of it gives transformers the logits vlmcore's single-process model has."""
     import _train_helpers as train_helpers
+
     import vlmcore.models
     from vlmcore.train.checkpoint import load_model_weights
 
     snapshot = train_helpers.tiny_snapshot(family, tmp_path / "model")
-    config = train_helpers.write_config(tmp_path / "stage.yaml", snapshot, tmp_path / "train" / "stage1", steps=2,
-                                        parallel={"dp_shard": 1, "tp": 2}, data={"seq_len": 24})
+    config = train_helpers.write_config(
+        tmp_path / "stage.yaml",
+        snapshot,
+        tmp_path / "train" / "stage1",
+        steps=2,
+        parallel={"dp_shard": 1, "tp": 2},
+        data={"seq_len": 24},
+    )
     train_helpers.train(2, config)
     final = tmp_path / "train" / "stage1" / "final"
     out = export_hf(final, snapshot, tmp_path / "hf", stage_configs=[tmp_path / "train/stage1/config.yaml"])
@@ -183,9 +237,15 @@ def test_export_of_a_tensor_parallel_training_run(tmp_path, family):
     source = AutoModelForImageTextToText.from_pretrained(snapshot).eval()
     image_token = loaded.config.image_token_id
     grid = torch.tensor([[1, 4, 6]])  # 24 patches -> 6 image tokens after the 2x2 merge
-    input_ids = torch.cat([torch.randint(0, 200, (1, 5)), torch.full((1, 6), image_token), torch.randint(0, 200, (1, 7))], 1)
-    inputs = {"input_ids": input_ids, "pixel_values": torch.randn(24, 3 * 2 * 16 * 16), "image_grid_thw": grid,
-              "mm_token_type_ids": (input_ids == image_token).long()}
+    input_ids = torch.cat(
+        [torch.randint(0, 200, (1, 5)), torch.full((1, 6), image_token), torch.randint(0, 200, (1, 7))], 1
+    )
+    inputs = {
+        "input_ids": input_ids,
+        "pixel_values": torch.randn(24, 3 * 2 * 16 * 16),
+        "image_grid_thw": grid,
+        "mm_token_type_ids": (input_ids == image_token).long(),
+    }
     with torch.no_grad():
         got = loaded(**inputs).logits
         assert not torch.allclose(got, source(**inputs).logits), "training must have changed the weights"
@@ -207,15 +267,21 @@ def test_exported_model_reads_video_as_the_native_model_does(exported):
     config = native.config
     g = torch.Generator().manual_seed(0)
     group = [config.vision_start_token_id] + [config.video_token_id] * 4 + [config.vision_end_token_id]
-    ids = torch.cat([torch.randint(0, 300, (5,), generator=g)]
-                    + [torch.cat([torch.randint(0, 300, (3,), generator=g), torch.tensor(group)]) for _ in range(2)]
-                    + [torch.randint(0, 300, (4,), generator=g)])[None]
+    ids = torch.cat(
+        [torch.randint(0, 300, (5,), generator=g)]
+        + [torch.cat([torch.randint(0, 300, (3,), generator=g), torch.tensor(group)]) for _ in range(2)]
+        + [torch.randint(0, 300, (4,), generator=g)]
+    )[None]
     grid = torch.tensor([[2, 4, 4]])
     pixels = torch.randn(2 * 16, 3 * 2 * 16 * 16, generator=g)
     loaded = AUTO_CLASS[family].from_pretrained(out).eval()
     with torch.no_grad():
-        ref = loaded(input_ids=ids, pixel_values_videos=pixels, video_grid_thw=grid,
-                     mm_token_type_ids=2 * (ids == config.video_token_id).int()).logits
+        ref = loaded(
+            input_ids=ids,
+            pixel_values_videos=pixels,
+            video_grid_thw=grid,
+            mm_token_type_ids=2 * (ids == config.video_token_id).int(),
+        ).logits
         got = native.eval()(ids, pixel_values_videos=pixels, video_grid_thw=grid).logits
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
@@ -230,8 +296,22 @@ def test_export_samples_video_as_the_packed_data_was(tmp_path):
     final = write_final_checkpoint(AutoModelForImageTextToText.from_pretrained(snapshot), tmp_path / "train" / "stage1")
     packed = tmp_path / "packed" / "videos"
     copy_model_files(snapshot, packed, video={"fps": 1, "max_frames": 32, "max_pixels": 4096})
-    assert cli.main(["export", "--checkpoint", str(final), "--model", str(snapshot), "--out", str(tmp_path / "hf"),
-                     "--packed-data", str(packed)]) == 0
+    assert (
+        cli.main(
+            [
+                "export",
+                "--checkpoint",
+                str(final),
+                "--model",
+                str(snapshot),
+                "--out",
+                str(tmp_path / "hf"),
+                "--packed-data",
+                str(packed),
+            ]
+        )
+        == 0
+    )
     settings = SampleEncoder(tmp_path / "hf").video
     assert (settings.fps, settings.max_frames, settings.max_pixels) == (1, 32, 4096)
     assert settings == SampleEncoder(packed / "model").video != SampleEncoder(snapshot).video

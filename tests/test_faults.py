@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from _export_helpers import tiny_snapshot as tiny_hf_snapshot
 from _export_helpers import write_final_checkpoint
 from _train_helpers import REPO, env, load_dcp, read_metrics, tiny_snapshot, train, write_config
+from transformers import AutoModelForCausalLM
+
 from vlmcore.export import export_hf
 
 pytestmark = pytest.mark.slow
@@ -44,7 +44,9 @@ def worker_pids(torchrun: subprocess.Popen) -> dict[int, int]:
     children = Path(f"/proc/{torchrun.pid}/task/{torchrun.pid}/children").read_text().split()
     ranks = {}
     for pid in map(int, children):
-        environ = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+        environ = dict(
+            item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item
+        )
         if "RANK" in environ:
             ranks[int(environ["RANK"])] = pid
     return ranks
@@ -65,14 +67,21 @@ def run_until(cfg: Path, out: Path, step: int, fault, ready=None) -> tuple[subpr
     --standalone), applies `fault(torchrun)` once rank 0 has logged `step` (or once `ready(torchrun)`),
     and returns the finished process and the last step it logged (read once it has ended)."""
     path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"  # the launcher runs `torchrun`
-    torchrun = subprocess.Popen(["bash", str(LAUNCHER), "1", "2", str(cfg)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=dict(env(), PATH=path))
+    torchrun = subprocess.Popen(
+        ["bash", str(LAUNCHER), "1", "2", str(cfg)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(env(), PATH=path),
+    )
     ready = ready or (lambda t: last_step(out) >= step)
     deadline = time.time() + 240
     while not ready(torchrun) and torchrun.poll() is None and time.time() < deadline:
         time.sleep(0.02)
     reached = last_step(out)
-    assert torchrun.poll() is None and reached < STEPS, f"the run ended before step {step}:\n{torchrun.communicate()[1][-3000:]}"
+    assert torchrun.poll() is None and reached < STEPS, (
+        f"the run ended before step {step}:\n{torchrun.communicate()[1][-3000:]}"
+    )
     fault(torchrun)
     stdout, stderr = torchrun.communicate(timeout=240)
     return subprocess.CompletedProcess(torchrun.args, torchrun.returncode, stdout, stderr), last_step(out)
@@ -89,7 +98,9 @@ def test_two_process_run_killed_at_random_steps_ends_bit_identical(tmp_path):
     print(f"VLMCORE_FAULT_SEED={seed}")
     snapshot = tiny_snapshot("qwen3_vl", tmp_path / "model")
     checkpoint = {"interval": 1, "keep": 2}
-    reference = write_config(tmp_path / "reference.yaml", snapshot, tmp_path / "reference", steps=STEPS, checkpoint=checkpoint)
+    reference = write_config(
+        tmp_path / "reference.yaml", snapshot, tmp_path / "reference", steps=STEPS, checkpoint=checkpoint
+    )
     train(2, reference)
     out = tmp_path / "faulty"
     cfg = write_config(tmp_path / "faulty.yaml", snapshot, out, steps=STEPS, checkpoint=checkpoint)
@@ -116,14 +127,21 @@ def test_two_process_run_killed_at_random_steps_ends_bit_identical(tmp_path):
     assert proc.returncode != 0 and not (out / "done").exists(), (why, proc.stderr[-3000:])
     assert reached2 - 1 <= resumed_step(proc.stdout, out) <= reached2, why
     saved = int((out / "checkpoints" / "latest").read_text().removeprefix("step_"))
-    assert saved == reached3 < STEPS and f"signal {int(signal.SIGUSR1)}: checkpoint saved at step {saved}" in proc.stdout, why
+    assert (
+        saved == reached3 < STEPS and f"signal {int(signal.SIGUSR1)}: checkpoint saved at step {saved}" in proc.stdout
+    ), why
 
     # 4. The warning comes while the trainers start (a slow model load): they resume, have trained
     # nothing since the checkpoint, and exit at once; SIGUSR1's default action would kill them.
-    trainers_catch_it = lambda t: len(pids := worker_pids(t)) == 2 and all(catches(p, signal.SIGUSR1) for p in pids.values())
+    trainers_catch_it = lambda t: (
+        len(pids := worker_pids(t)) == 2 and all(catches(p, signal.SIGUSR1) for p in pids.values())
+    )
     proc, reached4 = run_until(cfg, out, 0, lambda t: t.send_signal(signal.SIGUSR1), ready=trainers_catch_it)
     assert proc.returncode != 0 and resumed_step(proc.stdout, out) == saved, (why, proc.stderr[-3000:])
-    assert f"signal {int(signal.SIGUSR1)} before the first step at step {saved}" in proc.stdout, (why, proc.stdout[-3000:])
+    assert f"signal {int(signal.SIGUSR1)} before the first step at step {saved}" in proc.stdout, (
+        why,
+        proc.stdout[-3000:],
+    )
     assert reached4 == last_step(out) == saved and (out / "checkpoints" / "latest").read_text() == f"step_{saved}", why
 
     proc = train(2, cfg)
@@ -132,7 +150,9 @@ def test_two_process_run_killed_at_random_steps_ends_bit_identical(tmp_path):
     assert [m["step"] for m in got] == list(range(1, STEPS + 1)), why
     assert [(m["loss"], m["grad_norm"]) for m in got] == [(m["loss"], m["grad_norm"]) for m in expected], why
     ref_weights, weights = load_dcp(tmp_path / "reference" / "final"), load_dcp(out / "final")
-    assert weights.keys() == ref_weights.keys() and all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights), why
+    assert weights.keys() == ref_weights.keys() and all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights), (
+        why
+    )
 
 
 def test_export_killed_mid_write_leaves_nothing_at_out_and_the_rerun_completes(tmp_path):
@@ -141,12 +161,29 @@ def test_export_killed_mid_write_leaves_nothing_at_out_and_the_rerun_completes(t
     snapshot = tiny_hf_snapshot("qwen3", tmp_path / "model")
     final = write_final_checkpoint(AutoModelForCausalLM.from_pretrained(snapshot), tmp_path / "train" / "stage1")
     out = tmp_path / "hf"
-    die_at_first_copy = ("import os, shutil, signal, sys; "
-                         "shutil.copy2 = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL); "
-                         "from vlmcore.cli import main; sys.exit(main())")
-    proc = subprocess.run([sys.executable, "-c", die_at_first_copy, "export", "--checkpoint", str(final),
-                           "--model", str(snapshot), "--out", str(out)], capture_output=True, text=True, env=env(),
-                          timeout=300)
+    die_at_first_copy = (
+        "import os, shutil, signal, sys; "
+        "shutil.copy2 = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL); "
+        "from vlmcore.cli import main; sys.exit(main())"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            die_at_first_copy,
+            "export",
+            "--checkpoint",
+            str(final),
+            "--model",
+            str(snapshot),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=300,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     (partial,) = tmp_path.glob(".hf.tmp-*")
     assert (partial / "model.safetensors").is_file() and not (partial / "config.json").exists()

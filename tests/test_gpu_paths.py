@@ -34,8 +34,14 @@ def masked_sdpa(q, k, v, cu_seqlens, causal, scale):
     mask = seg[:, None] == seg[None, :]
     if causal:
         mask = mask & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-                                         scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
     return out.transpose(0, 1)
 
 
@@ -44,8 +50,9 @@ def _check_call(q, k, v, cu, max_q, max_k, gqa_allowed):
     assert max_q == max_k
     assert isinstance(max_q, (int, torch.SymInt)), f"max_q must be a host int, got {type(max_q)}"
     if not gqa_allowed and k.shape[1] != q.shape[1]:
-        raise ValueError(f"Expect query and key/value to have the same number of heads but got Hq={q.shape[1]} "
-                         f"and Hkv={k.shape[1]}")
+        raise ValueError(
+            f"Expect query and key/value to have the same number of heads but got Hq={q.shape[1]} and Hkv={k.shape[1]}"
+        )
     if not torch.compiler.is_compiling() and not cu.is_meta:
         assert max_q == int((cu[1:] - cu[:-1]).max()), "max_seqlen is not the longest segment"
 
@@ -56,21 +63,52 @@ def varlen_attn_torch_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, 
     return masked_sdpa(query, key, value, cu_seq_q, is_causal, None)
 
 
-def varlen_attn_torch_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                           window_size=(-1, -1)):
+def varlen_attn_torch_2_11(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+):
     _check_call(query, key, value, cu_seq_q, max_q, max_k, gqa_allowed=False)
     return masked_sdpa(query, key, value, cu_seq_q, tuple(window_size) == (-1, 0), scale)
 
 
-def varlen_attn_torch_2_12(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                           window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+def varlen_attn_torch_2_12(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    return_aux=None,
+    scale=None,
+    window_size=(-1, -1),
+    enable_gqa=False,
+    seqused_k=None,
+    block_table=None,
+    num_splits=None,
+):
     _check_call(query, key, value, cu_seq_q, max_q, max_k, gqa_allowed=enable_gqa)
     return masked_sdpa(query, key, value, cu_seq_q, tuple(window_size) == (-1, 0), scale)
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
     _check_call(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, gqa_allowed=True)
     return masked_sdpa(q, k, v, cu_seqlens_q, causal, softmax_scale)
 
@@ -78,10 +116,25 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 VARLEN_KERNELS = [varlen_attn_torch_2_10, varlen_attn_torch_2_11, varlen_attn_torch_2_12, flash_attn_varlen_func]
 
 
-def fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                               use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-                               state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
-                               cp_context=None, **kwargs):
+def fla_chunk_gated_delta_rule(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    use_beta_sigmoid_in_kernel=False,
+    allow_neg_eigval=False,
+    state_v_first=False,
+    cu_seqlens=None,
+    cu_seqlens_cpu=None,
+    chunk_indices=None,
+    cp_context=None,
+    **kwargs,
+):
     """fla 0.6.0's signature; (B=1, T, H, D) tensors, returns (out, final_state)."""
     assert q.dim() == 4 and q.shape[0] == 1, "fla takes (1, T, H, D) for packed sequences"
     assert g.dtype == torch.float32 and cu_seqlens.dtype == torch.long
@@ -141,16 +194,31 @@ def _batch(family, device="cpu"):
     from vlmcore.train.random_data import RandomBatches
 
     config = tiny_config(family)
-    data = RandomBatches(config, seq_len=64, segments=3, image_fraction=1.0, micro_batch_size=2, dp_rank=0,
-                         dp_world=1, grad_accum_steps=1, seed=0, image_side=2)
+    data = RandomBatches(
+        config,
+        seq_len=64,
+        segments=3,
+        image_fraction=1.0,
+        micro_batch_size=2,
+        dp_rank=0,
+        dp_world=1,
+        grad_accum_steps=1,
+        seed=0,
+        image_side=2,
+    )
     return config, data.batch(0).to(torch.device(device))
 
 
 def _forward_backward(model, batch):
     images = batch.images
-    out = model(batch.input_ids, pixel_values=images.pixel_values if images else None,
-                image_grid_thw=images.grid_thw if images else None, position_ids=batch.position_ids,
-                cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen).logits
+    out = model(
+        batch.input_ids,
+        pixel_values=images.pixel_values if images else None,
+        image_grid_thw=images.grid_thw if images else None,
+        position_ids=batch.position_ids,
+        cu_seqlens=batch.cu_seqlens,
+        max_seqlen=batch.max_seqlen,
+    ).logits
     out.float().square().mean().backward()
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -184,8 +252,9 @@ def test_fla_adapter_matches_the_reference_rule(restore_kernels):
     g, beta = -torch.rand(41, 2), torch.rand(41, 2)
     expected = recurrent_gated_delta_rule(q, k, v, g, beta, cu)
     set_gdn_kernel(fla_chunk_gated_delta_rule, force=True)
-    torch.testing.assert_close(linear_attention.gated_delta_rule(q, k, v, g, beta, cu, cu_seqlens_cpu=cu.cpu()),
-                               expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        linear_attention.gated_delta_rule(q, k, v, g, beta, cu, cu_seqlens_cpu=cu.cpu()), expected, atol=1e-4, rtol=1e-4
+    )
 
 
 def test_chunk_count_bound_keeps_the_rule_exact():
@@ -201,8 +270,9 @@ def test_chunk_count_bound_keeps_the_rule_exact():
         with torch.device("meta"):
             shape = chunk_gated_delta_rule(*(t.to("meta") for t in (q, k, v, g, beta, cu))).shape
         assert shape == expected.shape
-        torch.testing.assert_close(chunk_gated_delta_rule(q, k, v, g, beta, cu, bound_chunks=True), expected,
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            chunk_gated_delta_rule(q, k, v, g, beta, cu, bound_chunks=True), expected, atol=1e-4, rtol=1e-4
+        )
 
 
 class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
@@ -221,15 +291,20 @@ class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
             self.reads.append(f"{func} of {tuple(args[0].shape)}")
             return 0
-        if func is torch.ops.aten._to_copy.default and args[0].is_meta and kwargs.get("device") is not None \
-                and torch.device(kwargs["device"]).type == "cpu":
+        if (
+            func is torch.ops.aten._to_copy.default
+            and args[0].is_meta
+            and kwargs.get("device") is not None
+            and torch.device(kwargs["device"]).type == "cpu"
+        ):
             self.reads.append(f"{func} to the host of {tuple(args[0].shape)}")
             return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
         return func(*args, **kwargs)
 
 
-@pytest.mark.parametrize("family,forward_reads", [("qwen3", 0), ("qwen3_vl", 0), ("qwen3_5", 1), ("qwen3_moe", 0),
-                                                   ("qwen3_vl_moe", 0)])
+@pytest.mark.parametrize(
+    "family,forward_reads", [("qwen3", 0), ("qwen3_vl", 0), ("qwen3_5", 1), ("qwen3_moe", 0), ("qwen3_vl_moe", 0)]
+)
 def test_training_step_never_waits_for_the_gpu(family, forward_reads, restore_kernels, monkeypatch):
     """A bf16 training step with the GPU kernels' calling path, on the meta device (which holds
     no values, so any read of one is seen): forward/backward reads nothing from the device
@@ -241,8 +316,9 @@ def test_training_step_never_waits_for_the_gpu(family, forward_reads, restore_ke
     set_gdn_kernel(fla_chunk_gated_delta_rule, force=True)
     grouped_mm.set(torch._grouped_mm, force=True)
     step_reads = []
-    monkeypatch.setattr(step_module, "read_host",
-                        lambda *v: step_reads.append(len(v)) or [0.0] * sum(t.numel() for t in v))
+    monkeypatch.setattr(
+        step_module, "read_host", lambda *v: step_reads.append(len(v)) or [0.0] * sum(t.numel() for t in v)
+    )
     config, host_batch = _batch(family)
     model = build_model(config, device="meta").to(torch.bfloat16)
     # The GPU's fused AdamW reads nothing on the host; SGD stands for it on meta, where AdamW's
@@ -277,7 +353,7 @@ def _block_inputs(family, block_kind):
         cu = F.pad(torch.tensor(lengths).cumsum(0, dtype=torch.int32), (1, 0))
         return vision.blocks[0], (x, cos, sin, cu), {"max_seqlen": max(lengths)}
     text = model.model.language_model if hasattr(model.model, "language_model") else model.model
-    layer = next(l for l in text.layers if getattr(l, "layer_type", "full_attention") == block_kind)
+    layer = next(layer for layer in text.layers if getattr(layer, "layer_type", "full_attention") == block_kind)
     h = torch.randn(*batch.input_ids.shape, config.get_text_config().hidden_size)
     if family == "qwen3_5":
         cos, sin = text.rotary(batch.position_ids, h.dtype)
@@ -289,18 +365,25 @@ def _block_inputs(family, block_kind):
         if family == "qwen3":
             cos, sin = rope_cos_sin(inv_freq, torch.arange(h.shape[1]).expand(h.shape[0], -1), h.dtype)
         else:
-            cos, sin = mrope_cos_sin(inv_freq, batch.position_ids, text_config.rope_parameters["mrope_section"],
-                                     h.dtype)
+            cos, sin = mrope_cos_sin(
+                inv_freq, batch.position_ids, text_config.rope_parameters["mrope_section"], h.dtype
+            )
     return layer, (h, cos, sin, batch.cu_seqlens), {"max_seqlen": batch.max_seqlen}
 
 
-@pytest.mark.parametrize("family,block_kind,breaks", [
-    ("qwen3", "full_attention", 0), ("qwen3_vl", "full_attention", 0), ("qwen3_vl", "vision", 0),
-    ("qwen3_5", "full_attention", 0), ("qwen3_vl_moe", "full_attention", 0),
-    # The Gated DeltaNet kernel (fla's Triton, not traceable) runs eagerly between two graphs:
-    # every break is that one call.
-    ("qwen3_5", "linear_attention", "gated_delta_rule"),
-])
+@pytest.mark.parametrize(
+    "family,block_kind,breaks",
+    [
+        ("qwen3", "full_attention", 0),
+        ("qwen3_vl", "full_attention", 0),
+        ("qwen3_vl", "vision", 0),
+        ("qwen3_5", "full_attention", 0),
+        ("qwen3_vl_moe", "full_attention", 0),
+        # The Gated DeltaNet kernel (fla's Triton, not traceable) runs eagerly between two graphs:
+        # every break is that one call.
+        ("qwen3_5", "linear_attention", "gated_delta_rule"),
+    ],
+)
 def test_blocks_compile_with_attention_inside(family, block_kind, breaks, restore_kernels):
     torch._dynamo.reset()
     set_varlen_kernel(varlen_attn_torch_2_12, force=True)
@@ -423,8 +506,8 @@ def test_blocks_with_a_graph_break_compile_under_activation_checkpointing(checkp
 
     from torch._dynamo.utils import counters
 
-    from vlmcore.parallel.ac import apply_ac
     from vlmcore.models.parts import breaks_graph
+    from vlmcore.parallel.ac import apply_ac
     from vlmcore.parallel.compile import apply_compile
 
     torch._dynamo.reset()
@@ -466,8 +549,17 @@ def test_compiled_blocks_take_a_new_longest_segment_without_compiling_again(rest
     model = build_model(config, device="cpu")
     model.init_weights()
     apply_compile(model.decoder_layers())
-    data = RandomBatches(config, seq_len=64, segments=3, image_fraction=0.0, micro_batch_size=2, dp_rank=0,
-                         dp_world=1, grad_accum_steps=1, seed=0)
+    data = RandomBatches(
+        config,
+        seq_len=64,
+        segments=3,
+        image_fraction=0.0,
+        micro_batch_size=2,
+        dp_rank=0,
+        dp_world=1,
+        grad_accum_steps=1,
+        seed=0,
+    )
     batches = [data.batch(i).to(torch.device("cpu")) for i in range(3)]
     assert len({b.max_seqlen for b in batches}) > 1
     _forward_backward(model, batches[0])
@@ -496,12 +588,28 @@ def test_the_data_loader_pins_every_tensor_of_a_batch(monkeypatch):
     from vlmcore.train.random_data import RandomBatches
 
     config = tiny_config("qwen3_vl")
-    batch = RandomBatches(config, seq_len=128, segments=2, image_fraction=1.0, micro_batch_size=2, dp_rank=0,
-                          dp_world=1, grad_accum_steps=1, seed=0, video_fraction=1.0).batch(0)
+    batch = RandomBatches(
+        config,
+        seq_len=128,
+        segments=2,
+        image_fraction=1.0,
+        micro_batch_size=2,
+        dp_rank=0,
+        dp_world=1,
+        grad_accum_steps=1,
+        seed=0,
+        video_fraction=1.0,
+    ).batch(0)
     pinned = []
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t, *args, **kwargs: pinned.append(t) or t.clone())
     out = pin_memory(batch)
-    expected = [batch.input_ids, batch.labels, batch.cu_seqlens, batch.position_ids, batch.images.pixel_values,
-                batch.videos.pixel_values]
+    expected = [
+        batch.input_ids,
+        batch.labels,
+        batch.cu_seqlens,
+        batch.position_ids,
+        batch.images.pixel_values,
+        batch.videos.pixel_values,
+    ]
     assert all(any(t is p for p in pinned) for t in expected)
     assert type(out) is type(batch) and torch.equal(out.images.pixel_values, batch.images.pixel_values)

@@ -6,13 +6,24 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor
 
-from vlmcore.data.processor import ImagePatcher, normalize_patches, write_processor_files
 from vlmcore.data.batch import Images
+from vlmcore.data.processor import ImagePatcher, normalize_patches, write_processor_files
 
 # (width, height, PIL mode): sizes that are and are not multiples of 32, upscaled (below
 # min_pixels) and downscaled (above max_pixels), a very wide one, and modes the processor converts.
-CASES = [(64, 64, "RGB"), (100, 70, "RGB"), (33, 47, "L"), (1000, 30, "RGB"), (31, 900, "RGB"), (200, 150, "RGBA"),
-         (90, 60, "P"), (800, 600, "RGB"), (16, 16, "LA"), (300, 301, "CMYK"), (70, 50, "RGB+tRNS")]
+CASES = [
+    (64, 64, "RGB"),
+    (100, 70, "RGB"),
+    (33, 47, "L"),
+    (1000, 30, "RGB"),
+    (31, 900, "RGB"),
+    (200, 150, "RGBA"),
+    (90, 60, "P"),
+    (800, 600, "RGB"),
+    (16, 16, "LA"),
+    (300, 301, "CMYK"),
+    (70, 50, "RGB+tRNS"),
+]
 
 
 @pytest.fixture(scope="module")

@@ -7,31 +7,42 @@ import pytest
 
 from vlmcore import kernels
 from vlmcore.kernels import KernelError, check, experts_backend, fla_problem, linear_attention_backend
-from vlmcore.workflow import check_kernels as check_workflow, planned_family
+from vlmcore.workflow import check_kernels as check_workflow
+from vlmcore.workflow import planned_family
 
 HOPPER, AMPERE = (9, 0), (8, 0)
 
 
 def versions(triton="3.6.0", fla="0.6.0", tilelang=None, backend=True, dispatch_disabled=False, torch="2.11.0"):
-    return {"torch": torch, "triton": triton, "fla": fla, "tilelang": tilelang, "flash_attn": None,
-            "fla_tilelang_backend": backend, "fla_dispatch_disabled": dispatch_disabled}
+    return {
+        "torch": torch,
+        "triton": triton,
+        "fla": fla,
+        "tilelang": tilelang,
+        "flash_attn": None,
+        "fla_tilelang_backend": backend,
+        "fla_dispatch_disabled": dispatch_disabled,
+    }
 
 
-@pytest.mark.parametrize("case,capability,broken", [
-    (versions(), HOPPER, True),  # torch 2.11's Triton 3.6 on an H100/GH200, no tilelang: the issue's failure
-    (versions(triton="3.4.0"), HOPPER, True),
-    (versions(triton="3.7.0"), HOPPER, True),
-    (versions(triton="3.7.1"), HOPPER, False),
-    (versions(triton="3.8.0+git1234"), HOPPER, False),
-    (versions(triton="3.3.1"), HOPPER, False),
-    (versions(tilelang="0.1.9"), HOPPER, False),  # fla runs the kernel in TileLang
-    (versions(tilelang="0.1.9", backend=False), HOPPER, True),  # an fla without that backend
-    (versions(tilelang="0.1.9", dispatch_disabled=True), HOPPER, True),
-    (versions(fla="0.4.2"), HOPPER, True),  # older fla: no refusal of its own, wrong gradients
-    (versions(), AMPERE, False),
-    (versions(), None, False),
-    (versions(fla=None), HOPPER, False),
-])
+@pytest.mark.parametrize(
+    "case,capability,broken",
+    [
+        (versions(), HOPPER, True),  # torch 2.11's Triton 3.6 on an H100/GH200, no tilelang: the issue's failure
+        (versions(triton="3.4.0"), HOPPER, True),
+        (versions(triton="3.7.0"), HOPPER, True),
+        (versions(triton="3.7.1"), HOPPER, False),
+        (versions(triton="3.8.0+git1234"), HOPPER, False),
+        (versions(triton="3.3.1"), HOPPER, False),
+        (versions(tilelang="0.1.9"), HOPPER, False),  # fla runs the kernel in TileLang
+        (versions(tilelang="0.1.9", backend=False), HOPPER, True),  # an fla without that backend
+        (versions(tilelang="0.1.9", dispatch_disabled=True), HOPPER, True),
+        (versions(fla="0.4.2"), HOPPER, True),  # older fla: no refusal of its own, wrong gradients
+        (versions(), AMPERE, False),
+        (versions(), None, False),
+        (versions(fla=None), HOPPER, False),
+    ],
+)
 def test_fla_on_hopper_needs_triton_3_7_1_or_tilelang(case, capability, broken):
     problem = fla_problem(case, capability)
     assert (problem is not None) == broken
@@ -56,21 +67,25 @@ def test_check_calls_the_installed_varlen_kernel_signature():
     chosen = check("auto", HOPPER, has_linear_attention=True, versions=versions(fla=None))
     assert chosen == {"attention": "torch.nn.attention.varlen.varlen_attn", "linear_attention": "torch"}
     assert check("auto", None, has_linear_attention=False, versions=versions()) == {
-        "attention": "sdpa (per packed segment)"}
+        "attention": "sdpa (per packed segment)"
+    }
 
 
-@pytest.mark.parametrize("torch_version,capability,expected", [
-    ("2.11.0+cu128", HOPPER, "grouped GEMM"),  # MN5 H100, JUPITER GH200
-    ("2.9.1", (10, 0), "grouped GEMM"),  # B200
-    ("2.8.0", HOPPER, "grouped GEMM"),
-    ("2.10.0", AMPERE, "fallback on sm_80"),  # A100: correct, one GEMM per expert
-    ("2.10.0", (12, 0), "fallback on sm_120"),
-    ("2.13.0", None, "per-expert loop"),  # no GPU
-    ("2.8.0", AMPERE, KernelError("torch 2.8.0 has no torch._grouped_mm for sm_80 .* torch >= 2.9")),
-    ("2.8.0", (12, 0), KernelError("Hopper only")),
-    ("2.7.1", HOPPER, KernelError("install torch >= 2.9")),
-    ("2.11.0", (7, 5), KernelError("compute capability >= 8.0, this GPU is sm_75")),
-])
+@pytest.mark.parametrize(
+    "torch_version,capability,expected",
+    [
+        ("2.11.0+cu128", HOPPER, "grouped GEMM"),  # MN5 H100, JUPITER GH200
+        ("2.9.1", (10, 0), "grouped GEMM"),  # B200
+        ("2.8.0", HOPPER, "grouped GEMM"),
+        ("2.10.0", AMPERE, "fallback on sm_80"),  # A100: correct, one GEMM per expert
+        ("2.10.0", (12, 0), "fallback on sm_120"),
+        ("2.13.0", None, "per-expert loop"),  # no GPU
+        ("2.8.0", AMPERE, KernelError("torch 2.8.0 has no torch._grouped_mm for sm_80 .* torch >= 2.9")),
+        ("2.8.0", (12, 0), KernelError("Hopper only")),
+        ("2.7.1", HOPPER, KernelError("install torch >= 2.9")),
+        ("2.11.0", (7, 5), KernelError("compute capability >= 8.0, this GPU is sm_75")),
+    ],
+)
 def test_moe_experts_need_a_torch_with_grouped_mm_for_the_gpu(torch_version, capability, expected):
     case = versions(torch=torch_version)
     if isinstance(expected, KernelError):
@@ -120,18 +135,29 @@ def test_workflow_stops_an_moe_run_whose_torch_lacks_the_grouped_gemm(monkeypatc
 
 def test_staged_snapshot_config_decides_linear_attention(tmp_path):
     (tmp_path / "config.json").write_text(
-        '{"model_type": "qwen3_5", "text_config": {"layer_types": ["linear_attention", "full_attention"]}}')
+        '{"model_type": "qwen3_5", "text_config": {"layer_types": ["linear_attention", "full_attention"]}}'
+    )
     assert planned_family({"staged_path": str(tmp_path), "repo_id": "some/name"}).linear_attention
     (tmp_path / "config.json").write_text('{"model_type": "qwen3_vl", "text_config": {}}')
     assert not planned_family({"staged_path": str(tmp_path), "repo_id": "Qwen/Qwen3.5-9B"}).linear_attention
 
 
 def test_cli_reports_versions_and_refuses_a_bad_capability():
-    ok = subprocess.run([sys.executable, "-m", "vlmcore.cli", "kernels", "--gpu-capability", "9.0", "--experts"],
-                        capture_output=True, text=True, timeout=120)
+    ok = subprocess.run(
+        [sys.executable, "-m", "vlmcore.cli", "kernels", "--gpu-capability", "9.0", "--experts"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ok.returncode == 0, ok.stderr
-    assert "GPU: sm_90" in ok.stdout and "torch: 2." in ok.stdout and "attention: torch.nn.attention.varlen" in ok.stdout
+    assert (
+        "GPU: sm_90" in ok.stdout and "torch: 2." in ok.stdout and "attention: torch.nn.attention.varlen" in ok.stdout
+    )
     assert "experts: torch._grouped_mm (grouped GEMM, bf16)" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "vlmcore.cli", "kernels", "--gpu-capability", "hopper"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "vlmcore.cli", "kernels", "--gpu-capability", "hopper"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "expected MAJOR.MINOR" in bad.stderr

@@ -6,13 +6,14 @@ import re
 
 import pytest
 import torch
+from _models_helpers import qwen3_config, qwen3_vl_config, vl_sample
+from test_models_qwen3_5 import text_config as qwen3_5_text_config
+from test_models_qwen3_5 import vl_config as qwen3_5_config
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 from transformers import Qwen3_5TextConfig
 
 import vlmcore.models as models
-from _models_helpers import qwen3_config, qwen3_vl_config, vl_sample
-from test_models_qwen3_5 import text_config as qwen3_5_text_config, vl_config as qwen3_5_config
 from vlmcore.models import flops
 
 
@@ -20,14 +21,17 @@ def count_forward_flops(fn) -> int:
     """FLOPs of one call as torch counts them; the CPU SDPA kernel is not in torch's table, so it is
     given the standard formula (2 matmuls of 2 * S_q * S_k * head_dim per head), and neither is the
     triangular solve of the gated delta rule: (C, C) by (C, d) costs C * C * d (half a matmul)."""
+
     def sdpa_cpu(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs):
         return sdpa_flop_count(query_shape, key_shape, value_shape)
 
     def solve_triangular(a_shape, b_shape, *args, out_shape=None, **kwargs):
         return math.prod(b_shape) * a_shape[-1]
 
-    mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: sdpa_cpu,
-               torch.ops.aten.linalg_solve_triangular: solve_triangular}
+    mapping = {
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: sdpa_cpu,
+        torch.ops.aten.linalg_solve_triangular: solve_triangular,
+    }
     with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=mapping) as counter:
         fn()
     return counter.get_total_flops()
@@ -125,12 +129,20 @@ def test_qwen3_5_flops_equal_a_count_of_the_forward_llm_and_vision_apart():
     assert flops.llm_flops_per_token(text.config, 128) * 256 == 3 * counted
 
 
-
 # Mixture-of-experts: FLOPs from the parameters a token is routed through. The configs are
 # transformers' own; the counts are checked against a hand count and against the FLOPs that
 # transformers' reference MoE blocks run.
-MOE_TEXT = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
+MOE_TEXT = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+)
 TOKEN_IDS = dict(image_token_id=63, video_token_id=62, vision_start_token_id=61, vision_end_token_id=60)
 
 
@@ -145,9 +157,17 @@ def qwen3_vl_moe_config():
     """3 layers, layer 1 dense by mlp_only_layers."""
     from transformers import Qwen3VLMoeConfig
 
-    text = dict(MOE_TEXT, num_hidden_layers=3, mlp_only_layers=[1],
-                rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 1, 1],
-                                 "mrope_interleaved": True})
+    text = dict(
+        MOE_TEXT,
+        num_hidden_layers=3,
+        mlp_only_layers=[1],
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 5e6,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+    )
     return Qwen3VLMoeConfig(text_config=text, vision_config=qwen3_vl_config().vision_config.to_dict(), **TOKEN_IDS)
 
 
@@ -156,11 +176,23 @@ def qwen3_5_moe_config():
     from transformers import Qwen3_5MoeConfig
 
     text = {k: v for k, v in MOE_TEXT.items() if k != "intermediate_size"}
-    text.update(layer_types=["linear_attention", "full_attention"], num_hidden_layers=2,
-                shared_expert_intermediate_size=24, linear_conv_kernel_dim=4, linear_key_head_dim=8,
-                linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                                 "mrope_section": [1, 0, 0], "mrope_interleaved": True})
+    text.update(
+        layer_types=["linear_attention", "full_attention"],
+        num_hidden_layers=2,
+        shared_expert_intermediate_size=24,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [1, 0, 0],
+            "mrope_interleaved": True,
+        },
+    )
     return Qwen3_5MoeConfig(text_config=text, vision_config=qwen3_5_config().vision_config.to_dict(), **TOKEN_IDS)
 
 
@@ -207,8 +239,11 @@ def test_moe_flops_equal_a_count_of_transformers_moe_blocks(family):
     config = MOE_CONFIGS[family]()
     model = reference_model(config)
     ids = torch.randint(0, 60, (2, 24))
-    mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
-               lambda q, k, v, *a, out_shape=None, **kw: sdpa_flop_count(q, k, v)}
+    mapping = {
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, out_shape=None, **kw: (
+            sdpa_flop_count(q, k, v)
+        )
+    }
     with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=mapping) as counter:
         model(input_ids=ids)
     per_module = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}

@@ -5,17 +5,29 @@ import json
 
 import pytest
 import torch
+from _models_helpers import (
+    hf_vl_logits,
+    max_rel,
+    qwen3_5_config,
+    qwen3_5_text_config,
+    qwen3_config,
+    qwen3_vl_config,
+    vl_sample,
+)
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import (
-    AutoModelForCausalLM, AutoModelForImageTextToText, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
-    Qwen3Config, Qwen3ForCausalLM, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
 )
 
 import vlmcore.models as models
-from _models_helpers import (
-    hf_vl_logits, max_rel, qwen3_5_config, qwen3_5_text_config, qwen3_config, qwen3_vl_config, vl_sample,
-)
 
 
 def random_model(config):
@@ -30,7 +42,7 @@ def snapshot_tensors(path) -> dict[str, torch.Tensor]:
     out = {}
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(file, framework="pt") as f:
-            out.update({name: f.get_tensor(name) for name in f.keys()})
+            out.update({name: f.get_tensor(name) for name in f})
     return out
 
 
@@ -149,8 +161,13 @@ def test_side_files_are_copied_and_state_dict_overrides_the_model(tmp_path):
     model = random_model(qwen3_config(tied=False))
     source = tmp_path / "source"
     source.mkdir()
-    side = {"tokenizer.json": "{}", "tokenizer_config.json": "{}", "chat_template.jinja": "{{ messages }}",
-            "preprocessor_config.json": "{}", "generation_config.json": '{"eos_token_id": 7}'}
+    side = {
+        "tokenizer.json": "{}",
+        "tokenizer_config.json": "{}",
+        "chat_template.jinja": "{{ messages }}",
+        "preprocessor_config.json": "{}",
+        "generation_config.json": '{"eos_token_id": 7}',
+    }
     for name, text in side.items():
         (source / name).write_text(text)
     state = {name: torch.full_like(t, 0.5) for name, t in model.state_dict().items()}
@@ -193,8 +210,10 @@ def test_unknown_model_type_and_pickle_weights_are_refused(tmp_path):
 
 
 def init_stats(model):
-    return {n: (p.float().mean().item(), p.float().std().item() if p.numel() > 1 else 0.0)
-            for n, p in model.named_parameters()}
+    return {
+        n: (p.float().mean().item(), p.float().std().item() if p.numel() > 1 else 0.0)
+        for n, p in model.named_parameters()
+    }
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_vl"])
@@ -215,13 +234,31 @@ def test_meta_build_then_init_weights_matches_transformers_init(family):
 
 
 QWEN3_VL_8B_TEXT = dict(
-    vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, rope_parameters={"rope_type": "default", "rope_theta": 5e6,
-                                                          "mrope_section": [24, 20, 20], "mrope_interleaved": True},
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 5e6,
+        "mrope_section": [24, 20, 20],
+        "mrope_interleaved": True,
+    },
 )
 QWEN3_VL_8B_VISION = dict(
-    depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096, patch_size=16,
-    spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24],
+    depth=27,
+    hidden_size=1152,
+    intermediate_size=4304,
+    num_heads=16,
+    out_hidden_size=4096,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=2304,
+    deepstack_visual_indexes=[8, 16, 24],
 )
 
 
@@ -232,21 +269,39 @@ def parameter_count(model) -> int:
 @pytest.mark.parametrize("name", ["qwen3-vl-8b", "qwen3-8b", "qwen3-0.6b"])
 def test_real_size_configs_build_on_meta_with_transformers_parameter_count(name):
     if name == "qwen3-vl-8b":
-        config = Qwen3VLConfig(text_config=QWEN3_VL_8B_TEXT, vision_config=QWEN3_VL_8B_VISION,
-                               tie_word_embeddings=False)
+        config = Qwen3VLConfig(
+            text_config=QWEN3_VL_8B_TEXT, vision_config=QWEN3_VL_8B_VISION, tie_word_embeddings=False
+        )
         hf_class, expected = Qwen3VLForConditionalGeneration, 8.77e9
     elif name == "qwen3-8b":
-        config = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                             num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+        config = Qwen3Config(
+            vocab_size=151936,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            tie_word_embeddings=False,
+        )
         hf_class, expected = Qwen3ForCausalLM, 8.19e9
     else:  # head_dim 128 != 1024 / 16, tied embeddings
-        config = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                             num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+        config = Qwen3Config(
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            tie_word_embeddings=True,
+        )
         hf_class, expected = Qwen3ForCausalLM, 0.596e9
     model = models.build_model(config)
     with torch.device("meta"):
         hf = hf_class(config)
     assert parameter_count(model) == parameter_count(hf)
     assert abs(parameter_count(model) / expected - 1) < 0.01
-    assert {n: tuple(p.shape) for n, p in model.state_dict().items()} == \
-        {n: tuple(p.shape) for n, p in hf.state_dict().items()}
+    assert {n: tuple(p.shape) for n, p in model.state_dict().items()} == {
+        n: tuple(p.shape) for n, p in hf.state_dict().items()
+    }

@@ -69,8 +69,9 @@ def test_gated_delta_rule_uses_the_torch_path_on_cpu():
     assert torch.equal(gated_delta_rule(*x, cu), chunk_gated_delta_rule(*x, cu))
 
 
-@pytest.mark.skipif(fla_chunk_gated_delta_rule is None or not torch.cuda.is_available(),
-                    reason="needs flash-linear-attention and CUDA")
+@pytest.mark.skipif(
+    fla_chunk_gated_delta_rule is None or not torch.cuda.is_available(), reason="needs flash-linear-attention and CUDA"
+)
 def test_fla_kernel_matches_the_torch_path_packed_with_grads():
     x = [t.cuda().requires_grad_() for t in inputs(300, heads=4, dk=64, dv=64)]
     cu = cu_of([100, 37, 163]).cuda()

@@ -4,11 +4,11 @@ the per-expert storage format the checkpoints use."""
 
 import pytest
 import torch
+from _models_helpers import grad_diffs, hf_and_native, max_rel
 from safetensors.torch import load_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import vlmcore.models as models
-from _models_helpers import grad_diffs, hf_and_native, max_rel
 from vlmcore.models.moe import GroupedExperts, RoutingStats, grouped_mm, moe_blocks
 
 SHAPES = {
@@ -19,10 +19,25 @@ SHAPES = {
 
 
 def qwen3_moe_config(**overrides):
-    return Qwen3MoeConfig(**{**dict(
-        vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-        router_aux_loss_coef=0.02, tie_word_embeddings=False), **overrides})
+    return Qwen3MoeConfig(
+        **{
+            **dict(
+                vocab_size=256,
+                hidden_size=64,
+                intermediate_size=96,
+                moe_intermediate_size=48,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                num_experts=8,
+                num_experts_per_tok=2,
+                router_aux_loss_coef=0.02,
+                tie_word_embeddings=False,
+            ),
+            **overrides,
+        }
+    )
 
 
 def pair(tmp_path, **overrides):
@@ -88,8 +103,11 @@ class _FullSizeOutputs(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if not func.is_view:
-            self.count += sum(tuple(t.shape) in self.shapes for t in torch.utils._pytree.tree_leaves(out)
-                              if isinstance(t, torch.Tensor))
+            self.count += sum(
+                tuple(t.shape) in self.shapes
+                for t in torch.utils._pytree.tree_leaves(out)
+                if isinstance(t, torch.Tensor)
+            )
         return out
 
 

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from _models_helpers import hf_and_native, logits_loss_then_grad_diffs, max_rel, qwen3_config, token_loss
 from transformers import Qwen3ForCausalLM
 
 import vlmcore.models as models
-from _models_helpers import hf_and_native, logits_loss_then_grad_diffs, max_rel, qwen3_config, token_loss
 
 SHAPES = {
     "tied-gqa2": dict(tied=True),
@@ -65,8 +65,11 @@ def test_bf16_top1_agrees_with_transformers(tmp_path):
     hf16 = Qwen3ForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16).eval()
     ids = torch.randint(0, 256, (4, 400), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        top1 = {"native": native(ids).logits.argmax(-1), "hf16": hf16(input_ids=ids).logits.argmax(-1),
-                "hf32": hf(input_ids=ids).logits.argmax(-1)}
+        top1 = {
+            "native": native(ids).logits.argmax(-1),
+            "hf16": hf16(input_ids=ids).logits.argmax(-1),
+            "hf32": hf(input_ids=ids).logits.argmax(-1),
+        }
     agree = lambda a, b: (top1[a] == top1[b]).float().mean().item()
     assert agree("native", "hf16") >= 0.99
     assert agree("native", "hf32") >= agree("hf16", "hf32") - 0.01

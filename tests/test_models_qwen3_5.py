@@ -7,13 +7,23 @@ one 64-token chunk of the linear-attention kernel.
 import pytest
 import torch
 import torch.nn.functional as F
+from _models_helpers import (
+    IMAGE,
+    VISION,
+    VISION_END,
+    VISION_START,
+    hf_vl_logits,
+    logits_loss_then_grad_diffs,
+    max_rel,
+    meta_parameter_count,
+    pack,
+    packed_and_alone,
+    qwen3_5_moe_config,
+    vl_sample,
+)
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
 import vlmcore.models as models
-from _models_helpers import (
-    IMAGE, VISION, VISION_END, VISION_START, hf_vl_logits, logits_loss_then_grad_diffs, max_rel, meta_parameter_count, pack,
-    packed_and_alone, qwen3_5_moe_config, vl_sample,
-)
 from vlmcore.models.qwen3_5 import Qwen3_5ForCausalLM as NativeCausalLM
 
 LAYERS = ["linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention"]
@@ -23,19 +33,40 @@ def text_config(head_dim=16, k_heads=2, v_heads=4, tied=False, pad=None, layer_t
     rot_half = head_dim // 8  # partial_rotary_factor 0.25
     section = [rot_half - 2 * (rot_half // 3), rot_half // 3, rot_half // 3] if rot_half > 2 else [1, 1, 0]
     return dict(
-        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=len(layer_types),
-        layer_types=list(layer_types), num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
-        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=8,
-        linear_num_key_heads=k_heads, linear_num_value_heads=v_heads, tie_word_embeddings=tied,
-        pad_token_id=pad, rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                                           "mrope_section": section, "mrope_interleaved": True},
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=len(layer_types),
+        layer_types=list(layer_types),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        linear_num_key_heads=k_heads,
+        linear_num_value_heads=v_heads,
+        tie_word_embeddings=tied,
+        pad_token_id=pad,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": section,
+            "mrope_interleaved": True,
+        },
     )
 
 
 def vl_config(tied=False, **text):
     return Qwen3_5Config(
-        vision_config=VISION, text_config=text_config(**text), image_token_id=IMAGE, video_token_id=253,
-        vision_start_token_id=VISION_START, vision_end_token_id=VISION_END, tie_word_embeddings=tied,
+        vision_config=VISION,
+        text_config=text_config(**text),
+        image_token_id=IMAGE,
+        video_token_id=253,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+        tie_word_embeddings=tied,
     )
 
 
@@ -79,7 +110,9 @@ def test_vl_logits_loss_and_grads_match_transformers(tmp_path, shape, batch):
     ids = ids[None]
     ref = hf_vl_logits(hf, ids, pixels, grid)
     check_logits_loss_grads(native, hf, ids, native(ids, pixels, grid).logits, ref)
-    assert native.config.tie_word_embeddings == (native.lm_head.weight is native.model.language_model.embed_tokens.weight)
+    assert native.config.tie_word_embeddings == (
+        native.lm_head.weight is native.model.language_model.embed_tokens.weight
+    )
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -116,7 +149,11 @@ def test_packed_row_equals_samples_run_alone(tmp_path):
     """Logits and every gradient: neither the conv window, the recurrent state nor attention leaks."""
     _, native = vl_pair(tmp_path)
     g = torch.Generator().manual_seed(4)
-    samples = [vl_sample([(1, 4, 6)], [3, 70], g), vl_sample([], [9], g), vl_sample([(1, 6, 2), (1, 2, 4)], [2, 3, 1], g)]
+    samples = [
+        vl_sample([(1, 4, 6)], [3, 70], g),
+        vl_sample([], [9], g),
+        vl_sample([(1, 6, 2), (1, 2, 4)], [2, 3, 1], g),
+    ]
     ids, pixels, grid, cu = pack(samples)
     positions = models.position_ids(native.config, ids, grid, cu)
     assert torch.equal(positions, torch.cat([native.position_ids(s[0][None], s[2]) for s in samples], dim=2))
@@ -186,8 +223,10 @@ def test_init_weights_matches_transformers_initialisation(family):
     """Same distribution per parameter as transformers' own init: exact for constants, moments for random."""
     from transformers import Qwen3_5MoeForConditionalGeneration
 
-    config, hf_class = {"qwen3_5": (vl_config(), Qwen3_5ForConditionalGeneration),
-                        "qwen3_5_moe": (qwen3_5_moe_config(), Qwen3_5MoeForConditionalGeneration)}[family]
+    config, hf_class = {
+        "qwen3_5": (vl_config(), Qwen3_5ForConditionalGeneration),
+        "qwen3_5_moe": (qwen3_5_moe_config(), Qwen3_5MoeForConditionalGeneration),
+    }[family]
     native = models.build_model(config)
     native.to_empty(device="cpu")
     torch.manual_seed(0)
@@ -208,13 +247,34 @@ def test_init_weights_matches_transformers_initialisation(family):
 
 
 def test_9b_like_config_builds_on_meta_with_transformers_parameter_count():
-    text = dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
-                num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
-                linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                                 "mrope_section": [11, 11, 10], "mrope_interleaved": True})
-    vision = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
-                  num_position_embeddings=2304)
+    text = dict(
+        vocab_size=248320,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+    )
+    vision = dict(
+        depth=27,
+        hidden_size=1152,
+        intermediate_size=4304,
+        num_heads=16,
+        out_hidden_size=4096,
+        num_position_embeddings=2304,
+    )
     config = Qwen3_5Config(text_config=text, vision_config=vision)
     assert meta_parameter_count(config, Qwen3_5ForConditionalGeneration) > 9e9
 

@@ -7,14 +7,22 @@ loaded and written back bit-exact by save_pretrained and `vlmcore export`.
 import pytest
 import torch
 import torch.nn.functional as F
+from _export_helpers import write_final_checkpoint
+from _models_helpers import (
+    IMAGE,
+    grad_diffs,
+    max_rel,
+    meta_parameter_count,
+    pack,
+    qwen3_5_moe_config,
+    qwen3_5_moe_text_config,
+    token_loss,
+    vl_sample,
+)
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration
 
 import vlmcore.models as models
-from _export_helpers import write_final_checkpoint
-from _models_helpers import (
-    IMAGE, grad_diffs, max_rel, meta_parameter_count, pack, qwen3_5_moe_config, qwen3_5_moe_text_config, token_loss, vl_sample,
-)
 from vlmcore.export import export_hf
 from vlmcore.models.moe import RoutingStats, SparseMoeBlock, moe_blocks
 
@@ -47,7 +55,11 @@ def text_pair(path, **shape):
 
 def hf_forward(hf, ids, pixels=None, grid=None):
     """transformers' output with its loss = CE + router_aux_loss_coef * aux (labels = ids)."""
-    extra = dict(pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(ids == IMAGE).int()) if pixels is not None else {}
+    extra = (
+        dict(pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(ids == IMAGE).int())
+        if pixels is not None
+        else {}
+    )
     return hf(input_ids=ids, labels=ids, output_router_logits=True, **extra)
 
 
@@ -80,7 +92,9 @@ def test_vl_logits_loss_with_aux_and_grads_match_transformers(tmp_path, shape, b
     ids, pixels, grid = vl_sample(generator=torch.Generator().manual_seed(1), **BATCHES[batch])
     ids = ids[None]
     check_parity(native, hf, ids, lambda: native(ids, pixels, grid).logits, hf_forward(hf, ids, pixels, grid))
-    assert native.config.tie_word_embeddings == (native.lm_head.weight is native.model.language_model.embed_tokens.weight)
+    assert native.config.tie_word_embeddings == (
+        native.lm_head.weight is native.model.language_model.embed_tokens.weight
+    )
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -108,7 +122,11 @@ def test_packed_row_with_images_equals_samples_run_alone(tmp_path, one_thread):
     and with 2 threads the order of that sum alone moved it by 1.25e-4 of its size (bound 1e-4)."""
     _, native = vl_pair(tmp_path / "hf")
     g = torch.Generator().manual_seed(4)
-    samples = [vl_sample([(1, 4, 6)], [3, 70], g), vl_sample([], [9], g), vl_sample([(1, 6, 2), (1, 2, 4)], [2, 3, 1], g)]
+    samples = [
+        vl_sample([(1, 4, 6)], [3, 70], g),
+        vl_sample([], [9], g),
+        vl_sample([(1, 6, 2), (1, 2, 4)], [2, 3, 1], g),
+    ]
     ids, pixels, grid, cu = pack(samples)
     routing = RoutingStats(moe_blocks(native))
     packed = native(ids, pixels, grid, cu_seqlens=cu).logits
@@ -167,8 +185,13 @@ def test_released_fused_snapshot_loads_and_is_written_back_bit_exact(tmp_path):
     assert released[f"{EXPERTS}.gate_up_proj"].shape == (8, 64, 64)  # (E, 2I, H)
     assert released[f"{EXPERTS}.down_proj"].shape == (8, 64, 32)  # (E, H, I)
     assert not any(".experts.0." in k for k in released)
-    released.update({f"mtp.layers.0.mlp.experts.{e}.{proj}.weight": torch.randn(32, 64)
-                     for e in range(8) for proj in ("gate_proj", "up_proj")})
+    released.update(
+        {
+            f"mtp.layers.0.mlp.experts.{e}.{proj}.weight": torch.randn(32, 64)
+            for e in range(8)
+            for proj in ("gate_proj", "up_proj")
+        }
+    )
     save_file(released, tmp_path / "released/model.safetensors", metadata={"format": "pt"})
 
     loaded = models.from_pretrained(tmp_path / "released").eval()
@@ -185,13 +208,36 @@ def test_released_fused_snapshot_loads_and_is_written_back_bit_exact(tmp_path):
 
 def test_35b_a3b_config_builds_on_meta_with_transformers_parameters():
     """Qwen/Qwen3.5-35B-A3B's published shape: the same parameter names, shapes and count."""
-    text = dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
-                head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-                linear_value_head_dim=128, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
-                shared_expert_intermediate_size=512,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                                 "mrope_section": [11, 11, 10], "mrope_interleaved": True})
-    vision = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048,
-                  num_position_embeddings=2304)
+    text = dict(
+        vocab_size=248320,
+        hidden_size=2048,
+        num_hidden_layers=40,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+    )
+    vision = dict(
+        depth=27,
+        hidden_size=1152,
+        intermediate_size=4304,
+        num_heads=16,
+        out_hidden_size=2048,
+        num_position_embeddings=2304,
+    )
     config = Qwen3_5MoeConfig(text_config=text, vision_config=vision)
     assert 34e9 < meta_parameter_count(config, Qwen3_5MoeForConditionalGeneration) < 37e9

@@ -2,11 +2,19 @@
 
 import pytest
 import torch
+from _models_helpers import (
+    IMAGE,
+    assert_packed_row_equals_samples_alone,
+    hf_vl_logits,
+    logits_loss_then_grad_diffs,
+    max_rel,
+    pack,
+    qwen3_vl_config,
+    vl_sample,
+)
 from transformers import Qwen3VLForConditionalGeneration
 
 import vlmcore.models as models
-from _models_helpers import (IMAGE, assert_packed_row_equals_samples_alone, hf_vl_logits, logits_loss_then_grad_diffs,
-                             max_rel, pack, qwen3_vl_config, vl_sample)
 
 SHAPES = {
     "gqa2-deepstack2": dict(deepstack=(0, 1)),
@@ -68,7 +76,11 @@ def test_position_ids_match_transformers_rope_index(tmp_path):
 def test_packed_row_equals_samples_run_alone(tmp_path):
     _, native = pair(tmp_path, **SHAPES["gqa2-deepstack2"])
     g = torch.Generator().manual_seed(4)
-    samples = [vl_sample([(1, 4, 6)], [3, 5], g), vl_sample([], [9], g), vl_sample([(1, 6, 2), (1, 2, 4)], [2, 3, 1], g)]
+    samples = [
+        vl_sample([(1, 4, 6)], [3, 5], g),
+        vl_sample([], [9], g),
+        vl_sample([(1, 6, 2), (1, 2, 4)], [2, 3, 1], g),
+    ]
     ids, pixels, grid, cu = pack(samples)
 
     positions = models.position_ids(native.config, ids, grid, cu)
@@ -82,8 +94,12 @@ def test_packed_rows_with_explicit_positions(tmp_path):
     """Two rows of the same length, each holding two samples; cu_seqlens spans the flattened batch."""
     _, native = pair(tmp_path, **SHAPES["gqa2-deepstack2"])
     g = torch.Generator().manual_seed(5)
-    samples = [vl_sample([(1, 4, 4)], [2, 3], g), vl_sample([], [6], g),
-               vl_sample([], [5], g), vl_sample([(1, 2, 4)], [3, 5], g)]
+    samples = [
+        vl_sample([(1, 4, 4)], [2, 3], g),
+        vl_sample([], [6], g),
+        vl_sample([], [5], g),
+        vl_sample([(1, 2, 4)], [3, 5], g),
+    ]
     ids, pixels, grid, cu = pack(samples)
     ids = ids.view(2, -1)
     assert int(cu[2]) == ids.shape[1]  # rows end at a segment boundary

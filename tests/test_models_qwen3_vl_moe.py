@@ -11,12 +11,22 @@ import shutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _models_helpers import (
+    IMAGE,
+    assert_packed_row_equals_samples_alone,
+    grad_diffs,
+    hf_and_native,
+    hf_vl_logits,
+    max_rel,
+    meta_parameter_count,
+    qwen3_vl_moe_config,
+    token_loss,
+    vl_sample,
+)
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3VLMoeForConditionalGeneration
 
 import vlmcore.models as models
-from _models_helpers import (IMAGE, assert_packed_row_equals_samples_alone, grad_diffs, hf_and_native, hf_vl_logits,
-                             max_rel, meta_parameter_count, qwen3_vl_moe_config, token_loss, vl_sample)
 from vlmcore.export import load_final_state_dict
 from vlmcore.models.expert_storage import disk_tensors, format_of, is_expert_tensor, stored_format
 from vlmcore.models.moe import RoutingStats, moe_blocks
@@ -41,8 +51,14 @@ def test_logits_loss_with_aux_and_grads_match_transformers(tmp_path, shape, batc
     hf, native = pair(tmp_path, **SHAPES[shape])
     ids, pixels, grid = vl_sample(generator=torch.Generator().manual_seed(1), **BATCHES[batch])
     ids = ids[None]
-    ref = hf(input_ids=ids, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(ids == IMAGE).int(),
-             labels=ids, output_router_logits=True)
+    ref = hf(
+        input_ids=ids,
+        pixel_values=pixels,
+        image_grid_thw=grid,
+        mm_token_type_ids=(ids == IMAGE).int(),
+        labels=ids,
+        output_router_logits=True,
+    )
     routing = RoutingStats(moe_blocks(native))
     out = native(ids, pixels, grid).logits
     assert max_rel(out, ref.logits) < 1e-4
@@ -73,7 +89,11 @@ def test_dense_and_sparse_layers_follow_the_config(tmp_path):
 def test_packed_row_with_images_equals_samples_run_alone(tmp_path):
     _, native = pair(tmp_path, **SHAPES["top2-deepstack2"])
     g = torch.Generator().manual_seed(4)
-    samples = [vl_sample([(1, 4, 6)], [3, 5], g), vl_sample([], [9], g), vl_sample([(1, 6, 2), (1, 2, 4)], [2, 3, 1], g)]
+    samples = [
+        vl_sample([(1, 4, 6)], [3, 5], g),
+        vl_sample([], [9], g),
+        vl_sample([(1, 6, 2), (1, 2, 4)], [2, 3, 1], g),
+    ]
     assert_packed_row_equals_samples_alone(native, samples)
 
 
@@ -151,14 +171,36 @@ def test_qwen3_vl_30b_a3b_has_transformers_names_and_the_released_expert_shapes(
     from transformers import Qwen3VLMoeConfig
 
     config = Qwen3VLMoeConfig(
-        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048,
-                           num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24]),
-        text_config=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                         num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32,
-                         num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
-                         rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20],
-                                          "mrope_interleaved": True}),
-        tie_word_embeddings=False)
+        vision_config=dict(
+            depth=27,
+            hidden_size=1152,
+            intermediate_size=4304,
+            num_heads=16,
+            out_hidden_size=2048,
+            num_position_embeddings=2304,
+            deepstack_visual_indexes=[8, 16, 24],
+        ),
+        text_config=dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 5e6,
+                "mrope_section": [24, 20, 20],
+                "mrope_interleaved": True,
+            },
+        ),
+        tie_word_embeddings=False,
+    )
     assert meta_parameter_count(config, Qwen3VLMoeForConditionalGeneration) == 31_070_754_032  # "30B-A3B"
     experts = {n: t for n, t in models.build_model(config).state_dict().items() if is_expert_tensor(n)}
     assert len(experts) == 2 * 48

@@ -4,13 +4,28 @@ sample, in packed rows; for Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE."""
 
 import pytest
 import torch
-from transformers import (Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration,
-                          Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration)
+from _models_helpers import (
+    VIDEO,
+    grad_diffs,
+    hf_and_native,
+    hf_mm_inputs,
+    max_rel,
+    mm_sample,
+    mm_token_types,
+    qwen3_5_config,
+    qwen3_5_moe_config,
+    qwen3_vl_config,
+    qwen3_vl_moe_config,
+    token_loss,
+)
+from transformers import (
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeForConditionalGeneration,
+)
 
 import vlmcore.models as models
-from _models_helpers import (VIDEO, grad_diffs, hf_and_native, hf_mm_inputs, max_rel, mm_sample,
-                             mm_token_types, qwen3_5_config, qwen3_5_moe_config, qwen3_vl_config,
-                             qwen3_vl_moe_config, token_loss)
 
 FAMILIES = {
     "qwen3_vl": (Qwen3VLForConditionalGeneration, lambda: qwen3_vl_config(deepstack=(0, 1))),
@@ -22,8 +37,15 @@ SAMPLES = {
     "one-video": [("text", 4), ("video", (4, 4, 6)), ("text", 5)],
     "two-videos-odd-grids": [("text", 2), ("video", (2, 6, 2)), ("text", 3), ("video", (3, 2, 4)), ("text", 2)],
     # Images before and after a video: the DeepStack features of both kinds go to their own tokens.
-    "images-and-a-video": [("text", 3), ("image", (1, 4, 4)), ("text", 2), ("video", (2, 4, 2)), ("text", 1),
-                           ("image", (1, 2, 6)), ("text", 4)],
+    "images-and-a-video": [
+        ("text", 3),
+        ("image", (1, 4, 4)),
+        ("text", 2),
+        ("video", (2, 4, 2)),
+        ("text", 1),
+        ("image", (1, 2, 6)),
+        ("text", 4),
+    ],
 }
 
 
@@ -67,8 +89,11 @@ def test_packed_row_with_videos_equals_samples_run_alone(tmp_path, family):
     a text sample, images and a video."""
     _, native = pair(tmp_path, family)
     g = torch.Generator().manual_seed(4)
-    samples = [mm_sample(SAMPLES["one-video"], g), mm_sample([("text", 9)], g),
-               mm_sample(SAMPLES["images-and-a-video"], g)]
+    samples = [
+        mm_sample(SAMPLES["one-video"], g),
+        mm_sample([("text", 9)], g),
+        mm_sample(SAMPLES["images-and-a-video"], g),
+    ]
     ids = torch.cat([s[0] for s in samples])[None]
     cat = lambda k: torch.cat([s[k] for s in samples if s[k] is not None])  # noqa: E731
     pixels, grid, video_pixels, video_grid = cat(1), cat(2), cat(3), cat(4)
@@ -78,7 +103,9 @@ def test_packed_row_with_videos_equals_samples_run_alone(tmp_path, family):
     alone_positions = [native.position_ids(s[0][None], s[2], None, s[4]) for s in samples]
     assert torch.equal(positions, torch.cat(alone_positions, dim=2))
 
-    packed = native(ids, pixels, grid, cu_seqlens=cu, pixel_values_videos=video_pixels, video_grid_thw=video_grid).logits
+    packed = native(
+        ids, pixels, grid, cu_seqlens=cu, pixel_values_videos=video_pixels, video_grid_thw=video_grid
+    ).logits
     sum(token_loss(packed[:, a:b], ids[:, a:b]) for a, b in zip(cu[:-1], cu[1:])).backward()
     packed_grads = {n: p.grad.clone() for n, p in native.named_parameters()}
     native.zero_grad()
@@ -108,9 +135,8 @@ def test_video_tokens_and_grids_that_disagree_fail_clearly(tmp_path):
 
 
 def test_text_models_refuse_video(tmp_path):
-    from transformers import Qwen3ForCausalLM
-
     from _models_helpers import qwen3_config
+    from transformers import Qwen3ForCausalLM
 
     _, native = hf_and_native(Qwen3ForCausalLM, qwen3_config(), tmp_path / "hf")
     with pytest.raises(ValueError, match="pixel_values_videos must be None"):

@@ -25,8 +25,8 @@ CASES = {  # name: (rows, row length, q heads, k/v heads, segment lengths of the
 def worker(report_path: Path) -> None:
     import torch.distributed as dist
 
-    from vlmcore.models.attention import attention
     from vlmcore.data.batch import row_chunk
+    from vlmcore.models.attention import attention
     from vlmcore.parallel.cp import ulysses_attention
     from vlmcore.parallel.mesh import init_distributed
 
@@ -35,8 +35,9 @@ def worker(report_path: Path) -> None:
     report = {}
     for name, (rows, length, q_heads, kv_heads, segments) in CASES.items():
         generator = torch.Generator().manual_seed(len(name))
-        q, k, v, weight = (torch.randn(rows, length, heads, 8, generator=generator)
-                           for heads in (q_heads, kv_heads, kv_heads, q_heads))
+        q, k, v, weight = (
+            torch.randn(rows, length, heads, 8, generator=generator) for heads in (q_heads, kv_heads, kv_heads, q_heads)
+        )
         cu_seqlens = torch.tensor([0, *torch.tensor(segments).cumsum(0).tolist()], dtype=torch.int32)
         whole = [t.clone().requires_grad_() for t in (q, k, v)]
         out = attention(*whole, cu_seqlens=cu_seqlens)
@@ -48,7 +49,8 @@ def worker(report_path: Path) -> None:
         report[name] = {
             "out": (chunk_out - row_chunk(out, rank, cp)).abs().max().item(),
             "grads": max((c.grad - row_chunk(w.grad, rank, cp)).abs().max().item() for c, w in zip(chunks, whole)),
-            "shape": list(chunk_out.shape)}
+            "shape": list(chunk_out.shape),
+        }
     report["gated deltanet"] = gated_deltanet_case(rank, cp, group)
     reports = [None] * cp
     dist.all_gather_object(reports, report)
@@ -62,8 +64,8 @@ def gated_deltanet_case(rank: int, cp: int, group) -> dict:
     documents across the edge, whole on one rank against chunks under the all-to-all: output,
     input gradient, and weight gradients summed over the cp ranks."""
     import torch.distributed as dist
-
     from _train_helpers import hf_config
+
     from vlmcore.data.batch import row_chunk
     from vlmcore.models.qwen3_5 import GatedDeltaNet
     from vlmcore.parallel.cp import UlyssesAttention
@@ -85,10 +87,14 @@ def gated_deltanet_case(rank: int, cp: int, group) -> dict:
     (chunk_out * row_chunk(weight, rank, cp)).sum().backward()
     for p in layer.parameters():
         dist.all_reduce(p.grad, group=group)
-    return {"out": (chunk_out - row_chunk(out, rank, cp)).abs().max().item(),
-            "grads": max([(chunk.grad - row_chunk(whole.grad, rank, cp)).abs().max().item()]
-                         + [(p.grad - whole_grads[name]).abs().max().item() for name, p in layer.named_parameters()]),
-            "shape": list(chunk_out.shape)}
+    return {
+        "out": (chunk_out - row_chunk(out, rank, cp)).abs().max().item(),
+        "grads": max(
+            [(chunk.grad - row_chunk(whole.grad, rank, cp)).abs().max().item()]
+            + [(p.grad - whole_grads[name]).abs().max().item() for name, p in layer.named_parameters()]
+        ),
+        "shape": list(chunk_out.shape),
+    }
 
 
 @pytest.mark.slow
@@ -126,27 +132,44 @@ def config(tmp_path, snapshot, name, data, **overrides):
 # convolution and recurrence across the edge) and gated attention, images in half the rows.
 # Qwen3-VL-MoE: experts split over the two cp ranks (ep 2), the load-balancing loss of whole rows,
 # rows with images or videos of 2 frame groups (one cut by the edge, checked below).
-DATA = {"qwen3": {"kind": "random", "seq_len": 32, "segments": 3},
-        "qwen3_vl": {"kind": "random", "seq_len": 48, "segments": 2, "image_fraction": 1.0},
-        "qwen3_5": {"kind": "random", "seq_len": 32, "segments": 2, "image_fraction": 0.5},
-        "qwen3_vl_moe": {"kind": "random", "seq_len": 48, "segments": 2, "image_fraction": 0.5,
-                         "video_fraction": 0.5, "video_frames": 2}}
+DATA = {
+    "qwen3": {"kind": "random", "seq_len": 32, "segments": 3},
+    "qwen3_vl": {"kind": "random", "seq_len": 48, "segments": 2, "image_fraction": 1.0},
+    "qwen3_5": {"kind": "random", "seq_len": 32, "segments": 2, "image_fraction": 0.5},
+    "qwen3_vl_moe": {
+        "kind": "random",
+        "seq_len": 48,
+        "segments": 2,
+        "image_fraction": 0.5,
+        "video_fraction": 0.5,
+        "video_frames": 2,
+    },
+}
 # case: (family, ranks, parallel settings of the cp run, its other settings); every run has a
 # global batch of 2 rows a step (2 micro-batches on one data-parallel rank, 1 on each of two).
-RUNS = {"qwen3": ("qwen3", 4, {"cp": 2, "dp_shard": 2}, {"grad_accum_steps": 1, "global_batch_rows": 2}),
-        # Qwen3-VL's blocks compiled under full activation checkpointing (the all-to-all inside the
-        # graph), its vision tower with a layout of its own: tp 2 over the two cp ranks, which bring
-        # the images of their chunks.
-        "qwen3_vl": ("qwen3_vl", 2, {"cp": 2, "compile": True, "activation_checkpointing": "full",
-                                     "modules": {"vision": {"tp": 2}}}, {}),
-        # Disjoint layouts: the vision tower on rank 0 sends the whole rows' embeddings to both cp
-        # ranks; two rows a micro-batch, so a chunk holds the image of one row and not the other's.
-        "qwen3_vl_disjoint": ("qwen3_vl", 3, {"cp": 2, "modules": {"vision": {"ranks": [0, 1]},
-                                                                   "language": {"ranks": [1, 3]}}},
-                              {"micro_batch_size": 2, "grad_accum_steps": 1}),
-        # Qwen3.5 with 4 k/v heads (and 4 linear key heads): 1 a rank under cp 2 x tp 2.
-        "qwen3_5": ("qwen3_5", 4, {"cp": 2, "tp": 2}, {}),
-        "qwen3_vl_moe": ("qwen3_vl_moe", 2, {"cp": 2, "ep": 2}, {})}
+RUNS = {
+    "qwen3": ("qwen3", 4, {"cp": 2, "dp_shard": 2}, {"grad_accum_steps": 1, "global_batch_rows": 2}),
+    # Qwen3-VL's blocks compiled under full activation checkpointing (the all-to-all inside the
+    # graph), its vision tower with a layout of its own: tp 2 over the two cp ranks, which bring
+    # the images of their chunks.
+    "qwen3_vl": (
+        "qwen3_vl",
+        2,
+        {"cp": 2, "compile": True, "activation_checkpointing": "full", "modules": {"vision": {"tp": 2}}},
+        {},
+    ),
+    # Disjoint layouts: the vision tower on rank 0 sends the whole rows' embeddings to both cp
+    # ranks; two rows a micro-batch, so a chunk holds the image of one row and not the other's.
+    "qwen3_vl_disjoint": (
+        "qwen3_vl",
+        3,
+        {"cp": 2, "modules": {"vision": {"ranks": [0, 1]}, "language": {"ranks": [1, 3]}}},
+        {"micro_batch_size": 2, "grad_accum_steps": 1},
+    ),
+    # Qwen3.5 with 4 k/v heads (and 4 linear key heads): 1 a rank under cp 2 x tp 2.
+    "qwen3_5": ("qwen3_5", 4, {"cp": 2, "tp": 2}, {}),
+    "qwen3_vl_moe": ("qwen3_vl_moe", 2, {"cp": 2, "ep": 2}, {}),
+}
 
 
 @pytest.mark.slow
@@ -164,10 +187,29 @@ def test_cp2_trains_as_one_process(tmp_path, case):
     heads = {"num_key_value_heads": 4, "linear_num_key_heads": 4} if parallel.get("tp", 1) > 1 else {}
     snapshot = tiny_snapshot(family, tmp_path / "model", **heads)
     # The reference takes the same micro-batches of the global batch (the sum order of fp32 gradients).
-    train(1, config(tmp_path, snapshot, "reference", DATA[family], **settings,
-                    checkpoint={"interval": 1, "keep": 10} if family == "qwen3_5" else {"enabled": False}))
-    train(ranks, config(tmp_path, snapshot, "cp2", DATA[family], checkpoint={"interval": 1, "keep": 10},
-                        parallel=parallel, **settings))
+    train(
+        1,
+        config(
+            tmp_path,
+            snapshot,
+            "reference",
+            DATA[family],
+            **settings,
+            checkpoint={"interval": 1, "keep": 10} if family == "qwen3_5" else {"enabled": False},
+        ),
+    )
+    train(
+        ranks,
+        config(
+            tmp_path,
+            snapshot,
+            "cp2",
+            DATA[family],
+            checkpoint={"interval": 1, "keep": 10},
+            parallel=parallel,
+            **settings,
+        ),
+    )
     reference, run = read_metrics(tmp_path / "reference"), read_metrics(tmp_path / "cp2")
     trajectory = lambda metrics: torch.tensor([(m["loss"], m["grad_norm"]) for m in metrics])  # noqa: E731
     torch.testing.assert_close(trajectory(run), trajectory(reference), rtol=1e-5, atol=1e-5)
@@ -181,10 +223,20 @@ def test_cp2_trains_as_one_process(tmp_path, case):
         if resumed and out == resumed[0]:
             _, source, resumed_ranks = resumed
             cut_back(tmp_path / source, tmp_path / out, CUT)
-            train(resumed_ranks, config(tmp_path, snapshot, out, DATA[family], checkpoint={"interval": 1, "keep": 10},
-                                        parallel=parallel if resumed_ranks > 1 else {}))
-            torch.testing.assert_close(trajectory(read_metrics(tmp_path / out)[CUT:]), trajectory(reference[CUT:]),
-                                       rtol=1e-5, atol=1e-5)
+            train(
+                resumed_ranks,
+                config(
+                    tmp_path,
+                    snapshot,
+                    out,
+                    DATA[family],
+                    checkpoint={"interval": 1, "keep": 10},
+                    parallel=parallel if resumed_ranks > 1 else {},
+                ),
+            )
+            torch.testing.assert_close(
+                trajectory(read_metrics(tmp_path / out)[CUT:]), trajectory(reference[CUT:]), rtol=1e-5, atol=1e-5
+            )
         weights = load_dcp(tmp_path / out / "final")
         assert weights.keys() == ref_weights.keys()
         assert any(".visual." in key for key in weights) == (family != "qwen3")
@@ -199,12 +251,14 @@ def test_qwen3_vl_rows_have_images_and_videos_cut_by_the_chunks_edge():
     """The Qwen3-VL case above trains on images on both sides of the edge and cut by it; the
     Qwen3-VL-MoE case on videos, one of them cut by the edge between its frame groups."""
     from _train_helpers import SPECIAL, hf_config
+
     from vlmcore.train.random_data import RandomBatches
 
     for family, token in (("qwen3_vl", SPECIAL["image_token_id"]), ("qwen3_vl_moe", SPECIAL["video_token_id"])):
         data = {k: v for k, v in DATA[family].items() if k != "kind"}
-        batches = RandomBatches(hf_config(family), **data, micro_batch_size=1, dp_rank=0, dp_world=1,
-                                grad_accum_steps=2, seed=0)
+        batches = RandomBatches(
+            hf_config(family), **data, micro_batch_size=1, dp_rank=0, dp_world=1, grad_accum_steps=2, seed=0
+        )
         edge, seen, cut = data["seq_len"] // 2, 0, 0
         for i in range(2 * STEPS):
             ids = batches.batch(i).input_ids[0]
@@ -225,11 +279,18 @@ def test_context_chunk_keeps_the_images_at_its_tokens():
     ids = torch.tensor([[1, 2, I, I, I, I, 3, 4], [5, 6, 7, 8, I, I, I, I]])
     grids = torch.tensor([[1, 4, 4], [1, 4, 4]])  # 16 patches, 4 tokens each (merge 2)
     pixels = torch.arange(32)[:, None].expand(32, 3)
-    batch = Batch(ids, ids.clone(), torch.tensor([0, 8, 16], dtype=torch.int32), torch.arange(8).expand(2, 8),
-                  images=Images(pixels, grids))
+    batch = Batch(
+        ids,
+        ids.clone(),
+        torch.tensor([0, 8, 16], dtype=torch.int32),
+        torch.arange(8).expand(2, 8),
+        images=Images(pixels, grids),
+    )
     chunks = [batch.context_chunk(r, 2, {"image": I, "video": None}, merge=2) for r in range(2)]
     assert chunks[0].input_ids.tolist() == [[1, 2, I, I], [5, 6, 7, 8]]
-    assert chunks[0].images.grid_thw.tolist() == [[1, 4, 4]] and chunks[0].images.pixel_values[:, 0].tolist() == list(range(16))
+    assert chunks[0].images.grid_thw.tolist() == [[1, 4, 4]] and chunks[0].images.pixel_values[:, 0].tolist() == list(
+        range(16)
+    )
     assert [t.tolist() for t in chunks[0].visual_selection] == [[0, 1]]
     assert chunks[1].images.grid_thw.tolist() == [[1, 4, 4], [1, 4, 4]]
     assert [t.tolist() for t in chunks[1].visual_selection] == [[2, 3, 4, 5, 6, 7]]
@@ -238,8 +299,9 @@ def test_context_chunk_keeps_the_images_at_its_tokens():
     V = 7  # noqa: E741  the video token
     ids = torch.tensor([[1, V, V, V, V, 2, V, V, V, V, 3, 4]])
     video = Images(torch.arange(32)[:, None].expand(32, 3), torch.tensor([[2, 4, 4]]), kind="video")
-    batch = Batch(ids, ids.clone(), torch.tensor([0, 12], dtype=torch.int32), torch.arange(12).expand(3, 1, 12),
-                  videos=video)
+    batch = Batch(
+        ids, ids.clone(), torch.tensor([0, 12], dtype=torch.int32), torch.arange(12).expand(3, 1, 12), videos=video
+    )
     chunks = [batch.context_chunk(r, 2, {"image": I, "video": V}, merge=2) for r in range(2)]
     # Each chunk keeps the frame group at its tokens (the tower encodes each group on its own).
     assert [c.videos.grid_thw.tolist() for c in chunks] == [[[1, 4, 4]]] * 2 and chunks[0].images is None
@@ -253,30 +315,56 @@ def test_context_chunk_keeps_the_images_at_its_tokens():
     # one grid for the video's groups it keeps.
     ids = torch.tensor([[1, V, V, V, V, 2, V, V, V, V, 3, V, V, V, V, 4]])
     video = Images(torch.arange(48)[:, None].expand(48, 3), torch.tensor([[3, 4, 4]]), kind="video")
-    batch = Batch(ids, ids.clone(), torch.tensor([0, 16], dtype=torch.int32), torch.arange(16).expand(3, 1, 16),
-                  videos=video)
+    batch = Batch(
+        ids, ids.clone(), torch.tensor([0, 16], dtype=torch.int32), torch.arange(16).expand(3, 1, 16), videos=video
+    )
     quarters = [batch.context_chunk(r, 4, {"image": I, "video": V}, merge=2) for r in range(4)]
     assert [c.videos.grid_thw.tolist() for c in quarters] == [[[1, 4, 4]], [[2, 4, 4]], [[2, 4, 4]], [[1, 4, 4]]]
     assert quarters[1].videos.pixel_values[:, 0].tolist() == list(range(32))
     assert quarters[3].videos.pixel_values[:, 0].tolist() == list(range(32, 48))
-    assert [[t.tolist() for t in c.visual_selection] for c in quarters] == [[[0, 1, 2]], [[3, 4, 5]], [[2, 3, 4]], [[1, 2, 3]]]
+    assert [[t.tolist() for t in c.visual_selection] for c in quarters] == [
+        [[0, 1, 2]],
+        [[3, 4, 5]],
+        [[2, 3, 4]],
+        [[1, 2, 3]],
+    ]
 
 
-@pytest.mark.parametrize("parallel, world, model, message", [
-    ({"cp": 2, "tp": 2}, 4, "qwen3", r"parallel.cp: cp x tp = 2 x 2 does not divide the model's num_key_value_heads \(2\)"),
-    ({"cp": 2}, 3, "qwen3", r"parallel: dp_replicate \(1\) x dp_shard \(-1\) x cp \(2\) x tp \(1\) does not fit the world size 3"),
-    ({"cp": 4}, 4, "qwen3_5", r"parallel.cp: 4 does not divide the model's num_key_value_heads \(2\)"),
-    ({"cp": 2, "ep": 4}, 2, "qwen3_vl_moe", r"parallel.ep: 4 does not divide the data-parallel shard ranks \(dp_shard 1 x cp 2 on 2 ranks\)"),
-    ({"cp": 4}, 4, "qwen3", r"parallel.cp: 4 does not divide the model's num_key_value_heads \(2\)"),
-    ({"cp": 3}, 3, "qwen3", r"parallel.cp: 3 does not divide the rows' length \(data.seq_len 32\)"),
-])
+@pytest.mark.parametrize(
+    "parallel, world, model, message",
+    [
+        (
+            {"cp": 2, "tp": 2},
+            4,
+            "qwen3",
+            r"parallel.cp: cp x tp = 2 x 2 does not divide the model's num_key_value_heads \(2\)",
+        ),
+        (
+            {"cp": 2},
+            3,
+            "qwen3",
+            r"parallel: dp_replicate \(1\) x dp_shard \(-1\) x cp \(2\) x tp \(1\) does not fit the world size 3",
+        ),
+        ({"cp": 4}, 4, "qwen3_5", r"parallel.cp: 4 does not divide the model's num_key_value_heads \(2\)"),
+        (
+            {"cp": 2, "ep": 4},
+            2,
+            "qwen3_vl_moe",
+            r"parallel.ep: 4 does not divide the data-parallel shard ranks \(dp_shard 1 x cp 2 on 2 ranks\)",
+        ),
+        ({"cp": 4}, 4, "qwen3", r"parallel.cp: 4 does not divide the model's num_key_value_heads \(2\)"),
+        ({"cp": 3}, 3, "qwen3", r"parallel.cp: 3 does not divide the rows' length \(data.seq_len 32\)"),
+    ],
+)
 def test_unsupported_or_unfit_cp_is_refused_naming_the_key(parallel, world, model, message):
     from _train_helpers import hf_config
+
     from vlmcore.config import ConfigError, from_dict
     from vlmcore.parallel.checks import check_run
 
-    cfg = from_dict({"model_path": "m", "output_dir": "o", "parallel": parallel,
-                     "data": {"kind": "random", "seq_len": 32}})
+    cfg = from_dict(
+        {"model_path": "m", "output_dir": "o", "parallel": parallel, "data": {"kind": "random", "seq_len": 32}}
+    )
     with pytest.raises(ConfigError, match=message):
         check_run(cfg, world, hf_config(model))
 
@@ -285,8 +373,9 @@ def test_cp_ranks_share_their_data_rank():
     from vlmcore.config import from_dict
     from vlmcore.parallel.checks import check_run
 
-    layout = check_run(from_dict({"model_path": "m", "output_dir": "o", "parallel": {"cp": 2},
-                                  "data": {"kind": "random"}}), 8)
+    layout = check_run(
+        from_dict({"model_path": "m", "output_dir": "o", "parallel": {"cp": 2}, "data": {"kind": "random"}}), 8
+    )
     grid = layout.language
     assert (grid.dims.dp_shard, grid.dims.cp, grid.dims.world_size) == (4, 2, 8)
     assert [grid.data_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
@@ -297,14 +386,21 @@ def test_memory_estimate_follows_the_split_of_the_rows(tmp_path):
     """`vlmcore memory` runs the real step on fake tensors: at cp 2 a rank's activations are half
     of one rank's with the whole rows (8,192-token rows of a tiny Qwen3)."""
     from _train_helpers import tiny_snapshot
+
     from vlmcore.config import from_dict
     from vlmcore.train.memory import estimate_stage, format_table
 
     snapshot = tiny_snapshot("qwen3", tmp_path / "model")
     activations = {}
     for cp in (1, 2):
-        cfg = from_dict({"model_path": str(snapshot), "output_dir": str(tmp_path / "out"), "parallel": {"cp": cp},
-                         "data": {"kind": "random", "seq_len": 8192, "segments": 2}})
+        cfg = from_dict(
+            {
+                "model_path": str(snapshot),
+                "output_dir": str(tmp_path / "out"),
+                "parallel": {"cp": cp},
+                "data": {"kind": "random", "seq_len": 8192, "segments": 2},
+            }
+        )
         result = estimate_stage(cfg, cp)
         activations[cp] = result["peak_bytes_by_kind"]["Activation"]
         assert result["cp"] == cp and (f"cp {cp} x tp 1" in format_table(result)) == (cp > 1)

@@ -11,7 +11,6 @@ import shutil
 
 import pytest
 import torch
-
 from _train_helpers import load_dcp, read_metrics, tiny_snapshot, train, write_config
 
 pytestmark = pytest.mark.slow
@@ -31,9 +30,15 @@ LAYOUTS = {
 
 def run_layout(tmp_path, snapshot, name, nproc, overrides, checkpoint=None):
     out = tmp_path / name
-    cfg = write_config(tmp_path / f"{name}.yaml", snapshot, out, steps=STEPS,
-                       optimizer={"lr": 3.0e-3, "weight_decay": 0.01},
-                       checkpoint=checkpoint or {"enabled": False}, **overrides)
+    cfg = write_config(
+        tmp_path / f"{name}.yaml",
+        snapshot,
+        out,
+        steps=STEPS,
+        optimizer={"lr": 3.0e-3, "weight_decay": 0.01},
+        checkpoint=checkpoint or {"enabled": False},
+        **overrides,
+    )
     train(nproc, cfg)
     return [(m["loss"], m["grad_norm"]) for m in read_metrics(out)], load_dcp(out / "final")
 
@@ -47,9 +52,9 @@ def reference(tmp_path_factory):
 
 
 def test_reference_learns_and_ranks_mix_image_and_text_batches(reference):
+    from _train_helpers import hf_config
     from safetensors.torch import load_file
 
-    from _train_helpers import hf_config
     from vlmcore.train.random_data import RandomBatches
 
     _, snapshot, trajectory, weights = reference
@@ -59,8 +64,17 @@ def test_reference_learns_and_ranks_mix_image_and_text_batches(reference):
     changed = [k for k, v in initial.items() if not torch.equal(weights[f"model.{k}"], v)]
     assert len(changed) > 0.9 * len(initial)
     # With 4 data-parallel ranks, some steps give images to some ranks only.
-    data = RandomBatches(hf_config("qwen3_vl"), seq_len=32, segments=3, image_fraction=0.5, micro_batch_size=1,
-                         dp_rank=0, dp_world=1, grad_accum_steps=1, seed=0)
+    data = RandomBatches(
+        hf_config("qwen3_vl"),
+        seq_len=32,
+        segments=3,
+        image_fraction=0.5,
+        micro_batch_size=1,
+        dp_rank=0,
+        dp_world=1,
+        grad_accum_steps=1,
+        seed=0,
+    )
     has_image = [{data.batch(GLOBAL_MICRO_BATCHES * s + r).images is not None for r in range(4)} for s in range(STEPS)]
     assert {True, False} in has_image
 
@@ -82,8 +96,10 @@ def test_disjoint_layout_matches_one_process_and_resumes(reference):
     one process. Its checkpoints hold both modules' weights and optimizer states (each rank
     writes its module's), and a run killed after the step-5 checkpoint resumes to the same run."""
     tmp_path, snapshot, ref_trajectory, ref_weights = reference
-    disjoint = {"grad_accum_steps": 2, "parallel": {"modules": {"vision": {"ranks": [0, 2]},
-                                                                "language": {"ranks": [2, 4]}}}}
+    disjoint = {
+        "grad_accum_steps": 2,
+        "parallel": {"modules": {"vision": {"ranks": [0, 2]}, "language": {"ranks": [2, 4]}}},
+    }
     trajectory, weights = run_layout(tmp_path, snapshot, "disjoint", 4, disjoint, {"interval": 5, "keep": 2})
     torch.testing.assert_close(torch.tensor(trajectory), torch.tensor(ref_trajectory), rtol=1e-5, atol=1e-5)
     assert weights.keys() == ref_weights.keys()
@@ -114,8 +130,13 @@ def test_projector_only_stage_with_mixed_batches_under_ddp(reference):
     tmp_path, snapshot, _, _ = reference
     trainable = ["model.visual.merger.*", "model.visual.deepstack_merger_list.*"]
     one, one_weights = run_layout(tmp_path, snapshot, "stage1_one", 1, {"grad_accum_steps": 2, "trainable": trainable})
-    two, two_weights = run_layout(tmp_path, snapshot, "stage1_ddp", 2, {"grad_accum_steps": 1, "trainable": trainable,
-                                                                         "parallel": {"mode": "ddp"}})
+    two, two_weights = run_layout(
+        tmp_path,
+        snapshot,
+        "stage1_ddp",
+        2,
+        {"grad_accum_steps": 1, "trainable": trainable, "parallel": {"mode": "ddp"}},
+    )
     torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=1e-5, atol=1e-5)
     for key in one_weights:
         torch.testing.assert_close(two_weights[key], one_weights[key], rtol=1e-4, atol=1e-4, msg=key)
@@ -130,9 +151,11 @@ def test_hybrid_qwen3_5_under_fsdp_and_tp_matches_one_process(tmp_path):
     snapshot = tiny_snapshot("qwen3_5", tmp_path / "model")
     one, one_weights = run_layout(tmp_path, snapshot, "qwen3_5_one", 1, {"grad_accum_steps": 2})
     vision = {"tp": 2, "dp_replicate": 2}
-    for name, parallel in [("qwen3_5_dp2_tp2", {"tp": 2}),
-                           ("qwen3_5_dp2_tp2_vision_tp2_hsdp", {"tp": 2, "modules": {"vision": vision}}),
-                           ("qwen3_5_disjoint", {"modules": {"vision": {"ranks": [0, 2]}, "language": {"ranks": [2, 4]}}})]:
+    for name, parallel in [
+        ("qwen3_5_dp2_tp2", {"tp": 2}),
+        ("qwen3_5_dp2_tp2_vision_tp2_hsdp", {"tp": 2, "modules": {"vision": vision}}),
+        ("qwen3_5_disjoint", {"modules": {"vision": {"ranks": [0, 2]}, "language": {"ranks": [2, 4]}}}),
+    ]:
         four, four_weights = run_layout(tmp_path, snapshot, name, 4, {"grad_accum_steps": 1, "parallel": parallel})
         torch.testing.assert_close(torch.tensor(four), torch.tensor(one), rtol=1e-5, atol=1e-5, msg=name)
         linear = [key for key in one_weights if ".linear_attn." in key]
@@ -150,12 +173,21 @@ def test_compiled_blocks_under_tp_follow_the_eager_run(tmp_path):
     that in near-zero gradients, so the trajectories agree to 1e-3, not bit for bit."""
     snapshot = tiny_snapshot("qwen3_5", tmp_path / "model")
     runs = {}
-    for name, compiled, checkpointing in [("eager", False, "none"), ("compiled", True, "none"),
-                                          ("compiled_full", True, "full"),
-                                          ("compiled_selective", True, "selective")]:
+    for name, compiled, checkpointing in [
+        ("eager", False, "none"),
+        ("compiled", True, "none"),
+        ("compiled_full", True, "full"),
+        ("compiled_selective", True, "selective"),
+    ]:
         out = tmp_path / name
-        cfg = write_config(tmp_path / f"{name}.yaml", snapshot, out, steps=3, checkpoint={"enabled": False},
-                           parallel={"tp": 2, "compile": compiled, "activation_checkpointing": checkpointing})
+        cfg = write_config(
+            tmp_path / f"{name}.yaml",
+            snapshot,
+            out,
+            steps=3,
+            checkpoint={"enabled": False},
+            parallel={"tp": 2, "compile": compiled, "activation_checkpointing": checkpointing},
+        )
         train(2, cfg, timeout=600)
         runs[name] = torch.tensor([m["loss"] for m in read_metrics(out)])
     assert len(runs["eager"]) == 3
@@ -163,8 +195,14 @@ def test_compiled_blocks_under_tp_follow_the_eager_run(tmp_path):
         torch.testing.assert_close(runs[name], runs["eager"], rtol=1e-3, atol=0, msg=name)
 
 
-VIDEO_DATA = {"kind": "random", "seq_len": 96, "segments": 3, "image_fraction": 0.5, "video_fraction": 0.75,
-              "video_frames": 2}
+VIDEO_DATA = {
+    "kind": "random",
+    "seq_len": 96,
+    "segments": 3,
+    "image_fraction": 0.5,
+    "video_fraction": 0.75,
+    "video_frames": 2,
+}
 
 
 def test_video_rows_under_fsdp_tp_and_vision_tp_match_one_process(tmp_path):
@@ -173,28 +211,48 @@ def test_video_rows_under_fsdp_tp_and_vision_tp_match_one_process(tmp_path):
     tower on two ranks of its own), each give the one-process run. Images and videos go through
     the tower in one pass, so its sharding is the images'."""
     from _train_helpers import hf_config
+
     from vlmcore.train.random_data import RandomBatches
 
-    data = RandomBatches(hf_config("qwen3_vl"), **{k: v for k, v in VIDEO_DATA.items() if k != "kind"},
-                         micro_batch_size=1, dp_rank=0, dp_world=1, grad_accum_steps=1, seed=0)
+    data = RandomBatches(
+        hf_config("qwen3_vl"),
+        **{k: v for k, v in VIDEO_DATA.items() if k != "kind"},
+        micro_batch_size=1,
+        dp_rank=0,
+        dp_world=1,
+        grad_accum_steps=1,
+        seed=0,
+    )
     batches = [data.batch(i) for i in range(STEPS * 2)]
     assert any(b.videos is not None and b.images is not None for b in batches)
     assert any(b.videos is None for b in batches) and any(b.videos is not None for b in batches)
 
     snapshot = tiny_snapshot("qwen3_vl", tmp_path / "model")
     one, one_weights = run_layout(tmp_path, snapshot, "video_one", 1, {"grad_accum_steps": 2, "data": VIDEO_DATA})
-    four, four_weights = run_layout(tmp_path, snapshot, "video_dp2_tp2_vision_tp2", 4,
-                                    {"grad_accum_steps": 1, "data": VIDEO_DATA,
-                                     "parallel": {"tp": 2, "modules": {"vision": {"tp": 2}}}})
+    four, four_weights = run_layout(
+        tmp_path,
+        snapshot,
+        "video_dp2_tp2_vision_tp2",
+        4,
+        {"grad_accum_steps": 1, "data": VIDEO_DATA, "parallel": {"tp": 2, "modules": {"vision": {"tp": 2}}}},
+    )
     torch.testing.assert_close(torch.tensor(four), torch.tensor(one), rtol=1e-5, atol=1e-5)
     for key in one_weights:
         torch.testing.assert_close(four_weights[key], one_weights[key], rtol=1e-4, atol=1e-4, msg=key)
     # Disjoint layouts: two encoder ranks each encode one row's images and videos and send them to
     # the one language rank, which puts them in its model's order (all images, then all videos).
-    three, three_weights = run_layout(tmp_path, snapshot, "video_disjoint", 3,
-                                      {"grad_accum_steps": 1, "micro_batch_size": 2, "data": VIDEO_DATA,
-                                       "parallel": {"modules": {"vision": {"ranks": [0, 2]},
-                                                                "language": {"ranks": [2, 3]}}}})
+    three, three_weights = run_layout(
+        tmp_path,
+        snapshot,
+        "video_disjoint",
+        3,
+        {
+            "grad_accum_steps": 1,
+            "micro_batch_size": 2,
+            "data": VIDEO_DATA,
+            "parallel": {"modules": {"vision": {"ranks": [0, 2]}, "language": {"ranks": [2, 3]}}},
+        },
+    )
     torch.testing.assert_close(torch.tensor(three), torch.tensor(one), rtol=1e-5, atol=1e-5)
     for key in one_weights:
         torch.testing.assert_close(three_weights[key], one_weights[key], rtol=1e-4, atol=1e-4, msg=key)

@@ -9,32 +9,54 @@ from vlmcore.parallel.layout import MODULES, ParallelDims, resolve_layout
 
 
 def config(parallel: dict, micro_batch_size: int = 1):
-    return from_dict({"model_path": "m", "output_dir": "o", "data": {"kind": "random"},
-                      "micro_batch_size": micro_batch_size, "parallel": parallel})
+    return from_dict(
+        {
+            "model_path": "m",
+            "output_dir": "o",
+            "data": {"kind": "random"},
+            "micro_batch_size": micro_batch_size,
+            "parallel": parallel,
+        }
+    )
 
 
 def dims(layout):
-    return {module: (layout.grid(module).dims.dp_replicate, layout.grid(module).dims.dp_shard,
-                     layout.grid(module).dims.tp) for module in MODULES}
+    return {
+        module: (layout.grid(module).dims.dp_replicate, layout.grid(module).dims.dp_shard, layout.grid(module).dims.tp)
+        for module in MODULES
+    }
 
 
-@pytest.mark.parametrize("parallel, world, expected", [
-    # unset: the language model takes the top-level keys, the vision tower tp 1 (today's layouts)
-    ({}, 4, {"language": (1, 4, 1), "vision": (1, 4, 1)}),
-    ({"tp": 2}, 4, {"language": (1, 2, 2), "vision": (1, 4, 1)}),
-    ({"dp_replicate": 2}, 8, {"language": (2, 4, 1), "vision": (2, 4, 1)}),
-    ({"mode": "ddp"}, 4, {"language": (4, 1, 1), "vision": (4, 1, 1)}),
-    # colocated, own degrees
-    ({"modules": {"vision": {"tp": 2}}}, 4, {"language": (1, 4, 1), "vision": (1, 2, 2)}),
-    ({"modules": {"vision": {"tp": 2}}}, 2, {"language": (1, 2, 1), "vision": (1, 1, 2)}),
-    ({"tp": 2, "modules": {"vision": {"tp": 2, "dp_replicate": 2}}}, 4, {"language": (1, 2, 2), "vision": (2, 1, 2)}),
-    ({"dp_replicate": 2, "modules": {"vision": {"tp": 2}}}, 8, {"language": (2, 4, 1), "vision": (2, 2, 2)}),
-    ({"tp": 4, "modules": {"language": {"tp": 2}, "vision": {"tp": 4}}}, 8,
-     {"language": (1, 4, 2), "vision": (1, 2, 4)}),
-    # disjoint ranges that tile the world (with tp: resolved, then refused by check_run, below)
-    ({"modules": {"vision": {"ranks": [0, 2], "tp": 2}, "language": {"ranks": [2, 8]}}}, 8,
-     {"language": (1, 6, 1), "vision": (1, 1, 2)}),
-])
+@pytest.mark.parametrize(
+    "parallel, world, expected",
+    [
+        # unset: the language model takes the top-level keys, the vision tower tp 1 (today's layouts)
+        ({}, 4, {"language": (1, 4, 1), "vision": (1, 4, 1)}),
+        ({"tp": 2}, 4, {"language": (1, 2, 2), "vision": (1, 4, 1)}),
+        ({"dp_replicate": 2}, 8, {"language": (2, 4, 1), "vision": (2, 4, 1)}),
+        ({"mode": "ddp"}, 4, {"language": (4, 1, 1), "vision": (4, 1, 1)}),
+        # colocated, own degrees
+        ({"modules": {"vision": {"tp": 2}}}, 4, {"language": (1, 4, 1), "vision": (1, 2, 2)}),
+        ({"modules": {"vision": {"tp": 2}}}, 2, {"language": (1, 2, 1), "vision": (1, 1, 2)}),
+        (
+            {"tp": 2, "modules": {"vision": {"tp": 2, "dp_replicate": 2}}},
+            4,
+            {"language": (1, 2, 2), "vision": (2, 1, 2)},
+        ),
+        ({"dp_replicate": 2, "modules": {"vision": {"tp": 2}}}, 8, {"language": (2, 4, 1), "vision": (2, 2, 2)}),
+        (
+            {"tp": 4, "modules": {"language": {"tp": 2}, "vision": {"tp": 4}}},
+            8,
+            {"language": (1, 4, 2), "vision": (1, 2, 4)},
+        ),
+        # disjoint ranges that tile the world (with tp: resolved, then refused by check_run, below)
+        (
+            {"modules": {"vision": {"ranks": [0, 2], "tp": 2}, "language": {"ranks": [2, 8]}}},
+            8,
+            {"language": (1, 6, 1), "vision": (1, 1, 2)},
+        ),
+    ],
+)
 def test_module_layouts_resolve(parallel, world, expected):
     layout = resolve_layout(config(parallel, micro_batch_size=2).parallel, world)
     assert dims(layout) == expected
@@ -43,30 +65,69 @@ def test_module_layouts_resolve(parallel, world, expected):
         assert layout.grid(module).dims.world_size == len(layout.grid(module).ranks), module
 
 
-@pytest.mark.parametrize("parallel, world, micro_batch_size, message", [
-    ({"tp": 3}, 4, 1, "parallel: dp_replicate (1) x dp_shard (-1) x tp (3) does not fit the world size 4"),
-    ({"modules": {"language": {"tp": 3}}}, 4, 1,
-     "parallel.modules.language: dp_replicate (1) x dp_shard (-1) x tp (3) does not fit the world size 4"),
-    ({"modules": {"vision": {"tp": 3}}}, 4, 1,
-     "parallel.modules.vision: dp_replicate (1) x dp_shard (-1) x tp (3) does not fit the world size 4"),
-    ({"modules": {"vision": {"tp": 2, "dp_shard": 4}}}, 4, 1,
-     "parallel.modules.vision: dp_replicate (1) x dp_shard (4) x tp (2) does not fit the world size 4"),
-    ({"modules": {"vision": {"ranks": [0, 2]}, "language": {"ranks": [3, 4]}}}, 4, 1,
-     "parallel.modules.vision.ranks: [0, 2) and language's [3, 4) do not tile the world of 4 ranks"),
-    ({"modules": {"vision": {"ranks": [0, 2]}, "language": {"ranks": [1, 4]}}}, 4, 1,
-     "parallel.modules.vision.ranks: [0, 2) and language's [1, 4) do not tile the world of 4 ranks"),
-    ({"modules": {"vision": {"ranks": [0, 2]}, "language": {"ranks": [2, 6]}}}, 4, 1,
-     "parallel.modules.language.ranks: [2, 6) is outside the world of 4 ranks"),
-    ({"modules": {"vision": {"ranks": [0, 2], "tp": 4}, "language": {"ranks": [2, 4]}}}, 4, 1,
-     "parallel.modules.vision: dp_replicate (1) x dp_shard (-1) x tp (4) does not fit its 2 ranks"),
-    # each module's data-parallel rank needs whole rows of the global micro-batch
-    ({"tp": 2, "modules": {"vision": {"tp": 1}}}, 4, 1,
-     "micro_batch_size: the global micro-batch (1 x 2 language data-parallel ranks = 2 rows) is not divisible by "
-     "4, the LCM of the module data-parallel sizes (language 2, vision 4)"),
-    ({"modules": {"vision": {"ranks": [0, 2]}, "language": {"ranks": [2, 5]}}}, 5, 1,
-     "micro_batch_size: the global micro-batch (1 x 3 language data-parallel ranks = 3 rows) is not divisible by "
-     "6, the LCM of the module data-parallel sizes (language 3, vision 2)"),
-])
+@pytest.mark.parametrize(
+    "parallel, world, micro_batch_size, message",
+    [
+        ({"tp": 3}, 4, 1, "parallel: dp_replicate (1) x dp_shard (-1) x tp (3) does not fit the world size 4"),
+        (
+            {"modules": {"language": {"tp": 3}}},
+            4,
+            1,
+            "parallel.modules.language: dp_replicate (1) x dp_shard (-1) x tp (3) does not fit the world size 4",
+        ),
+        (
+            {"modules": {"vision": {"tp": 3}}},
+            4,
+            1,
+            "parallel.modules.vision: dp_replicate (1) x dp_shard (-1) x tp (3) does not fit the world size 4",
+        ),
+        (
+            {"modules": {"vision": {"tp": 2, "dp_shard": 4}}},
+            4,
+            1,
+            "parallel.modules.vision: dp_replicate (1) x dp_shard (4) x tp (2) does not fit the world size 4",
+        ),
+        (
+            {"modules": {"vision": {"ranks": [0, 2]}, "language": {"ranks": [3, 4]}}},
+            4,
+            1,
+            "parallel.modules.vision.ranks: [0, 2) and language's [3, 4) do not tile the world of 4 ranks",
+        ),
+        (
+            {"modules": {"vision": {"ranks": [0, 2]}, "language": {"ranks": [1, 4]}}},
+            4,
+            1,
+            "parallel.modules.vision.ranks: [0, 2) and language's [1, 4) do not tile the world of 4 ranks",
+        ),
+        (
+            {"modules": {"vision": {"ranks": [0, 2]}, "language": {"ranks": [2, 6]}}},
+            4,
+            1,
+            "parallel.modules.language.ranks: [2, 6) is outside the world of 4 ranks",
+        ),
+        (
+            {"modules": {"vision": {"ranks": [0, 2], "tp": 4}, "language": {"ranks": [2, 4]}}},
+            4,
+            1,
+            "parallel.modules.vision: dp_replicate (1) x dp_shard (-1) x tp (4) does not fit its 2 ranks",
+        ),
+        # each module's data-parallel rank needs whole rows of the global micro-batch
+        (
+            {"tp": 2, "modules": {"vision": {"tp": 1}}},
+            4,
+            1,
+            "micro_batch_size: the global micro-batch (1 x 2 language data-parallel ranks = 2 rows) is not divisible by "
+            "4, the LCM of the module data-parallel sizes (language 2, vision 4)",
+        ),
+        (
+            {"modules": {"vision": {"ranks": [0, 2]}, "language": {"ranks": [2, 5]}}},
+            5,
+            1,
+            "micro_batch_size: the global micro-batch (1 x 3 language data-parallel ranks = 3 rows) is not divisible by "
+            "6, the LCM of the module data-parallel sizes (language 3, vision 2)",
+        ),
+    ],
+)
 def test_module_layouts_that_do_not_fit_are_refused_naming_the_key(parallel, world, micro_batch_size, message):
     with pytest.raises(ConfigError) as e:
         check_run(config(parallel, micro_batch_size), world)
@@ -96,8 +157,8 @@ def test_disjoint_bridge_sends_every_row_once_to_its_language_rank(vision_ranks,
     and the images (and the videos) over the encoder ranks are the global micro-batch's, in
     order, each once."""
     import torch
-
     from _train_helpers import hf_config
+
     from vlmcore.parallel.disjoint import DisjointBridge
     from vlmcore.train.random_data import RandomBatches
 
@@ -105,12 +166,26 @@ def test_disjoint_bridge_sends_every_row_once_to_its_language_rank(vision_ranks,
     parallel = {"modules": {"vision": {"ranks": [0, vision_ranks]}, "language": {"ranks": [vision_ranks, world]}}}
     layout = check_run(config(parallel, micro_batch_size), world)
     language = layout.language.dims.dp
-    loaders = [RandomBatches(model_config, seq_len=64, segments=3, image_fraction=0.5, video_fraction=0.5,
-                             micro_batch_size=micro_batch_size, dp_rank=j, dp_world=language, grad_accum_steps=2,
-                             seed=0) for j in range(language)]
+    loaders = [
+        RandomBatches(
+            model_config,
+            seq_len=64,
+            segments=3,
+            image_fraction=0.5,
+            video_fraction=0.5,
+            micro_batch_size=micro_batch_size,
+            dp_rank=j,
+            dp_world=language,
+            grad_accum_steps=2,
+            seed=0,
+        )
+        for j in range(language)
+    ]
     steps = [[[next(iter(loader)) for _ in range(2)] for loader in loaders] for _ in range(3)]  # [step][rank][micro]
-    bridges = [DisjointBridge(model_config, layout, micro_batch_size, torch.float32, torch.device("cpu"), rank)
-               for rank in range(world)]
+    bridges = [
+        DisjointBridge(model_config, layout, micro_batch_size, torch.float32, torch.device("cpu"), rank)
+        for rank in range(world)
+    ]
     seen = {"images": 0, "videos": 0}
     for step in steps:
         inputs = {}
@@ -128,13 +203,17 @@ def test_disjoint_bridge_sends_every_row_once_to_its_language_rank(vision_ranks,
                         assert bridges[e].plans[a][2][kind][lang] == bridges[lang].plans[a][2][kind][e]
             batches = [step[j][a] for j in range(language)]
             for kind, token in (("images", model_config.image_token_id), ("videos", model_config.video_token_id)):
-                expected = [g for b in batches if getattr(b, kind) is not None for g in getattr(b, kind).grid_thw.tolist()]
+                expected = [
+                    g for b in batches if getattr(b, kind) is not None for g in getattr(b, kind).grid_thw.tolist()
+                ]
                 encoded = [getattr(inputs[e][a], kind) for e in range(vision_ranks) if inputs[e][a] is not None]
                 encoded = [x for x in encoded if x is not None]
                 assert [g for x in encoded for g in x.grid_thw.tolist()] == expected
                 if expected:
-                    torch.testing.assert_close(torch.cat([x.pixel_values for x in encoded]), torch.cat(
-                        [getattr(b, kind).pixel_values for b in batches if getattr(b, kind) is not None]))
+                    torch.testing.assert_close(
+                        torch.cat([x.pixel_values for x in encoded]),
+                        torch.cat([getattr(b, kind).pixel_values for b in batches if getattr(b, kind) is not None]),
+                    )
                 tokens = sum(int((b.input_ids == token).sum()) for b in batches)
                 received = sum(sum(bridges[lang].plans[a][2][kind]) for lang in range(vision_ranks, world))
                 sent = sum(sum(bridges[e].plans[a][2][kind]) for e in range(vision_ranks))
@@ -152,10 +231,16 @@ def test_memory_estimate_of_a_vision_layout(tmp_path):
     from _train_helpers import tiny_snapshot, write_config
     from test_train_memory import estimates
 
-    config = write_config(tmp_path / "vl.yaml", tiny_snapshot("qwen3_vl", tmp_path / "vl"), tmp_path / "out",
-                          data={"kind": "random", "seq_len": 96, "segments": 2})
-    default, vision_tp = [r["peak_bytes_by_kind"] for r in estimates(
-        config, ([], 2, 48, 2, True), (["parallel.modules.vision.tp=2"], 2, 48, 2, True))]
+    config = write_config(
+        tmp_path / "vl.yaml",
+        tiny_snapshot("qwen3_vl", tmp_path / "vl"),
+        tmp_path / "out",
+        data={"kind": "random", "seq_len": 96, "segments": 2},
+    )
+    default, vision_tp = [
+        r["peak_bytes_by_kind"]
+        for r in estimates(config, ([], 2, 48, 2, True), (["parallel.modules.vision.tp=2"], 2, 48, 2, True))
+    ]
     assert vision_tp["Unsharded Param"] < default["Unsharded Param"]
     assert vision_tp["Sharded Param"] > default["Sharded Param"]
     assert vision_tp["Activation"] > default["Activation"]
@@ -165,8 +250,8 @@ def test_an_encoder_rank_holds_the_vision_tower_only_and_refuses_to_hold_a_froze
     """Rank 0 of disjoint layouts (a fake world of 4) builds the vision tower only, FSDP over
     the encoder ranks; a stage that trains nothing of it is refused naming `trainable`."""
     import torch
-
     from _train_helpers import tiny_snapshot
+
     from vlmcore.train.build import build_meta_run
     from vlmcore.train.memory import _process_group
 
@@ -174,8 +259,16 @@ def test_an_encoder_rank_holds_the_vision_tower_only_and_refuses_to_hold_a_froze
     parallel = {"modules": {"vision": {"ranks": [0, 2]}, "language": {"ranks": [2, 4]}}}
     with _process_group(4, fake=True):
         for trainable in ([], ["model.language_model.*"]):
-            cfg = from_dict({"model_path": str(snapshot), "output_dir": "o", "data": {"kind": "random"},
-                             "micro_batch_size": 2, "trainable": trainable, "parallel": parallel})
+            cfg = from_dict(
+                {
+                    "model_path": str(snapshot),
+                    "output_dir": "o",
+                    "data": {"kind": "random"},
+                    "micro_batch_size": 2,
+                    "trainable": trainable,
+                    "parallel": parallel,
+                }
+            )
             layout = check_run(cfg, 4)
             if trainable:
                 with pytest.raises(ConfigError, match=r"^trainable: no parameter of the vision tower trains"):
@@ -196,6 +289,7 @@ def test_memory_estimate_of_disjoint_layouts(tmp_path):
     and AdamW state, sharded over its module's ranks, and the bridge's all_to_all runs on fake
     tensors too. The top level is the larger of the two."""
     from _train_helpers import tiny_snapshot
+
     from vlmcore.models import build_model
     from vlmcore.train.memory import estimate_memory, format_table
 
@@ -223,10 +317,10 @@ def test_one_rank_trains_a_plain_module_unless_it_casts(tmp_path, one_process_gr
     fp32 trains the plain module, in bf16 FSDP's units do the cast; the memory estimate's model is
     sharded either way (torch's tracker needs FSDP units)."""
     import torch
+    from _train_helpers import tiny_snapshot, write_config
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from _train_helpers import tiny_snapshot, write_config
     from vlmcore.config import load_config
     from vlmcore.train.build import build_meta_run
 
@@ -237,27 +331,53 @@ def test_one_rank_trains_a_plain_module_unless_it_casts(tmp_path, one_process_gr
         cfg.precision.param_dtype = dtype
         model = build_meta_run(cfg, one, torch.device("cpu"), 0, shard_one_rank=shard_one_rank).model
         kinds[dtype, shard_one_rank] = (isinstance(model, FSDPModule), isinstance(model.lm_head.weight, DTensor))
-    assert kinds == {("float32", False): (False, False), ("bfloat16", False): (True, True),
-                     ("float32", True): (True, True)}
+    assert kinds == {
+        ("float32", False): (False, False),
+        ("bfloat16", False): (True, True),
+        ("float32", True): (True, True),
+    }
 
 
-@pytest.mark.parametrize("world, tp, micro_batch_size, expected", [(8, 1, 1, 4), (4, 1, 1, 8), (4, 2, 2, 8), (32, 1, 1, 1)])
+@pytest.mark.parametrize(
+    "world, tp, micro_batch_size, expected", [(8, 1, 1, 4), (4, 1, 1, 8), (4, 2, 2, 8), (32, 1, 1, 1)]
+)
 def test_global_batch_rows_sets_the_gradient_accumulation_of_each_world(world, tp, micro_batch_size, expected):
     """A stage with global_batch_rows keeps its rows per step on any number of nodes."""
-    cfg = from_dict({"model_path": "m", "output_dir": "o", "data": {"kind": "random"}, "global_batch_rows": 32,
-                     "micro_batch_size": micro_batch_size, "parallel": {"tp": tp}})
+    cfg = from_dict(
+        {
+            "model_path": "m",
+            "output_dir": "o",
+            "data": {"kind": "random"},
+            "global_batch_rows": 32,
+            "micro_batch_size": micro_batch_size,
+            "parallel": {"tp": tp},
+        }
+    )
     assert check_run(cfg, world).grad_accum_steps == expected
     assert cfg.grad_accum_steps == 1  # the config stays as written; the layout of each world holds the count
 
 
-@pytest.mark.parametrize("settings, world, message", [
-    ({"global_batch_rows": 6}, 4, "global_batch_rows: 6 is not a multiple of micro_batch_size x data-parallel "
-                                  "ranks = 1 x 4 = 4"),
-    ({"global_batch_rows": 2}, 4, "global_batch_rows: 2 is not a multiple of micro_batch_size x data-parallel "
-                                  "ranks = 1 x 4 = 4"),
-    ({"global_batch_rows": 16, "grad_accum_steps": 2}, 4, "grad_accum_steps: 2 with global_batch_rows 16 on 4 "
-                                                          "data-parallel ranks (which makes it 4); set one of the two"),
-])
+@pytest.mark.parametrize(
+    "settings, world, message",
+    [
+        (
+            {"global_batch_rows": 6},
+            4,
+            "global_batch_rows: 6 is not a multiple of micro_batch_size x data-parallel ranks = 1 x 4 = 4",
+        ),
+        (
+            {"global_batch_rows": 2},
+            4,
+            "global_batch_rows: 2 is not a multiple of micro_batch_size x data-parallel ranks = 1 x 4 = 4",
+        ),
+        (
+            {"global_batch_rows": 16, "grad_accum_steps": 2},
+            4,
+            "grad_accum_steps: 2 with global_batch_rows 16 on 4 "
+            "data-parallel ranks (which makes it 4); set one of the two",
+        ),
+    ],
+)
 def test_global_batch_rows_that_do_not_fit_are_refused_naming_the_key(settings, world, message):
     cfg = from_dict({"model_path": "m", "output_dir": "o", "data": {"kind": "random"}, **settings})
     with pytest.raises(ConfigError) as e:

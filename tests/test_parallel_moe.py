@@ -15,8 +15,8 @@ import sys
 
 import pytest
 import torch
-
 from _train_helpers import env, hf_config, load_dcp, read_metrics, tiny_snapshot, train, write_config
+
 from vlmcore.config import ConfigError, ParallelConfig
 from vlmcore.parallel.checks import check_ep, check_tp
 from vlmcore.parallel.layout import resolve_layout
@@ -28,11 +28,19 @@ RESUME_AT = 3  # the EP x FSDP run writes a checkpoint here; an EP=1 run resumes
 LAYOUTS = {
     # Activation checkpointing recomputes the all-to-alls in backward, on every rank alike.
     "ep2_accum2": (2, {"grad_accum_steps": 2, "parallel": {"ep": 2, "activation_checkpointing": "full"}}),
-    "ep2_fsdp2": (4, {"grad_accum_steps": 1, "parallel": {"ep": 2},
-                      "checkpoint": {"enabled": True, "interval": RESUME_AT, "keep": 2}}),
+    "ep2_fsdp2": (
+        4,
+        {
+            "grad_accum_steps": 1,
+            "parallel": {"ep": 2},
+            "checkpoint": {"enabled": True, "interval": RESUME_AT, "keep": 2},
+        },
+    ),
     "tp2_accum4": (2, {"grad_accum_steps": 4, "parallel": {"tp": 2}}),
-    "ep2_tp2_accum2": (4, {"grad_accum_steps": 2, "parallel": {"ep": 2, "tp": 2,
-                                                               "activation_checkpointing": "selective"}}),
+    "ep2_tp2_accum2": (
+        4,
+        {"grad_accum_steps": 2, "parallel": {"ep": 2, "tp": 2, "activation_checkpointing": "selective"}},
+    ),
 }
 # The VL families (vision tower, DeepStack; Qwen3.5-MoE's linear attention and shared expert) under the two
 # 4-process layouts, which hold EP, FSDP over the ranks orthogonal to it, and TP between them.
@@ -43,8 +51,14 @@ CASES += [(kind, name) for kind in ("qwen3_vl_moe", "qwen3_5_moe") for name in (
 def run_layout(tmp_path, snapshot, name, nproc, overrides):
     out = tmp_path / name
     overrides = {"checkpoint": {"enabled": False}, **overrides}
-    cfg = write_config(tmp_path / f"{name}.yaml", snapshot, out, steps=STEPS,
-                       optimizer={"lr": 3.0e-3, "weight_decay": 0.01}, **overrides)
+    cfg = write_config(
+        tmp_path / f"{name}.yaml",
+        snapshot,
+        out,
+        steps=STEPS,
+        optimizer={"lr": 3.0e-3, "weight_decay": 0.01},
+        **overrides,
+    )
     if nproc:
         train(nproc, cfg)
     return out, cfg
@@ -72,6 +86,7 @@ def references(tmp_path_factory):
             out, _ = run_layout(tmp_path, snapshot, "reference", 1, {"grad_accum_steps": GLOBAL_MICRO_BATCHES})
             cache[kind] = tmp_path, snapshot, trajectory(out), load_dcp(out / "final")
         return cache[kind]
+
     return get
 
 
@@ -94,8 +109,9 @@ def test_checkpoint_written_under_ep_resumes_without_it(references):
     writer = tmp_path / "ep2_fsdp2"
     if not (writer / "final").exists():
         run_layout(tmp_path, snapshot, "ep2_fsdp2", *LAYOUTS["ep2_fsdp2"])
-    out, cfg = run_layout(tmp_path, snapshot, "resumed_ep1", 0, {"grad_accum_steps": 1,
-                                                                "checkpoint": {"interval": RESUME_AT, "keep": 2}})
+    out, cfg = run_layout(
+        tmp_path, snapshot, "resumed_ep1", 0, {"grad_accum_steps": 1, "checkpoint": {"interval": RESUME_AT, "keep": 2}}
+    )
     shutil.copytree(writer / "checkpoints" / f"step_{RESUME_AT}", out / "checkpoints" / f"step_{RESUME_AT}")
     (out / "checkpoints" / "latest").write_text(f"step_{RESUME_AT}")
     proc = train(4, cfg)
@@ -116,11 +132,20 @@ def test_compiled_blocks_under_ep_follow_the_eager_run(tmp_path):
     see parallel/compile.py.) Inductor rounds differently in fp32: the trajectories agree to 1e-4."""
     snapshot = tiny_snapshot("qwen3_moe", tmp_path / "model")
     runs = {}
-    for name, checkpointing, compiled in [("eager", "none", False), ("compiled", "none", True),
-                                          ("compiled_full", "full", True)]:
+    for name, checkpointing, compiled in [
+        ("eager", "none", False),
+        ("compiled", "none", True),
+        ("compiled_full", "full", True),
+    ]:
         out = tmp_path / name
-        cfg = write_config(tmp_path / f"{name}.yaml", snapshot, out, steps=3, checkpoint={"enabled": False},
-                           parallel={"ep": 2, "activation_checkpointing": checkpointing, "compile": compiled})
+        cfg = write_config(
+            tmp_path / f"{name}.yaml",
+            snapshot,
+            out,
+            steps=3,
+            checkpoint={"enabled": False},
+            parallel={"ep": 2, "activation_checkpointing": checkpointing, "compile": compiled},
+        )
         train(2, cfg, timeout=600)
         runs[name] = torch.tensor(trajectory(out))
     assert len(runs["eager"]) == 3
@@ -144,22 +169,36 @@ def test_memory_estimate_runs_expert_parallel(tmp_path):
     snapshot = tiny_snapshot("qwen3_moe", tmp_path / "model")
     cfg = write_config(tmp_path / "memory.yaml", snapshot, tmp_path / "out", precision={"param_dtype": "bfloat16"})
     runs = [["parallel.ep=1"], ["parallel.ep=2"]]
-    proc = subprocess.run([sys.executable, "-c", MEMORY_DRIVER, str(cfg), json.dumps(runs)], capture_output=True,
-                          text=True, env=env(), timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", MEMORY_DRIVER, str(cfg), json.dumps(runs)],
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     fsdp, ep = json.loads(proc.stdout.split("RESULT")[-1])
     assert ep["Sharded Param"] == fsdp["Sharded Param"] and ep["OptState"] == fsdp["OptState"] > 0
     assert ep["Unsharded Param"] < fsdp["Unsharded Param"] and ep["All Gather"] < fsdp["All Gather"]
 
 
-@pytest.mark.parametrize("settings, world_size, message", [
-    ({"ep": 3}, 4, "parallel.ep: 3 does not divide the data-parallel shard ranks (dp_shard 4 on 4 ranks)"),
-    ({"ep": 2, "tp": 2}, 2, "parallel.ep: 2 does not divide the data-parallel shard ranks (dp_shard 1 on 2 ranks)"),
-    ({"ep": 2, "dp_replicate": 2}, 2, "parallel.ep: 2 does not divide the data-parallel shard ranks "
-                                      "(dp_shard 1 on 2 ranks)"),
-    ({"ep": 2, "mode": "ddp"}, 4, "parallel.ep: 2 does not divide the data-parallel shard ranks "
-                                  "(dp_shard 1 on 4 ranks)"),
-])
+@pytest.mark.parametrize(
+    "settings, world_size, message",
+    [
+        ({"ep": 3}, 4, "parallel.ep: 3 does not divide the data-parallel shard ranks (dp_shard 4 on 4 ranks)"),
+        ({"ep": 2, "tp": 2}, 2, "parallel.ep: 2 does not divide the data-parallel shard ranks (dp_shard 1 on 2 ranks)"),
+        (
+            {"ep": 2, "dp_replicate": 2},
+            2,
+            "parallel.ep: 2 does not divide the data-parallel shard ranks (dp_shard 1 on 2 ranks)",
+        ),
+        (
+            {"ep": 2, "mode": "ddp"},
+            4,
+            "parallel.ep: 2 does not divide the data-parallel shard ranks (dp_shard 1 on 4 ranks)",
+        ),
+    ],
+)
 def test_ep_must_divide_the_shard_ranks(settings, world_size, message):
     with pytest.raises(ConfigError) as e:
         resolve_layout(ParallelConfig(**settings), world_size)
@@ -172,10 +211,13 @@ def test_ep_carves_the_shard_ranks():
     assert dims.world_size == 16
 
 
-@pytest.mark.parametrize("kind, ep, message", [
-    ("qwen3", 2, "parallel.ep: 2 needs a mixture-of-experts model (qwen3 is dense)"),
-    ("qwen3_moe", 3, "parallel.ep: 3 does not divide the model's num_experts (4)"),
-])
+@pytest.mark.parametrize(
+    "kind, ep, message",
+    [
+        ("qwen3", 2, "parallel.ep: 2 needs a mixture-of-experts model (qwen3 is dense)"),
+        ("qwen3_moe", 3, "parallel.ep: 3 does not divide the model's num_experts (4)"),
+    ],
+)
 def test_ep_must_fit_the_model(kind, ep, message):
     with pytest.raises(ConfigError) as e:
         check_ep(hf_config(kind), ep)

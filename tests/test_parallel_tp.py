@@ -22,9 +22,14 @@ def loss_and_grads(model, batch):
     from vlmcore.train.loss import chunked_cross_entropy
 
     images = batch.images
-    out = model(batch.input_ids, pixel_values=images.pixel_values if images else None,
-                image_grid_thw=images.grid_thw if images else None, position_ids=batch.position_ids,
-                cu_seqlens=batch.cu_seqlens, return_hidden=True)
+    out = model(
+        batch.input_ids,
+        pixel_values=images.pixel_values if images else None,
+        image_grid_thw=images.grid_thw if images else None,
+        position_ids=batch.position_ids,
+        cu_seqlens=batch.cu_seqlens,
+        return_hidden=True,
+    )
     loss_sum, count = chunked_cross_entropy(out.hidden_states, model.lm_head.weight, batch.labels, 16)
     (loss_sum / count).backward()
     return loss_sum.item() / count.item()
@@ -35,13 +40,12 @@ def worker(root: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from vlmcore.models import build_model, from_pretrained
-    from vlmcore.parallel.mesh import init_distributed
+    from vlmcore.models import build_model, from_pretrained, load_hf_weights
     from vlmcore.parallel.bridge import VisionBridge, count_images_once
+    from vlmcore.parallel.mesh import init_distributed
     from vlmcore.parallel.tp import apply_tp, apply_vision_tp
-    from vlmcore.models import load_hf_weights
-    from vlmcore.train.step import sum_partial_grads
     from vlmcore.train.random_data import RandomBatches
+    from vlmcore.train.step import sum_partial_grads
 
     init_distributed(torch.device("cpu"))
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
@@ -52,8 +56,17 @@ def worker(root: Path) -> None:
         # 33 tokens: the sequence splits unevenly over the 2 ranks. Before torch 2.13 sequence
         # parallelism needs an even split (apply_tp stops and says so): 32 there.
         seq_len = 33 if torch.__version__ >= (2, 13) or not sequence_parallel else 32
-        batch = RandomBatches(reference.config, seq_len=seq_len, segments=3, image_fraction=1.0, micro_batch_size=2,
-                              dp_rank=0, dp_world=1, grad_accum_steps=1, seed=0).batch(0)
+        batch = RandomBatches(
+            reference.config,
+            seq_len=seq_len,
+            segments=3,
+            image_fraction=1.0,
+            micro_batch_size=2,
+            dp_rank=0,
+            dp_world=1,
+            grad_accum_steps=1,
+            seed=0,
+        ).batch(0)
         ref_loss = loss_and_grads(reference, batch)
         ref_grads = {n: p.grad for n, p in reference.named_parameters()}
 
@@ -78,9 +91,16 @@ def worker(root: Path) -> None:
                 vision_sharded += ".visual." in name
                 grad = grad.full_tensor()
             worst = max(worst, (grad - ref_grads[name]).abs().max().item())
-        report[f"{kind}-sp{int(sequence_parallel)}"] = {"loss": loss, "ref_loss": ref_loss, "max_grad_diff": worst, "sharded": sharded,
-                        "partial": len(partial), "linear_sharded": linear_sharded, "vision_sharded": vision_sharded,
-                        "linear_layers": sum(hasattr(b, "linear_attn") for b in model.decoder_layers())}
+        report[f"{kind}-sp{int(sequence_parallel)}"] = {
+            "loss": loss,
+            "ref_loss": ref_loss,
+            "max_grad_diff": worst,
+            "sharded": sharded,
+            "partial": len(partial),
+            "linear_sharded": linear_sharded,
+            "vision_sharded": vision_sharded,
+            "linear_layers": sum(hasattr(b, "linear_attn") for b in model.decoder_layers()),
+        }
     if dist.get_rank() == 0:
         (root / "report.json").write_text(json.dumps(report))
     dist.destroy_process_group()
@@ -88,6 +108,7 @@ def worker(root: Path) -> None:
 
 def test_tp_degree_must_divide_every_split_head_count():
     from _train_helpers import hf_config
+
     from vlmcore.config import ConfigError
     from vlmcore.parallel.checks import check_tp, check_vision_tp
 
@@ -102,8 +123,11 @@ def test_tp_degree_must_divide_every_split_head_count():
     with pytest.raises(ConfigError, match="num_attention_heads"):
         check_tp(hf_config("qwen3"), 3)
     check_vision_tp(hf_config("qwen3_vl"), 2)
-    with pytest.raises(ConfigError, match=r"^parallel.modules.vision.tp: 4 does not divide the vision tower's "
-                                          r"num_heads \(2\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^parallel.modules.vision.tp: 4 does not divide the vision tower's "
+        r"num_heads \(2\)",
+    ):
         check_vision_tp(hf_config("qwen3_5"), 4)
 
 
@@ -124,8 +148,7 @@ def test_tp_plans_match_the_unsharded_model(tmp_path):
 
     for kind in FAMILIES:
         tiny_snapshot(kind, tmp_path / kind)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-           str(tmp_path)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env())
     assert proc.returncode == 0, proc.stderr[-6000:]
     report = json.loads((tmp_path / "report.json").read_text())

@@ -29,7 +29,9 @@ def snakemake(workdir, *args, check=True, timeout=1800):
     cmd = [sys.executable, "-m", "snakemake", "--profile", "profiles/local", *args]
     proc = subprocess.run(cmd, cwd=workdir, env=ENV, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
@@ -87,8 +89,11 @@ def test_scattered_pack_writes_what_one_job_writes(demo, tmp_path, monkeypatch):
     from vlmcore.data.shards import shard_paths
 
     def files(out):
-        return {p.relative_to(out): p.read_bytes() for p in out.rglob("*")
-                if p.is_file() and p.name not in ("index.uuid", "index.sqlite", ".snakemake_timestamp")}
+        return {
+            p.relative_to(out): p.read_bytes()
+            for p in out.rglob("*")
+            if p.is_file() and p.name not in ("index.uuid", "index.sqlite", ".snakemake_timestamp")
+        }
 
     def index_rows(out):
         db = sqlite3.connect(out / ".nv-meta" / "index.sqlite")
@@ -99,8 +104,15 @@ def test_scattered_pack_writes_what_one_job_writes(demo, tmp_path, monkeypatch):
 
     monkeypatch.chdir(demo)  # the paths the rules pass, which stats.json records
     packed = demo / RESULTS / "packed" / "captions"
-    pack(RESULTS / "data" / "captions", RESULTS / "model", tmp_path / "captions", seq_len=1024, max_patches=4096,
-         shard_size=16, workers=1)
+    pack(
+        RESULTS / "data" / "captions",
+        RESULTS / "model",
+        tmp_path / "captions",
+        seq_len=1024,
+        max_patches=4096,
+        shard_size=16,
+        workers=1,
+    )
     assert len(shard_paths(packed)) >= 2  # both write jobs had shards to write
     assert files(tmp_path / "captions") == files(packed)
     assert index_rows(tmp_path / "captions") == index_rows(packed) and index_rows(packed)["samples"]
@@ -123,7 +135,9 @@ def test_stage1_trains_only_the_projector(demo):
     changed = {k for k in initial if not torch.equal(initial[k], stage1[k])}
     assert changed and all(k.startswith(projector) for k in changed), sorted(changed)[:5]
     stage2 = load_final_state_dict(demo / RESULTS / "train/stage2/final", demo / RESULTS / "model")
-    llm_changed = [k for k in initial if k.startswith("model.language_model.") and not torch.equal(stage1[k], stage2[k])]
+    llm_changed = [
+        k for k in initial if k.startswith("model.language_model.") and not torch.equal(stage1[k], stage2[k])
+    ]
     assert llm_changed, "stage 2 must train the language model"
 
 
@@ -186,15 +200,22 @@ def test_training_and_evaluation_see_the_same_sample(demo, tmp_path):
     doc = next(d for d in load_vqa_jsonl(str(raw / "eval.jsonl"))["test"] if d["kind"] == "side")
     answer = doc["choices"][doc["answer"]]
     # The question as a one-turn training conversation, its image beside it as the demo's are.
-    conversation = {"id": doc["id"], "images": [doc["image"]],
-                    "messages": [{"role": "user", "content": f"<image>\n{doc['question']}"},
-                                 {"role": "assistant", "content": answer}]}
+    conversation = {
+        "id": doc["id"],
+        "images": [doc["image"]],
+        "messages": [
+            {"role": "user", "content": f"<image>\n{doc['question']}"},
+            {"role": "assistant", "content": answer},
+        ],
+    }
     (tmp_path / doc["image"]).parent.mkdir(parents=True)
     shutil.copy(raw / doc["image"], tmp_path / doc["image"])
     (tmp_path / "heldout.jsonl").write_text(json.dumps(conversation) + "\n")
     prepare([f"conversations:{tmp_path / 'heldout.jsonl'}"], tmp_path / "data")
     pack(tmp_path / "data", demo / RESULTS / "model", tmp_path / "packed", seq_len=1024, max_patches=4096, workers=1)
-    host = next(iter(build_loader(tmp_path / "packed", dp_rank=0, dp_world=1, micro_batch_size=1, seed=0, num_workers=0)))
+    host = next(
+        iter(build_loader(tmp_path / "packed", dp_rank=0, dp_world=1, micro_batch_size=1, seed=0, num_workers=0))
+    )
     train = host.to(torch.device("cpu"))
 
     # demo_vqa.yaml: doc_to_text "<image>\n{{question}}", doc_to_image, target delimiter "".
@@ -202,12 +223,12 @@ def test_training_and_evaluation_see_the_same_sample(demo, tmp_path):
     row = lm.encode_row(f"<image>\n{doc['question']}", answer, {"visual": doc_to_image(doc)})
     n, start = len(row["input_ids"]), row["continuation_start"]
     assert train.input_ids[0, :n].tolist() == row["input_ids"]
-    assert train.labels[0, start - 1:n - 1].tolist() == row["input_ids"][start:]  # label[t]: target of logits[t]
+    assert train.labels[0, start - 1 : n - 1].tolist() == row["input_ids"][start:]  # label[t]: target of logits[t]
     assert train.images.grid_thw == row["image_grid_thw"].tolist()
     assert torch.equal(train.images.pixel_values, row["pixel_values"])  # bit for bit
-    positions, _ = lm.model.model.get_rope_index(torch.tensor([row["input_ids"]]),
-                                                 torch.tensor([row["mm_token_type_ids"]]),
-                                                 image_grid_thw=row["image_grid_thw"])
+    positions, _ = lm.model.model.get_rope_index(
+        torch.tensor([row["input_ids"]]), torch.tensor([row["mm_token_type_ids"]]), image_grid_thw=row["image_grid_thw"]
+    )
     assert torch.equal(train.position_ids[:, :, :n], positions)
 
 
@@ -309,7 +330,9 @@ def test_killed_training_resumes_from_its_checkpoint(demo):
     stage = demo / RESULTS / "train/stage1"
     target = str(RESULTS / "train/stage1/done")
     cmd = [sys.executable, "-m", "snakemake", "--profile", "profiles/local", "-R", target, "--", target]
-    proc = subprocess.Popen(cmd, cwd=demo, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=demo, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.time() + 600
     # The finished run's checkpoints are moved aside first (a forced rerun starts afresh) ...
     while not (stage / "previous/checkpoints/step_50").is_dir():

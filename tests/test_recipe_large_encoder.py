@@ -34,12 +34,22 @@ def test_the_large_encoder_recipe_uses_the_layout_the_model_picks():
     config = MODELS[recipe["model"]["repo_id"]]()
     assert config.vision_config.depth == 45 and config.vision_config.hidden_size == 3200
     images = [[1, IMAGE_SIDE, IMAGE_SIDE]] * (pack["max_patches"] // IMAGE_SIDE**2)
-    workload = flops_workload(config, rows=world // tp * mbs * accum, seq_len=pack["seq_len"], image_grids=images,
-                              achieved_tflops=ACHIEVED_TFLOPS, micro_batches=accum, micro_batch_size=mbs, llm_tp=tp)
+    workload = flops_workload(
+        config,
+        rows=world // tp * mbs * accum,
+        seq_len=pack["seq_len"],
+        image_grids=images,
+        achieved_tflops=ACHIEVED_TFLOPS,
+        micro_batches=accum,
+        micro_batch_size=mbs,
+        llm_tp=tp,
+    )
     ranked = compare(workload, Cluster(), world)
     assert ranked[0].layout == recipe_layout(common["parallel"])
     # The figures the recipe's comment quotes.
     assert workload.vision_s / (workload.vision_s + workload.llm_s) == pytest.approx(0.58, abs=0.005)
     assert [(p.layout, round(p.step_s, 2)) for p in ranked] == [
-        ("colocated, vision TP 1", 4.20), ("disjoint, 16 vision + 16 LLM ranks", 5.79)]
+        ("colocated, vision TP 1", 4.20),
+        ("disjoint, 16 vision + 16 LLM ranks", 5.79),
+    ]
     assert ranked[1].speedup == pytest.approx(0.73, abs=0.005)

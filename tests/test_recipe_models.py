@@ -55,20 +55,36 @@ print("RESULT" + json.dumps(out))
 # Parameter counts of the published checkpoints (the model cards), without Qwen3.5's
 # multi-token-prediction layer, which vlmcore does not train.
 # qwen3vl-8b-vit6b is assembled by hand (benchmarks/recipe_models.py): its count is the architecture's.
-PARAMS = {"qwen3vl-2b": 2.13e9, "qwen3vl-8b": 8.77e9, "qwen3vl-8b-video": 8.77e9, "qwen35-9b": 9.4e9, "qwen3vl-8b-vit6b": 13.95e9,
-          "qwen3vl-30b-a3b": 31.07e9, "qwen3vl-8b-128k": 8.77e9, "qwen3vl-2b-256k": 2.13e9}
+PARAMS = {
+    "qwen3vl-2b": 2.13e9,
+    "qwen3vl-8b": 8.77e9,
+    "qwen3vl-8b-video": 8.77e9,
+    "qwen35-9b": 9.4e9,
+    "qwen3vl-8b-vit6b": 13.95e9,
+    "qwen3vl-30b-a3b": 31.07e9,
+    "qwen3vl-8b-128k": 8.77e9,
+    "qwen3vl-2b-256k": 2.13e9,
+}
 # The long-context recipes (parallel.cp) and their cp sizes: each cp rank encodes only the frame
 # groups in its chunk of a row, so their stage 2 trains the vision tower too (docs/hpc.md section
 # 15, "Recipes").
-LONG_CONTEXT = {"qwen3vl-8b-128k-mn5": 4, "qwen3vl-8b-128k-jupiter": 2, "qwen3vl-2b-256k-mn5": 4,
-                "qwen3vl-2b-256k-jupiter": 2}
+LONG_CONTEXT = {
+    "qwen3vl-8b-128k-mn5": 4,
+    "qwen3vl-8b-128k-jupiter": 2,
+    "qwen3vl-2b-256k-mn5": 4,
+    "qwen3vl-2b-256k-jupiter": 2,
+}
 
 
 @pytest.fixture(scope="module")
 def stages(tmp_path_factory):
-    proc = subprocess.run([sys.executable, "-c", DRIVER, str(REPO), str(tmp_path_factory.mktemp("recipes")),
-                           *map(str, RECIPES)], capture_output=True, text=True, timeout=600,
-                          env=dict(env(), PYTHONPATH=f"{REPO / 'benchmarks'}:{env().get('PYTHONPATH', '')}"))
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(REPO), str(tmp_path_factory.mktemp("recipes")), *map(str, RECIPES)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(env(), PYTHONPATH=f"{REPO / 'benchmarks'}:{env().get('PYTHONPATH', '')}"),
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     return json.loads(proc.stdout.split("RESULT")[-1])
 
@@ -91,8 +107,13 @@ def test_moe_recipe_fits_marenostrum5(tmp_path):
     while each MoE layer's checkpointed recompute held its graph to the end of backward."""
     recipe = REPO / "config" / "experiments" / "qwen3vl-30b-a3b-mn5.yaml"
     out = tmp_path / "estimate.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "memory_recipes.py"), str(recipe), "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, env=env())
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "memory_recipes.py"), str(recipe), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env(),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["stage"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"stage1", "stage2"} and all(r["fits"] and r["gpu_memory_gib"] == 64 for r in rows.values())

@@ -2,8 +2,8 @@
 candidates exist, each term of the step time, and the recommendation."""
 
 import pytest
-
 from _train_helpers import hf_config
+
 from vlmcore.report.layouts import Cluster, Workload, candidates, compare, seconds_from_flops, workload_of
 
 # Round figures: 4 GPUs per node, 100 GB/s inside a node, 10 GB/s between nodes, half the
@@ -22,8 +22,12 @@ def test_a_small_encoder_stays_colocated():
     w = Workload(vision_s=8.0, llm_s=24.0, vision_params=10**9, llm_params=2 * 10**9, micro_batches=2, **SHAPES)
     p = by_layout(compare(w, CLUSTER, world=8))
     # Rows per step 8 * 2 = 16: only 4 + 4 divides them on both sides. Fastest first.
-    assert list(p) == ["colocated, vision TP 1", "colocated, vision TP 2", "disjoint, 4 vision + 4 LLM ranks",
-                       "colocated, vision TP 4"]
+    assert list(p) == [
+        "colocated, vision TP 1",
+        "colocated, vision TP 2",
+        "disjoint, 4 vision + 4 LLM ranks",
+        "colocated, vision TP 4",
+    ]
     base = p["colocated, vision TP 1"]
     # vision: max(8/8, FSDP 1e9*8*7/8 / 10 GB/s = 0.7); LLM: max(24/8, 2e9*12*7/8 / 10 GB/s = 2.1)
     assert (base.vision_s, base.llm_s, base.step_s) == pytest.approx((1.0, 3.0, 4.0))
@@ -36,17 +40,21 @@ def test_a_small_encoder_stays_colocated():
     assert split.speedup == pytest.approx(4.0 / 7.01) and base.speedup == 1.0
 
 
-@pytest.mark.parametrize("micro_batches, best, step, baseline", [
-    # M = 1, vision 2 + 4 B per parameter: TP 1 vision FSDP 6e9*6*7/8 / 10 GB/s = 3.15 s, LLM max(1, 1e9*8*7/8
-    # / 10 GB/s = 0.7); TP 2: max(2, 3e9*6*3/4 / 10 GB/s = 1.35) + 0.08 + 1 = 3.08; disjoint 2 + 2/1 + 0.01 = 4.01.
-    (1, "colocated, vision TP 2", 3.08, 4.15),
-    # M = 4, vision 12 B, LLM 20 B per parameter: TP 1 6.3 + 1.75; TP 2 max(2, 2.7) + 0.08 + 1.75; TP 4 4.24 + 1.75;
-    # disjoint V = max(8/4, 6e9*12*3/4 / 100 GB/s = 0.54), L = max(2, 0.15): 2 + 2/4 + 0.01 = 2.51.
-    (4, "disjoint, 4 vision + 4 LLM ranks", 2.51, 8.05),
-])
+@pytest.mark.parametrize(
+    "micro_batches, best, step, baseline",
+    [
+        # M = 1, vision 2 + 4 B per parameter: TP 1 vision FSDP 6e9*6*7/8 / 10 GB/s = 3.15 s, LLM max(1, 1e9*8*7/8
+        # / 10 GB/s = 0.7); TP 2: max(2, 3e9*6*3/4 / 10 GB/s = 1.35) + 0.08 + 1 = 3.08; disjoint 2 + 2/1 + 0.01 = 4.01.
+        (1, "colocated, vision TP 2", 3.08, 4.15),
+        # M = 4, vision 12 B, LLM 20 B per parameter: TP 1 6.3 + 1.75; TP 2 max(2, 2.7) + 0.08 + 1.75; TP 4 4.24 + 1.75;
+        # disjoint V = max(8/4, 6e9*12*3/4 / 100 GB/s = 0.54), L = max(2, 0.15): 2 + 2/4 + 0.01 = 2.51.
+        (4, "disjoint, 4 vision + 4 LLM ranks", 2.51, 8.05),
+    ],
+)
 def test_a_large_encoder_moves_off_the_llm_ranks(micro_batches, best, step, baseline):
-    w = Workload(vision_s=8.0, llm_s=8.0, vision_params=6 * 10**9, llm_params=10**9, micro_batches=micro_batches,
-                 **SHAPES)
+    w = Workload(
+        vision_s=8.0, llm_s=8.0, vision_params=6 * 10**9, llm_params=10**9, micro_batches=micro_batches, **SHAPES
+    )
     ranked = compare(w, CLUSTER, world=8)
     assert ranked[0].layout == best and ranked[0].step_s == pytest.approx(step)
     base = by_layout(ranked)["colocated, vision TP 1"]
@@ -55,8 +63,15 @@ def test_a_large_encoder_moves_off_the_llm_ranks(micro_batches, best, step, base
 
 
 def test_candidates_respect_the_degrees():
-    w = Workload(vision_s=1.0, llm_s=1.0, vision_params=1, llm_params=1, micro_batches=1, llm_tp=2,
-                 **dict(SHAPES, vision_heads=6))
+    w = Workload(
+        vision_s=1.0,
+        llm_s=1.0,
+        vision_params=1,
+        llm_params=1,
+        micro_batches=1,
+        llm_tp=2,
+        **dict(SHAPES, vision_heads=6),
+    )
     layouts = [p.layout for p in candidates(w, CLUSTER, world=16)]
     # heads 6: no vision TP 4; LLM TP 2: 16 - k even; rows 8: k and (16 - k) / 2 divide 8 -> k = 8 (4 LLM DP ranks)
     assert layouts == ["colocated, vision TP 1", "colocated, vision TP 2", "disjoint, 8 vision + 8 LLM ranks"]

@@ -19,14 +19,29 @@ def write_metrics(path: Path, world_size: int, per_device: list[float], mem: lis
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = []
     for step, (tps, gb) in enumerate(zip(per_device, mem), 1):
-        lines.append(json.dumps({
-            "step": step, "loss": 5.0 / step, "grad_norm": 1.0 + step / 10, "lr": 1e-3 * min(1.0, step / 3),
-            "tokens": 1000 * step * world_size, "tokens_per_s": tps * world_size, "tokens_per_s_per_device": tps,
-            "tflops_per_device": tps * 1e-3, "mfu": mfu, "llm_tflops_per_device": tps * 0.8e-3,
-            "vision_tflops_per_device": tps * 0.2e-3, "peak_mem_gb": gb, "data_wait_s": 0.01, "step_time_s": 1000 / tps,
-            "world_size": world_size, "skipped_steps": 0,
-            **({"moe_aux_loss": moe[step - 1][0], "moe_load_imbalance": moe[step - 1][1]} if moe else {}),
-        }))
+        lines.append(
+            json.dumps(
+                {
+                    "step": step,
+                    "loss": 5.0 / step,
+                    "grad_norm": 1.0 + step / 10,
+                    "lr": 1e-3 * min(1.0, step / 3),
+                    "tokens": 1000 * step * world_size,
+                    "tokens_per_s": tps * world_size,
+                    "tokens_per_s_per_device": tps,
+                    "tflops_per_device": tps * 1e-3,
+                    "mfu": mfu,
+                    "llm_tflops_per_device": tps * 0.8e-3,
+                    "vision_tflops_per_device": tps * 0.2e-3,
+                    "peak_mem_gb": gb,
+                    "data_wait_s": 0.01,
+                    "step_time_s": 1000 / tps,
+                    "world_size": world_size,
+                    "skipped_steps": 0,
+                    **({"moe_aux_loss": moe[step - 1][0], "moe_load_imbalance": moe[step - 1][1]} if moe else {}),
+                }
+            )
+        )
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -35,7 +50,9 @@ def write_metrics(path: Path, world_size: int, per_device: list[float], mem: lis
 def runs(tmp_path):
     write_metrics(tmp_path / "scaling/ws1/metrics.jsonl", 1, [10, 1000, 1000, 1000], [1.0, 2.0, 2.5, 2.0])
     write_metrics(tmp_path / "scaling/ws2/metrics.jsonl", 2, [10, 900, 800, 700], [1.0, 2.2, 2.6, 2.1])
-    (tmp_path / "scaling/ws2/config.yaml").write_text("parallel: {dp_shard: -1, tp: 1}\nmicro_batch_size: 2\nseq_len: 1024\n")
+    (tmp_path / "scaling/ws2/config.yaml").write_text(
+        "parallel: {dp_shard: -1, tp: 1}\nmicro_batch_size: 2\nseq_len: 1024\n"
+    )
     return tmp_path
 
 
@@ -92,14 +109,36 @@ def test_full_report_through_the_cli(runs, tmp_path):
     (tmp_path / "train/stage1/config.yaml").write_text("steps: 30\noptimizer: {lr: 0.002}\n")
     eval_dir = tmp_path / "results/demo/eval"
     eval_dir.mkdir(parents=True)
-    (eval_dir / "results.json").write_text(json.dumps({
-        "results": {"demo_vqa": {"alias": "demo_vqa", "acc,none": 0.8, "acc_stderr,none": 0.02, "acc_norm,none": 0.75}},
-        "n-samples": {"demo_vqa": {"original": 300, "effective": 300}},
-        "chance": {"demo_vqa": 0.333}, "breakdown": {"demo_vqa": {"color": {"metric": "acc", "value": 0.7, "chance": 1 / 6, "n": 100}}}}))
+    (eval_dir / "results.json").write_text(
+        json.dumps(
+            {
+                "results": {
+                    "demo_vqa": {"alias": "demo_vqa", "acc,none": 0.8, "acc_stderr,none": 0.02, "acc_norm,none": 0.75}
+                },
+                "n-samples": {"demo_vqa": {"original": 300, "effective": 300}},
+                "chance": {"demo_vqa": 0.333},
+                "breakdown": {"demo_vqa": {"color": {"metric": "acc", "value": 0.7, "chance": 1 / 6, "n": 100}}},
+            }
+        )
+    )
     out = tmp_path / "report"
-    args = ["report", "--scaling", f"ws1={runs / 'scaling/ws1/metrics.jsonl'}", "--scaling", f"ws2={runs / 'scaling/ws2'}",
-            "--train", f"stage1={train['stage1']}", "--train", f"stage2={train['stage2']}",
-            "--eval", str(eval_dir / "results.json"), "--hardware", "2-core CPU (gloo), no GPU", "--out", str(out)]
+    args = [
+        "report",
+        "--scaling",
+        f"ws1={runs / 'scaling/ws1/metrics.jsonl'}",
+        "--scaling",
+        f"ws2={runs / 'scaling/ws2'}",
+        "--train",
+        f"stage1={train['stage1']}",
+        "--train",
+        f"stage2={train['stage2']}",
+        "--eval",
+        str(eval_dir / "results.json"),
+        "--hardware",
+        "2-core CPU (gloo), no GPU",
+        "--out",
+        str(out),
+    ]
     assert cli.main(args) == 0
 
     table = pd.read_csv(out / "scaling.csv")
@@ -107,8 +146,14 @@ def test_full_report_through_the_cli(runs, tmp_path):
     assert pd.read_csv(out / "eval.csv")["run"].unique().tolist() == ["demo"]
     assert pd.read_csv(out / "training.csv")["steps"].tolist() == [30, 60]
     pngs = {p.name for p in (out / "plots").glob("*.png")}
-    assert pngs == {"scaling_throughput.png", "scaling_efficiency.png", "scaling_flops.png", "scaling_memory.png",
-                    "training_curves.png", "eval_summary.png"}
+    assert pngs == {
+        "scaling_throughput.png",
+        "scaling_efficiency.png",
+        "scaling_flops.png",
+        "scaling_memory.png",
+        "training_curves.png",
+        "eval_summary.png",
+    }
     for name in pngs:
         with Image.open(out / "plots" / name) as image:
             assert image.format == "PNG" and image.width >= 800 and image.height >= 500
@@ -122,8 +167,10 @@ def test_full_report_through_the_cli(runs, tmp_path):
 def test_moe_stages_report_aux_loss_and_load_imbalance(tmp_path):
     """Only MoE stages have the two fields; the means are over the last 10 steps."""
     moe = [(0.02, 3.0)] * 5 + [(0.01 + i * 0.001, 1.5 + i * 0.1) for i in range(10)]
-    train = {"dense": write_metrics(tmp_path / "dense/metrics.jsonl", 2, [500] * 15, [1.0] * 15),
-             "moe": write_metrics(tmp_path / "moe/metrics.jsonl", 2, [500] * 15, [1.0] * 15, moe=moe)}
+    train = {
+        "dense": write_metrics(tmp_path / "dense/metrics.jsonl", 2, [500] * 15, [1.0] * 15),
+        "moe": write_metrics(tmp_path / "moe/metrics.jsonl", 2, [500] * 15, [1.0] * 15, moe=moe),
+    }
     out = tmp_path / "report"
     assert cli.main(["report", *[f"--train={k}={v}" for k, v in train.items()], "--out", str(out)]) == 0
     table = pd.read_csv(out / "training.csv").set_index("stage")
@@ -141,8 +188,10 @@ def test_moe_stages_report_aux_loss_and_load_imbalance(tmp_path):
 
 
 def test_console_line_shows_moe_fields_only_for_moe_models(tmp_path):
-    records = [json.loads(line) for line in write_metrics(tmp_path / "m.jsonl", 1, [500], [1.0], moe=[(0.0123, 1.87)])
-               .read_text().splitlines()]
+    records = [
+        json.loads(line)
+        for line in write_metrics(tmp_path / "m.jsonl", 1, [500], [1.0], moe=[(0.0123, 1.87)]).read_text().splitlines()
+    ]
     assert format_line(records[0]).endswith(" aux 0.0123 imbalance 1.87")
     dense = json.loads(write_metrics(tmp_path / "d.jsonl", 1, [500], [1.0]).read_text())
     assert "aux" not in format_line(dense) and "imbalance" not in format_line(dense)
@@ -153,6 +202,7 @@ def test_report_recommends_a_per_module_layout(tmp_path):
     size, built from the measured means after the warm-up and the cost model; one without
     (or whose model is gone) gets none, or a line saying why."""
     from _train_helpers import hf_config
+
     from vlmcore.report.layouts import Cluster, compare, workload_of
 
     model = tmp_path / "model"
@@ -161,24 +211,41 @@ def test_report_recommends_a_per_module_layout(tmp_path):
     for stage, model_path in [("stage1", model), ("stage2", tmp_path / "gone")]:
         path = write_metrics(tmp_path / f"train/{stage}/metrics.jsonl", 4, [500] * 4, [1.5] * 4)
         rows = [json.loads(line) for line in path.read_text().splitlines()]
-        for row, (vision, llm, patches) in zip(rows, [(9.0, 9.0, 1), (0.1, 0.3, 100), (0.3, 0.5, 300), (0.2, 0.4, 200)]):
+        for row, (vision, llm, patches) in zip(
+            rows, [(9.0, 9.0, 1), (0.1, 0.3, 100), (0.3, 0.5, 300), (0.2, 0.4, 200)]
+        ):
             row.update(vision_time_s=vision, llm_time_s=llm, vision_patches=patches)
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (path.parent / "config.yaml").write_text(f"model_path: {model_path}\ngrad_accum_steps: 2\nparallel: {{tp: 1}}\n")
+        (path.parent / "config.yaml").write_text(
+            f"model_path: {model_path}\ngrad_accum_steps: 2\nparallel: {{tp: 1}}\n"
+        )
         train[stage] = path
     text_only = write_metrics(tmp_path / "train/stage3/metrics.jsonl", 4, [500] * 4, [1.5] * 4)
     out = tmp_path / "report"
-    assert cli.main(["report", *(a for s, p in [*train.items(), ("stage3", text_only)] for a in ("--train", f"{s}={p}")),
-                     "--out", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "report",
+                *(a for s, p in [*train.items(), ("stage3", text_only)] for a in ("--train", f"{s}={p}")),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
 
     # Means after the warm-up step: 0.2 s vision, 0.4 s LLM, 200 patches per rank; 4 ranks.
-    expected = compare(workload_of(hf_config("qwen3_vl"), vision_s=0.8, llm_s=1.6, patches=800, micro_batches=2),
-                       Cluster(), world=4)
+    expected = compare(
+        workload_of(hf_config("qwen3_vl"), vision_s=0.8, llm_s=1.6, patches=800, micro_batches=2), Cluster(), world=4
+    )
     table = pd.read_csv(out / "layouts.csv")
     assert set(table["stage"]) == {"stage1"} and (table["world_size"] == 4).all()
     assert table["layout"].tolist() == [p.layout for p in expected]
     assert table["step_s"].tolist() == pytest.approx([p.step_s for p in expected])
-    assert "colocated, vision TP 1" in table["layout"].tolist() and "disjoint, 2 vision + 2 LLM ranks" in table["layout"].tolist()
+    assert (
+        "colocated, vision TP 1" in table["layout"].tolist()
+        and "disjoint, 2 vision + 2 LLM ranks" in table["layout"].tolist()
+    )
     md = (out / "SCALABILITY.md").read_text()
     assert "## Per-module layouts" in md and "### Stage `stage1` at 4 devices" in md
     assert "vision tower 0.200 s, LLM 0.400 s (33% vision), 800 patches per step" in md

@@ -9,7 +9,6 @@ import json
 
 import pytest
 import yaml
-
 from _slurm_helpers import slurm_jobs, snakemake, write_config
 
 pytestmark = [pytest.mark.workflow, pytest.mark.slow]
@@ -36,5 +35,8 @@ def test_video_demo_through_slurm(slurm, tmp_path):
     assert stats["videos"] == 150 and stats["bad"]["skipped"] == 0
     results = json.loads((root / "eval" / "results.json").read_text())
     for task in ("demo_video_qa", "demo_video_qa_shuffled"):
-        assert {kind: figures["n"] for kind, figures in results["breakdown"][task].items()} == \
-            {"direction": 10, "order": 10, "count": 10}
+        assert {kind: figures["n"] for kind, figures in results["breakdown"][task].items()} == {
+            "direction": 10,
+            "order": 10,
+            "count": 10,
+        }

@@ -41,10 +41,28 @@ def run_stage1(tmp_path, cluster):
     )
     target = f"results/{config['experiment']}/train/stage1/done"
     proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--profile", str(REPO / "profiles" / cluster),
-         "--configfile", str(recipe), "--directory", str(tmp_path), "--slurm-init-seconds-before-status-checks", "1",
-         "--seconds-between-status-checks", "1", target],
-        env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "--snakefile",
+            str(REPO / "Snakefile"),
+            "--profile",
+            str(REPO / "profiles" / cluster),
+            "--configfile",
+            str(recipe),
+            "--directory",
+            str(tmp_path),
+            "--slurm-init-seconds-before-status-checks",
+            "1",
+            "--seconds-between-status-checks",
+            "1",
+            target,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     logs = "\n".join(p.read_text() for p in tmp_path.glob(".snakemake/slurm_logs/**/*.log"))
     assert proc.returncode == 0, proc.stdout + proc.stderr + logs
@@ -71,12 +89,23 @@ def test_four_node_training_stage(tmp_path, cluster, account_qos, cpus_per_task,
     argv = sbatch["argv"]
     run_uuid = argv[argv.index("--job-name") + 1]
     assert argv[:-1] == [
-        "--parsable", "--job-name", run_uuid,
-        "--output", f"{tmp_path}/.snakemake/slurm_logs/rule_train_stage/stage1/%j.log",
-        "--export=ALL", "--comment", "rule_train_stage_wildcards_stage1",
+        "--parsable",
+        "--job-name",
+        run_uuid,
+        "--output",
+        f"{tmp_path}/.snakemake/slurm_logs/rule_train_stage/stage1/%j.log",
+        "--export=ALL",
+        "--comment",
+        "rule_train_stage_wildcards_stage1",
         *account_qos,
-        "--nodes=4", "--ntasks=16", f"--cpus-per-task={cpus_per_task}", "--ntasks-per-node=4", "--signal=USR1@600",
-        "-D", str(tmp_path), "--gres=gpu:4",
+        "--nodes=4",
+        "--ntasks=16",
+        f"--cpus-per-task={cpus_per_task}",
+        "--ntasks-per-node=4",
+        "--signal=USR1@600",
+        "-D",
+        str(tmp_path),
+        "--gres=gpu:4",
     ]
     # The batch step runs the rule itself (the `mpi` resource), not inside the plugin's srun.
     assert argv[-1].startswith(f"--wrap={sys.executable} -m snakemake ")
@@ -85,8 +114,16 @@ def test_four_node_training_stage(tmp_path, cluster, account_qos, cpus_per_task,
     stage_config = f"results/{root.name}/train/stage1/stage_config.yaml"
     [srun] = only(calls, "srun")
     assert srun["argv"] == [
-        "--nodes=4", "--ntasks-per-node=1", f"--cpus-per-task={cpus_per_node}", "--cpu-bind=none", "--kill-on-bad-exit=1",
-        "bash", str(LAUNCHER), "4", "4", stage_config,
+        "--nodes=4",
+        "--ntasks-per-node=1",
+        f"--cpus-per-task={cpus_per_node}",
+        "--cpu-bind=none",
+        "--kill-on-bad-exit=1",
+        "bash",
+        str(LAUNCHER),
+        "4",
+        "4",
+        stage_config,
     ]
     # The jobstep plugin strips SLURM's variables from the batch step: the launcher must not need them.
     assert sorted(k for k in srun["env"] if k.startswith("SLURM_")) == ["SLURM_JOBID", "SLURM_JOB_ID"]
@@ -94,13 +131,37 @@ def test_four_node_training_stage(tmp_path, cluster, account_qos, cpus_per_task,
     job_id = int(srun["env"]["SLURM_JOB_ID"])
     entry = ["-m", "vlmcore.cli"]
     if cluster == "jupiter":
-        entry = ["--no-python", "bash", "-c",
-                 'exec numactl --cpunodebind="$LOCAL_RANK" --membind="$LOCAL_RANK" python "$@"', "numa_bind", *entry]
+        entry = [
+            "--no-python",
+            "bash",
+            "-c",
+            'exec numactl --cpunodebind="$LOCAL_RANK" --membind="$LOCAL_RANK" python "$@"',
+            "numa_bind",
+            *entry,
+        ]
     torchruns = sorted(only(calls, "torchrun"), key=lambda c: int(c["env"]["SLURM_NODEID"]))
     assert [c["argv"] for c in torchruns] == [
-        ["--nnodes", "4", "--node-rank", str(rank), "--nproc-per-node", "4",
-         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"node1:{20000 + job_id % 20000}", "--rdzv-id", str(job_id),
-         "--rdzv-conf", f"is_host={int(rank == 0)}", "--shutdown-timeout", "300", *entry, "train", stage_config]
+        [
+            "--nnodes",
+            "4",
+            "--node-rank",
+            str(rank),
+            "--nproc-per-node",
+            "4",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"node1:{20000 + job_id % 20000}",
+            "--rdzv-id",
+            str(job_id),
+            "--rdzv-conf",
+            f"is_host={int(rank == 0)}",
+            "--shutdown-timeout",
+            "300",
+            *entry,
+            "train",
+            stage_config,
+        ]
         for rank in range(4)
     ]
     for call in torchruns:

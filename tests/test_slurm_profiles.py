@@ -25,9 +25,24 @@ def snakemake(tmp_path, cluster, recipe, *args, path_prefix=None):
     if path_prefix:
         env["PATH"] = f"{path_prefix}:{Path(sys.executable).parent}:{env['PATH']}"
     return subprocess.run(
-        [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--profile", str(REPO / "profiles" / cluster),
-         "--configfile", str(recipe), "--directory", str(tmp_path), *args],
-        env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "--snakefile",
+            str(REPO / "Snakefile"),
+            "--profile",
+            str(REPO / "profiles" / cluster),
+            "--configfile",
+            str(recipe),
+            "--directory",
+            str(tmp_path),
+            *args,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -49,7 +64,9 @@ def planned_jobs(output):
         match = re.match(r"rule (\w+):", block)
         if match:
             resources = re.search(r"resources: (.*)", block)
-            jobs.setdefault(match.group(1), []).append(dict(r.split("=", 1) for r in resources.group(1).split(", ")) if resources else {})
+            jobs.setdefault(match.group(1), []).append(
+                dict(r.split("=", 1) for r in resources.group(1).split(", ")) if resources else {}
+            )
     return jobs
 
 
@@ -79,15 +96,27 @@ def test_recipe_dry_runs_and_places_rules(tmp_path, recipe):
     # the measure pass of each dataset that is packed, scattered over pack.measure_jobs CPU jobs
     assert len(jobs["pack_measure"]) == config["pack"]["measure_jobs"] * len(jobs["pack_data"])
     if cluster == "mn5":
-        gpu_rules, cpu_rules = ("train_stage", "scaling_run", "evaluate"), ("prepare_data", "pack_measure", "pack_data",
-                                                                             "export_hf")
+        gpu_rules, cpu_rules = (
+            ("train_stage", "scaling_run", "evaluate"),
+            ("prepare_data", "pack_measure", "pack_data", "export_hf"),
+        )
         for rule in gpu_rules:
-            assert {(j["slurm_partition"], j["qos"], j["cpus_per_task"]) for j in jobs[rule]} == {("acc", "acc_ehpc", "20")}
+            assert {(j["slurm_partition"], j["qos"], j["cpus_per_task"]) for j in jobs[rule]} == {
+                ("acc", "acc_ehpc", "20")
+            }
         for rule in cpu_rules:
             assert {(j["slurm_partition"], j["qos"]) for j in jobs[rule]} == {("gpp", "gp_ehpc")}
             assert "gres" not in jobs[rule][0]
     else:
-        for rule in ("train_stage", "scaling_run", "evaluate", "prepare_data", "pack_measure", "pack_data", "export_hf"):
+        for rule in (
+            "train_stage",
+            "scaling_run",
+            "evaluate",
+            "prepare_data",
+            "pack_measure",
+            "pack_data",
+            "export_hf",
+        ):
             assert {(j["slurm_partition"], j["cpus_per_task"]) for j in jobs[rule]} == {("booster", "72")}
             assert "qos" not in jobs[rule][0]
         assert "gres" not in jobs["pack_data"][0]
@@ -129,7 +158,7 @@ def test_staged_snapshot_is_verified_on_the_login_node(tmp_path, weights_size):
     fakes = tmp_path / "fake_bin"
     fakes.mkdir()
     for name in ("sbatch", "srun"):
-        (fakes / name).write_text("#!/bin/sh\necho \"$0 must not be called\" >&2\nexit 1\n")
+        (fakes / name).write_text('#!/bin/sh\necho "$0 must not be called" >&2\nexit 1\n')
         (fakes / name).chmod(0o755)
     (fakes / "sacctmgr").write_text("#!/bin/sh\necho ehpc01\n")
     (fakes / "sacctmgr").chmod(0o755)
@@ -137,8 +166,17 @@ def test_staged_snapshot_is_verified_on_the_login_node(tmp_path, weights_size):
 
     # The executor's first status check comes after 40 s (the profile's): Snakemake waited that long
     # to end, though nothing was submitted.
-    proc = snakemake(tmp_path, "mn5", recipe, str(target.relative_to(tmp_path)), "--retries", "0",
-                     "--slurm-init-seconds-before-status-checks", "1", path_prefix=fakes)
+    proc = snakemake(
+        tmp_path,
+        "mn5",
+        recipe,
+        str(target.relative_to(tmp_path)),
+        "--retries",
+        "0",
+        "--slurm-init-seconds-before-status-checks",
+        "1",
+        path_prefix=fakes,
+    )
     if weights_size == 1000:
         assert proc.returncode == 0, proc.stdout + proc.stderr
         model = target.parent

@@ -12,7 +12,6 @@ import math
 
 import pytest
 import yaml
-
 from _slurm_helpers import slurm_jobs, snakemake, write_config
 
 pytestmark = [pytest.mark.workflow, pytest.mark.slow]
@@ -21,11 +20,21 @@ pytestmark = [pytest.mark.workflow, pytest.mark.slow]
 def random_data_experiment(tmp_path, name, steps, interval, runtime_minutes):
     """One 2-node stage on random batches: it needs the model (download_model builds it) but
     no data; its packed dataset exists only as an empty folder."""
-    configfile, root = write_config(tmp_path, name, nodes=2, nproc_per_node=1, runtime_minutes=runtime_minutes, **{
-        "stages": {"stage1": {"dataset": "random", "steps": steps, "trainable": []}},
-        "common": {"data": {"kind": "random", "seq_len": 128}, "checkpoint": {"interval": interval, "keep": 2},
-                   "precision": {"param_dtype": "float32", "reduce_dtype": "float32"}},
-    })
+    configfile, root = write_config(
+        tmp_path,
+        name,
+        nodes=2,
+        nproc_per_node=1,
+        runtime_minutes=runtime_minutes,
+        **{
+            "stages": {"stage1": {"dataset": "random", "steps": steps, "trainable": []}},
+            "common": {
+                "data": {"kind": "random", "seq_len": 128},
+                "checkpoint": {"interval": interval, "keep": 2},
+                "precision": {"param_dtype": "float32", "reduce_dtype": "float32"},
+            },
+        },
+    )
     config = yaml.safe_load(configfile.read_text())
     config["data"] = {"datasets": {"random": {"sources": ["text:unused.jsonl"]}}}
     config["scaling"] = {"world_sizes": [2]}
@@ -66,7 +75,10 @@ def test_stage_cut_by_time_limit_resumes_in_retry(two_node_stage, tmp_path):
     # measured pace take 2 allocations, at most 3 (a fixed step count did not: 300 steps fit in one
     # allocation on a quiet CI machine, 7 on a busy one). 2-minute allocations trained for 0-75 s
     # each: CI once took 5 of them, 570 s, for 150 s of steps.
-    step_times = [json.loads(line)["step_time_s"] for line in (two_node_stage[1] / "train" / "stage1" / "metrics.jsonl").read_text().splitlines()]
+    step_times = [
+        json.loads(line)["step_time_s"]
+        for line in (two_node_stage[1] / "train" / "stage1" / "metrics.jsonl").read_text().splitlines()
+    ]
     pace = sorted(step_times[2:])[len(step_times[2:]) // 2]
     steps = max(60, math.ceil(150 / pace))
     configfile, root = random_data_experiment(tmp_path, "slurmcut", steps=steps, interval=0, runtime_minutes=3)
@@ -90,4 +102,6 @@ def test_stage_cut_by_time_limit_resumes_in_retry(two_node_stage, tmp_path):
     # before they ran (no `kernels:` line: torchrun still starting) resume nothing.
     started = ["kernels:" in a for a in attempts]
     saved_before = [any("checkpoint saved at step" in b for b in attempts[:i]) for i in range(len(attempts))]
-    assert sum(saved_before) >= 1 and [("resumed from" in a) for a in attempts] == [st and sb for st, sb in zip(started, saved_before)]
+    assert sum(saved_before) >= 1 and [("resumed from" in a) for a in attempts] == [
+        st and sb for st, sb in zip(started, saved_before)
+    ]

@@ -16,8 +16,15 @@ LAYERS = [
     ("vlmcore.data",),
     ("vlmcore.parallel",),
     ("vlmcore.train",),
-    ("vlmcore.download", "vlmcore.export", "vlmcore.eval", "vlmcore.report", "vlmcore.train.loop",
-     "vlmcore.train.memory", "vlmcore.config_docs"),
+    (
+        "vlmcore.download",
+        "vlmcore.export",
+        "vlmcore.eval",
+        "vlmcore.report",
+        "vlmcore.train.loop",
+        "vlmcore.train.memory",
+        "vlmcore.config_docs",
+    ),
 ]
 TORCH_FREE_LAYERS = 2
 # Imports made inside a function on purpose, from a layer above: `vlmcore kernels` reads the
@@ -47,7 +54,9 @@ def imports(path: Path):
     module = module_name(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     tree = ast.parse(path.read_text())
-    top_level = {id(node) for node in tree.body} | {id(n) for node in tree.body if isinstance(node, ast.If) for n in node.body}
+    top_level = {id(node) for node in tree.body} | {
+        id(n) for node in tree.body if isinstance(node, ast.If) for n in node.body
+    }
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
@@ -82,8 +91,13 @@ def test_every_import_goes_to_the_same_layer_or_below():
 
 
 def test_the_bottom_layers_import_no_torch_at_module_level():
-    found = [f"{module} imports {name}" for module, path in package_modules().items() if layer_of(module) < TORCH_FREE_LAYERS
-             for name, top in imports(path) if top and name.split(".")[0] in ("torch", "transformers", "vlmcore.models")]
+    found = [
+        f"{module} imports {name}"
+        for module, path in package_modules().items()
+        if layer_of(module) < TORCH_FREE_LAYERS
+        for name, top in imports(path)
+        if top and name.split(".")[0] in ("torch", "transformers", "vlmcore.models")
+    ]
     assert not found, "\n".join(found)
 
 
@@ -99,7 +113,7 @@ def test_module_level_imports_have_no_cycle():
         stack.append(m)
         for n in sorted(graph[m]):
             if state.get(n) == "open":
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(n):] + [n]))
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(n) :] + [n]))
             if n not in state:
                 visit(n)
         stack.pop()

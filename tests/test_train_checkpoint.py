@@ -11,10 +11,9 @@ import time
 
 import pytest
 import torch
+from _train_helpers import REPO, env, load_dcp, read_metrics, start_train, tiny_snapshot, train, write_config
 from safetensors.torch import load_file
 
-from _train_helpers import (REPO, env, load_dcp, read_metrics, start_train, tiny_snapshot, train,
-                            write_config)
 from vlmcore.train.checkpoint import checkpoint_problem
 
 pytestmark = pytest.mark.slow
@@ -58,8 +57,9 @@ def test_signal_saves_and_resume_is_bit_exact(setup):
     """SIGUSR1 is what SLURM sends before the time limit (SIGTERM takes the same path)."""
     tmp_path, snapshot = setup
     sig = signal.SIGUSR1
-    cfg, out, code, stdout = interrupted_run(tmp_path, snapshot, f"signal{int(sig)}", sig, interval=0,
-                                             wait_for=lambda out: len(read_metrics(out)) >= 3)
+    cfg, out, code, stdout = interrupted_run(
+        tmp_path, snapshot, f"signal{int(sig)}", sig, interval=0, wait_for=lambda out: len(read_metrics(out)) >= 3
+    )
     assert code == 128 + sig
     step = int((out / "checkpoints" / "latest").read_text().removeprefix("step_"))
     assert 3 <= step < STEPS and not (out / "done").exists()
@@ -71,9 +71,14 @@ def test_signal_saves_and_resume_is_bit_exact(setup):
 
 def test_sigkill_resumes_from_the_last_complete_checkpoint(setup):
     tmp_path, snapshot = setup
-    cfg, out, code, _ = interrupted_run(tmp_path, snapshot, "killed", signal.SIGKILL, interval=4,
-                                        wait_for=lambda out: (out / "checkpoints" / "latest").exists()
-                                        and len(read_metrics(out)) >= 6)
+    cfg, out, code, _ = interrupted_run(
+        tmp_path,
+        snapshot,
+        "killed",
+        signal.SIGKILL,
+        interval=4,
+        wait_for=lambda out: (out / "checkpoints" / "latest").exists() and len(read_metrics(out)) >= 6,
+    )
     assert code == -signal.SIGKILL
     # A half-written step (as left by a kill during a save) is never loaded, and is cleaned up.
     (out / "checkpoints" / "step_999.tmp").mkdir()
@@ -133,7 +138,9 @@ def change_a_byte(data):
         f.write(bytes([byte ^ 0xFF]))
 
 
-@pytest.mark.parametrize("damage, problem", [(cut_in_half, "is truncated"), (change_a_byte, "does not match its sha256")])
+@pytest.mark.parametrize(
+    "damage, problem", [(cut_in_half, "is truncated"), (change_a_byte, "does not match its sha256")]
+)
 def test_damaged_latest_checkpoint_falls_back_to_the_one_before(setup, crashed, damage, problem):
     tmp_path, _ = setup
     cfg, out = copy_of_crashed(setup, crashed, damage.__name__)
@@ -155,16 +162,18 @@ def test_full_disk_during_a_save_keeps_the_checkpoint_before_it(setup, crashed):
     disk = tmp_path / "small_disk"
     disk.mkdir()
     used = sum(f.stat().st_size for f in crashed.rglob("*") if f.is_file() and f"step_{STEPS}" not in f.parts)
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={used + 2**20}", "tmpfs", str(disk)],
-                           capture_output=True, text=True)
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={used + 2**20}", "tmpfs", str(disk)], capture_output=True, text=True
+    )
     if mount.returncode != 0:
         pytest.skip(f"a small tmpfs cannot be mounted here (needs root): {mount.stderr.strip()}")
     try:
         out = disk / "run"
         shutil.copytree(crashed, out, ignore=shutil.ignore_patterns(f"step_{STEPS}"))
         (out / "checkpoints" / "latest").write_text(f"step_{STEPS - 1}")
-        cfg = write_config(tmp_path / "full_disk.yaml", snapshot, out, steps=STEPS,
-                           checkpoint={"interval": 1, "keep": 2})
+        cfg = write_config(
+            tmp_path / "full_disk.yaml", snapshot, out, steps=STEPS, checkpoint={"interval": 1, "keep": 2}
+        )
         proc = train(1, cfg, check=False)
         failed = out / "checkpoints" / f"step_{STEPS}.tmp"
         assert proc.returncode == 1, proc.stderr[-3000:]

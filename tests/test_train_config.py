@@ -51,21 +51,34 @@ def test_loads_the_workflow_config(workflow_config):
 
 
 def test_overrides_are_typed(workflow_config):
-    cfg = load_config(workflow_config, ["steps=70", "optimizer.lr=1e-4", "parallel.tp=2", "checkpoint.async=true",
-                                        "trainable=[]", "schedule.name=wsd", "schedule.cooldown=1-sqrt"])
+    cfg = load_config(
+        workflow_config,
+        [
+            "steps=70",
+            "optimizer.lr=1e-4",
+            "parallel.tp=2",
+            "checkpoint.async=true",
+            "trainable=[]",
+            "schedule.name=wsd",
+            "schedule.cooldown=1-sqrt",
+        ],
+    )
     assert cfg.steps == 70 and cfg.optimizer.lr == 1e-4 and cfg.parallel.tp == 2
     assert cfg.checkpoint.async_save is True and cfg.trainable == [] and cfg.schedule.cooldown == "1-sqrt"
 
 
-@pytest.mark.parametrize("override, message", [
-    ("steps=ten", "steps: expected an integer"),
-    ("optimizer.lrr=1", "optimizer.lrr: unknown key"),
-    ("parallel.mode=zero3", "parallel.mode: must be one of"),
-    ("optimizer.betas=[0.9]", "optimizer.betas: expected a list of 2"),
-    ("schedule.unit=samples", "schedule.total_samples: is required"),
-    ("save_final=1", "save_final: expected true or false"),
-    ("steps", "expected key=value"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("steps=ten", "steps: expected an integer"),
+        ("optimizer.lrr=1", "optimizer.lrr: unknown key"),
+        ("parallel.mode=zero3", "parallel.mode: must be one of"),
+        ("optimizer.betas=[0.9]", "optimizer.betas: expected a list of 2"),
+        ("schedule.unit=samples", "schedule.total_samples: is required"),
+        ("save_final=1", "save_final: expected true or false"),
+        ("steps", "expected key=value"),
+    ],
+)
 def test_bad_values_name_the_file_and_key(workflow_config, override, message):
     with pytest.raises(ConfigError) as e:
         load_config(workflow_config, [override])
@@ -200,8 +213,12 @@ def run_dir(tmp_path, monkeypatch):
     (tmp_path / "final").mkdir()
     (tmp_path / "final/.metadata").write_text("")
     path = tmp_path / "stage.yaml"
-    path.write_text(WORKFLOW_YAML.replace("results/demo/train/stage1", "out").replace("results/demo/", "")
-                    .replace("packed/captions", "data").replace("steps: 200", "steps: 24"))
+    path.write_text(
+        WORKFLOW_YAML.replace("results/demo/train/stage1", "out")
+        .replace("results/demo/", "")
+        .replace("packed/captions", "data")
+        .replace("steps: 200", "steps: 24")
+    )
     return path
 
 
@@ -237,19 +254,24 @@ def test_zero_learning_rate_is_accepted_with_a_warning(run_dir, monkeypatch, cap
     assert f"warning: {run_dir}: optimizer.lr is 0" in err and "vision_lr" not in err
 
 
-
-@pytest.mark.parametrize("override, message", [
-    ("schedule.name=cosinee", "schedule.name: must be one of cosine, wsd, constant, got 'cosinee'"),
-    ("optimizer.lr=-1e-3", "optimizer.lr: must be a finite number >= 0, got -0.001"),
-    ("optimizer.lr=.nan", "optimizer.lr: must be a finite number >= 0, got nan"),
-    ("optimizer.betas=[0.9,1.0]", "optimizer.betas: each must be a finite number in [0, 1), got [0.9, 1.0]"),
-    ("schedule.decay_fraction=0", "schedule.decay_fraction: must be a finite number in (0, 1], got 0.0"),
-    ("parallel.dp_shard=0", "parallel.dp_shard: must be >= 1 or -1, got 0"),
-    ("steps=0", "steps: must be >= 1, got 0"),
-    ("schedule.warmup_steps=300", "schedule.warmup_steps: must be <= steps when schedule.unit is steps "
-                                  "(no warmup longer than the run), got 300"),
-    ("checkpoint.asynk=true", "checkpoint.asynk: unknown key (known: async, enabled, interval, keep)"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("schedule.name=cosinee", "schedule.name: must be one of cosine, wsd, constant, got 'cosinee'"),
+        ("optimizer.lr=-1e-3", "optimizer.lr: must be a finite number >= 0, got -0.001"),
+        ("optimizer.lr=.nan", "optimizer.lr: must be a finite number >= 0, got nan"),
+        ("optimizer.betas=[0.9,1.0]", "optimizer.betas: each must be a finite number in [0, 1), got [0.9, 1.0]"),
+        ("schedule.decay_fraction=0", "schedule.decay_fraction: must be a finite number in (0, 1], got 0.0"),
+        ("parallel.dp_shard=0", "parallel.dp_shard: must be >= 1 or -1, got 0"),
+        ("steps=0", "steps: must be >= 1, got 0"),
+        (
+            "schedule.warmup_steps=300",
+            "schedule.warmup_steps: must be <= steps when schedule.unit is steps "
+            "(no warmup longer than the run), got 300",
+        ),
+        ("checkpoint.asynk=true", "checkpoint.asynk: unknown key (known: async, enabled, interval, keep)"),
+    ],
+)
 def test_refusals_say_what_is_allowed(workflow_config, override, message):
     with pytest.raises(ConfigError) as e:
         load_config(workflow_config, [override])
@@ -289,18 +311,30 @@ def test_every_declared_range_and_choice_is_refused(key, value):
     assert e.value.key == key and str(e.value).startswith(f"{key}: {each}must be "), str(e.value)
 
 
-@pytest.mark.parametrize("overrides, warnings", [
-    (["optimizer.vision_lr=0"], ["optimizer.vision_lr is 0: its parameters will not change"]),
-    (["optimizer.lr=2", "optimizer.projector_lr=0"], [
-        "optimizer.projector_lr is 0: its parameters will not change",
-        "optimizer.lr is 1 or more: AdamW moves every weight by about that much per step"]),
-    (["schedule.min_lr_ratio=1"], ["schedule.min_lr_ratio is 1: the cosine or wsd schedule never decays"]),
-    (["schedule.min_lr_ratio=1", "schedule.name=constant"], []),
-    (["precision.param_dtype=float16"], ["precision.param_dtype is float16: without loss scaling small gradients "
-                                         "underflow; bfloat16 has float32's range"]),
-    (["max_grad_norm=0", "schedule.warmup_steps=24"], []),  # documented meanings: no clipping; a warmup-only run
-    ([], []),
-])
+@pytest.mark.parametrize(
+    "overrides, warnings",
+    [
+        (["optimizer.vision_lr=0"], ["optimizer.vision_lr is 0: its parameters will not change"]),
+        (
+            ["optimizer.lr=2", "optimizer.projector_lr=0"],
+            [
+                "optimizer.projector_lr is 0: its parameters will not change",
+                "optimizer.lr is 1 or more: AdamW moves every weight by about that much per step",
+            ],
+        ),
+        (["schedule.min_lr_ratio=1"], ["schedule.min_lr_ratio is 1: the cosine or wsd schedule never decays"]),
+        (["schedule.min_lr_ratio=1", "schedule.name=constant"], []),
+        (
+            ["precision.param_dtype=float16"],
+            [
+                "precision.param_dtype is float16: without loss scaling small gradients "
+                "underflow; bfloat16 has float32's range"
+            ],
+        ),
+        (["max_grad_norm=0", "schedule.warmup_steps=24"], []),  # documented meanings: no clipping; a warmup-only run
+        ([], []),
+    ],
+)
 def test_suspicious_values_are_accepted_with_a_warning_each(run_dir, monkeypatch, capsys, overrides, warnings):
     code, cfg = train_cli(monkeypatch, run_dir, overrides)
     assert code == 0 and cfg is not None
@@ -310,8 +344,9 @@ def test_suspicious_values_are_accepted_with_a_warning_each(run_dir, monkeypatch
 def test_docs_config_md_is_the_generated_one(tmp_path):
     """docs/config.md lists every key as declared; `python -m vlmcore.config_docs` rewrites it."""
     doc = REPO / "docs/config.md"
-    assert render(doc.read_text(), yaml.safe_load(SCHEMA.read_text())) == doc.read_text(), \
+    assert render(doc.read_text(), yaml.safe_load(SCHEMA.read_text())) == doc.read_text(), (
         "docs/config.md is stale: run python -m vlmcore.config_docs"
+    )
     for name, f, _, _ in leaves(TrainConfig()):
         assert f.metadata["doc"] and f"| `{name}` |" in doc.read_text()
     stale = tmp_path / "config.md"

@@ -16,8 +16,8 @@ import tarfile
 
 import pytest
 import torch
-
 from _train_helpers import load_dcp, read_metrics, train, write_config
+
 from vlmcore.data.pack import pack
 from vlmcore.data.prepare import prepare
 from vlmcore.data.synthetic import generate
@@ -36,8 +36,13 @@ def setup(tmp_path_factory):
     pack(root / "data", root / "model", root / "packed", seq_len=128, max_patches=256, shard_size=3)
     damage_an_image(root / "packed" / "shard-000001.tar")
     # As a workflow stage would set it: the rows per step, whatever the number of nodes.
-    settings = dict(steps=STEPS, global_batch_rows=2, data_path=str(root / "packed"), data={"kind": "packed"},
-                    checkpoint={"interval": 1, "keep": 10})
+    settings = dict(
+        steps=STEPS,
+        global_batch_rows=2,
+        data_path=str(root / "packed"),
+        data={"kind": "packed"},
+        checkpoint={"interval": 1, "keep": 10},
+    )
     reference = root / "reference"
     train(2, write_config(root / "reference.yaml", root / "model", reference, **settings))
     return root, settings
@@ -74,8 +79,11 @@ def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
 DISJOINT = {"parallel": {"modules": {"vision": {"ranks": [0, 1]}, "language": {"ranks": [1, 3]}}}}
 
 
-@pytest.mark.parametrize("nproc,sets", [(1, {}), (4, {"parallel": {"tp": 2}}), (3, DISJOINT)],
-                         ids=["1proc_accum2", "4proc_dp2_tp2", "3proc_disjoint"])
+@pytest.mark.parametrize(
+    "nproc,sets",
+    [(1, {}), (4, {"parallel": {"tp": 2}}), (3, DISJOINT)],
+    ids=["1proc_accum2", "4proc_dp2_tp2", "3proc_disjoint"],
+)
 def test_resume_on_another_layout_matches_the_uninterrupted_run(setup, nproc, sets):
     root, settings = setup
     reference = read_metrics(root / "reference")

@@ -28,8 +28,13 @@ print("RESULT" + json.dumps(out))
 
 def estimates(config, *runs) -> list[dict]:
     """runs: (overrides, world size, seq_len, image_side, fake[, video frame groups])."""
-    proc = subprocess.run([sys.executable, "-c", DRIVER, str(config), json.dumps(runs)], capture_output=True,
-                          text=True, env=env(), timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(config), json.dumps(runs)],
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     return json.loads(proc.stdout.split("RESULT")[-1])
 
@@ -37,9 +42,15 @@ def estimates(config, *runs) -> list[dict]:
 @pytest.fixture(scope="module")
 def configs(tmp_path_factory):
     root = tmp_path_factory.mktemp("memory")
-    return {kind: write_config(root / f"{kind}.yaml", tiny_snapshot(kind, root / kind), root / f"out_{kind}",
-                               data={"kind": "random", "seq_len": 96, "segments": 2})
-            for kind in ("qwen3", "qwen3_vl", "qwen3_5", "qwen3_moe")}
+    return {
+        kind: write_config(
+            root / f"{kind}.yaml",
+            tiny_snapshot(kind, root / kind),
+            root / f"out_{kind}",
+            data={"kind": "random", "seq_len": 96, "segments": 2},
+        )
+        for kind in ("qwen3", "qwen3_vl", "qwen3_5", "qwen3_moe")
+    }
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_vl", "qwen3_5", "qwen3_moe"])
@@ -47,7 +58,9 @@ def test_fake_run_counts_what_the_real_run_holds(configs, kind):
     # bf16 compute, two micro-batches (unsynced gradients held between them), selective AC.
     sets = ["precision.param_dtype=bfloat16", "grad_accum_steps=2", "parallel.activation_checkpointing=selective"]
     # Qwen3-VL also with rows holding a video of 2, then 4, frame groups instead of an image.
-    videos = [[sets, 1, 96, 2, True, 2], [sets, 1, 96, 2, False, 2], [sets, 1, 96, 2, True, 4]] if kind == "qwen3_vl" else []
+    videos = (
+        [[sets, 1, 96, 2, True, 2], [sets, 1, 96, 2, False, 2], [sets, 1, 96, 2, True, 4]] if kind == "qwen3_vl" else []
+    )
     fake, real, *video = estimates(configs[kind], [sets, 1, 96, 2, True], [sets, 1, 96, 2, False], *videos)
     assert fake["peak_bytes_by_kind"] == real["peak_bytes_by_kind"]
     assert fake["peak_bytes"] == real["peak_bytes"] > 0
@@ -59,8 +72,13 @@ def test_fake_run_counts_what_the_real_run_holds(configs, kind):
 
 
 def test_moe_estimate_needs_the_grouped_gemm_dtype(configs):
-    proc = subprocess.run([sys.executable, "-c", DRIVER, str(configs["qwen3_moe"]), json.dumps([[[], 1, 96, None, True]])],
-                          capture_output=True, text=True, env=env(), timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(configs["qwen3_moe"]), json.dumps([[[], 1, 96, None, True]])],
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=600,
+    )
     assert proc.returncode != 0 and "precision.param_dtype: the memory estimate of a mixture-of-experts" in proc.stderr
 
 
@@ -71,8 +89,13 @@ def test_states_are_sharded_and_frozen_modules_hold_no_optimizer_state(configs, 
     n_all = sum(p.numel() for p in model.parameters())
     n_merger = sum(p.numel() for n, p in model.named_parameters() if n.startswith("model.visual.merger."))
     frozen = ['trainable=["model.visual.merger.*"]']
-    one, fsdp4, tp2, stage1 = estimates(configs["qwen3_vl"], [[], 1, 96, 2, True], [[], 4, 96, 2, True],
-                                        [["parallel.tp=2"], 4, 96, 2, True], [frozen, 1, 96, 2, True])
+    one, fsdp4, tp2, stage1 = estimates(
+        configs["qwen3_vl"],
+        [[], 1, 96, 2, True],
+        [[], 4, 96, 2, True],
+        [["parallel.tp=2"], 4, 96, 2, True],
+        [frozen, 1, 96, 2, True],
+    )
     kinds = [r["peak_bytes_by_kind"] for r in (one, fsdp4, tp2, stage1)]
     # fp32 weights; AdamW keeps two fp32 moments per trainable weight (plus a step count each).
     assert kinds[0]["Sharded Param"] == 4 * n_all
@@ -90,10 +113,12 @@ def test_states_are_sharded_and_frozen_modules_hold_no_optimizer_state(configs, 
 
 def test_checkpointing_and_shorter_rows_hold_fewer_activations(configs):
     none, selective, full, short = estimates(
-        configs["qwen3"], [["parallel.activation_checkpointing=none"], 1, 192, 2, True],
+        configs["qwen3"],
+        [["parallel.activation_checkpointing=none"], 1, 192, 2, True],
         [["parallel.activation_checkpointing=selective"], 1, 192, 2, True],
         [["parallel.activation_checkpointing=full"], 1, 192, 2, True],
-        [["parallel.activation_checkpointing=none"], 1, 96, 2, True])
+        [["parallel.activation_checkpointing=none"], 1, 96, 2, True],
+    )
     act = [r["peak_bytes_by_kind"]["Activation"] for r in (none, selective, full, short)]
     assert act[2] < act[1] < act[0]
     assert act[3] < act[0] * 0.6
@@ -107,8 +132,9 @@ def test_moe_recompute_is_freed_layer_by_layer(configs, tmp_path):
     import transformers
     from _train_helpers import MOE, TEXT
 
-    transformers.Qwen3MoeConfig(**dict(TEXT, num_hidden_layers=4), **MOE, norm_topk_prob=True,
-                                tie_word_embeddings=False).save_pretrained(tmp_path / "m")
+    transformers.Qwen3MoeConfig(
+        **dict(TEXT, num_hidden_layers=4), **MOE, norm_topk_prob=True, tie_word_embeddings=False
+    ).save_pretrained(tmp_path / "m")
     four = write_config(tmp_path / "c.yaml", tmp_path / "m", tmp_path / "out")
     sets = ["precision.param_dtype=bfloat16", "parallel.activation_checkpointing=full"]
     (two,) = estimates(configs["qwen3_moe"], [sets, 1, 256, 2, False])
@@ -124,9 +150,25 @@ def estimate_packed(config, tmp_path, limits: dict, world_size: int):
     packed.mkdir()
     (packed / "pack_config.json").write_text(json.dumps(limits))
     out = tmp_path / "estimate.json"
-    proc = subprocess.run(command(1, "memory", str(config), "--world-size", str(world_size), "--set",
-                                  f"data_path={packed}", "--set", "data.kind=packed", "--json", str(out)),
-                          capture_output=True, text=True, env=env(), timeout=300)
+    proc = subprocess.run(
+        command(
+            1,
+            "memory",
+            str(config),
+            "--world-size",
+            str(world_size),
+            "--set",
+            f"data_path={packed}",
+            "--set",
+            "data.kind=packed",
+            "--json",
+            str(out),
+        ),
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, json.loads(out.read_text())
 
@@ -143,8 +185,9 @@ def test_cli_takes_the_row_shape_from_the_packed_dataset(configs, tmp_path):
 def test_a_packed_dataset_with_videos_is_estimated_with_its_longest_clip(configs, tmp_path):
     """pack_config.json's `video_groups` (the longest clip's frame groups, written by the pack):
     the estimate's row holds a video that long, its frames sharing the patch budget."""
-    proc, result = estimate_packed(configs["qwen3_vl"], tmp_path,
-                                   {"seq_len": 160, "max_patches": 144, "video_groups": 3}, 1)
+    proc, result = estimate_packed(
+        configs["qwen3_vl"], tmp_path, {"seq_len": 160, "max_patches": 144, "video_groups": 3}, 1
+    )
     # 3 frame groups of 48 patches at most: 6x6-patch frames, 3x3 merged.
     assert (result["video_frames"], result["image_side"]) == (3, 3)
     assert "video of 3 frame groups" in proc.stdout
@@ -154,7 +197,9 @@ def test_cli_names_what_does_not_fit(configs, tmp_path, capsys):
     from vlmcore.cli import main
 
     assert main(["memory", str(configs["qwen3"]), "--world-size", "3", "--set", "parallel.tp=2"]) == 2
-    assert "parallel: dp_replicate (1) x dp_shard (-1) x tp (2) does not fit the world size 3" in capsys.readouterr().err
+    assert (
+        "parallel: dp_replicate (1) x dp_shard (-1) x tp (2) does not fit the world size 3" in capsys.readouterr().err
+    )
     assert main(["memory", str(configs["qwen3"]), "--world-size", "1", "--set", f"model_path={tmp_path}"]) == 2
     assert f"model_path: {tmp_path}/config.json not found" in capsys.readouterr().err
     assert main(["memory", str(configs["qwen3"]), "--world-size", "1", "--gpu-memory-gib", "0"]) == 2
@@ -169,9 +214,25 @@ def test_gpu_memory_check_says_what_to_change(configs, tmp_path):
         out = tmp_path / f"{name}.json"
         if gib is None:  # just under the peak once 10% is kept free
             gib = json.loads(runs["roomy"][1].read_text())["peak_bytes"] / 2**30 / 0.9 * 0.99
-        proc = subprocess.run(command(1, "memory", str(configs["qwen3_vl"]), "--world-size", "1", "--set",
-                                      "micro_batch_size=4", "--gpu-memory-gib", str(gib), "--json", str(out)),
-                              capture_output=True, text=True, env=env(), timeout=300)
+        proc = subprocess.run(
+            command(
+                1,
+                "memory",
+                str(configs["qwen3_vl"]),
+                "--world-size",
+                "1",
+                "--set",
+                "micro_batch_size=4",
+                "--gpu-memory-gib",
+                str(gib),
+                "--json",
+                str(out),
+            ),
+            capture_output=True,
+            text=True,
+            env=env(),
+            timeout=300,
+        )
         runs[name] = proc, out
     roomy, tight = (json.loads(runs[n][1].read_text()) for n in ("roomy", "tight"))
     assert runs["roomy"][0].returncode == 0 and roomy["fits"] and roomy["usable_bytes"] == int(0.9 * 2**30)
@@ -197,7 +258,8 @@ def test_chunked_loss_never_holds_the_full_logits(tmp_path):
     transformers.Qwen3Config(**dict(TEXT, vocab_size=32768), tie_word_embeddings=True).save_pretrained(tmp_path / "m")
     config = write_config(tmp_path / "c.yaml", tmp_path / "m", tmp_path / "out")
     logits = 512 * 32768 * 4
-    chunked, whole = estimates(config, [["loss_chunk_tokens=64"], 1, 512, 2, True],
-                               [["loss_chunk_tokens=512"], 1, 512, 2, True])
+    chunked, whole = estimates(
+        config, [["loss_chunk_tokens=64"], 1, 512, 2, True], [["loss_chunk_tokens=512"], 1, 512, 2, True]
+    )
     assert whole["peak_bytes"] - chunked["peak_bytes"] > 0.9 * logits * 7 / 8
     assert logits < whole["peak_bytes_by_kind"]["Activation"] < 1.5 * logits  # the logits, once

@@ -6,8 +6,8 @@ import time
 
 import pytest
 import torch
-
 from _train_helpers import hf_config, read_metrics, tiny_snapshot, train, write_config
+
 from vlmcore.models import build_model
 from vlmcore.train.module_timer import ModuleTimer
 from vlmcore.train.random_data import RandomBatches
@@ -18,23 +18,39 @@ DELAY = 0.5  # seconds added to each of four places; the tiny model's own comput
 
 
 def batches(model, image_fraction: float, n: int, device: str = "cpu") -> list:
-    data = RandomBatches(model.config, seq_len=32, segments=2, image_fraction=image_fraction, micro_batch_size=1,
-                         dp_rank=0, dp_world=1, grad_accum_steps=n, seed=0)
+    data = RandomBatches(
+        model.config,
+        seq_len=32,
+        segments=2,
+        image_fraction=image_fraction,
+        micro_batch_size=1,
+        dp_rank=0,
+        dp_world=1,
+        grad_accum_steps=n,
+        seed=0,
+    )
     return [b.to(torch.device(device)) for b, _ in zip(data, range(n))]
 
 
 def delay_forward_and_backward(module: torch.nn.Module) -> None:
     """Sleeps DELAY after the module's forward and again when its output's gradient arrives."""
+
     def hook(mod, args, output):
         time.sleep(DELAY)
         out = output[0] if isinstance(output, tuple) else output
         if out.requires_grad:
             out.register_hook(lambda grad: time.sleep(DELAY))
+
     module.register_forward_hook(hook)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="CUDA events need a GPU"))])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a GPU")),
+    ],
+)
 def test_each_part_is_credited_to_its_module(device):
     """On a GPU the host's sleeps leave the GPU idle between the events, so they are timed too."""
     torch.manual_seed(0)
@@ -76,7 +92,17 @@ def test_a_run_without_module_times(tmp_path):
     """metrics.module_times: false leaves the fields out (a run with them on: test_train_loop.py,
     test_stage_outputs and test_text_and_hybrid_families_train)."""
     snapshot = tiny_snapshot("qwen3_vl", tmp_path / "model")
-    train(1, write_config(tmp_path / "off.yaml", snapshot, tmp_path / "off", steps=1, save_final=False,
-                          checkpoint={"enabled": False}, metrics={"tensorboard": False, "module_times": False}))
+    train(
+        1,
+        write_config(
+            tmp_path / "off.yaml",
+            snapshot,
+            tmp_path / "off",
+            steps=1,
+            save_final=False,
+            checkpoint={"enabled": False},
+            metrics={"tensorboard": False, "module_times": False},
+        ),
+    )
     metrics = read_metrics(tmp_path / "off")
     assert len(metrics) == 1 and not metrics[0].keys() & {"vision_time_s", "llm_time_s", "vision_patches"}

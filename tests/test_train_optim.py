@@ -29,8 +29,15 @@ def test_wsd_is_flat_then_cools_down(cooldown, halfway):
 
 
 def test_wsd_in_samples():
-    cfg = ScheduleConfig(name="wsd", unit="samples", warmup_samples=100, total_samples=1000, decay_fraction=0.5,
-                         cooldown="linear", min_lr_ratio=0.2)
+    cfg = ScheduleConfig(
+        name="wsd",
+        unit="samples",
+        warmup_samples=100,
+        total_samples=1000,
+        decay_fraction=0.5,
+        cooldown="linear",
+        min_lr_ratio=0.2,
+    )
     assert lr_factor(cfg, 50, 1000) == 0.5
     assert lr_factor(cfg, 400, 1000) == 1.0
     assert lr_factor(cfg, 750, 1000) == pytest.approx(0.2 + 0.8 * 0.5)
@@ -67,9 +74,12 @@ def test_param_groups_by_kind_and_decay():
     names = {id(p): n for n, p in model.named_parameters()}
     members = {k: sorted(names[id(p)] for p in g["params"]) for k, g in groups.items()}
     assert members["llm"] == ["lm_head.weight", "model.language_model.layers.0.weight"]
-    assert members["llm_no_decay"] == ["model.language_model.embed_tokens.weight",
-                                       "model.language_model.layers.0.bias",
-                                       "model.language_model.norm.bias", "model.language_model.norm.weight"]
+    assert members["llm_no_decay"] == [
+        "model.language_model.embed_tokens.weight",
+        "model.language_model.layers.0.bias",
+        "model.language_model.norm.bias",
+        "model.language_model.norm.weight",
+    ]
     assert members["vision"] == ["model.visual.blocks.0.weight"]
     assert "model.visual.pos_embed.weight" in members["vision_no_decay"]
     assert members["projector"] == ["model.visual.merger.1.weight"]
@@ -81,8 +91,12 @@ def test_freeze_by_patterns():
     model = TinyVLM()
     assert freeze(model, ["model.visual.merger.*"]) == 4
     trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
-    assert trainable == ["model.visual.merger.0.bias", "model.visual.merger.0.weight",
-                         "model.visual.merger.1.bias", "model.visual.merger.1.weight"]
+    assert trainable == [
+        "model.visual.merger.0.bias",
+        "model.visual.merger.0.weight",
+        "model.visual.merger.1.bias",
+        "model.visual.merger.1.weight",
+    ]
     groups = param_groups(model, OptimizerConfig())
     assert {g["name"] for g in groups} == {"projector", "projector_no_decay"}
     with pytest.raises(ConfigError, match=r"model\.visul\.\*"):
@@ -125,15 +139,15 @@ def test_resume_keeps_the_configured_group_settings(tmp_path, one_process_group)
     data = Position()
     data.consumed = 7
     split = {"world_size": 1}
-    Checkpointer(tmp_path, keep=1).save(1, model, written, {"step": 1, "layout_world_size": 1},
-                                        {"rng": rng_state(), "loader": data.state_dict()})
+    Checkpointer(tmp_path, keep=1).save(
+        1, model, written, {"step": 1, "layout_world_size": 1}, {"rng": rng_state(), "loader": data.state_dict()}
+    )
 
     cfg = OptimizerConfig(lr=1.0, vision_lr=0.1, projector_lr=0.5, weight_decay=0.01)
     optimizer = build_optimizer(model, cfg)
     built = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     state, data = {"step": 0, "layout_world_size": 0}, Position()
-    resume(Checkpointer(tmp_path, keep=1), tmp_path / "checkpoints" / "step_1", model, optimizer, data, state,
-           split)
+    resume(Checkpointer(tmp_path, keep=1), tmp_path / "checkpoints" / "step_1", model, optimizer, data, state, split)
     assert [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] == built
     assert all(g["fused"] for g in optimizer.param_groups)
     assert state["step"] == 1 and data.consumed == 7

@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
+from _train_helpers import tiny_snapshot, train, write_config
 from torch.profiler import ProfilerActivity, profile
 
-from _train_helpers import tiny_snapshot, train, write_config
 from vlmcore.config import ConfigError, from_dict
 from vlmcore.train.profiling import busy_time_us, device_figures, idle_gaps_us, summarize
 
@@ -31,16 +31,26 @@ def test_the_gpu_figures_read_the_trace():
         {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pageable)", "ts": 2500, "dur": 10},
         {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 2530, "dur": 20},
         {"ph": "X", "cat": "kernel", "name": "multi_tensor_apply_kernel", "ts": 2560, "dur": 40},
-        *[{"ph": "X", "cat": "cuda_runtime", "name": name, "ts": 0, "dur": 1}
-          for name in ("cudaLaunchKernel", "cudaLaunchKernel", "cuLaunchKernel", "cudaStreamSynchronize",
-                       "cudaMemcpyAsync")],
+        *[
+            {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": 0, "dur": 1}
+            for name in (
+                "cudaLaunchKernel",
+                "cudaLaunchKernel",
+                "cuLaunchKernel",
+                "cudaStreamSynchronize",
+                "cudaMemcpyAsync",
+            )
+        ],
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 50},
     ]
     assert device_figures(events, wall_s=0.004, steps=2) == [
         "gpu_busy_s 0.0006 (14.2% of wall)",  # 0-500, 2500-2510, 2530-2550, 2560-2600: 570 us
         "gpu_idle_s 0.0020 between the first and last device operation: 0.0020 in gaps of 1 ms or more, "
         "0.0000 in gaps under 50 us",
-        "host_syncs 0.5 a step", "copies_to_host 0.5 a step", "launches 2 a step"]
+        "host_syncs 0.5 a step",
+        "copies_to_host 0.5 a step",
+        "launches 2 a step",
+    ]
 
 
 def test_the_summary_of_a_cpu_profile():
@@ -57,14 +67,32 @@ def test_profile_steps_are_checked():
     with pytest.raises(ConfigError, match="metrics.profile_steps"):
         from_dict({"model_path": "m", "output_dir": "o", "metrics": {"profile_steps": [0, 2]}})
     with pytest.raises(ConfigError, match=r"metrics.profile_steps: must be steps the run reaches \(<= steps\)"):
-        from_dict({"model_path": "m", "output_dir": "o", "steps": 3, "data": {"kind": "random"}, "metrics": {"profile_steps": [3, 4]}})
+        from_dict(
+            {
+                "model_path": "m",
+                "output_dir": "o",
+                "steps": 3,
+                "data": {"kind": "random"},
+                "metrics": {"profile_steps": [3, 4]},
+            }
+        )
 
 
 def test_the_loop_traces_the_chosen_steps(tmp_path):
     snapshot = tiny_snapshot("qwen3_vl", tmp_path / "model")
     out = tmp_path / "run"
-    train(1, write_config(tmp_path / "run.yaml", snapshot, out, steps=3, save_final=False,
-                          checkpoint={"enabled": False}, metrics={"tensorboard": False, "profile_steps": [2, 3]}))
+    train(
+        1,
+        write_config(
+            tmp_path / "run.yaml",
+            snapshot,
+            out,
+            steps=3,
+            save_final=False,
+            checkpoint={"enabled": False},
+            metrics={"tensorboard": False, "profile_steps": [2, 3]},
+        ),
+    )
     summary = (out / "profile" / "rank0_summary.txt").read_text()
     assert summary.startswith("profiled steps: 2, wall_s ")
     trace = json.loads(gzip.decompress((out / "profile" / "rank0_trace.json.gz").read_bytes()))

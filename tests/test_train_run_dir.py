@@ -31,8 +31,16 @@ def test_another_layout_of_the_same_run_resumes(tmp_path):
     """The next job of a stage may get another number of GPUs: layout settings are not a new run
     (the data stream follows the global batch, tests/test_train_elastic.py)."""
     write_run(tmp_path, cfg_with(["steps=100"]), 50)
-    other = cfg_with(["steps=100", "parallel.tp=2", "micro_batch_size=2", "grad_accum_steps=4",
-                      "allow_global_batch_change=true", "parallel.compile=true"])
+    other = cfg_with(
+        [
+            "steps=100",
+            "parallel.tp=2",
+            "micro_batch_size=2",
+            "grad_accum_steps=4",
+            "allow_global_batch_change=true",
+            "parallel.compile=true",
+        ]
+    )
     assert stale_run_reason(tmp_path, other) is None
 
 

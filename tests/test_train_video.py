@@ -3,8 +3,8 @@ vision tower, their FLOPs and patches are counted, and the settings are checked.
 
 import pytest
 import torch
-
 from _train_helpers import hf_config
+
 from vlmcore.config import ConfigError, from_dict
 from vlmcore.models import build_model
 from vlmcore.train.metrics_log import batch_flops
@@ -14,8 +14,19 @@ from vlmcore.train.step import forward_backward
 
 
 def video_batch(config, seed=0):
-    data = RandomBatches(config, seq_len=64, segments=2, image_fraction=0.0, video_fraction=1.0, video_frames=3,
-                         micro_batch_size=2, dp_rank=0, dp_world=1, grad_accum_steps=1, seed=seed)
+    data = RandomBatches(
+        config,
+        seq_len=64,
+        segments=2,
+        image_fraction=0.0,
+        video_fraction=1.0,
+        video_frames=3,
+        micro_batch_size=2,
+        dp_rank=0,
+        dp_world=1,
+        grad_accum_steps=1,
+        seed=seed,
+    )
     return data.batch(0)
 
 
@@ -55,6 +66,12 @@ def test_video_settings_are_checked():
     with pytest.raises(ConfigError, match=r"data.video_frames: must leave room for a video"):
         from_dict({"model_path": "m", "output_dir": "o", "data": data})
     # Disjoint layouts carry videos (tests/test_parallel_exactness.py runs one against one process).
-    cfg = from_dict({"model_path": "m", "output_dir": "o", "data": {**data, "seq_len": 40},
-                     "parallel": {"modules": {"vision": {"ranks": [0, 1]}, "language": {"ranks": [1, 2]}}}})
+    cfg = from_dict(
+        {
+            "model_path": "m",
+            "output_dir": "o",
+            "data": {**data, "seq_len": 40},
+            "parallel": {"modules": {"vision": {"ranks": [0, 1]}, "language": {"ranks": [1, 2]}}},
+        }
+    )
     assert check_run(cfg, 2, hf_config("qwen3_vl")).disjoint

@@ -80,10 +80,25 @@ def test_stage_configs_chain_stages_and_fill_paths():
 
 def test_snakemake_rejects_an_invalid_value_before_running_anything(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--directory", str(tmp_path),
-         "--snakefile", str(REPO / "Snakefile"), "--configfile", str(REPO / "config/config.yaml"),
-         "--config", "experiment=bad name!"],
-        capture_output=True, text=True, cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-n",
+            "--cores",
+            "1",
+            "--directory",
+            str(tmp_path),
+            "--snakefile",
+            str(REPO / "Snakefile"),
+            "--configfile",
+            str(REPO / "config/config.yaml"),
+            "--config",
+            "experiment=bad name!",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
     )
     assert proc.returncode != 0
     assert "experiment" in proc.stderr + proc.stdout
@@ -100,25 +115,28 @@ def common(**settings):
 
 # A stage's vlmcore train settings go through TrainConfig's own checks; the error names the key
 # where it was written: the stage's settings or train.common.
-@pytest.mark.parametrize("mutate, key", [
-    (stage("stage1", stepz=5), "train.stages.stage1.stepz"),
-    (stage("stage1", dtype="float8"), "train.stages.stage1.dtype"),
-    (stage("stage1", schedule={"name": "cosinee"}), "train.stages.stage1.schedule.name"),
-    (stage("stage1", steps=3), "train.stages.stage1.schedule.warmup_steps"),
-    (stage("stage1", steps="many"), "train.stages.stage1.steps"),
-    (stage("stage1", trainable="model.*"), "train.stages.stage1.trainable"),
-    (stage("stage2", optimizer={"lr": -1.0e-3}), "train.stages.stage2.optimizer.lr"),
-    (stage("stage2", optimizer={"projector_lr": -1.0e-3}), "train.stages.stage2.optimizer.projector_lr"),
-    (stage("stage2", optimizer={"betas": [0.9, 1.0]}), "train.stages.stage2.optimizer.betas"),
-    (stage("stage2", data={"image_fraction": 2}), "train.stages.stage2.data.image_fraction"),
-    (stage("stage2", model_path="elsewhere"), "train.stages.stage2.model_path"),
-    (common(precision={"param_dtype": "float8"}), "train.common.precision.param_dtype"),
-    (common(optimizer={"vision_lr": -1.0e-4}), "train.common.optimizer.vision_lr"),
-    (common(optimizer={"weight_decay": -0.1}), "train.common.optimizer.weight_decay"),
-    (common(checkpoint={"keep": 0}), "train.common.checkpoint.keep"),
-    (common(schedule={"min_lr_ratio": 2}), "train.common.schedule.min_lr_ratio"),
-    (common(output_dir="elsewhere"), "train.common.output_dir"),
-])
+@pytest.mark.parametrize(
+    "mutate, key",
+    [
+        (stage("stage1", stepz=5), "train.stages.stage1.stepz"),
+        (stage("stage1", dtype="float8"), "train.stages.stage1.dtype"),
+        (stage("stage1", schedule={"name": "cosinee"}), "train.stages.stage1.schedule.name"),
+        (stage("stage1", steps=3), "train.stages.stage1.schedule.warmup_steps"),
+        (stage("stage1", steps="many"), "train.stages.stage1.steps"),
+        (stage("stage1", trainable="model.*"), "train.stages.stage1.trainable"),
+        (stage("stage2", optimizer={"lr": -1.0e-3}), "train.stages.stage2.optimizer.lr"),
+        (stage("stage2", optimizer={"projector_lr": -1.0e-3}), "train.stages.stage2.optimizer.projector_lr"),
+        (stage("stage2", optimizer={"betas": [0.9, 1.0]}), "train.stages.stage2.optimizer.betas"),
+        (stage("stage2", data={"image_fraction": 2}), "train.stages.stage2.data.image_fraction"),
+        (stage("stage2", model_path="elsewhere"), "train.stages.stage2.model_path"),
+        (common(precision={"param_dtype": "float8"}), "train.common.precision.param_dtype"),
+        (common(optimizer={"vision_lr": -1.0e-4}), "train.common.optimizer.vision_lr"),
+        (common(optimizer={"weight_decay": -0.1}), "train.common.optimizer.weight_decay"),
+        (common(checkpoint={"keep": 0}), "train.common.checkpoint.keep"),
+        (common(schedule={"min_lr_ratio": 2}), "train.common.schedule.min_lr_ratio"),
+        (common(output_dir="elsewhere"), "train.common.output_dir"),
+    ],
+)
 def test_stage_settings_are_checked_by_the_train_config_rules(mutate, key):
     config = demo_config()
     mutate(config)
@@ -137,9 +155,24 @@ def test_snakemake_rejects_an_unknown_stage_key_before_running_anything(tmp_path
     configfile = tmp_path / "typo.yaml"
     configfile.write_text(yaml.safe_dump({"train": {"stages": {"stage1": {"stepz": 5}}}}))
     proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--directory", str(tmp_path),
-         "--snakefile", str(REPO / "Snakefile"), "--configfile", str(REPO / "config/config.yaml"), str(configfile)],
-        capture_output=True, text=True, cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-n",
+            "--cores",
+            "1",
+            "--directory",
+            str(tmp_path),
+            "--snakefile",
+            str(REPO / "Snakefile"),
+            "--configfile",
+            str(REPO / "config/config.yaml"),
+            str(configfile),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
     )
     assert proc.returncode != 0
     assert "train.stages.stage1.stepz: unknown key" in proc.stderr + proc.stdout
@@ -155,58 +188,67 @@ def without(section, key):
 
 
 # Each invalid experiment is refused with one line naming the key, before anything is planned.
-@pytest.mark.parametrize("mutate, key", [
-    # the workflow keys, by the schema
-    (workflow("scaling", world_sizes=[]), "scaling.world_sizes"),
-    (workflow("scaling", world_sizes=[1, 1]), "scaling.world_sizes"),
-    (workflow("scaling", world_sizes=[0]), "scaling.world_sizes.0"),
-    (workflow("scaling", steps=1), "scaling.steps"),
-    (workflow("eval", tasks=[]), "eval.tasks"),
-    (workflow("eval", device="gpu"), "eval.device"),
-    (workflow("eval", limit=0), "eval.limit"),
-    (workflow("export", max_shard_size="5 gigs"), "export.max_shard_size"),
-    (workflow("pack", overlong="skip"), "pack.overlong"),
-    (workflow("pack", max_patches=0), "pack.max_patches"),
-    (workflow("train", nodes=0), "train.nodes"),
-    (workflow("train", gpu_capability="9"), "train.gpu_capability"),
-    (workflow("train", gpu_memory_gib=0), "train.gpu_memory_gib"),
-    (lambda c: c["data"]["datasets"]["captions"].update(shard_size=0), "data.datasets.captions.shard_size"),
-    (lambda c: c["data"]["datasets"]["captions"].update(max_bad_fraction=1.5),
-     "data.datasets.captions.max_bad_fraction"),
-    (lambda c: c["data"]["datasets"]["captions"].update(sources=[]), "data.datasets.captions.sources"),
-    # KIND is the row format; parquet is a file type, not a kind
-    (lambda c: c["data"]["datasets"]["captions"].update(sources=["parquet:rows.parquet"]),
-     "data.datasets.captions.sources.0"),
-    (stage("stage1", nodes=0), "train.stages.stage1.nodes"),
-    (lambda c: c["train"]["stages"]["stage1"].pop("steps"), "train.stages.stage1"),
-    # the cross references
-    (workflow("scaling", world_sizes=[3]), "scaling.world_sizes"),
-    (workflow("export", stage="stage9"), "export.stage"),
-    (workflow("scaling", stage="nope"), "scaling.stage"),
-    (workflow("scaling", dataset="nope"), "scaling.dataset"),
-    (without("data", "synthetic"), "data.synthetic"),
-    (lambda c: c["data"]["synthetic"].update(kind="movie"), "data.synthetic.kind"),
-    # the demo's questions against its generated data
-    (workflow("eval", tasks=["demo_video_qa"]), "eval.tasks"),
-    (lambda c: c["data"]["synthetic"].update(kind="video"), "eval.tasks"),
-    # the stages' vlmcore train settings, by TrainConfig's rules and the stage's ranks
-    (common(parallel={"tp": 3}), "train.common.parallel"),
-    (stage("stage2", parallel={"dp_shard": 4}), "train.stages.stage2.parallel"),
-    (stage("stage1", parallel={"mode": "ddp", "dp_shard": 2}), "train.stages.stage1.parallel.dp_shard"),
-    (stage("stage1", parallel={"ep": 4}), "train.stages.stage1.parallel.ep"),  # 2 ranks: dp_shard 2
-    (stage("stage1", parallel={"vision": "fsdp"}), "train.stages.stage1.parallel.vision"),
-    (stage("stage1", schedule={"unit": "samples"}), "train.stages.stage1.schedule.total_samples"),
-    (common(seed=-1), "train.common.seed"),
-    (common(data={"kind": "random", "seq_len": 8, "image_side": 2}), "train.common.data.image_side"),
-    # fits the stages (2 ranks: dp_shard 1 x tp 2) but not the 1-rank scaling point
-    (common(parallel={"tp": 2}), "scaling.world_sizes"),
-    # per-module layouts, against each stage's ranks and each scaling point
-    (stage("stage2", parallel={"modules": {"vision": {"tp": 3}}}), "train.stages.stage2.parallel.modules.vision"),
-    (stage("stage1", parallel={"modules": {"language": {"ranks": [0, 1]}, "vision": {"ranks": [1, 3]}}}),
-     "train.stages.stage1.parallel.modules.vision.ranks"),
-    (stage("stage1", parallel={"tp": 2, "modules": {"vision": {"tp": 1}}}), "train.common.micro_batch_size"),
-    (common(parallel={"modules": {"vision": {"tp": 2}}}), "scaling.world_sizes"),
-])
+@pytest.mark.parametrize(
+    "mutate, key",
+    [
+        # the workflow keys, by the schema
+        (workflow("scaling", world_sizes=[]), "scaling.world_sizes"),
+        (workflow("scaling", world_sizes=[1, 1]), "scaling.world_sizes"),
+        (workflow("scaling", world_sizes=[0]), "scaling.world_sizes.0"),
+        (workflow("scaling", steps=1), "scaling.steps"),
+        (workflow("eval", tasks=[]), "eval.tasks"),
+        (workflow("eval", device="gpu"), "eval.device"),
+        (workflow("eval", limit=0), "eval.limit"),
+        (workflow("export", max_shard_size="5 gigs"), "export.max_shard_size"),
+        (workflow("pack", overlong="skip"), "pack.overlong"),
+        (workflow("pack", max_patches=0), "pack.max_patches"),
+        (workflow("train", nodes=0), "train.nodes"),
+        (workflow("train", gpu_capability="9"), "train.gpu_capability"),
+        (workflow("train", gpu_memory_gib=0), "train.gpu_memory_gib"),
+        (lambda c: c["data"]["datasets"]["captions"].update(shard_size=0), "data.datasets.captions.shard_size"),
+        (
+            lambda c: c["data"]["datasets"]["captions"].update(max_bad_fraction=1.5),
+            "data.datasets.captions.max_bad_fraction",
+        ),
+        (lambda c: c["data"]["datasets"]["captions"].update(sources=[]), "data.datasets.captions.sources"),
+        # KIND is the row format; parquet is a file type, not a kind
+        (
+            lambda c: c["data"]["datasets"]["captions"].update(sources=["parquet:rows.parquet"]),
+            "data.datasets.captions.sources.0",
+        ),
+        (stage("stage1", nodes=0), "train.stages.stage1.nodes"),
+        (lambda c: c["train"]["stages"]["stage1"].pop("steps"), "train.stages.stage1"),
+        # the cross references
+        (workflow("scaling", world_sizes=[3]), "scaling.world_sizes"),
+        (workflow("export", stage="stage9"), "export.stage"),
+        (workflow("scaling", stage="nope"), "scaling.stage"),
+        (workflow("scaling", dataset="nope"), "scaling.dataset"),
+        (without("data", "synthetic"), "data.synthetic"),
+        (lambda c: c["data"]["synthetic"].update(kind="movie"), "data.synthetic.kind"),
+        # the demo's questions against its generated data
+        (workflow("eval", tasks=["demo_video_qa"]), "eval.tasks"),
+        (lambda c: c["data"]["synthetic"].update(kind="video"), "eval.tasks"),
+        # the stages' vlmcore train settings, by TrainConfig's rules and the stage's ranks
+        (common(parallel={"tp": 3}), "train.common.parallel"),
+        (stage("stage2", parallel={"dp_shard": 4}), "train.stages.stage2.parallel"),
+        (stage("stage1", parallel={"mode": "ddp", "dp_shard": 2}), "train.stages.stage1.parallel.dp_shard"),
+        (stage("stage1", parallel={"ep": 4}), "train.stages.stage1.parallel.ep"),  # 2 ranks: dp_shard 2
+        (stage("stage1", parallel={"vision": "fsdp"}), "train.stages.stage1.parallel.vision"),
+        (stage("stage1", schedule={"unit": "samples"}), "train.stages.stage1.schedule.total_samples"),
+        (common(seed=-1), "train.common.seed"),
+        (common(data={"kind": "random", "seq_len": 8, "image_side": 2}), "train.common.data.image_side"),
+        # fits the stages (2 ranks: dp_shard 1 x tp 2) but not the 1-rank scaling point
+        (common(parallel={"tp": 2}), "scaling.world_sizes"),
+        # per-module layouts, against each stage's ranks and each scaling point
+        (stage("stage2", parallel={"modules": {"vision": {"tp": 3}}}), "train.stages.stage2.parallel.modules.vision"),
+        (
+            stage("stage1", parallel={"modules": {"language": {"ranks": [0, 1]}, "vision": {"ranks": [1, 3]}}}),
+            "train.stages.stage1.parallel.modules.vision.ranks",
+        ),
+        (stage("stage1", parallel={"tp": 2, "modules": {"vision": {"tp": 1}}}), "train.common.micro_batch_size"),
+        (common(parallel={"modules": {"vision": {"tp": 2}}}), "scaling.world_sizes"),
+    ],
+)
 def test_invalid_experiments_are_refused_in_one_line_naming_the_key(mutate, key):
     config = demo_config()
     mutate(config)
@@ -229,4 +271,5 @@ def test_suspicious_stage_settings_are_printed_as_warnings(capsys):
         "underflow; bfloat16 has float32's range",
         "warning: train.stages.stage2: optimizer.lr is 0: its parameters will not change",
         "warning: train.stages.stage2: precision.param_dtype is float16: without loss scaling small gradients "
-        "underflow; bfloat16 has float32's range"]
+        "underflow; bfloat16 has float32's range",
+    ]

@@ -38,30 +38,83 @@ PACK = {"pack_measure": 4, "pack_plan": 2, "pack_write": 4, "pack_data": 2}
         ("data", {"synth_data": 1, "prepare_data": 2}),
         ("packed", {"download_model": 1, "synth_data": 1, "prepare_data": 2, **PACK}),
         ("train", {"download_model": 1, "synth_data": 1, "prepare_data": 2, **PACK, "train_stage": 2}),
-        ("scaling", {"download_model": 1, "synth_data": 1, "prepare_data": 1, "pack_measure": 2, "pack_plan": 1,
-                     "pack_write": 2, "pack_data": 1, "scaling_run": 2}),
-        ("train_all", {"download_model": 1, "synth_data": 1, "prepare_data": 2, **PACK, "train_stage": 2,
-                       "export_hf": 1, "evaluate": 1, "scaling_run": 2, "scaling_report": 1}),
+        (
+            "scaling",
+            {
+                "download_model": 1,
+                "synth_data": 1,
+                "prepare_data": 1,
+                "pack_measure": 2,
+                "pack_plan": 1,
+                "pack_write": 2,
+                "pack_data": 1,
+                "scaling_run": 2,
+            },
+        ),
+        (
+            "train_all",
+            {
+                "download_model": 1,
+                "synth_data": 1,
+                "prepare_data": 2,
+                **PACK,
+                "train_stage": 2,
+                "export_hf": 1,
+                "evaluate": 1,
+                "scaling_run": 2,
+                "scaling_report": 1,
+            },
+        ),
     ],
 )
 def test_each_target_plans_its_stages(tmp_path, target, expected):
-    proc = snakemake("-n", "--profile", str(REPO / "profiles/local"), "--snakefile", str(REPO / "Snakefile"),
-                     "--configfile", str(REPO / "config/config.yaml"), "--directory", str(tmp_path), target)
+    proc = snakemake(
+        "-n",
+        "--profile",
+        str(REPO / "profiles/local"),
+        "--snakefile",
+        str(REPO / "Snakefile"),
+        "--configfile",
+        str(REPO / "config/config.yaml"),
+        "--directory",
+        str(tmp_path),
+        target,
+    )
     assert proc.returncode == 0, proc.stderr
     stats = job_stats(proc.stdout)
     stats.pop(target, None)
     assert stats == expected
 
 
-DEMO_JOBS = {"download_model": 1, "synth_data": 1, "prepare_data": 2, **PACK, "train_stage": 2,
-             "export_hf": 1, "evaluate": 1, "scaling_run": 2, "scaling_report": 1}
+DEMO_JOBS = {
+    "download_model": 1,
+    "synth_data": 1,
+    "prepare_data": 2,
+    **PACK,
+    "train_stage": 2,
+    "export_hf": 1,
+    "evaluate": 1,
+    "scaling_run": 2,
+    "scaling_report": 1,
+}
 
 
 def plan_demo_variant(tmp_path, name: str) -> tuple[str, dict, dict]:
     """The dry-run of config/<name> (every job of the demo's DAG, checked), its printed commands, and
     that config and config/config.yaml with their `experiment` taken out."""
-    proc = snakemake("-n", "-p", "--profile", str(REPO / "profiles/local"), "--snakefile", str(REPO / "Snakefile"),
-                     "--configfile", str(REPO / "config" / name), "--directory", str(tmp_path), "train_all")
+    proc = snakemake(
+        "-n",
+        "-p",
+        "--profile",
+        str(REPO / "profiles/local"),
+        "--snakefile",
+        str(REPO / "Snakefile"),
+        "--configfile",
+        str(REPO / "config" / name),
+        "--directory",
+        str(tmp_path),
+        "train_all",
+    )
     assert proc.returncode == 0, proc.stderr
     stats = job_stats(proc.stdout)
     stats.pop("train_all", None)
@@ -89,7 +142,9 @@ def test_video_demo_plans_the_demo_on_generated_clips(tmp_path):
     assert "--tasks demo_video_qa,demo_video_qa_shuffled" in stdout
     # The demo's model, training and packing; its data and questions are video.
     assert video["data"].pop("synthetic")["kind"] == "video" and video.pop("eval") == {
-        "tasks": ["demo_video_qa", "demo_video_qa_shuffled"], "batch_size": 16}
+        "tasks": ["demo_video_qa", "demo_video_qa_shuffled"],
+        "batch_size": 16,
+    }
     demo["data"].pop("synthetic"), demo.pop("eval")
     assert video == demo
 
@@ -114,13 +169,36 @@ def test_corpus_of_100m_samples_plans_its_scattered_pack(tmp_path, cluster, part
     (tmp_path / "staged/data/corpus-100m").mkdir(parents=True)
     target = f"results/qwen3vl-2b-{cluster}/packed/corpus_100m"
     proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "-n", "--snakefile", str(REPO / "Snakefile"), "--profile",
-         str(REPO / "profiles" / cluster), "--configfile", str(recipe), str(overlay), "--directory", str(tmp_path), target],
-        env=dict(os.environ, **CLUSTER_ENV, VLMCORE_CLUSTER=cluster), capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-n",
+            "--snakefile",
+            str(REPO / "Snakefile"),
+            "--profile",
+            str(REPO / "profiles" / cluster),
+            "--configfile",
+            str(recipe),
+            str(overlay),
+            "--directory",
+            str(tmp_path),
+            target,
+        ],
+        env=dict(os.environ, **CLUSTER_ENV, VLMCORE_CLUSTER=cluster),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert job_stats(proc.stdout) == {"download_model": 1, "prepare_data": 1, "pack_measure": 32, "pack_plan": 1,
-                                      "pack_write": 16, "pack_data": 1}
+    assert job_stats(proc.stdout) == {
+        "download_model": 1,
+        "prepare_data": 1,
+        "pack_measure": 32,
+        "pack_plan": 1,
+        "pack_write": 16,
+        "pack_data": 1,
+    }
     jobs = planned_jobs(proc.stdout)
     for rule in ("pack_measure", "pack_plan", "pack_write", "pack_data"):
         assert {j["slurm_partition"] for j in jobs[rule]} == {partition} and "gres" not in jobs[rule][0]

@@ -46,7 +46,9 @@ fraction = _number(float, "a fraction in [0, 1]", lambda v: 0 <= v <= 1)
 def _existing(what: str, ok):
     def parse(text: str) -> str:
         if not ok(Path(text)):
-            raise argparse.ArgumentTypeError(f"{text} is not {what}" if Path(text).exists() else f"{text} does not exist")
+            raise argparse.ArgumentTypeError(
+                f"{text} is not {what}" if Path(text).exists() else f"{text} does not exist"
+            )
         return text
 
     parse.__name__ = what

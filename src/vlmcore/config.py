@@ -69,16 +69,26 @@ class ScheduleConfig:
 class ModuleLayout:
     """One module's parallel layout (vlmcore.parallel.layout.resolve_layout)."""
 
-    tp: int | None = setting(None, "tensor-parallel ranks of this module; null: parallel.tp (language), 1 (vision)",
-                             ge=1)
-    dp_shard: int | None = setting(None, "FSDP shards of this module; -1 = what is left of its ranks; null: "
-                                   "parallel.dp_shard (language), -1 (vision)", ge=1, also=(-1,))
+    tp: int | None = setting(
+        None, "tensor-parallel ranks of this module; null: parallel.tp (language), 1 (vision)", ge=1
+    )
+    dp_shard: int | None = setting(
+        None,
+        "FSDP shards of this module; -1 = what is left of its ranks; null: parallel.dp_shard (language), -1 (vision)",
+        ge=1,
+        also=(-1,),
+    )
     dp_replicate: int | None = setting(
-        None, "data-parallel replicas of this module (HSDP when > 1); null: parallel.dp_replicate (language; vision "
-        "too when the language tp is 1, else 1)", ge=1)
+        None,
+        "data-parallel replicas of this module (HSDP when > 1); null: parallel.dp_replicate (language; vision "
+        "too when the language tp is 1, else 1)",
+        ge=1,
+    )
     ranks: Literal["all"] | list[int] = setting(
-        "all", "all: on every rank, with the other module (colocated); [start, end): on these ranks only "
-        "(disjoint: the two ranges tile the world, each module with tp 1 for now)")
+        "all",
+        "all: on every rank, with the other module (colocated); [start, end): on these ranks only "
+        "(disjoint: the two ranges tile the world, each module with tp 1 for now)",
+    )
 
 
 @dataclass
@@ -92,21 +102,36 @@ class ParallelConfig:
     dp_replicate: int = setting(1, "data-parallel replicas (HSDP when > 1 with mode fsdp)", ge=1)
     dp_shard: int = setting(-1, "FSDP shards; -1 = whatever is left of the world size", ge=1, also=(-1,))
     tp: int = setting(1, "tensor-parallel ranks (inside a node)", ge=1)
-    ep: int = setting(1, "expert-parallel ranks (MoE models): each holds num_experts / ep experts; carved out of "
-                      "dp_shard (x cp), which it must divide", ge=1)
-    cp: int = setting(1, "context-parallel ranks: each holds 1/cp of every row, attention and linear attention by "
-                      "all-to-all over heads, so cp x tp must divide the k/v heads (docs/hpc.md section 15)", ge=1)
+    ep: int = setting(
+        1,
+        "expert-parallel ranks (MoE models): each holds num_experts / ep experts; carved out of "
+        "dp_shard (x cp), which it must divide",
+        ge=1,
+    )
+    cp: int = setting(
+        1,
+        "context-parallel ranks: each holds 1/cp of every row, attention and linear attention by "
+        "all-to-all over heads, so cp x tp must divide the k/v heads (docs/hpc.md section 15)",
+        ge=1,
+    )
     mode: Literal["fsdp", "ddp"] = setting(
-        "fsdp", "fsdp: FSDP2 (HSDP when dp_replicate > 1); ddp: replicate everything")
+        "fsdp", "fsdp: FSDP2 (HSDP when dp_replicate > 1); ddp: replicate everything"
+    )
     sequence_parallel: bool = setting(True, "under tp > 1: norms and the residual stream split on the sequence")
     activation_checkpointing: Literal["none", "selective", "full"] = setting(
-        "none", "recompute activations in backward: selective (the cheap ops) or full (every block)")
-    compile: bool = setting(False, "torch.compile each block and the chunked cross-entropy; Gated DeltaNet layers "
-                                   "and EP MoE blocks (a graph break each) compile in pieces, inside the checkpoint "
-                                   "under full activation checkpointing, and run eagerly under selective (docs/moe.md)")
+        "none", "recompute activations in backward: selective (the cheap ops) or full (every block)"
+    )
+    compile: bool = setting(
+        False,
+        "torch.compile each block and the chunked cross-entropy; Gated DeltaNet layers "
+        "and EP MoE blocks (a graph break each) compile in pieces, inside the checkpoint "
+        "under full activation checkpointing, and run eagerly under selective (docs/moe.md)",
+    )
     linear_attention: LinearAttentionBackend = setting(
-        "auto", "Qwen3.5 Gated DeltaNet kernels on GPU: auto = fla where installed and correct on this GPU "
-        "(docs/hpc.md), else torch; fla = fla or stop; torch = the pure-torch chunked rule")
+        "auto",
+        "Qwen3.5 Gated DeltaNet kernels on GPU: auto = fla where installed and correct on this GPU "
+        "(docs/hpc.md), else torch; fla = fla or stop; torch = the pure-torch chunked rule",
+    )
     # Each module's own layout (docs/hpc.md, "Per-module layouts"); unset: the keys above.
     modules: ModulesConfig = field(default_factory=ModulesConfig)
 
@@ -129,27 +154,43 @@ class CheckpointConfig:
 class MetricsConfig:
     tensorboard: bool = setting(True, "write TensorBoard event files in output_dir")
     wandb: bool = setting(False, "log to Weights & Biases, always offline")
-    peak_tflops: float | None = setting(None, "peak TFLOP/s of one device for the MFU; null = from the device table",
-                                    gt=0)
-    module_times: bool = setting(True, "time the vision tower and the LLM apart (vision_time_s, llm_time_s): "
-                                 "a few CUDA events per micro-batch")
+    peak_tflops: float | None = setting(
+        None, "peak TFLOP/s of one device for the MFU; null = from the device table", gt=0
+    )
+    module_times: bool = setting(
+        True, "time the vision tower and the LLM apart (vision_time_s, llm_time_s): a few CUDA events per micro-batch"
+    )
     profile_steps: list[int] = setting(
-        None, "steps (1-based) traced with torch.profiler, first to last: a trace and a summary (GPU busy time, "
-        "host syncs, launches, top kernels) per rank in output_dir/profile/; [] = none", ge=1, factory=list)
+        None,
+        "steps (1-based) traced with torch.profiler, first to last: a trace and a summary (GPU busy time, "
+        "host syncs, launches, top kernels) per rank in output_dir/profile/; [] = none",
+        ge=1,
+        factory=list,
+    )
 
 
 @dataclass
 class DataConfig:
     kind: Literal["packed", "random"] = setting(
-        "packed", "packed: data_path is a packed Energon dataset; random: synthetic rows (benchmarks, engine tests)")
+        "packed", "packed: data_path is a packed Energon dataset; random: synthetic rows (benchmarks, engine tests)"
+    )
     seq_len: int = setting(256, "random: tokens per row", ge=2)
     segments: int = setting(2, "random: samples packed per row", ge=1)
     image_fraction: float = setting(0.5, "random, VL models: share of rows that carry an image", ge=0, le=1)
     image_side: int = setting(2, "random, VL models: merged patches per side of an image (side**2 LLM tokens)", ge=1)
-    video_fraction: float = setting(0.0, "random, VL models: share of rows that carry a video (in the longest "
-                                    "segment without an image that has room for it)", ge=0, le=1)
-    video_frames: int = setting(2, "random, VL models: frame groups per video (temporal_patch_size frames each; "
-                                "image_side**2 tokens, a timestamp and vision start/end per group)", ge=1)
+    video_fraction: float = setting(
+        0.0,
+        "random, VL models: share of rows that carry a video (in the longest "
+        "segment without an image that has room for it)",
+        ge=0,
+        le=1,
+    )
+    video_frames: int = setting(
+        2,
+        "random, VL models: frame groups per video (temporal_patch_size frames each; "
+        "image_side**2 tokens, a timestamp and vision start/end per group)",
+        ge=1,
+    )
 
 
 @dataclass
@@ -162,20 +203,26 @@ class TrainConfig:
     micro_batch_size: int = setting(1, "packed rows per micro-batch per data-parallel rank", ge=1)
     grad_accum_steps: int = setting(1, "micro-batches per optimizer step", ge=1)
     global_batch_rows: int = setting(
-        0, "packed rows per optimizer step over all data-parallel ranks; set, grad_accum_steps follows from it "
+        0,
+        "packed rows per optimizer step over all data-parallel ranks; set, grad_accum_steps follows from it "
         "(global_batch_rows / (data-parallel ranks x micro_batch_size)), so a stage whose next job gets another "
         "number of nodes keeps its batch and resumes exactly; 0 = data-parallel ranks x micro_batch_size x "
-        "grad_accum_steps", ge=0)
+        "grad_accum_steps",
+        ge=0,
+    )
     allow_global_batch_change: bool = setting(
-        False, "true: a resume whose rows per step (data-parallel ranks x micro_batch_size x grad_accum_steps) "
+        False,
+        "true: a resume whose rows per step (data-parallel ranks x micro_batch_size x grad_accum_steps) "
         "differ from the checkpoint's goes on from the rows consumed so far (none repeated or skipped, but the "
-        "steps' batches are not the uninterrupted run's); false: such a resume is refused")
+        "steps' batches are not the uninterrupted run's); false: such a resume is refused",
+    )
     seed: int = setting(0, "seed of the data order and of the random data", ge=0, le=2**32 - 1)
     trainable: list[str] = setting(None, "fnmatch patterns of the trained parameters; [] = all of them", factory=list)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    max_grad_norm: float = setting(1.0, "global gradient-norm clipping; 0 = no clipping (the norm is still logged)",
-                                   ge=0)
+    max_grad_norm: float = setting(
+        1.0, "global gradient-norm clipping; 0 = no clipping (the norm is still logged)", ge=0
+    )
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -189,16 +236,26 @@ class TrainConfig:
 
 
 def _each_lr(text: str, suspicious):
-    return [(f"optimizer.{k}", text, lambda v, c: v is not None and suspicious(v))
-            for k in ("lr", "vision_lr", "projector_lr")]
+    return [
+        (f"optimizer.{k}", text, lambda v, c: v is not None and suspicious(v))
+        for k in ("lr", "vision_lr", "projector_lr")
+    ]
 
 
 def _module_rules(module: str):
     key = f"parallel.modules.{module}"
-    return [(f"{key}.ranks", "must be all or [start, end) with 0 <= start < end",
-             lambda v, c: v == "all" or (len(v) == 2 and 0 <= v[0] < v[1])),
-            (f"{key}.dp_shard", "must be 1, -1 or null when parallel.mode is ddp",
-             lambda v, c: c.parallel.mode != "ddp" or v in (1, -1, None))]
+    return [
+        (
+            f"{key}.ranks",
+            "must be all or [start, end) with 0 <= start < end",
+            lambda v, c: v == "all" or (len(v) == 2 and 0 <= v[0] < v[1]),
+        ),
+        (
+            f"{key}.dp_shard",
+            "must be 1, -1 or null when parallel.mode is ddp",
+            lambda v, c: c.parallel.mode != "ddp" or v in (1, -1, None),
+        ),
+    ]
 
 
 # Rules between keys, checked after each key's own type and range: (key, what is allowed, ok(value, config)).
@@ -206,39 +263,69 @@ RULES = [
     ("model_path", "is required", lambda v, c: v != ""),
     ("output_dir", "is required", lambda v, c: v != ""),
     ("data_path", "is required unless data.kind is random", lambda v, c: bool(v) or c.data.kind == "random"),
-    ("schedule.warmup_steps", "must be <= steps when schedule.unit is steps (no warmup longer than the run)",
-     lambda v, c: c.schedule.unit != "steps" or v <= c.steps),
-    ("schedule.total_samples", "is required when schedule.unit is samples",
-     lambda v, c: c.schedule.unit != "samples" or v is not None),
-    ("schedule.warmup_samples", "must be <= schedule.total_samples when schedule.unit is samples",
-     lambda v, c: c.schedule.unit != "samples" or v <= c.schedule.total_samples),
+    (
+        "schedule.warmup_steps",
+        "must be <= steps when schedule.unit is steps (no warmup longer than the run)",
+        lambda v, c: c.schedule.unit != "steps" or v <= c.steps,
+    ),
+    (
+        "schedule.total_samples",
+        "is required when schedule.unit is samples",
+        lambda v, c: c.schedule.unit != "samples" or v is not None,
+    ),
+    (
+        "schedule.warmup_samples",
+        "must be <= schedule.total_samples when schedule.unit is samples",
+        lambda v, c: c.schedule.unit != "samples" or v <= c.schedule.total_samples,
+    ),
     ("metrics.profile_steps", "must be steps the run reaches (<= steps)", lambda v, c: all(s <= c.steps for s in v)),
-    ("parallel.dp_shard", "must be 1 or -1 when parallel.mode is ddp",
-     lambda v, c: c.parallel.mode != "ddp" or v in (1, -1)),
+    (
+        "parallel.dp_shard",
+        "must be 1 or -1 when parallel.mode is ddp",
+        lambda v, c: c.parallel.mode != "ddp" or v in (1, -1),
+    ),
     *_module_rules("vision"),
     *_module_rules("language"),
-    ("parallel.modules.language.ranks", "must be all when parallel.modules.vision.ranks is all and a range when it "
-     "is a range (every module on every rank, or each on its own ranks)",
-     lambda v, c: (v == "all") == (c.parallel.modules.vision.ranks == "all")),
+    (
+        "parallel.modules.language.ranks",
+        "must be all when parallel.modules.vision.ranks is all and a range when it "
+        "is a range (every module on every rank, or each on its own ranks)",
+        lambda v, c: (v == "all") == (c.parallel.modules.vision.ranks == "all"),
+    ),
     ("data.segments", "must be <= data.seq_len / 2", lambda v, c: v <= c.data.seq_len // 2),
-    ("data.image_side", "must leave room for an image (image_side**2 + 4 tokens) in data.seq_len / data.segments "
-     "when data.kind is random and data.image_fraction > 0",
-     lambda v, c: c.data.kind != "random" or c.data.image_fraction == 0
-     or v**2 + 4 <= c.data.seq_len // c.data.segments),
-    ("data.video_frames", "must leave room for a video (video_frames * (image_side**2 + 5) + 2 tokens) in "
-     "data.seq_len / data.segments when data.kind is random and data.video_fraction > 0",
-     lambda v, c: c.data.kind != "random" or c.data.video_fraction == 0
-     or v * (c.data.image_side**2 + 5) + 2 <= c.data.seq_len // c.data.segments),
+    (
+        "data.image_side",
+        "must leave room for an image (image_side**2 + 4 tokens) in data.seq_len / data.segments "
+        "when data.kind is random and data.image_fraction > 0",
+        lambda v, c: (
+            c.data.kind != "random" or c.data.image_fraction == 0 or v**2 + 4 <= c.data.seq_len // c.data.segments
+        ),
+    ),
+    (
+        "data.video_frames",
+        "must leave room for a video (video_frames * (image_side**2 + 5) + 2 tokens) in "
+        "data.seq_len / data.segments when data.kind is random and data.video_fraction > 0",
+        lambda v, c: (
+            c.data.kind != "random"
+            or c.data.video_fraction == 0
+            or v * (c.data.image_side**2 + 5) + 2 <= c.data.seq_len // c.data.segments
+        ),
+    ),
 ]
 # Legal settings that are probably mistakes: (key, why, suspicious(value, config)).
 WARNINGS = [
     *_each_lr("is 0: its parameters will not change", lambda lr: lr == 0),
     *_each_lr("is 1 or more: AdamW moves every weight by about that much per step", lambda lr: lr >= 1),
-    ("schedule.min_lr_ratio", "is 1: the cosine or wsd schedule never decays",
-     lambda v, c: v == 1 and c.schedule.name != "constant"),
-    ("precision.param_dtype",
-     "is float16: without loss scaling small gradients underflow; bfloat16 has float32's range",
-     lambda v, c: v == "float16"),
+    (
+        "schedule.min_lr_ratio",
+        "is 1: the cosine or wsd schedule never decays",
+        lambda v, c: v == 1 and c.schedule.name != "constant",
+    ),
+    (
+        "precision.param_dtype",
+        "is float16: without loss scaling small gradients underflow; bfloat16 has float32's range",
+        lambda v, c: v == "float16",
+    ),
 ]
 
 
@@ -391,8 +478,11 @@ def check_paths(cfg: TrainConfig) -> None:
     _need(model.is_dir(), "model_path", f"{model} is not a directory")
     _need((model / "config.json").is_file(), "model_path", f"{model} has no config.json (not an HF snapshot)")
     if cfg.init_from:
-        _need((Path(cfg.init_from) / ".metadata").is_file(), "init_from",
-              f"{cfg.init_from} is not a checkpoint directory (no .metadata), e.g. a previous stage's final/")
+        _need(
+            (Path(cfg.init_from) / ".metadata").is_file(),
+            "init_from",
+            f"{cfg.init_from} is not a checkpoint directory (no .metadata), e.g. a previous stage's final/",
+        )
     if cfg.data.kind == "packed":
         _need(Path(cfg.data_path).is_dir(), "data_path", f"{cfg.data_path} is not a directory")
 

@@ -16,9 +16,19 @@ import yaml
 
 from vlmcore import config
 
-_TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "string",
-               "integer": "int", "number": "float", "boolean": "bool", "string": "string", "object": "mapping",
-               "array": "list", "null": "null"}
+_TYPE_NAMES = {
+    int: "int",
+    float: "float",
+    bool: "bool",
+    str: "string",
+    "integer": "int",
+    "number": "float",
+    "boolean": "bool",
+    "string": "string",
+    "object": "mapping",
+    "array": "list",
+    "null": "null",
+}
 
 
 def _cell(text) -> str:

@@ -21,8 +21,11 @@ DEFAULT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*
 
 
 def snapshot_files(directory: Path) -> list[Path]:
-    return sorted(p.relative_to(directory) for p in directory.rglob("*")
-                  if p.is_file() and p.name != MANIFEST and ".cache" not in p.relative_to(directory).parts)
+    return sorted(
+        p.relative_to(directory)
+        for p in directory.rglob("*")
+        if p.is_file() and p.name != MANIFEST and ".cache" not in p.relative_to(directory).parts
+    )
 
 
 def remove_path(path: Path) -> None:
@@ -35,9 +38,16 @@ def remove_path(path: Path) -> None:
 
 def write_manifest(directory, repo_id: str, revision: str) -> dict:
     directory = Path(directory)
-    files = {str(rel): {"size": (directory / rel).stat().st_size, "sha256": sha256_of(directory / rel)}
-             for rel in snapshot_files(directory)}
-    manifest = {"repo_id": repo_id, "revision": revision, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": files}
+    files = {
+        str(rel): {"size": (directory / rel).stat().st_size, "sha256": sha256_of(directory / rel)}
+        for rel in snapshot_files(directory)
+    }
+    manifest = {
+        "repo_id": repo_id,
+        "revision": revision,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "files": files,
+    }
     tmp = directory / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp, directory / MANIFEST)
@@ -78,7 +88,9 @@ def download_snapshot(repo_id: str, revision: str, out, allow_patterns=None) -> 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)
-    snapshot_download(repo_id=repo_id, revision=revision, local_dir=out, allow_patterns=allow_patterns or DEFAULT_PATTERNS)
+    snapshot_download(
+        repo_id=repo_id, revision=revision, local_dir=out, allow_patterns=allow_patterns or DEFAULT_PATTERNS
+    )
     if any(out.glob("*.bin")) and not any(out.glob("*.safetensors")):
         raise ValueError(f"{repo_id}@{revision} has no safetensors weights; vlmcore never loads pickle (*.bin)")
     return write_manifest(out, repo_id, revision)
@@ -110,22 +122,45 @@ def tiny_build(name: str) -> TinyBuild:
 def tiny_vl_config(tokenizer_ids: dict, vocab_size: int, family: str = "qwen3_vl", **overrides) -> dict:
     """A Qwen3-VL (or Qwen3-VL-MoE) architecture small enough to train in minutes on a laptop CPU."""
     text = dict(
-        vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
-        rms_norm_eps=1e-6, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [6, 5, 5], "mrope_interleaved": True},
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e6,
+            "mrope_section": [6, 5, 5],
+            "mrope_interleaved": True,
+        },
         **tiny_build(family).text_fields,
     )
     vision = dict(
-        depth=2, hidden_size=64, intermediate_size=192, num_heads=2, patch_size=16, spatial_merge_size=2,
-        temporal_patch_size=2, out_hidden_size=text["hidden_size"], num_position_embeddings=64,
+        depth=2,
+        hidden_size=64,
+        intermediate_size=192,
+        num_heads=2,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=text["hidden_size"],
+        num_position_embeddings=64,
         deepstack_visual_indexes=[0],
     )
     text.update(overrides.get("text_config", {}))
     vision.update(overrides.get("vision_config", {}))
     special = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-    return dict(text_config=text, vision_config=vision, **{k: tokenizer_ids[k] for k in special},
-                tie_word_embeddings=text["tie_word_embeddings"])
+    return dict(
+        text_config=text,
+        vision_config=vision,
+        **{k: tokenizer_ids[k] for k in special},
+        tie_word_embeddings=text["tie_word_embeddings"],
+    )
 
 
 def build_tiny_model(out, seed: int = 0, overrides: dict | None = None, family: str = "qwen3_vl") -> dict:
@@ -159,8 +194,12 @@ def build_tiny_model(out, seed: int = 0, overrides: dict | None = None, family: 
     model.generation_config.eos_token_id = [ids["eos_token_id"], ids["pad_token_id"]]
     model.generation_config.pad_token_id = ids["pad_token_id"]
     model.save_pretrained(tmp)
-    write_processor_files(tmp, patch_size=config.vision_config.patch_size, merge_size=config.vision_config.spatial_merge_size,
-                          temporal_patch_size=config.vision_config.temporal_patch_size)
+    write_processor_files(
+        tmp,
+        patch_size=config.vision_config.patch_size,
+        merge_size=config.vision_config.spatial_merge_size,
+        temporal_patch_size=config.vision_config.temporal_patch_size,
+    )
     manifest = write_manifest(tmp, f"vlmcore/tiny-{family.replace('_', '-')}-demo", f"generated-seed{seed}")
     remove_path(out)
     os.replace(tmp, out)
@@ -184,21 +223,40 @@ def add_arguments(parser):
 
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--repo-id", help="Hugging Face repo id, downloaded at --revision")
-    source.add_argument("--staged", type=existing_dir, help="a snapshot copied in by hand: verify it against its manifest.json and use it")
+    source.add_argument(
+        "--staged",
+        type=existing_dir,
+        help="a snapshot copied in by hand: verify it against its manifest.json and use it",
+    )
     source.add_argument("--tiny", action="store_true", help="build the tiny random demo model (no network)")
-    source.add_argument("--verify", type=existing_dir, help="only verify an existing snapshot directory against its manifest")
+    source.add_argument(
+        "--verify", type=existing_dir, help="only verify an existing snapshot directory against its manifest"
+    )
     parser.add_argument("--revision", help="commit hash or tag to pin (required with --repo-id)")
     parser.add_argument("--out", help="snapshot directory to write")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the tiny model's weights and tokenizer corpus")
-    parser.add_argument("--tiny-family", default="qwen3_vl", choices=TINY_FAMILIES,
-                        help="architecture of the tiny model: dense Qwen3-VL or Qwen3-VL-MoE (4 experts, top-2)")
-    parser.add_argument("--tiny-config", default={}, type=json_object, help="JSON overrides of the tiny model, e.g. '{\"text_config\": {\"num_hidden_layers\": 2}}'")
+    parser.add_argument(
+        "--seed", type=non_negative_int, default=0, help="seed of the tiny model's weights and tokenizer corpus"
+    )
+    parser.add_argument(
+        "--tiny-family",
+        default="qwen3_vl",
+        choices=TINY_FAMILIES,
+        help="architecture of the tiny model: dense Qwen3-VL or Qwen3-VL-MoE (4 experts, top-2)",
+    )
+    parser.add_argument(
+        "--tiny-config",
+        default={},
+        type=json_object,
+        help='JSON overrides of the tiny model, e.g. \'{"text_config": {"num_hidden_layers": 2}}\'',
+    )
 
 
 def run(args):
     if args.verify:
         manifest = verify_snapshot(args.verify, revision=args.revision)
-        print(f"{args.verify}: {len(manifest['files'])} files match the manifest ({manifest['repo_id']}@{manifest['revision']})")
+        print(
+            f"{args.verify}: {len(manifest['files'])} files match the manifest ({manifest['repo_id']}@{manifest['revision']})"
+        )
         return 0
     from vlmcore.cli import UsageError
 

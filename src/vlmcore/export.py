@@ -29,8 +29,8 @@ from safetensors import safe_open
 import vlmcore
 from vlmcore.data.pack import PACK_MODEL_DIR
 from vlmcore.download import remove_path
-from vlmcore.hashing import sha256_of, sha256_of_digests
 from vlmcore.families import family
+from vlmcore.hashing import sha256_of, sha256_of_digests
 from vlmcore.models.expert_storage import stored_format, to_disk
 from vlmcore.models.hf import snapshot_tensor_info
 
@@ -79,8 +79,11 @@ def check_against_snapshot(weights: dict, expected: dict, untrained: tuple, chec
         del weights["lm_head.weight"]
     missing = sorted(k for k in set(expected) - set(weights) if not k.startswith(untrained))
     unexpected = sorted(set(weights) - set(expected))
-    wrong_shape = [f"{k}: {tuple(weights[k].shape)} vs {expected[k][0]}" for k in sorted(set(weights) & set(expected))
-                   if tuple(weights[k].shape) != expected[k][0]]
+    wrong_shape = [
+        f"{k}: {tuple(weights[k].shape)} vs {expected[k][0]}"
+        for k in sorted(set(weights) & set(expected))
+        if tuple(weights[k].shape) != expected[k][0]
+    ]
     if missing or unexpected or wrong_shape:
         raise ValueError(
             f"checkpoint {checkpoint_dir} does not match snapshot {model_dir}: "
@@ -94,7 +97,7 @@ def untrained_tensors(model_dir, names) -> dict[str, torch.Tensor]:
     out = {}
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(file, framework="pt") as f:
-            out.update({name: f.get_tensor(name) for name in f.keys() if name in names})
+            out.update({name: f.get_tensor(name) for name in f if name in names})
     return out
 
 
@@ -103,8 +106,13 @@ def git_commit() -> dict:
     source = Path(vlmcore.__file__).resolve().parent
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=source, capture_output=True, text=True, check=True)
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=source,
-                                capture_output=True, text=True, check=True)
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=source,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     except (OSError, subprocess.CalledProcessError):
         return {"commit": None, "dirty": None}
     return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
@@ -136,7 +144,10 @@ def build_provenance(checkpoint_dir, model_dir, stage_configs=(), data_stats=(),
         stages[path.parent.name] = yaml.safe_load(path.read_text())
     return {
         "source": source,
-        "checkpoint": {"path": str(checkpoint_dir), "meta": json.loads(meta_path.read_text()) if meta_path.is_file() else None},
+        "checkpoint": {
+            "path": str(checkpoint_dir),
+            "meta": json.loads(meta_path.read_text()) if meta_path.is_file() else None,
+        },
         "stages": stages,
         "data": data_fingerprint(data_stats),
         "code": {"vlmcore_version": vlmcore.__version__, **git_commit()},
@@ -145,8 +156,9 @@ def build_provenance(checkpoint_dir, model_dir, stage_configs=(), data_stats=(),
     }
 
 
-def export_hf(checkpoint_dir, model_dir, out, stage_configs=(), data_stats=(), max_shard_size="5GB", dtype=None,
-              packed_dir=None) -> Path:
+def export_hf(
+    checkpoint_dir, model_dir, out, stage_configs=(), data_stats=(), max_shard_size="5GB", dtype=None, packed_dir=None
+) -> Path:
     """Writes the HF directory `out` from a `final/` checkpoint and the snapshot it was trained from.
 
     packed_dir: the last stage's packed dataset; the video processor config of its model/ (the
@@ -209,22 +221,54 @@ def shard_size(text: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from vlmcore.cli import existing_dir, existing_file
 
-    parser.add_argument("--checkpoint", required=True, type=existing_dir, help="a stage's final/ directory (DCP, keys model.<hf name>)")
-    parser.add_argument("--model", required=True, type=existing_dir, help="the HF snapshot the training started from (config, tokenizer, processor)")
+    parser.add_argument(
+        "--checkpoint", required=True, type=existing_dir, help="a stage's final/ directory (DCP, keys model.<hf name>)"
+    )
+    parser.add_argument(
+        "--model",
+        required=True,
+        type=existing_dir,
+        help="the HF snapshot the training started from (config, tokenizer, processor)",
+    )
     parser.add_argument("--out", required=True, help="HF directory to write (replaced atomically)")
-    parser.add_argument("--stage-config", action="append", default=[], type=existing_file,
-                        help="train/<stage>/config.yaml of every stage, recorded in provenance.json (repeatable)")
-    parser.add_argument("--data-stats", action="append", default=[], type=existing_file,
-                        help="packed/<dataset>/stats.json of the training data, fingerprinted in provenance.json (repeatable)")
-    parser.add_argument("--max-shard-size", default="5GB", type=shard_size, help="largest safetensors shard, e.g. 5GB or 500MB")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating weights to this dtype (default: the snapshot's)")
-    parser.add_argument("--packed-data", type=existing_dir,
-                        help="packed/<dataset> of the last stage: the video sampling it was packed with goes into the export")
+    parser.add_argument(
+        "--stage-config",
+        action="append",
+        default=[],
+        type=existing_file,
+        help="train/<stage>/config.yaml of every stage, recorded in provenance.json (repeatable)",
+    )
+    parser.add_argument(
+        "--data-stats",
+        action="append",
+        default=[],
+        type=existing_file,
+        help="packed/<dataset>/stats.json of the training data, fingerprinted in provenance.json (repeatable)",
+    )
+    parser.add_argument(
+        "--max-shard-size", default="5GB", type=shard_size, help="largest safetensors shard, e.g. 5GB or 500MB"
+    )
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), help="cast floating weights to this dtype (default: the snapshot's)"
+    )
+    parser.add_argument(
+        "--packed-data",
+        type=existing_dir,
+        help="packed/<dataset> of the last stage: the video sampling it was packed with goes into the export",
+    )
 
 
 def run(args) -> int:
-    out = export_hf(args.checkpoint, args.model, args.out, args.stage_config, args.data_stats,
-                    args.max_shard_size, DTYPES[args.dtype] if args.dtype else None, args.packed_data)
+    out = export_hf(
+        args.checkpoint,
+        args.model,
+        args.out,
+        args.stage_config,
+        args.data_stats,
+        args.max_shard_size,
+        DTYPES[args.dtype] if args.dtype else None,
+        args.packed_data,
+    )
     files = sorted(p.name for p in out.iterdir())
     print(f"exported {args.checkpoint} -> {out}: {', '.join(files)}")
     return 0

@@ -49,28 +49,89 @@ class Family:
 
 _MTP = ("mtp.",)  # Qwen3.5's multi-token-prediction head: in the snapshots, not trained here
 
-FAMILIES = {f.model_type: f for f in (
-    Family("qwen3", "qwen3:Qwen3ForCausalLM", vision=False, positions="text"),
-    Family("qwen3_moe", "qwen3:Qwen3ForCausalLM", vision=False, positions="text", experts=True,
-           expert_storage="per_expert"),
-    Family("qwen3_vl", "qwen3_vl:Qwen3VLForConditionalGeneration", vision=True, positions="mrope",
-           tiny=TinyBuild("Qwen3VLConfig", "Qwen3VLForConditionalGeneration")),
-    # Every layer sparse: 4 experts, top-2, each half the dense MLP, so a token costs what it does
-    # in the dense demo model.
-    Family("qwen3_vl_moe", "qwen3_vl:Qwen3VLForConditionalGeneration", vision=True, positions="mrope", experts=True,
-           expert_storage="fused_transposed",
-           tiny=TinyBuild("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration",
-                          dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=192, norm_topk_prob=True,
-                               decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001))),
-    Family("qwen3_5", "qwen3_5:Qwen3_5ForConditionalGeneration", vision=True, positions="mrope",
-           linear_attention=True, gated_attention=True, ignored_prefixes=_MTP),
-    Family("qwen3_5_text", "qwen3_5:Qwen3_5ForCausalLM", vision=False, positions="text",
-           linear_attention=True, gated_attention=True, ignored_prefixes=_MTP),
-    Family("qwen3_5_moe", "qwen3_5:Qwen3_5ForConditionalGeneration", vision=True, positions="mrope", experts=True,
-           linear_attention=True, gated_attention=True, ignored_prefixes=_MTP),
-    Family("qwen3_5_moe_text", "qwen3_5:Qwen3_5ForCausalLM", vision=False, positions="text", experts=True,
-           expert_storage="per_expert", linear_attention=True, gated_attention=True, ignored_prefixes=_MTP),
-)}
+FAMILIES = {
+    f.model_type: f
+    for f in (
+        Family("qwen3", "qwen3:Qwen3ForCausalLM", vision=False, positions="text"),
+        Family(
+            "qwen3_moe",
+            "qwen3:Qwen3ForCausalLM",
+            vision=False,
+            positions="text",
+            experts=True,
+            expert_storage="per_expert",
+        ),
+        Family(
+            "qwen3_vl",
+            "qwen3_vl:Qwen3VLForConditionalGeneration",
+            vision=True,
+            positions="mrope",
+            tiny=TinyBuild("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+        ),
+        # Every layer sparse: 4 experts, top-2, each half the dense MLP, so a token costs what it does
+        # in the dense demo model.
+        Family(
+            "qwen3_vl_moe",
+            "qwen3_vl:Qwen3VLForConditionalGeneration",
+            vision=True,
+            positions="mrope",
+            experts=True,
+            expert_storage="fused_transposed",
+            tiny=TinyBuild(
+                "Qwen3VLMoeConfig",
+                "Qwen3VLMoeForConditionalGeneration",
+                dict(
+                    num_experts=4,
+                    num_experts_per_tok=2,
+                    moe_intermediate_size=192,
+                    norm_topk_prob=True,
+                    decoder_sparse_step=1,
+                    mlp_only_layers=[],
+                    router_aux_loss_coef=0.001,
+                ),
+            ),
+        ),
+        Family(
+            "qwen3_5",
+            "qwen3_5:Qwen3_5ForConditionalGeneration",
+            vision=True,
+            positions="mrope",
+            linear_attention=True,
+            gated_attention=True,
+            ignored_prefixes=_MTP,
+        ),
+        Family(
+            "qwen3_5_text",
+            "qwen3_5:Qwen3_5ForCausalLM",
+            vision=False,
+            positions="text",
+            linear_attention=True,
+            gated_attention=True,
+            ignored_prefixes=_MTP,
+        ),
+        Family(
+            "qwen3_5_moe",
+            "qwen3_5:Qwen3_5ForConditionalGeneration",
+            vision=True,
+            positions="mrope",
+            experts=True,
+            linear_attention=True,
+            gated_attention=True,
+            ignored_prefixes=_MTP,
+        ),
+        Family(
+            "qwen3_5_moe_text",
+            "qwen3_5:Qwen3_5ForCausalLM",
+            vision=False,
+            positions="text",
+            experts=True,
+            expert_storage="per_expert",
+            linear_attention=True,
+            gated_attention=True,
+            ignored_prefixes=_MTP,
+        ),
+    )
+}
 TINY_FAMILIES = sorted(name for name, f in FAMILIES.items() if f.tiny is not None)
 
 
@@ -78,8 +139,11 @@ def family(config) -> Family:
     """The record of a transformers config, a config.json dict, a snapshot directory or a model_type."""
     if isinstance(config, (str, Path)) and Path(config, "config.json").is_file():
         config = json.loads(Path(config, "config.json").read_text())
-    model_type = config if isinstance(config, str) else (
-        config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None))
+    model_type = (
+        config
+        if isinstance(config, str)
+        else (config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None))
+    )
     if model_type not in FAMILIES:
         raise ValueError(f"unknown model_type {model_type!r}; supported: {sorted(FAMILIES)}")
     return FAMILIES[model_type]

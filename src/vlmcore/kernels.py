@@ -87,11 +87,13 @@ def fla_problem(versions: dict, capability: tuple[int, int] | None) -> str | Non
         return None
     if versions.get("tilelang") and versions.get("fla_tilelang_backend") and not versions.get("fla_dispatch_disabled"):
         return None
-    return (f"flash-linear-attention {versions['fla']} with Triton {versions['triton']} on a Hopper GPU "
-            f"(sm_{capability[0]}{capability[1]}) computes wrong Gated DeltaNet gradients (fla issue 640: "
-            "chunk_bwd_dqkwg on Triton >= 3.4.0, < 3.7.1). Fix one of: `pip install tilelang` (fla >= 0.5 then "
-            "runs that kernel in TileLang; unset FLA_DISABLE_BACKEND_DISPATCH), Triton >= 3.7.1 with a torch built "
-            "for it, or parallel.linear_attention: torch in the stage (the pure-torch kernel: correct, slower)")
+    return (
+        f"flash-linear-attention {versions['fla']} with Triton {versions['triton']} on a Hopper GPU "
+        f"(sm_{capability[0]}{capability[1]}) computes wrong Gated DeltaNet gradients (fla issue 640: "
+        "chunk_bwd_dqkwg on Triton >= 3.4.0, < 3.7.1). Fix one of: `pip install tilelang` (fla >= 0.5 then "
+        "runs that kernel in TileLang; unset FLA_DISABLE_BACKEND_DISPATCH), Triton >= 3.7.1 with a torch built "
+        "for it, or parallel.linear_attention: torch in the stage (the pure-torch kernel: correct, slower)"
+    )
 
 
 def linear_attention_backend(requested: str, versions: dict, capability: tuple[int, int] | None) -> str:
@@ -103,8 +105,10 @@ def linear_attention_backend(requested: str, versions: dict, capability: tuple[i
         return "torch"
     if versions.get("fla") is None:
         if requested == "fla":
-            raise KernelError("linear_attention: fla is asked for but flash-linear-attention is not installed "
-                              "(pip install 'vlmcore[gpu]', see docs/hpc.md)")
+            raise KernelError(
+                "linear_attention: fla is asked for but flash-linear-attention is not installed "
+                "(pip install 'vlmcore[gpu]', see docs/hpc.md)"
+            )
         return "torch"
     problem = fla_problem(versions, capability)
     if problem:
@@ -136,18 +140,27 @@ def experts_backend(versions: dict, capability: tuple[int, int] | None) -> str:
     gpu = f"sm_{capability[0]}{capability[1]}"
     torch_version = _base(versions["torch"]) if versions.get("torch") else Version("0")
     if torch_version < GROUPED_MM_HOPPER_ONLY or (torch_version < GROUPED_MM_FROM_SM80 and capability[0] != 9):
-        raise KernelError(f"MoE experts: torch {versions.get('torch')} has no torch._grouped_mm for {gpu} "
-                          f"(torch 2.8 has it on Hopper only): install torch >= {GROUPED_MM_FROM_SM80}")
+        raise KernelError(
+            f"MoE experts: torch {versions.get('torch')} has no torch._grouped_mm for {gpu} "
+            f"(torch 2.8 has it on Hopper only): install torch >= {GROUPED_MM_FROM_SM80}"
+        )
     if capability < (8, 0):
         raise KernelError(f"MoE experts: torch._grouped_mm needs compute capability >= 8.0, this GPU is {gpu}")
     if capability[0] in GROUPED_GEMM_FAST_MAJORS:
         return "torch._grouped_mm (grouped GEMM, bf16)"
-    return (f"torch._grouped_mm fallback on {gpu}: one GEMM per expert after a host read of the offsets "
-            "(correct, slow; the grouped GEMM needs compute capability 9.x or 10.x)")
+    return (
+        f"torch._grouped_mm fallback on {gpu}: one GEMM per expert after a host read of the offsets "
+        "(correct, slow; the grouped GEMM needs compute capability 9.x or 10.x)"
+    )
 
 
-def check(requested_linear_attention: str, capability: tuple[int, int] | None, has_linear_attention: bool,
-          versions: dict | None = None, has_experts: bool = False) -> dict:
+def check(
+    requested_linear_attention: str,
+    capability: tuple[int, int] | None,
+    has_linear_attention: bool,
+    versions: dict | None = None,
+    has_experts: bool = False,
+) -> dict:
     """The backends a run will use, or KernelError naming the fix. `capability` None: no GPU."""
     versions = versions or installed_versions()
     chosen = {"attention": attention_backend(capability)}
@@ -171,7 +184,9 @@ def parse_capability(text: str | None) -> tuple[int, int] | None:
 def report(versions: dict, backends: dict, capability) -> str:
     gpu = f"sm_{capability[0]}{capability[1]}" if capability else "none"
     lines = [f"GPU: {gpu}"]
-    lines += [f"{name}: {versions[name] or 'not installed'}" for name in ("torch", "triton", "fla", "tilelang", "flash_attn")]
+    lines += [
+        f"{name}: {versions[name] or 'not installed'}" for name in ("torch", "triton", "fla", "tilelang", "flash_attn")
+    ]
     lines += [f"{part}: {backend}" for part, backend in backends.items()]
     return "\n".join(lines)
 
@@ -185,10 +200,18 @@ def capability_arg(text: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gpu-capability", type=capability_arg, help="compute capability of the GPUs the job will run on, e.g. 9.0 "
-                        "for H100, H200 and GH200 (default: this machine's GPU, none without one)")
-    parser.add_argument("--linear-attention", default="auto", choices=LINEAR_ATTENTION_BACKENDS,
-                        help="Gated DeltaNet backend as in the training config")
+    parser.add_argument(
+        "--gpu-capability",
+        type=capability_arg,
+        help="compute capability of the GPUs the job will run on, e.g. 9.0 "
+        "for H100, H200 and GH200 (default: this machine's GPU, none without one)",
+    )
+    parser.add_argument(
+        "--linear-attention",
+        default="auto",
+        choices=LINEAR_ATTENTION_BACKENDS,
+        help="Gated DeltaNet backend as in the training config",
+    )
     parser.add_argument("--no-linear-attention", action="store_true", help="the model has no linear attention")
     parser.add_argument("--experts", action="store_true", help="the model has mixture-of-experts layers")
 

@@ -67,15 +67,21 @@ def _check_references(config: dict):
     for kind, tasks in demo_tasks.items():
         for task in set(tasks) & set(config.get("eval", {}).get("tasks", [])):
             if synthetic and synthetic.get("kind") != kind:
-                problems.append(f"eval.tasks: {task} asks questions of the {kind} demo data, but "
-                                f"data.synthetic.kind is {synthetic['kind']!r}")
+                problems.append(
+                    f"eval.tasks: {task} asks questions of the {kind} demo data, but "
+                    f"data.synthetic.kind is {synthetic['kind']!r}"
+                )
     seen = []
     for name, stage in config["train"]["stages"].items():
         if stage["dataset"] not in datasets:
-            problems.append(f"train.stages.{name}.dataset: {stage['dataset']!r} is not in data.datasets ({', '.join(datasets)})")
+            problems.append(
+                f"train.stages.{name}.dataset: {stage['dataset']!r} is not in data.datasets ({', '.join(datasets)})"
+            )
         init = stage.get("init_from")
         if init is not None and init not in seen:
-            problems.append(f"train.stages.{name}.init_from: {init!r} is not an earlier stage (earlier: {seen or 'none'})")
+            problems.append(
+                f"train.stages.{name}.init_from: {init!r} is not an earlier stage (earlier: {seen or 'none'})"
+            )
         seen.append(name)
     export_stage = config.get("export", {}).get("stage")
     if export_stage and export_stage not in seen:
@@ -88,8 +94,10 @@ def _check_references(config: dict):
     per_node = config["train"]["nproc_per_node"]
     for world_size in scaling.get("world_sizes", []):
         if world_size > per_node and world_size % per_node:
-            problems.append(f"scaling.world_sizes: {world_size} is neither a multiple of train.nproc_per_node "
-                            f"({per_node}) nor fits in one node")
+            problems.append(
+                f"scaling.world_sizes: {world_size} is neither a multiple of train.nproc_per_node "
+                f"({per_node}) nor fits in one node"
+            )
     if problems:
         raise ConfigError("invalid workflow config:\n  " + "\n  ".join(problems))
 
@@ -121,8 +129,12 @@ def _check_stage_settings(config: dict):
     model_config = exp.model_config()
     written = {f"train.stages.{stage}": config["train"]["stages"][stage] for stage in exp.stages}
     written["train.common"] = config["train"].get("common", {})
-    problems = [f"{where}.{key}: set by the workflow, remove it"
-                for where, settings in written.items() for key in WORKFLOW_PATHS if key in settings]
+    problems = [
+        f"{where}.{key}: set by the workflow, remove it"
+        for where, settings in written.items()
+        for key in WORKFLOW_PATHS
+        if key in settings
+    ]
     for stage in exp.stages:
         try:
             cfg = train_config.from_dict(exp.stage_config(stage))
@@ -138,8 +150,9 @@ def _check_stage_settings(config: dict):
             try:
                 check_run(train_config.from_dict(exp.scaling_config(world_size)), world_size, model_config)
             except ConfigError as e:
-                problems.append(f"scaling.world_sizes: the settings of stage {exp.scaling_stage()} do not fit a "
-                                f"scaling run: {e}")
+                problems.append(
+                    f"scaling.world_sizes: the settings of stage {exp.scaling_stage()} do not fit a scaling run: {e}"
+                )
     if problems:  # a bad train.common key fails every stage: named once
         raise ConfigError("invalid workflow config:\n  " + "\n  ".join(dict.fromkeys(problems)))
 
@@ -170,8 +183,9 @@ def check_kernels(config: dict, stage_settings: dict) -> None:
         try:
             kernels.check(requested, capability, has_linear, versions, has_experts)
         except kernels.KernelError as e:
-            raise kernels.KernelError(f"train.stages.{stage} on train.gpu_capability {capability[0]}.{capability[1]}: "
-                                      f"{e}") from None
+            raise kernels.KernelError(
+                f"train.stages.{stage} on train.gpu_capability {capability[0]}.{capability[1]}: {e}"
+            ) from None
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -214,8 +228,10 @@ class Experiment:
         model = self.config["model"]
         if model["source"] == "tiny":
             tiny = model.get("tiny", {})
-            return (f"--tiny --tiny-family {tiny.get('family', 'qwen3_vl')} --seed {tiny.get('seed', 0)} "
-                    f"--tiny-config {shlex.quote(json.dumps(tiny.get('overrides', {})))}")
+            return (
+                f"--tiny --tiny-family {tiny.get('family', 'qwen3_vl')} --seed {tiny.get('seed', 0)} "
+                f"--tiny-config {shlex.quote(json.dumps(tiny.get('overrides', {})))}"
+            )
         revision = f" --revision {shlex.quote(model['revision'])}" if model.get("revision") else ""
         if model["source"] == "staged":
             return f"--staged {shlex.quote(model['staged_path'])}{revision}"

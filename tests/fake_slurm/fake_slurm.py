@@ -57,8 +57,14 @@ def sbatch(argv):
     log = opts.get("--output", str(STATE / "slurm-%j.log")).replace("%j", str(job_id))
     Path(log).parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, SLURM_JOB_ID=str(job_id), SLURM_JOBID=str(job_id), FAKE_SLURM_NODES=opts.get("--nodes", "1"))
-    subprocess.Popen([sys.executable, __file__, "_batch", str(job_id), opts["--wrap"]], cwd=opts.get("-D") or None,
-                     env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    subprocess.Popen(
+        [sys.executable, __file__, "_batch", str(job_id), opts["--wrap"]],
+        cwd=opts.get("-D") or None,
+        env=env,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     print(job_id)
 
 
@@ -81,9 +87,17 @@ def srun(argv):
     nodelist = ",".join(f"node{i + 1}" for i in range(int(os.environ.get("FAKE_SLURM_NODES", nodes))))
     procs = []
     for rank in range(nodes):
-        env = dict(os.environ, SLURM_STEP_ID="0", SLURM_NODEID=str(rank), SLURM_PROCID=str(rank), SLURM_LOCALID="0",
-                   SLURM_NNODES=str(nodes), SLURM_NTASKS=str(nodes), SLURM_JOB_NODELIST=nodelist,
-                   SLURMD_NODENAME=f"node{rank + 1}")
+        env = dict(
+            os.environ,
+            SLURM_STEP_ID="0",
+            SLURM_NODEID=str(rank),
+            SLURM_PROCID=str(rank),
+            SLURM_LOCALID="0",
+            SLURM_NNODES=str(nodes),
+            SLURM_NTASKS=str(nodes),
+            SLURM_JOB_NODELIST=nodelist,
+            SLURMD_NODENAME=f"node{rank + 1}",
+        )
         procs.append(subprocess.Popen(command, env=env))
     sys.exit(max(p.wait() for p in procs))
 

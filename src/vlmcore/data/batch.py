@@ -41,8 +41,11 @@ class Images:
 
     def map_tensors(self, fn) -> "Images":
         """The images with `fn` applied to their pixels (and to the grids while they are a tensor)."""
-        return replace(self, pixel_values=fn(self.pixel_values),
-                       grid_thw=fn(self.grid_thw) if torch.is_tensor(self.grid_thw) else self.grid_thw)
+        return replace(
+            self,
+            pixel_values=fn(self.pixel_values),
+            grid_thw=fn(self.grid_thw) if torch.is_tensor(self.grid_thw) else self.grid_thw,
+        )
 
     def grids(self) -> list[list[int]]:
         return self.grid_thw.tolist() if torch.is_tensor(self.grid_thw) else [list(g) for g in self.grid_thw]
@@ -52,7 +55,7 @@ class Images:
         """A tiny zero image (one merged token) for a vision tower of `vision_config`, on the device:
         what a rank without images runs so that the tower's collectives match its peers'."""
         merge = vision_config.spatial_merge_size
-        patch = vision_config.in_channels * vision_config.temporal_patch_size * vision_config.patch_size ** 2
+        patch = vision_config.in_channels * vision_config.temporal_patch_size * vision_config.patch_size**2
         return Images(torch.zeros(merge * merge, patch, device=device), [[1, merge, merge]])
 
     @staticmethod
@@ -61,16 +64,22 @@ class Images:
         if len(parts) == 1:
             return parts[0]
         grids = [g for part in parts for g in part.grids()]
-        return Images(torch.cat([part.pixel_values for part in parts]), torch.tensor(grids, dtype=torch.long),
-                      parts[0].normalize, parts[0].kind)
+        return Images(
+            torch.cat([part.pixel_values for part in parts]),
+            torch.tensor(grids, dtype=torch.long),
+            parts[0].normalize,
+            parts[0].kind,
+        )
 
 
 def row_chunk(x: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torch.Tensor:
     """This rank's contiguous 1/cp of the rows along `dim` (their length a multiple of cp)."""
     length = x.shape[dim]
     if length % cp:
-        raise ValueError(f"rows of {length} tokens do not split into cp {cp} equal chunks: pack rows "
-                         f"(pack.seq_len) to a multiple of cp")
+        raise ValueError(
+            f"rows of {length} tokens do not split into cp {cp} equal chunks: pack rows "
+            f"(pack.seq_len) to a multiple of cp"
+        )
     return x.narrow(dim, cp_rank * (length // cp), length // cp)
 
 
@@ -103,8 +112,9 @@ class Batch:
             position_ids=None if self.position_ids is None else self.position_ids.to(device, non_blocking=True),
             images=None if self.images is None else self.images.to(device),
             videos=None if self.videos is None else self.videos.to(device),
-            visual_selection=None if self.visual_selection is None else
-            [t.to(device, non_blocking=True) for t in self.visual_selection],
+            visual_selection=None
+            if self.visual_selection is None
+            else [t.to(device, non_blocking=True) for t in self.visual_selection],
             max_seqlen=self.max_seqlen if self.max_seqlen is not None else int(lengths.max()),
         )
 
@@ -116,14 +126,20 @@ class Batch:
 
     def map_tensors(self, fn) -> "Batch":
         """The batch with `fn` applied to each of its tensors (its images' and videos' included)."""
-        return replace(self, input_ids=fn(self.input_ids), labels=fn(self.labels), cu_seqlens=fn(self.cu_seqlens),
-                       position_ids=None if self.position_ids is None else fn(self.position_ids),
-                       images=None if self.images is None else self.images.map_tensors(fn),
-                       videos=None if self.videos is None else self.videos.map_tensors(fn),
-                       visual_selection=None if self.visual_selection is None else list(map(fn, self.visual_selection)))
+        return replace(
+            self,
+            input_ids=fn(self.input_ids),
+            labels=fn(self.labels),
+            cu_seqlens=fn(self.cu_seqlens),
+            position_ids=None if self.position_ids is None else fn(self.position_ids),
+            images=None if self.images is None else self.images.map_tensors(fn),
+            videos=None if self.videos is None else self.videos.map_tensors(fn),
+            visual_selection=None if self.visual_selection is None else list(map(fn, self.visual_selection)),
+        )
 
-    def context_chunk(self, cp_rank: int, cp: int, visual_tokens: dict | None = None, merge: int = 1,
-                      keep_all: bool = False) -> "Batch":
+    def context_chunk(
+        self, cp_rank: int, cp: int, visual_tokens: dict | None = None, merge: int = 1, keep_all: bool = False
+    ) -> "Batch":
         """Context parallelism (vlmcore.parallel.cp): this rank's contiguous 1/cp of every row's tokens,
         labels and positions (the positions of the whole rows, taken before the cut). `cu_seqlens` and
         `max_seqlen` stay the whole rows': attention sees whole rows after its all-to-all.
@@ -136,8 +152,9 @@ class Batch:
         `keep_all`: the tower's output comes for the whole rows from elsewhere (a language rank of
         disjoint layouts: vlmcore.parallel.disjoint), so every image and group stays and the
         selection indexes the whole rows' output."""
-        positions = self.position_ids if self.position_ids is not None else text_position_ids(self.input_ids,
-                                                                                              self.cu_seqlens)
+        positions = (
+            self.position_ids if self.position_ids is not None else text_position_ids(self.input_ids, self.cu_seqlens)
+        )
         in_chunk = torch.zeros_like(self.input_ids, dtype=torch.bool)
         row_chunk(in_chunk, cp_rank, cp).fill_(True)
         kept, selections = {}, {}
@@ -158,15 +175,21 @@ class Batch:
             rows = torch.cat([torch.full((patches,), k, dtype=torch.bool) for (_, patches), k in zip(groups, keep)])
             # An item's kept groups are consecutive (the chunk is): one grid of that many groups.
             kept_groups = Counter(i for (i, _), k in zip(groups, keep) if k)
-            grid_thw = torch.tensor([[kept_groups[i], h, w] for i, (_, h, w) in enumerate(grids) if kept_groups[i]],
-                                    dtype=torch.long)
+            grid_thw = torch.tensor(
+                [[kept_groups[i], h, w] for i, (_, h, w) in enumerate(grids) if kept_groups[i]], dtype=torch.long
+            )
             kept[kind] = replace(items, pixel_values=items.pixel_values[rows], grid_thw=grid_thw)
             # Indices into the kept groups' tower output rows: those at this chunk's tokens.
             selections[kind] = torch.cat([part for part, k in zip(selected.split(tokens), keep) if k]).nonzero()[:, 0]
-        return replace(self, input_ids=row_chunk(self.input_ids, cp_rank, cp),
-                       labels=row_chunk(self.labels, cp_rank, cp), position_ids=row_chunk(positions, cp_rank, cp, dim=-1),
-                       images=kept["images"], videos=kept["videos"],
-                       visual_selection=[selections[k] for k in ("images", "videos") if k in selections] or None)
+        return replace(
+            self,
+            input_ids=row_chunk(self.input_ids, cp_rank, cp),
+            labels=row_chunk(self.labels, cp_rank, cp),
+            position_ids=row_chunk(positions, cp_rank, cp, dim=-1),
+            images=kept["images"],
+            videos=kept["videos"],
+            visual_selection=[selections[k] for k in ("images", "videos") if k in selections] or None,
+        )
 
     @property
     def has_visual(self) -> bool:

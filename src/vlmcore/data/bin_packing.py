@@ -19,7 +19,9 @@ def best_fit_decreasing(tokens, patches, seq_len: int, max_patches: int) -> list
     bad = np.flatnonzero((tokens > seq_len) | (patches > max_patches) | (tokens < 1))
     if len(bad):
         i = int(bad[0])
-        raise ValueError(f"sample {i} ({tokens[i]} tokens, {patches[i]} patches) does not fit a bin of {seq_len} tokens, {max_patches} patches")
+        raise ValueError(
+            f"sample {i} ({tokens[i]} tokens, {patches[i]} patches) does not fit a bin of {seq_len} tokens, {max_patches} patches"
+        )
     order = np.lexsort((-patches, -tokens))  # stable: ties keep index order
     size = 1 << seq_len.bit_length()  # leaves 0..seq_len
     tree = [-1] * (2 * size)  # max free patches per bucket (leaf) and subtree; -1: empty

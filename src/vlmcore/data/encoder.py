@@ -87,8 +87,9 @@ class SampleEncoder:
             self.min_pixels = image_processor.size["shortest_edge"]
             self.max_pixels = image_processor.size["longest_edge"]
             video_config = model_dir / "video_preprocessor_config.json"
-            self.video = VideoSettings.from_processor_config(with_video_settings(
-                json.loads(video_config.read_text()) if video_config.is_file() else {}, video or {}))
+            self.video = VideoSettings.from_processor_config(
+                with_video_settings(json.loads(video_config.read_text()) if video_config.is_file() else {}, video or {})
+            )
         self.image_token = self.processor.image_token if self.processor else "<|image_pad|>"
         self.vision_start_id = self.tokenizer.convert_tokens_to_ids("<|vision_start|>")
         self.vision_end_id = self.tokenizer.convert_tokens_to_ids("<|vision_end|>")
@@ -111,7 +112,9 @@ class SampleEncoder:
         if not conversations:
             return []
         if self.processor is None:  # text templates expect string contents
-            return self.tokenizer.apply_chat_template(conversations, tokenize=False, add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.apply_chat_template(
+                conversations, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
         return self.processor.apply_chat_template(
             [to_chat_messages(m) for m in conversations], tokenize=False, add_generation_prompt=add_generation_prompt
         )
@@ -131,16 +134,18 @@ class SampleEncoder:
         merge = self.merge_size**2 if self.processor else 1
         tokens = {"video": "<|video_pad|>", "vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>"}
         for token, items, expand, what in (
-                (self.image_token, grids, lambda g: self.image_token * (g[0] * g[1] * g[2] // merge), "image"),
-                (tokens["video"], videos, lambda v: video_prompt(v.grid, v.timestamps, self.merge_size, tokens), "video")):
+            (self.image_token, grids, lambda g: self.image_token * (g[0] * g[1] * g[2] // merge), "image"),
+            (tokens["video"], videos, lambda v: video_prompt(v.grid, v.timestamps, self.merge_size, tokens), "video"),
+        ):
             pieces = text.split(token)
             if len(pieces) - 1 > len(items):
                 raise EncodingError(f"{what}_tag_mismatch", f"{len(pieces) - 1} {what} tokens but {len(items)} {what}s")
             text = pieces[0] + "".join(expand(item) + piece for item, piece in zip(items, pieces[1:]))
         return text
 
-    def encode_text(self, sample: dict, image_sizes: list[tuple[int, int]], videos: list[dict] = (),
-                    max_frames: int | None = None) -> TextEncoding:
+    def encode_text(
+        self, sample: dict, image_sizes: list[tuple[int, int]], videos: list[dict] = (), max_frames: int | None = None
+    ) -> TextEncoding:
         """Token ids and labels; images are only needed by size, (width, height) each, and videos
         by their metadata (`vlmcore prepare` keeps it in the sample's `videos`), each sampled at
         most `max_frames` frames if given."""
@@ -195,8 +200,12 @@ class SampleEncoder:
         for t, token in enumerate(ids):
             if token == self.vision_start_id:
                 depth += 1
-                if depth == 1 and t + 1 < len(ids) and ids[t + 1] != self.vision_start_id and \
-                        self.tokenizer.convert_ids_to_tokens(ids[t + 1]) not in ("<|image_pad|>", "<|video_pad|>"):
+                if (
+                    depth == 1
+                    and t + 1 < len(ids)
+                    and ids[t + 1] != self.vision_start_id
+                    and self.tokenizer.convert_ids_to_tokens(ids[t + 1]) not in ("<|image_pad|>", "<|video_pad|>")
+                ):
                     start = t
             elif token == self.vision_end_id:
                 depth -= 1
@@ -229,8 +238,13 @@ class SampleEncoder:
         kept_videos = sum(1 for _, end in enc.video_spans if end <= cut)
         labels = enc.labels[:cut]
         labels[-1] = IGNORE_INDEX  # its target was cut off
-        return TextEncoding(enc.input_ids[:cut], labels, enc.image_grid_thw[:kept_images],
-                            enc.video_grid_thw[:kept_videos], enc.video_spans[:kept_videos])
+        return TextEncoding(
+            enc.input_ids[:cut],
+            labels,
+            enc.image_grid_thw[:kept_images],
+            enc.video_grid_thw[:kept_videos],
+            enc.video_spans[:kept_videos],
+        )
 
     def pixel_values(self, images) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.processor.image_processor(images=images, return_tensors="pt")

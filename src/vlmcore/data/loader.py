@@ -33,13 +33,13 @@ from megatron.energon import (
 
 from vlmcore.data.batch import Batch, Images
 from vlmcore.data.encoder import IGNORE_INDEX, EncodingError, SampleEncoder, TextEncoding
-from vlmcore.data.pack import PACK_MODEL_DIR
 from vlmcore.data.measure import video_part_names
-from vlmcore.data.processor import ImagePatcher
-from vlmcore.data.video import clip_patches
-from vlmcore.data.quality import LOGGED_PER_REASON, BadSample, load_image, load_json
 from vlmcore.data.order import RowOrder, rows_of
+from vlmcore.data.pack import PACK_MODEL_DIR
+from vlmcore.data.processor import ImagePatcher
+from vlmcore.data.quality import LOGGED_PER_REASON, BadSample, load_image, load_json
 from vlmcore.data.shards import IndexedShards
+from vlmcore.data.video import clip_patches
 from vlmcore.models import load_hf_config, position_ids
 
 logger = logging.getLogger(__name__)
@@ -78,8 +78,13 @@ def packed_dataset_files(path) -> tuple[Path, dict]:
         found.append((dataset_dir / PACK_MODEL_DIR, json.loads(config.read_text())))
     model_dir, pack_config = found[0]
     for other_dir, other_config in found[1:]:
-        if other_config != pack_config or (other_dir / "tokenizer.json").read_bytes() != (model_dir / "tokenizer.json").read_bytes():
-            raise ValueError(f"{path}: {other_dir.parent} was packed with another tokenizer or pack config than {model_dir.parent}")
+        if (
+            other_config != pack_config
+            or (other_dir / "tokenizer.json").read_bytes() != (model_dir / "tokenizer.json").read_bytes()
+        ):
+            raise ValueError(
+                f"{path}: {other_dir.parent} was packed with another tokenizer or pack config than {model_dir.parent}"
+            )
     return model_dir, pack_config
 
 
@@ -114,8 +119,11 @@ class PackedTaskEncoder(DefaultTaskEncoder):
     @stateless
     def cook(self, crude: dict) -> StoredSample:
         """Nothing decoded: the shuffle buffer after the cooker holds compressed samples."""
-        return StoredSample(**basic_keys(crude), meta=crude["json"],
-                            parts={k: v for k, v in crude.items() if not k.startswith("__") and k != "json"})
+        return StoredSample(
+            **basic_keys(crude),
+            meta=crude["json"],
+            parts={k: v for k, v in crude.items() if not k.startswith("__") and k != "json"},
+        )
 
     @stateless
     def encode_sample(self, stored: StoredSample) -> PackedRow:
@@ -141,8 +149,9 @@ class PackedTaskEncoder(DefaultTaskEncoder):
         try:
             sizes = [tuple(size) for size in segment["image_sizes"]]
             videos, max_frames = segment.get("videos", []), segment.get("max_frames")
-            enc = self.encoder.truncate(self.encoder.encode_text(segment["sample"], sizes, videos, max_frames),
-                                        segment["num_tokens"])
+            enc = self.encoder.truncate(
+                self.encoder.encode_text(segment["sample"], sizes, videos, max_frames), segment["num_tokens"]
+            )
             clips = self.clips(enc, videos, max_frames, stored.parts)
             missing = [name for name in segment["images"] if name not in stored.parts]
         except (KeyError, TypeError, AttributeError) as e:
@@ -179,10 +188,13 @@ class PackedTaskEncoder(DefaultTaskEncoder):
                 continue
             resized = [self.patcher.resized(image) for image in decoded]
             grids = [self.patcher.grid(image) for image in resized]
-            if grids != [tuple(g) for g in enc.image_grid_thw] or \
-                    [grid for _, grid in clip_results] != [tuple(g) for g in enc.video_grid_thw]:
-                raise ValueError(f"{keys.get('__key__')}: image grids {grids} (videos "
-                                 f"{[grid for _, grid in clip_results]}) != {enc.image_grid_thw} ({enc.video_grid_thw})")
+            if grids != [tuple(g) for g in enc.image_grid_thw] or [grid for _, grid in clip_results] != [
+                tuple(g) for g in enc.video_grid_thw
+            ]:
+                raise ValueError(
+                    f"{keys.get('__key__')}: image grids {grids} (videos "
+                    f"{[grid for _, grid in clip_results]}) != {enc.image_grid_thw} ({enc.video_grid_thw})"
+                )
             images += resized
             videos += clip_results
             ids += enc.input_ids
@@ -223,19 +235,25 @@ class PackedTaskEncoder(DefaultTaskEncoder):
         pixel_values = torch.empty(int(image_grid_thw.prod(-1).sum()), self.patcher.patch_dim, dtype=torch.uint8)
         start = 0
         for image, (t, h, w) in zip(images, grids):
-            self.patcher.write_patches(image, pixel_values[start:start + t * h * w].numpy())
+            self.patcher.write_patches(image, pixel_values[start : start + t * h * w].numpy())
             start += t * h * w
         return pixel_values, image_grid_thw
 
     def batch(self, rows: list[PackedRow]) -> Batch:
         seq_lens = [n for row in rows for n in row.seq_lens]
         with_images = [row for row in rows if row.pixel_values is not None]
-        images = Images.cat([Images(row.pixel_values, row.image_grid_thw, self.patcher.normalize)
-                             for row in with_images]) if with_images else None
+        images = (
+            Images.cat([Images(row.pixel_values, row.image_grid_thw, self.patcher.normalize) for row in with_images])
+            if with_images
+            else None
+        )
         with_videos = [row for row in rows if row.video_pixels is not None]
         video_normalize = {"image_mean": self.encoder.video.image_mean, "image_std": self.encoder.video.image_std}
-        videos = Images.cat([Images(row.video_pixels, row.video_grid_thw, video_normalize, "video")
-                             for row in with_videos]) if with_videos else None
+        videos = (
+            Images.cat([Images(row.video_pixels, row.video_grid_thw, video_normalize, "video") for row in with_videos])
+            if with_videos
+            else None
+        )
         return Batch(
             input_ids=torch.stack([row.input_ids for row in rows]),
             labels=torch.stack([row.labels for row in rows]),
@@ -280,11 +298,25 @@ class RowLoader:
 
     anchor = None  # where finding a row starts, for a stream whose rows are found by walking it (online packing)
 
-    def __init__(self, path, task_encoder: PackedTaskEncoder, *, dp_rank: int, dp_world: int, micro_batch_size: int,
-                 grad_accum_steps: int, seed: int, num_workers: int):
+    def __init__(
+        self,
+        path,
+        task_encoder: PackedTaskEncoder,
+        *,
+        dp_rank: int,
+        dp_world: int,
+        micro_batch_size: int,
+        grad_accum_steps: int,
+        seed: int,
+        num_workers: int,
+    ):
         self.task_encoder = task_encoder
-        self.split = {"dp_rank": dp_rank, "dp_world": dp_world, "micro_batch_size": micro_batch_size,
-                      "grad_accum_steps": grad_accum_steps}
+        self.split = {
+            "dp_rank": dp_rank,
+            "dp_world": dp_world,
+            "micro_batch_size": micro_batch_size,
+            "grad_accum_steps": grad_accum_steps,
+        }
         self.num_workers = num_workers
         entries, weights, repetitions = blend_entries(path)
         self.datasets = [IndexedShards(d) for d in entries]
@@ -315,16 +347,25 @@ class RowLoader:
 
     def __iter__(self):
         stream = _MicroBatches(self, self.micro_batches)
-        loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=self.num_workers,
-                                             collate_fn=_as_is, pin_memory=torch.cuda.is_available())
+        loader = torch.utils.data.DataLoader(
+            stream,
+            batch_size=None,
+            num_workers=self.num_workers,
+            collate_fn=_as_is,
+            pin_memory=torch.cuda.is_available(),
+        )
         for batch, anchor in loader:
             self.micro_batches += 1
             self.anchor = anchor  # where a loader worker's walk over the stream got to
             yield batch
 
     def state_dict(self) -> dict:
-        return {"first_row": self.first_row, "micro_batches": self.micro_batches, "rows": self.rows_consumed(),
-                **self.split}
+        return {
+            "first_row": self.first_row,
+            "micro_batches": self.micro_batches,
+            "rows": self.rows_consumed(),
+            **self.split,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """This loader's own state, or (at a step boundary) another layout's with the same global batch."""
@@ -333,7 +374,9 @@ class RowLoader:
             return
         other = state["dp_world"] * state["micro_batch_size"] * state["grad_accum_steps"]
         if other != self.global_batch_rows:
-            raise ValueError(f"the saved position is in steps of {other} rows, this loader's are {self.global_batch_rows}")
+            raise ValueError(
+                f"the saved position is in steps of {other} rows, this loader's are {self.global_batch_rows}"
+            )
         self.seek(state["rows"])
 
 
@@ -355,13 +398,28 @@ def _as_is(batch):
     return batch
 
 
-def build_loader(packed_dir, *, dp_rank: int, dp_world: int, micro_batch_size: int, seed: int, num_workers: int,
-                 grad_accum_steps: int = 1) -> RowLoader:
+def build_loader(
+    packed_dir,
+    *,
+    dp_rank: int,
+    dp_world: int,
+    micro_batch_size: int,
+    seed: int,
+    num_workers: int,
+    grad_accum_steps: int = 1,
+) -> RowLoader:
     """Batches from a packed dataset (`vlmcore pack`) or a blend YAML of packed datasets (`write_blend`)."""
     model_dir, pack_config = packed_dataset_files(packed_dir)
-    return RowLoader(packed_dir, PackedTaskEncoder(model_dir, pack_config["seq_len"]), dp_rank=dp_rank,
-                     dp_world=dp_world, micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps,
-                     seed=seed, num_workers=num_workers)
+    return RowLoader(
+        packed_dir,
+        PackedTaskEncoder(model_dir, pack_config["seq_len"]),
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+        micro_batch_size=micro_batch_size,
+        grad_accum_steps=grad_accum_steps,
+        seed=seed,
+        num_workers=num_workers,
+    )
 
 
 def write_blend(path, datasets: list[tuple[str, float]], epochized: bool = False) -> None:

@@ -26,8 +26,16 @@ from vlmcore.data.quality import BadSample, load_json, open_image
 from vlmcore.data.shards import iter_shard_samples
 
 MODEL_FILES = [
-    "config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-    "chat_template.json", "vocab.json", "merges.txt", "preprocessor_config.json", "video_preprocessor_config.json",
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
     "processor_config.json",
 ]
 
@@ -62,8 +70,16 @@ def video_part_names(video: dict) -> list[str]:
     return [video["part"]] if video["kind"] == "file" else list(video["parts"])
 
 
-def measure_sample(sample: dict, parts: dict, encoder: SampleEncoder, seq_len: int, max_patches: int,
-                   overlong: str, counts: dict, decode: bool = True) -> tuple[TextEncoding, list[str], list[tuple[int, int]], int]:
+def measure_sample(
+    sample: dict,
+    parts: dict,
+    encoder: SampleEncoder,
+    seq_len: int,
+    max_patches: int,
+    overlong: str,
+    counts: dict,
+    decode: bool = True,
+) -> tuple[TextEncoding, list[str], list[tuple[int, int]], int]:
     """Encode the text of one stored sample as the loader will, and apply the overlong policy;
     its images are decoded in full, or with `decode` False only their headers are read. Videos
     are measured from the metadata `vlmcore prepare` keeps; a sample too long for the row or the
@@ -111,8 +127,9 @@ def measure_sample(sample: dict, parts: dict, encoder: SampleEncoder, seq_len: i
     return enc, names[: len(enc.image_grid_thw)], sizes, max_frames
 
 
-def measure(shard_sample, encoder: SampleEncoder, seq_len: int, max_patches: int, overlong: str,
-            counts: dict) -> tuple[TextEncoding, dict, list[tuple[int, int]], int]:
+def measure(
+    shard_sample, encoder: SampleEncoder, seq_len: int, max_patches: int, overlong: str, counts: dict
+) -> tuple[TextEncoding, dict, list[tuple[int, int]], int]:
     """Size one shard sample as the loader will encode it; raises BadSample/EncodingError to skip it.
 
     Returns the encoding, the sample, its images' sizes and its videos' frames (`measure_sample`)."""
@@ -121,7 +138,9 @@ def measure(shard_sample, encoder: SampleEncoder, seq_len: int, max_patches: int
     if "json" not in shard_sample.data:
         raise BadSample("malformed_row", f"no json part, parts {sorted(shard_sample.parts)}")
     sample = load_json(shard_sample.data["json"])
-    enc, _, sizes, max_frames = measure_sample(sample, shard_sample.data, encoder, seq_len, max_patches, overlong, counts)
+    enc, _, sizes, max_frames = measure_sample(
+        sample, shard_sample.data, encoder, seq_len, max_patches, overlong, counts
+    )
     return enc, sample, sizes, max_frames
 
 
@@ -129,8 +148,7 @@ _worker = {}  # per measuring process: the encoder and the pack settings
 
 
 def start_worker(model_dir, seq_len: int, max_patches: int, overlong: str, video: dict | None = None) -> None:
-    _worker.update(encoder=SampleEncoder(model_dir, video), seq_len=seq_len, max_patches=max_patches,
-                   overlong=overlong)
+    _worker.update(encoder=SampleEncoder(model_dir, video), seq_len=seq_len, max_patches=max_patches, overlong=overlong)
 
 
 def measure_shard(job: tuple[int, Path]) -> MeasuredShard:
@@ -142,37 +160,77 @@ def measure_shard(job: tuple[int, Path]) -> MeasuredShard:
     for shard_sample in iter_shard_samples(shard):
         seen += 1
         try:
-            enc, sample, sizes, max_frames = measure(shard_sample, _worker["encoder"], _worker["seq_len"],
-                                                     _worker["max_patches"], _worker["overlong"], counts)
+            enc, sample, sizes, max_frames = measure(
+                shard_sample,
+                _worker["encoder"],
+                _worker["seq_len"],
+                _worker["max_patches"],
+                _worker["overlong"],
+                counts,
+            )
         except (BadSample, EncodingError) as e:
             bad.append((e.reason, f"{shard.name}:{shard_sample.key}", str(e)))
             continue
         key = shard_sample.key.encode()
         json_part = shard_sample.parts["json"]
         names = sample.get("images", [])
-        video_parts = [(name, (video["width"], video["height"])) for video in sample.get("videos", [])
-                       for name in video_part_names(video)]
-        samples.append((shard_index, json_part.offset, json_part.size, len(keys), len(key), len(images), len(names),
-                        len(enc.image_grid_thw), len(enc.input_ids), enc.num_patches, len(video_parts),
-                        len(enc.video_grid_thw), max_frames, max((t for t, _, _ in enc.video_grid_thw), default=0)))
+        video_parts = [
+            (name, (video["width"], video["height"]))
+            for video in sample.get("videos", [])
+            for name in video_part_names(video)
+        ]
+        samples.append(
+            (
+                shard_index,
+                json_part.offset,
+                json_part.size,
+                len(keys),
+                len(key),
+                len(images),
+                len(names),
+                len(enc.image_grid_thw),
+                len(enc.input_ids),
+                enc.num_patches,
+                len(video_parts),
+                len(enc.video_grid_thw),
+                max_frames,
+                max((t for t, _, _ in enc.video_grid_thw), default=0),
+            )
+        )
         keys += key
-        images += [(shard_sample.parts[n].offset, shard_sample.parts[n].size, w, h)
-                   for n, (w, h) in [*zip(names, sizes), *video_parts]]
-    return MeasuredShard(np.array(samples, SAMPLE), np.array(images, IMAGE), bytes(keys), seen, bad, counts,
-                         time.process_time() - start)
+        images += [
+            (shard_sample.parts[n].offset, shard_sample.parts[n].size, w, h)
+            for n, (w, h) in [*zip(names, sizes), *video_parts]
+        ]
+    return MeasuredShard(
+        np.array(samples, SAMPLE), np.array(images, IMAGE), bytes(keys), seen, bad, counts, time.process_time() - start
+    )
 
 
-def inputs_identity(shards: list[Path], model_dir: Path, seq_len: int, max_patches: int, overlong: str,
-                    video: dict | None = None) -> dict:
+def inputs_identity(
+    shards: list[Path], model_dir: Path, seq_len: int, max_patches: int, overlong: str, video: dict | None = None
+) -> dict:
     """What the measurements depend on: the measure settings and every input file's size and mtime."""
     inputs = shards + [model_dir / name for name in MODEL_FILES if (model_dir / name).is_file()]
-    return {"format": FORMAT, "settings": [str(model_dir), seq_len, max_patches, overlong, video or {}],
-            "files": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in inputs]}
+    return {
+        "format": FORMAT,
+        "settings": [str(model_dir), seq_len, max_patches, overlong, video or {}],
+        "files": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in inputs],
+    }
 
 
-def measure_shards(shards: list[Path], model_dir: Path, seq_len: int, max_patches: int, overlong: str, workers: int,
-                   cache: Path, identity: dict, group: tuple[int, int] = (0, 1),
-                   video: dict | None = None) -> list[MeasuredShard]:
+def measure_shards(
+    shards: list[Path],
+    model_dir: Path,
+    seq_len: int,
+    max_patches: int,
+    overlong: str,
+    workers: int,
+    cache: Path,
+    identity: dict,
+    group: tuple[int, int] = (0, 1),
+    video: dict | None = None,
+) -> list[MeasuredShard]:
     """MeasuredShard per shard, in shard order, from `workers` processes. Each shard's result is
     saved in `cache` (measurements of the inputs `identity`) as it comes, so a rerun after a kill
     measures only the shards left. `group` (g, n): measure only the shards whose index is g modulo
@@ -190,7 +248,9 @@ def measure_shards(shards: list[Path], model_dir: Path, seq_len: int, max_patche
     g, n = group
     jobs = [(i, shard) for i, shard in enumerate(shards) if i % n == g and not (cache / f"{i:06d}.npz").is_file()]
     workers = min(workers, max(len(jobs), 1))
-    progress = tqdm(desc=f"measure ({workers} workers)", unit="shard", total=len(shards), initial=len(shards) - len(jobs))
+    progress = tqdm(
+        desc=f"measure ({workers} workers)", unit="shard", total=len(shards), initial=len(shards) - len(jobs)
+    )
     if workers <= 1:
         start_worker(*settings)
         for i, shard in jobs:
@@ -211,15 +271,24 @@ def measure_shards(shards: list[Path], model_dir: Path, seq_len: int, max_patche
 def save_measured(path: Path, m: MeasuredShard) -> None:
     info = {"seen": m.seen, "bad": m.bad, "counts": m.counts, "cpu_seconds": m.cpu_seconds}
     with open(path.with_suffix(".tmp"), "wb") as f:
-        np.savez(f, samples=m.samples, images=m.images, keys=np.frombuffer(m.keys, np.uint8), info=np.array(json.dumps(info)))
+        np.savez(
+            f, samples=m.samples, images=m.images, keys=np.frombuffer(m.keys, np.uint8), info=np.array(json.dumps(info))
+        )
     path.with_suffix(".tmp").replace(path)
 
 
 def load_measured(path: Path) -> MeasuredShard:
     with np.load(path) as saved:
         info = json.loads(str(saved["info"]))
-        return MeasuredShard(saved["samples"], saved["images"], saved["keys"].tobytes(), info["seen"],
-                             [tuple(bad) for bad in info["bad"]], info["counts"], info["cpu_seconds"])
+        return MeasuredShard(
+            saved["samples"],
+            saved["images"],
+            saved["keys"].tobytes(),
+            info["seen"],
+            [tuple(bad) for bad in info["bad"]],
+            info["counts"],
+            info["cpu_seconds"],
+        )
 
 
 def concatenate(measured: list[MeasuredShard]) -> tuple[np.ndarray, np.ndarray, bytes]:
@@ -230,5 +299,8 @@ def concatenate(measured: list[MeasuredShard]) -> tuple[np.ndarray, np.ndarray, 
         m.samples["first_image"] += image_start
         key_start += len(m.keys)
         image_start += len(m.images)
-    return (np.concatenate([np.zeros(0, SAMPLE)] + [m.samples for m in measured]),
-            np.concatenate([np.zeros(0, IMAGE)] + [m.images for m in measured]), b"".join(m.keys for m in measured))
+    return (
+        np.concatenate([np.zeros(0, SAMPLE)] + [m.samples for m in measured]),
+        np.concatenate([np.zeros(0, IMAGE)] + [m.images for m in measured]),
+        b"".join(m.keys for m in measured),
+    )

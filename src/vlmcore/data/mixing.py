@@ -40,8 +40,10 @@ def uniform_reference(n: int, block: int = 16, trials: int = 200, seed: int = 0)
     """Each statistic's (0.5%, 99.5%) quantiles over `trials` uniform shuffles of n items."""
     rng = np.random.default_rng(seed)
     runs = [order_statistics(rng.permutation(n), block) for _ in range(trials)]
-    return {key: tuple(float(q) for q in np.quantile([r[key] for r in runs], [0.005, 0.995]))
-            for key in ("spearman", "neighbour_gap", "block_dispersion")}
+    return {
+        key: tuple(float(q) for q in np.quantile([r[key] for r in runs], [0.005, 0.995]))
+        for key in ("spearman", "neighbour_gap", "block_dispersion")
+    }
 
 
 def outside_uniform(stats: dict, reference: dict) -> dict:
@@ -55,8 +57,10 @@ def epoch_order(path, dp_world: int, seed: int = 0, num_workers: int = 0) -> lis
     after step (micro-batches of one row)."""
     from vlmcore.data.loader import build_loader, samples_in
 
-    loaders = [iter(build_loader(path, dp_rank=r, dp_world=dp_world, micro_batch_size=1, seed=seed,
-                                 num_workers=num_workers)) for r in range(dp_world)]
+    loaders = [
+        iter(build_loader(path, dp_rank=r, dp_world=dp_world, micro_batch_size=1, seed=seed, num_workers=num_workers))
+        for r in range(dp_world)
+    ]
     order, seen = [], set()
     while len(seen) < samples_in(path):  # ranks may hold one pack more than others: theirs come last
         for loader in loaders:

@@ -29,8 +29,9 @@ from vlmcore.data.quality import BadSample, load_json
 
 
 class OnlineRowLoader(RowLoader):
-    def __init__(self, data_dir, task_encoder: PackedTaskEncoder, *, max_patches: int, overlong: str,
-                 buffer_size: int, **split):
+    def __init__(
+        self, data_dir, task_encoder: PackedTaskEncoder, *, max_patches: int, overlong: str, buffer_size: int, **split
+    ):
         super().__init__(data_dir, task_encoder, **split)
         if len(self.datasets) != 1:
             raise ValueError(f"{data_dir}: online packing reads one prepared dataset; blends are of packed datasets")
@@ -45,8 +46,16 @@ class OnlineRowLoader(RowLoader):
         if "json" not in crude:
             raise BadSample("malformed_row", f"no json part, parts {sorted(parts)}")
         sample = load_json(crude["json"])
-        enc, kept, _, max_frames = measure_sample(sample, parts, self.task_encoder.encoder, self.task_encoder.seq_len,
-                                                  self.max_patches, self.overlong, Counter(), decode=False)
+        enc, kept, _, max_frames = measure_sample(
+            sample,
+            parts,
+            self.task_encoder.encoder,
+            self.task_encoder.seq_len,
+            self.max_patches,
+            self.overlong,
+            Counter(),
+            decode=False,
+        )
         clips = self.task_encoder.clips(enc, sample.get("videos", []), max_frames or None, parts)
         return enc, [parts[name] for name in kept], clips
 
@@ -101,13 +110,34 @@ class OnlineRowLoader(RowLoader):
         self.anchor = tuple(state["anchor"])
 
 
-def build_online_loader(data_dir, model_dir, *, seq_len: int, max_patches: int, buffer_size: int,
-                        overlong: str = "truncate", dp_rank: int, dp_world: int, micro_batch_size: int,
-                        seed: int, num_workers: int, grad_accum_steps: int = 1,
-                        video: dict | None = None) -> OnlineRowLoader:
+def build_online_loader(
+    data_dir,
+    model_dir,
+    *,
+    seq_len: int,
+    max_patches: int,
+    buffer_size: int,
+    overlong: str = "truncate",
+    dp_rank: int,
+    dp_world: int,
+    micro_batch_size: int,
+    seed: int,
+    num_workers: int,
+    grad_accum_steps: int = 1,
+    video: dict | None = None,
+) -> OnlineRowLoader:
     """Batches packed online from a prepared dataset, `buffer_size` samples at a time; `video`:
     sampling settings in place of the model's video processor's (as `vlmcore pack --video-*`)."""
-    return OnlineRowLoader(data_dir, PackedTaskEncoder(model_dir, seq_len, video), max_patches=max_patches,
-                           overlong=overlong, buffer_size=buffer_size, dp_rank=dp_rank, dp_world=dp_world,
-                           micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps, seed=seed,
-                           num_workers=num_workers)
+    return OnlineRowLoader(
+        data_dir,
+        PackedTaskEncoder(model_dir, seq_len, video),
+        max_patches=max_patches,
+        overlong=overlong,
+        buffer_size=buffer_size,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+        micro_batch_size=micro_batch_size,
+        grad_accum_steps=grad_accum_steps,
+        seed=seed,
+        num_workers=num_workers,
+    )

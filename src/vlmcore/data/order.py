@@ -18,8 +18,9 @@ CHUNK = 1 << 16
 
 
 class RowOrder:
-    def __init__(self, sizes: list[int], seed: int, weights: list[float] | None = None,
-                 repetitions: list[int] | None = None):
+    def __init__(
+        self, sizes: list[int], seed: int, weights: list[float] | None = None, repetitions: list[int] | None = None
+    ):
         if not sizes or min(sizes) < 1:
             raise ValueError(f"every dataset needs at least one pack, got sizes {sizes}")
         self.sizes, self.seed = list(sizes), seed
@@ -40,10 +41,15 @@ class RowOrder:
             self._chunks = {}  # a seek back: count again from the start
         while c not in self._chunks:  # forward from the last cached chunk
             last = max(self._chunks, default=-1)
-            before = (self._chunks[last][1] + np.bincount(self._chunks[last][0], minlength=len(self.sizes))
-                      if last >= 0 else np.zeros(len(self.sizes), dtype=np.int64))
+            before = (
+                self._chunks[last][1] + np.bincount(self._chunks[last][0], minlength=len(self.sizes))
+                if last >= 0
+                else np.zeros(len(self.sizes), dtype=np.int64)
+            )
             draws = np.random.default_rng([self.seed, 2, last + 1]).choice(len(self.sizes), CHUNK, p=self.weights)
-            self._chunks = {k: v for k, v in self._chunks.items() if k == last}  # two kept: a micro-batch spans at most that
+            self._chunks = {
+                k: v for k, v in self._chunks.items() if k == last
+            }  # two kept: a micro-batch spans at most that
             self._chunks[last + 1] = (draws, before)
         return self._chunks[c]
 
@@ -66,8 +72,9 @@ class RowOrder:
         return d, int(self._perm(d, nth // n, n)[nth % n])
 
 
-def rows_of(step: int, micro: int, dp_rank: int, *, dp_world: int, micro_batch_size: int,
-            grad_accum_steps: int) -> range:
+def rows_of(
+    step: int, micro: int, dp_rank: int, *, dp_world: int, micro_batch_size: int, grad_accum_steps: int
+) -> range:
     """The global rows of micro-batch `micro` (of `grad_accum_steps`) of `step` on data-parallel
     rank `dp_rank`: the rank's share of the step's global batch is one slice, its micro-batches
     consecutive parts of it."""

@@ -49,8 +49,9 @@ PLAN_DIR = "plan"  # in <out>.partial: the packing plan, until the pack is done
 PLAN_ARRAYS = ("samples", "images", "keys", "members", "starts")
 
 
-def save_plan(plan_dir: Path, identity: dict, samples: np.ndarray, images: np.ndarray, keys: bytes,
-              bins: list[list[int]]) -> None:
+def save_plan(
+    plan_dir: Path, identity: dict, samples: np.ndarray, images: np.ndarray, keys: bytes, bins: list[list[int]]
+) -> None:
     """The packs as arrays: pack p holds the samples members[starts[p]:starts[p + 1]], each
     described by its row in `samples`. plan.json, written last, says the plan is complete and
     which inputs and settings it was made from."""
@@ -77,8 +78,9 @@ def load_plan(plan_dir: Path, identity: dict) -> dict | None:
 _writing = {}  # what the writing processes read: set before they fork, so nothing is copied to them
 
 
-def write_packs(out_dir: Path, plan: dict, shards: list[Path], shard_size: int, workers: int,
-                group: tuple[int, int] = (0, 1)) -> tuple[int, float]:
+def write_packs(
+    out_dir: Path, plan: dict, shards: list[Path], shard_size: int, workers: int, group: tuple[int, int] = (0, 1)
+) -> tuple[int, float]:
     """Each pack of the plan as one webdataset sample in `shard_size`-pack tar shards, written by
     `workers` processes; returns how many shards were written and their CPU seconds. Shards
     already written are skipped; `group` (g, n): only the shards whose index is g modulo n."""
@@ -135,8 +137,22 @@ def write_shard(index: int) -> float:
                 record = {"__key__": f"{pack_index:09d}"}
                 segments = []
                 for s, i in enumerate(members[starts[pack_index] : starts[pack_index + 1]].tolist()):
-                    (shard, json_offset, json_size, key_offset, key_size, first, num, kept, tokens, _, _, kept_videos,
-                     max_frames, _) = samples[i].tolist()
+                    (
+                        shard,
+                        json_offset,
+                        json_size,
+                        key_offset,
+                        key_size,
+                        first,
+                        num,
+                        kept,
+                        tokens,
+                        _,
+                        _,
+                        kept_videos,
+                        max_frames,
+                        _,
+                    ) = samples[i].tolist()
                     sample = json.loads(read(shard, json_offset, json_size))
                     image_names = sample.pop("images", [])
                     names = [f"s{s}_img{k}.{name.rsplit('.', 1)[-1]}" for k, name in enumerate(image_names[:kept])]
@@ -191,13 +207,27 @@ def copy_model_files(model_dir: Path, out_dir: Path, video: dict | None = None) 
             shutil.copy2(model_dir / name, target / name)
     video_config = target / "video_preprocessor_config.json"
     if video and video_config.is_file():
-        video_config.write_text(json.dumps(with_video_settings(json.loads(video_config.read_text()), video), indent=2) + "\n")
+        video_config.write_text(
+            json.dumps(with_video_settings(json.loads(video_config.read_text()), video), indent=2) + "\n"
+        )
 
 
-def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong: str = "truncate",
-         shard_size: int = 1000, seed: int = 0, max_bad_fraction: float = 0.05, workers: int = 1,
-         measure_group: tuple[int, int] = (0, 1), plan_only: bool = False, write_group: tuple[int, int] = (0, 1),
-         video: dict | None = None) -> dict:
+def pack(
+    data_dir,
+    model_dir,
+    out_dir,
+    seq_len: int,
+    max_patches: int,
+    overlong: str = "truncate",
+    shard_size: int = 1000,
+    seed: int = 0,
+    max_bad_fraction: float = 0.05,
+    workers: int = 1,
+    measure_group: tuple[int, int] = (0, 1),
+    plan_only: bool = False,
+    write_group: tuple[int, int] = (0, 1),
+    video: dict | None = None,
+) -> dict:
     """Packs the prepared dataset `data_dir` into `out_dir`, in steps that the workflow runs as
     separate jobs; each resumes where a killed one stopped, and any split gives the same bytes:
 
@@ -219,26 +249,40 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
     partial = out_dir.with_name(out_dir.name + ".partial")
     start = time.perf_counter()
     if measure_group[1] > 1:
-        measure_shards(shards, model_dir, seq_len, max_patches, overlong, workers, cache, identity, measure_group, video)
+        measure_shards(
+            shards, model_dir, seq_len, max_patches, overlong, workers, cache, identity, measure_group, video
+        )
         logger.info("measure group %d of %d: done in %.1f s", *measure_group, time.perf_counter() - start)
         return {"measure_group": list(measure_group)}
 
     plan = load_plan(partial / PLAN_DIR, plan_identity)
     if plan is None:
         if write_group[1] > 1:
-            raise DataError(f"{partial / PLAN_DIR}: no packing plan of these inputs and settings; "
-                            "make it first with vlmcore pack --plan-only")
-        measured = measure_shards(shards, model_dir, seq_len, max_patches, overlong, workers, cache, identity, video=video)
+            raise DataError(
+                f"{partial / PLAN_DIR}: no packing plan of these inputs and settings; "
+                "make it first with vlmcore pack --plan-only"
+            )
+        measured = measure_shards(
+            shards, model_dir, seq_len, max_patches, overlong, workers, cache, identity, video=video
+        )
         log = BadDataLog("pack", max_bad_fraction)
         for m in measured:
             log.seen += m.seen
             for bad in m.bad:
                 log.skip(*bad)
-        counts = {k: sum(m.counts[k] for m in measured) for k in ("truncated", "dropped_overlong", "fewer_video_frames")}
+        counts = {
+            k: sum(m.counts[k] for m in measured) for k in ("truncated", "dropped_overlong", "fewer_video_frames")
+        }
         samples, images, keys = concatenate(measured)
-        logger.info("measure: %d samples kept of %d in %.1f s (%.1f CPU s in %d workers), state %d bytes", len(samples),
-                    log.seen, time.perf_counter() - start, sum(m.cpu_seconds for m in measured), workers,
-                    samples.nbytes + images.nbytes + len(keys))
+        logger.info(
+            "measure: %d samples kept of %d in %.1f s (%.1f CPU s in %d workers), state %d bytes",
+            len(samples),
+            log.seen,
+            time.perf_counter() - start,
+            sum(m.cpu_seconds for m in measured),
+            workers,
+            samples.nbytes + images.nbytes + len(keys),
+        )
         del measured
 
         shutil.rmtree(partial, ignore_errors=True)
@@ -246,11 +290,19 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
         tokens, patches = samples["tokens"], samples["patches"]
         start, cpu = time.perf_counter(), time.process_time()
         bins = best_fit_decreasing(tokens, patches, seq_len, max_patches)
-        logger.info("best fit: %d packs in %.1f s (%.1f CPU s)", len(bins), time.perf_counter() - start, time.process_time() - cpu)
+        logger.info(
+            "best fit: %d packs in %.1f s (%.1f CPU s)",
+            len(bins),
+            time.perf_counter() - start,
+            time.process_time() - cpu,
+        )
         # Packs leave BFD largest-first; shuffle so the stream does not start with all the long ones.
         random.Random(seed).shuffle(bins)
         stats = {
-            "data": str(data_dir), "model": str(model_dir), "seq_len": seq_len, "max_patches": max_patches,
+            "data": str(data_dir),
+            "model": str(model_dir),
+            "seq_len": seq_len,
+            "max_patches": max_patches,
             "overlong": overlong,
             **packing_stats(bins, tokens, patches, seq_len, max_patches),
             **counts,
@@ -278,20 +330,31 @@ def pack(data_dir, model_dir, out_dir, seq_len: int, max_patches: int, overlong:
 
     start = time.perf_counter()
     written, cpu = write_packs(partial, plan, shards, shard_size, workers, write_group)
-    logger.info("write: %d shards in %.1f s (%.1f CPU s in %d workers)", written, time.perf_counter() - start, cpu, workers)
+    logger.info(
+        "write: %d shards in %.1f s (%.1f CPU s in %d workers)", written, time.perf_counter() - start, cpu, workers
+    )
     if write_group[1] > 1:
         return {"write_group": list(write_group)}
     del plan
     for leftover in partial.glob("shard-*.tar.tmp"):  # of a writer killed before the rerun that wrote its shard
         leftover.unlink()
     copy_model_files(model_dir, partial, video)
-    (partial / "pack_config.json").write_text(json.dumps({"seq_len": seq_len, "max_patches": max_patches,
-                                                          **({"video": video} if video else {}),
-                                                          **({"video_groups": stats["video_groups"]}
-                                                             if stats["video_groups"] else {})}) + "\n")
+    (partial / "pack_config.json").write_text(
+        json.dumps(
+            {
+                "seq_len": seq_len,
+                "max_patches": max_patches,
+                **({"video": video} if video else {}),
+                **({"video_groups": stats["video_groups"]} if stats["video_groups"] else {}),
+            }
+        )
+        + "\n"
+    )
     start, cpu = time.perf_counter(), cpu_seconds()
     energon_prepare(partial, workers)
-    logger.info("index: %d packs in %.1f s (%.1f CPU s)", stats["packs"], time.perf_counter() - start, cpu_seconds() - cpu)
+    logger.info(
+        "index: %d packs in %.1f s (%.1f CPU s)", stats["packs"], time.perf_counter() - start, cpu_seconds() - cpu
+    )
     shutil.rmtree(partial / PLAN_DIR)
     replace_dir(partial, out_dir)
     shutil.rmtree(cache, ignore_errors=True)  # of measure jobs rerun after the plan was made
@@ -318,43 +381,101 @@ def job_group(text: str) -> tuple[int, int]:
 
 def video_settings(args) -> dict | None:
     """The `--video-*` settings given, by the video processor's names."""
-    return {key: getattr(args, f"video_{key}") for key in VIDEO_KEYS if getattr(args, f"video_{key}") is not None} or None
+    return {
+        key: getattr(args, f"video_{key}") for key in VIDEO_KEYS if getattr(args, f"video_{key}") is not None
+    } or None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True, type=existing_dir, help="prepared Energon dataset (data/<dataset>)")
-    parser.add_argument("--model", required=True, type=existing_dir, help="model snapshot directory (tokenizer, chat template, processor)")
+    parser.add_argument(
+        "--model",
+        required=True,
+        type=existing_dir,
+        help="model snapshot directory (tokenizer, chat template, processor)",
+    )
     parser.add_argument("--out", required=True, help="output packed dataset directory (packed/<dataset>)")
     parser.add_argument("--seq-len", type=positive_int, required=True, help="tokens per packed sequence")
-    parser.add_argument("--max-patches", type=non_negative_int, required=True, help="image patches per packed sequence (vision tower budget)")
-    parser.add_argument("--overlong", choices=["truncate", "drop"], default="truncate", help="what to do with samples longer than --seq-len")
+    parser.add_argument(
+        "--max-patches",
+        type=non_negative_int,
+        required=True,
+        help="image patches per packed sequence (vision tower budget)",
+    )
+    parser.add_argument(
+        "--overlong",
+        choices=["truncate", "drop"],
+        default="truncate",
+        help="what to do with samples longer than --seq-len",
+    )
     parser.add_argument("--shard-size", type=positive_int, default=1000, help="packs per tar shard")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the pack order")
     parser.add_argument("--max-bad-fraction", type=fraction, default=0.05, help="fail when more of the samples are bad")
     step = parser.add_mutually_exclusive_group()  # the workflow's split of a pack into jobs; none: the whole pack
-    step.add_argument("--measure-group", type=job_group, default=(0, 1), metavar="G/N",
-                      help="only measure the shards whose index is G modulo N into <out>.measured, for a later pack "
-                           "(the workflow's scatter of the measure pass over N jobs)")
-    step.add_argument("--plan-only", action="store_true",
-                      help="only measure what is left and pack all samples into the plan in <out>.partial/plan")
-    step.add_argument("--write-group", type=job_group, default=(0, 1), metavar="G/N",
-                      help="only write the plan's output shards whose index is G modulo N into <out>.partial "
-                           "(the workflow's scatter of the writing over N jobs; a plain pack then finishes)")
-    parser.add_argument("--workers", type=positive_int, default=os.cpu_count(), help="measuring, writing and indexing processes (measuring: at most one per shard)")
+    step.add_argument(
+        "--measure-group",
+        type=job_group,
+        default=(0, 1),
+        metavar="G/N",
+        help="only measure the shards whose index is G modulo N into <out>.measured, for a later pack "
+        "(the workflow's scatter of the measure pass over N jobs)",
+    )
+    step.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="only measure what is left and pack all samples into the plan in <out>.partial/plan",
+    )
+    step.add_argument(
+        "--write-group",
+        type=job_group,
+        default=(0, 1),
+        metavar="G/N",
+        help="only write the plan's output shards whose index is G modulo N into <out>.partial "
+        "(the workflow's scatter of the writing over N jobs; a plain pack then finishes)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=positive_int,
+        default=os.cpu_count(),
+        help="measuring, writing and indexing processes (measuring: at most one per shard)",
+    )
     video = parser.add_argument_group("video sampling (default: the model's video processor settings)")
     video.add_argument("--video-fps", type=float, help="frames sampled per second of video")
     video.add_argument("--video-min-frames", type=positive_int, help="frames sampled at least")
-    video.add_argument("--video-max-frames", type=positive_int, help="frames sampled at most (a clip too long for a row gets fewer)")
-    video.add_argument("--video-min-pixels", type=positive_int, help="pixels of all sampled frames of a clip together, at least")
-    video.add_argument("--video-max-pixels", type=positive_int, help="pixels of all sampled frames of a clip together, at most")
+    video.add_argument(
+        "--video-max-frames", type=positive_int, help="frames sampled at most (a clip too long for a row gets fewer)"
+    )
+    video.add_argument(
+        "--video-min-pixels", type=positive_int, help="pixels of all sampled frames of a clip together, at least"
+    )
+    video.add_argument(
+        "--video-max-pixels", type=positive_int, help="pixels of all sampled frames of a clip together, at most"
+    )
 
 
 def run(args) -> int:
     if Path(args.out).resolve() == Path(args.data).resolve():
         raise UsageError("--out: must not be --data (its shards would be replaced)")
-    stats = run_stage(lambda: pack(args.data, args.model, args.out, args.seq_len, args.max_patches, args.overlong,
-                                   args.shard_size, args.seed, args.max_bad_fraction, args.workers, args.measure_group,
-                                   args.plan_only, args.write_group, video_settings(args)), args.out, logger)
+    stats = run_stage(
+        lambda: pack(
+            args.data,
+            args.model,
+            args.out,
+            args.seq_len,
+            args.max_patches,
+            args.overlong,
+            args.shard_size,
+            args.seed,
+            args.max_bad_fraction,
+            args.workers,
+            args.measure_group,
+            args.plan_only,
+            args.write_group,
+            video_settings(args),
+        ),
+        args.out,
+        logger,
+    )
     if stats is None:
         return 1
     if "measure_group" not in stats and "write_group" not in stats:

@@ -86,9 +86,19 @@ class ImageFiles:
                     except BadSample:
                         self.rejected_members.append(member.name)
             except (tarfile.TarError, OSError, EOFError) as e:  # cut short: the images after the cut count as missing
-                logger.warning("%s: unreadable after %d members (%s); later images count as missing_image", root, len(self.members), e)
+                logger.warning(
+                    "%s: unreadable after %d members (%s); later images count as missing_image",
+                    root,
+                    len(self.members),
+                    e,
+                )
             if self.rejected_members:
-                logger.warning("%s: rejected %d tar members leaving the archive: %s", root, len(self.rejected_members), self.rejected_members[:5])
+                logger.warning(
+                    "%s: rejected %d tar members leaving the archive: %s",
+                    root,
+                    len(self.rejected_members),
+                    self.rejected_members[:5],
+                )
 
     def read(self, name: str, what: str = "image") -> bytes:
         name = safe_relative_path(name)
@@ -119,7 +129,9 @@ def read_rows(path: Path, log: BadDataLog):
 
                 batches = pq.ParquetFile(path).iter_batches(batch_size=256)
         except (OSError, ValueError) as e:  # ArrowInvalid is a ValueError
-            raise DataError(f"{path}: not a readable {'datasets directory' if path.is_dir() else 'parquet file'}: {e}") from e
+            raise DataError(
+                f"{path}: not a readable {'datasets directory' if path.is_dir() else 'parquet file'}: {e}"
+            ) from e
         for i, row in enumerate(row for batch in batches for row in batch.to_pylist()):
             yield f"{path}[{i}]", row
     elif path.suffix == ".jsonl":
@@ -145,7 +157,9 @@ def read_rows(path: Path, log: BadDataLog):
         for i, row in enumerate(rows):
             yield f"{path}[{i}]", row
     else:
-        raise DataError(f"{path}: unknown source type (expected .jsonl, .json, .parquet or a datasets.save_to_disk directory)")
+        raise DataError(
+            f"{path}: unknown source type (expected .jsonl, .json, .parquet or a datasets.save_to_disk directory)"
+        )
 
 
 def decode_base64(text: str, bad_reason: str) -> bytes:
@@ -205,8 +219,14 @@ def video_entry(ref, row: dict, files: ImageFiles, max_pixels: int, max_seconds:
     return [(data, ext) for data, ext, _ in frames], meta
 
 
-def row_to_sample(row, files: ImageFiles, max_image_pixels: int, log: BadDataLog, where: str,
-                  max_video_seconds: float = DEFAULT_MAX_VIDEO_SECONDS):
+def row_to_sample(
+    row,
+    files: ImageFiles,
+    max_image_pixels: int,
+    log: BadDataLog,
+    where: str,
+    max_video_seconds: float = DEFAULT_MAX_VIDEO_SECONDS,
+):
     """One source row -> (sample json, [(image bytes, ext)], [([(video bytes, ext)], metadata)]); raises BadSample."""
     if not isinstance(row, dict):
         raise BadSample("malformed_row", f"row is {type(row).__name__}")
@@ -220,14 +240,19 @@ def row_to_sample(row, files: ImageFiles, max_image_pixels: int, log: BadDataLog
         for turn in row["texts"]:
             if not isinstance(turn, dict):
                 raise BadSample("malformed_conversation", f"turn is {type(turn).__name__}")
-            messages += [{"role": "user", "content": turn.get("user")}, {"role": "assistant", "content": turn.get("assistant")}]
+            messages += [
+                {"role": "user", "content": turn.get("user")},
+                {"role": "assistant", "content": turn.get("assistant")},
+            ]
     elif "caption" in row:
         if not isinstance(row["caption"], str) or not row["caption"].strip():
             raise BadSample("empty_text", "empty caption")
         if not refs and not video_refs:  # trained on, it would teach describing an image that is not there
             raise BadSample("missing_image", "a caption row needs an image or a video")
-        messages = [{"role": "user", "content": "<video>" * len(video_refs) + "<image>" * len(refs)},
-                    {"role": "assistant", "content": row["caption"]}]
+        messages = [
+            {"role": "user", "content": "<video>" * len(video_refs) + "<image>" * len(refs)},
+            {"role": "assistant", "content": row["caption"]},
+        ]
     elif "text" in row:
         text = row["text"]
         if not isinstance(text, str) or not text.strip():
@@ -259,13 +284,25 @@ def summary(values: list[int]) -> dict:
     if not values:
         return {"count": 0}
     array = np.asarray(values)
-    return {"count": len(values), "mean": float(array.mean()), "p50": float(np.percentile(array, 50)),
-            "p95": float(np.percentile(array, 95)), "max": int(array.max())}
+    return {
+        "count": len(values),
+        "mean": float(array.mean()),
+        "p50": float(np.percentile(array, 50)),
+        "p95": float(np.percentile(array, 95)),
+        "max": int(array.max()),
+    }
 
 
-def prepare(sources, out_dir, images=None, shard_size: int = 1000, max_bad_fraction: float = 0.05,
-            max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, workers: int = 1,
-            max_video_seconds: float = DEFAULT_MAX_VIDEO_SECONDS) -> dict:
+def prepare(
+    sources,
+    out_dir,
+    images=None,
+    shard_size: int = 1000,
+    max_bad_fraction: float = 0.05,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    workers: int = 1,
+    max_video_seconds: float = DEFAULT_MAX_VIDEO_SECONDS,
+) -> dict:
     """Write the shards of all `sources` ([KIND:]PATH) into `out_dir`, index them with Energon, return the stats."""
     out_dir = Path(out_dir)
     log = BadDataLog("prepare", max_bad_fraction)
@@ -273,7 +310,13 @@ def prepare(sources, out_dir, images=None, shard_size: int = 1000, max_bad_fract
     if missing:  # before anything is written
         raise DataError(f"sources not found: {', '.join(missing)}")
     writer = ShardWriter(out_dir, shard_size)
-    text_chars, images_per_sample, video_seconds, kinds, rejected_members = [], [], [], {"conversation": 0, "text": 0}, 0
+    text_chars, images_per_sample, video_seconds, kinds, rejected_members = (
+        [],
+        [],
+        [],
+        {"conversation": 0, "text": 0},
+        0,
+    )
     for kind, source in map(parse_source, sources):
         files = ImageFiles(images if images is not None else (source if source.is_dir() else source.parent))
         rejected_members += len(files.rejected_members)
@@ -282,22 +325,33 @@ def prepare(sources, out_dir, images=None, shard_size: int = 1000, max_bad_fract
             try:
                 if kind and not (isinstance(row, dict) and any(field in row for field in SOURCE_KINDS[kind])):
                     raise BadSample("malformed_row", f"a {kind} source row needs one of {SOURCE_KINDS[kind]}")
-                sample, sample_images, videos = row_to_sample(row, files, max_image_pixels, log, where,
-                                                              max_video_seconds)
+                sample, sample_images, videos = row_to_sample(
+                    row, files, max_image_pixels, log, where, max_video_seconds
+                )
             except BadSample as e:
                 log.skip(e.reason, where, e.detail)
                 continue
             writer.write(sample, sample_images, videos)
             video_seconds += [meta.get("duration_s") or meta["frames"] / (meta["fps"] or 1) for _, meta in videos]
             kinds["text" if "text" in sample else "conversation"] += 1
-            text_chars.append(len(sample["text"]) if "text" in sample else sum(len(m["content"]) for m in sample["messages"]))
+            text_chars.append(
+                len(sample["text"]) if "text" in sample else sum(len(m["content"]) for m in sample["messages"])
+            )
             images_per_sample.append(len(sample_images))
     shards = writer.close()
     stats = {
-        "sources": [str(s) for s in sources], "samples": writer.count, "samples_by_kind": kinds,
-        "images": int(sum(images_per_sample)), "images_per_sample": summary(images_per_sample),
-        "videos": len(video_seconds), "video_seconds": summary(video_seconds), "text_chars": summary(text_chars),
-        "shards": len(shards), "shard_size": shard_size, "rejected_tar_members": rejected_members, "bad": log.as_dict(),
+        "sources": [str(s) for s in sources],
+        "samples": writer.count,
+        "samples_by_kind": kinds,
+        "images": int(sum(images_per_sample)),
+        "images_per_sample": summary(images_per_sample),
+        "videos": len(video_seconds),
+        "video_seconds": summary(video_seconds),
+        "text_chars": summary(text_chars),
+        "shards": len(shards),
+        "shard_size": shard_size,
+        "rejected_tar_members": rejected_members,
+        "bad": log.as_dict(),
     }
     (out_dir / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
     log.check()
@@ -313,21 +367,55 @@ def source_arg(spec: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--source", action="append", required=True, type=source_arg,
-                        help="[KIND:]PATH of a source file or save_to_disk directory (repeatable); KIND: captions, conversations, text")
+    parser.add_argument(
+        "--source",
+        action="append",
+        required=True,
+        type=source_arg,
+        help="[KIND:]PATH of a source file or save_to_disk directory (repeatable); KIND: captions, conversations, text",
+    )
     parser.add_argument("--out", required=True, help="output dataset directory (data/<dataset>)")
-    parser.add_argument("--images", type=existing_path, help="directory or tar file that relative image paths refer to (default: next to each source)")
+    parser.add_argument(
+        "--images",
+        type=existing_path,
+        help="directory or tar file that relative image paths refer to (default: next to each source)",
+    )
     parser.add_argument("--shard-size", type=positive_int, default=1000, help="samples per tar shard")
     parser.add_argument("--max-bad-fraction", type=fraction, default=0.05, help="fail when more of the samples are bad")
-    parser.add_argument("--workers", type=positive_int, default=1, help="processes for indexing the shards (energon prepare)")
-    parser.add_argument("--max-image-pixels", type=positive_int, default=DEFAULT_MAX_IMAGE_PIXELS, help="larger images (and video frames) are skipped (decompression bombs)")
-    parser.add_argument("--max-video-seconds", type=positive_int, default=DEFAULT_MAX_VIDEO_SECONDS, help="longer videos are skipped")
+    parser.add_argument(
+        "--workers", type=positive_int, default=1, help="processes for indexing the shards (energon prepare)"
+    )
+    parser.add_argument(
+        "--max-image-pixels",
+        type=positive_int,
+        default=DEFAULT_MAX_IMAGE_PIXELS,
+        help="larger images (and video frames) are skipped (decompression bombs)",
+    )
+    parser.add_argument(
+        "--max-video-seconds", type=positive_int, default=DEFAULT_MAX_VIDEO_SECONDS, help="longer videos are skipped"
+    )
 
 
 def run(args) -> int:
-    stats = run_stage(lambda: prepare(args.source, args.out, args.images, args.shard_size, args.max_bad_fraction,
-                                      args.max_image_pixels, args.workers, args.max_video_seconds), args.out, logger)
+    stats = run_stage(
+        lambda: prepare(
+            args.source,
+            args.out,
+            args.images,
+            args.shard_size,
+            args.max_bad_fraction,
+            args.max_image_pixels,
+            args.workers,
+            args.max_video_seconds,
+        ),
+        args.out,
+        logger,
+    )
     if stats is None:
         return 1
-    print(json.dumps({k: stats[k] for k in ("samples", "images", "videos", "shards")} | {"skipped": stats["bad"]["skipped"]}))
+    print(
+        json.dumps(
+            {k: stats[k] for k in ("samples", "images", "videos", "shards")} | {"skipped": stats["bad"]["skipped"]}
+        )
+    )
     return 0

@@ -31,25 +31,49 @@ IMAGE_MEAN = [0.5, 0.5, 0.5]
 IMAGE_STD = [0.5, 0.5, 0.5]
 
 
-def write_processor_files(out_dir, patch_size: int = 16, temporal_patch_size: int = 2, merge_size: int = 2,
-                          min_pixels: int = 32 * 32, max_pixels: int = 128 * 128) -> None:
+def write_processor_files(
+    out_dir,
+    patch_size: int = 16,
+    temporal_patch_size: int = 2,
+    merge_size: int = 2,
+    min_pixels: int = 32 * 32,
+    max_pixels: int = 128 * 128,
+) -> None:
     factor = patch_size * merge_size
     if min_pixels < factor * factor or max_pixels < min_pixels:
         raise ValueError(
             f"need {factor * factor} <= min_pixels <= max_pixels (patch_size*merge_size = {factor}), "
             f"got min_pixels={min_pixels}, max_pixels={max_pixels}"
         )
-    shared = {"do_convert_rgb": True, "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
-              "do_normalize": True, "image_mean": IMAGE_MEAN, "image_std": IMAGE_STD, "resample": 3}
+    shared = {
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": IMAGE_MEAN,
+        "image_std": IMAGE_STD,
+        "resample": 3,
+    }
     patches = {"patch_size": patch_size, "temporal_patch_size": temporal_patch_size, "merge_size": merge_size}
-    image_config = {"image_processor_type": "Qwen2VLImageProcessorPil", "processor_class": "Qwen3VLProcessor", **shared,
-                    "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}, **patches}
+    image_config = {
+        "image_processor_type": "Qwen2VLImageProcessorPil",
+        "processor_class": "Qwen3VLProcessor",
+        **shared,
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        **patches,
+    }
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "preprocessor_config.json").write_text(json.dumps(image_config, indent=2) + "\n")
-    video_config = {**shared, "video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor",
-                    "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels * temporal_patch_size},
-                    **patches, "fps": 2}
+    video_config = {
+        **shared,
+        "video_processor_type": "Qwen3VLVideoProcessor",
+        "processor_class": "Qwen3VLProcessor",
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels * temporal_patch_size},
+        **patches,
+        "fps": 2,
+    }
     (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video_config, indent=2) + "\n")
     (out_dir / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}, indent=2) + "\n")
 
@@ -70,7 +94,10 @@ def load_processor(model_dir):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     image_processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
     return ImageOnlyQwen3VLProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=tokenizer.chat_template
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=None,
+        chat_template=tokenizer.chat_template,
     )
 
 
@@ -89,10 +116,12 @@ class ImagePatcher:
         self.resample = int(image_processor.resample)
         self.patch_dim = 3 * self.patch_size**2  # uint8 values per patch: one frame of (C, P, P)
         # What the device needs to finish the processor's work (`normalize_patches`).
-        self.normalize = {"rescale_factor": float(image_processor.rescale_factor),
-                          "mean": [float(m) for m in image_processor.image_mean],
-                          "std": [float(s) for s in image_processor.image_std],
-                          "temporal_patch_size": self.temporal_patch_size}
+        self.normalize = {
+            "rescale_factor": float(image_processor.rescale_factor),
+            "mean": [float(m) for m in image_processor.image_mean],
+            "std": [float(s) for s in image_processor.image_std],
+            "temporal_patch_size": self.temporal_patch_size,
+        }
 
     def resized(self, image: Image.Image) -> Image.Image:
         """RGB (transparency on white) at the smart-resize size, as the processor resizes it."""
@@ -100,8 +129,13 @@ class ImagePatcher:
             rgb = image  # convert_to_rgb would return a copy of it
         else:
             rgb = Image.fromarray(convert_to_rgb(image, return_numpy=True))
-        height, width = smart_resize(rgb.height, rgb.width, factor=self.patch_size * self.merge_size,
-                                     min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+        height, width = smart_resize(
+            rgb.height,
+            rgb.width,
+            factor=self.patch_size * self.merge_size,
+            min_pixels=self.min_pixels,
+            max_pixels=self.max_pixels,
+        )
         return rgb.resize((width, height), resample=self.resample)
 
     def grid(self, image: Image.Image) -> tuple[int, int, int]:
@@ -117,8 +151,9 @@ class ImagePatcher:
         out.reshape(gh, gw, m, m, 3, p, p)[...] = src
 
 
-def normalize_patches(patches: torch.Tensor, rescale_factor: float, mean: list[float], std: list[float],
-                      temporal_patch_size: int) -> torch.Tensor:
+def normalize_patches(
+    patches: torch.Tensor, rescale_factor: float, mean: list[float], std: list[float], temporal_patch_size: int
+) -> torch.Tensor:
     """uint8 patches (N, C*P*P) -> the image processor's float32 `pixel_values` (N, C*T*P*P), bit for
     bit: its rescale (float64, then float32) is a 256-entry table, its normalisation the same float32
     ops, and each patch is repeated over the T temporal slots as the processor repeats an image."""

@@ -39,14 +39,16 @@ class ShardWriter:
         entries = []
         for k, (files, meta) in enumerate(videos):
             if meta["kind"] == "file":
-                (data, ext), = files
+                ((data, ext),) = files
                 entries.append({**meta, "part": f"vid{k}.{ext}"})
                 parts[entries[-1]["part"]] = data
             else:
                 entries.append({**meta, "parts": [f"vid{k}_{j:05d}.{ext}" for j, (_, ext) in enumerate(files)]})
                 parts.update(zip(entries[-1]["parts"], (data for data, _ in files)))
-        record = {"__key__": f"{self.count:09d}",
-                  "json": json.dumps({**sample, "images": names, **({"videos": entries} if entries else {})}).encode()}
+        record = {
+            "__key__": f"{self.count:09d}",
+            "json": json.dumps({**sample, "images": names, **({"videos": entries} if entries else {})}).encode(),
+        }
         self.writer.write({**record, **parts})
         self.count += 1
 
@@ -90,8 +92,9 @@ def shard_paths(dataset_dir) -> list[Path]:
             with TarIndexReader(shard) as offsets:
                 end = offsets[len(offsets) - 1] if len(offsets) else 0
         if shard.stat().st_size < end:
-            raise DataError(f"{shard}: truncated ({shard.stat().st_size} bytes, its samples end at {end}); "
-                            "write the dataset again")
+            raise DataError(
+                f"{shard}: truncated ({shard.stat().st_size} bytes, its samples end at {end}); write the dataset again"
+            )
     return shards
 
 
@@ -150,8 +153,10 @@ def iter_shard_samples(shard: Path):
             if tar.fileobj.read(tarfile.BLOCKSIZE).strip(b"\0"):
                 raise tarfile.ReadError(f"no valid tar header at byte {tar.offset}")
     except (tarfile.TarError, OSError) as e:
-        raise DataError(f"{shard}: unreadable after {read} samples ({type(e).__name__}: {e}); "
-                        "the shard is damaged or cut short, write it again") from e
+        raise DataError(
+            f"{shard}: unreadable after {read} samples ({type(e).__name__}: {e}); "
+            "the shard is damaged or cut short, write it again"
+        ) from e
 
 
 class IndexedShards:
@@ -194,8 +199,9 @@ class IndexedShards:
                         sample["__key__"], part = split_member_name(member.name)
                         sample[part] = members.extractfile(member).read()
         except tarfile.TarError as e:
-            raise DataError(f"{self.shards[s]}: sample {i - self.starts[s]} unreadable ({e}); "
-                            "the shard is damaged, write it again") from e
+            raise DataError(
+                f"{self.shards[s]}: sample {i - self.starts[s]} unreadable ({e}); the shard is damaged, write it again"
+            ) from e
         if "__key__" not in sample:
             raise DataError(f"{self.shards[s]}: sample {i - self.starts[s]} is empty; the shard is damaged")
         return sample

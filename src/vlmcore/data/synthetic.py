@@ -23,9 +23,14 @@ from tqdm import tqdm
 
 from vlmcore.cli import UsageError, non_negative_int, positive_int
 
-
-COLORS = {"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220), "yellow": (235, 215, 20),
-          "purple": (140, 40, 180), "orange": (245, 130, 20)}
+COLORS = {
+    "red": (220, 30, 30),
+    "green": (30, 170, 40),
+    "blue": (30, 60, 220),
+    "yellow": (235, 215, 20),
+    "purple": (140, 40, 180),
+    "orange": (245, 130, 20),
+}
 SHAPES = ["circle", "square", "triangle"]
 SIDES = ["left", "right"]
 BACKGROUNDS = {"white": (245, 245, 245), "gray": (128, 128, 128), "black": (15, 15, 15)}
@@ -99,8 +104,12 @@ def corpus_texts(seed: int = 0) -> list[str]:
     texts = [question for question, _ in QUESTIONS.values()] + [TWO_IMAGE_QUESTION]
     texts += [answer for _, answers in QUESTIONS.values() for answer in answers]
     texts += [caption_for(random_scene(rng, 32, 32), rng) for _ in range(200)]
-    texts += [template.format(color=color, shape=shape, background=background, side=side) for template, color, shape,
-              background, side in itertools.product(CAPTION_TEMPLATES, COLORS, SHAPES, BACKGROUNDS, SIDES)]
+    texts += [
+        template.format(color=color, shape=shape, background=background, side=side)
+        for template, color, shape, background, side in itertools.product(
+            CAPTION_TEMPLATES, COLORS, SHAPES, BACKGROUNDS, SIDES
+        )
+    ]
     return texts
 
 
@@ -110,12 +119,16 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def write_dataset(out_dir: Path, captions: list, conversations: list, eval_rows: list, questions: dict, meta: dict) -> dict:
+def write_dataset(
+    out_dir: Path, captions: list, conversations: list, eval_rows: list, questions: dict, meta: dict
+) -> dict:
     """The jsonl files, and meta.json: `meta` with each question kind's chance level and eval count."""
     for name, rows in (("captions", captions), ("conversations", conversations), ("eval", eval_rows)):
         write_jsonl(out_dir / f"{name}.jsonl", rows)
-    meta.update(chance={kind: 1.0 / len(choices) for kind, (_, choices) in questions.items()},
-                eval_count_by_kind={kind: sum(r["kind"] == kind for r in eval_rows) for kind in questions})
+    meta.update(
+        chance={kind: 1.0 / len(choices) for kind, (_, choices) in questions.items()},
+        eval_count_by_kind={kind: sum(r["kind"] == kind for r in eval_rows) for kind in questions},
+    )
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 
@@ -154,24 +167,51 @@ def generate(out_dir, num_train: int, num_eval: int, seed: int = 0, min_size: in
         scene = random_scene(rng, min_size, max_size)
         kind = kinds[i % len(kinds)]
         question, choices = QUESTIONS[kind]
-        eval_rows.append({"id": f"eval_{i:06d}", "kind": kind, "image": save(scene, f"eval_{i:06d}"),
-                          "question": question, "choices": choices, "answer": choices.index(scene[kind])})
+        eval_rows.append(
+            {
+                "id": f"eval_{i:06d}",
+                "kind": kind,
+                "image": save(scene, f"eval_{i:06d}"),
+                "question": question,
+                "choices": choices,
+                "answer": choices.index(scene[kind]),
+            }
+        )
 
-    return write_dataset(out_dir, captions, conversations, eval_rows, QUESTIONS, {
-        "seed": seed, "num_train_images": num_train, "num_eval": num_eval, "num_captions": len(captions),
-        "num_conversations": len(conversations), "image_size_range": [min_size, max_size],
-    })
+    return write_dataset(
+        out_dir,
+        captions,
+        conversations,
+        eval_rows,
+        QUESTIONS,
+        {
+            "seed": seed,
+            "num_train_images": num_train,
+            "num_eval": num_eval,
+            "num_captions": len(captions),
+            "num_conversations": len(conversations),
+            "image_size_range": [min_size, max_size],
+        },
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output directory (raw/)")
-    parser.add_argument("--kind", choices=["image", "video"], default="image",
-                        help="image: shapes in pictures; video: shapes that move or come in turn (vlmcore.data.synthetic_video)")
+    parser.add_argument(
+        "--kind",
+        choices=["image", "video"],
+        default="image",
+        help="image: shapes in pictures; video: shapes that move or come in turn (vlmcore.data.synthetic_video)",
+    )
     parser.add_argument("--num-train", type=positive_int, default=512, help="number of training images or clips")
     parser.add_argument("--num-eval", type=non_negative_int, default=96, help="number of held-out eval questions")
     parser.add_argument("--seed", type=non_negative_int, default=0)
-    parser.add_argument("--min-size", type=positive_int, help="smallest image or frame side in pixels (default: 32 images, 64 frames)")
-    parser.add_argument("--max-size", type=positive_int, help="largest image or frame side in pixels (default: 112 images, 64 frames)")
+    parser.add_argument(
+        "--min-size", type=positive_int, help="smallest image or frame side in pixels (default: 32 images, 64 frames)"
+    )
+    parser.add_argument(
+        "--max-size", type=positive_int, help="largest image or frame side in pixels (default: 112 images, 64 frames)"
+    )
 
 
 def run(args) -> int:

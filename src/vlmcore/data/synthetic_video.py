@@ -47,8 +47,9 @@ def random_clip(rng: random.Random, kind: str, size: int) -> dict:
         clip.update(colors=colors[:2], shape=shapes[0])  # one shape kind, two colours, one after the other
     else:
         count = rng.randint(1, 3)
-        clip.update(count=COUNTS[count - 1], colors=colors[:count], shapes=shapes[:count],
-                    corners=rng.sample(range(4), count))
+        clip.update(
+            count=COUNTS[count - 1], colors=colors[:count], shapes=shapes[:count], corners=rng.sample(range(4), count)
+        )
     return clip
 
 
@@ -70,8 +71,9 @@ def shapes_in_frame(clip: dict, frame: int) -> list[tuple[str, tuple, str]]:
     if clip["kind"] == "order":
         x = (s - side) / 2
         return [(clip["shape"], (x, x, x + side, x + side), clip["colors"][quarter // 2])]
-    for shape, color, corner, quarters in zip(clip["shapes"], clip["colors"], clip["corners"],
-                                              COUNT_QUARTERS[len(clip["shapes"])]):
+    for shape, color, corner, quarters in zip(
+        clip["shapes"], clip["colors"], clip["corners"], COUNT_QUARTERS[len(clip["shapes"])]
+    ):
         if quarter in quarters:
             x, y = (corner % 2) * s / 2 + s * 0.05, (corner // 2) * s / 2 + s * 0.05
             return [(shape, (x, y, x + side, y + side), color)]
@@ -109,8 +111,10 @@ def generate(out_dir, num_train: int, num_eval: int, seed: int = 0, min_size: in
     merged patch)."""
     sizes = list(range(-(-min_size // 32) * 32, max_size + 1, 32))
     if not sizes:
-        raise ValueError(f"no multiple of 32 between min_size {min_size} and max_size {max_size}: "
-                         f"video frames are sized in merged patches of 32 pixels")
+        raise ValueError(
+            f"no multiple of 32 between min_size {min_size} and max_size {max_size}: "
+            f"video frames are sized in merged patches of 32 pixels"
+        )
     out_dir = Path(out_dir)
     (out_dir / "videos").mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -127,18 +131,47 @@ def generate(out_dir, num_train: int, num_eval: int, seed: int = 0, min_size: in
         video = save(clip, f"train_{i:06d}")
         captions.append({"id": f"cap_{i:06d}", "video": video, "caption": caption_for(clip)})
         question = QUESTIONS[clip["kind"]][0]
-        conversations.append({"id": f"conv_{i:06d}", "video": video, "messages": [
-            {"role": "user", "content": f"<video>\n{question}"}, {"role": "assistant", "content": answer_of(clip)}]})
+        conversations.append(
+            {
+                "id": f"conv_{i:06d}",
+                "video": video,
+                "messages": [
+                    {"role": "user", "content": f"<video>\n{question}"},
+                    {"role": "assistant", "content": answer_of(clip)},
+                ],
+            }
+        )
 
     eval_rows = []
     for i in tqdm(range(num_eval), desc="synth eval", unit="clip"):
         clip = random_clip(rng, kinds[i % len(kinds)], rng.choice(sizes))
         question, choices = QUESTIONS[clip["kind"]]
-        eval_rows.append({"id": f"eval_{i:06d}", "kind": clip["kind"], "video": save(clip, f"eval_{i:06d}"),
-                          "question": question, "choices": choices, "answer": choices.index(answer_of(clip))})
+        eval_rows.append(
+            {
+                "id": f"eval_{i:06d}",
+                "kind": clip["kind"],
+                "video": save(clip, f"eval_{i:06d}"),
+                "question": question,
+                "choices": choices,
+                "answer": choices.index(answer_of(clip)),
+            }
+        )
 
-    return write_dataset(out_dir, captions, conversations, eval_rows, QUESTIONS, {
-        "seed": seed, "kind": "video", "num_train_videos": num_train, "num_eval": num_eval,
-        "num_captions": len(captions), "num_conversations": len(conversations), "frame_sizes": sizes,
-        "frames": FRAMES, "fps": FPS,
-    })
+    return write_dataset(
+        out_dir,
+        captions,
+        conversations,
+        eval_rows,
+        QUESTIONS,
+        {
+            "seed": seed,
+            "kind": "video",
+            "num_train_videos": num_train,
+            "num_eval": num_eval,
+            "num_captions": len(captions),
+            "num_conversations": len(conversations),
+            "frame_sizes": sizes,
+            "frames": FRAMES,
+            "fps": FPS,
+        },
+    )

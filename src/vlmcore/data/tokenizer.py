@@ -12,14 +12,35 @@ from transformers import PreTrainedTokenizerFast
 
 # Qwen2.5 / Qwen3 / Qwen3-VL special tokens, in their id order after the base vocabulary.
 QWEN_SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
-    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-    "<|image_pad|>", "<|video_pad|>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
 ]
 # Tokens that are special in Qwen's vocabulary but rendered as plain text (not skipped on decode).
 QWEN_TEXT_TOKENS = [
-    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
-    "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
 ]
 
 # Qwen3-VL instruct layout: `<|im_start|>role\n...<|im_end|>\n`, images as
@@ -60,16 +81,22 @@ def build_demo_tokenizer(out_dir, texts, vocab_size: int = 512) -> PreTrainedTok
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - num_added, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - num_added, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     # The chat-template scaffolding is part of every training text, so let BPE see it too.
     tok.train_from_iterator(list(texts) + ["user\n", "assistant\n", "system\n"], trainer=trainer)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_TOKENS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_TEXT_TOKENS])
 
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                        model_max_length=131072, clean_up_tokenization_spaces=False,
-                                        chat_template=CHAT_TEMPLATE)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=131072,
+        clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
+    )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out_dir)
@@ -78,9 +105,15 @@ def build_demo_tokenizer(out_dir, texts, vocab_size: int = 512) -> PreTrainedTok
 
 def special_token_ids(tokenizer) -> dict:
     """The ids a Qwen3-VL / Qwen3.5 config must agree with, read from the tokenizer."""
-    ids = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
-           "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
-           "bos_token_id": "<|endoftext|>", "pad_token_id": "<|endoftext|>", "eos_token_id": "<|im_end|>"}
+    ids = {
+        "image_token_id": "<|image_pad|>",
+        "video_token_id": "<|video_pad|>",
+        "vision_start_token_id": "<|vision_start|>",
+        "vision_end_token_id": "<|vision_end|>",
+        "bos_token_id": "<|endoftext|>",
+        "pad_token_id": "<|endoftext|>",
+        "eos_token_id": "<|im_end|>",
+    }
     out = {}
     for key, token in ids.items():
         token_id = tokenizer.convert_tokens_to_ids(token)

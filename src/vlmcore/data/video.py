@@ -42,11 +42,16 @@ class VideoSettings:
     @classmethod
     def from_processor_config(cls, config: dict) -> "VideoSettings":
         size = config.get("size") or {}
-        values = {"min_pixels": size.get("shortest_edge"), "max_pixels": size.get("longest_edge"),
-                  **{k: config.get(k) for k in ("fps", "min_frames", "max_frames", "patch_size", "temporal_patch_size",
-                                                "merge_size")},
-                  "image_mean": tuple(config["image_mean"]) if config.get("image_mean") else None,
-                  "image_std": tuple(config["image_std"]) if config.get("image_std") else None}
+        values = {
+            "min_pixels": size.get("shortest_edge"),
+            "max_pixels": size.get("longest_edge"),
+            **{
+                k: config.get(k)
+                for k in ("fps", "min_frames", "max_frames", "patch_size", "temporal_patch_size", "merge_size")
+            },
+            "image_mean": tuple(config["image_mean"]) if config.get("image_mean") else None,
+            "image_std": tuple(config["image_std"]) if config.get("image_std") else None,
+        }
         return cls(**{k: v for k, v in values.items() if v is not None})
 
 
@@ -58,8 +63,11 @@ VIDEO_KEYS = ("fps", "min_frames", "max_frames", "min_pixels", "max_pixels")
 def with_video_settings(config: dict, video: dict) -> dict:
     """A video processor config (video_preprocessor_config.json) with `video`'s settings."""
     config = {**config, **{k: v for k, v in video.items() if k in ("fps", "min_frames", "max_frames")}}
-    size = {**config.get("size", {}), **({"shortest_edge": video["min_pixels"]} if "min_pixels" in video else {}),
-            **({"longest_edge": video["max_pixels"]} if "max_pixels" in video else {})}
+    size = {
+        **config.get("size", {}),
+        **({"shortest_edge": video["min_pixels"]} if "min_pixels" in video else {}),
+        **({"longest_edge": video["max_pixels"]} if "max_pixels" in video else {}),
+    }
     return {**config, "size": size} if size else config
 
 
@@ -78,8 +86,16 @@ class VideoInfo:
 
 
 # FFmpeg's demuxer names -> a file name extension for the shard part.
-CONTAINER_EXTENSIONS = {"mov,mp4,m4a,3gp,3g2,mj2": "mp4", "matroska,webm": "mkv", "avi": "avi", "mpegts": "ts",
-                        "flv": "flv", "ogg": "ogv", "gif": "gif", "mpeg": "mpg"}
+CONTAINER_EXTENSIONS = {
+    "mov,mp4,m4a,3gp,3g2,mj2": "mp4",
+    "matroska,webm": "mkv",
+    "avi": "avi",
+    "mpegts": "ts",
+    "flv": "flv",
+    "ogg": "ogv",
+    "gif": "gif",
+    "mpeg": "mpg",
+}
 
 
 def probe(data: bytes) -> VideoInfo:
@@ -102,8 +118,10 @@ def probe(data: bytes) -> VideoInfo:
                 if packet.size:
                     packets += 1
                     if packet.pts is not None:
-                        end = max(end, float((packet.pts - (stream.start_time or 0) + (packet.duration or 0))
-                                             * stream.time_base))
+                        end = max(
+                            end,
+                            float((packet.pts - (stream.start_time or 0) + (packet.duration or 0)) * stream.time_base),
+                        )
             frames = stream.frames or packets
             if packets < frames:
                 raise BadSample("truncated_video", f"{packets} of the {frames} frames the container records are there")
@@ -111,15 +129,22 @@ def probe(data: bytes) -> VideoInfo:
             # span against the duration its header records (only for video alone: audio may run on).
             recorded = (container.duration or 0) / 1e6
             if not stream.frames and len(container.streams) == 1 and end < 0.9 * recorded:
-                raise BadSample("truncated_video", f"its frames span {end:.2f} s of the {recorded:.2f} s the container records")
-            duration = (float(stream.duration * stream.time_base) if stream.duration
-                        else frames / float(rate))
+                raise BadSample(
+                    "truncated_video", f"its frames span {end:.2f} s of the {recorded:.2f} s the container records"
+                )
+            duration = float(stream.duration * stream.time_base) if stream.duration else frames / float(rate)
             extension = CONTAINER_EXTENSIONS.get(container.format.name, container.format.name.split(",")[0])
             if extension == "mkv" and stream.codec_context.name in ("vp8", "vp9", "av1"):
                 extension = "webm"
-            info = VideoInfo(frames=frames, fps=float(rate), duration_s=duration, width=stream.codec_context.width,
-                             height=stream.codec_context.height, codec=stream.codec_context.name,
-                             container=extension)
+            info = VideoInfo(
+                frames=frames,
+                fps=float(rate),
+                duration_s=duration,
+                width=stream.codec_context.width,
+                height=stream.codec_context.height,
+                codec=stream.codec_context.name,
+                container=extension,
+            )
     except BadSample:
         raise
     except Exception as e:  # FFmpeg's errors come in many types
@@ -198,7 +223,10 @@ def frame_size(num_frames: int, height: int, width: int, s: VideoSettings) -> tu
     t = round(num_frames / temporal) * temporal
     if t * h * w > s.max_pixels:
         beta = math.sqrt(num_frames * height * width / s.max_pixels)
-        h, w = max(factor, math.floor(height / beta / factor) * factor), max(factor, math.floor(width / beta / factor) * factor)
+        h, w = (
+            max(factor, math.floor(height / beta / factor) * factor),
+            max(factor, math.floor(width / beta / factor) * factor),
+        )
     elif t * h * w < s.min_pixels:
         beta = math.sqrt(s.min_pixels / (num_frames * height * width))
         h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
@@ -218,7 +246,9 @@ def video_prompt(grid_thw: tuple[int, int, int], timestamps: list[float], merge_
     the group's video tokens, vision end. `tokens`: the strings of video, vision_start, vision_end."""
     t, h, w = grid_thw
     group = tokens["video"] * (h * w // merge_size**2)
-    return "".join(f"<{timestamps[i]:.1f} seconds>{tokens['vision_start']}{group}{tokens['vision_end']}" for i in range(t))
+    return "".join(
+        f"<{timestamps[i]:.1f} seconds>{tokens['vision_start']}{group}{tokens['vision_end']}" for i in range(t)
+    )
 
 
 def decode_frames(data: bytes, indices: list[int]) -> torch.Tensor:
@@ -285,8 +315,9 @@ def clip_patches(meta: dict, parts: list[bytes], plan: VideoPlan, s: VideoSettin
     return video_patches(resize_frames(clip_frames(meta, parts, plan.indices), *plan.size), s)
 
 
-def encode_clip(frames, rate, codec: str = "libx264", container: str = "mp4", pix_fmt: str = "yuv420p",
-                rotation: int | None = None) -> bytes:
+def encode_clip(
+    frames, rate, codec: str = "libx264", container: str = "mp4", pix_fmt: str = "yuv420p", rotation: int | None = None
+) -> bytes:
     """RGB uint8 frames (each H x W x 3) encoded as a video file at `rate` frames a second. FFmpeg's
     own encoders (mpeg4, mjpeg) give the same bytes for the same frames; libx264 does not always."""
     import av

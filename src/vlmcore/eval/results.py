@@ -23,13 +23,32 @@ def results_table(result: dict) -> pd.DataFrame:
                 continue
             metric, filter_name = key.split(",", 1)
             stderr = metrics.get(f"{metric}_stderr,{filter_name}")
-            rows.append({"task": task, "subset": "", "metric": metric, "filter": filter_name, "value": float(value),
-                         "stderr": stderr if isinstance(stderr, (int, float)) else None,
-                         "chance": chance if metric in ("acc", "acc_norm") else None, "n_samples": n_samples})
+            rows.append(
+                {
+                    "task": task,
+                    "subset": "",
+                    "metric": metric,
+                    "filter": filter_name,
+                    "value": float(value),
+                    "stderr": stderr if isinstance(stderr, (int, float)) else None,
+                    "chance": chance if metric in ("acc", "acc_norm") else None,
+                    "n_samples": n_samples,
+                }
+            )
     for task, kinds in result.get("breakdown", {}).items():
         for kind, figures in kinds.items():
-            rows.append({"task": task, "subset": kind, "metric": figures["metric"], "filter": "none", "value": figures["value"],
-                         "stderr": None, "chance": figures["chance"], "n_samples": figures["n"]})
+            rows.append(
+                {
+                    "task": task,
+                    "subset": kind,
+                    "metric": figures["metric"],
+                    "filter": "none",
+                    "value": figures["value"],
+                    "stderr": None,
+                    "chance": figures["chance"],
+                    "n_samples": figures["n"],
+                }
+            )
     return pd.DataFrame(rows, columns=COLUMNS)
 
 

@@ -53,26 +53,54 @@ def chance_and_breakdown(samples: list[dict]) -> tuple[float | None, dict]:
         kind = sample["doc"].get("kind") if isinstance(sample["doc"], dict) else None
         if kind and metric:
             by_kind.setdefault(kind, []).append((sample[metric], chance))
-    breakdown = {kind: {"metric": metric, "value": sum(v for v, _ in rows) / len(rows),
-                        "chance": sum(c for _, c in rows) / len(rows) if metric == "acc" else None, "n": len(rows)}
-                 for kind, rows in sorted(by_kind.items())}
+    breakdown = {
+        kind: {
+            "metric": metric,
+            "value": sum(v for v, _ in rows) / len(rows),
+            "chance": sum(c for _, c in rows) / len(rows) if metric == "acc" else None,
+            "n": len(rows),
+        }
+        for kind, rows in sorted(by_kind.items())
+    }
     return (sum(chances) / len(chances) if metric == "acc" else None), breakdown
 
 
-def evaluate(model_dir, tasks: list[str], out, vqa_data=None, limit=None, batch_size: int = 8, device: str = "cpu",
-             dtype: str = "auto", include_path=(), apply_chat_template: bool = False, num_fewshot=None) -> dict:
+def evaluate(
+    model_dir,
+    tasks: list[str],
+    out,
+    vqa_data=None,
+    limit=None,
+    batch_size: int = 8,
+    device: str = "cpu",
+    dtype: str = "auto",
+    include_path=(),
+    apply_chat_template: bool = False,
+    num_fewshot=None,
+) -> dict:
     """Runs lm-eval and writes EVAL_DIR/results.json, results.csv and samples_<task>.jsonl."""
     model_dir, out = Path(model_dir).resolve(), Path(out)
     model = "vlmcore-vlm" if is_vision_language(model_dir) else "hf"
     if set(DEMO_TASKS) & set(tasks) and vqa_data is None:
-        raise ValueError(f"tasks {', '.join(DEMO_TASKS)} need --vqa-data (the raw/eval.jsonl written by `vlmcore synth`)")
+        raise ValueError(
+            f"tasks {', '.join(DEMO_TASKS)} need --vqa-data (the raw/eval.jsonl written by `vlmcore synth`)"
+        )
     # Task metadata reaches the bundled tasks' loaders (demo_vqa reads `vqa_data`).
     metadata = {"vqa_data": str(Path(vqa_data).resolve())} if vqa_data else {}
     task_manager = TaskManager(include_path=[str(BUNDLED_TASKS), *map(str, include_path)], metadata=metadata)
     result = lm_eval.simple_evaluate(
-        model=model, model_args={"pretrained": str(model_dir), "dtype": dtype}, tasks=tasks, num_fewshot=num_fewshot,
-        batch_size=batch_size, device=device, limit=limit, task_manager=task_manager,
-        apply_chat_template=apply_chat_template, log_samples=True, bootstrap_iters=1000)
+        model=model,
+        model_args={"pretrained": str(model_dir), "dtype": dtype},
+        tasks=tasks,
+        num_fewshot=num_fewshot,
+        batch_size=batch_size,
+        device=device,
+        limit=limit,
+        task_manager=task_manager,
+        apply_chat_template=apply_chat_template,
+        log_samples=True,
+        bootstrap_iters=1000,
+    )
     samples = result.pop("samples")
     result["lm_eval_model"] = model
     figures = {task: chance_and_breakdown(task_samples) for task, task_samples in samples.items()}
@@ -94,17 +122,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from vlmcore.cli import existing_dir, existing_file, non_negative_int, positive_int
 
     parser.add_argument("--model", required=True, type=existing_dir, help="exported HF directory (vlmcore export)")
-    parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task names (e.g. demo_vqa,arc_challenge)")
+    parser.add_argument(
+        "--tasks", required=True, help="comma-separated lm-eval task names (e.g. demo_vqa,arc_challenge)"
+    )
     parser.add_argument("--out", required=True, help="output directory (results.json, results.csv, samples)")
-    parser.add_argument("--vqa-data", type=existing_file, help="raw/eval.jsonl of the demo, for the tasks " + ", ".join(DEMO_TASKS))
+    parser.add_argument(
+        "--vqa-data", type=existing_file, help="raw/eval.jsonl of the demo, for the tasks " + ", ".join(DEMO_TASKS)
+    )
     parser.add_argument("--limit", type=positive_int, help="at most this many examples per task")
     parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:0, ...")
     parser.add_argument("--dtype", default="auto", help="model dtype (auto = as saved, float32, bfloat16)")
     parser.add_argument("--num-fewshot", type=non_negative_int, help="few-shot examples (default: each task's own)")
-    parser.add_argument("--include-path", action="append", default=[], type=existing_dir, help="extra directory of lm-eval task YAMLs (repeatable)")
-    parser.add_argument("--apply-chat-template", action="store_true",
-                        help="render every task through the chat template (image tasks always use it)")
+    parser.add_argument(
+        "--include-path",
+        action="append",
+        default=[],
+        type=existing_dir,
+        help="extra directory of lm-eval task YAMLs (repeatable)",
+    )
+    parser.add_argument(
+        "--apply-chat-template",
+        action="store_true",
+        help="render every task through the chat template (image tasks always use it)",
+    )
 
 
 def run(args) -> int:
@@ -114,9 +155,21 @@ def run(args) -> int:
     if not tasks:
         raise UsageError(f"--tasks: no task names in {args.tasks!r}")
     if set(DEMO_TASKS) & set(tasks) and args.vqa_data is None:
-        raise UsageError(f"--vqa-data: required by the tasks {', '.join(DEMO_TASKS)} (raw/eval.jsonl of `vlmcore synth`)")
-    result = evaluate(args.model, tasks, args.out, vqa_data=args.vqa_data, limit=args.limit, batch_size=args.batch_size,
-                      device=args.device, dtype=args.dtype, include_path=args.include_path,
-                      apply_chat_template=args.apply_chat_template, num_fewshot=args.num_fewshot)
+        raise UsageError(
+            f"--vqa-data: required by the tasks {', '.join(DEMO_TASKS)} (raw/eval.jsonl of `vlmcore synth`)"
+        )
+    result = evaluate(
+        args.model,
+        tasks,
+        args.out,
+        vqa_data=args.vqa_data,
+        limit=args.limit,
+        batch_size=args.batch_size,
+        device=args.device,
+        dtype=args.dtype,
+        include_path=args.include_path,
+        apply_chat_template=args.apply_chat_template,
+        num_fewshot=args.num_fewshot,
+    )
     print(results_table(result).to_string(index=False))
     return 0

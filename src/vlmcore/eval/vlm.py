@@ -59,8 +59,10 @@ def user_turn(context: str, num_images: int, num_videos: int = 0) -> list[dict]:
         if tag not in context:
             context = tag * count + context
         if context.count(tag) != count:
-            raise ValueError(f"context has {context.count(tag)} {tag} placeholders but the request has "
-                             f"{count} {'videos' if tag == VIDEO_PLACEHOLDER else 'images'}: {context!r}")
+            raise ValueError(
+                f"context has {context.count(tag)} {tag} placeholders but the request has "
+                f"{count} {'videos' if tag == VIDEO_PLACEHOLDER else 'images'}: {context!r}"
+            )
     return to_chat_messages([{"role": "user", "content": context}])
 
 
@@ -83,8 +85,8 @@ class VisionLanguageLM(HFMultimodalLM):
         results = [None] * len(rows)
         batch_size = int(self.batch_size)
         for start in tqdm(range(0, len(order), batch_size), disable=disable_tqdm, desc="vlmcore-vlm loglikelihood"):
-            batch = [rows[i] for i in order[start:start + batch_size]]
-            for i, result in zip(order[start:start + batch_size], self.score_batch(batch)):
+            batch = [rows[i] for i in order[start : start + batch_size]]
+            for i, result in zip(order[start : start + batch_size], self.score_batch(batch)):
                 results[i] = result
                 self.cache_hook.add_partial("loglikelihood", requests[i].args[:2], result)
         return results
@@ -93,8 +95,9 @@ class VisionLanguageLM(HFMultimodalLM):
         """The context as a chat-templated user turn, unless lm-eval has applied the template already."""
         if self.chat_applied:
             return context
-        return self.processor.apply_chat_template(user_turn(context, num_images, num_videos),
-                                                  add_generation_prompt=True, tokenize=False)
+        return self.processor.apply_chat_template(
+            user_turn(context, num_images, num_videos), add_generation_prompt=True, tokenize=False
+        )
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         templated = []
@@ -102,9 +105,13 @@ class VisionLanguageLM(HFMultimodalLM):
             if len(request.args) == 3:
                 context, gen_kwargs, aux = request.args
                 if any(isinstance(v, VideoClip) for v in aux.get("visual") or []):
-                    raise ValueError("vlmcore-vlm scores videos in multiple-choice tasks only; "
-                                     f"generation with a video was asked for: {context!r}")
-                request = dataclasses.replace(request, arguments=(self.chat_prompt(context, len(aux.get("visual") or [])), gen_kwargs, aux))
+                    raise ValueError(
+                        "vlmcore-vlm scores videos in multiple-choice tasks only; "
+                        f"generation with a video was asked for: {context!r}"
+                    )
+                request = dataclasses.replace(
+                    request, arguments=(self.chat_prompt(context, len(aux.get("visual") or [])), gen_kwargs, aux)
+                )
             templated.append(request)
         return super().generate_until(templated, disable_tqdm=disable_tqdm)
 
@@ -126,8 +133,11 @@ class VisionLanguageLM(HFMultimodalLM):
             raise ValueError(f"empty continuation after context {context!r}")
         context_ids = encoding["input_ids"][0].tolist()
         row = {key: value for key, value in encoding.items() if key in VISUAL_KEYS}
-        row.update(input_ids=context_ids + continuation_ids, attention_mask=[1] * (len(context_ids) + len(continuation_ids)),
-                   continuation_start=len(context_ids))
+        row.update(
+            input_ids=context_ids + continuation_ids,
+            attention_mask=[1] * (len(context_ids) + len(continuation_ids)),
+            continuation_start=len(context_ids),
+        )
         if "mm_token_type_ids" in encoding:
             row["mm_token_type_ids"] = encoding["mm_token_type_ids"][0].tolist() + [0] * len(continuation_ids)
         return row
@@ -139,11 +149,15 @@ class VisionLanguageLM(HFMultimodalLM):
         grids = [tuple(g) for g in out["image_grid_thw"].tolist()] if images else []
         plans, pixels = zip(*map(self.clip_inputs, videos))
         input_ids = self.tokenizer(encoder.expand_visual_tokens(prompt, grids, plans))["input_ids"]
-        return {**out, "input_ids": torch.tensor([input_ids]), "pixel_values_videos": torch.cat(pixels),
-                "video_grid_thw": torch.tensor([plan.grid for plan in plans]),
-                "mm_token_type_ids": torch.tensor(self.processor.create_mm_token_type_ids([input_ids]))}
+        return {
+            **out,
+            "input_ids": torch.tensor([input_ids]),
+            "pixel_values_videos": torch.cat(pixels),
+            "video_grid_thw": torch.tensor([plan.grid for plan in plans]),
+            "mm_token_type_ids": torch.tensor(self.processor.create_mm_token_type_ids([input_ids])),
+        }
 
-    @functools.lru_cache(maxsize=32)  # a multiple-choice question asks once per choice
+    @functools.lru_cache(maxsize=32)  # noqa: B019 (one model lives for the whole evaluation) a multiple-choice question asks once per choice
     def clip_inputs(self, clip: VideoClip):
         """The clip's VideoPlan and its pixel_values_videos, as the training data has them."""
         encoder = self.sample_encoder
@@ -167,8 +181,10 @@ class VisionLanguageLM(HFMultimodalLM):
         def left_padded(key, value):
             return torch.tensor([[value] * (length - len(row[key])) + row[key] for row in batch], device=self.device)
 
-        inputs = {"input_ids": left_padded("input_ids", self.tokenizer.pad_token_id),
-                  "attention_mask": left_padded("attention_mask", 0)}
+        inputs = {
+            "input_ids": left_padded("input_ids", self.tokenizer.pad_token_id),
+            "attention_mask": left_padded("attention_mask", 0),
+        }
         if all("mm_token_type_ids" in row for row in batch):
             inputs["mm_token_type_ids"] = left_padded("mm_token_type_ids", 0)
         for key in VISUAL_KEYS:
@@ -178,8 +194,8 @@ class VisionLanguageLM(HFMultimodalLM):
         logits = self.model(**inputs, logits_to_keep=keep).logits
         results = []
         for b, row in enumerate(batch):
-            targets = torch.tensor(row["input_ids"][row["continuation_start"]:], device=self.device)
-            log_probs = F.log_softmax(logits[b, keep - 1 - len(targets):keep - 1].float(), dim=-1)
+            targets = torch.tensor(row["input_ids"][row["continuation_start"] :], device=self.device)
+            log_probs = F.log_softmax(logits[b, keep - 1 - len(targets) : keep - 1].float(), dim=-1)
             score = log_probs.gather(-1, targets[:, None]).sum().item()
             greedy = bool((log_probs.argmax(-1) == targets).all())
             results.append((score, greedy))

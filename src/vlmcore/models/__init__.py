@@ -21,8 +21,16 @@ from .parts import ModelOutput
 from .qwen3 import text_position_ids
 from .qwen3_vl import mrope_position_ids
 
-__all__ = ["ModelOutput", "build_model", "from_pretrained", "load_hf_config", "load_hf_weights", "position_ids",
-           "save_pretrained", "use_backends"]
+__all__ = [
+    "ModelOutput",
+    "build_model",
+    "from_pretrained",
+    "load_hf_config",
+    "load_hf_weights",
+    "position_ids",
+    "save_pretrained",
+    "use_backends",
+]
 
 
 def load_hf_config(path) -> PretrainedConfig:

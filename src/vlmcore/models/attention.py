@@ -38,14 +38,17 @@ def adapt_varlen_kernel(kernel):
     """
     params = inspect.signature(kernel).parameters
     if "softmax_scale" in params:  # flash-attn
+
         def call(q, k, v, cu_seqlens, max_seqlen, causal, scale):
-            out = kernel(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale,
-                         causal=causal)
+            out = kernel(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale, causal=causal)
             return out[0] if isinstance(out, tuple) else out  # some releases also return the lse
+
         return call
     if "is_causal" not in params and "window_size" not in params:
-        raise TypeError(f"{getattr(kernel, '__module__', '')}.{kernel.__name__}{inspect.signature(kernel)}: "
-                        "not a known varlen attention signature")
+        raise TypeError(
+            f"{getattr(kernel, '__module__', '')}.{kernel.__name__}{inspect.signature(kernel)}: "
+            "not a known varlen attention signature"
+        )
     has_gqa, has_scale = "enable_gqa" in params, "scale" in params
 
     def call(q, k, v, cu_seqlens, max_seqlen, causal, scale):
@@ -65,6 +68,7 @@ def adapt_varlen_kernel(kernel):
         else:
             extra["is_causal"] = causal
         return kernel(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **extra)
+
     return call
 
 
@@ -113,7 +117,11 @@ def segment_sdpa(q, k, v, cu_seqlens, causal, scale):
 
 def sdpa(q, k, v, causal, scale):
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        is_causal=causal, scale=scale, enable_gqa=k.shape[2] != q.shape[2],
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=k.shape[2] != q.shape[2],
     )
     return out.transpose(1, 2)

@@ -83,9 +83,11 @@ def stored_format(model_type: str, model_tensors, snapshot=None) -> str:
         if family == "per_expert":
             return "fused"
         for storage in dict.fromkeys((family, "fused")):
-            if all(n in snapshot and tuple(snapshot[n][0]) == shape
-                   for name, memory_shape in experts.items()
-                   for n, shape in disk_tensors(name, memory_shape, storage).items()):
+            if all(
+                n in snapshot and tuple(snapshot[n][0]) == shape
+                for name, memory_shape in experts.items()
+                for n, shape in disk_tensors(name, memory_shape, storage).items()
+            ):
                 return storage
         return family
     if f"{_FUSED.match(first).group(1)}.0.down_proj.weight" in snapshot:
@@ -102,7 +104,11 @@ def disk_tensors(name: str, shape, storage: str) -> dict[str, tuple[int, ...]]:
     if storage == "fused_transposed":
         return {name: (experts, cols, rows)}
     if kind == "gate_up_proj":
-        return {f"{prefix}.{e}.{proj}.weight": (rows // 2, cols) for e in range(experts) for proj in ("gate_proj", "up_proj")}
+        return {
+            f"{prefix}.{e}.{proj}.weight": (rows // 2, cols)
+            for e in range(experts)
+            for proj in ("gate_proj", "up_proj")
+        }
     return {f"{prefix}.{e}.down_proj.weight": (rows, cols) for e in range(experts)}
 
 

@@ -80,8 +80,10 @@ def moe_active_params(text) -> int:
 def mlp_params(text) -> int:
     """Matmul weights of the MLPs of all layers one token goes through: dense 3 * H * I, or the
     active part of a MoE block."""
-    return sum(moe_active_params(text) if is_sparse_layer(text, layer) else 3 * text.hidden_size * text.intermediate_size
-               for layer in range(text.num_hidden_layers))
+    return sum(
+        moe_active_params(text) if is_sparse_layer(text, layer) else 3 * text.hidden_size * text.intermediate_size
+        for layer in range(text.num_hidden_layers)
+    )
 
 
 def llm_matmul_params(config) -> int:
@@ -115,8 +117,11 @@ def attention_flops_per_pair(config) -> float:
 def llm_flops_per_token(config, seq_len: int) -> float:
     """6 * N + 12 * layers * heads * head_dim * seq_len (+ the linear-attention layers' delta
     rule) for a token of a `seq_len`-token segment."""
-    return (6.0 * llm_matmul_params(config) + linear_attention_flops_per_token(config)
-            + attention_flops_per_pair(config) * seq_len)
+    return (
+        6.0 * llm_matmul_params(config)
+        + linear_attention_flops_per_token(config)
+        + attention_flops_per_pair(config) * seq_len
+    )
 
 
 def llm_flops(config, seq_lens) -> float:

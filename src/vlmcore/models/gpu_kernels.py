@@ -26,4 +26,3 @@ class GpuKernel:
             return False
         half = x.dtype in (torch.bfloat16, torch.float16)
         return self.force or (x.is_cuda and (half or not half_precision_only))
-

@@ -28,13 +28,30 @@ from .expert_storage import disk_tensors, is_expert_tensor, read_block, stored_f
 
 # Files of a snapshot that belong to the tokenizer / processor and travel with the weights.
 SIDE_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
-    "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
     "generation_config.json",
 )
-SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
-                      "I64": "int64", "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+SAFETENSORS_DTYPES = {
+    "F32": "float32",
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F64": "float64",
+    "I64": "int64",
+    "I32": "int32",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
 
 
 def snapshot_tensor_info(path) -> dict[str, tuple[tuple[int, ...], torch.dtype, Path]]:
@@ -45,7 +62,7 @@ def snapshot_tensor_info(path) -> dict[str, tuple[tuple[int, ...], torch.dtype, 
     info = {}
     for file in files:
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():
+            for name in f:
                 tensor_slice = f.get_slice(name)
                 dtype = getattr(torch, SAFETENSORS_DTYPES[tensor_slice.get_dtype()])
                 info[name] = (tuple(tensor_slice.get_shape()), dtype, file)
@@ -75,10 +92,15 @@ def load_hf_weights(model, path) -> None:
     names = {n for n in headers if not n.startswith(ignored) and not (tied and n == "lm_head.weight")}
     missing, unexpected = sorted(set(expected) - names), sorted(names - set(expected))
     if missing or unexpected:
-        raise ValueError(f"{path}: weights do not match the {model.config.model_type} model: "
-                         f"missing {missing}, unexpected {unexpected}")
-    mismatched = [f"{n}: checkpoint {headers[n][0]} vs model {shape}" for n, shape in sorted(expected.items())
-                  if headers[n][0] != shape]
+        raise ValueError(
+            f"{path}: weights do not match the {model.config.model_type} model: "
+            f"missing {missing}, unexpected {unexpected}"
+        )
+    mismatched = [
+        f"{n}: checkpoint {headers[n][0]} vs model {shape}"
+        for n, shape in sorted(expected.items())
+        if headers[n][0] != shape
+    ]
     if mismatched:
         raise ValueError(f"{path}: tensors with the wrong shape: {mismatched}")
     if state:

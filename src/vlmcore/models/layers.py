@@ -18,13 +18,23 @@ class VisualTokens:
     then videos: each frame group attends only to itself, so the pass equals one per kind), and
     where the tower's output rows go: the image tokens, then the video tokens, each in order."""
 
-    def __init__(self, config, input_ids, pixel_values, image_grid_thw, pixel_values_videos=None,
-                 video_grid_thw=None, selection=None):
+    def __init__(
+        self,
+        config,
+        input_ids,
+        pixel_values,
+        image_grid_thw,
+        pixel_values_videos=None,
+        video_grid_thw=None,
+        selection=None,
+    ):
         """`selection`: context parallelism (vlmcore.data.batch.Batch.context_chunk): per kind, the
         indices of the tower's output rows at the tokens of `input_ids`, a chunk of the rows; None: all."""
         merge = config.vision_config.spatial_merge_size
-        kinds = [("image", config.image_token_id, pixel_values, grid_list(image_grid_thw)),
-                 ("video", getattr(config, "video_token_id", None), pixel_values_videos, grid_list(video_grid_thw))]
+        kinds = [
+            ("image", config.image_token_id, pixel_values, grid_list(image_grid_thw)),
+            ("video", getattr(config, "video_token_id", None), pixel_values_videos, grid_list(video_grid_thw)),
+        ]
         kinds = [k for k in kinds if k[2] is not None]
         if any(token is None for _, token, _, _ in kinds):
             raise ValueError(f"{config.model_type} has no video_token_id: it takes no pixel_values_videos")
@@ -47,11 +57,15 @@ class VisualTokens:
             if check and h.device.type == "cpu":
                 n_tokens = int(mask.sum())
                 if n_tokens != part.shape[0]:
-                    raise ValueError(f"input_ids has {n_tokens} {kind} tokens but the {kind}s give {part.shape[0]} "
-                                     f"features ({kind}_grid_thw {grids})")
+                    raise ValueError(
+                        f"input_ids has {n_tokens} {kind} tokens but the {kind}s give {part.shape[0]} "
+                        f"features ({kind}_grid_thw {grids})"
+                    )
             elif check:
-                torch._assert_async(mask.sum() == part.shape[0],
-                                    f"input_ids and {kind}_grid_thw disagree on the number of {kind} tokens")
+                torch._assert_async(
+                    mask.sum() == part.shape[0],
+                    f"input_ids and {kind}_grid_thw disagree on the number of {kind} tokens",
+                )
             h = h.masked_scatter(mask[..., None], part.to(h.dtype))
         return h
 
@@ -120,7 +134,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def rope_inv_freq(rope_parameters: dict, rot_dim: int, where: str, rope_type: str = "default") -> torch.Tensor:
     """Inverse frequencies of the plain (unscaled) RoPE over `rot_dim` channels."""
     if rope_parameters.get("rope_type", "default") != rope_type:
-        raise ValueError(f"{where}: rope_type {rope_parameters.get('rope_type')!r} is not supported (only {rope_type!r})")
+        raise ValueError(
+            f"{where}: rope_type {rope_parameters.get('rope_type')!r} is not supported (only {rope_type!r})"
+        )
     theta = rope_parameters["rope_theta"]
     return 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float) / rot_dim))
 

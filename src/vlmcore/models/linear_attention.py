@@ -81,8 +81,9 @@ def _prepare(q, k, v, g, beta, use_qk_l2norm):
     return q * q.shape[-1] ** -0.5, k, v, g, beta
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, use_qk_l2norm=True, chunk_size=CHUNK_SIZE,
-                           bound_chunks: bool | None = None):
+def chunk_gated_delta_rule(
+    q, k, v, g, beta, cu_seqlens, use_qk_l2norm=True, chunk_size=CHUNK_SIZE, bound_chunks: bool | None = None
+):
     """Gated delta rule by chunks: exact within a chunk by a triangular solve, a scan across chunks.
 
     q, k (T, H, Dk), v (T, H, Dv), g and beta (T, H) -> (T, H, Dv) in v's dtype.
@@ -137,8 +138,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, use_qk_l2norm=True, chu
     out = []
     # Per-chunk views by unbind: its backward is one stack, where indexing chunk n would give
     # every chunk's gradient a full-size zero tensor of its own.
-    per_chunk = zip(keep_state.unbind(0), u.unbind(1), w.unbind(1), q_decayed.unbind(1), intra.unbind(1),
-                    chunk_decay.unbind(1), k_to_end.transpose(-1, -2).unbind(1))
+    per_chunk = zip(
+        keep_state.unbind(0),
+        u.unbind(1),
+        w.unbind(1),
+        q_decayed.unbind(1),
+        intra.unbind(1),
+        chunk_decay.unbind(1),
+        k_to_end.transpose(-1, -2).unbind(1),
+    )
     for keep, u_n, w_n, q_n, intra_n, decay_n, k_n in per_chunk:
         state = state * keep
         u_n = u_n - w_n @ state
@@ -174,15 +182,26 @@ def adapt_fla_kernel(kernel):
     params = inspect.signature(kernel).parameters
     for name in ("g", "beta", "cu_seqlens", "use_qk_l2norm_in_kernel"):
         if name not in params:
-            raise TypeError(f"{kernel.__module__}.{kernel.__name__}{inspect.signature(kernel)}: no argument {name!r}; "
-                            "not a known fla chunk_gated_delta_rule signature")
+            raise TypeError(
+                f"{kernel.__module__}.{kernel.__name__}{inspect.signature(kernel)}: no argument {name!r}; "
+                "not a known fla chunk_gated_delta_rule signature"
+            )
     takes_host_bounds = "cu_seqlens_cpu" in params
 
     def call(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, cu_seqlens_cpu=None):
         extra = {"cu_seqlens_cpu": cu_seqlens_cpu.long()} if takes_host_bounds and cu_seqlens_cpu is not None else {}
-        out, _ = kernel(q[None], k[None], v[None], g=g[None].float(), beta=beta[None], cu_seqlens=cu_seqlens.long(),
-                        use_qk_l2norm_in_kernel=use_qk_l2norm, **extra)
+        out, _ = kernel(
+            q[None],
+            k[None],
+            v[None],
+            g=g[None].float(),
+            beta=beta[None],
+            cu_seqlens=cu_seqlens.long(),
+            use_qk_l2norm_in_kernel=use_qk_l2norm,
+            **extra,
+        )
         return out[0]
+
     return call
 
 

@@ -39,8 +39,10 @@ GROUP_ALIGN = 8
 
 def _grouped_mm_adapter(kernel):
     """`torch._grouped_mm(mat_a (N, K), mat_b (E, K, M), offs=(E,) int32 ends)` -> (N, M)."""
+
     def call(x, weight_t, offsets):
         return kernel(x, weight_t, offs=offsets)
+
     return call
 
 
@@ -99,8 +101,7 @@ def _grouped_forward(x, counts, gate_up, down):
     padded = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
     ends = padded.cumsum(0)
     starts = ends - padded
-    expert_of_row = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts,
-                                            output_size=x.shape[0])
+    expert_of_row = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts, output_size=x.shape[0])
     row_in_expert = torch.arange(x.shape[0], device=x.device) - (counts.cumsum(0) - counts)[expert_of_row]
     slot = starts[expert_of_row] + row_in_expert
     capacity = x.shape[0] + len(counts) * (GROUP_ALIGN - 1)
@@ -143,8 +144,9 @@ class LocalDispatch:
 class SparseMoeBlock(nn.Module):
     """Router + experts (+ Qwen3.5's gated shared expert), transformers' module names."""
 
-    def __init__(self, dim: int, num_experts: int, top_k: int, hidden_dim: int, norm_topk_prob: bool,
-                 shared_hidden_dim: int = 0):
+    def __init__(
+        self, dim: int, num_experts: int, top_k: int, hidden_dim: int, norm_topk_prob: bool, shared_hidden_dim: int = 0
+    ):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.gate = TopKRouter(num_experts, dim, top_k, norm_topk_prob)
@@ -166,7 +168,8 @@ class SparseMoeBlock(nn.Module):
         flat_experts = experts.reshape(-1)
         # scatter_add, not bincount: a fixed output shape, no host sync, fake-tensor friendly.
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(
-            0, flat_experts, torch.ones_like(flat_experts))
+            0, flat_experts, torch.ones_like(flat_experts)
+        )
         if self.routing is not None:
             self.routing.record(self, counts.detach(), probs.sum(dim=0), x.shape[0])
         # (token, k) pairs sorted by expert: stable, so tokens keep their order within an expert.
@@ -258,6 +261,11 @@ def feed_forward(config, layer_idx: int) -> nn.Module:
     and, by default, of Qwen3-(VL-)MoE), else the dense SwiGLU."""
     if not is_sparse_layer(config, layer_idx):
         return SwiGLU(config.hidden_size, config.intermediate_size)
-    return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
-                          norm_topk_prob=getattr(config, "norm_topk_prob", True),
-                          shared_hidden_dim=getattr(config, "shared_expert_intermediate_size", 0) or 0)
+    return SparseMoeBlock(
+        config.hidden_size,
+        config.num_experts,
+        config.num_experts_per_tok,
+        config.moe_intermediate_size,
+        norm_topk_prob=getattr(config, "norm_topk_prob", True),
+        shared_hidden_dim=getattr(config, "shared_expert_intermediate_size", 0) or 0,
+    )

@@ -134,9 +134,18 @@ class Qwen3ForCausalLM(TextModelParts, nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
-    def forward(self, input_ids, pixel_values=None, image_grid_thw=None, position_ids=None,
-                cu_seqlens=None, max_seqlen=None, return_hidden=False, pixel_values_videos=None,
-                video_grid_thw=None) -> ModelOutput:
+    def forward(
+        self,
+        input_ids,
+        pixel_values=None,
+        image_grid_thw=None,
+        position_ids=None,
+        cu_seqlens=None,
+        max_seqlen=None,
+        return_hidden=False,
+        pixel_values_videos=None,
+        video_grid_thw=None,
+    ) -> ModelOutput:
         if pixel_values is not None or pixel_values_videos is not None:
             raise ValueError(f"{self.name} is a text model: pixel_values and pixel_values_videos must be None")
         if position_ids is None:

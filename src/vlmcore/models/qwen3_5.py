@@ -146,8 +146,9 @@ class Qwen3_5TextModel(Qwen3TextModel):
 
     def decoder_layers(self, config):
         if len(config.layer_types) != config.num_hidden_layers:
-            raise ValueError(f"qwen3_5 text config: {len(config.layer_types)} layer_types for "
-                             f"{config.num_hidden_layers} layers")
+            raise ValueError(
+                f"qwen3_5 text config: {len(config.layer_types)} layer_types for {config.num_hidden_layers} layers"
+            )
         return (Qwen3_5DecoderLayer(config, t, i) for i, t in enumerate(config.layer_types))
 
     def rotary(self, position_ids, dtype):

@@ -123,8 +123,9 @@ class VisionModel(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
         self.merger = PatchMerger(config, postshuffle_norm=False)
         self.deepstack_visual_indexes = list(getattr(config, "deepstack_visual_indexes", []) or [])
-        self.deepstack_merger_list = nn.ModuleList(PatchMerger(config, postshuffle_norm=True)
-                                                   for _ in self.deepstack_visual_indexes)
+        self.deepstack_merger_list = nn.ModuleList(
+            PatchMerger(config, postshuffle_norm=True) for _ in self.deepstack_visual_indexes
+        )
 
     def position_embeddings(self, grids):
         """The learned (side, side) table resampled to each image's (h, w) grid, in patch order."""
@@ -155,7 +156,9 @@ class VisionModel(nn.Module):
         lengths = [h * w for t, h, w in grids for _ in range(t)]  # each frame of each image attends only to itself
         x = self.patch_embed(pixel_values)
         if x.shape[0] != sum(lengths):
-            raise ValueError(f"pixel_values has {x.shape[0]} patches but image_grid_thw {grids} describes {sum(lengths)}")
+            raise ValueError(
+                f"pixel_values has {x.shape[0]} patches but image_grid_thw {grids} describes {sum(lengths)}"
+            )
         x = x + self.position_embeddings(grids).to(x.dtype)
         cos, sin = self.rotary(grids, x.device)
         cu_seqlens = F.pad(torch.tensor(lengths, device=x.device).cumsum(0, dtype=torch.int32), (1, 0))
@@ -249,25 +252,44 @@ class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
     def position_ids(self, input_ids, image_grid_thw=None, cu_seqlens=None, video_grid_thw=None):
         return mrope_position_ids(self.config, input_ids, image_grid_thw, cu_seqlens, video_grid_thw)
 
-    def embed(self, input_ids, pixel_values, image_grid_thw, pixel_values_videos=None, video_grid_thw=None,
-              visual_selection=None):
+    def embed(
+        self,
+        input_ids,
+        pixel_values,
+        image_grid_thw,
+        pixel_values_videos=None,
+        video_grid_thw=None,
+        visual_selection=None,
+    ):
         """Token embeddings with image and video features scattered in; also where they went
         (VisualTokens) and the DeepStack features."""
         h = self.model.language_model.embed_tokens(input_ids)
         if pixel_values is None and pixel_values_videos is None:
             return h, None, []
-        visual = VisualTokens(self.config, input_ids, pixel_values, image_grid_thw, pixel_values_videos,
-                              video_grid_thw, visual_selection)
+        visual = VisualTokens(
+            self.config, input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, visual_selection
+        )
         embeds, deepstack = self.model.visual(visual.pixels, visual.grids)
         return visual.scatter(h, embeds), visual, deepstack
 
-    def forward(self, input_ids, pixel_values=None, image_grid_thw=None, position_ids=None,
-                cu_seqlens=None, max_seqlen=None, return_hidden=False, pixel_values_videos=None,
-                video_grid_thw=None, visual_selection=None) -> ModelOutput:
+    def forward(
+        self,
+        input_ids,
+        pixel_values=None,
+        image_grid_thw=None,
+        position_ids=None,
+        cu_seqlens=None,
+        max_seqlen=None,
+        return_hidden=False,
+        pixel_values_videos=None,
+        video_grid_thw=None,
+        visual_selection=None,
+    ) -> ModelOutput:
         """`visual_selection`: under context parallelism (vlmcore.parallel.cp) input_ids is a chunk
         of the rows and this says which features of the images and videos go to it."""
-        h, visual, deepstack = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
-                                          visual_selection)
+        h, visual, deepstack = self.embed(
+            input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, visual_selection
+        )
         if position_ids is None:
             position_ids = self.position_ids(input_ids, image_grid_thw, cu_seqlens, video_grid_thw)
         h = self.model.language_model(h, position_ids, cu_seqlens, max_seqlen, visual, deepstack)

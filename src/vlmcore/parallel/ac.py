@@ -10,11 +10,15 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_sel
 
 from vlmcore.parallel.compile import apply_compile
 
-_SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-             torch.ops.aten._scaled_dot_product_efficient_attention.default,
-             torch.ops.aten._scaled_dot_product_flash_attention.default,
-             torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
 # The varlen kernels' custom ops, where installed (torch >= 2.10; flash-attn >= 2.7).
 try:
     import torch.nn.attention.varlen  # noqa: F401  (registers torch_attn::_varlen_attn)
@@ -32,8 +36,10 @@ for _namespace, _op in (("torch_attn", "_varlen_attn"), ("flash_attn", "_flash_a
 # a changed graph ("record_function invocation index ... not found in storage", as reported for
 # torchtitan's FSDP + EP in pytorch/torchtitan#3427; pytorch/pytorch#196862 proposes this exclusion).
 # Added to torch's set when selective checkpointing is applied, not at import.
-_PROFILER_OPS = {torch.ops.profiler._record_function_enter_new.default,
-                 torch.ops.profiler._record_function_exit._RecordFunction}
+_PROFILER_OPS = {
+    torch.ops.profiler._record_function_enter_new.default,
+    torch.ops.profiler._record_function_exit._RecordFunction,
+}
 
 
 def _save_matmuls(ctx, op, *args, **kwargs):

@@ -17,7 +17,6 @@ image embeddings by 1 / language tp. (Not FSDP2's gradient divide factor: torch 
 twice on a mesh whose shard dimension has size 1, as under HSDP with dp_shard 1.)
 """
 
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -54,7 +53,7 @@ class VisionBridge:
         dist.all_gather(gathered, padded, group=self.group)
         start = sum(counts[i] for i in self.sources if i < self.own_source)
         self.rows = (start // self.merge**2, counts[self.own_source] // self.merge**2)
-        union = torch.cat([gathered[i][:counts[i]] for i in self.sources])
+        union = torch.cat([gathered[i][: counts[i]] for i in self.sources])
         return (union, [grid for i in self.sources for grid in all_grids[i]], *args[2:])
 
     def keep_own_rows(self, module, args, output):
@@ -66,6 +65,7 @@ class VisionBridge:
 
 def count_images_once(vision: nn.Module, copies: int) -> None:
     """Scales the gradient of the vision tower's outputs by 1 / `copies` (the language tp)."""
+
     def hook(module, args, output):
         embeds, deepstack = output
         for t in (embeds, *deepstack):

@@ -25,12 +25,16 @@ def check_run(cfg: TrainConfig, world_size: int, model_config=None) -> RunLayout
     # them resolves (the workflow plans it) but cannot run yet.
     for module in MODULES:
         if layout.disjoint and layout.grid(module).dims.tp > 1:
-            raise ConfigError(f"parallel.modules.{module}.tp: disjoint layouts (parallel.modules.*.ranks) with "
-                              f"tensor parallelism are not implemented yet; use tp 1", f"parallel.modules.{module}.tp")
+            raise ConfigError(
+                f"parallel.modules.{module}.tp: disjoint layouts (parallel.modules.*.ranks) with "
+                f"tensor parallelism are not implemented yet; use tp 1",
+                f"parallel.modules.{module}.tp",
+            )
     cp = layout.language.dims.cp
     if cp > 1 and cfg.data.kind == "random" and cfg.data.seq_len % cp:
-        raise ConfigError(f"parallel.cp: {cp} does not divide the rows' length (data.seq_len {cfg.data.seq_len})",
-                          "parallel.cp")
+        raise ConfigError(
+            f"parallel.cp: {cp} does not divide the rows' length (data.seq_len {cfg.data.seq_len})", "parallel.cp"
+        )
     if model_config is not None:
         check_model(cfg, layout, as_config(model_config))
     return layout
@@ -44,13 +48,17 @@ def grad_accum_steps(cfg: TrainConfig, layout: RunLayout) -> int:
     per_step = cfg.micro_batch_size * layout.data.dims.dp
     accum, rest = divmod(cfg.global_batch_rows, per_step)
     if rest or not accum:
-        raise ConfigError(f"global_batch_rows: {cfg.global_batch_rows} is not a multiple of micro_batch_size x "
-                          f"data-parallel ranks = {cfg.micro_batch_size} x {layout.data.dims.dp} = {per_step}",
-                          "global_batch_rows")
+        raise ConfigError(
+            f"global_batch_rows: {cfg.global_batch_rows} is not a multiple of micro_batch_size x "
+            f"data-parallel ranks = {cfg.micro_batch_size} x {layout.data.dims.dp} = {per_step}",
+            "global_batch_rows",
+        )
     if cfg.grad_accum_steps not in (1, accum):
-        raise ConfigError(f"grad_accum_steps: {cfg.grad_accum_steps} with global_batch_rows {cfg.global_batch_rows} "
-                          f"on {layout.data.dims.dp} data-parallel ranks (which makes it {accum}); set one of the two",
-                          "grad_accum_steps")
+        raise ConfigError(
+            f"grad_accum_steps: {cfg.grad_accum_steps} with global_batch_rows {cfg.global_batch_rows} "
+            f"on {layout.data.dims.dp} data-parallel ranks (which makes it {accum}); set one of the two",
+            "grad_accum_steps",
+        )
     return accum
 
 
@@ -67,7 +75,9 @@ def check_rows(cfg: TrainConfig, layout: RunLayout) -> None:
         raise ConfigError(
             f"micro_batch_size: the global micro-batch ({cfg.micro_batch_size} x {sizes['language']} language "
             f"data-parallel ranks = {rows} rows) is not divisible by {lcm}, the LCM of the module data-parallel "
-            f"sizes ({', '.join(f'{m} {n}' for m, n in sizes.items())})", "micro_batch_size")
+            f"sizes ({', '.join(f'{m} {n}' for m, n in sizes.items())})",
+            "micro_batch_size",
+        )
 
 
 def check_model(cfg: TrainConfig, layout: RunLayout, config) -> None:
@@ -76,11 +86,15 @@ def check_model(cfg: TrainConfig, layout: RunLayout, config) -> None:
     except ValueError as e:
         raise ConfigError(f"model_path: {e}", "model_path") from None
     if not model.vision and cfg.parallel.modules.vision != type(cfg.parallel.modules.vision)():
-        raise ConfigError(f"parallel.modules.vision: the {config.model_type} model has no vision tower",
-                          "parallel.modules.vision")
+        raise ConfigError(
+            f"parallel.modules.vision: the {config.model_type} model has no vision tower", "parallel.modules.vision"
+        )
     if layout.disjoint and model.experts:
-        raise ConfigError("parallel.modules.vision.ranks: disjoint layouts of a mixture-of-experts model are not "
-                          "supported yet (use colocated layouts)", "parallel.modules.vision.ranks")
+        raise ConfigError(
+            "parallel.modules.vision.ranks: disjoint layouts of a mixture-of-experts model are not "
+            "supported yet (use colocated layouts)",
+            "parallel.modules.vision.ranks",
+        )
     check_ep(config, layout.language.dims.ep)
     if layout.language.dims.cp > 1:
         check_cp_model(config, model, layout.language.dims.cp, layout.language.dims.tp)
@@ -98,8 +112,10 @@ def check_tp(config, tp: int) -> None:
     """The language model's heads, vocabulary and MLP split over `tp` ranks."""
     model = family(config)
     if not model.tensor_parallel:
-        raise ConfigError(f"parallel.tp: no tensor-parallel plan for model_type {config.model_type!r} "
-                          f"(supported: {', '.join(t for t, f in FAMILIES.items() if f.tensor_parallel)})")
+        raise ConfigError(
+            f"parallel.tp: no tensor-parallel plan for model_type {config.model_type!r} "
+            f"(supported: {', '.join(t for t, f in FAMILIES.items() if f.tensor_parallel)})"
+        )
     text = text_config(config)
     keys = ["num_attention_heads", "num_key_value_heads", "vocab_size"]
     if getattr(text, "intermediate_size", None) is not None:  # dense MLPs (absent on all-MoE Qwen3.5-MoE)
@@ -122,24 +138,30 @@ def check_cp_model(config, model, cp: int, tp: int = 1) -> None:
     for key in keys:
         if getattr(text, key) % (cp * tp):
             ranks = f"cp x tp = {cp} x {tp}" if tp > 1 else f"{cp}"
-            raise ConfigError(f"parallel.cp: {ranks} does not divide the model's {key} ({getattr(text, key)}): the "
-                              f"all-to-all gives each cp rank whole heads", "parallel.cp")
+            raise ConfigError(
+                f"parallel.cp: {ranks} does not divide the model's {key} ({getattr(text, key)}): the "
+                f"all-to-all gives each cp rank whole heads",
+                "parallel.cp",
+            )
 
 
 def check_vision_tp(config, tp: int) -> None:
     vision = config.vision_config
     for key in ("num_heads", "intermediate_size"):
         if getattr(vision, key) % tp:
-            raise ConfigError(f"parallel.modules.vision.tp: {tp} does not divide the vision tower's {key} "
-                              f"({getattr(vision, key)})", "parallel.modules.vision.tp")
+            raise ConfigError(
+                f"parallel.modules.vision.tp: {tp} does not divide the vision tower's {key} ({getattr(vision, key)})",
+                "parallel.modules.vision.tp",
+            )
 
 
 def check_ep(config, ep: int) -> None:
     """Named-key errors for an expert-parallel degree the model cannot take."""
     num_experts = getattr(text_config(config), "num_experts", 0) or 0
     if ep > 1 and not num_experts:
-        raise ConfigError(f"parallel.ep: {ep} needs a mixture-of-experts model ({config.model_type} is dense)",
-                          "parallel.ep")
+        raise ConfigError(
+            f"parallel.ep: {ep} needs a mixture-of-experts model ({config.model_type} is dense)", "parallel.ep"
+        )
     if num_experts % ep:
         raise ConfigError(f"parallel.ep: {ep} does not divide the model's num_experts ({num_experts})", "parallel.ep")
 

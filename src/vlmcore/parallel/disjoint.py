@@ -49,9 +49,12 @@ def hold_one_module(model: nn.Module, module: str, cfg: TrainConfig, meshes: Mes
         if meshes.layout.language.dims.cp > 1:
             apply_cp(model, meshes.cp())
     if not any(p.requires_grad for p in model.parameters()):  # its ranks would have nothing to do
-        raise ConfigError(f"trainable: no parameter of the {'vision tower' if module == 'vision' else 'language model'}"
-                          f" trains, but it has ranks of its own (parallel.modules.{module}.ranks); train this stage "
-                          f"with colocated layouts", "trainable")
+        raise ConfigError(
+            f"trainable: no parameter of the {'vision tower' if module == 'vision' else 'language model'}"
+            f" trains, but it has ranks of its own (parallel.modules.{module}.ranks); train this stage "
+            f"with colocated layouts",
+            "trainable",
+        )
     apply_ac(stack, cfg.parallel.activation_checkpointing, cfg.parallel.compile)
     apply_fsdp(root, blocks, None, meshes.dp(module), None, cfg.precision)
 
@@ -134,8 +137,9 @@ class DisjointBridge:
     context parallelism `cp` consecutive ranks, each sent the embeddings of the whole rows.
     """
 
-    def __init__(self, config, layout: RunLayout, micro_batch_size: int, dtype: torch.dtype, device: torch.device,
-                 rank: int):
+    def __init__(
+        self, config, layout: RunLayout, micro_batch_size: int, dtype: torch.dtype, device: torch.device, rank: int
+    ):
         self.vision_ranks, self.language_ranks = layout.vision.ranks, layout.language.ranks
         self.data_world, self.cp = layout.language.dims.dp, layout.language.dims.cp
         self.rank, self.world = rank, layout.world_size
@@ -184,13 +188,15 @@ class DisjointBridge:
                 for k, images in enumerate(row_grids(batch, getattr(batch, kind), token, self.merge)):
                     patches = sum(math.prod(g) for g in images)
                     if images and j * self.micro_batch_size + k in self.encoder_rows():
-                        pixels.append(getattr(batch, kind).pixel_values[start:start + patches])
+                        pixels.append(getattr(batch, kind).pixel_values[start : start + patches])
                         grids += images
-                        for rank in self.language_ranks[j * self.cp:(j + 1) * self.cp]:
+                        for rank in self.language_ranks[j * self.cp : (j + 1) * self.cp]:
                             sizes[kind][rank] += patches // self.merge**2
                     start += patches
             first = next((getattr(b, kind) for b in sources if getattr(b, kind) is not None), None)
-            inputs[kind] = Images(torch.cat(pixels), torch.tensor(grids), first.normalize, first.kind) if grids else None
+            inputs[kind] = (
+                Images(torch.cat(pixels), torch.tensor(grids), first.normalize, first.kind) if grids else None
+            )
         send = [a + b for a, b in zip(sizes["images"], sizes["videos"])]
         self.plans.append((send, [0] * self.world, sizes))
         return None if inputs["images"] is None and inputs["videos"] is None else EncoderInputs(**inputs)
@@ -209,8 +215,7 @@ class DisjointBridge:
         """Micro-batch i's all_to_all: `send` (rows for the language ranks, in their order) goes
         out, this rank's rows come in; backward sends the gradients the other way."""
         send_sizes, receive_sizes, _ = self.plans[i]
-        return all_to_all_single_autograd(send.to(self.dtype).contiguous(), receive_sizes, send_sizes,
-                                          dist.group.WORLD)
+        return all_to_all_single_autograd(send.to(self.dtype).contiguous(), receive_sizes, send_sizes, dist.group.WORLD)
 
     def encoder_step(self, model: nn.Module, inputs: list[EncoderInputs | None]) -> torch.Tensor:
         """An encoder rank's forward and backward: runs the vision tower on the images and videos
@@ -221,8 +226,11 @@ class DisjointBridge:
         vision, device = model.vision_tower(), next(model.parameters()).device
         for i, batch in enumerate(inputs):
             vision.set_requires_gradient_sync(i == len(inputs) - 1)
-            kinds = [Images.zero(model.config.vision_config, device)] if batch is None else \
-                [x for x in (batch.images, batch.videos) if x is not None]
+            kinds = (
+                [Images.zero(model.config.vision_config, device)]
+                if batch is None
+                else [x for x in (batch.images, batch.videos) if x is not None]
+            )
             pixels = torch.cat([x.pixel_values for x in kinds]) if len(kinds) > 1 else kinds[0].pixel_values
             embeds, deepstack = vision(pixels, [g for x in kinds for g in x.grids()])
             sent = torch.cat([embeds, *deepstack], dim=1)
@@ -236,7 +244,7 @@ class DisjointBridge:
         the all_to_all sends it: each destination's images, then its videos (the same to each cp
         rank of a data-parallel rank)."""
         # The tower ran once per data-parallel rank's rows: their sizes are those of its first cp rank.
-        firsts = self.language_ranks[::self.cp]
+        firsts = self.language_ranks[:: self.cp]
         images_by_data, videos_by_data = ([sizes[kind][rank] for rank in firsts] for kind in ("images", "videos"))
         images, videos = rows.split([sum(images_by_data), sum(videos_by_data)])
         parts = zip(images.split(images_by_data), videos.split(videos_by_data))
@@ -248,8 +256,9 @@ class DisjointBridge:
         nothing = torch.zeros(0, self.columns, dtype=self.dtype, device=self.device, requires_grad=True)
         received = self.exchange(i, nothing)
         _, receive_sizes, sizes = self.plans[i]
-        by_source = [part.split([a, b]) for part, a, b in
-                     zip(received.split(receive_sizes), sizes["images"], sizes["videos"])]
+        by_source = [
+            part.split([a, b]) for part, a, b in zip(received.split(receive_sizes), sizes["images"], sizes["videos"])
+        ]
         self.stand_in.received = torch.cat([images for images, _ in by_source] + [videos for _, videos in by_source])
         return self.stand_in.received
 

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from vlmcore.models.moe import GroupedExperts, moe_blocks
@@ -55,8 +55,9 @@ class AllToAllDispatch:
         dist.all_to_all_single(received, counts, group=self.group)
         send, recv = _split_sizes(counts.view(ep, local).sum(1), received.view(ep, local).sum(1), x.shape[0])
         rows = all_to_all_single_autograd(x, recv, send, self.group)
-        expert = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(ep), received,
-                                         output_size=rows.shape[0])
+        expert = torch.repeat_interleave(
+            torch.arange(local, device=x.device).repeat(ep), received, output_size=rows.shape[0]
+        )
         order = torch.argsort(expert, stable=True)
         y = experts(rows[order], received.view(ep, local).sum(0))
         y = torch.zeros_like(y).index_copy(0, order, y)

@@ -16,16 +16,26 @@ from vlmcore.config import PrecisionConfig
 from vlmcore.models.moe import moe_blocks
 
 
-def apply_fsdp(model: nn.Module, blocks: list[nn.Module], vision: nn.Module | None, mesh: DeviceMesh,
-               vision_mesh: DeviceMesh, precision: PrecisionConfig, expert_mesh: DeviceMesh | None = None,
-               shard_one_rank: bool = False) -> None:
+def apply_fsdp(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    vision: nn.Module | None,
+    mesh: DeviceMesh,
+    vision_mesh: DeviceMesh,
+    precision: PrecisionConfig,
+    expert_mesh: DeviceMesh | None = None,
+    shard_one_rank: bool = False,
+) -> None:
     """`vision_mesh`: the vision tower's own data-parallel mesh (vlmcore.parallel.bridge);
     `expert_mesh`: the experts' under expert parallelism; `shard_one_rank`: FSDP units even over
     one rank without a cast (the memory estimate: torch's tracker of plain modules fails on frozen
     weights)."""
     param_dtype, reduce_dtype = getattr(torch, precision.param_dtype), getattr(torch, precision.reduce_dtype)
-    if (not shard_one_rank and dist.get_world_size() == 1
-            and all(p.dtype == param_dtype == reduce_dtype for p in model.parameters())):
+    if (
+        not shard_one_rank
+        and dist.get_world_size() == 1
+        and all(p.dtype == param_dtype == reduce_dtype for p in model.parameters())
+    ):
         return
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in blocks:

@@ -93,8 +93,9 @@ class RunLayout:
         return self.disjoint or self.vision.dims != dataclasses.replace(self.language.dims, ep=1)
 
 
-def _fit(replicate: int, shard: int, tp: int, mode: str, world_size: int, key: str, where: str,
-         cp: int = 1) -> ParallelDims:
+def _fit(
+    replicate: int, shard: int, tp: int, mode: str, world_size: int, key: str, where: str, cp: int = 1
+) -> ParallelDims:
     """Fills in `dp_shard: -1` (and dp_replicate under ddp) and checks the product against the world size."""
     written = f"dp_replicate ({replicate}) x dp_shard ({shard}) x {f'cp ({cp}) x ' if cp > 1 else ''}tp ({tp})"
     inner = cp * tp
@@ -115,8 +116,10 @@ def _module_ranks(layout: ModuleLayout, world_size: int, module: str) -> range:
         return range(world_size)
     start, end = layout.ranks
     if end > world_size:
-        raise ConfigError(f"parallel.modules.{module}.ranks: [{start}, {end}) is outside the world of {world_size} "
-                          f"ranks", f"parallel.modules.{module}.ranks")
+        raise ConfigError(
+            f"parallel.modules.{module}.ranks: [{start}, {end}) is outside the world of {world_size} ranks",
+            f"parallel.modules.{module}.ranks",
+        )
     return range(start, end)
 
 
@@ -139,20 +142,41 @@ def resolve_layout(cfg: ParallelConfig, world_size: int) -> RunLayout:
     if language.ranks != "all":
         first, second = sorted(ranks.values(), key=lambda r: r.start)
         if first.start != 0 or first.stop != second.start or second.stop != world_size:
-            raise ConfigError(f"parallel.modules.vision.ranks: [{ranks['vision'].start}, {ranks['vision'].stop}) and "
-                              f"language's [{ranks['language'].start}, {ranks['language'].stop}) do not tile the "
-                              f"world of {world_size} ranks", "parallel.modules.vision.ranks")
+            raise ConfigError(
+                f"parallel.modules.vision.ranks: [{ranks['vision'].start}, {ranks['vision'].stop}) and "
+                f"language's [{ranks['language'].start}, {ranks['language'].stop}) do not tile the "
+                f"world of {world_size} ranks",
+                "parallel.modules.vision.ranks",
+            )
     key = "parallel.modules.language" if language != ModuleLayout() else "parallel"
     where = f"the world size {world_size}" if language.ranks == "all" else f"its {len(ranks['language'])} ranks"
-    lang = _fit(_pick(language.dp_replicate, cfg.dp_replicate), _pick(language.dp_shard, cfg.dp_shard),
-                _pick(language.tp, cfg.tp), cfg.mode, len(ranks["language"]), key, where, cfg.cp)
+    lang = _fit(
+        _pick(language.dp_replicate, cfg.dp_replicate),
+        _pick(language.dp_shard, cfg.dp_shard),
+        _pick(language.tp, cfg.tp),
+        cfg.mode,
+        len(ranks["language"]),
+        key,
+        where,
+        cfg.cp,
+    )
     if lang.dp_shard * lang.cp % cfg.ep:
-        raise ConfigError(f"parallel.ep: {cfg.ep} does not divide the data-parallel shard ranks (dp_shard "
-                          f"{lang.dp_shard}{f' x cp {lang.cp}' if lang.cp > 1 else ''} on {len(ranks['language'])} "
-                          f"ranks)", "parallel.ep")
+        raise ConfigError(
+            f"parallel.ep: {cfg.ep} does not divide the data-parallel shard ranks (dp_shard "
+            f"{lang.dp_shard}{f' x cp {lang.cp}' if lang.cp > 1 else ''} on {len(ranks['language'])} "
+            f"ranks)",
+            "parallel.ep",
+        )
     lang = dataclasses.replace(lang, ep=cfg.ep)
     where = f"the world size {world_size}" if vision.ranks == "all" else f"its {len(ranks['vision'])} ranks"
     replicate = lang.dp_replicate if lang.tp == 1 and vision.ranks == "all" else 1
-    vis = _fit(_pick(vision.dp_replicate, replicate), _pick(vision.dp_shard, -1), _pick(vision.tp, 1), cfg.mode,
-               len(ranks["vision"]), "parallel.modules.vision", where)
+    vis = _fit(
+        _pick(vision.dp_replicate, replicate),
+        _pick(vision.dp_shard, -1),
+        _pick(vision.tp, 1),
+        cfg.mode,
+        len(ranks["vision"]),
+        "parallel.modules.vision",
+        where,
+    )
     return RunLayout(world_size, Grid(lang, ranks["language"]), Grid(vis, ranks["vision"]))

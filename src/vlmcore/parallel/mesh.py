@@ -52,10 +52,12 @@ class Meshes:
         # Dimension 1 by index: torch 2.10's _unflatten refuses a dimension given by a name it has.
         self.context = language._unflatten(1, (dims.dp_shard, dims.cp), ("dp_shard", "cp")) if dims.cp > 1 else None
         # ep out of dp_shard (x cp): consecutive ranks, under cp first a row's cp ranks.
-        self.experts = (language._unflatten(1, (dims.dp_shard_mod_ep, dims.ep), ("dp_shard_mod_ep", "ep"))
-                        if dims.ep > 1 else None)
-        self.meshes["vision"] = (self._module_mesh("vision", device) if layout.vision_mesh_of_its_own
-                                 else self.meshes["language"])
+        self.experts = (
+            language._unflatten(1, (dims.dp_shard_mod_ep, dims.ep), ("dp_shard_mod_ep", "ep")) if dims.ep > 1 else None
+        )
+        self.meshes["vision"] = (
+            self._module_mesh("vision", device) if layout.vision_mesh_of_its_own else self.meshes["language"]
+        )
 
     def _module_mesh(self, module: str, device: torch.device) -> DeviceMesh:
         grid = self.layout.grid(module)
@@ -66,7 +68,9 @@ class Meshes:
             names, shape = ("dp_replicate", "dp_shard_cp", "tp"), (shape[0], shape[1] * grid.dims.cp, shape[2])
         if not self.layout.disjoint:
             return init_device_mesh(device.type, shape, mesh_dim_names=names)
-        return DeviceMesh(device.type, torch.arange(grid.ranks.start, grid.ranks.stop).view(shape), mesh_dim_names=names)
+        return DeviceMesh(
+            device.type, torch.arange(grid.ranks.start, grid.ranks.stop).view(shape), mesh_dim_names=names
+        )
 
     def _name(self, module: str, dim: str) -> str:
         return ("vision_" if module == "vision" and self.layout.vision_mesh_of_its_own else "") + dim

@@ -19,8 +19,9 @@ from vlmcore.parallel.mesh import Meshes
 from vlmcore.parallel.tp import apply_tp, apply_vision_tp
 
 
-def parallelize(model: nn.Module, cfg: TrainConfig, layout: RunLayout, meshes: Meshes, rank: int,
-                shard_one_rank: bool = False) -> list:
+def parallelize(
+    model: nn.Module, cfg: TrainConfig, layout: RunLayout, meshes: Meshes, rank: int, shard_one_rank: bool = False
+) -> list:
     """Returns the (module, attribute name) of the parameters whose gradients must be summed over
     the TP ranks. `shard_one_rank`: see `apply_fsdp`."""
     role = layout.role(rank)
@@ -40,6 +41,14 @@ def parallelize(model: nn.Module, cfg: TrainConfig, layout: RunLayout, meshes: M
         count_images_once(vision, dims.tp)
     for stack in [blocks] + ([model.vision_layers()] if vision is not None else []):
         apply_ac(stack, cfg.parallel.activation_checkpointing, cfg.parallel.compile)
-    apply_fsdp(model, list(blocks.children()), vision, meshes.dp(), meshes.dp("vision") if vision is not None else None,
-               cfg.precision, expert_mesh=meshes.expert_dp() if dims.ep > 1 else None, shard_one_rank=shard_one_rank)
+    apply_fsdp(
+        model,
+        list(blocks.children()),
+        vision,
+        meshes.dp(),
+        meshes.dp("vision") if vision is not None else None,
+        cfg.precision,
+        expert_mesh=meshes.expert_dp() if dims.ep > 1 else None,
+        shard_one_rank=shard_one_rank,
+    )
     return partial

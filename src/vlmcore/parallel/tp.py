@@ -79,8 +79,11 @@ def apply_vision_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     for block in model.vision_layers():
         # Same parameters and state-dict names, another forward (as fully_shard swaps classes).
         block.attn.qkv.__class__, block.attn.qkv.tp_mesh = OwnHeadsLinear, tp_mesh
-        parallelize_module(block, tp_mesh, {"attn.proj": RowwiseParallel(), "mlp.linear_fc1": ColwiseParallel(),
-                                            "mlp.linear_fc2": RowwiseParallel()})
+        parallelize_module(
+            block,
+            tp_mesh,
+            {"attn.proj": RowwiseParallel(), "mlp.linear_fc1": ColwiseParallel(), "mlp.linear_fc2": RowwiseParallel()},
+        )
 
 
 def _gather(args: int) -> PrepareModuleInput:
@@ -92,27 +95,45 @@ def _gather(args: int) -> PrepareModuleInput:
 def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
     # Row-parallel outputs: reduce-scattered onto the sequence split (kept as DTensors for the
     # residual add), or all-reduced to a replicated plain tensor.
-    row_out = RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sequence_parallel else RowwiseParallel()
-    plan = ({"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()}
-            if sequence_parallel else {})
+    row_out = (
+        RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sequence_parallel else RowwiseParallel()
+    )
+    plan = (
+        {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()}
+        if sequence_parallel
+        else {}
+    )
     if hasattr(block, "self_attn"):
         if sequence_parallel:
             plan["self_attn"] = _gather(4)  # (x, cos, sin, cu_seqlens)
-        plan.update({"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-                     "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": row_out})
+        plan.update(
+            {
+                "self_attn.q_proj": ColwiseParallel(),
+                "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(),
+                "self_attn.o_proj": row_out,
+            }
+        )
     if hasattr(block, "linear_attn"):
         # (x, cu_seqlens): x whole, as a replicated DTensor for the mixer's partial-gradient read.
         plan["linear_attn"] = PrepareModuleInput(
             input_layouts=(Shard(1) if sequence_parallel else Replicate(), None),
-            desired_input_layouts=(Replicate(), None), use_local_output=False)
+            desired_input_layouts=(Replicate(), None),
+            use_local_output=False,
+        )
         plan.update({f"linear_attn.{name}": ColwiseParallel() for name in ("in_proj_z", "in_proj_a", "in_proj_b")})
         plan["linear_attn.out_proj"] = row_out
     if isinstance(getattr(block, "mlp", None), SparseMoeBlock):
         # Not split: every TP rank routes and runs the whole tokens (its experts are split by EP).
         if sequence_parallel:
             plan["mlp"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False)
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+                use_local_input=True,
+                output_layouts=(Replicate(),),
+                desired_output_layouts=(Shard(1),),
+                use_local_output=False,
+            )
     elif hasattr(block, "mlp"):
         if sequence_parallel:
             plan["mlp"] = _gather(1)
@@ -124,12 +145,16 @@ def _check_even_sequence_split(tp: int):
     """torch before 2.13 fails on an unevenly split sequence with 'view size is not compatible'
     (a strided all-gather result; in backward on 2.11, already in forward on 2.12); say what to
     change instead."""
+
     def check(module: nn.Module, args: tuple) -> None:
         seq_len = args[0].shape[1]
         if seq_len % tp:
-            raise ValueError(f"sequence parallelism over tp {tp} with rows of {seq_len} tokens needs torch >= 2.13 "
-                             f"(this is {torch.__version__}): make the packed seq_len a multiple of {tp}, or set "
-                             f"parallel.sequence_parallel: false")
+            raise ValueError(
+                f"sequence parallelism over tp {tp} with rows of {seq_len} tokens needs torch >= 2.13 "
+                f"(this is {torch.__version__}): make the packed seq_len a multiple of {tp}, or set "
+                f"parallel.sequence_parallel: false"
+            )
+
     return check
 
 
@@ -151,8 +176,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Tr
     for block in model.decoder_layers():
         parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))
         _set_local_heads(block, tp_mesh)
-        names = [f"{norm}.weight" for norm in HEAD_NORMS if hasattr(block, "self_attn")
-                 and hasattr(block.self_attn, norm.split(".")[1])]
+        names = [
+            f"{norm}.weight"
+            for norm in HEAD_NORMS
+            if hasattr(block, "self_attn") and hasattr(block.self_attn, norm.split(".")[1])
+        ]
         names += [f"linear_attn.{name}" for name in LINEAR_ATTN_PARTIAL if hasattr(block, "linear_attn")]
         partial += [(block.get_submodule(path), attr) for path, _, attr in (n.rpartition(".") for n in names)]
     text_model, embed = model.text_model(), model.token_embedding()
@@ -160,8 +188,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Tr
     if sequence_parallel:
         if torch.__version__ < (2, 13):
             text_model.split_sequence.register_forward_pre_hook(_check_even_sequence_split(tp_mesh.size()))
-        parallelize_module(text_model.split_sequence, tp_mesh, PrepareModuleInput(
-            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=False))
+        parallelize_module(
+            text_model.split_sequence,
+            tp_mesh,
+            PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=False),
+        )
         parallelize_module(text_model.norm, tp_mesh, SequenceParallel())
     if model.lm_head.weight is not embed.weight:
         parallelize_module(model.lm_head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))

@@ -104,8 +104,9 @@ def _bandwidth(cluster: Cluster, ranks: int) -> float:
     return (cluster.intra_node_gbs if ranks <= cluster.gpus_per_node else cluster.inter_node_gbs) * 1e9
 
 
-def module_time(compute_s: float, params: int, ranks: int, tp: int, measured_tp: int, gathers: int, w: Workload,
-                c: Cluster) -> float:
+def module_time(
+    compute_s: float, params: int, ranks: int, tp: int, measured_tp: int, gathers: int, w: Workload, c: Cluster
+) -> float:
     """max(compute, FSDP traffic) of a module on `ranks` ranks with tensor parallel `tp` (its
     compute measured at `measured_tp`), its parameters all-gathered `gathers` times per micro-batch."""
     compute = compute_s / ranks / c.tp_efficiency ** math.log2(tp / measured_tp)
@@ -116,11 +117,15 @@ def module_time(compute_s: float, params: int, ranks: int, tp: int, measured_tp:
 
 
 def vision_tp_traffic(w: Workload, c: Cluster, world: int, tp: int) -> float:
-    return 8 * w.vision_depth * (tp - 1) * (w.patches / world) * w.vision_hidden * c.dtype_bytes / (c.intra_node_gbs * 1e9)
+    return (
+        8 * w.vision_depth * (tp - 1) * (w.patches / world) * w.vision_hidden * c.dtype_bytes / (c.intra_node_gbs * 1e9)
+    )
 
 
 def colocated(w: Workload, c: Cluster, world: int, vision_tp: int) -> Prediction:
-    vision = module_time(w.vision_s, w.vision_params, world, vision_tp, 1, 1, w, c) + vision_tp_traffic(w, c, world, vision_tp)
+    vision = module_time(w.vision_s, w.vision_params, world, vision_tp, 1, 1, w, c) + vision_tp_traffic(
+        w, c, world, vision_tp
+    )
     llm = module_time(w.llm_s, w.llm_params, world, w.llm_tp, w.llm_tp, 2, w, c)
     return Prediction(f"colocated, vision TP {vision_tp}", vision_tp, world, world, vision, llm, 0.0, vision + llm)
 
@@ -139,9 +144,11 @@ def candidates(w: Workload, c: Cluster, world: int) -> list[Prediction]:
     """Every layout whose degrees divide (module docstring), baseline first."""
     tps = [1 << i for i in range(min(c.gpus_per_node, world).bit_length())]  # the powers of two up to a node
     rows = world // w.llm_tp * w.micro_batch_size * w.micro_batches
-    return ([colocated(w, c, world, tp) for tp in tps if world % tp == 0 and w.vision_heads % tp == 0]
-            + [disjoint(w, c, world, k) for k in range(1, world)
-               if (world - k) % w.llm_tp == 0 and rows % k == 0 and rows % ((world - k) // w.llm_tp) == 0])
+    return [colocated(w, c, world, tp) for tp in tps if world % tp == 0 and w.vision_heads % tp == 0] + [
+        disjoint(w, c, world, k)
+        for k in range(1, world)
+        if (world - k) % w.llm_tp == 0 and rows % k == 0 and rows % ((world - k) // w.llm_tp) == 0
+    ]
 
 
 def compare(w: Workload, c: Cluster, world: int) -> list[Prediction]:
@@ -162,11 +169,20 @@ def workload_of(config, vision_s: float, llm_s: float, patches: float, **step) -
     model = build_model(config, device="meta")
     vision_params = sum(p.numel() for p in model.vision_tower().parameters())
     v = config.vision_config
-    return Workload(vision_s=vision_s, llm_s=llm_s, vision_params=vision_params,
-                    llm_params=sum(p.numel() for p in model.parameters()) - vision_params,
-                    vision_depth=v.depth, vision_hidden=v.hidden_size, vision_heads=v.num_heads, patches=patches,
-                    image_tokens=patches / v.spatial_merge_size ** 2, bridge_hidden=v.out_hidden_size,
-                    bridge_tensors=1 + len(getattr(v, "deepstack_visual_indexes", None) or []), **step)
+    return Workload(
+        vision_s=vision_s,
+        llm_s=llm_s,
+        vision_params=vision_params,
+        llm_params=sum(p.numel() for p in model.parameters()) - vision_params,
+        vision_depth=v.depth,
+        vision_hidden=v.hidden_size,
+        vision_heads=v.num_heads,
+        patches=patches,
+        image_tokens=patches / v.spatial_merge_size**2,
+        bridge_hidden=v.out_hidden_size,
+        bridge_tensors=1 + len(getattr(v, "deepstack_visual_indexes", None) or []),
+        **step,
+    )
 
 
 def flops_workload(config, rows: int, seq_len: int, image_grids: list, achieved_tflops: float, **step) -> Workload:
@@ -175,9 +191,13 @@ def flops_workload(config, rows: int, seq_len: int, image_grids: list, achieved_
     at `achieved_tflops` per device; `step` as in workload_of."""
     from vlmcore.models.flops import llm_flops, vision_flops
 
-    return workload_of(config, vision_s=seconds_from_flops(rows * vision_flops(config, image_grids), achieved_tflops),
-                       llm_s=seconds_from_flops(rows * llm_flops(config, [seq_len]), achieved_tflops),
-                       patches=rows * sum(t * h * w for t, h, w in image_grids), **step)
+    return workload_of(
+        config,
+        vision_s=seconds_from_flops(rows * vision_flops(config, image_grids), achieved_tflops),
+        llm_s=seconds_from_flops(rows * llm_flops(config, [seq_len]), achieved_tflops),
+        patches=rows * sum(t * h * w for t, h, w in image_grids),
+        **step,
+    )
 
 
 def measured_workload(metrics, settings: dict, warmup_steps: int) -> Workload | None:
@@ -201,8 +221,12 @@ def measured_workload(metrics, settings: dict, warmup_steps: int) -> Workload | 
         config = load_hf_config(settings["model_path"])
     except (KeyError, OSError, ValueError) as e:
         raise ValueError(f"no model config ({e})") from None
-    return workload_of(config, vision_s=measured["vision_time_s"].mean() * world,
-                       llm_s=measured["llm_time_s"].mean() * world,
-                       patches=measured["vision_patches"].mean() * world / llm_tp / shared,  # TP peers share a batch
-                       micro_batches=settings.get("grad_accum_steps", 1),
-                       micro_batch_size=settings.get("micro_batch_size", 1), llm_tp=llm_tp)
+    return workload_of(
+        config,
+        vision_s=measured["vision_time_s"].mean() * world,
+        llm_s=measured["llm_time_s"].mean() * world,
+        patches=measured["vision_patches"].mean() * world / llm_tp / shared,  # TP peers share a batch
+        micro_batches=settings.get("grad_accum_steps", 1),
+        micro_batch_size=settings.get("micro_batch_size", 1),
+        llm_tp=llm_tp,
+    )

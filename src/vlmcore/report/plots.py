@@ -103,8 +103,15 @@ def plot_flops(table: pd.DataFrame, path: Path, title: str) -> Path:
         right.set_ylim(0, max(10.0, float(np.nanmax(table["mfu"])) * 1.2))
         right.legend()
     else:
-        right.text(0.5, 0.5, "MFU not available:\nno peak FLOPS known for this hardware", ha="center", va="center",
-                   transform=right.transAxes, fontsize=11)
+        right.text(
+            0.5,
+            0.5,
+            "MFU not available:\nno peak FLOPS known for this hardware",
+            ha="center",
+            va="center",
+            transform=right.transAxes,
+            fontsize=11,
+        )
         right.set_ylim(0, 100)
     _devices_axis(right, ws)
     right.set_xlim(left.get_xlim())
@@ -133,8 +140,12 @@ def plot_training_curves(stages: dict[str, pd.DataFrame], path: Path) -> Path:
     """Loss, learning rate, grad norm and throughput over the steps of all stages, one after the other."""
     fig = Figure(figsize=(12, 8))
     axes = fig.subplots(2, 2, sharex=True).ravel()
-    panels = [("loss", "Training loss (nats/token)"), ("lr", "Learning rate"), ("grad_norm", "Gradient norm (before clipping)"),
-              ("tokens_per_s_per_device", "Throughput (tokens/s per device)")]
+    panels = [
+        ("loss", "Training loss (nats/token)"),
+        ("lr", "Learning rate"),
+        ("grad_norm", "Gradient norm (before clipping)"),
+        ("tokens_per_s_per_device", "Throughput (tokens/s per device)"),
+    ]
     offset = 0
     for i, (stage, metrics) in enumerate(stages.items()):
         color = f"C{i}"
@@ -146,8 +157,13 @@ def plot_training_curves(stages: dict[str, pd.DataFrame], path: Path) -> Path:
             if key == "loss" and len(values) >= 20:
                 ax.plot(steps, values, color=color, alpha=0.3, linewidth=0.8)
                 window = max(5, len(values) // 20)
-                ax.plot(steps, values.rolling(window, min_periods=1).mean(), color=color, linewidth=2,
-                        label=f"{stage} (mean of {window} steps)")
+                ax.plot(
+                    steps,
+                    values.rolling(window, min_periods=1).mean(),
+                    color=color,
+                    linewidth=2,
+                    label=f"{stage} (mean of {window} steps)",
+                )
             else:
                 ax.plot(steps, values, color=color, linewidth=1.5, label=stage)
         if i > 0:
@@ -180,7 +196,14 @@ def plot_eval_summary(table: pd.DataFrame, path: Path) -> Path:
     fig = Figure(figsize=(max(6, 1.2 * len({r["name"] for r in rows}) + 2), 4.8))
     ax = fig.add_subplot()
     if not rows:
-        ax.text(0.5, 0.5, "no scored tasks (accuracy-type metrics) in the results", ha="center", va="center", transform=ax.transAxes)
+        ax.text(
+            0.5,
+            0.5,
+            "no scored tasks (accuracy-type metrics) in the results",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
         return _save(fig, path)
     data = pd.DataFrame(rows)
     names = list(dict.fromkeys(data["name"]))
@@ -193,8 +216,14 @@ def plot_eval_summary(table: pd.DataFrame, path: Path) -> Path:
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
     chance = data.groupby("name", sort=False)["chance"].first().reindex(names)
     if chance.notna().any():
-        ax.hlines(chance * 100, np.arange(len(names)) - 0.45, np.arange(len(names)) + 0.45, colors="black",
-                  linestyles="--", label="chance")
+        ax.hlines(
+            chance * 100,
+            np.arange(len(names)) - 0.45,
+            np.arange(len(names)) + 0.45,
+            colors="black",
+            linestyles="--",
+            label="chance",
+        )
     ax.set_xticks(np.arange(len(names)), names, fontsize=9)
     ax.set_ylim(0, 105)
     ax.yaxis.set_major_formatter(PercentFormatter())

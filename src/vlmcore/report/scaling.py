@@ -61,22 +61,41 @@ def fmt(value, spec: str) -> str:
 
 def markdown_table(rows: list[dict], columns: dict[str, tuple[str, str]]) -> str:
     """columns: key -> (header, format spec; "" = as text)."""
-    lines = ["| " + " | ".join(header for header, _ in columns.values()) + " |",
-             "|" + "|".join("---" if not spec else "---:" for _, spec in columns.values()) + "|"]
-    lines += ["| " + " | ".join(fmt(row.get(key), spec) if spec else str(row.get(key, ""))
-                                for key, (_, spec) in columns.items()) + " |" for row in rows]
+    lines = [
+        "| " + " | ".join(header for header, _ in columns.values()) + " |",
+        "|" + "|".join("---" if not spec else "---:" for _, spec in columns.values()) + "|",
+    ]
+    lines += [
+        "| "
+        + " | ".join(fmt(row.get(key), spec) if spec else str(row.get(key, "")) for key, (_, spec) in columns.items())
+        + " |"
+        for row in rows
+    ]
     return "\n".join(lines)
 
 
 SCALING_MD_COLUMNS = {
-    "world_size": ("devices", "d"), "label": ("run", ""), "layout": ("layout (dp_replicate × dp_shard × tp)", ""), "tokens_per_s": ("tokens/s (all)", ",.0f"),
-    "tokens_per_s_per_device": ("tokens/s per device", ",.0f"), "tflops_per_device": ("TFLOPS per device", ".3g"),
-    "mfu": ("MFU %", ".1f"), "peak_mem_gb": ("peak mem GB", ".2f"), "step_time_s": ("step s", ".3f"),
-    "data_wait_s": ("data wait s", ".3f"), "speedup": ("speedup", ".2f"), "efficiency": ("efficiency", ".0%"),
+    "world_size": ("devices", "d"),
+    "label": ("run", ""),
+    "layout": ("layout (dp_replicate × dp_shard × tp)", ""),
+    "tokens_per_s": ("tokens/s (all)", ",.0f"),
+    "tokens_per_s_per_device": ("tokens/s per device", ",.0f"),
+    "tflops_per_device": ("TFLOPS per device", ".3g"),
+    "mfu": ("MFU %", ".1f"),
+    "peak_mem_gb": ("peak mem GB", ".2f"),
+    "step_time_s": ("step s", ".3f"),
+    "data_wait_s": ("data wait s", ".3f"),
+    "speedup": ("speedup", ".2f"),
+    "efficiency": ("efficiency", ".0%"),
 }
 TRAINING_MD_COLUMNS = {
-    "stage": ("stage", ""), "steps": ("steps", "d"), "first_loss": ("first loss", ".3f"), "final_loss": ("final loss (mean of last 10)", ".3f"),
-    "tokens": ("tokens", ",d"), "tokens_per_s_per_device": ("tokens/s per device", ",.0f"), "world_size": ("devices", "d"),
+    "stage": ("stage", ""),
+    "steps": ("steps", "d"),
+    "first_loss": ("first loss", ".3f"),
+    "final_loss": ("final loss (mean of last 10)", ".3f"),
+    "tokens": ("tokens", ",d"),
+    "tokens_per_s_per_device": ("tokens/s per device", ",.0f"),
+    "world_size": ("devices", "d"),
     "skipped_steps": ("skipped steps", "d"),
 }
 # Mixture-of-experts stages only (metrics.jsonl has these keys for MoE models).
@@ -85,12 +104,22 @@ MOE_KEYS = {
     "moe_load_imbalance": ("expert load imbalance, max/mean (mean of last 10)", ".2f"),
 }
 LAYOUT_MD_COLUMNS = {
-    "layout": ("layout", ""), "vision_s": ("vision s", ".3f"), "llm_s": ("LLM s", ".3f"), "bridge_s": ("bridge s", ".3f"),
-    "step_s": ("predicted step s", ".3f"), "speedup": ("speed-up", ".2f"),
+    "layout": ("layout", ""),
+    "vision_s": ("vision s", ".3f"),
+    "llm_s": ("LLM s", ".3f"),
+    "bridge_s": ("bridge s", ".3f"),
+    "step_s": ("predicted step s", ".3f"),
+    "speedup": ("speed-up", ".2f"),
 }
 EVAL_MD_COLUMNS = {
-    "run": ("run", ""), "task": ("task", ""), "subset": ("question kind", ""), "metric": ("metric", ""),
-    "value": ("value", ".3f"), "stderr": ("stderr", ".3f"), "chance": ("chance", ".3f"), "n_samples": ("n", "d"),
+    "run": ("run", ""),
+    "task": ("task", ""),
+    "subset": ("question kind", ""),
+    "metric": ("metric", ""),
+    "value": ("value", ".3f"),
+    "stderr": ("stderr", ".3f"),
+    "chance": ("chance", ".3f"),
+    "n_samples": ("n", "d"),
 }
 
 
@@ -98,15 +127,21 @@ def training_summary(stages: dict[str, pd.DataFrame]) -> list[dict]:
     rows = []
     for stage, m in stages.items():
         last = m.iloc[-1]
-        rows.append({
-            "stage": stage, "steps": int(last["step"]), "first_loss": float(m["loss"].iloc[0]),
-            "final_loss": float(m["loss"].tail(10).mean()),
-            "tokens": int(last["tokens"]) if "tokens" in m else None,
-            "tokens_per_s_per_device": float(m["tokens_per_s_per_device"].iloc[1:].mean()) if len(m) > 1 else float("nan"),
-            "world_size": int(last["world_size"]) if "world_size" in m else None,
-            "skipped_steps": int(last["skipped_steps"]) if "skipped_steps" in m else 0,
-            **{key: float(pd.to_numeric(m[key], errors="coerce").tail(10).mean()) for key in MOE_KEYS if key in m},
-        })
+        rows.append(
+            {
+                "stage": stage,
+                "steps": int(last["step"]),
+                "first_loss": float(m["loss"].iloc[0]),
+                "final_loss": float(m["loss"].tail(10).mean()),
+                "tokens": int(last["tokens"]) if "tokens" in m else None,
+                "tokens_per_s_per_device": float(m["tokens_per_s_per_device"].iloc[1:].mean())
+                if len(m) > 1
+                else float("nan"),
+                "world_size": int(last["world_size"]) if "world_size" in m else None,
+                "skipped_steps": int(last["skipped_steps"]) if "skipped_steps" in m else 0,
+                **{key: float(pd.to_numeric(m[key], errors="coerce").tail(10).mean()) for key in MOE_KEYS if key in m},
+            }
+        )
     return rows
 
 
@@ -127,37 +162,71 @@ def layout_section(stages: dict, warmup_steps: int, cluster: Cluster) -> tuple[l
         rows += [{"stage": stage, "world_size": world, **p} for p in predictions]
         best = predictions[0]
         vision, llm = workload.vision_s / world, workload.llm_s / world
-        md += [f"### Stage `{stage}` at {world} devices", "",
-               f"Measured per step and device: vision tower {vision:.3f} s, LLM {llm:.3f} s "
-               f"({vision / (vision + llm):.0%} vision), {workload.patches:,.0f} patches per step.", "",
-               markdown_table(predictions, LAYOUT_MD_COLUMNS), "",
-               f"Recommended: **{best['layout']}**, predicted {best['step_s']:.3f} s per step, "
-               f"{best['speedup']:.2f}x the current layout (colocated, vision TP 1).", ""]
+        md += [
+            f"### Stage `{stage}` at {world} devices",
+            "",
+            f"Measured per step and device: vision tower {vision:.3f} s, LLM {llm:.3f} s "
+            f"({vision / (vision + llm):.0%} vision), {workload.patches:,.0f} patches per step.",
+            "",
+            markdown_table(predictions, LAYOUT_MD_COLUMNS),
+            "",
+            f"Recommended: **{best['layout']}**, predicted {best['step_s']:.3f} s per step, "
+            f"{best['speedup']:.2f}x the current layout (colocated, vision TP 1).",
+            "",
+        ]
     if md:
-        md = ["## Per-module layouts", "",
-              "Predicted step time of each way to place the vision tower and the LLM on the devices, from the "
-              f"measured per-module times (means after the first {warmup_steps} steps) and the cost model of "
-              "`vlmcore.report.layouts` (docs/hpc.md, \"Choosing a per-module layout\"): "
-              f"{cluster.gpus_per_node} GPUs per node, {cluster.intra_node_gbs:g} GB/s per GPU inside a node, "
-              f"{cluster.inter_node_gbs:g} GB/s between nodes, TP efficiency {cluster.tp_efficiency:g} per doubling. "
-              "Speed-up is against the current layout; memory is not modelled.", ""] + md
+        md = [
+            "## Per-module layouts",
+            "",
+            "Predicted step time of each way to place the vision tower and the LLM on the devices, from the "
+            f"measured per-module times (means after the first {warmup_steps} steps) and the cost model of "
+            '`vlmcore.report.layouts` (docs/hpc.md, "Choosing a per-module layout"): '
+            f"{cluster.gpus_per_node} GPUs per node, {cluster.intra_node_gbs:g} GB/s per GPU inside a node, "
+            f"{cluster.inter_node_gbs:g} GB/s between nodes, TP efficiency {cluster.tp_efficiency:g} per doubling. "
+            "Speed-up is against the current layout; memory is not modelled.",
+            "",
+        ] + md
     return md, rows
 
 
-def write_report(out, scaling=None, imports=(), train=None, evals=None, hardware: str = "unknown",
-                 warmup_steps: int = 1, title: str = "Scaling", cluster: Cluster = Cluster()) -> Path:
+def write_report(
+    out,
+    scaling=None,
+    imports=(),
+    train=None,
+    evals=None,
+    hardware: str = "unknown",
+    warmup_steps: int = 1,
+    title: str = "Scaling",
+    cluster: Cluster | None = None,
+) -> Path:
     """Writes everything listed in the module docstring; returns the path of SCALABILITY.md."""
     out = Path(out)
     (out / "plots").mkdir(parents=True, exist_ok=True)
-    scaling, train, evals = scaling or {}, train or {}, evals or {}
+    scaling = scaling or {}
+    train = train or {}
+    evals = evals or {}
+    cluster = cluster or Cluster()
     points = [point_from_metrics(path, label, warmup_steps) for label, path in scaling.items()]
     for path in imports:
         points += import_points(path, warmup_steps)
     code = git_commit()
-    md = [f"# {title} report", "",
-          f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by vlmcore {vlmcore.__version__}"
-          + (f" (commit `{code['commit'][:12]}`{', uncommitted changes' if code['dirty'] else ''})" if code["commit"] else "") + ".",
-          "", "## Hardware", "", hardware, ""]
+    md = [
+        f"# {title} report",
+        "",
+        f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by vlmcore {vlmcore.__version__}"
+        + (
+            f" (commit `{code['commit'][:12]}`{', uncommitted changes' if code['dirty'] else ''})"
+            if code["commit"]
+            else ""
+        )
+        + ".",
+        "",
+        "## Hardware",
+        "",
+        hardware,
+        "",
+    ]
 
     if points:
         table = scaling_table(points)
@@ -166,16 +235,25 @@ def write_report(out, scaling=None, imports=(), train=None, evals=None, hardware
         plots.plot_efficiency(table, out / "plots/scaling_efficiency.png", f"{title}: scaling efficiency")
         plots.plot_flops(table, out / "plots/scaling_flops.png", f"{title}: FLOPs and MFU")
         plots.plot_memory(table, out / "plots/scaling_memory.png", f"{title}: memory")
-        md += ["## Scaling", "",
-               f"Each point is a fixed-step training run; figures are means over its steps after the first {warmup_steps} "
-               "(warm-up), peak memory is the maximum. Efficiency = tokens/s per device relative to the smallest run "
-               "(1.0 = linear scaling); speedup = total tokens/s relative to the smallest run. MFU uses the dense BF16 "
-               "peak of the device (n/a where unknown, e.g. CPUs).", "",
-               markdown_table(table.to_dict("records"), SCALING_MD_COLUMNS), "",
-               "![Throughput against devices](plots/scaling_throughput.png)", "",
-               "![Scaling efficiency](plots/scaling_efficiency.png)", "",
-               "![TFLOPS and MFU per device](plots/scaling_flops.png)", "",
-               "![Peak memory per device](plots/scaling_memory.png)", ""]
+        md += [
+            "## Scaling",
+            "",
+            f"Each point is a fixed-step training run; figures are means over its steps after the first {warmup_steps} "
+            "(warm-up), peak memory is the maximum. Efficiency = tokens/s per device relative to the smallest run "
+            "(1.0 = linear scaling); speedup = total tokens/s relative to the smallest run. MFU uses the dense BF16 "
+            "peak of the device (n/a where unknown, e.g. CPUs).",
+            "",
+            markdown_table(table.to_dict("records"), SCALING_MD_COLUMNS),
+            "",
+            "![Throughput against devices](plots/scaling_throughput.png)",
+            "",
+            "![Scaling efficiency](plots/scaling_efficiency.png)",
+            "",
+            "![TFLOPS and MFU per device](plots/scaling_flops.png)",
+            "",
+            "![Peak memory per device](plots/scaling_memory.png)",
+            "",
+        ]
 
     if train:
         stages = {stage: read_metrics(path) for stage, path in train.items()}
@@ -183,10 +261,17 @@ def write_report(out, scaling=None, imports=(), train=None, evals=None, hardware
         pd.DataFrame(rows).to_csv(out / "training.csv", index=False)
         plots.plot_training_curves(stages, out / "plots/training_curves.png")
         columns = TRAINING_MD_COLUMNS | {k: v for k, v in MOE_KEYS.items() if any(k in row for row in rows)}
-        md += ["## Training", "", markdown_table(rows, columns), "",
-               "![Loss, learning rate, gradient norm and throughput per stage](plots/training_curves.png)", ""]
-        layout_md, layout_rows = layout_section({stage: (m, settings_of(train[stage])) for stage, m in stages.items()},
-                                                warmup_steps, cluster)
+        md += [
+            "## Training",
+            "",
+            markdown_table(rows, columns),
+            "",
+            "![Loss, learning rate, gradient norm and throughput per stage](plots/training_curves.png)",
+            "",
+        ]
+        layout_md, layout_rows = layout_section(
+            {stage: (m, settings_of(train[stage])) for stage, m in stages.items()}, warmup_steps, cluster
+        )
         if layout_rows:
             pd.DataFrame(layout_rows).to_csv(out / "layouts.csv", index=False)
         md += layout_md
@@ -195,8 +280,14 @@ def write_report(out, scaling=None, imports=(), train=None, evals=None, hardware
         eval_table = gather(evals)
         eval_table.to_csv(out / "eval.csv", index=False)
         plots.plot_eval_summary(eval_table, out / "plots/eval_summary.png")
-        md += ["## Evaluation", "", markdown_table(eval_table.to_dict("records"), EVAL_MD_COLUMNS), "",
-               "![Evaluation summary](plots/eval_summary.png)", ""]
+        md += [
+            "## Evaluation",
+            "",
+            markdown_table(eval_table.to_dict("records"), EVAL_MD_COLUMNS),
+            "",
+            "![Evaluation summary](plots/eval_summary.png)",
+            "",
+        ]
 
     md += ["## Exact settings", ""]
     sources = [(f"scaling run `{p['label']}` ({p['world_size']} devices)", p["source"]) for p in points]
@@ -205,8 +296,17 @@ def write_report(out, scaling=None, imports=(), train=None, evals=None, hardware
         settings = None if str(path).endswith(".csv") else settings_of(path)
         md += [f"- {what}: metrics `{path}`"]
         if settings:
-            md += ["", "<details><summary>config.yaml</summary>", "", "```yaml", yaml.safe_dump(settings, sort_keys=False).rstrip(),
-                   "```", "", "</details>", ""]
+            md += [
+                "",
+                "<details><summary>config.yaml</summary>",
+                "",
+                "```yaml",
+                yaml.safe_dump(settings, sort_keys=False).rstrip(),
+                "```",
+                "",
+                "</details>",
+                "",
+            ]
     (out / "SCALABILITY.md").write_text("\n".join(md).rstrip() + "\n")
     return out / "SCALABILITY.md"
 
@@ -214,16 +314,40 @@ def write_report(out, scaling=None, imports=(), train=None, evals=None, hardware
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from vlmcore.cli import existing_path, non_negative_int
 
-    parser.add_argument("--scaling", action="append", default=[], metavar="LABEL=PATH",
-                        help="a scaling run's metrics.jsonl or its directory, e.g. ws4=scaling/ws4 (repeatable)")
-    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="PATH", type=existing_path,
-                        help="points from runs done elsewhere: a scaling.csv, a metrics.jsonl, or a directory searched for metrics.jsonl (repeatable)")
-    parser.add_argument("--train", action="append", default=[], metavar="STAGE=PATH",
-                        help="a training stage's metrics.jsonl, in stage order (repeatable)")
-    parser.add_argument("--eval", action="append", default=[], metavar="[LABEL=]PATH",
-                        help="results.json of `vlmcore eval` (or its directory), optionally labelled (repeatable)")
+    parser.add_argument(
+        "--scaling",
+        action="append",
+        default=[],
+        metavar="LABEL=PATH",
+        help="a scaling run's metrics.jsonl or its directory, e.g. ws4=scaling/ws4 (repeatable)",
+    )
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="PATH",
+        type=existing_path,
+        help="points from runs done elsewhere: a scaling.csv, a metrics.jsonl, or a directory searched for metrics.jsonl (repeatable)",
+    )
+    parser.add_argument(
+        "--train",
+        action="append",
+        default=[],
+        metavar="STAGE=PATH",
+        help="a training stage's metrics.jsonl, in stage order (repeatable)",
+    )
+    parser.add_argument(
+        "--eval",
+        action="append",
+        default=[],
+        metavar="[LABEL=]PATH",
+        help="results.json of `vlmcore eval` (or its directory), optionally labelled (repeatable)",
+    )
     parser.add_argument("--hardware", default="unknown", help="hardware description for SCALABILITY.md")
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=1, help="first steps of each scaling run left out of the means")
+    parser.add_argument(
+        "--warmup-steps", type=non_negative_int, default=1, help="first steps of each scaling run left out of the means"
+    )
     parser.add_argument("--title", default="Scaling", help="title of the report and its plots")
     parser.add_argument("--out", required=True, help="report directory")
 

@@ -19,12 +19,33 @@ from vlmcore.eval.results import jsonl_records
 
 # Columns of scaling.csv, in order; `efficiency` and `speedup` are relative to the smallest point.
 SCALING_COLUMNS = [
-    "label", "world_size", "layout", "steps_measured", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device",
-    "llm_tflops_per_device", "vision_tflops_per_device", "mfu", "peak_mem_gb", "step_time_s", "data_wait_s",
-    "speedup", "efficiency", "source",
+    "label",
+    "world_size",
+    "layout",
+    "steps_measured",
+    "tokens_per_s",
+    "tokens_per_s_per_device",
+    "tflops_per_device",
+    "llm_tflops_per_device",
+    "vision_tflops_per_device",
+    "mfu",
+    "peak_mem_gb",
+    "step_time_s",
+    "data_wait_s",
+    "speedup",
+    "efficiency",
+    "source",
 ]
-MEAN_KEYS = ["tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "llm_tflops_per_device",
-             "vision_tflops_per_device", "mfu", "step_time_s", "data_wait_s"]
+MEAN_KEYS = [
+    "tokens_per_s",
+    "tokens_per_s_per_device",
+    "tflops_per_device",
+    "llm_tflops_per_device",
+    "vision_tflops_per_device",
+    "mfu",
+    "step_time_s",
+    "data_wait_s",
+]
 REQUIRED_IMPORT_COLUMNS = ["world_size", "tokens_per_s_per_device"]
 
 
@@ -55,10 +76,17 @@ def summarize_point(metrics: pd.DataFrame, label: str, source: str, warmup_steps
     measured = metrics.iloc[warmup_steps:]
     if measured.empty:
         raise ValueError(f"{source}: {len(metrics)} steps recorded, all within the {warmup_steps} warm-up steps")
-    row = {"label": label, "world_size": int(metrics["world_size"].iloc[0]), "steps_measured": len(measured), "source": source}
+    row = {
+        "label": label,
+        "world_size": int(metrics["world_size"].iloc[0]),
+        "steps_measured": len(measured),
+        "source": source,
+    }
     for key in MEAN_KEYS:
         row[key] = pd.to_numeric(measured[key], errors="coerce").mean() if key in measured else float("nan")
-    row["peak_mem_gb"] = pd.to_numeric(measured["peak_mem_gb"], errors="coerce").max() if "peak_mem_gb" in measured else float("nan")
+    row["peak_mem_gb"] = (
+        pd.to_numeric(measured["peak_mem_gb"], errors="coerce").max() if "peak_mem_gb" in measured else float("nan")
+    )
     return row
 
 
@@ -70,7 +98,7 @@ def settings_of(metrics_path) -> dict | None:
 
 
 def parallel_layout(settings: dict | None, world_size: int) -> str:
-    """"1×4×2, micro-batch 1" from a training config.yaml; "" when unknown."""
+    """ "1×4×2, micro-batch 1" from a training config.yaml; "" when unknown."""
     if not settings or "parallel" not in settings:
         return ""
     parallel = settings["parallel"]
@@ -105,8 +133,10 @@ def import_points(path, warmup_steps: int) -> list[dict]:
         files = sorted(path.rglob("metrics.jsonl"))
         if not files:
             raise ValueError(f"--import {path}: no metrics.jsonl below this directory")
-        return [point_from_metrics(f, str(f.parent.relative_to(path)) if f.parent != path else path.name, warmup_steps)
-                for f in files]
+        return [
+            point_from_metrics(f, str(f.parent.relative_to(path)) if f.parent != path else path.name, warmup_steps)
+            for f in files
+        ]
     raise ValueError(f"--import {path}: no such file or directory")
 
 

@@ -38,8 +38,9 @@ def check_kernels(cfg: TrainConfig, device: torch.device) -> dict:
     model = family(cfg.model_path)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     try:
-        backends = kernels.check(cfg.parallel.linear_attention, capability, model.linear_attention,
-                                 has_experts=model.experts)
+        backends = kernels.check(
+            cfg.parallel.linear_attention, capability, model.linear_attention, has_experts=model.experts
+        )
     except kernels.KernelError as e:
         key = "parallel.linear_attention" if str(e).startswith("linear_attention") else "model_path"
         raise ConfigError(f"{key}: {e}") from None
@@ -64,7 +65,7 @@ class Run:
 
     @property
     def role(self) -> str:
-        """"both" modules, or the "vision" tower or the "language" model alone (disjoint layouts)."""
+        """ "both" modules, or the "vision" tower or the "language" model alone (disjoint layouts)."""
         return self.layout.role(self.rank)
 
     def materialize(self, load: bool = True) -> None:
@@ -88,9 +89,17 @@ class Run:
         dims = self.layout.language.dims
         tp_group = self.meshes.tp().get_group() if dims.tp > 1 and self.role == "both" else None
         cp_group = self.meshes.cp().get_group() if dims.cp > 1 and self.role != "vision" else None
-        self.step = build_step(self.model, self.optimizer, self.partial, tp_group, self.cfg.loss_chunk_tokens,
-                               self.cfg.max_grad_norm, compiled_loss=self.cfg.parallel.compile, bridge=self.bridge,
-                               cp_group=cp_group)
+        self.step = build_step(
+            self.model,
+            self.optimizer,
+            self.partial,
+            tp_group,
+            self.cfg.loss_chunk_tokens,
+            self.cfg.max_grad_norm,
+            compiled_loss=self.cfg.parallel.compile,
+            bridge=self.bridge,
+            cp_group=cp_group,
+        )
 
     @property
     def context(self) -> dict | None:
@@ -102,23 +111,28 @@ class Run:
             return None
         context = {"cp_rank": self.layout.language.cp_rank(self.rank), "cp": cp}
         if self.model.vision_tower() is not None:
-            context |= {"visual_tokens": {"image": config.image_token_id, "video": getattr(config, "video_token_id", None)},
-                        "merge": config.vision_config.spatial_merge_size, "keep_all": self.role == "language"}
+            context |= {
+                "visual_tokens": {"image": config.image_token_id, "video": getattr(config, "video_token_id", None)},
+                "merge": config.vision_config.spatial_merge_size,
+                "keep_all": self.role == "language",
+            }
         return context
 
     def data(self, source=None):
         """This rank's batches: its language data-parallel rank's, or on an encoder rank those of
         the language ranks whose rows it encodes. `source(data_rank, data_world)` makes one
         data-parallel rank's (default: the stage's data, `build_data`)."""
-        source = source or (lambda rank, world: build_data(self.cfg, self.model.config, rank, world,
-                                                           self.layout.grad_accum_steps))
+        source = source or (
+            lambda rank, world: build_data(self.cfg, self.model.config, rank, world, self.layout.grad_accum_steps)
+        )
         if self.role == "vision":
             return self.bridge.encoder_data(source)
         return source(self.layout.data.data_rank(self.rank), self.layout.data.dims.dp)
 
 
-def build_meta_run(cfg: TrainConfig, layout: RunLayout, device: torch.device, rank: int,
-                   shard_one_rank: bool = False) -> Run:
+def build_meta_run(
+    cfg: TrainConfig, layout: RunLayout, device: torch.device, rank: int, shard_one_rank: bool = False
+) -> Run:
     """The run's meshes and its model on the meta device (no memory): frozen by `trainable` and
     parallelized for what `rank` holds. `shard_one_rank`: see `vlmcore.parallel.fsdp.apply_fsdp`."""
     meshes = Meshes(layout, device)
@@ -127,8 +141,9 @@ def build_meta_run(cfg: TrainConfig, layout: RunLayout, device: torch.device, ra
     partial = parallelize(model, cfg, layout, meshes, rank, shard_one_rank)
     bridge = None
     if layout.disjoint:  # each rank holds one module; the bridge carries the image embeddings between them
-        bridge = DisjointBridge(model.config, layout, cfg.micro_batch_size, getattr(torch, cfg.precision.param_dtype),
-                                device, rank)
+        bridge = DisjointBridge(
+            model.config, layout, cfg.micro_batch_size, getattr(torch, cfg.precision.param_dtype), device, rank
+        )
         bridge.stand_in = None if bridge.is_vision else model.vision_tower()
     return Run(cfg, layout, meshes, rank, device, model, partial, bridge)
 
@@ -146,12 +161,28 @@ def build_data(cfg: TrainConfig, model_config, rank: int, world: int, grad_accum
     if cfg.data.kind == "random":
         from vlmcore.train.random_data import RandomBatches
 
-        return RandomBatches(model_config, seq_len=cfg.data.seq_len, segments=cfg.data.segments,
-                             image_fraction=cfg.data.image_fraction, micro_batch_size=cfg.micro_batch_size,
-                             dp_rank=rank, dp_world=world, grad_accum_steps=grad_accum_steps, seed=cfg.seed,
-                             image_side=cfg.data.image_side, video_fraction=cfg.data.video_fraction,
-                             video_frames=cfg.data.video_frames)
+        return RandomBatches(
+            model_config,
+            seq_len=cfg.data.seq_len,
+            segments=cfg.data.segments,
+            image_fraction=cfg.data.image_fraction,
+            micro_batch_size=cfg.micro_batch_size,
+            dp_rank=rank,
+            dp_world=world,
+            grad_accum_steps=grad_accum_steps,
+            seed=cfg.seed,
+            image_side=cfg.data.image_side,
+            video_fraction=cfg.data.video_fraction,
+            video_frames=cfg.data.video_frames,
+        )
     from vlmcore.data.loader import build_loader
 
-    return build_loader(cfg.data_path, dp_rank=rank, dp_world=world, micro_batch_size=cfg.micro_batch_size,
-                        grad_accum_steps=grad_accum_steps, seed=cfg.seed, num_workers=cfg.num_workers)
+    return build_loader(
+        cfg.data_path,
+        dp_rank=rank,
+        dp_world=world,
+        micro_batch_size=cfg.micro_batch_size,
+        grad_accum_steps=grad_accum_steps,
+        seed=cfg.seed,
+        num_workers=cfg.num_workers,
+    )

@@ -30,8 +30,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from vlmcore.hashing import sha256_of
 
@@ -94,11 +98,15 @@ def checkpoint_problem(path: Path, hash_part: tuple[int, int] | None = None) -> 
 def file_digests(path: Path) -> dict[str, list]:
     """{name: [size, sha256]} of the files this rank wrote into the DCP directory `path`:
     DCP's file writer names them `__<rank>_<n>.distcp`; rank 0 also takes every other file."""
+
     def writer(file: Path) -> int:
         return int(file.name.split("_")[2]) if file.name.startswith("__") else 0
 
-    return {file.name: [file.stat().st_size, sha256_of(file)] for file in sorted(path.iterdir())
-            if file.is_file() and writer(file) == dist.get_rank()}
+    return {
+        file.name: [file.stat().st_size, sha256_of(file)]
+        for file in sorted(path.iterdir())
+        if file.is_file() and writer(file) == dist.get_rank()
+    }
 
 
 class CheckpointError(RuntimeError):
@@ -109,12 +117,15 @@ def save_failure(tmp: Path, error: Exception) -> str:
     """The message of a failed save: torch's writer often loses the errno of a full disk
     ("unexpected pos ..."), so the free space is compared with the size of a checkpoint."""
     free = shutil.disk_usage(tmp.parent).free
-    size = max((sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) for d in tmp.parent.glob("step_*")),
-               default=0)
+    size = max(
+        (sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) for d in tmp.parent.glob("step_*")), default=0
+    )
     room = f"{free / 2**20:.1f} MiB free, a checkpoint takes {size / 2**20:.1f} MiB"
     cause = (str(error).strip().splitlines() or [""])[-1]
-    return (f"checkpoint {tmp} could not be written: {'the disk is full, ' if free < size else ''}{room}; the "
-            f"checkpoints before it are intact and a rerun resumes from the latest ({type(error).__name__}: {cause})")
+    return (
+        f"checkpoint {tmp} could not be written: {'the disk is full, ' if free < size else ''}{room}; the "
+        f"checkpoints before it are intact and a rerun resumes from the latest ({type(error).__name__}: {cause})"
+    )
 
 
 class Checkpointer:
@@ -145,14 +156,19 @@ class Checkpointer:
                 print(f"{path} is damaged, not resumed from: {problem}", flush=True)
         return None
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict,
-             rank_state: dict) -> None:
+    def save(
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict, rank_state: dict
+    ) -> None:
         """train_state: replicated values (step, samples, tokens, ...); rank_state: this rank's
         own values, stored under `rank<r>` keys (loader position, RNG)."""
         self.wait()
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd, "train": train_state,
-                 "ranks": {f"rank{dist.get_rank()}": rank_state}}
+        state = {
+            "model": model_sd,
+            "optim": optim_sd,
+            "train": train_state,
+            "ranks": {f"rank{dist.get_rank()}": rank_state},
+        }
         final, tmp = self.dir / f"step_{step}", self.dir / f"step_{step}.tmp"
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group)
@@ -189,12 +205,13 @@ class Checkpointer:
             marker_tmp.write_text(final.name)
             os.replace(marker_tmp, self.dir / "latest")
             steps = sorted((p for p in self.dir.glob("step_*") if p.suffix != ".tmp"), key=_step_of)
-            for old in steps[:-self.keep]:
+            for old in steps[: -self.keep]:
                 shutil.rmtree(old)
         dist.barrier()
 
-    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict,
-             rank_state: dict | None) -> None:
+    def load(
+        self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict, rank_state: dict | None
+    ) -> None:
         """Loads model and optimizer, and fills the `train_state` template (and `rank_state`,
         this rank's template, unless None: the layout changed) in place."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -238,8 +255,14 @@ def resume_latest(cfg, out: Path, split: dict, model: nn.Module, optimizer: torc
     """The checkpointer (None when disabled) and the run's counters, resumed from the latest intact
     checkpoint if there is one. `split`: how the run splits the global batch over ranks and
     micro-batches (stored as `layout_*` keys, as checkpoints before this name have them)."""
-    state = {"step": 0, "samples": 0, "tokens": 0, "skipped_steps": 0, "data_rows": 0,
-             **{f"layout_{k}": 0 for k in split}}
+    state = {
+        "step": 0,
+        "samples": 0,
+        "tokens": 0,
+        "skipped_steps": 0,
+        "data_rows": 0,
+        **{f"layout_{k}": 0 for k in split},
+    }
     checkpointer = Checkpointer(out, cfg.checkpoint.keep, cfg.checkpoint.async_save) if cfg.checkpoint.enabled else None
     latest = checkpointer.latest() if checkpointer else None
     if latest is not None:
@@ -254,8 +277,16 @@ def global_batch_rows(split: dict) -> int:
     return math.prod(split.get(k, 1) for k in ("dp_replicate", "dp_shard", "micro_batch_size", "grad_accum_steps"))
 
 
-def resume(checkpointer: Checkpointer, path: Path, model, optimizer, data, state: dict, split: dict,
-           allow_global_batch_change: bool = False) -> None:
+def resume(
+    checkpointer: Checkpointer,
+    path: Path,
+    model,
+    optimizer,
+    data,
+    state: dict,
+    split: dict,
+    allow_global_batch_change: bool = False,
+) -> None:
     """Loads model, optimizer and `state` in place, and puts the data where the checkpoint's run
     left it. The data position is global (the rows consumed, `vlmcore.data.order`): under another
     split with the same rows per step the stream goes on exactly. The RNG state is per rank and
@@ -266,12 +297,17 @@ def resume(checkpointer: Checkpointer, path: Path, model, optimizer, data, state
     if written["data_rows"] < 0:  # written before the count was kept: every step had the split's rows
         state.pop("data_rows", None)
     same_split = written_split == split
-    if not same_split and global_batch_rows(written_split) != global_batch_rows(split) and not allow_global_batch_change:
+    if (
+        not same_split
+        and global_batch_rows(written_split) != global_batch_rows(split)
+        and not allow_global_batch_change
+    ):
         raise CheckpointError(
             f"{path}: written with {global_batch_rows(written_split)} rows per step ({_split_text(written_split)}), "
             f"this run takes {global_batch_rows(split)} ({_split_text(split)}); keep micro_batch_size x "
             "grad_accum_steps x data-parallel ranks, or set allow_global_batch_change: true to go on from "
-            "the rows consumed with the new batch size")
+            "the rows consumed with the new batch size"
+        )
     rank_state = {"rng": rng_state(), "loader": data.state_dict()} if same_split else None
     # The config wins over the checkpoint's group settings (name, lr, weight decay, betas, eps, the
     # fused or foreach kernel): a checkpoint keeps them by group index, and under disjoint layouts
@@ -289,8 +325,10 @@ def resume(checkpointer: Checkpointer, path: Path, model, optimizer, data, state
     else:
         data.seek(state["data_rows"])
         if _is_rank0():
-            print(f"{path}: written with {_split_text(written_split)}; model and optimizer resharded, the data goes "
-                  f"on from global row {state['data_rows']}, the RNG restarts")
+            print(
+                f"{path}: written with {_split_text(written_split)}; model and optimizer resharded, the data goes "
+                f"on from global row {state['data_rows']}, the RNG restarts"
+            )
     if _is_rank0():
         print(f"resumed from {path} at step {state['step']}")
 

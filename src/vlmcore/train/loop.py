@@ -30,8 +30,8 @@ from vlmcore.train.metrics_log import MetricsLogger, global_counts, peak_tflops,
 from vlmcore.train.module_timer import ModuleTimer
 from vlmcore.train.optim import lr_factor, schedule_total, set_lr
 from vlmcore.train.profiling import StepProfiler
-from vlmcore.train.step import to_device
 from vlmcore.train.run_dir import mark_done, prepare_output_dir
+from vlmcore.train.step import to_device
 
 
 class TrainingError(RuntimeError):
@@ -42,8 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from vlmcore.cli import existing_file
 
     parser.add_argument("config", type=existing_file, help="YAML run config (see vlmcore.config.TrainConfig)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config value, dotted keys for sections (repeatable)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, dotted keys for sections (repeatable)",
+    )
 
 
 def run(args) -> int:
@@ -122,12 +127,20 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, stop: _StopSignal)
     # Written only now: a setting that does not fit the model (trainable, tp) leaves nothing behind.
     prepare_output_dir(cfg, out)
     dims = layout.data.dims  # the data's split of the global batch (the language model's)
-    split = {"world_size": dist.get_world_size(), "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
-             "tp": dims.tp, "grad_accum_steps": layout.grad_accum_steps, "micro_batch_size": cfg.micro_batch_size}
+    split = {
+        "world_size": dist.get_world_size(),
+        "dp_replicate": dims.dp_replicate,
+        "dp_shard": dims.dp_shard,
+        "tp": dims.tp,
+        "grad_accum_steps": layout.grad_accum_steps,
+        "micro_batch_size": cfg.micro_batch_size,
+    }
     checkpointer, state = resume_latest(cfg, out, split, model, optimizer, data)
     if signum := agreed_signal(stop):  # during start-up: no step since the checkpoint, nothing to save
         if rank == 0:
-            print(f"signal {signum} before the first step at step {state['step']}: nothing to save, exiting to be resumed")
+            print(
+                f"signal {signum} before the first step at step {state['step']}: nothing to save, exiting to be resumed"
+            )
         return 128 + signum
     logger = MetricsLogger(out, rank == 0, cfg.metrics.tensorboard, cfg.metrics.wandb, to_dict(cfg), state["step"])
     peak = peak_tflops(device, cfg.metrics.peak_tflops)
@@ -136,8 +149,9 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, stop: _StopSignal)
 
     def save_checkpoint():
         if checkpointer is not None:
-            checkpointer.save(state["step"], model, optimizer, dict(state),
-                              {"rng": rng_state(), "loader": data.state_dict()})
+            checkpointer.save(
+                state["step"], model, optimizer, dict(state), {"rng": rng_state(), "loader": data.state_dict()}
+            )
 
     while state["step"] < cfg.steps:
         profiler.step_starts(state["step"] + 1)
@@ -152,8 +166,11 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, stop: _StopSignal)
         factor = lr_factor(cfg.schedule, done, schedule_total(cfg))
         if run.bridge is not None:  # an encoder rank gets the image batches of its rows
             host_micro = run.bridge.plan_step(host_micro)
-        result = train_step([to_device(b, device, run.context) for b in host_micro], counts["label_tokens"],
-                            lambda opt: set_lr(opt, factor))
+        result = train_step(
+            [to_device(b, device, run.context) for b in host_micro],
+            counts["label_tokens"],
+            lambda opt: set_lr(opt, factor),
+        )
         nonfinite_in_a_row = 0 if result.applied else nonfinite_in_a_row + 1
         state["skipped_steps"] += not result.applied
         state["step"] += 1
@@ -163,16 +180,19 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, stop: _StopSignal)
         # Host time of the step: the step's one host read (norm and loss) waits for its backward,
         # so from step to step this follows the GPU without a synchronize of its own.
         step_time = time.perf_counter() - t0
-        record = step_record(state, result, counts, cfg.optimizer.lr * factor, step_time, data_wait, peak, device,
-                             dims.tp)
+        record = step_record(
+            state, result, counts, cfg.optimizer.lr * factor, step_time, data_wait, peak, device, dims.tp
+        )
         logger.log(record | (timer.read() if timer else {}))
         profiler.step_ended(state["step"])
 
         if nonfinite_in_a_row >= cfg.max_nonfinite_steps:
             save_checkpoint()
             _finish(checkpointer, logger)
-            raise TrainingError(f"step {state['step']}: {nonfinite_in_a_row} steps in a row with a non-finite "
-                                f"loss or gradient norm; checkpoint saved, stopping (max_nonfinite_steps)")
+            raise TrainingError(
+                f"step {state['step']}: {nonfinite_in_a_row} steps in a row with a non-finite "
+                f"loss or gradient norm; checkpoint saved, stopping (max_nonfinite_steps)"
+            )
         if signum := agreed_signal(stop):
             save_checkpoint()
             _finish(checkpointer, logger)
@@ -184,8 +204,17 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, stop: _StopSignal)
 
     _finish(checkpointer, logger)
     if cfg.save_final:
-        save_final(out, model, {"model_path": cfg.model_path, "step": state["step"], "tokens": state["tokens"],
-                                "samples": state["samples"], "stage_config": to_dict(cfg)})
+        save_final(
+            out,
+            model,
+            {
+                "model_path": cfg.model_path,
+                "step": state["step"],
+                "tokens": state["tokens"],
+                "samples": state["samples"],
+                "stage_config": to_dict(cfg),
+            },
+        )
     if rank == 0:
         mark_done(out)
     return 0

@@ -74,8 +74,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_tokens):
             end = min(start + chunk_tokens, hidden.shape[0])
             h, labels_chunk = hidden[start:end], labels[start:end]
-            loss, grad_logits = chunk_fn(h @ weight.t(), labels_chunk - vocab_start, labels_chunk != IGNORE_INDEX,
-                                         weight.shape[0], group)
+            loss, grad_logits = chunk_fn(
+                h @ weight.t(), labels_chunk - vocab_start, labels_chunk != IGNORE_INDEX, weight.shape[0], group
+            )
             total += loss
             # Matmuls in the compute dtype (bf16 on GPU, accumulating in fp32 inside the GEMM).
             grad_logits = grad_logits.to(hidden.dtype)
@@ -97,8 +98,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                          chunk_tokens: int = 1024, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def chunked_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 1024, compiled: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of token losses in fp32, number of label tokens) for `hidden` (..., H) through the
     LM head `weight` (V, H); labels (...) are already shifted, IGNORE_INDEX where no loss.
 

@@ -37,19 +37,41 @@ from vlmcore.train.step import to_device
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from vlmcore.cli import existing_file, positive_int
 
-    parser.add_argument("config", type=existing_file, help="YAML run config of a training stage (as for `vlmcore train`)")
+    parser.add_argument(
+        "config", type=existing_file, help="YAML run config of a training stage (as for `vlmcore train`)"
+    )
     parser.add_argument("--world-size", type=positive_int, required=True, help="ranks the stage would run on")
-    parser.add_argument("--seq-len", type=positive_int, help="tokens per packed row (default: the packed dataset's "
-                        "pack_config.json, else data.seq_len)")
-    parser.add_argument("--image-side", type=positive_int, help="VL models: merged patches per side of the one image "
-                        "in each row (default: as large as the dataset's max_patches allows, else data.image_side)")
-    parser.add_argument("--video-frames", type=positive_int, help="VL models: rows hold one video of this many "
-                        "frame groups (temporal_patch_size frames each, image-side x image-side merged patches) "
-                        "instead of an image")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config value, dotted keys for sections (repeatable)")
-    parser.add_argument("--gpu-memory-gib", type=float, help="memory of one GPU: exit 1, saying what to change, "
-                        f"if the estimate does not fit in it with {HEADROOM:.0%} kept free")
+    parser.add_argument(
+        "--seq-len",
+        type=positive_int,
+        help="tokens per packed row (default: the packed dataset's pack_config.json, else data.seq_len)",
+    )
+    parser.add_argument(
+        "--image-side",
+        type=positive_int,
+        help="VL models: merged patches per side of the one image "
+        "in each row (default: as large as the dataset's max_patches allows, else data.image_side)",
+    )
+    parser.add_argument(
+        "--video-frames",
+        type=positive_int,
+        help="VL models: rows hold one video of this many "
+        "frame groups (temporal_patch_size frames each, image-side x image-side merged patches) "
+        "instead of an image",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, dotted keys for sections (repeatable)",
+    )
+    parser.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        help="memory of one GPU: exit 1, saying what to change, "
+        f"if the estimate does not fit in it with {HEADROOM:.0%} kept free",
+    )
     parser.add_argument("--json", type=Path, help="also write the estimate here")
 
 
@@ -71,8 +93,10 @@ def run(args) -> int:
     problem = None
     if args.gpu_memory_gib:
         problem = check_fit(result, args.gpu_memory_gib)
-        print(f"{'fits' if result['fits'] else 'DOES NOT FIT'}: {result['peak_bytes'] / 2**30:.1f} GiB of the "
-              f"{result['usable_bytes'] / 2**30:.1f} GiB usable on a {result['gpu_memory_gib']:g} GiB GPU")
+        print(
+            f"{'fits' if result['fits'] else 'DOES NOT FIT'}: {result['peak_bytes'] / 2**30:.1f} GiB of the "
+            f"{result['usable_bytes'] / 2**30:.1f} GiB usable on a {result['gpu_memory_gib']:g} GiB GPU"
+        )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     if problem:
@@ -81,8 +105,9 @@ def run(args) -> int:
     return 0
 
 
-def estimate_stage(cfg: TrainConfig, world_size: int, seq_len: int | None = None,
-                   image_side: int | None = None, video_frames: int = 0) -> dict:
+def estimate_stage(
+    cfg: TrainConfig, world_size: int, seq_len: int | None = None, image_side: int | None = None, video_frames: int = 0
+) -> dict:
     """`estimate_memory` of a stage config at its worst-case row: a packed row is one sample
     holding the largest image the dataset allows (or a video of `video_frames` frame groups of
     that size: by default, for a packed dataset with videos, its longest clip's); random rows are
@@ -108,17 +133,30 @@ def check_fit(result: dict, gpu_memory_gib: float, headroom: float = HEADROOM) -
         if ac != "full":
             fixes.append(f"parallel.activation_checkpointing: {'selective' if ac == 'none' else 'full'} (now {ac})")
         if result["micro_batch_size"] > 1:
-            fixes.append(f"micro_batch_size: {result['micro_batch_size'] // 2} with twice the grad_accum_steps "
-                         f"(now {result['micro_batch_size']})")
-        fixes.append(f"shorter rows (now {result['seq_len']} tokens"
-                     + (f", images up to {result['image_side']}x{result['image_side']} merged patches"
-                        + (f", videos of {result['video_frames']} frame groups" if result.get("video_frames") else "")
-                        + ")" if result["image_side"] else ")"))
-    fixes.append(f"more ranks to shard over, or tensor parallel (now dp_shard {result['dp_shard']} x tp {result['tp']})")
-    return (f"estimated peak {result['peak_bytes'] / 2**30:.1f} GiB per GPU does not fit in "
-            f"{usable / 2**30:.1f} GiB ({gpu_memory_gib:g} GiB GPU, {headroom:.0%} kept free); largest: "
-            + ", ".join(f"{k} {n / 2**30:.1f} GiB" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])[:2] if n)
-            + ". Try: " + "; ".join(fixes))
+            fixes.append(
+                f"micro_batch_size: {result['micro_batch_size'] // 2} with twice the grad_accum_steps "
+                f"(now {result['micro_batch_size']})"
+            )
+        fixes.append(
+            f"shorter rows (now {result['seq_len']} tokens"
+            + (
+                f", images up to {result['image_side']}x{result['image_side']} merged patches"
+                + (f", videos of {result['video_frames']} frame groups" if result.get("video_frames") else "")
+                + ")"
+                if result["image_side"]
+                else ")"
+            )
+        )
+    fixes.append(
+        f"more ranks to shard over, or tensor parallel (now dp_shard {result['dp_shard']} x tp {result['tp']})"
+    )
+    return (
+        f"estimated peak {result['peak_bytes'] / 2**30:.1f} GiB per GPU does not fit in "
+        f"{usable / 2**30:.1f} GiB ({gpu_memory_gib:g} GiB GPU, {headroom:.0%} kept free); largest: "
+        + ", ".join(f"{k} {n / 2**30:.1f} GiB" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])[:2] if n)
+        + ". Try: "
+        + "; ".join(fixes)
+    )
 
 
 def packed_limits(cfg: TrainConfig) -> dict:
@@ -127,8 +165,9 @@ def packed_limits(cfg: TrainConfig) -> dict:
     return json.loads(pack.read_text()) if cfg.data.kind == "packed" and pack.is_file() else {}
 
 
-def batch_shape(cfg: TrainConfig, seq_len: int | None, image_side: int | None,
-                video_frames: int = 0) -> tuple[int, int]:
+def batch_shape(
+    cfg: TrainConfig, seq_len: int | None, image_side: int | None, video_frames: int = 0
+) -> tuple[int, int]:
     """The row length and image (or video frame) size to estimate with: given, else the packed
     dataset's limits (pack_config.json), else the config's random-data shape."""
     limits = packed_limits(cfg)
@@ -194,8 +233,10 @@ def _grouped_experts(model, cfg: TrainConfig):
         yield
         return
     if cfg.precision.param_dtype != "bfloat16":
-        raise ConfigError(f"precision.param_dtype: the memory estimate of a mixture-of-experts model follows the "
-                          f"GPU's grouped GEMM, which takes bfloat16 only (got {cfg.precision.param_dtype})")
+        raise ConfigError(
+            f"precision.param_dtype: the memory estimate of a mixture-of-experts model follows the "
+            f"GPU's grouped GEMM, which takes bfloat16 only (got {cfg.precision.param_dtype})"
+        )
     previous = grouped_mm.set(torch._grouped_mm, force=True)
     try:
         yield
@@ -203,8 +244,15 @@ def _grouped_experts(model, cfg: TrainConfig):
         grouped_mm.set(*previous)
 
 
-def estimate_memory(cfg: TrainConfig, world_size: int, seq_len: int, image_side: int, fake: bool = True,
-                    segments: int | None = None, video_frames: int = 0) -> dict:
+def estimate_memory(
+    cfg: TrainConfig,
+    world_size: int,
+    seq_len: int,
+    image_side: int,
+    fake: bool = True,
+    segments: int | None = None,
+    video_frames: int = 0,
+) -> dict:
     """Peak bytes per kind over two training steps, each row `segments` packed samples (default:
     data.segments), the longest with the image (`video_frames` > 0: with a video of that many
     frame groups of image_side x image_side merged patches): on rank 0, or under disjoint layouts on the first
@@ -220,23 +268,50 @@ def estimate_memory(cfg: TrainConfig, world_size: int, seq_len: int, image_side:
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, compile=False))
     segments = segments or cfg.data.segments
     if video_frames and video_frames * (image_side**2 + 5) + 2 > seq_len // segments:
-        raise ConfigError(f"--video-frames: a video of {video_frames} frame groups of {image_side}x{image_side} merged "
-                          f"patches ({video_frames * (image_side**2 + 5)} tokens with its timestamps and markers) "
-                          f"does not fit a segment of {seq_len // segments} tokens")
-    ranks = {"vision": layout.vision.ranks.start, "language": layout.language.ranks.start} if layout.disjoint else {"both": 0}
-    peaks = {role: _estimate_rank(cfg, layout, rank, seq_len, image_side, segments, fake, video_frames)
-             for role, rank in ranks.items()}
+        raise ConfigError(
+            f"--video-frames: a video of {video_frames} frame groups of {image_side}x{image_side} merged "
+            f"patches ({video_frames * (image_side**2 + 5)} tokens with its timestamps and markers) "
+            f"does not fit a segment of {seq_len // segments} tokens"
+        )
+    ranks = (
+        {"vision": layout.vision.ranks.start, "language": layout.language.ranks.start}
+        if layout.disjoint
+        else {"both": 0}
+    )
+    peaks = {
+        role: _estimate_rank(cfg, layout, rank, seq_len, image_side, segments, fake, video_frames)
+        for role, rank in ranks.items()
+    }
     role = max(peaks, key=lambda r: peaks[r]["Total"])
     dims = layout.language.dims
-    result = {"world_size": world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
-              "tp": dims.tp, "seq_len": seq_len, "segments": segments, "micro_batch_size": cfg.micro_batch_size,
-              "image_side": image_side, "video_frames": video_frames,
-              "activation_checkpointing": cfg.parallel.activation_checkpointing, "param_dtype": cfg.precision.param_dtype,
-              "fake": fake, "rank": ranks[role], "peak_bytes": peaks[role]["Total"], "peak_bytes_by_kind": _kinds(peaks[role])}
+    result = {
+        "world_size": world_size,
+        "dp_replicate": dims.dp_replicate,
+        "dp_shard": dims.dp_shard,
+        "cp": dims.cp,
+        "tp": dims.tp,
+        "seq_len": seq_len,
+        "segments": segments,
+        "micro_batch_size": cfg.micro_batch_size,
+        "image_side": image_side,
+        "video_frames": video_frames,
+        "activation_checkpointing": cfg.parallel.activation_checkpointing,
+        "param_dtype": cfg.precision.param_dtype,
+        "fake": fake,
+        "rank": ranks[role],
+        "peak_bytes": peaks[role]["Total"],
+        "peak_bytes_by_kind": _kinds(peaks[role]),
+    }
     if layout.disjoint:
-        result["modules"] = {m: {"rank": ranks[m], "ranks": [layout.grid(m).ranks.start, layout.grid(m).ranks.stop],
-                                 "peak_bytes": peaks[m]["Total"], "peak_bytes_by_kind": _kinds(peaks[m])}
-                             for m in ("vision", "language")}
+        result["modules"] = {
+            m: {
+                "rank": ranks[m],
+                "ranks": [layout.grid(m).ranks.start, layout.grid(m).ranks.stop],
+                "peak_bytes": peaks[m]["Total"],
+                "peak_bytes_by_kind": _kinds(peaks[m]),
+            }
+            for m in ("vision", "language")
+        }
     return result
 
 
@@ -244,8 +319,9 @@ def _kinds(peak: dict) -> dict:
     return {kind: n for kind, n in peak.items() if kind != "Total"}
 
 
-def _estimate_rank(cfg, layout, rank: int, seq_len: int, image_side: int, segments: int, fake: bool,
-                   video_frames: int = 0) -> dict:
+def _estimate_rank(
+    cfg, layout, rank: int, seq_len: int, image_side: int, segments: int, fake: bool, video_frames: int = 0
+) -> dict:
     """Peak bytes per kind (and "Total") of global rank `rank` of `layout`."""
     device = torch.device("cpu")
     with _process_group(layout.world_size, fake, rank):
@@ -258,11 +334,24 @@ def _estimate_rank(cfg, layout, rank: int, seq_len: int, image_side: int, segmen
         # language ranks). Two micro-batches hold as much as more would: from the second on, the
         # unsynced gradients of the first are held too.
         micro_batches = min(layout.grad_accum_steps, 2)
-        batches = iter(run.data(lambda data_rank, data_world: RandomBatches(
-            run.model.config, seq_len=seq_len, segments=segments, image_fraction=0.0 if video_frames else 1.0,
-            micro_batch_size=cfg.micro_batch_size, dp_rank=data_rank, dp_world=data_world,
-            grad_accum_steps=micro_batches, seed=cfg.seed, image_side=image_side,
-            video_fraction=1.0 if video_frames else 0.0, video_frames=video_frames or 1)))
+        batches = iter(
+            run.data(
+                lambda data_rank, data_world: RandomBatches(
+                    run.model.config,
+                    seq_len=seq_len,
+                    segments=segments,
+                    image_fraction=0.0 if video_frames else 1.0,
+                    micro_batch_size=cfg.micro_batch_size,
+                    dp_rank=data_rank,
+                    dp_world=data_world,
+                    grad_accum_steps=micro_batches,
+                    seed=cfg.seed,
+                    image_side=image_side,
+                    video_fraction=1.0 if video_frames else 0.0,
+                    video_frames=video_frames or 1,
+                )
+            )
+        )
         micro = [next(batches) for _ in range(micro_batches)]
         own = [] if run.role == "vision" else micro
         label_tokens = float(sum(b.label_tokens for b in own)) * layout.data.dims.dp
@@ -272,8 +361,12 @@ def _estimate_rank(cfg, layout, rank: int, seq_len: int, image_side: int, segmen
         with _fake_mode_with_constant_batch(fake) as mode:
             if mode is not None:
                 convert = mode.fake_tensor_converter.from_real_tensor
-                micro = [b if b is None else b.map_tensors(
-                    lambda v: convert(mode, v, make_constant=not v.is_floating_point())) for b in micro]
+                micro = [
+                    b
+                    if b is None
+                    else b.map_tensors(lambda v: convert(mode, v, make_constant=not v.is_floating_point()))
+                    for b in micro
+                ]
             with _grouped_experts(run.model, cfg):
                 return _peak_of_two_steps(run, micro, label_tokens)
 
@@ -330,18 +423,27 @@ def format_table(result: dict) -> str:
         image = f"video of {result['video_frames']} frame groups of {side}x{side} merged patches"
     cp = f"cp {result['cp']} x " if result.get("cp", 1) > 1 else ""
     mesh = f"dp_replicate {result['dp_replicate']} x dp_shard {result['dp_shard']} x {cp}tp {result['tp']}"
-    lines = [f"peak memory per device, rank {result['rank']} of {result['world_size']} ({mesh}), "
-             f"{result['micro_batch_size']} x {result['seq_len']} tokens, {image}, "
-             f"activation checkpointing {result['activation_checkpointing']}, {result['param_dtype']} compute, eager"]
+    lines = [
+        f"peak memory per device, rank {result['rank']} of {result['world_size']} ({mesh}), "
+        f"{result['micro_batch_size']} x {result['seq_len']} tokens, {image}, "
+        f"activation checkpointing {result['activation_checkpointing']}, {result['param_dtype']} compute, eager"
+    ]
     modules = result.get("modules") or {"": result}
     width = 18 if "modules" in result else 10
     lines.append(f"{'kind':<16}" + "".join(f"{(m + ' ' if m else '') + unit:>{width}}" for m in modules))
     kinds = dict.fromkeys(k for m in modules.values() for k, n in m["peak_bytes_by_kind"].items() if n)
     for kind in kinds:
-        lines.append(f"{kind:<16}" + "".join(f"{m['peak_bytes_by_kind'].get(kind, 0) / scale:>{width}.2f}"
-                                              for m in modules.values()))
+        lines.append(
+            f"{kind:<16}"
+            + "".join(f"{m['peak_bytes_by_kind'].get(kind, 0) / scale:>{width}.2f}" for m in modules.values())
+        )
     lines.append(f"{'total':<16}" + "".join(f"{m['peak_bytes'] / scale:>{width}.2f}" for m in modules.values()))
     if "modules" in result:
-        lines.append("modules: " + ", ".join(f"{name} on ranks [{m['ranks'][0]}, {m['ranks'][1]}) (estimated on rank "
-                                             f"{m['rank']})" for name, m in modules.items()))
+        lines.append(
+            "modules: "
+            + ", ".join(
+                f"{name} on ranks [{m['ranks'][0]}, {m['ranks'][1]}) (estimated on rank {m['rank']})"
+                for name, m in modules.items()
+            )
+        )
     return "\n".join(lines)

@@ -15,9 +15,20 @@ from vlmcore.models.flops import llm_flops, vision_flops
 
 # Dense BF16 peak TFLOPS per device (without sparsity); the first matching name wins.
 PEAK_TFLOPS = (
-    ("GB200", 2500.0), ("GB300", 2500.0), ("B200", 2250.0), ("B300", 2250.0),
-    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.0), ("H200", 989.0), ("H100", 989.0),
-    ("A100", 312.0), ("L40S", 362.0), ("MI300X", 1307.0), ("MI325X", 1307.0), ("MI355X", 2500.0),
+    ("GB200", 2500.0),
+    ("GB300", 2500.0),
+    ("B200", 2250.0),
+    ("B300", 2250.0),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("GH200", 989.0),
+    ("H200", 989.0),
+    ("H100", 989.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("MI300X", 1307.0),
+    ("MI325X", 1307.0),
+    ("MI355X", 2500.0),
 )
 
 
@@ -42,9 +53,17 @@ def global_counts(host_micro: list, model_config, peers: int) -> dict:
     flops = [batch_flops(model_config, b) for b in host_micro]
     skipped = sum((Counter(b.skipped_samples) for b in host_micro), Counter())
     keys = ("label_tokens", "samples", "tokens", "llm_flops", "vision_flops", "skipped_samples")
-    counts = torch.tensor([sum(b.label_tokens for b in host_micro), sum(b.num_samples for b in host_micro),
-                           sum(b.tokens for b in host_micro), sum(f[0] for f in flops), sum(f[1] for f in flops),
-                           sum(skipped.values())], dtype=torch.float64)
+    counts = torch.tensor(
+        [
+            sum(b.label_tokens for b in host_micro),
+            sum(b.num_samples for b in host_micro),
+            sum(b.tokens for b in host_micro),
+            sum(f[0] for f in flops),
+            sum(f[1] for f in flops),
+            sum(skipped.values()),
+        ],
+        dtype=torch.float64,
+    )
     dist.all_reduce(counts)
     counts = dict(zip(keys, (counts / peers).tolist()))
     # By reason only on steps that have any: every rank sees the same global sum, so all gather or none.
@@ -62,24 +81,43 @@ def peak_mem_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
 
 
-def step_record(state: dict, result, counts: dict, lr: float, step_time: float, data_wait: float,
-                peak: float | None, device: torch.device, tp: int) -> dict:
+def step_record(
+    state: dict,
+    result,
+    counts: dict,
+    lr: float,
+    step_time: float,
+    data_wait: float,
+    peak: float | None,
+    device: torch.device,
+    tp: int,
+) -> dict:
     """One line of metrics.jsonl."""
     world = dist.get_world_size()
     llm_tflops = counts["llm_flops"] / step_time / world / 1e12
     vision_tflops = counts["vision_flops"] / step_time / world / 1e12
     tokens = counts["tokens"]
     return {
-        "step": state["step"], "loss": result.loss_sum / tp / counts["label_tokens"], "grad_norm": result.grad_norm,
-        "lr": lr, "tokens": state["tokens"], "samples": state["samples"],
+        "step": state["step"],
+        "loss": result.loss_sum / tp / counts["label_tokens"],
+        "grad_norm": result.grad_norm,
+        "lr": lr,
+        "tokens": state["tokens"],
+        "samples": state["samples"],
         "data_rows": state["data_rows"],  # global rows consumed (vlmcore.data.order): which packs the model saw
         "label_tokens": int(counts["label_tokens"]),
-        "tokens_per_s": tokens / step_time, "tokens_per_s_per_device": tokens / step_time / world,
+        "tokens_per_s": tokens / step_time,
+        "tokens_per_s_per_device": tokens / step_time / world,
         "tflops_per_device": llm_tflops + vision_tflops,
         "mfu": 100 * (llm_tflops + vision_tflops) / peak if peak else None,
-        "llm_tflops_per_device": llm_tflops, "vision_tflops_per_device": vision_tflops,
-        "peak_mem_gb": peak_mem_gb(device), "data_wait_s": data_wait, "step_time_s": step_time,
-        "world_size": world, "skipped_steps": state["skipped_steps"], "skipped_samples": int(counts["skipped_samples"]),
+        "llm_tflops_per_device": llm_tflops,
+        "vision_tflops_per_device": vision_tflops,
+        "peak_mem_gb": peak_mem_gb(device),
+        "data_wait_s": data_wait,
+        "step_time_s": step_time,
+        "world_size": world,
+        "skipped_steps": state["skipped_steps"],
+        "skipped_samples": int(counts["skipped_samples"]),
         **({"skipped_samples_by_reason": counts["skipped_samples_by_reason"]} if counts["skipped_samples"] else {}),
         **(result.moe or {}),  # moe_aux_loss, moe_load_imbalance
     }
@@ -88,8 +126,9 @@ def step_record(state: dict, result, counts: dict, lr: float, step_time: float, 
 class MetricsLogger:
     """Rank 0 writes; other ranks get a logger that does nothing."""
 
-    def __init__(self, output_dir: str | Path, enabled: bool, tensorboard: bool, wandb: bool,
-                 config: dict, resume_step: int):
+    def __init__(
+        self, output_dir: str | Path, enabled: bool, tensorboard: bool, wandb: bool, config: dict, resume_step: int
+    ):
         self.enabled = enabled
         self.tb = self.wandb = None
         if not enabled:
@@ -112,8 +151,13 @@ class MetricsLogger:
             id_file = output_dir / "wandb_run_id"
             run_id = id_file.read_text() if id_file.exists() else uuid.uuid4().hex[:8]
             id_file.write_text(run_id)
-            self.wandb = wandb_lib.init(dir=str(output_dir), config=config, id=run_id, resume="allow",
-                                        project=os.environ.get("WANDB_PROJECT", "vlmcore"))
+            self.wandb = wandb_lib.init(
+                dir=str(output_dir),
+                config=config,
+                id=run_id,
+                resume="allow",
+                project=os.environ.get("WANDB_PROJECT", "vlmcore"),
+            )
 
     def _truncate_after(self, step: int) -> None:
         """Drops lines of steps a resumed run will redo, so each step is logged once."""
@@ -152,9 +196,14 @@ class MetricsLogger:
 def format_line(r: dict) -> str:
     mfu = f" mfu {r['mfu']:.1f}%" if r.get("mfu") is not None else ""
     skipped = f" skipped {r['skipped_steps']}" if r.get("skipped_steps") else ""
-    moe = (f" aux {r['moe_aux_loss']:.4g} imbalance {r['moe_load_imbalance']:.2f}"
-           if r.get("moe_aux_loss") is not None else "")
+    moe = (
+        f" aux {r['moe_aux_loss']:.4g} imbalance {r['moe_load_imbalance']:.2f}"
+        if r.get("moe_aux_loss") is not None
+        else ""
+    )
     modules = f" (vision {r['vision_time_s']:.3f}s llm {r['llm_time_s']:.3f}s)" if "vision_time_s" in r else ""
-    return (f"step {r['step']} loss {r['loss']:.4f} grad_norm {r['grad_norm']:.3f} lr {r['lr']:.2e} "
-            f"tok/s/dev {r['tokens_per_s_per_device']:.0f} tflops/dev {r['tflops_per_device']:.2f}{mfu} "
-            f"mem {r['peak_mem_gb']:.2f}GB data {r['data_wait_s']:.3f}s step {r['step_time_s']:.3f}s{modules}{moe}{skipped}")
+    return (
+        f"step {r['step']} loss {r['loss']:.4f} grad_norm {r['grad_norm']:.3f} lr {r['lr']:.2e} "
+        f"tok/s/dev {r['tokens_per_s_per_device']:.0f} tflops/dev {r['tflops_per_device']:.2f}{mfu} "
+        f"mem {r['peak_mem_gb']:.2f}GB data {r['data_wait_s']:.3f}s step {r['step_time_s']:.3f}s{modules}{moe}{skipped}"
+    )

@@ -37,8 +37,11 @@ def freeze(model: nn.Module, patterns: list[str]) -> int:
 
 
 def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
-    lrs = {"llm": cfg.lr, "vision": cfg.lr if cfg.vision_lr is None else cfg.vision_lr,
-           "projector": cfg.lr if cfg.projector_lr is None else cfg.projector_lr}
+    lrs = {
+        "llm": cfg.lr,
+        "vision": cfg.lr if cfg.vision_lr is None else cfg.vision_lr,
+        "projector": cfg.lr if cfg.projector_lr is None else cfg.projector_lr,
+    }
     groups = {}
     # 'projector' or 'vision' by parameter id, from the model's own parts; the rest is 'llm'.
     vision = model.vision_tower()
@@ -51,8 +54,16 @@ def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
             continue
         kind, decay = kinds.get(id(param), "llm"), param.ndim >= 2 and id(param) not in embeddings  # not norms, biases
         key = f"{kind}{'' if decay else '_no_decay'}"
-        group = groups.setdefault(key, {"name": key, "params": [], "base_lr": lrs[kind], "lr": lrs[kind],
-                                         "weight_decay": cfg.weight_decay if decay else 0.0})
+        group = groups.setdefault(
+            key,
+            {
+                "name": key,
+                "params": [],
+                "base_lr": lrs[kind],
+                "lr": lrs[kind],
+                "weight_decay": cfg.weight_decay if decay else 0.0,
+            },
+        )
         group["params"].append(param)
     if not groups:
         raise ConfigError("trainable: no trainable parameters")
@@ -62,8 +73,14 @@ def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     """AdamW in torch's fused kernel on every device: the GPU's fastest, and on CPU (3x the
     multi-tensor step there) the tests run the optimizer that the GPU runs."""
-    return torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, fused=True)
+    return torch.optim.AdamW(
+        param_groups(model, cfg),
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        fused=True,
+    )
 
 
 def _cooldown(shape: str, progress: float) -> float:

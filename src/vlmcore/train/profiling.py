@@ -80,13 +80,15 @@ def device_figures(trace_events: list[dict], wall_s: float, steps: int) -> list[
     runtime = [e["name"] for e in trace_events if e.get("cat") == "cuda_runtime"]
     intervals = [(e["ts"], e["ts"] + e["dur"]) for e in device]
     busy_s, gaps = busy_time_us(intervals) / 1e6, [g / 1e6 for g in idle_gaps_us(intervals)]
-    return [f"gpu_busy_s {busy_s:.4f} ({100 * busy_s / wall_s:.1f}% of wall)",
-            f"gpu_idle_s {sum(gaps):.4f} between the first and last device operation: "
-            f"{sum(g for g in gaps if g >= 1e-3):.4f} in gaps of 1 ms or more, "
-            f"{sum(g for g in gaps if g < 50e-6):.4f} in gaps under 50 us",
-            f"host_syncs {sum(name in SYNCS for name in runtime) / steps:.1f} a step",
-            f"copies_to_host {sum('DtoH' in e['name'] for e in device) / steps:.1f} a step",
-            f"launches {sum(name in LAUNCHES for name in runtime) / steps:.0f} a step"]
+    return [
+        f"gpu_busy_s {busy_s:.4f} ({100 * busy_s / wall_s:.1f}% of wall)",
+        f"gpu_idle_s {sum(gaps):.4f} between the first and last device operation: "
+        f"{sum(g for g in gaps if g >= 1e-3):.4f} in gaps of 1 ms or more, "
+        f"{sum(g for g in gaps if g < 50e-6):.4f} in gaps under 50 us",
+        f"host_syncs {sum(name in SYNCS for name in runtime) / steps:.1f} a step",
+        f"copies_to_host {sum('DtoH' in e['name'] for e in device) / steps:.1f} a step",
+        f"launches {sum(name in LAUNCHES for name in runtime) / steps:.0f} a step",
+    ]
 
 
 def busy_time_us(intervals: list[tuple[float, float]]) -> float:

@@ -14,9 +14,22 @@ from vlmcore.data.order import rows_of
 
 
 class RandomBatches:
-    def __init__(self, model_config, *, seq_len: int, segments: int, image_fraction: float,
-                 micro_batch_size: int, dp_rank: int, dp_world: int, grad_accum_steps: int, seed: int,
-                 image_side: int = 2, video_fraction: float = 0.0, video_frames: int = 2):
+    def __init__(
+        self,
+        model_config,
+        *,
+        seq_len: int,
+        segments: int,
+        image_fraction: float,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_world: int,
+        grad_accum_steps: int,
+        seed: int,
+        image_side: int = 2,
+        video_fraction: float = 0.0,
+        video_frames: int = 2,
+    ):
         self.config = model_config
         self.text = getattr(model_config, "text_config", model_config)
         self.vision = getattr(model_config, "vision_config", None)
@@ -41,8 +54,14 @@ class RandomBatches:
         while True:
             step, a = divmod(self.consumed, self.accum)
             self.consumed += 1
-            rows = rows_of(step, a, self.dp_rank, dp_world=self.dp_world, micro_batch_size=self.micro_batch_size,
-                           grad_accum_steps=self.accum)
+            rows = rows_of(
+                step,
+                a,
+                self.dp_rank,
+                dp_world=self.dp_world,
+                micro_batch_size=self.micro_batch_size,
+                grad_accum_steps=self.accum,
+            )
             yield self.rows(range(self.first_row + rows.start, self.first_row + rows.stop))
 
     def _text_vocab(self) -> int:
@@ -57,21 +76,33 @@ class RandomBatches:
     def rows(self, indices: range) -> Batch:
         rows = [self.row(j) for j in indices]
         lengths = [n for row in rows for n in row["lengths"]]
-        batch = Batch(input_ids=torch.stack([row["ids"] for row in rows]),
-                      labels=torch.stack([row["labels"] for row in rows]),
-                      cu_seqlens=torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32),
-                      num_samples=len(lengths))
+        batch = Batch(
+            input_ids=torch.stack([row["ids"] for row in rows]),
+            labels=torch.stack([row["labels"] for row in rows]),
+            cu_seqlens=torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32),
+            num_samples=len(lengths),
+        )
         if self.vision is not None:
             for name in ("images", "videos"):
                 parts = [row[name] for row in rows if row[name] is not None]
                 if parts:
-                    setattr(batch, name, Images(torch.cat([p for p, _ in parts]),
-                                                torch.tensor([g for _, grids in parts for g in grids], dtype=torch.int64)))
+                    setattr(
+                        batch,
+                        name,
+                        Images(
+                            torch.cat([p for p, _ in parts]),
+                            torch.tensor([g for _, grids in parts for g in grids], dtype=torch.int64),
+                        ),
+                    )
             from vlmcore.models import position_ids
 
-            batch.position_ids = position_ids(self.config, batch.input_ids,
-                                              batch.images.grid_thw if batch.images else None, batch.cu_seqlens,
-                                              batch.videos.grid_thw if batch.videos else None)
+            batch.position_ids = position_ids(
+                self.config,
+                batch.input_ids,
+                batch.images.grid_thw if batch.images else None,
+                batch.cu_seqlens,
+                batch.videos.grid_thw if batch.videos else None,
+            )
         return batch
 
     def row(self, j: int) -> dict:
@@ -100,12 +131,12 @@ class RandomBatches:
             prompt_end = start + visual_span.get((start, end), 0)
             # Supervise the end of each segment, of random length, like an answer.
             first = int(torch.randint(prompt_end + 1, end, (1,), generator=g))
-            lab[first - 1:end - 1] = ids[first:end]
+            lab[first - 1 : end - 1] = ids[first:end]
             lengths.append(end - start)
         row = {"ids": ids, "labels": lab, "lengths": lengths, "images": None, "videos": None}
         if self.vision is not None:
             v = self.vision
-            patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+            patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
             for name, kind_grids in (("images", grids), ("videos", video_grids)):
                 if kind_grids:
                     patches = int(torch.tensor(kind_grids).prod(-1).sum())
@@ -125,9 +156,9 @@ class RandomBatches:
         merge, group = self.vision.spatial_merge_size, self.image_side**2
         for f in range(self.video_frames):
             at = start + f * (group + 5)
-            ids[at:at + 3] = torch.randint(0, self._text_vocab(), (3,), generator=g)  # the timestamp's text
+            ids[at : at + 3] = torch.randint(0, self._text_vocab(), (3,), generator=g)  # the timestamp's text
             ids[at + 3] = self.config.vision_start_token_id
-            ids[at + 4:at + 4 + group] = self.config.video_token_id
+            ids[at + 4 : at + 4 + group] = self.config.video_token_id
             ids[at + 4 + group] = self.config.vision_end_token_id
         return [self.video_frames, self.image_side * merge, self.image_side * merge]
 
@@ -135,9 +166,10 @@ class RandomBatches:
         """Puts one square image (image_side x image_side merged patches) at the start of a segment."""
         merge, span = self.vision.spatial_merge_size, self._image_span()
         if end - start < span + 2:
-            raise ValueError(f"data.seq_len / data.segments: segment of {end - start} tokens too short "
-                             f"for an image of {span} tokens")
+            raise ValueError(
+                f"data.seq_len / data.segments: segment of {end - start} tokens too short for an image of {span} tokens"
+            )
         ids[start] = self.config.vision_start_token_id
-        ids[start + 1:start + span - 1] = self.config.image_token_id
+        ids[start + 1 : start + span - 1] = self.config.image_token_id
         ids[start + span - 1] = self.config.vision_end_token_id
         return [1, self.image_side * merge, self.image_side * merge]

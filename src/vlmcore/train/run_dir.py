@@ -23,8 +23,18 @@ from vlmcore.config import TrainConfig, save_config, to_dict
 # may get another number of nodes: the model and optimizer reshard and the data stream follows
 # the global batch, which `vlmcore.train.checkpoint.resume` checks). Anything else (data, model,
 # optimizer, hyperparameters) makes it another run.
-RESUMABLE_CHANGES = {"steps", "checkpoint", "metrics", "num_workers", "output_dir", "parallel", "micro_batch_size",
-                     "grad_accum_steps", "global_batch_rows", "allow_global_batch_change"}
+RESUMABLE_CHANGES = {
+    "steps",
+    "checkpoint",
+    "metrics",
+    "num_workers",
+    "output_dir",
+    "parallel",
+    "micro_batch_size",
+    "grad_accum_steps",
+    "global_batch_rows",
+    "allow_global_batch_change",
+}
 UNFINISHED = "unfinished"
 
 
@@ -42,7 +52,9 @@ def stale_run_reason(out, cfg: TrainConfig) -> str | None:
     if saved.is_file():
         before = yaml.safe_load(saved.read_text()) or {}
         now = to_dict(cfg)
-        changed = sorted(k for k in set(before) | set(now) if k not in RESUMABLE_CHANGES and before.get(k) != now.get(k))
+        changed = sorted(
+            k for k in set(before) | set(now) if k not in RESUMABLE_CHANGES and before.get(k) != now.get(k)
+        )
         if changed:
             return f"settings changed since the checkpoints in {out} were written ({', '.join(changed)}): starting a new run"
     return None

@@ -79,8 +79,16 @@ class MoE:
     cp: int = 1  # context-parallel ranks: each a chunk of the rows, its loss a part of theirs
 
 
-def forward_backward(model, micro: list[Batch], label_tokens: float, vision_dummy, chunk_tokens: int,
-                     compiled_loss: bool = False, moe: MoE | None = None, bridge=None):
+def forward_backward(
+    model,
+    micro: list[Batch],
+    label_tokens: float,
+    vision_dummy,
+    chunk_tokens: int,
+    compiled_loss: bool = False,
+    moe: MoE | None = None,
+    bridge=None,
+):
     """Accumulates the gradients of sum(token losses) / label_tokens (+ the MoE load-balancing loss)
     over the micro-batches (on the device, `Batch.to`); returns this rank's sum of token
     losses, and for MoE models the sum of the micro-batches' load-balancing losses and the tokens
@@ -95,14 +103,21 @@ def forward_backward(model, micro: list[Batch], label_tokens: float, vision_dumm
             vision_dummy.active = not batch.has_visual
         received = bridge.receive(i) if bridge is not None else None
         images, videos = batch.images, batch.videos
-        output = model(batch.input_ids, pixel_values=images.pixel_values if images else None,
-                       image_grid_thw=images.grid_thw if images else None, position_ids=batch.position_ids,
-                       cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen, return_hidden=True,
-                       pixel_values_videos=videos.pixel_values if videos else None,
-                       video_grid_thw=videos.grid_thw if videos else None,
-                       **({"visual_selection": batch.visual_selection} if batch.visual_selection is not None else {}))
-        local_sum, _ = chunked_cross_entropy(output.hidden_states, model.lm_head.weight, batch.labels,
-                                             chunk_tokens, compiled=compiled_loss)
+        output = model(
+            batch.input_ids,
+            pixel_values=images.pixel_values if images else None,
+            image_grid_thw=images.grid_thw if images else None,
+            position_ids=batch.position_ids,
+            cu_seqlens=batch.cu_seqlens,
+            max_seqlen=batch.max_seqlen,
+            return_hidden=True,
+            pixel_values_videos=videos.pixel_values if videos else None,
+            video_grid_thw=videos.grid_thw if videos else None,
+            **({"visual_selection": batch.visual_selection} if batch.visual_selection is not None else {}),
+        )
+        local_sum, _ = chunked_cross_entropy(
+            output.hidden_states, model.lm_head.weight, batch.labels, chunk_tokens, compiled=compiled_loss
+        )
         loss = local_sum / label_tokens
         if moe is not None:
             aux, counts = moe.routing.loss()
@@ -159,8 +174,16 @@ class Step:
         if self.bridge is not None and self.bridge.is_vision:
             loss_sum, aux_sum, routed = self.bridge.encoder_step(self.model, micro), None, None
         else:
-            loss_sum, aux_sum, routed = forward_backward(self.model, micro, label_tokens, self.vision_dummy,
-                                                         self.chunk_tokens, self.compiled_loss, self.moe, self.bridge)
+            loss_sum, aux_sum, routed = forward_backward(
+                self.model,
+                micro,
+                label_tokens,
+                self.vision_dummy,
+                self.chunk_tokens,
+                self.compiled_loss,
+                self.moe,
+                self.bridge,
+            )
         if self.partial:
             sum_partial_grads(self.partial, self.tp_group)
         norm = grad_norm(self.trainable, self.norm_foreach).to(loss_sum.device)
@@ -196,8 +219,17 @@ def clip_grads(params: list[torch.Tensor], norm: float, max_norm: float) -> None
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=None)
 
 
-def build_step(model, optimizer, partial_params: list, tp_group, chunk_tokens: int, max_grad_norm: float,
-               compiled_loss: bool = False, bridge=None, cp_group=None) -> Step:
+def build_step(
+    model,
+    optimizer,
+    partial_params: list,
+    tp_group,
+    chunk_tokens: int,
+    max_grad_norm: float,
+    compiled_loss: bool = False,
+    bridge=None,
+    cp_group=None,
+) -> Step:
     """`partial_params`: (module, attribute name) of the TP-partial parameters (`apply_tp`);
     `cp_group`: this rank's context-parallel peers (None without context parallelism)."""
     moe = None
@@ -210,8 +242,19 @@ def build_step(model, optimizer, partial_params: list, tp_group, chunk_tokens: i
     trainable = [p for p in model.parameters() if p.requires_grad]
     partial = [getattr(m, name) for m, name in partial_params if getattr(m, name).requires_grad]
     vision_dummy = VisionDummy(model) if model.vision_tower() is not None and bridge is None else None
-    return Step(model, optimizer, trainable, partial, tp_group, vision_dummy, chunk_tokens, max_grad_norm,
-                compiled_loss, moe, bridge)
+    return Step(
+        model,
+        optimizer,
+        trainable,
+        partial,
+        tp_group,
+        vision_dummy,
+        chunk_tokens,
+        max_grad_norm,
+        compiled_loss,
+        moe,
+        bridge,
+    )
 
 
 def to_device(batch: Batch | None, device: torch.device, context: dict | None = None) -> Batch | None:

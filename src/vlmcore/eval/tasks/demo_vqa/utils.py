@@ -25,10 +25,18 @@ def load_rows(vqa_data, media: str, task: str) -> datasets.DatasetDict:
     for line_no, row in jsonl_records(path):
         missing = [key for key in ("id", media, "question", "choices", "answer") if key not in row]
         if missing:
-            raise ValueError(f"{path}:{line_no}: missing {missing}" + (
-                f" (a {task} question needs a {media}; is this the other demo's eval.jsonl?)" if media in missing else ""))
+            raise ValueError(
+                f"{path}:{line_no}: missing {missing}"
+                + (
+                    f" (a {task} question needs a {media}; is this the other demo's eval.jsonl?)"
+                    if media in missing
+                    else ""
+                )
+            )
         if not 0 <= row["answer"] < len(row["choices"]):
-            raise ValueError(f"{path}:{line_no}: answer {row['answer']} is not an index into {len(row['choices'])} choices")
+            raise ValueError(
+                f"{path}:{line_no}: answer {row['answer']} is not an index into {len(row['choices'])} choices"
+            )
         media_path = path.parent / row[media]
         if not media_path.is_file():
             raise ValueError(f"{path}:{line_no}: {media} {media_path} not found")
