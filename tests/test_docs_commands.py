@@ -1,4 +1,4 @@
-"""Every command the docs give runs as written.
+"""The commands the docs give run as written: each is checked by the rule of its program.
 
 The commands are read from README.md and docs/*.md: the lines of shell code blocks (fenced
 bash/sh/console/unlabelled ones and indented ones, whose first line is a command; `\\`
@@ -20,6 +20,7 @@ program no rule covers fails:
 - `python benchmarks/X.py`: the script exists and every flag is in its `--help`; `python -m M`:
   the module exists; `python -c CODE`: the code compiles;
 - `bash SCRIPT`: the script exists and parses (`bash -n`);
+- `pip`: not run, but the project's extras it names exist;
 - the programs of NOT_RUN are not run, for the reason given there.
 
 Every repository path a command names must exist.
@@ -38,6 +39,7 @@ import runpy
 import shlex
 import subprocess
 import sys
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,7 +61,6 @@ SHELL_LANGUAGES = {"bash", "sh", "shell", "console", ""}
 
 # Programs the test does not run, and why. Their repository paths are still checked.
 NOT_RUN = {
-    "pip": "installs packages: needs the network, and the environment is already built",
     "python3.11": "builds a virtual environment (`-m venv`)",
     "git": "clones the project",
     "cd": "changes to a cluster's project directory",
@@ -342,6 +343,16 @@ def check_bash(command: Command, words: list[str]):
     assert proc.returncode == 0, proc.stderr
 
 
+def check_pip(command: Command, words: list[str]):
+    """Not run (it needs the network, and the environment is built): the project's extras it
+    names (`-e ".[test]"`) exist; its requirement files are checked with every command's paths."""
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for word in words:
+        match = re.fullmatch(r"\.\[([\w,-]+)\]", word)
+        for extra in match.group(1).split(",") if match else []:
+            assert extra in extras, f"{command.where}: `{command.text}`: the project has no extra {extra}"
+
+
 def snakemake_argv(command: Command, words: list[str]) -> list[str]:
     """The command's arguments, the placeholders replaced."""
     text = shlex.join(words[1:])
@@ -389,6 +400,7 @@ CHECKS = {
     "python": check_python,
     "torchrun": check_torchrun,
     "bash": check_bash,
+    "pip": check_pip,
 }
 
 COMMANDS = all_commands()
