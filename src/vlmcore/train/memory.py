@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gpu-memory-gib",
         type=float,
         help="memory of one GPU: exit 1, saying what to change, "
-        f"if the estimate does not fit in it with {HEADROOM:.0%} kept free",
+        f"if the estimate does not fit in it with {HEADROOM * 100:.0f}%% kept free",  # %%: argparse formats help
     )
     parser.add_argument("--json", type=Path, help="also write the estimate here")
 
