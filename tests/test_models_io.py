@@ -42,7 +42,7 @@ def snapshot_tensors(path) -> dict[str, torch.Tensor]:
     out = {}
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(file, framework="pt") as f:
-            out.update({name: f.get_tensor(name) for name in f})
+            out.update({name: f.get_tensor(name) for name in f.keys()})  # noqa: SIM118 (a safetensors safe_open is not iterable: keys() lists its tensors)
     return out
 
 
