@@ -77,7 +77,7 @@ class GroupedExperts(nn.Module):
 def _local(weight: torch.Tensor) -> torch.Tensor:
     """An expert-sharded DTensor's local experts (expert parallelism); a plain tensor as is.
     isinstance, not hasattr(weight, "to_local"): under torch.compile, hasattr on a DTensor
-    parameter is False and the DTensor went on into the expert matmuls."""
+    parameter is False and the DTensor would go on into the expert matmuls."""
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
@@ -87,7 +87,7 @@ def _swiglu(h: torch.Tensor) -> torch.Tensor:
 
 
 # Eager inside a compiled block: traced, the loop's code specialises on each expert's row count
-# (0 and 1 rows above all), so each new routing compiled the block again.
+# (0 and 1 rows above all), so each new routing would compile the block again.
 @torch.compiler.disable
 def _loop_forward(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """Exact reference: one matmul per expert over its contiguous rows (host reads the counts)."""
