@@ -13,9 +13,10 @@ import math
 import operator
 import types
 import typing
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 
@@ -23,7 +24,7 @@ import yaml
 class ConfigError(ValueError):
     """A bad config value; `key` is the dotted config key it is about (None: the whole file)."""
 
-    def __init__(self, message: str, key: str | None = None):
+    def __init__(self, message: str, key: str | None = None) -> None:
         super().__init__(message)
         self.key = key
 
@@ -33,7 +34,17 @@ LinearAttentionBackend = Literal["auto", "fla", "torch"]
 _BOUNDS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="), "lt": (operator.lt, "<")}
 
 
-def setting(default, doc: str, *, ge=None, gt=None, le=None, lt=None, also=(), factory=None):
+def setting(
+    default: Any,
+    doc: str,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    also: tuple = (),
+    factory: Callable[[], Any] | None = None,
+) -> Any:
     """A config key: its default, its meaning (its line in docs/config.md) and its allowed range,
     which `validate` checks: the bounds ge/gt/le/lt (a float must also be finite), or a value in `also`."""
     bounds = {op: v for op, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
@@ -235,14 +246,18 @@ class TrainConfig:
     max_nonfinite_steps: int = setting(5, "consecutive skipped (non-finite) steps before the run saves and stops", ge=1)
 
 
-def _each_lr(text: str, suspicious):
+# A check between keys, or a warning: (dotted key, what is allowed or why it is suspicious, check(value, config)).
+Rule = tuple[str, str, Callable[[Any, TrainConfig], bool]]
+
+
+def _each_lr(text: str, suspicious: Callable[[float], bool]) -> list[Rule]:
     return [
         (f"optimizer.{k}", text, lambda v, c: v is not None and suspicious(v))
         for k in ("lr", "vision_lr", "projector_lr")
     ]
 
 
-def _module_rules(module: str):
+def _module_rules(module: str) -> list[Rule]:
     key = f"parallel.modules.{module}"
     return [
         (
@@ -335,54 +350,89 @@ _YAML_NAMES = {v: k for k, v in _KEY_ALIASES.items()}
 _EXPECTED = {bool: "true or false", int: "an integer", str: "a string"}
 
 
-def _convert(value, tp, key):
+def _convert(value: Any, tp: Any, key: str) -> Any:
     """Checks `value` against the annotation `tp`, converting YAML scalars where lossless."""
     origin = typing.get_origin(tp)
     if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"{key}: must be one of {', '.join(choices)}, got {value!r}", key)
-        return value
+        return _convert_choice(value, tp, key)
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for inner in [a for a in args if a is not type(None)]:  # e.g. `Literal["all"] | list[int]`: the first that fits
-            try:
-                return _convert(value, inner, key)
-            except ConfigError as e:
-                errors.append(str(e).removeprefix(f"{key}: "))
-        raise ConfigError(f"{key}: {'; or '.join(errors)}", key)
+        return _convert_union(value, tp, key)
     if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}", key)
-        return _from_dict(tp, value, key + ".")
+        return _convert_section(value, tp, key)
     if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}", key)
-        (inner,) = typing.get_args(tp)
-        return [_convert(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+        return _convert_list(value, tp, key)
     if origin is tuple:
-        inner = typing.get_args(tp)
-        if not isinstance(value, (list, tuple)) or len(value) != len(inner):
-            raise ConfigError(f"{key}: expected a list of {len(inner)} values, got {value!r}", key)
-        return tuple(_convert(v, t, f"{key}[{i}]") for i, (v, t) in enumerate(zip(value, inner)))
+        return _convert_tuple(value, tp, key)
     if tp in _EXPECTED:
-        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-            raise ConfigError(f"{key}: expected {_EXPECTED[tp]}, got {value!r}", key)
-        return value
+        return _convert_exact(value, tp, key)
     if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
-            with contextlib.suppress(ValueError):
-                return float(value)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}", key)
-        return float(value)
+        return _convert_float(value, key)
     raise TypeError(f"unsupported config annotation {tp} for {key}")
 
 
-def _from_dict(cls, data: dict, prefix: str = ""):
+def _convert_choice(value: Any, tp: Any, key: str) -> Any:
+    """A value of a `Literal[...]`: one of its choices."""
+    choices = typing.get_args(tp)
+    if value not in choices:
+        raise ConfigError(f"{key}: must be one of {', '.join(choices)}, got {value!r}", key)
+    return value
+
+
+def _convert_union(value: Any, tp: Any, key: str) -> Any:
+    """A value of `A | B | None`: None where allowed, else the first of the types that fits
+    (e.g. `Literal["all"] | list[int]`); the error lists why each did not."""
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    errors = []
+    for inner in [a for a in args if a is not type(None)]:
+        try:
+            return _convert(value, inner, key)
+        except ConfigError as e:
+            errors.append(str(e).removeprefix(f"{key}: "))
+    raise ConfigError(f"{key}: {'; or '.join(errors)}", key)
+
+
+def _convert_section(value: Any, tp: type, key: str) -> Any:
+    """A nested section (a config dataclass) from a mapping."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected a mapping, got {value!r}", key)
+    return _from_dict(tp, value, key + ".")
+
+
+def _convert_list(value: Any, tp: Any, key: str) -> list:
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{key}: expected a list, got {value!r}", key)
+    (inner,) = typing.get_args(tp)
+    return [_convert(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+
+
+def _convert_tuple(value: Any, tp: Any, key: str) -> tuple:
+    """A fixed-length tuple, written as a YAML list."""
+    inner = typing.get_args(tp)
+    if not isinstance(value, (list, tuple)) or len(value) != len(inner):
+        raise ConfigError(f"{key}: expected a list of {len(inner)} values, got {value!r}", key)
+    return tuple(_convert(v, t, f"{key}[{i}]") for i, (v, t) in enumerate(zip(value, inner)))
+
+
+def _convert_exact(value: Any, tp: type, key: str) -> Any:
+    """A bool, int or str, exactly (a YAML `true` is no integer)."""
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise ConfigError(f"{key}: expected {_EXPECTED[tp]}, got {value!r}", key)
+    return value
+
+
+def _convert_float(value: Any, key: str) -> float:
+    """A number as a float; a string only where it reads as one."""
+    if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
+        with contextlib.suppress(ValueError):
+            return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key}: expected a number, got {value!r}", key)
+    return float(value)
+
+
+def _from_dict(cls: type, data: dict, prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)  # every field, by name
     kwargs = {}
     for raw_key, value in data.items():
@@ -394,7 +444,7 @@ def _from_dict(cls, data: dict, prefix: str = ""):
     return cls(**kwargs)
 
 
-def _set_dotted(node: dict, dotted: str, value) -> None:
+def _set_dotted(node: dict, dotted: str, value: Any) -> None:
     *parents, last = dotted.split(".")
     for k in parents:
         node = node.setdefault(k, {})
@@ -414,29 +464,33 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, object]]:
     return parsed
 
 
-def leaves(cfg, prefix: str = ""):
+def leaves(cfg: Any, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, Any, Any]]:
     """(dotted YAML key, field, annotation, value) of every key of a config, in declaration order."""
     hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
-        name, value = prefix + _YAML_NAMES.get(f.name, f.name), getattr(cfg, f.name)
+        name = prefix + _YAML_NAMES.get(f.name, f.name)
+        value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
             yield from leaves(value, name + ".")
         else:
             yield name, f, hints[f.name], value
 
 
-def range_text(metadata) -> str:
+def range_text(metadata: Mapping[str, Any]) -> str:
     """The allowed range of a key as docs and errors write it: `>= 0`, `in [0, 1)`, `>= 1 or -1`."""
     bounds = metadata.get("bounds", {})
-    low, high = [[op for op in ops if op in bounds] for ops in (("ge", "gt"), ("le", "lt"))]
+    low = [op for op in ("ge", "gt") if op in bounds]
+    high = [op for op in ("le", "lt") if op in bounds]
     if low and high:
-        text = f"in {'[' if low == ['ge'] else '('}{bounds[low[0]]}, {bounds[high[0]]}{']' if high == ['le'] else ')'}"
+        opening = "[" if low == ["ge"] else "("
+        closing = "]" if high == ["le"] else ")"
+        text = f"in {opening}{bounds[low[0]]}, {bounds[high[0]]}{closing}"
     else:
         text = " ".join(f"{_BOUNDS[op][1]} {v}" for op, v in bounds.items())
     return text + "".join(f" or {v}" for v in metadata.get("also", ()))
 
 
-def _in_range(value, metadata) -> bool:
+def _in_range(value: Any, metadata: Mapping[str, Any]) -> bool:
     if value in metadata["also"]:
         return True
     if isinstance(value, float) and not math.isfinite(value):
@@ -444,7 +498,7 @@ def _in_range(value, metadata) -> bool:
     return all(_BOUNDS[op][0](value, bound) for op, bound in metadata["bounds"].items())
 
 
-def _value(cfg, dotted: str):
+def _value(cfg: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         cfg = getattr(cfg, _KEY_ALIASES.get(part, part))
     return cfg
@@ -499,7 +553,7 @@ def from_dict(data: dict) -> TrainConfig:
     return cfg
 
 
-def load_config(path: str | Path | None, overrides: list[str] = (), paths_must_exist: bool = False) -> TrainConfig:
+def load_config(path: str | Path | None, overrides: Sequence[str] = (), paths_must_exist: bool = False) -> TrainConfig:
     """YAML file (or defaults when None) + `--set` overrides -> validated TrainConfig."""
     data = {}
     where = "config" if path is None else str(path)

@@ -10,7 +10,9 @@ import json
 import sys
 import types
 import typing
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -31,19 +33,20 @@ _TYPE_NAMES = {
 }
 
 
-def _cell(text) -> str:
+def _cell(text: Any) -> str:
     """One table cell: one line, `|` and `<` escaped (`<name>` would read as an HTML tag)."""
     return " ".join(str(text).split()).replace("|", "\\|").replace("<", "\\<")
 
 
-def _default(value) -> str:
+def _default(value: Any) -> str:
     if isinstance(value, str):
         return f"`{value}`" if value else '`""`'
     return f"`{json.dumps(list(value) if isinstance(value, tuple) else value)}`"
 
 
-def _type_text(tp) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
+def _type_text(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
     if origin is typing.Literal:
         return ", ".join(f"`{a}`" for a in args)
     if origin in (typing.Union, types.UnionType):
@@ -91,7 +94,7 @@ def _schema_bounds(node: dict) -> str:
     return text + (f" matching `{node['pattern']}`" if "pattern" in node else "")
 
 
-def _schema_rows(node: dict, prefix: str = ""):
+def _schema_rows(node: dict, prefix: str = "") -> Iterator[str]:
     for name, sub in node.get("properties", {}).items():
         default = _default(sub["default"]) if "default" in sub else ""
         yield f"| `{prefix}{name}` | {_cell(_schema_allowed(sub))} | {default} | {_cell(sub['description'])} |"
@@ -117,7 +120,7 @@ def render(doc: str, schema: dict) -> str:
     return doc
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--doc", default="docs/config.md")
     parser.add_argument("--schema", default="workflow/schemas/config.schema.yaml")

@@ -6,6 +6,7 @@ same manifest lets a copy staged by hand (MareNostrum 5 login nodes have no inte
 before anything trains on it.
 """
 
+import argparse
 import json
 import os
 import shutil
@@ -36,7 +37,7 @@ def remove_path(path: Path) -> None:
         path.unlink()
 
 
-def write_manifest(directory, repo_id: str, revision: str) -> dict:
+def write_manifest(directory: str | Path, repo_id: str, revision: str) -> dict:
     directory = Path(directory)
     files = {
         str(rel): {"size": (directory / rel).stat().st_size, "sha256": sha256_of(directory / rel)}
@@ -54,7 +55,7 @@ def write_manifest(directory, repo_id: str, revision: str) -> dict:
     return manifest
 
 
-def verify_snapshot(directory, revision: str | None = None, checksums: bool = True) -> dict:
+def verify_snapshot(directory: str | Path, revision: str | None = None, checksums: bool = True) -> dict:
     """Check a snapshot against its manifest; raise ValueError listing every problem."""
     directory = Path(directory)
     manifest_path = directory / MANIFEST
@@ -79,7 +80,7 @@ def verify_snapshot(directory, revision: str | None = None, checksums: bool = Tr
     return manifest
 
 
-def download_snapshot(repo_id: str, revision: str, out, allow_patterns=None) -> dict:
+def download_snapshot(repo_id: str, revision: str, out: str | Path, allow_patterns: list[str] | None = None) -> dict:
     """`huggingface_hub.snapshot_download` into `out`; the token comes from HF_TOKEN if set."""
     from huggingface_hub import snapshot_download
 
@@ -96,7 +97,7 @@ def download_snapshot(repo_id: str, revision: str, out, allow_patterns=None) -> 
     return write_manifest(out, repo_id, revision)
 
 
-def use_staged_snapshot(staged, out, revision: str | None = None) -> dict:
+def use_staged_snapshot(staged: str | Path, out: str | Path, revision: str | None = None) -> dict:
     """Verify a copied-in snapshot and link its files into `out` (no network needed).
 
     `out` is a real directory of per-file links plus its own copy of the manifest, so that
@@ -119,7 +120,7 @@ def tiny_build(name: str) -> TinyBuild:
     return FAMILIES[name].tiny
 
 
-def tiny_vl_config(tokenizer_ids: dict, vocab_size: int, family: str = "qwen3_vl", **overrides) -> dict:
+def tiny_vl_config(tokenizer_ids: dict, vocab_size: int, family: str = "qwen3_vl", **overrides: dict) -> dict:
     """A Qwen3-VL (or Qwen3-VL-MoE) architecture small enough to train in minutes on a laptop CPU."""
     text = dict(
         vocab_size=vocab_size,
@@ -163,7 +164,7 @@ def tiny_vl_config(tokenizer_ids: dict, vocab_size: int, family: str = "qwen3_vl
     )
 
 
-def build_tiny_model(out, seed: int = 0, overrides: dict | None = None, family: str = "qwen3_vl") -> dict:
+def build_tiny_model(out: str | Path, seed: int = 0, overrides: dict | None = None, family: str = "qwen3_vl") -> dict:
     """Tokenizer + processor trained/written for the synthetic data, and a random Qwen3-VL
     (`family` qwen3_vl) or Qwen3-VL-MoE (qwen3_vl_moe).
 
@@ -185,8 +186,9 @@ def build_tiny_model(out, seed: int = 0, overrides: dict | None = None, family: 
     tmp.mkdir(parents=True)
     tokenizer = build_demo_tokenizer(tmp, corpus_texts(seed))
     ids = special_token_ids(tokenizer)
-    vocab_size = -(-len(tokenizer) // 64) * 64
-    config = getattr(transformers, build.config_class)(**tiny_vl_config(ids, vocab_size, family, **(overrides or {})))
+    vocab_size = -(-len(tokenizer) // 64) * 64  # rounded up to a multiple of 64
+    config_class = getattr(transformers, build.config_class)
+    config = config_class(**tiny_vl_config(ids, vocab_size, family, **(overrides or {})))
     config.text_config.eos_token_id = ids["eos_token_id"]
     config.text_config.pad_token_id = ids["pad_token_id"]
     torch.manual_seed(seed)
@@ -207,8 +209,6 @@ def build_tiny_model(out, seed: int = 0, overrides: dict | None = None, family: 
 
 
 def json_object(text: str) -> dict:
-    import argparse
-
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
@@ -218,7 +218,7 @@ def json_object(text: str) -> dict:
     return value
 
 
-def add_arguments(parser):
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     from vlmcore.cli import existing_dir, non_negative_int
 
     source = parser.add_mutually_exclusive_group(required=True)
@@ -251,7 +251,7 @@ def add_arguments(parser):
     )
 
 
-def run(args):
+def run(args: argparse.Namespace) -> int:
     if args.verify:
         manifest = verify_snapshot(args.verify, revision=args.revision)
         print(

@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Collection, Iterable
 from pathlib import Path
 
 import torch
@@ -42,12 +43,12 @@ VIDEO_PROCESSOR_CONFIG = "video_preprocessor_config.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_final_state_dict(checkpoint_dir, model_dir=None) -> dict[str, torch.Tensor]:
+def load_final_state_dict(checkpoint_dir: str | Path, model_dir: str | Path | None = None) -> dict[str, torch.Tensor]:
     """The weights of a `final/` DCP checkpoint as {hf name: tensor}, in one process.
 
-    With `model_dir`, MoE experts are written in the storage format of the snapshot's own weights, and the names and
-    shapes are checked against the snapshot's safetensors; a `lm_head.weight` the snapshot leaves
-    out (tied embeddings) is dropped.
+    With `model_dir`, MoE experts are written in the storage format of the snapshot's own weights,
+    and the names and shapes are checked against the snapshot's safetensors; a `lm_head.weight`
+    the snapshot leaves out (tied embeddings) is dropped.
     """
     checkpoint_dir = Path(checkpoint_dir)
     if not (checkpoint_dir / ".metadata").is_file():
@@ -72,7 +73,13 @@ def load_final_state_dict(checkpoint_dir, model_dir=None) -> dict[str, torch.Ten
     return weights
 
 
-def check_against_snapshot(weights: dict, expected: dict, untrained: tuple, checkpoint_dir, model_dir) -> None:
+def check_against_snapshot(
+    weights: dict[str, torch.Tensor],
+    expected: dict[str, tuple],
+    untrained: tuple[str, ...],
+    checkpoint_dir: str | Path,
+    model_dir: str | Path,
+) -> None:
     """Drops a tied `lm_head.weight` and raises if names or shapes differ from the snapshot
     (tensors under the `untrained` prefixes may be absent from the checkpoint)."""
     if "lm_head.weight" in weights and "lm_head.weight" not in expected:
@@ -92,7 +99,7 @@ def check_against_snapshot(weights: dict, expected: dict, untrained: tuple, chec
         )
 
 
-def untrained_tensors(model_dir, names) -> dict[str, torch.Tensor]:
+def untrained_tensors(model_dir: str | Path, names: Collection[str]) -> dict[str, torch.Tensor]:
     """The snapshot's own tensors `names` (carried over unchanged)."""
     out = {}
     for file in sorted(Path(model_dir).glob("*.safetensors")):
@@ -118,7 +125,7 @@ def git_commit() -> dict:
     return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
 
 
-def data_fingerprint(stats_paths) -> dict:
+def data_fingerprint(stats_paths: Iterable[str | Path]) -> dict:
     """Per packed dataset: the sha256 of its stats.json plus its scalar figures; one combined hash."""
     datasets = {}
     for path in map(Path, stats_paths):
@@ -131,8 +138,15 @@ def data_fingerprint(stats_paths) -> dict:
     return {"fingerprint": combined if datasets else None, "datasets": datasets}
 
 
-def build_provenance(checkpoint_dir, model_dir, stage_configs=(), data_stats=(), dtype=None) -> dict:
-    checkpoint_dir, model_dir = Path(checkpoint_dir), Path(model_dir)
+def build_provenance(
+    checkpoint_dir: str | Path,
+    model_dir: str | Path,
+    stage_configs: Iterable[str | Path] = (),
+    data_stats: Iterable[str | Path] = (),
+    dtype: torch.dtype | None = None,
+) -> dict:
+    checkpoint_dir = Path(checkpoint_dir)
+    model_dir = Path(model_dir)
     manifest_path = model_dir / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
     source = {"repo_id": manifest.get("repo_id"), "revision": manifest.get("revision"), "path": str(model_dir)}
@@ -157,7 +171,14 @@ def build_provenance(checkpoint_dir, model_dir, stage_configs=(), data_stats=(),
 
 
 def export_hf(
-    checkpoint_dir, model_dir, out, stage_configs=(), data_stats=(), max_shard_size="5GB", dtype=None, packed_dir=None
+    checkpoint_dir: str | Path,
+    model_dir: str | Path,
+    out: str | Path,
+    stage_configs: Iterable[str | Path] = (),
+    data_stats: Iterable[str | Path] = (),
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    packed_dir: str | Path | None = None,
 ) -> Path:
     """Writes the HF directory `out` from a `final/` checkpoint and the snapshot it was trained from.
 
@@ -167,10 +188,11 @@ def export_hf(
 
     dtype: None keeps each tensor's dtype from the snapshot (a bf16 release stays bf16 although
     training kept fp32 master weights); a torch dtype casts every floating tensor to it and
-    becomes config.json's `dtype`. Snapshot tensors the native model does not train (Qwen3.5's MTP head) are copied unchanged
-    and listed in provenance.json under `copied_from_snapshot`.
+    becomes config.json's `dtype`. Snapshot tensors the native model does not train (Qwen3.5's
+    MTP head) are copied unchanged and listed in provenance.json under `copied_from_snapshot`.
     """
-    model_dir, out = Path(model_dir), Path(out)
+    model_dir = Path(model_dir)
+    out = Path(out)
     expected = snapshot_tensor_info(model_dir)
     weights = load_final_state_dict(checkpoint_dir, model_dir)
     carried = untrained_tensors(model_dir, set(expected) - set(weights))
@@ -258,7 +280,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
+    dtype = DTYPES[args.dtype] if args.dtype else None
     out = export_hf(
         args.checkpoint,
         args.model,
@@ -266,7 +289,7 @@ def run(args) -> int:
         args.stage_config,
         args.data_stats,
         args.max_shard_size,
-        DTYPES[args.dtype] if args.dtype else None,
+        dtype,
         args.packed_data,
     )
     files = sorted(p.name for p in out.iterdir())

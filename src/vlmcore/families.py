@@ -12,6 +12,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class Family:
     tensor_parallel: bool = True  # parallel/tp.py has a plan for it
     tiny: TinyBuild | None = None
 
-    def native_class(self):
+    def native_class(self) -> type:
         """The vlmcore model class (imports torch)."""
         import importlib
 
@@ -135,15 +136,16 @@ FAMILIES = {
 TINY_FAMILIES = sorted(name for name, f in FAMILIES.items() if f.tiny is not None)
 
 
-def family(config) -> Family:
+def family(config: Any) -> Family:
     """The record of a transformers config, a config.json dict, a snapshot directory or a model_type."""
     if isinstance(config, (str, Path)) and Path(config, "config.json").is_file():
         config = json.loads(Path(config, "config.json").read_text())
-    model_type = (
-        config
-        if isinstance(config, str)
-        else (config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None))
-    )
+    if isinstance(config, str):
+        model_type = config
+    elif isinstance(config, dict):
+        model_type = config.get("model_type")
+    else:
+        model_type = getattr(config, "model_type", None)
     if model_type not in FAMILIES:
         raise ValueError(f"unknown model_type {model_type!r}; supported: {sorted(FAMILIES)}")
     return FAMILIES[model_type]

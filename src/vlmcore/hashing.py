@@ -2,6 +2,7 @@
 export provenance."""
 
 import hashlib
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -10,6 +11,6 @@ def sha256_of(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def sha256_of_digests(digests) -> str:
+def sha256_of_digests(digests: Iterable[str]) -> str:
     """One digest of several (in the order given)."""
     return hashlib.sha256("".join(digests).encode()).hexdigest()

@@ -32,7 +32,8 @@ from vlmcore.config import LinearAttentionBackend
 
 LINEAR_ATTENTION_BACKENDS = typing.get_args(LinearAttentionBackend)
 TRITON_HOPPER_BAD = (Version("3.4.0"), Version("3.7.1"))
-GROUPED_MM_HOPPER_ONLY, GROUPED_MM_FROM_SM80 = Version("2.8.0"), Version("2.9.0")
+GROUPED_MM_HOPPER_ONLY = Version("2.8.0")
+GROUPED_MM_FROM_SM80 = Version("2.9.0")
 GROUPED_GEMM_FAST_MAJORS = (9, 10)
 
 
@@ -181,7 +182,7 @@ def parse_capability(text: str | None) -> tuple[int, int] | None:
     return major, minor
 
 
-def report(versions: dict, backends: dict, capability) -> str:
+def report(versions: dict, backends: dict, capability: tuple[int, int] | None) -> str:
     gpu = f"sm_{capability[0]}{capability[1]}" if capability else "none"
     lines = [f"GPU: {gpu}"]
     lines += [
@@ -216,7 +217,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experts", action="store_true", help="the model has mixture-of-experts layers")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     try:
         capability = parse_capability(args.gpu_capability)
         if capability is None:

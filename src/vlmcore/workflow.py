@@ -9,6 +9,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -19,7 +20,7 @@ from vlmcore.families import FAMILIES, Family, family, family_of_repo
 from vlmcore.parallel.checks import check_run
 
 
-def _fill_defaults(schema: dict, value):
+def _fill_defaults(schema: dict, value: Any) -> None:
     if not isinstance(value, dict) or schema.get("type") not in (None, "object"):
         return
     properties = schema.get("properties", {})
@@ -32,7 +33,7 @@ def _fill_defaults(schema: dict, value):
             _fill_defaults(sub, item)
 
 
-def validate_config(config: dict, schema_path) -> dict:
+def validate_config(config: dict, schema_path: str | Path) -> dict:
     """Check `config` against the JSON schema, fill defaults, and check cross references;
     raises ConfigError naming every offending key."""
     import jsonschema
@@ -49,13 +50,31 @@ def validate_config(config: dict, schema_path) -> dict:
     return config
 
 
-def _check_references(config: dict):
+def _check_references(config: dict) -> None:
+    """The cross references the JSON schema cannot check (the model's source, the synthetic data,
+    the datasets and stages that stages, export and scaling name, the scaling world sizes); raises
+    ConfigError listing every problem at once."""
+    problems = _model_source_problems(config["model"])
+    problems += _synthetic_data_problems(config)
+    problems += _stage_problems(config)
+    problems += _scaling_problems(config)
+    if problems:
+        raise ConfigError("invalid workflow config:\n  " + "\n  ".join(problems))
+
+
+def _model_source_problems(model: dict) -> list[str]:
+    """What the model's `source` needs: a pinned Hub repo, or a staged path."""
     problems = []
-    model = config["model"]
     if model["source"] == "hub" and not (model.get("repo_id") and model.get("revision")):
         problems.append("model: source 'hub' needs model.repo_id and model.revision (a pinned commit or tag)")
     if model["source"] == "staged" and not model.get("staged_path"):
         problems.append("model.staged_path: required when model.source is 'staged'")
+    return problems
+
+
+def _synthetic_data_problems(config: dict) -> list[str]:
+    """Sources that read {raw} and the demo eval tasks need the synthetic data, of their kind."""
+    problems = []
     datasets = config["data"]["datasets"]
     uses_raw = any("{raw}" in s for d in datasets.values() for s in d["sources"])
     if uses_raw and "synthetic" not in config["data"]:
@@ -71,6 +90,13 @@ def _check_references(config: dict):
                     f"eval.tasks: {task} asks questions of the {kind} demo data, but "
                     f"data.synthetic.kind is {synthetic['kind']!r}"
                 )
+    return problems
+
+
+def _stage_problems(config: dict) -> list[str]:
+    """Each stage's dataset is declared, its init_from an earlier stage; the exported stage exists."""
+    problems = []
+    datasets = config["data"]["datasets"]
     seen = []
     for name, stage in config["train"]["stages"].items():
         if stage["dataset"] not in datasets:
@@ -86,10 +112,18 @@ def _check_references(config: dict):
     export_stage = config.get("export", {}).get("stage")
     if export_stage and export_stage not in seen:
         problems.append(f"export.stage: {export_stage!r} is not a stage ({', '.join(seen)})")
+    return problems
+
+
+def _scaling_problems(config: dict) -> list[str]:
+    """The scaling runs' dataset and stage exist; a world size spans whole nodes or fits in one."""
+    problems = []
+    datasets = config["data"]["datasets"]
+    stages = list(config["train"]["stages"])
     scaling = config.get("scaling", {})
     if scaling.get("dataset") and scaling["dataset"] not in datasets:
         problems.append(f"scaling.dataset: {scaling['dataset']!r} is not in data.datasets")
-    if scaling.get("stage") and scaling["stage"] not in seen:
+    if scaling.get("stage") and scaling["stage"] not in stages:
         problems.append(f"scaling.stage: {scaling['stage']!r} is not a stage")
     per_node = config["train"]["nproc_per_node"]
     for world_size in scaling.get("world_sizes", []):
@@ -98,8 +132,7 @@ def _check_references(config: dict):
                 f"scaling.world_sizes: {world_size} is neither a multiple of train.nproc_per_node "
                 f"({per_node}) nor fits in one node"
             )
-    if problems:
-        raise ConfigError("invalid workflow config:\n  " + "\n  ".join(problems))
+    return problems
 
 
 # Filled in by Experiment.stage_config; a value given in the config would be ignored.
@@ -120,7 +153,7 @@ def _written_at(config: dict, stage: str, key: str) -> str:
     return f"train.stages.{stage}.{key}"
 
 
-def _check_stage_settings(config: dict):
+def _check_stage_settings(config: dict) -> None:
     """Each stage's settings (train.common + the stage), and each scaling point's, pass TrainConfig's
     checks and vlmcore.parallel.checks against its ranks and, once the model's config.json is here
     (staged, or downloaded), against the model: a typo, a bad range, a mesh that does not divide or a
@@ -176,7 +209,11 @@ def check_kernels(config: dict, stage_settings: dict) -> None:
     if capability is None:
         return
     planned = planned_family(config["model"])
-    has_linear, has_experts = (planned.linear_attention, planned.experts) if planned else (False, False)
+    has_linear = False
+    has_experts = False
+    if planned:
+        has_linear = planned.linear_attention
+        has_experts = planned.experts
     versions = kernels.installed_versions()
     for stage, settings in stage_settings.items():
         requested = settings.get("parallel", {}).get("linear_attention", "auto")
@@ -199,12 +236,12 @@ def deep_merge(base: dict, override: dict) -> dict:
 class Experiment:
     """Paths and per-job settings of one validated experiment config."""
 
-    def __init__(self, config: dict):
+    def __init__(self, config: dict) -> None:
         self.config = config
         self.root = f"{config['results_dir']}/{config['experiment']}"
         self.stages = list(config["train"]["stages"])
 
-    def path(self, *parts) -> str:
+    def path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
 
     @property
@@ -219,7 +256,10 @@ class Experiment:
         """The model's config.json where it is here already: the staged snapshot's, or the
         download's (None before the download)."""
         model = self.config["model"]
-        for directory in ([model["staged_path"]] if model.get("staged_path") else []) + [self.path("model")]:
+        directories = [self.path("model")]
+        if model.get("staged_path"):
+            directories.insert(0, model["staged_path"])
+        for directory in directories:
             if Path(directory, "config.json").is_file():
                 return json.loads(Path(directory, "config.json").read_text())
         return None

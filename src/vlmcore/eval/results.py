@@ -5,7 +5,9 @@
 """
 
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -52,7 +54,7 @@ def results_table(result: dict) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
-def jsonl_records(path: Path):
+def jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
     """(line number, object) of each non-blank line of a JSON-lines file; a line that is not JSON
     raises ValueError naming it."""
     for line_no, line in enumerate(path.read_text().splitlines(), 1):
@@ -65,7 +67,7 @@ def jsonl_records(path: Path):
         yield line_no, record
 
 
-def read_results(path) -> dict:
+def read_results(path: str | Path) -> dict:
     """results.json, or the results.json inside a directory."""
     path = Path(path)
     if path.is_dir():
@@ -78,7 +80,7 @@ def read_results(path) -> dict:
     return result
 
 
-def gather(runs: dict) -> pd.DataFrame:
+def gather(runs: Mapping[str, str | Path]) -> pd.DataFrame:
     """{run label: results.json or eval dir} -> one table with a leading `run` column."""
     tables = [results_table(read_results(path)).assign(run=label) for label, path in runs.items()]
     if not tables:

@@ -15,6 +15,7 @@ docs have a `kind`), `results.csv` (one row per task, kind and metric) and `samp
 import argparse
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 # Offline unless the caller says otherwise; set before huggingface_hub / datasets are imported.
@@ -34,7 +35,7 @@ BUNDLED_TASKS = Path(__file__).parent / "tasks"
 DEMO_TASKS = ("demo_vqa", "demo_vqa_gen", "demo_video_qa", "demo_video_qa_shuffled")
 
 
-def is_vision_language(model_dir) -> bool:
+def is_vision_language(model_dir: str | Path) -> bool:
     config_path = Path(model_dir) / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{model_dir}: no config.json; not an HF model directory")
@@ -62,24 +63,26 @@ def chance_and_breakdown(samples: list[dict]) -> tuple[float | None, dict]:
         }
         for kind, rows in sorted(by_kind.items())
     }
-    return (sum(chances) / len(chances) if metric == "acc" else None), breakdown
+    chance = sum(chances) / len(chances) if metric == "acc" else None
+    return chance, breakdown
 
 
 def evaluate(
-    model_dir,
+    model_dir: str | Path,
     tasks: list[str],
-    out,
-    vqa_data=None,
-    limit=None,
+    out: str | Path,
+    vqa_data: str | Path | None = None,
+    limit: int | None = None,
     batch_size: int = 8,
     device: str = "cpu",
     dtype: str = "auto",
-    include_path=(),
+    include_path: Sequence[str | Path] = (),
     apply_chat_template: bool = False,
-    num_fewshot=None,
+    num_fewshot: int | None = None,
 ) -> dict:
     """Runs lm-eval and writes EVAL_DIR/results.json, results.csv and samples_<task>.jsonl."""
-    model_dir, out = Path(model_dir).resolve(), Path(out)
+    model_dir = Path(model_dir).resolve()
+    out = Path(out)
     model = "vlmcore-vlm" if is_vision_language(model_dir) else "hf"
     if set(DEMO_TASKS) & set(tasks) and vqa_data is None:
         raise ValueError(
@@ -148,7 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from vlmcore.cli import UsageError
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]

@@ -23,16 +23,19 @@ only: `generate_until` with videos is refused.
 import dataclasses
 import functools
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from lm_eval.api.instance import Instance
 from lm_eval.api.registry import register_model
 from lm_eval.models.hf_vlms import DEFAULT_IMAGE_PLACEHOLDER, HFMultimodalLM
 from tqdm import tqdm
+from transformers import PreTrainedModel, ProcessorMixin
 
 from vlmcore.data.encoder import VIDEO_PLACEHOLDER, SampleEncoder, to_chat_messages
 from vlmcore.data.processor import load_processor
-from vlmcore.data.video import clip_frames, normalize_video_patches, probe, resize_frames, video_patches
+from vlmcore.data.video import VideoPlan, clip_frames, normalize_video_patches, probe, resize_frames, video_patches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +74,19 @@ VISUAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_g
 
 @register_model("vlmcore-vlm")
 class VisionLanguageLM(HFMultimodalLM):
-    def _create_tokenizer(self, pretrained, tokenizer, revision="main", trust_remote_code=False, **kwargs):
+    def _create_tokenizer(
+        self,
+        pretrained: str | PreTrainedModel,
+        tokenizer: str | ProcessorMixin | None,
+        revision: str | None = "main",
+        trust_remote_code: bool | None = False,
+        **kwargs: Any,
+    ) -> None:
         # The processor is built without torchvision when it is missing (videos unsupported then).
         self.processor = load_processor(pretrained if isinstance(pretrained, str) else self.model.name_or_path)
         self.tokenizer = self.processor.tokenizer
 
-    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+    def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         if requests and len(requests[0].args) < 3:
             return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
         rows = [self.encode_row(*request.args) for request in requests]
@@ -99,7 +109,7 @@ class VisionLanguageLM(HFMultimodalLM):
             user_turn(context, num_images, num_videos), add_generation_prompt=True, tokenize=False
         )
 
-    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         templated = []
         for request in requests:
             if len(request.args) == 3:
@@ -145,8 +155,11 @@ class VisionLanguageLM(HFMultimodalLM):
     def encode_with_videos(self, prompt: str, images: list, videos: list[VideoClip]) -> dict:
         """The processor's outputs for a templated prompt with videos, made as the training data is."""
         encoder = self.sample_encoder
-        out = dict(self.processor.image_processor(images, return_tensors="pt")) if images else {}
-        grids = [tuple(g) for g in out["image_grid_thw"].tolist()] if images else []
+        out = {}
+        grids = []
+        if images:
+            out = dict(self.processor.image_processor(images, return_tensors="pt"))
+            grids = [tuple(g) for g in out["image_grid_thw"].tolist()]
         plans, pixels = zip(*map(self.clip_inputs, videos))
         input_ids = self.tokenizer(encoder.expand_visual_tokens(prompt, grids, plans))["input_ids"]
         return {
@@ -157,8 +170,9 @@ class VisionLanguageLM(HFMultimodalLM):
             "mm_token_type_ids": torch.tensor(self.processor.create_mm_token_type_ids([input_ids])),
         }
 
-    @functools.lru_cache(maxsize=32)  # noqa: B019 (one model lives for the whole evaluation) a multiple-choice question asks once per choice
-    def clip_inputs(self, clip: VideoClip):
+    # A multiple-choice question asks for its clip once per choice.
+    @functools.lru_cache(maxsize=32)  # noqa: B019 (one model lives for the whole evaluation)
+    def clip_inputs(self, clip: VideoClip) -> tuple[VideoPlan, torch.Tensor]:
         """The clip's VideoPlan and its pixel_values_videos, as the training data has them."""
         encoder = self.sample_encoder
         data = Path(clip.path).read_bytes()
@@ -178,7 +192,7 @@ class VisionLanguageLM(HFMultimodalLM):
         length = max(len(row["input_ids"]) for row in batch)
         keep = max(len(row["input_ids"]) - row["continuation_start"] for row in batch) + 1
 
-        def left_padded(key, value):
+        def left_padded(key: str, value: int) -> torch.Tensor:
             return torch.tensor([[value] * (length - len(row[key])) + row[key] for row in batch], device=self.device)
 
         inputs = {

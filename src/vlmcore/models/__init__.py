@@ -16,6 +16,7 @@ from transformers import AutoConfig, PretrainedConfig
 from vlmcore.families import family
 
 from .hf import load_hf_weights, save_pretrained
+from .layers import GridThw
 from .linear_attention import set_gdn_kernel
 from .parts import ModelOutput
 from .qwen3 import text_position_ids
@@ -33,14 +34,14 @@ __all__ = [
 ]
 
 
-def load_hf_config(path) -> PretrainedConfig:
+def load_hf_config(path: str | Path) -> PretrainedConfig:
     """The transformers config object of a snapshot directory (no remote code)."""
     if not (Path(path) / "config.json").exists():
         raise FileNotFoundError(f"{path}: no config.json")
     return AutoConfig.from_pretrained(path, trust_remote_code=False)
 
 
-def build_model(path_or_config, device="meta") -> torch.nn.Module:
+def build_model(path_or_config: str | Path | PretrainedConfig, device: torch.device | str = "meta") -> torch.nn.Module:
     """The model of a snapshot directory or config, without weights (meta device by default)."""
     config = path_or_config if isinstance(path_or_config, PretrainedConfig) else load_hf_config(path_or_config)
     cls = family(config).native_class()
@@ -48,12 +49,14 @@ def build_model(path_or_config, device="meta") -> torch.nn.Module:
         return cls(config)
 
 
-def config_dtype(config) -> torch.dtype:
+def config_dtype(config: PretrainedConfig) -> torch.dtype:
     dtype = getattr(config, "dtype", None) or torch.float32
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def from_pretrained(path, dtype=None, device=None) -> torch.nn.Module:
+def from_pretrained(
+    path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> torch.nn.Module:
     """Build and load a snapshot directory; dtype defaults to the config's, device to CPU."""
     model = build_model(path, device="meta")
     model.to(dtype or config_dtype(model.config))
@@ -62,7 +65,13 @@ def from_pretrained(path, dtype=None, device=None) -> torch.nn.Module:
     return model
 
 
-def position_ids(config, input_ids, image_grid_thw=None, cu_seqlens=None, video_grid_thw=None) -> torch.Tensor:
+def position_ids(
+    config: PretrainedConfig,
+    input_ids: torch.Tensor,
+    image_grid_thw: GridThw | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    video_grid_thw: GridThw | None = None,
+) -> torch.Tensor:
     """The positions the model computes when given none: (B, S) for text models, (3, B, S) for M-RoPE."""
     if family(config).positions == "text":
         return text_position_ids(input_ids, cu_seqlens)

@@ -17,14 +17,18 @@ Without `cu_seqlens` every row is one sequence and plain SDPA is used everywhere
 
 import inspect
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from .gpu_kernels import GpuKernel
+from .gpu_kernels import GpuKernel, Kernel
+
+# (q, k, v, cu_seqlens, max_seqlen, causal, scale) -> out, on flattened (T, H, D) tensors.
+VarlenCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, bool, float | None], torch.Tensor]
 
 
-def adapt_varlen_kernel(kernel):
+def adapt_varlen_kernel(kernel: Kernel) -> VarlenCall:
     """A call `(q, k, v, cu_seqlens, max_seqlen, causal, scale) -> out` on flattened (T, H, D)
     tensors, for a varlen kernel with one of the known signatures:
 
@@ -39,7 +43,15 @@ def adapt_varlen_kernel(kernel):
     params = inspect.signature(kernel).parameters
     if "softmax_scale" in params:  # flash-attn
 
-        def call(q, k, v, cu_seqlens, max_seqlen, causal, scale):
+        def call(
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            cu_seqlens: torch.Tensor,
+            max_seqlen: int,
+            causal: bool,
+            scale: float | None,
+        ) -> torch.Tensor:
             out = kernel(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale, causal=causal)
             return out[0] if isinstance(out, tuple) else out  # some releases also return the lse
 
@@ -49,15 +61,26 @@ def adapt_varlen_kernel(kernel):
             f"{getattr(kernel, '__module__', '')}.{kernel.__name__}{inspect.signature(kernel)}: "
             "not a known varlen attention signature"
         )
-    has_gqa, has_scale = "enable_gqa" in params, "scale" in params
+    has_gqa = "enable_gqa" in params
+    has_scale = "scale" in params
 
-    def call(q, k, v, cu_seqlens, max_seqlen, causal, scale):
+    def call(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        causal: bool,
+        scale: float | None,
+    ) -> torch.Tensor:
         extra = {}
         if k.shape[1] != q.shape[1]:
             if has_gqa:
                 extra["enable_gqa"] = True
             else:
-                k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+                repeats = q.shape[1] // k.shape[1]
+                k = k.repeat_interleave(repeats, dim=1)
+                v = v.repeat_interleave(repeats, dim=1)
         if scale is not None:
             if has_scale:
                 extra["scale"] = scale
@@ -72,7 +95,7 @@ def adapt_varlen_kernel(kernel):
     return call
 
 
-def _installed_varlen_kernel():
+def _installed_varlen_kernel() -> Kernel | None:
     """The best varlen kernel importable here, or None. VLMCORE_ATTENTION=flash_attn prefers flash-attn."""
     torch_kernel = flash_kernel = None
     try:
@@ -92,7 +115,15 @@ VARLEN = GpuKernel(adapt_varlen_kernel, _installed_varlen_kernel())
 set_varlen_kernel = VARLEN.set
 
 
-def attention(q, k, v, cu_seqlens=None, max_seqlen=None, causal=True, scale=None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
     """q (B, S, Hq, D), k/v (B, S, Hkv, D) -> (B, S, Hq, D)."""
     batch, seq_len, n_heads, _ = q.shape
     if cu_seqlens is None:
@@ -107,7 +138,14 @@ def attention(q, k, v, cu_seqlens=None, max_seqlen=None, causal=True, scale=None
 
 # Kept out of torch.compile graphs: the segment lengths are read on the host (free on CPU).
 @torch.compiler.disable
-def segment_sdpa(q, k, v, cu_seqlens, causal, scale):
+def segment_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
     batch, seq_len, n_heads, _ = q.shape
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     segments = zip(*(t.flatten(0, 1).split(lengths) for t in (q, k, v)))
@@ -115,7 +153,7 @@ def segment_sdpa(q, k, v, cu_seqlens, causal, scale):
     return torch.cat(out).view(batch, seq_len, n_heads, -1)
 
 
-def sdpa(q, k, v, causal, scale):
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None) -> torch.Tensor:
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),

@@ -49,6 +49,7 @@ variant what transformers writes (per expert).
 """
 
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -68,7 +69,11 @@ def is_expert_tensor(name: str) -> bool:
     return _FUSED.match(name) is not None
 
 
-def stored_format(model_type: str, model_tensors, snapshot=None) -> str:
+def stored_format(
+    model_type: str,
+    model_tensors: Mapping[str, torch.Tensor],
+    snapshot: Mapping[str, tuple] | None = None,
+) -> str:
     """The storage format of the experts of a `model_type` model (in-memory name -> tensor) in a
     snapshot (disk name -> (shape, ...)): per expert where the snapshot has the first expert
     tensor's per-expert modules; where it has the in-memory names, the fused format (the family's,
@@ -95,7 +100,7 @@ def stored_format(model_type: str, model_tensors, snapshot=None) -> str:
     return family
 
 
-def disk_tensors(name: str, shape, storage: str) -> dict[str, tuple[int, ...]]:
+def disk_tensors(name: str, shape: Sequence[int], storage: str) -> dict[str, tuple[int, ...]]:
     """The disk tensors (name -> shape) that hold the fused in-memory tensor `name` of `shape`."""
     prefix, kind = _FUSED.match(name).groups()
     experts, rows, cols = shape
@@ -136,13 +141,21 @@ def to_disk(weights: dict[str, torch.Tensor], model_type: str, storage: str | No
     return out
 
 
-def read_block(files: dict[str, Path], name: str, shape, storage: str, offset, size) -> torch.Tensor:
+def read_block(
+    files: Mapping[str, Path],
+    name: str,
+    shape: Sequence[int],
+    storage: str,
+    offset: Sequence[int],
+    size: Sequence[int],
+) -> torch.Tensor:
     """The block [offset, offset + size) of the in-memory tensor `name` (global `shape`), read
     from the `storage` format on disk. `files`: disk tensor name -> safetensors file."""
-    (e0, r0, c0), (ne, nr, nc) = offset, size
+    e0, r0, c0 = offset
+    ne, nr, nc = size
     prefix, kind = _FUSED.match(name).groups()
 
-    def get(key, *slices):
+    def get(key: str, *slices: slice) -> torch.Tensor:
         with safe_open(files[key], framework="pt") as f:
             return f.get_slice(key)[slices]
 

@@ -30,35 +30,39 @@ correcting and updating the state; times 3 for training. Their depthwise causal 
 out like the norms (a few multiply-adds per channel).
 """
 
+from collections.abc import Sequence
+
 import torch
+from transformers import PretrainedConfig
 
 from vlmcore.families import family
 
-from .layers import head_dim_of
+from .layers import GridThw, head_dim_of
 from .linear_attention import CHUNK_SIZE
 from .moe import is_sparse_layer
 
 
-def text_config_of(config):
+def text_config_of(config: PretrainedConfig) -> PretrainedConfig:
     family(config)  # a known family, or ValueError naming the supported ones
     return getattr(config, "text_config", config)
 
 
-def layer_counts(text) -> tuple[int, int]:
+def layer_counts(text: PretrainedConfig) -> tuple[int, int]:
     """(full-attention layers, linear-attention layers)."""
     n_linear = sum(t == "linear_attention" for t in (getattr(text, "layer_types", None) or []))
     return text.num_hidden_layers - n_linear, n_linear
 
 
-def full_attention_params(config) -> int:
+def full_attention_params(config: PretrainedConfig) -> int:
     """q (with the output gate where the family has one), k, v, o."""
     text = text_config_of(config)
-    dim, head_dim = text.hidden_size, head_dim_of(text)
+    dim = text.hidden_size
+    head_dim = head_dim_of(text)
     q_heads = (2 if family(config).gated_attention else 1) * text.num_attention_heads
     return dim * head_dim * (q_heads + 2 * text.num_key_value_heads + text.num_attention_heads)
 
 
-def linear_attention_params(text) -> int:
+def linear_attention_params(text: PretrainedConfig) -> int:
     """Gated DeltaNet: in_proj_qkv, in_proj_z, in_proj_a, in_proj_b, out_proj."""
     key = text.linear_num_key_heads * text.linear_key_head_dim
     value = text.linear_num_value_heads * text.linear_value_head_dim
@@ -66,7 +70,7 @@ def linear_attention_params(text) -> int:
     return dim * (2 * key + value) + dim * value + 2 * dim * text.linear_num_value_heads + value * dim
 
 
-def moe_active_params(text) -> int:
+def moe_active_params(text: PretrainedConfig) -> int:
     """Matmul weights one token goes through in a MoE block: the router, its top_k experts, and
     Qwen3.5-MoE's shared expert with its sigmoid gate."""
     dim = text.hidden_size
@@ -77,7 +81,7 @@ def moe_active_params(text) -> int:
     return active
 
 
-def mlp_params(text) -> int:
+def mlp_params(text: PretrainedConfig) -> int:
     """Matmul weights of the MLPs of all layers one token goes through: dense 3 * H * I, or the
     active part of a MoE block."""
     return sum(
@@ -86,7 +90,7 @@ def mlp_params(text) -> int:
     )
 
 
-def llm_matmul_params(config) -> int:
+def llm_matmul_params(config: PretrainedConfig) -> int:
     """Matmul weights one LLM token goes through: attention or linear attention and the MLP (its
     active experts in MoE layers) in every layer, the LM head."""
     text = text_config_of(config)
@@ -97,7 +101,7 @@ def llm_matmul_params(config) -> int:
     return mixers + mlp_params(text) + text.hidden_size * text.vocab_size
 
 
-def linear_attention_flops_per_token(config) -> float:
+def linear_attention_flops_per_token(config: PretrainedConfig) -> float:
     """Training FLOPs of the chunked gated delta rule per token, all linear-attention layers."""
     text = text_config_of(config)
     n_linear = layer_counts(text)[1]
@@ -108,13 +112,13 @@ def linear_attention_flops_per_token(config) -> float:
     return 3.0 * n_linear * text.linear_num_value_heads * per_head
 
 
-def attention_flops_per_pair(config) -> float:
+def attention_flops_per_pair(config: PretrainedConfig) -> float:
     """Training FLOPs of one (query, key) pair over all full-attention layers."""
     text = text_config_of(config)
     return 12.0 * layer_counts(text)[0] * text.num_attention_heads * head_dim_of(text)
 
 
-def llm_flops_per_token(config, seq_len: int) -> float:
+def llm_flops_per_token(config: PretrainedConfig, seq_len: int) -> float:
     """6 * N + 12 * layers * heads * head_dim * seq_len (+ the linear-attention layers' delta
     rule) for a token of a `seq_len`-token segment."""
     return (
@@ -124,14 +128,14 @@ def llm_flops_per_token(config, seq_len: int) -> float:
     )
 
 
-def llm_flops(config, seq_lens) -> float:
+def llm_flops(config: PretrainedConfig, seq_lens: Sequence[int] | torch.Tensor) -> float:
     """FLOPs of a batch of segments: `seq_lens` (a list or 1-D tensor of segment lengths)."""
     lengths = torch.as_tensor(seq_lens, dtype=torch.float64)
     per_token = 6.0 * llm_matmul_params(config) + linear_attention_flops_per_token(config)
     return float(per_token * lengths.sum() + attention_flops_per_pair(config) * lengths.pow(2).sum())
 
 
-def vision_matmul_params(config) -> tuple[int, int]:
+def vision_matmul_params(config: PretrainedConfig) -> tuple[int, int]:
     """(weights per patch: patch embedding + blocks, weights per merged token: the mergers)."""
     vision = config.vision_config
     dim = vision.hidden_size
@@ -143,13 +147,14 @@ def vision_matmul_params(config) -> tuple[int, int]:
     return patch_embed + vision.depth * block, n_mergers * merger
 
 
-def vision_flops(config, image_grid_thw) -> float:
+def vision_flops(config: PretrainedConfig, image_grid_thw: GridThw | None) -> float:
     """FLOPs of the vision tower over the images of `image_grid_thw` (N, 3) = (t, h, w) in patches."""
     if image_grid_thw is None or len(image_grid_thw) == 0:
         return 0.0
     vision = config.vision_config
     grid = torch.as_tensor(image_grid_thw, dtype=torch.float64).view(-1, 3)
-    frames, frame_len = grid[:, 0], grid[:, 1] * grid[:, 2]
+    frames = grid[:, 0]
+    frame_len = grid[:, 1] * grid[:, 2]
     patches = float((frames * frame_len).sum())
     per_patch, per_merged = vision_matmul_params(config)
     matmuls = 6.0 * (per_patch * patches + per_merged * patches / vision.spatial_merge_size**2)
@@ -157,7 +162,7 @@ def vision_flops(config, image_grid_thw) -> float:
     return matmuls + attn
 
 
-def vision_flops_per_token(config, image_grid_thw) -> float:
+def vision_flops_per_token(config: PretrainedConfig, image_grid_thw: GridThw) -> float:
     """Vision FLOPs per LLM image token (merged patch) of the given images."""
     grid = torch.as_tensor(image_grid_thw).view(-1, 3)
     tokens = int(grid.prod(-1).sum()) // config.vision_config.spatial_merge_size**2

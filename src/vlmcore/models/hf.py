@@ -10,6 +10,7 @@ some families store per expert or transposed (models/expert_storage.py).
 
 import copy
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
+from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -54,7 +56,7 @@ SAFETENSORS_DTYPES = {
 }
 
 
-def snapshot_tensor_info(path) -> dict[str, tuple[tuple[int, ...], torch.dtype, Path]]:
+def snapshot_tensor_info(path: str | Path) -> dict[str, tuple[tuple[int, ...], torch.dtype, Path]]:
     """name -> (shape, dtype, file) of every tensor in a snapshot's safetensors files (headers only)."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
@@ -69,7 +71,7 @@ def snapshot_tensor_info(path) -> dict[str, tuple[tuple[int, ...], torch.dtype, 
     return info
 
 
-def load_hf_weights(model, path) -> None:
+def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     """Copy a snapshot's tensors into `model` (materialized, possibly sharded with FSDP2 / TP / EP):
     each rank reads only the slices of its own shards, cast to the parameter's dtype.
 
@@ -78,7 +80,8 @@ def load_hf_weights(model, path) -> None:
     MoE experts stored in another format than the model's (models/expert_storage.py, recognised by
     the snapshot's tensor names) are read block by block from the safetensors files; everything
     else through DCP's HF reader."""
-    path, tied = Path(path), model.config.tie_word_embeddings
+    path = Path(path)
+    tied = model.config.tie_word_embeddings
     headers = snapshot_tensor_info(path)
     state = get_model_state_dict(model)
     if tied:
@@ -112,19 +115,21 @@ def load_hf_weights(model, path) -> None:
     model.tie_weights()
 
 
-def _read_expert_block(files, name: str, tensor: torch.Tensor, storage: str) -> None:
+def _read_expert_block(files: Mapping[str, Path], name: str, tensor: torch.Tensor, storage: str) -> None:
     """Fills this rank's block of the (possibly sharded) expert tensor from the snapshot."""
     if isinstance(tensor, DTensor):
         size, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
         local = tensor.to_local()
     else:
-        size, offset, local = tuple(tensor.shape), (0,) * tensor.dim(), tensor
+        size = tuple(tensor.shape)
+        offset = (0,) * tensor.dim()
+        local = tensor
     if local.numel():
         with torch.no_grad():
             local.copy_(read_block(files, name, tuple(tensor.shape), storage, offset, size))
 
 
-def full_state_dict(model, state_dict=None) -> dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """CPU tensors to save; DTensors are gathered (a collective: every rank must call this)."""
     state_dict = model.state_dict() if state_dict is None else state_dict
     out = {}
@@ -137,14 +142,23 @@ def full_state_dict(model, state_dict=None) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_pretrained(model, path, source_dir=None, max_shard_size="5GB", state_dict=None) -> None:
+def save_pretrained(
+    model: nn.Module,
+    path: str | Path,
+    source_dir: str | Path | None = None,
+    max_shard_size: int | str = "5GB",
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+) -> None:
     """Write an HF directory: safetensors shards (+ index, replacing earlier ones), config.json,
     generation config and, from `source_dir`, the tokenizer, chat template and processor files;
     MoE experts in the storage format of `source_dir`'s weights, if it has any (models/expert_storage.py)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = full_state_dict(model, state_dict)
-    source = snapshot_tensor_info(source_dir) if source_dir and any(Path(source_dir).glob("*.safetensors")) else None
+    # The experts are written in the storage format of the source snapshot's weights, if it has any.
+    source = None
+    if source_dir and any(Path(source_dir).glob("*.safetensors")):
+        source = snapshot_tensor_info(source_dir)
     tensors = to_disk(tensors, model.config.model_type, stored_format(model.config.model_type, tensors, source))
     save_torch_state_dict(tensors, path, max_shard_size=max_shard_size)
     config = copy.deepcopy(model.config)

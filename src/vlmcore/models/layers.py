@@ -1,11 +1,17 @@
 """Building blocks shared by the model families: norms, MLPs, rotary embeddings, image features, init."""
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PretrainedConfig
+
+# Image or video grids, (t, h, w) per image: an (N, 3) tensor, or host ints as the training loop passes them.
+GridThw = torch.Tensor | Sequence[Sequence[int]]
 
 
-def grid_list(image_grid_thw) -> list[list[int]]:
+def grid_list(image_grid_thw: GridThw | None) -> list[list[int]]:
     """Image grids as host ints: a (N, 3) tensor (read once; a sync if it is on the GPU) or the
     list the training loop passes, which keeps them on the host."""
     if image_grid_thw is None:
@@ -20,14 +26,14 @@ class VisualTokens:
 
     def __init__(
         self,
-        config,
-        input_ids,
-        pixel_values,
-        image_grid_thw,
-        pixel_values_videos=None,
-        video_grid_thw=None,
-        selection=None,
-    ):
+        config: PretrainedConfig,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None,
+        image_grid_thw: GridThw | None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: GridThw | None = None,
+        selection: Sequence[torch.Tensor] | None = None,
+    ) -> None:
         """`selection`: context parallelism (vlmcore.data.batch.Batch.context_chunk): per kind, the
         indices of the tower's output rows at the tokens of `input_ids`, a chunk of the rows; None: all."""
         merge = config.vision_config.spatial_merge_size
@@ -75,7 +81,7 @@ class RMSNorm(nn.Module):
 
     init_value = 1.0  # of the weight
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.full((dim,), self.init_value))
@@ -88,7 +94,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight * self.normalized(x).to(x.dtype)
 
-    def reset_own_parameters(self, std: float = 0.02):
+    def reset_own_parameters(self, std: float = 0.02) -> None:
         nn.init.constant_(self.weight, self.init_value)
 
 
@@ -104,7 +110,7 @@ class ZeroCenteredRMSNorm(RMSNorm):
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, dim: int, hidden_dim: int):
+    def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
         self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
@@ -141,14 +147,18 @@ def rope_inv_freq(rope_parameters: dict, rot_dim: int, where: str, rope_type: st
     return 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float) / rot_dim))
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype):
+def rope_cos_sin(
+    inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin (B, S, rot_dim) for plain 1-D positions (B, S)."""
     freqs = position_ids[..., None].float() * inv_freq.to(position_ids.device)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def mrope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, mrope_section, dtype: torch.dtype):
+def mrope_cos_sin(
+    inv_freq: torch.Tensor, position_ids: torch.Tensor, mrope_section: Sequence[int], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin (B, S, rot_dim) for interleaved multimodal RoPE, position_ids (3, B, S) = (t, h, w).
 
     Frequency i is driven by the t position, except i = 1, 4, 7, ... (< 3 * section[1]) by h
@@ -163,12 +173,12 @@ def mrope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, mrope_sect
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def head_dim_of(config) -> int:
+def head_dim_of(config: PretrainedConfig) -> int:
     """A text config's attention head size (`head_dim`, else hidden_size / heads)."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def init_weights(model: nn.Module, std: float):
+def init_weights(model: nn.Module, std: float) -> None:
     """transformers' initialisation: N(0, std) weights for linears, convolutions and embeddings
     (zero padding row), zero biases, unit LayerNorms; vlmcore modules with parameters of their
     own (norms, Gated DeltaNet's decay) reset them in `reset_own_parameters`."""
@@ -189,7 +199,7 @@ def init_weights(model: nn.Module, std: float):
             m.reset_own_parameters(std)
 
 
-def init_std(config) -> float:
+def init_std(config: PretrainedConfig) -> float:
     """The initializer_range transformers uses for a model of this config."""
     std = getattr(config, "initializer_range", None)
     if std is None and hasattr(config, "get_text_config"):

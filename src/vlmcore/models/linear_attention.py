@@ -18,6 +18,7 @@ below: the same chunked algorithm in plain torch (fp32, differentiable, any devi
 """
 
 import inspect
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,7 @@ except ImportError:
 CHUNK_SIZE = 64
 
 
-def row_segments(cu_seqlens, batch: int, seq_len: int, device) -> torch.Tensor:
+def row_segments(cu_seqlens: torch.Tensor | None, batch: int, seq_len: int, device: torch.device | str) -> torch.Tensor:
     """`cu_seqlens` as given, or one segment per row of a (batch, seq_len) batch."""
     if cu_seqlens is not None:
         return cu_seqlens.to(device)
@@ -52,8 +53,10 @@ def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: tor
     weight (C, 1, K) is in nn.Conv1d's layout: out[t] = sum_j weight[:, 0, j] * x[t - K + 1 + j].
     Accumulated in fp32 and rounded once to the weight's dtype, as a convolution kernel does.
     """
-    n_tokens, kernel = x.shape[0], weight.shape[-1]
-    x, w = x.to(weight.dtype).float(), weight[:, 0].float()
+    n_tokens = x.shape[0]
+    kernel = weight.shape[-1]
+    x = x.to(weight.dtype).float()
+    w = weight[:, 0].float()
     seg = token_segments(cu_seqlens, n_tokens)
     out = x * w[:, kernel - 1]
     for shift in range(1, kernel):
@@ -68,7 +71,9 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
-def _prepare(q, k, v, g, beta, use_qk_l2norm):
+def _prepare(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, use_qk_l2norm: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 inputs, with q and k normalised and q scaled by Dk^-1/2."""
     if k.shape != q.shape or v.shape[:2] != q.shape[:2] or g.shape != q.shape[:2] or beta.shape != q.shape[:2]:
         raise ValueError(
@@ -82,8 +87,16 @@ def _prepare(q, k, v, g, beta, use_qk_l2norm):
 
 
 def chunk_gated_delta_rule(
-    q, k, v, g, beta, cu_seqlens, use_qk_l2norm=True, chunk_size=CHUNK_SIZE, bound_chunks: bool | None = None
-):
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = CHUNK_SIZE,
+    bound_chunks: bool | None = None,
+) -> torch.Tensor:
     """Gated delta rule by chunks: exact within a chunk by a triangular solve, a scan across chunks.
 
     q, k (T, H, Dk), v (T, H, Dv), g and beta (T, H) -> (T, H, Dv) in v's dtype.
@@ -104,16 +117,18 @@ def chunk_gated_delta_rule(
     # most one partial chunk), not the exact count, which would be a host read; the spare chunks at
     # the end are all zero, so they neither write the state nor reach the output. On the host the
     # exact count is free (`bound_chunks` None: the bound unless on the host).
-    if not (bound_chunks if bound_chunks is not None else cu.device.type != "cpu"):
-        n_chunks = int(seg_chunks.sum())
-    else:
+    if bound_chunks is None:
+        bound_chunks = cu.device.type != "cpu"
+    if bound_chunks:
         n_segments = cu_seqlens.shape[0] - 1
         n_chunks = max(1, min(n_tokens, (n_tokens + n_segments * (chunk_size - 1)) // chunk_size))
+    else:
+        n_chunks = int(seg_chunks.sum())
     keep_state = torch.ones(n_chunks + 1, device=q.device)
     keep_state.scatter_(0, torch.where(seg_chunks > 0, first_chunk, n_chunks), 0.0)
     keep_state = keep_state[:n_chunks]
 
-    def chunked(t):  # (T, H, ...) -> (H, N, C, ...)
+    def chunked(t: torch.Tensor) -> torch.Tensor:  # (T, H, ...) -> (H, N, C, ...)
         padded = t.new_zeros(n_chunks * chunk_size, *t.shape[1:]).index_copy(0, dest, t)
         padded = padded.view(n_chunks, chunk_size, *t.shape[1:])
         return padded.permute(2, 0, 1, *range(3, padded.dim()))
@@ -156,7 +171,15 @@ def chunk_gated_delta_rule(
     return out[dest].to(out_dtype)
 
 
-def recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens, use_qk_l2norm=True):
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
     """The gated delta rule one token at a time (the definition; slow). Same arguments as the chunked one."""
     out_dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, use_qk_l2norm)
@@ -173,7 +196,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens, use_qk_l2norm=True)
     return torch.stack(out).to(out_dtype)
 
 
-def adapt_fla_kernel(kernel):
+def adapt_fla_kernel(kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Callable[..., torch.Tensor]:
     """A call `(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, cu_seqlens_cpu) -> out` on (T, H, D)
     tensors for fla's `chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     output_final_state=False, use_qk_l2norm_in_kernel=False, ..., cu_seqlens=None,
@@ -188,8 +211,19 @@ def adapt_fla_kernel(kernel):
             )
     takes_host_bounds = "cu_seqlens_cpu" in params
 
-    def call(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, cu_seqlens_cpu=None):
-        extra = {"cu_seqlens_cpu": cu_seqlens_cpu.long()} if takes_host_bounds and cu_seqlens_cpu is not None else {}
+    def call(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        use_qk_l2norm: bool,
+        cu_seqlens_cpu: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        extra = {}
+        if takes_host_bounds and cu_seqlens_cpu is not None:
+            extra["cu_seqlens_cpu"] = cu_seqlens_cpu.long()
         out, _ = kernel(
             q[None],
             k[None],
@@ -209,7 +243,7 @@ FLA = GpuKernel(adapt_fla_kernel, fla_chunk_gated_delta_rule)
 set_gdn_kernel = FLA.set  # None: the torch chunked rule everywhere
 
 
-def host_segments(cu_seqlens, x: torch.Tensor):
+def host_segments(cu_seqlens: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
     """The segment bounds on the host, read once per forward for fla (which would otherwise read
     them in every layer); None when fla does not run."""
     return None if cu_seqlens is None or not FLA.runs_on(x) else cu_seqlens.cpu()
@@ -217,7 +251,16 @@ def host_segments(cu_seqlens, x: torch.Tensor):
 
 # Run eagerly under torch.compile: fla's kernels are Triton already, and not traceable.
 @torch.compiler.disable
-def gated_delta_rule(q, k, v, g, beta, cu_seqlens, use_qk_l2norm=True, cu_seqlens_cpu=None):
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    use_qk_l2norm: bool = True,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The gated delta rule with the fastest kernel available: fla on CUDA, else the torch chunked one."""
     if FLA.runs_on(q):
         return FLA.call(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, cu_seqlens_cpu)

@@ -22,14 +22,17 @@ Load balancing: a `RoutingStats` collector receives each block's routing in its 
 gives transformers' auxiliary loss over all the layers, which the train step adds to the loss.
 """
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
+from transformers import PretrainedConfig
 
-from .gpu_kernels import GpuKernel
+from .gpu_kernels import GpuKernel, Kernel
 from .layers import SwiGLU
 
 # Rows per expert group are padded to this for the grouped GEMM: its backward contracts over the
@@ -37,10 +40,10 @@ from .layers import SwiGLU
 GROUP_ALIGN = 8
 
 
-def _grouped_mm_adapter(kernel):
+def _grouped_mm_adapter(kernel: Kernel) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """`torch._grouped_mm(mat_a (N, K), mat_b (E, K, M), offs=(E,) int32 ends)` -> (N, M)."""
 
-    def call(x, weight_t, offsets):
+    def call(x: torch.Tensor, weight_t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         return kernel(x, weight_t, offs=offsets)
 
     return call
@@ -52,9 +55,10 @@ grouped_mm = GpuKernel(_grouped_mm_adapter, getattr(torch, "_grouped_mm", None))
 class GroupedExperts(nn.Module):
     """`num_experts` SwiGLU experts stored as two 3-D tensors (transformers' fused layout)."""
 
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
         super().__init__()
-        self.num_experts, self.hidden_dim = num_experts, hidden_dim
+        self.num_experts = num_experts
+        self.hidden_dim = hidden_dim
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
 
@@ -65,7 +69,7 @@ class GroupedExperts(nn.Module):
             return _grouped_forward(x, counts, gate_up, down)
         return _loop_forward(x, counts, gate_up, down)
 
-    def reset_own_parameters(self, std: float = 0.02):
+    def reset_own_parameters(self, std: float = 0.02) -> None:
         nn.init.normal_(self.gate_up_proj, std=std)
         nn.init.normal_(self.down_proj, std=std)
 
@@ -73,7 +77,7 @@ class GroupedExperts(nn.Module):
 def _local(weight: torch.Tensor) -> torch.Tensor:
     """An expert-sharded DTensor's local experts (expert parallelism); a plain tensor as is.
     isinstance, not hasattr(weight, "to_local"): under torch.compile, hasattr on a DTensor
-    parameter is False and the DTensor went on into the expert matmuls."""
+    parameter is False and the DTensor would go on into the expert matmuls."""
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
@@ -83,9 +87,9 @@ def _swiglu(h: torch.Tensor) -> torch.Tensor:
 
 
 # Eager inside a compiled block: traced, the loop's code specialises on each expert's row count
-# (0 and 1 rows above all), so each new routing compiled the block again.
+# (0 and 1 rows above all), so each new routing would compile the block again.
 @torch.compiler.disable
-def _loop_forward(x, counts, gate_up, down):
+def _loop_forward(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """Exact reference: one matmul per expert over its contiguous rows (host reads the counts)."""
     out = []
     # unbind, not gate_up[e]: backward then stacks the experts' gradients once, where indexing
@@ -95,7 +99,7 @@ def _loop_forward(x, counts, gate_up, down):
     return torch.cat(out) if out else x.new_zeros(0, down.shape[1])
 
 
-def _grouped_forward(x, counts, gate_up, down):
+def _grouped_forward(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """Two grouped GEMMs. Each expert's rows go to a group padded to GROUP_ALIGN rows, in a buffer
     sized by a bound known without reading `counts` (no sync); padding rows are zero."""
     padded = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
@@ -115,15 +119,16 @@ def _grouped_forward(x, counts, gate_up, down):
 class TopKRouter(nn.Module):
     """Linear gate over the experts; softmax in fp32, top-k, optional renormalisation."""
 
-    def __init__(self, num_experts: int, dim: int, top_k: int, norm_topk_prob: bool):
+    def __init__(self, num_experts: int, dim: int, top_k: int, norm_topk_prob: bool) -> None:
         super().__init__()
-        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
         self.weight = nn.Parameter(torch.zeros(num_experts, dim))
 
-    def reset_own_parameters(self, std: float = 0.02):
+    def reset_own_parameters(self, std: float = 0.02) -> None:
         nn.init.normal_(self.weight, std=std)
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (T, H) -> probabilities (T, E) fp32, top-k weights (T, k) in x's dtype, experts (T, k)."""
         probs = F.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
@@ -146,9 +151,10 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(
         self, dim: int, num_experts: int, top_k: int, hidden_dim: int, norm_topk_prob: bool, shared_hidden_dim: int = 0
-    ):
+    ) -> None:
         super().__init__()
-        self.num_experts, self.top_k = num_experts, top_k
+        self.num_experts = num_experts
+        self.top_k = top_k
         self.gate = TopKRouter(num_experts, dim, top_k, norm_topk_prob)
         self.experts = GroupedExperts(num_experts, dim, hidden_dim)
         if shared_hidden_dim:
@@ -192,9 +198,11 @@ class RoutingStats:
     """The routing of the blocks' last forward, for the load-balancing loss and the load metrics:
     per block, the tokens per expert (E,), the summed router probabilities (E,) and the tokens."""
 
-    def __init__(self, blocks: list[SparseMoeBlock], row_group=None):
+    def __init__(self, blocks: list[SparseMoeBlock], row_group: ProcessGroup | None = None) -> None:
         """`row_group`: under context parallelism, the ranks that hold the other chunks of the rows."""
-        self.blocks, self.keeping, self.row_group = blocks, True, row_group
+        self.blocks = blocks
+        self.keeping = True
+        self.row_group = row_group
         for block in blocks:
             block.routing = self
         self.clear()
@@ -236,7 +244,7 @@ class RoutingStats:
             block.last_routing = None
 
     @contextmanager
-    def not_kept(self):
+    def not_kept(self) -> Iterator[None]:
         """The blocks' forwards inside the context keep nothing. The train step runs backward in it:
         activation checkpointing's recompute would otherwise keep the recomputed layer's whole graph
         until the next forward (0.67 GiB per layer of Qwen3-VL-30B-A3B at 8,192 tokens, all 48 at once)."""
@@ -247,16 +255,17 @@ class RoutingStats:
             self.keeping = True
 
 
-def is_sparse_layer(config, layer_idx: int) -> bool:
+def is_sparse_layer(config: PretrainedConfig, layer_idx: int) -> bool:
     """transformers' rule: a layer of a text config with experts is sparse unless mlp_only_layers
     lists it or decoder_sparse_step skips it (layer i is sparse when (i + 1) % step == 0)."""
     if not getattr(config, "num_experts", 0):
         return False
     step = getattr(config, "decoder_sparse_step", 1) or 1
-    return layer_idx not in (getattr(config, "mlp_only_layers", None) or []) and (layer_idx + 1) % step == 0
+    dense_layers = getattr(config, "mlp_only_layers", None) or []
+    return layer_idx not in dense_layers and (layer_idx + 1) % step == 0
 
 
-def feed_forward(config, layer_idx: int) -> nn.Module:
+def feed_forward(config: PretrainedConfig, layer_idx: int) -> nn.Module:
     """A decoder layer's MLP: sparse on the layers the config makes sparse (every layer of Qwen3.5-MoE
     and, by default, of Qwen3-(VL-)MoE), else the dense SwiGLU."""
     if not is_sparse_layer(config, layer_idx):

@@ -53,11 +53,11 @@ class TextModelParts:
     def output(self, h: torch.Tensor, return_hidden: bool) -> ModelOutput:
         return ModelOutput(hidden_states=h) if return_hidden else ModelOutput(logits=self.lm_head(h))
 
-    def tie_weights(self):
+    def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.token_embedding().weight
 
-    def init_weights(self):
+    def init_weights(self) -> None:
         init_weights(self, init_std(self.config))
         self.tie_weights()
 

@@ -5,17 +5,20 @@ Tensor parallelism: q/k/v/gate/up are column-parallel and o/down row-parallel ov
 q_norm/k_norm act per head (shape head_dim), so they are replicated.
 """
 
+from collections.abc import Iterator, Sequence
+
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from .attention import attention
-from .layers import RMSNorm, VisualTokens, apply_rotary, head_dim_of, rope_cos_sin, rope_inv_freq
+from .layers import GridThw, RMSNorm, VisualTokens, apply_rotary, head_dim_of, rope_cos_sin, rope_inv_freq
 from .linear_attention import token_segments
 from .moe import feed_forward
 from .parts import ModelOutput, TextModelParts
 
 
-def check_text_config(config, where: str):
+def check_text_config(config: PretrainedConfig, where: str) -> None:
     if config.hidden_act != "silu":
         raise ValueError(f"{where}: hidden_act {config.hidden_act!r} is not supported (only 'silu')")
     if getattr(config, "use_sliding_window", False):
@@ -26,9 +29,10 @@ class Attention(nn.Module):
     """Grouped-query attention with per-head `norm` on q and k, then RoPE. `gated` (Qwen3.5): q_proj
     rows are per head [query | gate], and sigmoid(gate) scales the output per channel."""
 
-    def __init__(self, config, norm=RMSNorm, gated: bool = False):
+    def __init__(self, config: PretrainedConfig, norm: type[RMSNorm] = RMSNorm, gated: bool = False) -> None:
         super().__init__()
-        self.head_dim, self.gated = head_dim_of(config), gated
+        self.head_dim = head_dim_of(config)
+        self.gated = gated
         n_heads, n_kv_heads = config.num_attention_heads, config.num_key_value_heads
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, n_heads * self.head_dim * (2 if gated else 1), bias=bias)
@@ -41,7 +45,14 @@ class Attention(nn.Module):
         # this runs `attention` on the whole rows over a share of the heads.
         self.context_parallel = None
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen=None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        max_seqlen: int | None = None,
+    ) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of whole heads.
         q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim * (2 if self.gated else 1))
@@ -61,14 +72,21 @@ class Attention(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = feed_forward(config, layer_idx)
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen=None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        max_seqlen: int | None = None,
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen=max_seqlen)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -91,7 +109,7 @@ class Qwen3TextModel(nn.Module):
     config_name = "qwen3 config"  # how errors name the config
     norm_class = RMSNorm
 
-    def __init__(self, config):
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         check_text_config(config, self.config_name)
         self.config = config
@@ -102,15 +120,23 @@ class Qwen3TextModel(nn.Module):
         # sequence over the TP ranks (the residual stream between the blocks).
         self.split_sequence = nn.Identity()
 
-    def decoder_layers(self, config):
+    def decoder_layers(self, config: PretrainedConfig) -> Iterator[nn.Module]:
         return (Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
 
-    def rotary(self, position_ids, dtype):
+    def rotary(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of the RoPE of (B, S) positions."""
         inv_freq = rope_inv_freq(self.config.rope_parameters, head_dim_of(self.config), self.config_name)
         return rope_cos_sin(inv_freq, position_ids, dtype)
 
-    def forward(self, h, position_ids, cu_seqlens, max_seqlen=None, visual: VisualTokens | None = None, deepstack=()):
+    def forward(
+        self,
+        h: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        max_seqlen: int | None = None,
+        visual: VisualTokens | None = None,
+        deepstack: Sequence[torch.Tensor] = (),
+    ) -> torch.Tensor:
         cos, sin = self.rotary(position_ids, h.dtype)
         full_shape, dtype = h.shape, h.dtype
         h = self.split_sequence(h)
@@ -126,7 +152,7 @@ class Qwen3ForCausalLM(TextModelParts, nn.Module):
     text_model_class = Qwen3TextModel
     name = "qwen3"  # how errors name the model
 
-    def __init__(self, config):
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
         self.head_dim = head_dim_of(config)
@@ -136,15 +162,15 @@ class Qwen3ForCausalLM(TextModelParts, nn.Module):
 
     def forward(
         self,
-        input_ids,
-        pixel_values=None,
-        image_grid_thw=None,
-        position_ids=None,
-        cu_seqlens=None,
-        max_seqlen=None,
-        return_hidden=False,
-        pixel_values_videos=None,
-        video_grid_thw=None,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: GridThw | None = None,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        return_hidden: bool = False,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: GridThw | None = None,
     ) -> ModelOutput:
         if pixel_values is not None or pixel_values_videos is not None:
             raise ValueError(f"{self.name} is a text model: pixel_values and pixel_values_videos must be None")

@@ -17,12 +17,15 @@ rows of each of the three blocks (and of `A_log`, `dt_bias`) from the full weigh
 heads keeps pairs together.
 """
 
+from collections.abc import Iterator, Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial
+from transformers import PretrainedConfig
 
-from .layers import RMSNorm, ZeroCenteredRMSNorm, head_dim_of, mrope_cos_sin, rope_inv_freq
+from .layers import RMSNorm, VisualTokens, ZeroCenteredRMSNorm, head_dim_of, mrope_cos_sin, rope_inv_freq
 from .linear_attention import causal_depthwise_conv, gated_delta_rule, host_segments, row_segments
 from .moe import feed_forward
 from .qwen3 import Attention, Qwen3ForCausalLM, Qwen3TextModel
@@ -34,14 +37,14 @@ DEFAULT_MROPE_SECTION = [11, 11, 10]  # transformers' value when the config has 
 class GatedRMSNorm(RMSNorm):
     """RMSNorm (unit-initialised scale) followed by a SiLU gate, per value head."""
 
-    def forward(self, x, gate):
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return (super().forward(x) * F.silu(gate.float())).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
     breaks_graph = True  # fla's kernel runs between two compiled graphs (parallel/compile.py)
 
-    def __init__(self, config):
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.n_k_heads, self.n_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
         self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
@@ -63,12 +66,14 @@ class GatedDeltaNet(nn.Module):
         self.context_parallel = None  # vlmcore.parallel.cp.apply_cp
         self.reset_own_parameters()
 
-    def reset_own_parameters(self, std: float = 0.02):
+    def reset_own_parameters(self, std: float = 0.02) -> None:
         nn.init.ones_(self.dt_bias)
         with torch.no_grad():
             self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log())
 
-    def forward(self, x, cu_seqlens, cu_seqlens_cpu=None):
+    def forward(
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None = None
+    ) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         # Under context parallelism x is this rank's chunk of the rows; the recurrence and the
         # convolution run on whole rows for a share of the heads (vlmcore.parallel.cp).
@@ -83,7 +88,8 @@ class GatedDeltaNet(nn.Module):
         # This rank's heads (all of them without TP).
         mixed = F.linear(x_local, block_share(self.in_proj_qkv.weight, self.split, *self.head_shard))
         conv_weight = block_share(self.conv1d.weight, self.split, *self.head_shard)
-        A_log, dt_bias = (block_share(p, [self.n_v_heads], *self.head_shard) for p in (self.A_log, self.dt_bias))
+        A_log = block_share(self.A_log, [self.n_v_heads], *self.head_shard)
+        dt_bias = block_share(self.dt_bias, [self.n_v_heads], *self.head_shard)
         beta = self.in_proj_b(x).sigmoid()
         g = -A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + dt_bias)
         if cp is not None:
@@ -118,7 +124,7 @@ def block_share(t: torch.Tensor, sizes: list[int], rank: int, ranks: int) -> tor
 
 
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, config, layer_type: str, layer_idx: int):
+    def __init__(self, config: PretrainedConfig, layer_type: str, layer_idx: int) -> None:
         super().__init__()
         self.layer_type = layer_type
         if layer_type == "linear_attention":
@@ -131,7 +137,15 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = feed_forward(config, layer_idx)  # SwiGLU, or Qwen3.5-MoE's sparse block
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen=None, cu_seqlens_cpu=None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        max_seqlen: int | None = None,
+        cu_seqlens_cpu: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
             x = x + self.linear_attn(h, cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
@@ -144,14 +158,14 @@ class Qwen3_5TextModel(Qwen3TextModel):
     config_name = "qwen3_5 text config"
     norm_class = ZeroCenteredRMSNorm
 
-    def decoder_layers(self, config):
+    def decoder_layers(self, config: PretrainedConfig) -> Iterator[nn.Module]:
         if len(config.layer_types) != config.num_hidden_layers:
             raise ValueError(
                 f"qwen3_5 text config: {len(config.layer_types)} layer_types for {config.num_hidden_layers} layers"
             )
         return (Qwen3_5DecoderLayer(config, t, i) for i, t in enumerate(config.layer_types))
 
-    def rotary(self, position_ids, dtype):
+    def rotary(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of the partial interleaved M-RoPE; (B, S) positions drive all three axes."""
         rope = self.config.rope_parameters
         rot_dim = int(head_dim_of(self.config) * rope.get("partial_rotary_factor", 1.0))
@@ -160,7 +174,15 @@ class Qwen3_5TextModel(Qwen3TextModel):
             position_ids = position_ids.expand(3, -1, -1)
         return mrope_cos_sin(inv_freq, position_ids, rope.get("mrope_section", DEFAULT_MROPE_SECTION), dtype)
 
-    def forward(self, h, position_ids, cu_seqlens, max_seqlen=None, visual=None, deepstack=()):
+    def forward(
+        self,
+        h: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        max_seqlen: int | None = None,
+        visual: VisualTokens | None = None,
+        deepstack: Sequence[torch.Tensor] = (),
+    ) -> torch.Tensor:
         """`visual` and `deepstack` are not used: Qwen3.5 has no DeepStack."""
         cos, sin = self.rotary(position_ids, h.dtype)
         bounds = host_segments(cu_seqlens, h)

@@ -10,12 +10,15 @@ positions. LLM: the Qwen3 decoder with interleaved multimodal RoPE (t, h, w).
 The vision tower's tensor-parallel plan, with its own degree, is in vlmcore.parallel.tp.
 """
 
+from collections.abc import Callable, Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PretrainedConfig
 
 from .attention import attention
-from .layers import VisualTokens, apply_rotary, grid_list, head_dim_of, mrope_cos_sin, rope_inv_freq
+from .layers import GridThw, VisualTokens, apply_rotary, grid_list, head_dim_of, mrope_cos_sin, rope_inv_freq
 from .parts import ModelOutput, VisionLanguageParts
 from .qwen3 import Qwen3TextModel
 
@@ -23,61 +26,76 @@ DEFAULT_MROPE_SECTION = [24, 20, 20]  # transformers' value when the config has 
 VISION_ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
 
 
-def vision_activation(name: str):
+def vision_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in VISION_ACTIVATIONS:
         raise ValueError(f"vision_config.hidden_act {name!r} is not supported ({sorted(VISION_ACTIVATIONS)})")
     return VISION_ACTIVATIONS[name]
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.in_channels = config.in_channels
         self.kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
         self.proj = nn.Conv3d(config.in_channels, config.hidden_size, self.kernel, stride=self.kernel, bias=True)
 
-    def forward(self, pixel_values):
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         x = pixel_values.view(-1, self.in_channels, *self.kernel).to(self.proj.weight.dtype)
         return self.proj(x).flatten(1)
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.n_heads = config.num_heads
         self.head_dim = config.hidden_size // config.num_heads
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
         self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=True)
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen=None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int | None = None,
+    ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(1, n, 3, -1, self.head_dim).unbind(2)
         # Rotary in fp32, as transformers does for the vision tower.
-        q, k = (apply_rotary(t.float(), cos, sin).to(v.dtype) for t in (q, k))
+        q = apply_rotary(q.float(), cos, sin).to(v.dtype)
+        k = apply_rotary(k.float(), cos, sin).to(v.dtype)
         out = attention(q, k, v, cu_seqlens, max_seqlen, causal=False)
         return self.proj(out.reshape(n, -1))
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.linear_fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=True)
         self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=True)
         self.act = vision_activation(config.hidden_act)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(config.hidden_size, eps=1e-6)
         self.norm2 = nn.LayerNorm(config.hidden_size, eps=1e-6)
         self.attn = VisionAttention(config)
         self.mlp = VisionMLP(config)
 
-    def forward(self, x, cos, sin, cu_seqlens, max_seqlen=None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int | None = None,
+    ) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens, max_seqlen)
         return x + self.mlp(self.norm2(x))
 
@@ -88,7 +106,7 @@ class PatchMerger(nn.Module):
     The DeepStack mergers normalise after grouping (`postshuffle_norm`), the final merger before.
     """
 
-    def __init__(self, config, postshuffle_norm: bool):
+    def __init__(self, config: PretrainedConfig, postshuffle_norm: bool) -> None:
         super().__init__()
         self.merged_dim = config.hidden_size * config.spatial_merge_size**2
         self.postshuffle_norm = postshuffle_norm
@@ -96,7 +114,7 @@ class PatchMerger(nn.Module):
         self.linear_fc1 = nn.Linear(self.merged_dim, self.merged_dim)
         self.linear_fc2 = nn.Linear(self.merged_dim, config.out_hidden_size)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.postshuffle_norm:
             x = self.norm(x.view(-1, self.merged_dim))
         else:
@@ -112,7 +130,7 @@ def merge_block_order(grid: torch.Tensor, merge: int) -> torch.Tensor:
 
 
 class VisionModel(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
         self.merge = config.spatial_merge_size
@@ -127,7 +145,7 @@ class VisionModel(nn.Module):
             PatchMerger(config, postshuffle_norm=True) for _ in self.deepstack_visual_indexes
         )
 
-    def position_embeddings(self, grids):
+    def position_embeddings(self, grids: list[list[int]]) -> torch.Tensor:
         """The learned (side, side) table resampled to each image's (h, w) grid, in patch order."""
         table = self.pos_embed.weight.view(self.grid_side, self.grid_side, -1).permute(2, 0, 1)[None]
         out = []
@@ -137,7 +155,7 @@ class VisionModel(nn.Module):
             out.append(grid.repeat(t, 1))
         return torch.cat(out)
 
-    def rotary(self, grids, device):
+    def rotary(self, grids: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin (1, N, head_dim) of the 2-D rotary: half the frequencies follow rows, half columns."""
         inv_freq = rope_inv_freq(self.config.rope_parameters, self.head_dim // 2, "vision_config", "axial").to(device)
         coords = []
@@ -149,7 +167,7 @@ class VisionModel(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[None]
         return emb.cos(), emb.sin()
 
-    def forward(self, pixel_values, grid_thw):
+    def forward(self, pixel_values: torch.Tensor, grid_thw: GridThw) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """-> (image embeddings (N / merge**2, out_hidden), [DeepStack features of the same shape]).
         `grid_thw`: a (N, 3) tensor or a list of [t, h, w] (host ints: no GPU sync)."""
         grids = grid_list(grid_thw)
@@ -175,7 +193,7 @@ class LanguageModel(Qwen3TextModel):
 
     config_name = "qwen3_vl text_config"
 
-    def rotary(self, position_ids, dtype):
+    def rotary(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of the interleaved M-RoPE of (3, B, S) positions."""
         rope = self.config.rope_parameters
         inv_freq = rope_inv_freq(rope, head_dim_of(self.config), self.config_name)
@@ -183,19 +201,25 @@ class LanguageModel(Qwen3TextModel):
 
 
 class Qwen3VLModel(nn.Module):
-    def __init__(self, config, text_model_class):
+    def __init__(self, config: PretrainedConfig, text_model_class: type[Qwen3TextModel]) -> None:
         super().__init__()
         self.visual = VisionModel(config.vision_config)
         self.language_model = text_model_class(config.text_config)
 
 
-def video_frame_groups(video_grid_thw) -> list[list[int]]:
+def video_frame_groups(video_grid_thw: GridThw | None) -> list[list[int]]:
     """A video's (T, H, W) as T grids (1, H, W): each group of temporal_patch_size frames has its own
     timestamp text and vision start/end tokens in input_ids, and is placed like an image of one frame."""
     return [[1, h, w] for t, h, w in grid_list(video_grid_thw) for _ in range(t)]
 
 
-def mrope_position_ids(config, input_ids, image_grid_thw, cu_seqlens, video_grid_thw=None) -> torch.Tensor:
+def mrope_position_ids(
+    config: PretrainedConfig,
+    input_ids: torch.Tensor,
+    image_grid_thw: GridThw | None,
+    cu_seqlens: torch.Tensor | None,
+    video_grid_thw: GridThw | None = None,
+) -> torch.Tensor:
     """(3, B, S) multimodal positions (t, h, w), restarting at 0 in every segment.
 
     Text tokens advance all three axes together. An image starting at position p spans
@@ -203,7 +227,8 @@ def mrope_position_ids(config, input_ids, image_grid_thw, cu_seqlens, video_grid
     p + max(H, W) / merge. Images are taken from `image_grid_thw` in token order over the batch,
     video frame groups likewise from `video_grid_thw` (video_frame_groups).
     """
-    image_token_id, video_token_id = config.image_token_id, getattr(config, "video_token_id", None)
+    image_token_id = config.image_token_id
+    video_token_id = getattr(config, "video_token_id", None)
     merge = config.vision_config.spatial_merge_size
     batch, seq_len = input_ids.shape
     bounds = list(range(0, batch * seq_len + 1, seq_len)) if cu_seqlens is None else cu_seqlens.tolist()
@@ -214,7 +239,8 @@ def mrope_position_ids(config, input_ids, image_grid_thw, cu_seqlens, video_grid
     tokens = input_ids.flatten().tolist()
     out = []
     for start, end in zip(bounds[:-1], bounds[1:]):
-        i, pos = start, 0
+        i = start
+        pos = 0
         while i < end:
             if tokens[i] not in grids:
                 j = i
@@ -240,7 +266,7 @@ def mrope_position_ids(config, input_ids, image_grid_thw, cu_seqlens, video_grid
 class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
     text_model_class = LanguageModel
 
-    def __init__(self, config):
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
         text = config.text_config
@@ -249,18 +275,24 @@ class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tie_weights()
 
-    def position_ids(self, input_ids, image_grid_thw=None, cu_seqlens=None, video_grid_thw=None):
+    def position_ids(
+        self,
+        input_ids: torch.Tensor,
+        image_grid_thw: GridThw | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        video_grid_thw: GridThw | None = None,
+    ) -> torch.Tensor:
         return mrope_position_ids(self.config, input_ids, image_grid_thw, cu_seqlens, video_grid_thw)
 
     def embed(
         self,
-        input_ids,
-        pixel_values,
-        image_grid_thw,
-        pixel_values_videos=None,
-        video_grid_thw=None,
-        visual_selection=None,
-    ):
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None,
+        image_grid_thw: GridThw | None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: GridThw | None = None,
+        visual_selection: Sequence[torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, VisualTokens | None, list[torch.Tensor]]:
         """Token embeddings with image and video features scattered in; also where they went
         (VisualTokens) and the DeepStack features."""
         h = self.model.language_model.embed_tokens(input_ids)
@@ -274,16 +306,16 @@ class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
 
     def forward(
         self,
-        input_ids,
-        pixel_values=None,
-        image_grid_thw=None,
-        position_ids=None,
-        cu_seqlens=None,
-        max_seqlen=None,
-        return_hidden=False,
-        pixel_values_videos=None,
-        video_grid_thw=None,
-        visual_selection=None,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: GridThw | None = None,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        return_hidden: bool = False,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: GridThw | None = None,
+        visual_selection: Sequence[torch.Tensor] | None = None,
     ) -> ModelOutput:
         """`visual_selection`: under context parallelism (vlmcore.parallel.cp) input_ids is a chunk
         of the rows and this says which features of the images and videos go to it."""

@@ -44,8 +44,15 @@ fit: `vlmcore memory`), the load imbalance of images over ranks, pipeline bubble
 fill term, HSDP.
 """
 
+from __future__ import annotations
+
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: transformers comes in (through vlmcore.models) where a config is read
+    import pandas as pd
+    from transformers import PretrainedConfig
 
 
 @dataclass
@@ -123,15 +130,15 @@ def vision_tp_traffic(w: Workload, c: Cluster, world: int, tp: int) -> float:
 
 
 def colocated(w: Workload, c: Cluster, world: int, vision_tp: int) -> Prediction:
-    vision = module_time(w.vision_s, w.vision_params, world, vision_tp, 1, 1, w, c) + vision_tp_traffic(
-        w, c, world, vision_tp
-    )
+    tp_traffic = vision_tp_traffic(w, c, world, vision_tp)
+    vision = module_time(w.vision_s, w.vision_params, world, vision_tp, 1, 1, w, c) + tp_traffic
     llm = module_time(w.llm_s, w.llm_params, world, w.llm_tp, w.llm_tp, 2, w, c)
     return Prediction(f"colocated, vision TP {vision_tp}", vision_tp, world, world, vision, llm, 0.0, vision + llm)
 
 
 def disjoint(w: Workload, c: Cluster, world: int, vision_ranks: int) -> Prediction:
-    k, rest = vision_ranks, world - vision_ranks
+    k = vision_ranks
+    rest = world - vision_ranks
     vision = module_time(w.vision_s, w.vision_params, k, 1, 1, 1, w, c)
     llm = module_time(w.llm_s, w.llm_params, rest, w.llm_tp, w.llm_tp, 2, w, c)
     bridge_bytes = 2 * w.bridge_tensors * w.image_tokens * w.bridge_hidden * c.dtype_bytes
@@ -144,11 +151,13 @@ def candidates(w: Workload, c: Cluster, world: int) -> list[Prediction]:
     """Every layout whose degrees divide (module docstring), baseline first."""
     tps = [1 << i for i in range(min(c.gpus_per_node, world).bit_length())]  # the powers of two up to a node
     rows = world // w.llm_tp * w.micro_batch_size * w.micro_batches
-    return [colocated(w, c, world, tp) for tp in tps if world % tp == 0 and w.vision_heads % tp == 0] + [
+    colocated_layouts = [colocated(w, c, world, tp) for tp in tps if world % tp == 0 and w.vision_heads % tp == 0]
+    disjoint_layouts = [
         disjoint(w, c, world, k)
         for k in range(1, world)
         if (world - k) % w.llm_tp == 0 and rows % k == 0 and rows % ((world - k) // w.llm_tp) == 0
     ]
+    return colocated_layouts + disjoint_layouts
 
 
 def compare(w: Workload, c: Cluster, world: int) -> list[Prediction]:
@@ -160,7 +169,7 @@ def compare(w: Workload, c: Cluster, world: int) -> list[Prediction]:
     return sorted(layouts, key=lambda p: p.step_s)
 
 
-def workload_of(config, vision_s: float, llm_s: float, patches: float, **step) -> Workload:
+def workload_of(config: PretrainedConfig, vision_s: float, llm_s: float, patches: float, **step: int) -> Workload:
     """A Workload for an HF model config (Qwen3-VL / Qwen3.5): parameter counts from the model
     built on the meta device, shapes from its vision config; `step`: the Workload fields
     micro_batches, micro_batch_size and llm_tp."""
@@ -185,7 +194,14 @@ def workload_of(config, vision_s: float, llm_s: float, patches: float, **step) -
     )
 
 
-def flops_workload(config, rows: int, seq_len: int, image_grids: list, achieved_tflops: float, **step) -> Workload:
+def flops_workload(
+    config: PretrainedConfig,
+    rows: int,
+    seq_len: int,
+    image_grids: list[list[int]],
+    achieved_tflops: float,
+    **step: int,
+) -> Workload:
     """A Workload before any run, from FLOPs (vlmcore.models.flops): `rows` packed rows per step,
     each one segment of `seq_len` tokens holding the images `image_grids` ([t, h, w] in patches),
     at `achieved_tflops` per device; `step` as in workload_of."""
@@ -200,7 +216,7 @@ def flops_workload(config, rows: int, seq_len: int, image_grids: list, achieved_
     )
 
 
-def measured_workload(metrics, settings: dict, warmup_steps: int) -> Workload | None:
+def measured_workload(metrics: pd.DataFrame, settings: dict, warmup_steps: int) -> Workload | None:
     """The Workload of a training run from its metrics.jsonl rows (a DataFrame) and config.yaml:
     means of `vision_time_s`, `llm_time_s` and `vision_patches` after the warm-up steps, times the
     ranks that run them. None when the run has no module times (metrics.module_times off, a text

@@ -4,10 +4,12 @@ Figures are built with matplotlib's object API (no pyplot state, no display need
 150 dpi. Every axis names its quantity and unit; every plot with more than one series has a legend.
 """
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocator, PercentFormatter
 
@@ -22,7 +24,7 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
-def _devices_axis(ax, world_sizes) -> None:
+def _devices_axis(ax: Axes, world_sizes: Iterable[float]) -> None:
     sizes = sorted(set(int(w) for w in world_sizes))
     if len(sizes) > 1 and sizes[-1] / sizes[0] >= 8:
         ax.set_xscale("log", base=2)
@@ -33,7 +35,7 @@ def _devices_axis(ax, world_sizes) -> None:
     ax.grid(True, alpha=0.3)
 
 
-def _thousands(ax) -> None:
+def _thousands(ax: Axes) -> None:
     ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:,.0f}"))
 
 
@@ -190,10 +192,12 @@ def plot_eval_summary(table: pd.DataFrame, path: Path) -> Path:
         scored = group[group["metric"].isin(SCORE_METRICS)]
         if scored.empty:
             continue
-        row = scored.set_index("metric").loc[next(m for m in SCORE_METRICS if m in set(scored["metric"]))]
+        main_metric = next(m for m in SCORE_METRICS if m in set(scored["metric"]))
+        row = scored.set_index("metric").loc[main_metric]
         name = f"{task}\n{subset or 'all'}"
         rows.append({"run": run, "name": name, "metric": row.name, "value": row["value"], "chance": row["chance"]})
-    fig = Figure(figsize=(max(6, 1.2 * len({r["name"] for r in rows}) + 2), 4.8))
+    n_names = len({r["name"] for r in rows})
+    fig = Figure(figsize=(max(6, 1.2 * n_names + 2), 4.8))
     ax = fig.add_subplot()
     if not rows:
         ax.text(

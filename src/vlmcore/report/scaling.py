@@ -18,7 +18,9 @@ Output directory:
 import argparse
 import math
 import time
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import yaml
@@ -31,7 +33,7 @@ from vlmcore.report.layouts import Cluster, compare, measured_workload
 from vlmcore.report.tables import import_points, point_from_metrics, read_metrics, scaling_table, settings_of
 
 
-def parse_labelled(values: list[str], option: str, default_label=None) -> dict[str, str]:
+def parse_labelled(values: list[str], option: str, default_label: Callable[[str], str] | None = None) -> dict[str, str]:
     """["a=path", ...] -> {"a": "path"}; without `=`, the label comes from `default_label(path)`."""
     pairs = {}
     for value in values:
@@ -39,7 +41,8 @@ def parse_labelled(values: list[str], option: str, default_label=None) -> dict[s
         if not sep:
             if default_label is None:
                 raise ValueError(f"{option} {value!r}: expected LABEL=PATH")
-            label, path = default_label(value), value
+            label = default_label(value)
+            path = value
         if label in pairs:
             raise ValueError(f"{option}: label {label!r} given twice")
         pairs[label] = path
@@ -53,7 +56,7 @@ def eval_label(path: str) -> str:
     return directory.parent.name if directory.name == "eval" else directory.name
 
 
-def fmt(value, spec: str) -> str:
+def fmt(value: Any, spec: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
     return format(value, spec)
@@ -65,12 +68,9 @@ def markdown_table(rows: list[dict], columns: dict[str, tuple[str, str]]) -> str
         "| " + " | ".join(header for header, _ in columns.values()) + " |",
         "|" + "|".join("---" if not spec else "---:" for _, spec in columns.values()) + "|",
     ]
-    lines += [
-        "| "
-        + " | ".join(fmt(row.get(key), spec) if spec else str(row.get(key, "")) for key, (_, spec) in columns.items())
-        + " |"
-        for row in rows
-    ]
+    for row in rows:
+        cells = [fmt(row.get(key), spec) if spec else str(row.get(key, "")) for key, (_, spec) in columns.items()]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -127,6 +127,9 @@ def training_summary(stages: dict[str, pd.DataFrame]) -> list[dict]:
     rows = []
     for stage, m in stages.items():
         last = m.iloc[-1]
+        # Throughput leaves out the first step (compilation, first data loads).
+        throughput = float(m["tokens_per_s_per_device"].iloc[1:].mean()) if len(m) > 1 else float("nan")
+        moe = {key: float(pd.to_numeric(m[key], errors="coerce").tail(10).mean()) for key in MOE_KEYS if key in m}
         rows.append(
             {
                 "stage": stage,
@@ -134,12 +137,10 @@ def training_summary(stages: dict[str, pd.DataFrame]) -> list[dict]:
                 "first_loss": float(m["loss"].iloc[0]),
                 "final_loss": float(m["loss"].tail(10).mean()),
                 "tokens": int(last["tokens"]) if "tokens" in m else None,
-                "tokens_per_s_per_device": float(m["tokens_per_s_per_device"].iloc[1:].mean())
-                if len(m) > 1
-                else float("nan"),
+                "tokens_per_s_per_device": throughput,
                 "world_size": int(last["world_size"]) if "world_size" in m else None,
                 "skipped_steps": int(last["skipped_steps"]) if "skipped_steps" in m else 0,
-                **{key: float(pd.to_numeric(m[key], errors="coerce").tail(10).mean()) for key in MOE_KEYS if key in m},
+                **moe,
             }
         )
     return rows
@@ -148,7 +149,8 @@ def training_summary(stages: dict[str, pd.DataFrame]) -> list[dict]:
 def layout_section(stages: dict, warmup_steps: int, cluster: Cluster) -> tuple[list[str], list[dict]]:
     """Markdown and layouts.csv rows: for each stage with module times, the candidate layouts at
     its world size, fastest first (vlmcore.report.layouts)."""
-    md, rows = [], []
+    md = []
+    rows = []
     for stage, (metrics, settings) in stages.items():
         try:
             workload = measured_workload(metrics, settings or {}, warmup_steps)
@@ -189,12 +191,22 @@ def layout_section(stages: dict, warmup_steps: int, cluster: Cluster) -> tuple[l
     return md, rows
 
 
+def generated_line(code: dict) -> str:
+    """When and by which vlmcore (its commit, if known) the report was written."""
+    commit = ""
+    if code["commit"]:
+        dirty = ", uncommitted changes" if code["dirty"] else ""
+        commit = f" (commit `{code['commit'][:12]}`{dirty})"
+    now = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return f"Generated {now} by vlmcore {vlmcore.__version__}{commit}."
+
+
 def write_report(
-    out,
-    scaling=None,
-    imports=(),
-    train=None,
-    evals=None,
+    out: str | Path,
+    scaling: Mapping[str, str | Path] | None = None,
+    imports: Iterable[str | Path] = (),
+    train: Mapping[str, str | Path] | None = None,
+    evals: Mapping[str, str | Path] | None = None,
     hardware: str = "unknown",
     warmup_steps: int = 1,
     title: str = "Scaling",
@@ -210,17 +222,10 @@ def write_report(
     points = [point_from_metrics(path, label, warmup_steps) for label, path in scaling.items()]
     for path in imports:
         points += import_points(path, warmup_steps)
-    code = git_commit()
     md = [
         f"# {title} report",
         "",
-        f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by vlmcore {vlmcore.__version__}"
-        + (
-            f" (commit `{code['commit'][:12]}`{', uncommitted changes' if code['dirty'] else ''})"
-            if code["commit"]
-            else ""
-        )
-        + ".",
+        generated_line(git_commit()),
         "",
         "## Hardware",
         "",
@@ -352,7 +357,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="report directory")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from vlmcore.cli import UsageError
 
     try:

@@ -49,7 +49,7 @@ MEAN_KEYS = [
 REQUIRED_IMPORT_COLUMNS = ["world_size", "tokens_per_s_per_device"]
 
 
-def read_metrics(path) -> pd.DataFrame:
+def read_metrics(path: str | Path) -> pd.DataFrame:
     """metrics.jsonl (or the one inside a directory) as a DataFrame, one row per step."""
     path = Path(path)
     if path.is_dir():
@@ -90,7 +90,7 @@ def summarize_point(metrics: pd.DataFrame, label: str, source: str, warmup_steps
     return row
 
 
-def settings_of(metrics_path) -> dict | None:
+def settings_of(metrics_path: str | Path) -> dict | None:
     """The config.yaml written next to a metrics.jsonl, if any."""
     path = Path(metrics_path)
     config = (path if path.is_dir() else path.parent) / "config.yaml"
@@ -102,19 +102,20 @@ def parallel_layout(settings: dict | None, world_size: int) -> str:
     if not settings or "parallel" not in settings:
         return ""
     parallel = settings["parallel"]
-    replicate, tp = parallel.get("dp_replicate", 1), parallel.get("tp", 1)
+    replicate = parallel.get("dp_replicate", 1)
+    tp = parallel.get("tp", 1)
     shard = parallel.get("dp_shard", -1)
     shard = world_size // (replicate * tp) if shard == -1 else shard
     return f"{replicate}×{shard}×{tp}, micro-batch {settings.get('micro_batch_size', '?')}"
 
 
-def point_from_metrics(path, label: str, warmup_steps: int) -> dict:
+def point_from_metrics(path: str | Path, label: str, warmup_steps: int) -> dict:
     """A scaling point from a metrics.jsonl (or its directory), with the layout of its config.yaml."""
     point = summarize_point(read_metrics(path), label, str(path), warmup_steps)
     return point | {"layout": parallel_layout(settings_of(path), point["world_size"])}
 
 
-def import_points(path, warmup_steps: int) -> list[dict]:
+def import_points(path: str | Path, warmup_steps: int) -> list[dict]:
     """Scaling points from a scaling.csv, a metrics.jsonl, or a directory of metrics.jsonl files."""
     path = Path(path)
     if path.suffix == ".csv":
