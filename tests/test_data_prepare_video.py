@@ -17,10 +17,10 @@ import torch
 from _data_helpers import audio_only_clip, make_clip, make_demo_model_dir, write_jsonl
 from PIL import Image
 
-from vlmcore.data.pack import pack
-from vlmcore.data.prepare import prepare
+from vlmcore.data.media.video import probe
+from vlmcore.data.pack.dataset import pack
+from vlmcore.data.prepare.dataset import prepare
 from vlmcore.data.shards import iter_shard_samples, shard_paths
-from vlmcore.data.video import probe
 
 
 def png(seed: int, w: int = 32, h: int = 24) -> bytes:
@@ -208,9 +208,9 @@ def test_videos_are_packed_and_loaded_as_the_processor_makes_them(raw, packed_vi
     (normalised on the device), grids and positions those of the encoder, the clip pipeline
     (`plan_video`, decode, resize, patchify: each tested against transformers' video processor)
     and the model's position rule, for file clips (H.264, VP9, MJPEG) and a clip given as frames."""
-    from vlmcore.data.encoder import SampleEncoder
-    from vlmcore.data.loader import build_loader
-    from vlmcore.data.video import clip_patches, normalize_video_patches
+    from vlmcore.data.load.loader import build_loader
+    from vlmcore.data.media.encoder import SampleEncoder
+    from vlmcore.data.media.video import clip_patches, normalize_video_patches
     from vlmcore.models import load_hf_config, position_ids
 
     root, clips = raw
@@ -277,8 +277,8 @@ def test_videos_are_packed_and_loaded_as_the_processor_makes_them(raw, packed_vi
 def test_a_clip_too_long_for_the_row_gets_fewer_frames(raw, tmp_path):
     """Within the processor's rules: `max_frames` halved (not under `min_frames`) until the sample
     fits the row and the patch budget, counted; the loader samples the same frames."""
-    from vlmcore.data.encoder import SampleEncoder
-    from vlmcore.data.loader import build_loader
+    from vlmcore.data.load.loader import build_loader
+    from vlmcore.data.media.encoder import SampleEncoder
 
     root, _ = raw
     long_clip = make_clip("libx264", "mp4", frames=120, rate=30, width=64, height=48)  # 4 s: 8 frames at 2 fps
@@ -306,7 +306,7 @@ def test_a_clip_too_long_for_the_row_gets_fewer_frames(raw, tmp_path):
 
 
 def test_online_packing_reads_videos_too(raw, packed_videos):
-    from vlmcore.data.online import build_online_loader
+    from vlmcore.data.load.online import build_online_loader
 
     out, _ = packed_videos
     loader = build_online_loader(
@@ -379,7 +379,7 @@ def test_vlmcore_train_steps_on_packed_videos(raw, tmp_path):
 def test_video_sampling_settings_of_a_pack(raw, tmp_path):
     """`pack.video` (`vlmcore pack --video-*`): the clips sampled at the pack's settings, which
     the packed dataset's model files carry, so the loader samples the same frames."""
-    from vlmcore.data.loader import build_loader
+    from vlmcore.data.load.loader import build_loader
 
     root, _ = raw
     (root / "clips" / "long4s.mp4").write_bytes(make_clip("libx264", "mp4", frames=120, rate=30, width=64, height=48))

@@ -1,7 +1,10 @@
 """Webdataset tar shards: writing them, reading them back safely, and `energon prepare`.
 
-Every sample in a vlmcore shard is a `json` part plus its images as `img<k>.<ext>` parts; the
-JSON names the image parts in order under `"images"`.
+Every sample in a vlmcore shard is a `json` part plus its images as `img<k>.<ext>` parts and its
+videos as `vid<k>.<ext>` (a file) or `vid<k>_<j>.<ext>` (frames) parts; the JSON names the image
+parts in order under `"images"`, and each video's metadata and parts under `"videos"`. The
+prepared dataset and the packed one are both such shards, indexed by `energon prepare`; every
+stage reads them through this module.
 """
 
 import bisect
@@ -55,6 +58,11 @@ class ShardWriter:
     def close(self) -> list[str]:
         self.writer.close()
         return sorted(p.name for p in self.out_dir.glob("shard-*.tar"))
+
+
+def video_part_names(video: dict) -> list[str]:
+    """The shard parts of one of a sample's videos: its file, or its frames."""
+    return [video["part"]] if video["kind"] == "file" else list(video["parts"])
 
 
 def energon_prepare(dataset_dir, workers: int = 1) -> None:

@@ -22,8 +22,9 @@ import numpy as np
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
-from vlmcore.data.synthetic import BACKGROUNDS, COLORS, SHAPES, draw_shape, write_dataset
-from vlmcore.data.video import encode_clip
+from vlmcore.data.media.video import encode_clip
+from vlmcore.data.synthetic.dataset import write_dataset
+from vlmcore.data.synthetic.shapes import BACKGROUNDS, COLORS, SHAPES, draw_shape
 
 FRAMES, FPS, QUARTER = 16, 4, 4  # frames of a clip, its frame rate, frames of a quarter
 DIRECTIONS = ["left", "right", "up", "down"]

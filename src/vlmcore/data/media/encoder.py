@@ -10,7 +10,7 @@ wrapper), each `<|image_pad|>` is expanded to the image's merged-patch count and
 `<|video_pad|>` to the clip's frame groups (`<t.t seconds>`, vision start, the group's video
 tokens, vision end; the template's wrapper stays around them, as transformers' processor leaves
 it), and the text is tokenized: the same steps and the same code as the transformers processor.
-A video needs only its metadata here (`vlmcore.data.video.plan_video`). Labels cover the
+A video needs only its metadata here (`vlmcore.data.media.video.plan_video`). Labels cover the
 assistant turns only. Their character spans come from the template itself: the text rendered up
 to turn i with the generation prompt, and the text rendered through turn i, differ by exactly
 that assistant turn.
@@ -29,8 +29,8 @@ from transformers import AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from vlmcore.data import IGNORE_INDEX
-from vlmcore.data.processor import load_processor
-from vlmcore.data.video import VideoPlan, VideoSettings, plan_video, video_prompt, with_video_settings
+from vlmcore.data.media.processor import load_processor
+from vlmcore.data.media.video import VideoPlan, VideoSettings, plan_video, video_prompt, with_video_settings
 
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"

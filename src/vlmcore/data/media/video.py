@@ -21,7 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vlmcore.data.quality import BadSample, load_image
+from vlmcore.data.media.image import load_image
+from vlmcore.data.quality import BadSample
 
 
 @dataclass(frozen=True)

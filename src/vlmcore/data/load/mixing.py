@@ -55,7 +55,7 @@ def epoch_order(path, dp_world: int, seed: int = 0, num_workers: int = 0) -> lis
     """The packs (their index on disk) of the training loader's first epoch over the packed
     dataset `path`, in the order the global batches hold them: rank 0's row, rank 1's, ..., step
     after step (micro-batches of one row)."""
-    from vlmcore.data.loader import build_loader, samples_in
+    from vlmcore.data.load.loader import build_loader, samples_in
 
     loaders = [
         iter(build_loader(path, dp_rank=r, dp_world=dp_world, micro_batch_size=1, seed=seed, num_workers=num_workers))

@@ -1,6 +1,6 @@
 """The batch the train step works on: packed rows of tokens and the images and videos in them.
 
-The loader (vlmcore.data.loader) and the random data (vlmcore.train.random_data) make them on the
+The loader (vlmcore.data.load.loader) and the random data (vlmcore.train.random_data) make them on the
 host; `to(device)` moves one to the device, where the images' uint8 patches become the image
 processor's float32 values (`normalize_patches`) and what the kernels need on the host (the
 longest packed segment, the image grids) is taken while the batch is still there. The step, the
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from vlmcore.data import IGNORE_INDEX
-from vlmcore.data.processor import normalize_patches
-from vlmcore.data.video import normalize_video_patches
+from vlmcore.data.media.processor import normalize_patches
+from vlmcore.data.media.video import normalize_video_patches
 from vlmcore.models.qwen3 import text_position_ids
 
 
