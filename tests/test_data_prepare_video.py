@@ -181,6 +181,32 @@ def test_bad_videos_are_counted_by_reason_and_the_good_rows_kept(raw, tmp_path):
     }
 
 
+def test_a_clip_shorter_than_a_frame_group_is_counted_by_prepare(raw, tmp_path):
+    """One frame cannot fill a frame group of the video processor (temporal_patch_size 2): the
+    clip is counted as too_few_video_frames where it is probed, not kept for the pack to drop
+    under another name; as a file and as frame images alike."""
+    root, _ = raw
+    (root / "clips" / "one.mp4").write_bytes(make_clip("mpeg4", "mp4", frames=1, rate=30, width=64, height=48))
+    rows = [{"video": "clips/a.mp4", "caption": f"good {i}"} for i in range(4)] + [
+        {"video": "clips/one.mp4", "caption": "a clip of one frame"},
+        {"video": ["f0.png"], "video_fps": 2, "caption": "one frame image"},
+    ]
+    stats = prepare([write_jsonl(root / "one_frame.jsonl", rows)], tmp_path / "data", max_bad_fraction=0.5)
+    assert stats["samples"] == 4
+    assert stats["bad"]["skipped_by_reason"] == {"too_few_video_frames": 2}
+
+
+def test_the_encoder_names_a_clip_shorter_than_a_frame_group(tmp_path):
+    """A clip prepared elsewhere (or for a model with a longer frame group) meets the same reason in the pack."""
+    from vlmcore.data.media.encoder import EncodingError, SampleEncoder
+
+    encoder = SampleEncoder(make_demo_model_dir(tmp_path / "model", max_pixels=64 * 64))
+    one_frame = {"kind": "file", "frames": 1, "fps": 30.0, "width": 64, "height": 48}
+    with pytest.raises(EncodingError) as error:
+        encoder.video_plan(one_frame)
+    assert error.value.reason == "too_few_video_frames"
+
+
 def video_rows(clips_dir: str) -> list[dict]:
     return [
         {"video": f"{clips_dir}/a.mp4", "messages": convo("<video> What moves?")},

@@ -123,6 +123,11 @@ class SampleEncoder:
         """What the video processor makes of a clip with metadata `meta` (at most `max_frames` frames)."""
         if self.processor is None:
             raise EncodingError("video_for_text_model", "the model has no video processor")
+        if meta["frames"] < self.video.temporal_patch_size:
+            raise EncodingError(
+                "too_few_video_frames",
+                f"{meta['frames']} frames, a frame group of this video processor takes {self.video.temporal_patch_size}",
+            )
         settings = self.video if max_frames is None else dataclasses.replace(self.video, max_frames=max_frames)
         try:
             return plan_video(meta, settings)

@@ -56,6 +56,10 @@ class VideoSettings:
         return cls(**{k: v for k, v in values.items() if v is not None})
 
 
+# The fewest frames a clip needs: one frame group of Qwen3-VL's video processor (its
+# temporal_patch_size). `vlmcore prepare` knows no model, so it checks this; the pack checks the model's.
+MIN_VIDEO_FRAMES = VideoSettings.temporal_patch_size
+
 # The sampling settings a pack may set (`vlmcore pack --video-*`, the workflow's `pack.video`),
 # by their names in the video processor's config.
 VIDEO_KEYS = ("fps", "min_frames", "max_frames", "min_pixels", "max_pixels")
@@ -156,11 +160,14 @@ def probe(data: bytes) -> VideoInfo:
 
 
 def check_video(data: bytes, max_pixels: int, max_seconds: float) -> VideoInfo:
-    """A clip fit to keep, and its metadata: `probe`, a decoder for its codec, its first frame
-    decoding, and the pixel and duration limits; BadSample with the reason otherwise."""
+    """A clip fit to keep, and its metadata: `probe`, at least MIN_VIDEO_FRAMES frames, a decoder
+    for its codec, its first frame decoding, and the pixel and duration limits; BadSample with the
+    reason otherwise."""
     import av
 
     info = probe(data)
+    if info.frames < MIN_VIDEO_FRAMES:
+        raise BadSample("too_few_video_frames", f"{info.frames} frames, a frame group takes {MIN_VIDEO_FRAMES}")
     try:
         av.codec.Codec(info.codec, "r")
     except Exception as e:

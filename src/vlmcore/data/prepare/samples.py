@@ -3,7 +3,7 @@
 plain text document. A row that cannot be used raises BadSample with the reason."""
 
 from vlmcore.data.media.image import check_image
-from vlmcore.data.media.video import check_video
+from vlmcore.data.media.video import MIN_VIDEO_FRAMES, check_video
 from vlmcore.data.prepare.sources import ImageFiles, image_bytes
 from vlmcore.data.quality import BadDataLog, BadSample
 
@@ -85,6 +85,8 @@ def video_entry(ref: object, row: dict, files: ImageFiles, max_pixels: int, max_
         except BadSample as e:
             raise BadSample("bad_video_frame", f"{e.reason}: {e.detail}") from e
         frames.append((data, ext, size))
+    if len(frames) < MIN_VIDEO_FRAMES:
+        raise BadSample("too_few_video_frames", f"{len(frames)} frames, a frame group takes {MIN_VIDEO_FRAMES}")
     sizes = {size for _, _, size in frames}
     if len(sizes) > 1:
         raise BadSample("bad_video_frame", f"frames of different sizes {sorted(sizes)}")
