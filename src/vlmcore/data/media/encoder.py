@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from PIL import Image
 from transformers import AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
@@ -39,7 +40,7 @@ VIDEO_PLACEHOLDER = "<video>"
 class EncodingError(ValueError):
     """A sample that cannot be encoded; `reason` is the short name it is counted under."""
 
-    def __init__(self, reason: str, message: str):
+    def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
 
@@ -75,7 +76,7 @@ class SampleEncoder:
     """Encodes samples for the model snapshot in `model_dir`; text-only snapshots (no
     preprocessor_config.json) encode documents and image-free conversations."""
 
-    def __init__(self, model_dir, video: dict | None = None):
+    def __init__(self, model_dir: str | Path, video: dict | None = None) -> None:
         """`video`: sampling settings that replace the snapshot's video processor's (`VIDEO_KEYS`)."""
         model_dir = Path(model_dir)
         self.processor = load_processor(model_dir) if (model_dir / "preprocessor_config.json").is_file() else None
@@ -201,7 +202,9 @@ class SampleEncoder:
         """[start, end) of each video's tokens, its wrapper included: the template's vision start
         whose next token is not a vision token (a timestamp follows) up to the vision end after
         its last frame group."""
-        spans, start, depth = [], None, 0
+        spans = []
+        start = None  # the current video's first token
+        depth = 0  # vision wrappers open at this token
         for t, token in enumerate(ids):
             if token == self.vision_start_id:
                 depth += 1
@@ -251,6 +254,7 @@ class SampleEncoder:
             enc.video_spans[:kept_videos],
         )
 
-    def pixel_values(self, images) -> tuple[torch.Tensor, torch.Tensor]:
+    def pixel_values(self, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The image processor's own pixel_values and grids of `images` (the reference the loader's patches equal)."""
         out = self.processor.image_processor(images=images, return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]

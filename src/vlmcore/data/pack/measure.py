@@ -171,9 +171,13 @@ def start_worker(model_dir: Path, seq_len: int, max_patches: int, overlong: str,
 
 
 def measure_shard(job: tuple[int, Path]) -> MeasuredShard:
+    """The measurements of one (shard index, shard), in a measuring process (`start_worker`)."""
     shard_index, shard = job
     start = time.process_time()
-    samples, images, keys, bad = [], [], bytearray(), []
+    samples = []  # SAMPLE rows
+    images = []  # IMAGE rows
+    keys = bytearray()
+    bad = []
     counts = {"truncated": 0, "dropped_overlong": 0, "fewer_video_frames": 0}
     seen = 0
     for shard_sample in iter_shard_samples(shard):
