@@ -44,7 +44,7 @@ and CPU seconds of each step, the plan's bytes on disk per sample, and whether t
 byte-identical.
 Mixing: 20,000 demo-like samples packed into 1,024-token rows at pack shard sizes 16 and 1000;
 one epoch's pack order through `build_loader` (1 and 2 data-parallel ranks) against a uniform
-shuffle (vlmcore.data.mixing: rank correlation with the disk order, distance between disk
+shuffle (vlmcore.data.load.mixing: rank correlation with the disk order, distance between disk
 neighbours, clustering of 16-pack blocks), and the seconds to read the epoch.
 Writes benchmarks/results/data_<part>.json and prints a table.
 """
@@ -63,7 +63,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from vlmcore.data.bin_packing import best_fit_decreasing  # noqa: E402
+from vlmcore.data.pack.bin_packing import best_fit_decreasing  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 PATCH_DIM = 3 * 2 * 16 * 16
@@ -169,7 +169,7 @@ def write_synthetic_prepared(out_dir: Path, n: int, shard_size: int = 1000, seed
     import io
     import tarfile
 
-    from vlmcore.data.synthetic import caption_for, conversation_for, draw_scene, random_scene
+    from vlmcore.data.synthetic.image import caption_for, conversation_for, draw_scene, random_scene
 
     rng = random.Random(seed)
     pool = []
@@ -302,7 +302,7 @@ def bench_resume(n: int, seq_len: int, max_patches: int) -> list[dict]:
     checkpoint keeps, and reading on from there."""
     import pickle
 
-    from vlmcore.data.loader import build_loader
+    from vlmcore.data.load.loader import build_loader
     from vlmcore.download import build_tiny_model
 
     root = Path(tempfile.mkdtemp(prefix="vlmcore-bench-resume-"))
@@ -336,7 +336,7 @@ def bench_resume(n: int, seq_len: int, max_patches: int) -> list[dict]:
     for blend in (False, True):
         path = out
         if blend:  # the same packs twice, weighted 2:1: a blend's resume counts the draws before the row
-            from vlmcore.data.loader import write_blend
+            from vlmcore.data.load.loader import write_blend
 
             path = root / "blend.yaml"
             write_blend(path, [(out, 2), (out, 1)])
@@ -485,9 +485,9 @@ def image_dataset(
     into 8,192-token rows for a model with Qwen3-VL's image processor defaults."""
     import numpy as np
 
-    from vlmcore.data.pack import pack
-    from vlmcore.data.prepare import prepare
-    from vlmcore.data.processor import write_processor_files
+    from vlmcore.data.media.processor import write_processor_files
+    from vlmcore.data.pack.dataset import pack
+    from vlmcore.data.prepare.dataset import prepare
     from vlmcore.download import build_tiny_model
 
     rng = np.random.default_rng(0)
@@ -553,7 +553,7 @@ def paced_data_wait(it, rows: int) -> tuple[float, float]:
 
 def bench_loader(rows: int, worker_counts: list[int], samples: int) -> list[dict]:
     """Rows/s of `build_loader` over realistic JPEG rows, per CPU core, against one H100's need."""
-    from vlmcore.data.loader import build_loader
+    from vlmcore.data.load.loader import build_loader
 
     need = 1 / GPU_SECONDS_PER_ROW
     results = []
@@ -630,10 +630,10 @@ def bench_video(clips: dict, worker_counts: list[int], rows: int) -> list[dict]:
     CPU core, against what one H100 trains on the 2B model per token."""
     import numpy as np
 
-    from vlmcore.data.loader import build_loader
-    from vlmcore.data.pack import pack
-    from vlmcore.data.prepare import prepare
-    from vlmcore.data.processor import write_processor_files
+    from vlmcore.data.load.loader import build_loader
+    from vlmcore.data.media.processor import write_processor_files
+    from vlmcore.data.pack.dataset import pack
+    from vlmcore.data.prepare.dataset import prepare
     from vlmcore.download import build_tiny_model
 
     results = []
@@ -690,11 +690,11 @@ def bench_video(clips: dict, worker_counts: list[int], rows: int) -> list[dict]:
 
 
 def bench_online(samples: int, buffer_size: int, dp_worlds: list[int], workers: int) -> list[dict]:
-    """Online packing in the global order (vlmcore.data.online): the CPU time to measure a sample
+    """Online packing in the global order (vlmcore.data.load.online): the CPU time to measure a sample
     (every loader worker of every rank measures every buffer) against the time to make a row
     (only a rank's own rows), and what the measuring adds to a rank's loader work at a few
     data-parallel sizes with `workers` loader workers each."""
-    from vlmcore.data.online import build_online_loader
+    from vlmcore.data.load.online import build_online_loader
 
     results = []
     for mix, sizes in IMAGE_MIXES.items():
@@ -737,11 +737,11 @@ def bench_online(samples: int, buffer_size: int, dp_worlds: list[int], workers: 
 
 def bench_mixing(samples: int, dp_worlds: list[int]) -> list[dict]:
     """One epoch's pack order through the training loader against a uniform shuffle
-    (vlmcore.data.mixing), at pack shard sizes 16 and 1000, and the time to read the epoch. Since
-    issue 32 the loader reads packs by index in a seeded global order (vlmcore.data.order); the
+    (vlmcore.data.load.mixing), at pack shard sizes 16 and 1000, and the time to read the epoch. Since
+    issue 32 the loader reads packs by index in a seeded global order (vlmcore.data.load.order); the
     figures before it (Energon's slices of 1 or 100 packs) are in docs/performance.md."""
-    from vlmcore.data.mixing import epoch_order, order_statistics, uniform_reference
-    from vlmcore.data.pack import pack
+    from vlmcore.data.load.mixing import epoch_order, order_statistics, uniform_reference
+    from vlmcore.data.pack.dataset import pack
     from vlmcore.download import build_tiny_model
 
     root = Path(tempfile.mkdtemp(prefix="vlmcore-bench-mixing-"))

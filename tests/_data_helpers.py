@@ -12,16 +12,16 @@ from tokenizers import AddedToken, normalizers
 from transformers import PreTrainedTokenizerFast, Qwen3VLConfig
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
-from vlmcore.data.processor import write_processor_files
-from vlmcore.data.synthetic import corpus_texts
-from vlmcore.data.tokenizer import (
+from vlmcore.data.media.processor import write_processor_files
+from vlmcore.data.media.tokenizer import (
     CHAT_TEMPLATE,
     QWEN_SPECIAL_TOKENS,
     QWEN_TEXT_TOKENS,
     build_demo_tokenizer,
     special_token_ids,
 )
-from vlmcore.data.video import encode_clip
+from vlmcore.data.media.video import encode_clip
+from vlmcore.data.synthetic.image import corpus_texts
 
 
 def write_vl_config(model_dir: Path, tokenizer, vocab_size: int) -> None:

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from vlmcore.data.processor import write_processor_files
-from vlmcore.data.synthetic import corpus_texts
-from vlmcore.data.tokenizer import build_demo_tokenizer, special_token_ids
+from vlmcore.data.media.processor import write_processor_files
+from vlmcore.data.media.tokenizer import build_demo_tokenizer, special_token_ids
+from vlmcore.data.synthetic.image import corpus_texts
 from vlmcore.download import build_tiny_model, write_manifest
 
 TEXT = dict(

@@ -14,14 +14,15 @@ from _data_helpers import make_demo_model_dir, write_jsonl
 from PIL import Image
 
 from vlmcore.cli import main
-from vlmcore.data.encoder import IGNORE_INDEX, SampleEncoder
-from vlmcore.data.loader import PackedTaskEncoder, build_loader
-from vlmcore.data.online import build_online_loader
-from vlmcore.data.pack import pack
-from vlmcore.data.prepare import prepare
+from vlmcore.data.load.loader import build_loader
+from vlmcore.data.load.online import build_online_loader
+from vlmcore.data.load.rows import PackedTaskEncoder
+from vlmcore.data.media.encoder import IGNORE_INDEX, SampleEncoder
+from vlmcore.data.pack.dataset import pack
+from vlmcore.data.prepare.dataset import prepare
 from vlmcore.data.quality import DataError
 from vlmcore.data.shards import ShardWriter, energon_prepare, iter_shard_samples, shard_paths
-from vlmcore.data.synthetic import generate
+from vlmcore.data.synthetic.image import generate
 
 SEQ_LEN = 128
 
@@ -196,9 +197,9 @@ BAD_SEGMENTS = {
 
 @pytest.mark.parametrize("case", BAD_SEGMENTS)
 def test_bad_segment_is_skipped_and_counted(demo, case, caplog, monkeypatch):
-    from vlmcore.data import loader
+    from vlmcore.data.load import rows
 
-    monkeypatch.setattr(loader, "_logged", Counter())  # the first few of each reason are logged
+    monkeypatch.setattr(rows, "_logged", Counter())  # the first few of each reason are logged
     edit, skipped, left = BAD_SEGMENTS[case]
     crude, segments = first_pack(demo)
     edit(crude, segments)

@@ -6,7 +6,7 @@ import torch
 from _data_helpers import make_demo_model_dir, make_qwen3_model_dir
 from PIL import Image
 
-from vlmcore.data.encoder import IGNORE_INDEX, EncodingError, SampleEncoder, to_chat_messages
+from vlmcore.data.media.encoder import IGNORE_INDEX, EncodingError, SampleEncoder, to_chat_messages
 
 CONVERSATIONS = [
     [
@@ -134,8 +134,8 @@ def test_mismatched_image_tags_are_rejected(demo_encoder):
 
 def test_text_model_snapshot(tmp_path):
     """A text-only snapshot (no image processor) encodes conversations with its tokenizer's template."""
-    from vlmcore.data.synthetic import corpus_texts
-    from vlmcore.data.tokenizer import build_demo_tokenizer
+    from vlmcore.data.media.tokenizer import build_demo_tokenizer
+    from vlmcore.data.synthetic.image import corpus_texts
 
     tokenizer = build_demo_tokenizer(tmp_path, corpus_texts(0))
     encoder = SampleEncoder(tmp_path)

@@ -9,12 +9,12 @@ import pytest
 import torch
 from _data_helpers import make_demo_model_dir
 
-from vlmcore.data.encoder import IGNORE_INDEX, SampleEncoder
-from vlmcore.data.loader import build_loader, samples_in, write_blend
-from vlmcore.data.online import build_online_loader
-from vlmcore.data.pack import pack
-from vlmcore.data.prepare import prepare
-from vlmcore.data.synthetic import generate
+from vlmcore.data.load.loader import build_loader, samples_in, write_blend
+from vlmcore.data.load.online import build_online_loader
+from vlmcore.data.media.encoder import IGNORE_INDEX, SampleEncoder
+from vlmcore.data.pack.dataset import pack
+from vlmcore.data.prepare.dataset import prepare
+from vlmcore.data.synthetic.image import generate
 from vlmcore.models import load_hf_config, position_ids
 
 SEQ_LEN = 128
@@ -109,8 +109,8 @@ def test_rows_hold_the_encoded_samples(packed):
 def test_row_pixels_equal_the_image_processor(packed):
     """A batch of two packed rows carries uint8 patches that the step turns into exactly the image
     processor's pixel_values for the rows' images, in order."""
-    from vlmcore.data.loader import PackedTaskEncoder
-    from vlmcore.data.quality import load_image
+    from vlmcore.data.load.rows import PackedTaskEncoder
+    from vlmcore.data.media.image import load_image
     from vlmcore.data.shards import iter_shard_samples, shard_paths
 
     path = packed / "packed" / "conversations"
@@ -316,7 +316,7 @@ def test_epoch_order_is_a_uniform_shuffle_whatever_the_shards(many_packs, dp_wor
     number of write jobs. Before every pack was a slice of its own (Energon read slices of up to
     100 packs in sequence), disk neighbours were 0.3-0.55 of the uniform distance apart and
     blocks clustered 8-14 times the uniform spread (docs/internals.md "Sample order")."""
-    from vlmcore.data.mixing import epoch_order, order_statistics, outside_uniform, uniform_reference
+    from vlmcore.data.load.mixing import epoch_order, order_statistics, outside_uniform, uniform_reference
 
     orders = {name: epoch_order(many_packs / name, dp_world) for name in ("shards16", "jobs2", "shards1000")}
     assert orders["shards16"] == orders["jobs2"] == orders["shards1000"]

@@ -15,14 +15,16 @@ import pytest
 from _data_helpers import make_demo_model_dir, write_jsonl
 from PIL import Image
 
-import vlmcore.data.measure
-import vlmcore.data.pack
+import vlmcore.data.pack.command
+import vlmcore.data.pack.dataset
+import vlmcore.data.pack.measure
+import vlmcore.data.pack.writer
 from vlmcore.cli import main
-from vlmcore.data.bin_packing import best_fit_decreasing, packing_stats
-from vlmcore.data.pack import pack
-from vlmcore.data.prepare import prepare
+from vlmcore.data.pack.bin_packing import best_fit_decreasing, packing_stats
+from vlmcore.data.pack.dataset import pack
+from vlmcore.data.prepare.dataset import prepare
 from vlmcore.data.shards import iter_shard_samples, shard_paths
-from vlmcore.data.synthetic import generate
+from vlmcore.data.synthetic.image import generate
 
 
 def long_tailed_mix(n: int, seed: int = 0) -> tuple[list[int], list[int]]:
@@ -236,7 +238,7 @@ def test_killed_pack_never_leaves_an_output_that_looks_finished(demo, tmp_path, 
     def killed(*_):  # a kill after every shard is written, just before the dataset is indexed
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(vlmcore.data.pack, "energon_prepare", killed)
+    monkeypatch.setattr(vlmcore.data.pack.dataset, "energon_prepare", killed)
     with pytest.raises(KeyboardInterrupt):
         pack(root / "data", model, out, seq_len=512, max_patches=4096, shard_size=8, max_bad_fraction=0.1)
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == finished
@@ -285,7 +287,7 @@ def test_rerun_after_a_kill_while_measuring_measures_only_the_shards_left(demo, 
     shards = shard_paths(root / "data")
     expected = tmp_path / "expected"
     pack(root / "data", model, expected, seq_len=160, max_patches=96, shard_size=8, max_bad_fraction=0.1)
-    measure_shard = vlmcore.data.measure.measure_shard
+    measure_shard = vlmcore.data.pack.measure.measure_shard
     measured = []
 
     def killed_at_the_third_shard(job):
@@ -295,7 +297,7 @@ def test_rerun_after_a_kill_while_measuring_measures_only_the_shards_left(demo, 
         return measure_shard(job)
 
     out = tmp_path / "packed"
-    monkeypatch.setattr(vlmcore.data.measure, "measure_shard", killed_at_the_third_shard)
+    monkeypatch.setattr(vlmcore.data.pack.measure, "measure_shard", killed_at_the_third_shard)
     with pytest.raises(KeyboardInterrupt):
         pack(root / "data", model, out, seq_len=160, max_patches=96, shard_size=8, max_bad_fraction=0.1)
     assert not out.exists() and measured == [shards[0].name, shards[1].name]
@@ -304,7 +306,7 @@ def test_rerun_after_a_kill_while_measuring_measures_only_the_shards_left(demo, 
         measured.append(job[1].name)
         return measure_shard(job)
 
-    monkeypatch.setattr(vlmcore.data.measure, "measure_shard", counted)
+    monkeypatch.setattr(vlmcore.data.pack.measure, "measure_shard", counted)
     stats = pack(root / "data", model, out, seq_len=160, max_patches=96, shard_size=8, max_bad_fraction=0.1)
     assert measured == [s.name for s in shards]  # the first two were not measured again
     assert stats == json.loads((expected / "stats.json").read_text())
@@ -360,7 +362,7 @@ def test_measure_pass_scattered_over_jobs_packs_the_same_bytes(demo, tmp_path):
         raise AssertionError(f"shard {job[1]} measured again")
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(vlmcore.data.measure, "measure_shard", measuring_again)
+        mp.setattr(vlmcore.data.pack.measure, "measure_shard", measuring_again)
         assert pack(root / "data", model, out, seq_len=160, max_patches=96, shard_size=8, max_bad_fraction=0.1) == stats
     assert packed_members(out) == packed_members(single)
     assert not measured.exists()
@@ -369,7 +371,7 @@ def test_measure_pass_scattered_over_jobs_packs_the_same_bytes(demo, tmp_path):
 @pytest.mark.parametrize("value", ["1", "2/2", "a/3", "-1/2"])
 def test_job_group_must_be_g_of_n(value):
     with pytest.raises(argparse.ArgumentTypeError, match="G/N"):
-        vlmcore.data.pack.job_group(value)
+        vlmcore.data.pack.command.job_group(value)
 
 
 def output_files(out) -> dict:
@@ -442,7 +444,7 @@ def test_writing_scattered_over_jobs_gives_the_same_bytes(demo, tmp_path):
         raise AssertionError(f"output shard {index} written again")
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(vlmcore.data.pack, "write_shard", writing_again)
+        mp.setattr(vlmcore.data.pack.writer, "write_shard", writing_again)
         assert pack(root / "data", model, out, **PACK_ARGS) == stats
     assert output_files(out) == output_files(single)
     assert not partial.exists() and not out.with_name("scattered.measured").exists()

@@ -14,7 +14,7 @@ import pytest
 from _data_helpers import write_jsonl
 from PIL import Image
 
-from vlmcore.data.prepare import prepare
+from vlmcore.data.prepare.dataset import prepare
 from vlmcore.data.quality import TooMuchBadData
 from vlmcore.data.shards import iter_shard_samples, shard_paths
 

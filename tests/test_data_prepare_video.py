@@ -17,10 +17,10 @@ import torch
 from _data_helpers import audio_only_clip, make_clip, make_demo_model_dir, write_jsonl
 from PIL import Image
 
-from vlmcore.data.pack import pack
-from vlmcore.data.prepare import prepare
+from vlmcore.data.media.video import probe
+from vlmcore.data.pack.dataset import pack
+from vlmcore.data.prepare.dataset import prepare
 from vlmcore.data.shards import iter_shard_samples, shard_paths
-from vlmcore.data.video import probe
 
 
 def png(seed: int, w: int = 32, h: int = 24) -> bytes:
@@ -181,6 +181,32 @@ def test_bad_videos_are_counted_by_reason_and_the_good_rows_kept(raw, tmp_path):
     }
 
 
+def test_a_clip_shorter_than_a_frame_group_is_counted_by_prepare(raw, tmp_path):
+    """One frame cannot fill a frame group of the video processor (temporal_patch_size 2): the
+    clip is counted as too_few_video_frames where it is probed, not kept for the pack to drop
+    under another name; as a file and as frame images alike."""
+    root, _ = raw
+    (root / "clips" / "one.mp4").write_bytes(make_clip("mpeg4", "mp4", frames=1, rate=30, width=64, height=48))
+    rows = [{"video": "clips/a.mp4", "caption": f"good {i}"} for i in range(4)] + [
+        {"video": "clips/one.mp4", "caption": "a clip of one frame"},
+        {"video": ["f0.png"], "video_fps": 2, "caption": "one frame image"},
+    ]
+    stats = prepare([write_jsonl(root / "one_frame.jsonl", rows)], tmp_path / "data", max_bad_fraction=0.5)
+    assert stats["samples"] == 4
+    assert stats["bad"]["skipped_by_reason"] == {"too_few_video_frames": 2}
+
+
+def test_the_encoder_names_a_clip_shorter_than_a_frame_group(tmp_path):
+    """A clip prepared elsewhere (or for a model with a longer frame group) meets the same reason in the pack."""
+    from vlmcore.data.media.encoder import EncodingError, SampleEncoder
+
+    encoder = SampleEncoder(make_demo_model_dir(tmp_path / "model", max_pixels=64 * 64))
+    one_frame = {"kind": "file", "frames": 1, "fps": 30.0, "width": 64, "height": 48}
+    with pytest.raises(EncodingError) as error:
+        encoder.video_plan(one_frame)
+    assert error.value.reason == "too_few_video_frames"
+
+
 def video_rows(clips_dir: str) -> list[dict]:
     return [
         {"video": f"{clips_dir}/a.mp4", "messages": convo("<video> What moves?")},
@@ -208,9 +234,9 @@ def test_videos_are_packed_and_loaded_as_the_processor_makes_them(raw, packed_vi
     (normalised on the device), grids and positions those of the encoder, the clip pipeline
     (`plan_video`, decode, resize, patchify: each tested against transformers' video processor)
     and the model's position rule, for file clips (H.264, VP9, MJPEG) and a clip given as frames."""
-    from vlmcore.data.encoder import SampleEncoder
-    from vlmcore.data.loader import build_loader
-    from vlmcore.data.video import clip_patches, normalize_video_patches
+    from vlmcore.data.load.loader import build_loader
+    from vlmcore.data.media.encoder import SampleEncoder
+    from vlmcore.data.media.video import clip_patches, normalize_video_patches
     from vlmcore.models import load_hf_config, position_ids
 
     root, clips = raw
@@ -277,8 +303,8 @@ def test_videos_are_packed_and_loaded_as_the_processor_makes_them(raw, packed_vi
 def test_a_clip_too_long_for_the_row_gets_fewer_frames(raw, tmp_path):
     """Within the processor's rules: `max_frames` halved (not under `min_frames`) until the sample
     fits the row and the patch budget, counted; the loader samples the same frames."""
-    from vlmcore.data.encoder import SampleEncoder
-    from vlmcore.data.loader import build_loader
+    from vlmcore.data.load.loader import build_loader
+    from vlmcore.data.media.encoder import SampleEncoder
 
     root, _ = raw
     long_clip = make_clip("libx264", "mp4", frames=120, rate=30, width=64, height=48)  # 4 s: 8 frames at 2 fps
@@ -306,7 +332,7 @@ def test_a_clip_too_long_for_the_row_gets_fewer_frames(raw, tmp_path):
 
 
 def test_online_packing_reads_videos_too(raw, packed_videos):
-    from vlmcore.data.online import build_online_loader
+    from vlmcore.data.load.online import build_online_loader
 
     out, _ = packed_videos
     loader = build_online_loader(
@@ -379,7 +405,7 @@ def test_vlmcore_train_steps_on_packed_videos(raw, tmp_path):
 def test_video_sampling_settings_of_a_pack(raw, tmp_path):
     """`pack.video` (`vlmcore pack --video-*`): the clips sampled at the pack's settings, which
     the packed dataset's model files carry, so the loader samples the same frames."""
-    from vlmcore.data.loader import build_loader
+    from vlmcore.data.load.loader import build_loader
 
     root, _ = raw
     (root / "clips" / "long4s.mp4").write_bytes(make_clip("libx264", "mp4", frames=120, rate=30, width=64, height=48))

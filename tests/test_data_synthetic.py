@@ -8,11 +8,11 @@ from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer
 
 from vlmcore.cli import main
-from vlmcore.data import synthetic_video
-from vlmcore.data.processor import load_processor, write_processor_files
-from vlmcore.data.synthetic import COLORS, QUESTIONS, SHAPES, corpus_texts, generate
-from vlmcore.data.tokenizer import QWEN_SPECIAL_TOKENS, build_demo_tokenizer, special_token_ids
-from vlmcore.data.video import VideoSettings, decode_frames, plan_video, probe
+from vlmcore.data.media.processor import load_processor, write_processor_files
+from vlmcore.data.media.tokenizer import QWEN_SPECIAL_TOKENS, build_demo_tokenizer, special_token_ids
+from vlmcore.data.media.video import VideoSettings, decode_frames, plan_video, probe
+from vlmcore.data.synthetic import video as synthetic_video
+from vlmcore.data.synthetic.image import COLORS, QUESTIONS, SHAPES, corpus_texts, generate
 
 
 def read_jsonl(path):

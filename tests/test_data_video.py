@@ -1,4 +1,4 @@
-"""Video clips as Qwen3-VL's processor takes them (vlmcore.data.video), on real encoded clips
+"""Video clips as Qwen3-VL's processor takes them (vlmcore.data.media.video), on real encoded clips
 made here with PyAV: H.264 in mp4 at 30, 29.97 and 23.976 fps, VP9 in webm, MJPEG in avi, odd
 sizes, a clip shorter than min_frames, a rotation flag; bad clips by reason.
 
@@ -23,8 +23,7 @@ import pytest
 import torch
 from _data_helpers import audio_only_clip, make_clip
 
-from vlmcore.data.quality import BadSample
-from vlmcore.data.video import (
+from vlmcore.data.media.video import (
     VideoSettings,
     decode_frames,
     encode_video,
@@ -37,6 +36,7 @@ from vlmcore.data.video import (
     video_patches,
     video_prompt,
 )
+from vlmcore.data.quality import BadSample
 
 QWEN3_VL = "transformers.models.qwen3_vl"
 
@@ -218,7 +218,7 @@ def video_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def encoder(video_model):
-    from vlmcore.data.encoder import SampleEncoder
+    from vlmcore.data.media.encoder import SampleEncoder
 
     return SampleEncoder(video_model)
 
@@ -251,7 +251,7 @@ SAMPLES = {
 def test_video_sample_tokens_are_the_processors(encoder, clips, name):
     from PIL import Image
 
-    from vlmcore.data.encoder import IGNORE_INDEX, to_chat_messages
+    from vlmcore.data.media.encoder import IGNORE_INDEX, to_chat_messages
 
     messages, clip_names, image_sizes = SAMPLES[name]
     metas = [probe(clips[c]).as_dict() for c in clip_names]
@@ -305,8 +305,8 @@ def test_video_samples_equal_the_whole_processor_where_torchvision_loads(encoder
     taken out); skipped where torchvision does not load."""
     from PIL import Image
 
-    from vlmcore.data.encoder import to_chat_messages
-    from vlmcore.data.video import clip_patches, normalize_video_patches
+    from vlmcore.data.media.encoder import to_chat_messages
+    from vlmcore.data.media.video import clip_patches, normalize_video_patches
 
     processor = whole_video_processor(video_model)
     if processor is None:

@@ -18,7 +18,7 @@ def tiny(tmp_path_factory):
 def test_tiny_model_is_a_real_snapshot(tiny):
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-    from vlmcore.data.tokenizer import special_token_ids
+    from vlmcore.data.media.tokenizer import special_token_ids
     from vlmcore.models import from_pretrained
 
     manifest = verify_snapshot(tiny)

@@ -17,11 +17,12 @@ from PIL import Image
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
 from vlmcore import cli
-from vlmcore.data import IGNORE_INDEX, synthetic_video
-from vlmcore.data.encoder import SampleEncoder
-from vlmcore.data.processor import load_processor
-from vlmcore.data.synthetic import generate
-from vlmcore.data.video import decode_frames, normalize_video_patches, probe, resize_frames, video_patches
+from vlmcore.data import IGNORE_INDEX
+from vlmcore.data.media.encoder import SampleEncoder
+from vlmcore.data.media.processor import load_processor
+from vlmcore.data.media.video import decode_frames, normalize_video_patches, probe, resize_frames, video_patches
+from vlmcore.data.synthetic import video as synthetic_video
+from vlmcore.data.synthetic.image import generate
 from vlmcore.eval.results import gather, results_table
 from vlmcore.eval.runner import evaluate
 from vlmcore.eval.vlm import VideoClip

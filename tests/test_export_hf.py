@@ -24,7 +24,7 @@ AUTO_CLASS = {
 
 def vl_inputs(model_dir: Path) -> dict:
     """A chat-templated question about a real image, through the snapshot's processor."""
-    from vlmcore.data.processor import load_processor
+    from vlmcore.data.media.processor import load_processor
 
     processor = load_processor(model_dir)
     image = Image.new("RGB", (96, 64), (200, 40, 40))
@@ -289,8 +289,8 @@ def test_exported_model_reads_video_as_the_native_model_does(exported):
 def test_export_samples_video_as_the_packed_data_was(tmp_path):
     """`--packed-data`: the video sampling the last stage's data was packed with (`pack.video`,
     written into packed/<dataset>/model) goes into the export; without it, the snapshot's."""
-    from vlmcore.data.encoder import SampleEncoder
-    from vlmcore.data.pack import copy_model_files
+    from vlmcore.data.media.encoder import SampleEncoder
+    from vlmcore.data.pack.writer import copy_model_files
 
     snapshot = tiny_snapshot("qwen3_vl", tmp_path / "model")
     final = write_final_checkpoint(AutoModelForImageTextToText.from_pretrained(snapshot), tmp_path / "train" / "stage1")

@@ -25,7 +25,7 @@ CASES = {  # name: (rows, row length, q heads, k/v heads, segment lengths of the
 def worker(report_path: Path) -> None:
     import torch.distributed as dist
 
-    from vlmcore.data.batch import row_chunk
+    from vlmcore.data.load.batch import row_chunk
     from vlmcore.models.attention import attention
     from vlmcore.parallel.cp import ulysses_attention
     from vlmcore.parallel.mesh import init_distributed
@@ -66,7 +66,7 @@ def gated_deltanet_case(rank: int, cp: int, group) -> dict:
     import torch.distributed as dist
     from _train_helpers import hf_config
 
-    from vlmcore.data.batch import row_chunk
+    from vlmcore.data.load.batch import row_chunk
     from vlmcore.models.qwen3_5 import GatedDeltaNet
     from vlmcore.parallel.cp import UlyssesAttention
 
@@ -273,7 +273,7 @@ def test_context_chunk_keeps_the_images_at_its_tokens():
     inside chunk 1. Each chunk keeps the images with a token in it, and says which of their tower
     output rows are its tokens; together the chunks take every image token once. Likewise a video
     whose frame groups fall on both sides: each chunk keeps only its own groups."""
-    from vlmcore.data.batch import Batch, Images
+    from vlmcore.data.load.batch import Batch, Images
 
     I = 9  # noqa: E741  the image token
     ids = torch.tensor([[1, 2, I, I, I, I, 3, 4], [5, 6, 7, 8, I, I, I, I]])

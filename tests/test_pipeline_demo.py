@@ -85,7 +85,7 @@ def test_scattered_pack_writes_what_one_job_writes(demo, tmp_path, monkeypatch):
     the order its 2 indexing processes finished (compared as rows)."""
     import sqlite3
 
-    from vlmcore.data.pack import pack
+    from vlmcore.data.pack.dataset import pack
     from vlmcore.data.shards import shard_paths
 
     def files(out):
@@ -158,7 +158,7 @@ def test_training_metrics_and_checkpoints(demo):
 def test_export_loads_in_transformers(demo):
     from transformers import AutoModelForImageTextToText
 
-    from vlmcore.data.processor import load_processor
+    from vlmcore.data.media.processor import load_processor
 
     hf = demo / RESULTS / "hf"
     model = AutoModelForImageTextToText.from_pretrained(hf)
@@ -190,9 +190,9 @@ def test_training_and_evaluation_see_the_same_sample(demo, tmp_path):
     through the evaluation path (the exported model's processor, as `vlmcore-vlm` turns lm-eval's
     demo_vqa request into model inputs): the same token ids, M-RoPE positions and pixel values,
     and the training labels are the answer the evaluation scores."""
-    from vlmcore.data.loader import build_loader
-    from vlmcore.data.pack import pack
-    from vlmcore.data.prepare import prepare
+    from vlmcore.data.load.loader import build_loader
+    from vlmcore.data.pack.dataset import pack
+    from vlmcore.data.prepare.dataset import prepare
     from vlmcore.eval.tasks.demo_vqa.utils import doc_to_image, load_vqa_jsonl
     from vlmcore.eval.vlm import VisionLanguageLM
 

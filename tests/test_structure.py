@@ -15,7 +15,13 @@ LAYERS = [
     ("vlmcore", "vlmcore.config", "vlmcore.families", "vlmcore.hashing", "vlmcore.cli"),
     ("vlmcore.parallel.layout", "vlmcore.parallel.checks", "vlmcore.kernels", "vlmcore.workflow"),
     ("vlmcore.models",),
-    ("vlmcore.data",),
+    # The data stages, each above what it reads: shared shards and bad-sample accounting, media
+    # (images, videos, text encoding), then sources -> shards, shards -> packs, packs -> batches.
+    ("vlmcore.data", "vlmcore.data.quality", "vlmcore.data.shards"),
+    ("vlmcore.data.media",),
+    ("vlmcore.data.prepare", "vlmcore.data.synthetic"),
+    ("vlmcore.data.pack",),
+    ("vlmcore.data.load",),
     ("vlmcore.parallel",),
     ("vlmcore.train",),
     (
@@ -102,9 +108,11 @@ def test_the_bottom_layers_import_no_torch_at_module_level():
     assert not found, "\n".join(found)
 
 
-def test_module_level_imports_have_no_cycle():
+def test_imports_have_no_cycle():
+    """Module-level and function-level imports alike: a lazy import hides a cycle from Python's
+    import, not from the reader."""
     modules = package_modules()
-    graph = {m: {n for n, top in imports(p) if top and n in modules and n != m} for m, p in modules.items()}
+    graph = {m: {n for n, _ in imports(p) if n in modules and n != m} for m, p in modules.items()}
     # A package's __init__ importing its own submodules is how a package exports; leave those edges out.
     graph = {m: {n for n in deps if not n.startswith(m + ".")} for m, deps in graph.items()}
     state, stack = {}, []
@@ -143,3 +151,17 @@ def test_the_layers_cover_every_module_and_the_walk_sees_imports():
     # The walk itself: a known import at each level and a relative one resolved.
     assert ("vlmcore.families", True) in set(imports(modules["vlmcore.models.hf"]))
     assert any(name == "vlmcore.models.attention" and not top for name, top in imports(modules["vlmcore.kernels"]))
+
+
+def test_no_module_imports_a_command_module():
+    """A stage's command module (argparse and `run`) is reached through `vlmcore.cli`'s dispatch
+    only; the library modules below it never import it, nor the CLI's argument helpers."""
+    found = []
+    for module, path in package_modules().items():
+        is_command = module.endswith(".command")
+        for name, _ in imports(path):
+            if name.endswith(".command") and name.startswith("vlmcore.data"):
+                found.append(f"{module} imports the command module {name}")
+            if module.startswith("vlmcore.data") and not is_command and name == "vlmcore.cli":
+                found.append(f"{module} (a library module) imports vlmcore.cli")
+    assert not found, "\n".join(found)

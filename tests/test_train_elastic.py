@@ -18,9 +18,9 @@ import pytest
 import torch
 from _train_helpers import load_dcp, read_metrics, train, write_config
 
-from vlmcore.data.pack import pack
-from vlmcore.data.prepare import prepare
-from vlmcore.data.synthetic import generate
+from vlmcore.data.pack.dataset import pack
+from vlmcore.data.prepare.dataset import prepare
+from vlmcore.data.synthetic.image import generate
 from vlmcore.download import build_tiny_model
 
 pytestmark = pytest.mark.slow

@@ -61,9 +61,9 @@ existing_file = _existing("a file", Path.is_file)
 
 COMMANDS = {
     "download": ("vlmcore.download", "download an HF snapshot, verify a staged one, or build the tiny demo model"),
-    "synth": ("vlmcore.data.synthetic", "generate the synthetic image-text or video-text demo dataset"),
-    "prepare": ("vlmcore.data.prepare", "raw sources -> webdataset shards -> energon prepare"),
-    "pack": ("vlmcore.data.pack", "tokenize and pack samples into fixed-budget sequences"),
+    "synth": ("vlmcore.data.synthetic.command", "generate the synthetic image-text or video-text demo dataset"),
+    "prepare": ("vlmcore.data.prepare.command", "raw sources -> webdataset shards -> energon prepare"),
+    "pack": ("vlmcore.data.pack.command", "tokenize and pack samples into fixed-budget sequences"),
     "train": ("vlmcore.train.loop", "run one training stage (under torchrun or as one process)"),
     "memory": ("vlmcore.train.memory", "estimate a training stage's peak memory per device, no GPU needed"),
     "kernels": ("vlmcore.kernels", "check the GPU kernels' versions (torch, Triton, fla, tilelang, flash-attn)"),

@@ -175,9 +175,9 @@ def build_tiny_model(out: str | Path, seed: int = 0, overrides: dict | None = No
     import torch
     import transformers
 
-    from vlmcore.data.processor import write_processor_files
-    from vlmcore.data.synthetic import corpus_texts
-    from vlmcore.data.tokenizer import build_demo_tokenizer, special_token_ids
+    from vlmcore.data.media.processor import write_processor_files
+    from vlmcore.data.media.tokenizer import build_demo_tokenizer, special_token_ids
+    from vlmcore.data.synthetic.image import corpus_texts
 
     build = tiny_build(family)
     out = Path(out)

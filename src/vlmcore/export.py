@@ -28,7 +28,7 @@ from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 
 import vlmcore
-from vlmcore.data.pack import PACK_MODEL_DIR
+from vlmcore.data.pack.format import PACK_MODEL_DIR
 from vlmcore.download import remove_path
 from vlmcore.families import family
 from vlmcore.hashing import sha256_of, sha256_of_digests

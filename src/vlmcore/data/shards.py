@@ -1,7 +1,10 @@
 """Webdataset tar shards: writing them, reading them back safely, and `energon prepare`.
 
-Every sample in a vlmcore shard is a `json` part plus its images as `img<k>.<ext>` parts; the
-JSON names the image parts in order under `"images"`.
+Every sample in a vlmcore shard is a `json` part plus its images as `img<k>.<ext>` parts and its
+videos as `vid<k>.<ext>` (a file) or `vid<k>_<j>.<ext>` (frames) parts; the JSON names the image
+parts in order under `"images"`, and each video's metadata and parts under `"videos"`. The
+prepared dataset and the packed one are both such shards, indexed by `energon prepare`; every
+stage reads them through this module.
 """
 
 import bisect
@@ -10,6 +13,7 @@ import io
 import json
 import struct
 import tarfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +25,7 @@ from vlmcore.data.quality import BadSample, DataError, safe_relative_path
 class ShardWriter:
     """`webdataset.ShardWriter` writing `shard-000000.tar`, ... into `out_dir`."""
 
-    def __init__(self, out_dir, shard_size: int):
+    def __init__(self, out_dir: str | Path, shard_size: int) -> None:
         if shard_size < 1:
             raise ValueError(f"shard_size must be >= 1, got {shard_size}")
         self.out_dir = Path(out_dir)
@@ -57,7 +61,12 @@ class ShardWriter:
         return sorted(p.name for p in self.out_dir.glob("shard-*.tar"))
 
 
-def energon_prepare(dataset_dir, workers: int = 1) -> None:
+def video_part_names(video: dict) -> list[str]:
+    """The shard parts of one of a sample's videos: its file, or its frames."""
+    return [video["part"]] if video["kind"] == "file" else list(video["parts"])
+
+
+def energon_prepare(dataset_dir: str | Path, workers: int = 1) -> None:
     """Index the shards with `energon prepare`, non-interactively, as a crude dataset."""
     from megatron.energon.tools.prepare import command
 
@@ -73,7 +82,7 @@ def energon_prepare(dataset_dir, workers: int = 1) -> None:
         raise RuntimeError(f"energon prepare {dataset_dir} failed: {e}\n{output.getvalue()[-4000:]}") from e
 
 
-def shard_paths(dataset_dir) -> list[Path]:
+def shard_paths(dataset_dir: str | Path) -> list[Path]:
     """The shards of a prepared dataset, in the order `energon prepare` recorded, each checked to be
     as long as its index says: a missing, empty or truncated shard is refused here, by name, not
     met as a bare tarfile error halfway through a stage."""
@@ -120,7 +129,7 @@ def split_member_name(name: str) -> tuple[str, str]:
     return (f"{head}/{key}" if head else key), part
 
 
-def iter_shard_samples(shard: Path):
+def iter_shard_samples(shard: Path) -> Iterator[ShardSample]:
     """Yield the samples of one tar in order, with their parts read into memory.
 
     Member names that are absolute or climb out of the dataset directory are recorded in
@@ -164,7 +173,7 @@ class IndexedShards:
     the order `energon prepare` recorded), through the `.tar.idx` offsets it wrote: a sample costs
     one 16-byte index read and one read of its own bytes, whatever its position."""
 
-    def __init__(self, dataset_dir):
+    def __init__(self, dataset_dir: str | Path) -> None:
         self.dataset_dir = Path(dataset_dir)
         self.shards = shard_paths(self.dataset_dir)
         counts = json.loads((self.dataset_dir / ".nv-meta" / ".info.json").read_text())["shard_counts"]

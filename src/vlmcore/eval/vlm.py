@@ -15,7 +15,7 @@ tokens. Text-only requests follow lm-eval's `--apply_chat_template` setting as u
 
 Videos: a task's `doc_to_image` may return `VideoClip`s among its visuals (`<video>` marks their
 place). transformers' video processor needs torchvision, which the project does not, so clips are
-sampled, resized and laid out by vlmcore's own video code (vlmcore.data.video, tested equal to
+sampled, resized and laid out by vlmcore's own video code (vlmcore.data.media.video, tested equal to
 the processor) and the row is encoded as the training data is (`SampleEncoder`). Multiple choice
 only: `generate_until` with videos is refused.
 """
@@ -33,9 +33,16 @@ from lm_eval.models.hf_vlms import DEFAULT_IMAGE_PLACEHOLDER, HFMultimodalLM
 from tqdm import tqdm
 from transformers import PreTrainedModel, ProcessorMixin
 
-from vlmcore.data.encoder import VIDEO_PLACEHOLDER, SampleEncoder, to_chat_messages
-from vlmcore.data.processor import load_processor
-from vlmcore.data.video import VideoPlan, clip_frames, normalize_video_patches, probe, resize_frames, video_patches
+from vlmcore.data.media.encoder import VIDEO_PLACEHOLDER, SampleEncoder, to_chat_messages
+from vlmcore.data.media.processor import load_processor
+from vlmcore.data.media.video import (
+    VideoPlan,
+    clip_frames,
+    normalize_video_patches,
+    probe,
+    resize_frames,
+    video_patches,
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,7 @@ class VisualTokens:
         video_grid_thw: GridThw | None = None,
         selection: Sequence[torch.Tensor] | None = None,
     ) -> None:
-        """`selection`: context parallelism (vlmcore.data.batch.Batch.context_chunk): per kind, the
+        """`selection`: context parallelism (vlmcore.data.load.batch.Batch.context_chunk): per kind, the
         indices of the tower's output rows at the tokens of `input_ids`, a chunk of the rows; None: all."""
         merge = config.vision_config.spatial_merge_size
         kinds = [

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from vlmcore.config import ConfigError, TrainConfig
-from vlmcore.data.batch import Images
+from vlmcore.data.load.batch import Images
 from vlmcore.parallel.ac import apply_ac
 from vlmcore.parallel.cp import apply_cp
 from vlmcore.parallel.fsdp import apply_fsdp

@@ -175,7 +175,7 @@ def build_data(cfg: TrainConfig, model_config, rank: int, world: int, grad_accum
             video_fraction=cfg.data.video_fraction,
             video_frames=cfg.data.video_frames,
         )
-    from vlmcore.data.loader import build_loader
+    from vlmcore.data.load.loader import build_loader
 
     return build_loader(
         cfg.data_path,

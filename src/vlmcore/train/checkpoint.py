@@ -288,7 +288,7 @@ def resume(
     allow_global_batch_change: bool = False,
 ) -> None:
     """Loads model, optimizer and `state` in place, and puts the data where the checkpoint's run
-    left it. The data position is global (the rows consumed, `vlmcore.data.order`): under another
+    left it. The data position is global (the rows consumed, `vlmcore.data.load.order`): under another
     split with the same rows per step the stream goes on exactly. The RNG state is per rank and
     comes back only under the split that wrote it, and the data loader's own state with it."""
     written = {f"layout_{k}": 0 for k in split} | {"data_rows": -1}

@@ -104,7 +104,7 @@ def step_record(
         "lr": lr,
         "tokens": state["tokens"],
         "samples": state["samples"],
-        "data_rows": state["data_rows"],  # global rows consumed (vlmcore.data.order): which packs the model saw
+        "data_rows": state["data_rows"],  # global rows consumed (vlmcore.data.load.order): which packs the model saw
         "label_tokens": int(counts["label_tokens"]),
         "tokens_per_s": tokens / step_time,
         "tokens_per_s_per_device": tokens / step_time / world,

@@ -2,15 +2,15 @@
 
 For benchmarks and for engine tests that must not depend on a prepared dataset. Row j's content
 depends only on j and the seed, and the rows of each step are taken as the packed loader takes
-them (`vlmcore.data.order.rows_of`): every layout with the same rows per step sees the same
+them (`vlmcore.data.load.order.rows_of`): every layout with the same rows per step sees the same
 global batch at every step, which is what the exactness and resume tests compare.
 """
 
 import torch
 
 from vlmcore.data import IGNORE_INDEX
-from vlmcore.data.batch import Batch, Images
-from vlmcore.data.order import rows_of
+from vlmcore.data.load.batch import Batch, Images
+from vlmcore.data.load.order import rows_of
 
 
 class RandomBatches:

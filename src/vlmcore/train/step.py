@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from vlmcore.data.batch import Batch, Images
+from vlmcore.data.load.batch import Batch, Images
 from vlmcore.models.moe import RoutingStats, moe_blocks
 from vlmcore.train.loss import chunked_cross_entropy
 

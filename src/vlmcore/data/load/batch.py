@@ -1,6 +1,6 @@
 """The batch the train step works on: packed rows of tokens and the images and videos in them.
 
-The loader (vlmcore.data.loader) and the random data (vlmcore.train.random_data) make them on the
+The loader (vlmcore.data.load.loader) and the random data (vlmcore.train.random_data) make them on the
 host; `to(device)` moves one to the device, where the images' uint8 patches become the image
 processor's float32 values (`normalize_patches`) and what the kernels need on the host (the
 longest packed segment, the image grids) is taken while the batch is still there. The step, the
@@ -9,14 +9,21 @@ batches"); a new kind of input is a new field here and in its producers.
 """
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from vlmcore.data import IGNORE_INDEX
-from vlmcore.data.processor import normalize_patches
-from vlmcore.data.video import normalize_video_patches
+from vlmcore.data.media.processor import normalize_patches
+from vlmcore.data.media.video import normalize_video_patches
 from vlmcore.models.qwen3 import text_position_ids
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+TensorMap = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -39,7 +46,7 @@ class Images:
         grids = self.grid_thw.tolist() if torch.is_tensor(self.grid_thw) else self.grid_thw
         return Images(pixels, grids, None)
 
-    def map_tensors(self, fn) -> "Images":
+    def map_tensors(self, fn: TensorMap) -> "Images":
         """The images with `fn` applied to their pixels (and to the grids while they are a tensor)."""
         return replace(
             self,
@@ -51,7 +58,7 @@ class Images:
         return self.grid_thw.tolist() if torch.is_tensor(self.grid_thw) else [list(g) for g in self.grid_thw]
 
     @staticmethod
-    def zero(vision_config, device: torch.device) -> "Images":
+    def zero(vision_config: "PretrainedConfig", device: torch.device) -> "Images":
         """A tiny zero image (one merged token) for a vision tower of `vision_config`, on the device:
         what a rank without images runs so that the tower's collectives match its peers'."""
         merge = vision_config.spatial_merge_size
@@ -124,7 +131,7 @@ class Batch:
         nothing was pinned and the pixels' copy was pageable (an 8 ms gap a step on an H200)."""
         return self.map_tensors(lambda t: t.pin_memory())
 
-    def map_tensors(self, fn) -> "Batch":
+    def map_tensors(self, fn: TensorMap) -> "Batch":
         """The batch with `fn` applied to each of its tensors (its images' and videos' included)."""
         return replace(
             self,
@@ -157,7 +164,8 @@ class Batch:
         )
         in_chunk = torch.zeros_like(self.input_ids, dtype=torch.bool)
         row_chunk(in_chunk, cp_rank, cp).fill_(True)
-        kept, selections = {}, {}
+        kept = {}
+        selections = {}
         for kind in ("images", "videos"):
             items = getattr(self, kind)
             if items is None:

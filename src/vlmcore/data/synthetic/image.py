@@ -12,28 +12,15 @@ Layout written under `out_dir`:
   meta.json            counts and chance level per question kind
 """
 
-import argparse
 import itertools
-import json
 import random
 from pathlib import Path
 
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
-from vlmcore.cli import UsageError, non_negative_int, positive_int
-
-COLORS = {
-    "red": (220, 30, 30),
-    "green": (30, 170, 40),
-    "blue": (30, 60, 220),
-    "yellow": (235, 215, 20),
-    "purple": (140, 40, 180),
-    "orange": (245, 130, 20),
-}
-SHAPES = ["circle", "square", "triangle"]
-SIDES = ["left", "right"]
-BACKGROUNDS = {"white": (245, 245, 245), "gray": (128, 128, 128), "black": (15, 15, 15)}
+from vlmcore.data.synthetic.dataset import write_dataset
+from vlmcore.data.synthetic.shapes import BACKGROUNDS, COLORS, SHAPES, SIDES, draw_shape
 
 QUESTIONS = {
     "color": ("What color is the shape?", list(COLORS)),
@@ -70,15 +57,6 @@ def draw_scene(scene: dict) -> Image.Image:
     return image
 
 
-def draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple, fill: tuple) -> None:
-    if shape == "circle":
-        draw.ellipse(box, fill=fill)
-    elif shape == "square":
-        draw.rectangle(box, fill=fill)
-    else:
-        draw.polygon([((box[0] + box[2]) / 2, box[1]), (box[2], box[3]), (box[0], box[3])], fill=fill)
-
-
 def caption_for(scene: dict, rng: random.Random) -> str:
     return rng.choice(CAPTION_TEMPLATES).format(**scene)
 
@@ -113,27 +91,9 @@ def corpus_texts(seed: int = 0) -> list[str]:
     return texts
 
 
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-
-
-def write_dataset(
-    out_dir: Path, captions: list, conversations: list, eval_rows: list, questions: dict, meta: dict
+def generate(
+    out_dir: str | Path, num_train: int, num_eval: int, seed: int = 0, min_size: int = 32, max_size: int = 112
 ) -> dict:
-    """The jsonl files, and meta.json: `meta` with each question kind's chance level and eval count."""
-    for name, rows in (("captions", captions), ("conversations", conversations), ("eval", eval_rows)):
-        write_jsonl(out_dir / f"{name}.jsonl", rows)
-    meta.update(
-        chance={kind: 1.0 / len(choices) for kind, (_, choices) in questions.items()},
-        eval_count_by_kind={kind: sum(r["kind"] == kind for r in eval_rows) for kind in questions},
-    )
-    (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return meta
-
-
-def generate(out_dir, num_train: int, num_eval: int, seed: int = 0, min_size: int = 32, max_size: int = 112) -> dict:
     """Write the demo dataset (see the module docstring); returns the contents of meta.json."""
     if min_size < 8 or max_size < min_size:
         raise ValueError(f"image sizes must satisfy 8 <= min_size <= max_size, got {min_size}, {max_size}")
@@ -146,21 +106,14 @@ def generate(out_dir, num_train: int, num_eval: int, seed: int = 0, min_size: in
         draw_scene(scene).save(out_dir / rel, format="PNG")
         return rel
 
-    train_scenes, captions, conversations = [], [], []
+    train_scenes = []
+    captions = []
     for i in tqdm(range(num_train), desc="synth train", unit="img"):
         scene = random_scene(rng, min_size, max_size)
         image = save(scene, f"train_{i:06d}")
         train_scenes.append((scene, image))
         captions.append({"id": f"cap_{i:06d}", "image": image, "caption": caption_for(scene, rng)})
-    for i, (scene, image) in enumerate(train_scenes):
-        # Every fifth conversation pairs this image with another one.
-        if i % 5 == 4 and len(train_scenes) > 1:
-            other_scene, other_image = train_scenes[rng.randrange(len(train_scenes))]
-            scenes, images = [scene, other_scene], [image, other_image]
-        else:
-            scenes, images = [scene], [image]
-        conversations.append({"id": f"conv_{i:06d}", "images": images, "messages": conversation_for(scenes, rng)})
-
+    conversations = conversation_rows(train_scenes, rng)
     eval_rows = []
     kinds = list(QUESTIONS)
     for i in tqdm(range(num_eval), desc="synth eval", unit="img"):
@@ -195,36 +148,15 @@ def generate(out_dir, num_train: int, num_eval: int, seed: int = 0, min_size: in
     )
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, help="output directory (raw/)")
-    parser.add_argument(
-        "--kind",
-        choices=["image", "video"],
-        default="image",
-        help="image: shapes in pictures; video: shapes that move or come in turn (vlmcore.data.synthetic_video)",
-    )
-    parser.add_argument("--num-train", type=positive_int, default=512, help="number of training images or clips")
-    parser.add_argument("--num-eval", type=non_negative_int, default=96, help="number of held-out eval questions")
-    parser.add_argument("--seed", type=non_negative_int, default=0)
-    parser.add_argument(
-        "--min-size", type=positive_int, help="smallest image or frame side in pixels (default: 32 images, 64 frames)"
-    )
-    parser.add_argument(
-        "--max-size", type=positive_int, help="largest image or frame side in pixels (default: 112 images, 64 frames)"
-    )
-
-
-def run(args) -> int:
-    from vlmcore.data import synthetic_video
-
-    default = (32, 112) if args.kind == "image" else (64, 64)
-    min_size, max_size = args.min_size or default[0], args.max_size or default[1]
-    if not 8 <= min_size <= max_size:
-        raise UsageError(f"--min-size, --max-size: must satisfy 8 <= min <= max, got {min_size}, {max_size}")
-    write = generate if args.kind == "image" else synthetic_video.generate
-    try:
-        meta = write(args.out, args.num_train, args.num_eval, args.seed, min_size, max_size)
-    except ValueError as e:
-        raise UsageError(f"--min-size, --max-size: {e}") from e
-    print(json.dumps(meta))
-    return 0
+def conversation_rows(train_scenes: list[tuple[dict, str]], rng: random.Random) -> list[dict]:
+    """One conversation per training image; every fifth pairs its image with another one."""
+    conversations = []
+    for i, (scene, image) in enumerate(train_scenes):
+        scenes = [scene]
+        images = [image]
+        if i % 5 == 4 and len(train_scenes) > 1:
+            other_scene, other_image = train_scenes[rng.randrange(len(train_scenes))]
+            scenes.append(other_scene)
+            images.append(other_image)
+        conversations.append({"id": f"conv_{i:06d}", "images": images, "messages": conversation_for(scenes, rng)})
+    return conversations

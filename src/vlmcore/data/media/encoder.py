@@ -10,7 +10,7 @@ wrapper), each `<|image_pad|>` is expanded to the image's merged-patch count and
 `<|video_pad|>` to the clip's frame groups (`<t.t seconds>`, vision start, the group's video
 tokens, vision end; the template's wrapper stays around them, as transformers' processor leaves
 it), and the text is tokenized: the same steps and the same code as the transformers processor.
-A video needs only its metadata here (`vlmcore.data.video.plan_video`). Labels cover the
+A video needs only its metadata here (`vlmcore.data.media.video.plan_video`). Labels cover the
 assistant turns only. Their character spans come from the template itself: the text rendered up
 to turn i with the generation prompt, and the text rendered through turn i, differ by exactly
 that assistant turn.
@@ -25,12 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from PIL import Image
 from transformers import AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from vlmcore.data import IGNORE_INDEX
-from vlmcore.data.processor import load_processor
-from vlmcore.data.video import VideoPlan, VideoSettings, plan_video, video_prompt, with_video_settings
+from vlmcore.data.media.processor import load_processor
+from vlmcore.data.media.video import VideoPlan, VideoSettings, plan_video, video_prompt, with_video_settings
 
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
@@ -39,7 +40,7 @@ VIDEO_PLACEHOLDER = "<video>"
 class EncodingError(ValueError):
     """A sample that cannot be encoded; `reason` is the short name it is counted under."""
 
-    def __init__(self, reason: str, message: str):
+    def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
 
@@ -75,7 +76,7 @@ class SampleEncoder:
     """Encodes samples for the model snapshot in `model_dir`; text-only snapshots (no
     preprocessor_config.json) encode documents and image-free conversations."""
 
-    def __init__(self, model_dir, video: dict | None = None):
+    def __init__(self, model_dir: str | Path, video: dict | None = None) -> None:
         """`video`: sampling settings that replace the snapshot's video processor's (`VIDEO_KEYS`)."""
         model_dir = Path(model_dir)
         self.processor = load_processor(model_dir) if (model_dir / "preprocessor_config.json").is_file() else None
@@ -123,6 +124,11 @@ class SampleEncoder:
         """What the video processor makes of a clip with metadata `meta` (at most `max_frames` frames)."""
         if self.processor is None:
             raise EncodingError("video_for_text_model", "the model has no video processor")
+        if meta["frames"] < self.video.temporal_patch_size:
+            raise EncodingError(
+                "too_few_video_frames",
+                f"{meta['frames']} frames, a frame group of this video processor takes {self.video.temporal_patch_size}",
+            )
         settings = self.video if max_frames is None else dataclasses.replace(self.video, max_frames=max_frames)
         try:
             return plan_video(meta, settings)
@@ -196,7 +202,9 @@ class SampleEncoder:
         """[start, end) of each video's tokens, its wrapper included: the template's vision start
         whose next token is not a vision token (a timestamp follows) up to the vision end after
         its last frame group."""
-        spans, start, depth = [], None, 0
+        spans = []
+        start = None  # the current video's first token
+        depth = 0  # vision wrappers open at this token
         for t, token in enumerate(ids):
             if token == self.vision_start_id:
                 depth += 1
@@ -246,6 +254,7 @@ class SampleEncoder:
             enc.video_spans[:kept_videos],
         )
 
-    def pixel_values(self, images) -> tuple[torch.Tensor, torch.Tensor]:
+    def pixel_values(self, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The image processor's own pixel_values and grids of `images` (the reference the loader's patches equal)."""
         out = self.processor.image_processor(images=images, return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]

@@ -18,12 +18,15 @@ CHUNK = 1 << 16
 
 
 class RowOrder:
+    """Global row j -> (dataset, pack index in it); see the module docstring."""
+
     def __init__(
         self, sizes: list[int], seed: int, weights: list[float] | None = None, repetitions: list[int] | None = None
-    ):
+    ) -> None:
         if not sizes or min(sizes) < 1:
             raise ValueError(f"every dataset needs at least one pack, got sizes {sizes}")
-        self.sizes, self.seed = list(sizes), seed
+        self.sizes = list(sizes)
+        self.seed = seed
         self.weights = None if weights is None else np.asarray(weights, dtype=np.float64) / sum(weights)
         self.repetitions = repetitions
         self._perms = {}  # (dataset or -1, epoch) -> permutation; the last few only

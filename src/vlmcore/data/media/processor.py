@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, BaseImageProcessor, ProcessorMixin
 from transformers.image_transforms import convert_to_rgb
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
@@ -32,7 +32,7 @@ IMAGE_STD = [0.5, 0.5, 0.5]
 
 
 def write_processor_files(
-    out_dir,
+    out_dir: str | Path,
     patch_size: int = 16,
     temporal_patch_size: int = 2,
     merge_size: int = 2,
@@ -81,13 +81,13 @@ def write_processor_files(
 class ImageOnlyQwen3VLProcessor(Qwen3VLProcessor):
     """transformers' Qwen3VLProcessor with `video_processor=None` allowed (no torchvision)."""
 
-    def check_argument_for_proper_class(self, argument_name, argument):
+    def check_argument_for_proper_class(self, argument_name: str, argument: object) -> type | tuple | None:
         if argument_name == "video_processor" and argument is None:
             return None
         return super().check_argument_for_proper_class(argument_name, argument)
 
 
-def load_processor(model_dir):
+def load_processor(model_dir: str | Path) -> ProcessorMixin:
     """The snapshot's transformers processor; image-only when torchvision is missing."""
     if is_torchvision_available():
         return AutoProcessor.from_pretrained(model_dir)
@@ -104,7 +104,7 @@ def load_processor(model_dir):
 class ImagePatcher:
     """uint8 patches of images, in the order and at the size of the snapshot's image processor."""
 
-    def __init__(self, image_processor):
+    def __init__(self, image_processor: BaseImageProcessor) -> None:
         for key in ("do_convert_rgb", "do_resize", "do_rescale", "do_normalize"):
             if not getattr(image_processor, key):
                 raise ValueError(f"preprocessor_config.json: {key}=false is not supported by the training loader")
@@ -158,7 +158,8 @@ def normalize_patches(
     bit: its rescale (float64, then float32) is a 256-entry table, its normalisation the same float32
     ops, and each patch is repeated over the T temporal slots as the processor repeats an image."""
     table = (torch.arange(256, dtype=torch.float64) * rescale_factor).float().to(patches.device)
-    n, channels = patches.shape[0], len(mean)
+    n = patches.shape[0]
+    channels = len(mean)
     values = table[patches.int()].view(n, channels, 1, -1)
     mean = torch.tensor(mean, dtype=torch.float32, device=patches.device).view(1, channels, 1, 1)
     std = torch.tensor(std, dtype=torch.float32, device=patches.device).view(1, channels, 1, 1)

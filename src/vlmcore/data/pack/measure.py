@@ -6,7 +6,7 @@ image-token expansion, image patches from the image size) and the overlong polic
 are measured in parallel by `workers` processes, results kept in shard order. Memory holds only
 compact arrays per sample (where its json and images lie in its shard, its tokens and patches:
 about 75 bytes). Each shard's measurements are kept in `<out>.measured` as they come, so a killed
-pack measures only the shards left (vlmcore.data.pack runs the passes).
+pack measures only the shards left (vlmcore.data.pack.dataset runs the passes).
 """
 
 import json
@@ -21,24 +21,12 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from vlmcore.data.encoder import IGNORE_INDEX, EncodingError, SampleEncoder, TextEncoding
-from vlmcore.data.quality import BadSample, load_json, open_image
-from vlmcore.data.shards import iter_shard_samples
-
-MODEL_FILES = [
-    "config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "vocab.json",
-    "merges.txt",
-    "preprocessor_config.json",
-    "video_preprocessor_config.json",
-    "processor_config.json",
-]
-
+from vlmcore.data import IGNORE_INDEX
+from vlmcore.data.media.encoder import EncodingError, SampleEncoder, TextEncoding
+from vlmcore.data.media.image import open_image
+from vlmcore.data.pack.format import MODEL_FILES
+from vlmcore.data.quality import BadSample, load_json
+from vlmcore.data.shards import ShardSample, iter_shard_samples, video_part_names
 
 # Per-sample state of pass 1, kept in compact arrays (about 55 bytes a sample, 20 an image or a
 # video part, plus its key): where its json part lies in its shard, its images (then its videos'
@@ -50,7 +38,7 @@ SAMPLE = np.dtype([
     ("first_image", "<u8"), ("num_images", "<u2"), ("kept_images", "<u2"), ("tokens", "<u4"), ("patches", "<u4"),
     ("video_parts", "<u2"), ("kept_videos", "<u2"), ("max_frames", "<u2"), ("video_groups", "<u2"),
 ])  # fmt: skip
-FORMAT = 2  # of the measurements kept between runs: 2 added the videos
+FORMAT = 2  # version of the measurements kept between runs: a cache of another version is measured again
 IMAGE = np.dtype([("offset", "<u8"), ("size", "<u4"), ("width", "<u4"), ("height", "<u4")])
 
 
@@ -63,11 +51,6 @@ class MeasuredShard:
     bad: list[tuple[str, str, str]]  # (reason, where, detail)
     counts: dict
     cpu_seconds: float
-
-
-def video_part_names(video: dict) -> list[str]:
-    """The shard parts of one of a sample's videos: its file, or its frames."""
-    return [video["part"]] if video["kind"] == "file" else list(video["parts"])
 
 
 def measure_sample(
@@ -95,6 +78,20 @@ def measure_sample(
     if missing:
         raise BadSample("missing_video", f"parts {missing[:3]}")
     names = sample.get("images", [])
+    sizes = image_sizes(names, parts, decode)
+    enc = encoder.encode_text(sample, sizes, videos)
+    max_frames = 0
+    if videos and not fits(enc, seq_len, max_patches):
+        enc, max_frames = with_fewer_frames(enc, sample, sizes, encoder, seq_len, max_patches)
+        counts["fewer_video_frames"] = counts.get("fewer_video_frames", 0) + 1
+    enc = apply_overlong(enc, encoder, seq_len, max_patches, overlong, counts)
+    if all(label == IGNORE_INDEX for label in enc.labels):
+        raise BadSample("no_labels", "nothing to train on")
+    return enc, names[: len(enc.image_grid_thw)], sizes, max_frames
+
+
+def image_sizes(names: list[str], parts: dict, decode: bool) -> list[tuple[int, int]]:
+    """(width, height) of each named image part, each checked (decoded in full if `decode`)."""
     sizes = []
     for name in names:
         if name not in parts:
@@ -103,32 +100,54 @@ def measure_sample(
             sizes.append(open_image(parts[name], Image.MAX_IMAGE_PIXELS, decode=decode).size)
         except BadSample as e:
             raise BadSample(e.reason, f"{name}: {e.detail}") from e
-    enc = encoder.encode_text(sample, sizes, videos)
+    return sizes
+
+
+def fits(enc: TextEncoding, seq_len: int, max_patches: int) -> bool:
+    return len(enc.input_ids) <= seq_len and enc.num_patches <= max_patches
+
+
+def with_fewer_frames(
+    enc: TextEncoding,
+    sample: dict,
+    sizes: list[tuple[int, int]],
+    encoder: SampleEncoder,
+    seq_len: int,
+    max_patches: int,
+) -> tuple[TextEncoding, int]:
+    """The encoding with the videos' frames halved until the sample fits or they reach
+    `min_frames`, and the frames they are sampled at then."""
+    videos = sample["videos"]
+    frames = max(len(encoder.video_plan(video).indices) for video in videos)
     max_frames = 0
-    if videos and (len(enc.input_ids) > seq_len or enc.num_patches > max_patches):
-        frames = max(len(encoder.video_plan(video).indices) for video in videos)
-        while (len(enc.input_ids) > seq_len or enc.num_patches > max_patches) and frames > encoder.video.min_frames:
-            frames = max(frames // 2, encoder.video.min_frames)
-            enc, max_frames = encoder.encode_text(sample, sizes, videos, frames), frames
-        counts["fewer_video_frames"] = counts.get("fewer_video_frames", 0) + 1
+    while not fits(enc, seq_len, max_patches) and frames > encoder.video.min_frames:
+        frames = max(frames // 2, encoder.video.min_frames)
+        enc = encoder.encode_text(sample, sizes, videos, frames)
+        max_frames = frames
+    return enc, max_frames
+
+
+def apply_overlong(
+    enc: TextEncoding, encoder: SampleEncoder, seq_len: int, max_patches: int, overlong: str, counts: dict
+) -> TextEncoding:
+    """Too many patches: dropped; too many tokens: dropped or truncated (`overlong`), and counted."""
     if enc.num_patches > max_patches:
         counts["dropped_overlong"] += 1
         raise BadSample("too_many_patches", f"{enc.num_patches} patches > max_patches {max_patches}")
-    if len(enc.input_ids) > seq_len:
-        if overlong == "drop":
-            counts["dropped_overlong"] += 1
-            raise BadSample("overlong", f"{len(enc.input_ids)} tokens > seq_len {seq_len}")
-        enc = encoder.truncate(enc, encoder.truncation_point(enc.input_ids, seq_len, enc.video_spans))
-        if all(label == IGNORE_INDEX for label in enc.labels):
-            raise BadSample("no_labels", f"nothing left to train on after truncation to {seq_len} tokens")
-        counts["truncated"] += 1
+    if len(enc.input_ids) <= seq_len:
+        return enc
+    if overlong == "drop":
+        counts["dropped_overlong"] += 1
+        raise BadSample("overlong", f"{len(enc.input_ids)} tokens > seq_len {seq_len}")
+    enc = encoder.truncate(enc, encoder.truncation_point(enc.input_ids, seq_len, enc.video_spans))
     if all(label == IGNORE_INDEX for label in enc.labels):
-        raise BadSample("no_labels", "nothing to train on")
-    return enc, names[: len(enc.image_grid_thw)], sizes, max_frames
+        raise BadSample("no_labels", f"nothing left to train on after truncation to {seq_len} tokens")
+    counts["truncated"] += 1
+    return enc
 
 
 def measure(
-    shard_sample, encoder: SampleEncoder, seq_len: int, max_patches: int, overlong: str, counts: dict
+    shard_sample: ShardSample, encoder: SampleEncoder, seq_len: int, max_patches: int, overlong: str, counts: dict
 ) -> tuple[TextEncoding, dict, list[tuple[int, int]], int]:
     """Size one shard sample as the loader will encode it; raises BadSample/EncodingError to skip it.
 
@@ -147,14 +166,18 @@ def measure(
 _worker = {}  # per measuring process: the encoder and the pack settings
 
 
-def start_worker(model_dir, seq_len: int, max_patches: int, overlong: str, video: dict | None = None) -> None:
+def start_worker(model_dir: Path, seq_len: int, max_patches: int, overlong: str, video: dict | None = None) -> None:
     _worker.update(encoder=SampleEncoder(model_dir, video), seq_len=seq_len, max_patches=max_patches, overlong=overlong)
 
 
 def measure_shard(job: tuple[int, Path]) -> MeasuredShard:
+    """The measurements of one (shard index, shard), in a measuring process (`start_worker`)."""
     shard_index, shard = job
     start = time.process_time()
-    samples, images, keys, bad = [], [], bytearray(), []
+    samples = []  # SAMPLE rows
+    images = []  # IMAGE rows
+    keys = bytearray()
+    bad = []
     counts = {"truncated": 0, "dropped_overlong": 0, "fewer_video_frames": 0}
     seen = 0
     for shard_sample in iter_shard_samples(shard):

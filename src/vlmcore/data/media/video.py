@@ -15,13 +15,20 @@ workers.
 
 import io
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from fractions import Fraction
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vlmcore.data.quality import BadSample, load_image
+from vlmcore.data.media.image import load_image
+from vlmcore.data.quality import BadSample
+
+if TYPE_CHECKING:
+    import av
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,10 @@ class VideoSettings:
         }
         return cls(**{k: v for k, v in values.items() if v is not None})
 
+
+# The fewest frames a clip needs: one frame group of Qwen3-VL's video processor (its
+# temporal_patch_size). `vlmcore prepare` knows no model, so it checks this; the pack checks the model's.
+MIN_VIDEO_FRAMES = VideoSettings.temporal_patch_size
 
 # The sampling settings a pack may set (`vlmcore pack --video-*`, the workflow's `pack.video`),
 # by their names in the video processor's config.
@@ -105,46 +116,7 @@ def probe(data: bytes) -> VideoInfo:
 
     try:
         with av.open(io.BytesIO(data)) as container:
-            if not container.streams.video:
-                raise BadSample("no_video_stream", "the container has no video stream")
-            stream = container.streams.video[0]
-            if stream.codec_context is None:  # a codec this FFmpeg does not know
-                raise BadSample("unsupported_codec", "no decoder for the video stream's codec in this FFmpeg")
-            rate = stream.average_rate or stream.guessed_rate
-            if not rate:
-                raise BadSample("unreadable_video", "no frame rate in the container")
-            packets, end = 0, 0.0
-            for packet in container.demux(stream):
-                if packet.size:
-                    packets += 1
-                    if packet.pts is not None:
-                        end = max(
-                            end,
-                            float((packet.pts - (stream.start_time or 0) + (packet.duration or 0)) * stream.time_base),
-                        )
-            frames = stream.frames or packets
-            if packets < frames:
-                raise BadSample("truncated_video", f"{packets} of the {frames} frames the container records are there")
-            # Without a recorded frame count (webm, mkv), a cut file shows in the time its frames
-            # span against the duration its header records (only for video alone: audio may run on).
-            recorded = (container.duration or 0) / 1e6
-            if not stream.frames and len(container.streams) == 1 and end < 0.9 * recorded:
-                raise BadSample(
-                    "truncated_video", f"its frames span {end:.2f} s of the {recorded:.2f} s the container records"
-                )
-            duration = float(stream.duration * stream.time_base) if stream.duration else frames / float(rate)
-            extension = CONTAINER_EXTENSIONS.get(container.format.name, container.format.name.split(",")[0])
-            if extension == "mkv" and stream.codec_context.name in ("vp8", "vp9", "av1"):
-                extension = "webm"
-            info = VideoInfo(
-                frames=frames,
-                fps=float(rate),
-                duration_s=duration,
-                width=stream.codec_context.width,
-                height=stream.codec_context.height,
-                codec=stream.codec_context.name,
-                container=extension,
-            )
+            info = read_video_info(container)
     except BadSample:
         raise
     except Exception as e:  # FFmpeg's errors come in many types
@@ -154,12 +126,69 @@ def probe(data: bytes) -> VideoInfo:
     return info
 
 
+def read_video_info(container: "av.container.InputContainer") -> VideoInfo:
+    """`probe` of an open container."""
+    if not container.streams.video:
+        raise BadSample("no_video_stream", "the container has no video stream")
+    stream = container.streams.video[0]
+    if stream.codec_context is None:  # a codec this FFmpeg does not know
+        raise BadSample("unsupported_codec", "no decoder for the video stream's codec in this FFmpeg")
+    rate = stream.average_rate or stream.guessed_rate
+    if not rate:
+        raise BadSample("unreadable_video", "no frame rate in the container")
+    frames = complete_frame_count(container, stream)
+    duration = float(stream.duration * stream.time_base) if stream.duration else frames / float(rate)
+    return VideoInfo(
+        frames=frames,
+        fps=float(rate),
+        duration_s=duration,
+        width=stream.codec_context.width,
+        height=stream.codec_context.height,
+        codec=stream.codec_context.name,
+        container=container_extension(container, stream),
+    )
+
+
+def complete_frame_count(container: "av.container.InputContainer", stream: "av.video.stream.VideoStream") -> int:
+    """The stream's frames, counted from its packets where the container does not record them;
+    BadSample("truncated_video") when the file holds fewer than it records."""
+    packets = 0
+    end = 0.0  # seconds: where the last packet's frame ends
+    for packet in container.demux(stream):
+        if not packet.size:
+            continue
+        packets += 1
+        if packet.pts is not None:
+            packet_end = (packet.pts - (stream.start_time or 0) + (packet.duration or 0)) * stream.time_base
+            end = max(end, float(packet_end))
+    frames = stream.frames or packets
+    if packets < frames:
+        raise BadSample("truncated_video", f"{packets} of the {frames} frames the container records are there")
+    # Without a recorded frame count (webm, mkv), a cut file shows in the time its frames
+    # span against the duration its header records (only for video alone: audio may run on).
+    recorded = (container.duration or 0) / 1e6
+    if not stream.frames and len(container.streams) == 1 and end < 0.9 * recorded:
+        raise BadSample("truncated_video", f"its frames span {end:.2f} s of the {recorded:.2f} s the container records")
+    return frames
+
+
+def container_extension(container: "av.container.InputContainer", stream: "av.video.stream.VideoStream") -> str:
+    """The file name extension of the container, webm for a Matroska file of a web codec."""
+    extension = CONTAINER_EXTENSIONS.get(container.format.name, container.format.name.split(",")[0])
+    if extension == "mkv" and stream.codec_context.name in ("vp8", "vp9", "av1"):
+        extension = "webm"
+    return extension
+
+
 def check_video(data: bytes, max_pixels: int, max_seconds: float) -> VideoInfo:
-    """A clip fit to keep, and its metadata: `probe`, a decoder for its codec, its first frame
-    decoding, and the pixel and duration limits; BadSample with the reason otherwise."""
+    """A clip fit to keep, and its metadata: `probe`, at least MIN_VIDEO_FRAMES frames, a decoder
+    for its codec, its first frame decoding, and the pixel and duration limits; BadSample with the
+    reason otherwise."""
     import av
 
     info = probe(data)
+    if info.frames < MIN_VIDEO_FRAMES:
+        raise BadSample("too_few_video_frames", f"{info.frames} frames, a frame group takes {MIN_VIDEO_FRAMES}")
     try:
         av.codec.Codec(info.codec, "r")
     except Exception as e:
@@ -211,7 +240,8 @@ def sample_frames(total_frames: int, video_fps: float, s: VideoSettings) -> list
 def frame_size(num_frames: int, height: int, width: int, s: VideoSettings) -> tuple[int, int]:
     """(height, width) of the resized frames: multiples of patch x merge, the aspect ratio kept,
     the pixels of all frames together between min_pixels and max_pixels."""
-    factor, temporal = s.patch_size * s.merge_size, s.temporal_patch_size
+    factor = s.patch_size * s.merge_size
+    temporal = s.temporal_patch_size
     if num_frames < temporal:
         raise ValueError(f"{num_frames} frames: a clip needs at least temporal_patch_size ({temporal})")
     if height < factor or width < factor:
@@ -255,7 +285,8 @@ def decode_frames(data: bytes, indices: list[int]) -> torch.Tensor:
     """The frames at `indices` (in decode order, counting every decoded frame), RGB uint8 (T, 3, H, W)."""
     import av
 
-    wanted, frames = set(indices), {}
+    wanted = set(indices)
+    frames = {}
     try:
         with av.open(io.BytesIO(data)) as container:
             for n, frame in enumerate(container.decode(video=0)):
@@ -291,7 +322,9 @@ def video_patches(frames: torch.Tensor, s: VideoSettings) -> tuple[torch.Tensor,
     return x.reshape(t * h * w, c * tp * p * p), (t, h, w)
 
 
-def normalize_video_patches(patches: torch.Tensor, image_mean, image_std) -> torch.Tensor:
+def normalize_video_patches(
+    patches: torch.Tensor, image_mean: Sequence[float], image_std: Sequence[float]
+) -> torch.Tensor:
     """uint8 patches -> the processor's float32 pixel_values_videos (rescale and normalize fused:
     (x - 255 mean) / (255 std), per channel)."""
     mean = torch.tensor(image_mean, device=patches.device) * (1.0 / (1 / 255))
@@ -316,7 +349,12 @@ def clip_patches(meta: dict, parts: list[bytes], plan: VideoPlan, s: VideoSettin
 
 
 def encode_clip(
-    frames, rate, codec: str = "libx264", container: str = "mp4", pix_fmt: str = "yuv420p", rotation: int | None = None
+    frames: Sequence[np.ndarray],
+    rate: int | Fraction,
+    codec: str = "libx264",
+    container: str = "mp4",
+    pix_fmt: str = "yuv420p",
+    rotation: int | None = None,
 ) -> bytes:
     """RGB uint8 frames (each H x W x 3) encoded as a video file at `rate` frames a second. FFmpeg's
     own encoders (mpeg4, mjpeg) give the same bytes for the same frames; libx264 does not always."""

@@ -17,10 +17,14 @@ against without trusting the asymptotic formulas; `epoch_order` reads a packed d
 epoch through the training loader.
 """
 
+from collections.abc import Sequence
+from pathlib import Path
+
 import numpy as np
 
 
-def order_statistics(order, block: int = 16) -> dict:
+def order_statistics(order: Sequence[int] | np.ndarray, block: int = 16) -> dict:
+    """The three statistics of a stream's order (see the module docstring)."""
     order = np.asarray(order, dtype=np.int64)
     n = len(order)
     if n < 2 * block or sorted(order.tolist()) != list(range(n)):
@@ -51,17 +55,18 @@ def outside_uniform(stats: dict, reference: dict) -> dict:
     return {key: (stats[key], bounds) for key, bounds in reference.items() if not bounds[0] <= stats[key] <= bounds[1]}
 
 
-def epoch_order(path, dp_world: int, seed: int = 0, num_workers: int = 0) -> list[int]:
+def epoch_order(path: str | Path, dp_world: int, seed: int = 0, num_workers: int = 0) -> list[int]:
     """The packs (their index on disk) of the training loader's first epoch over the packed
     dataset `path`, in the order the global batches hold them: rank 0's row, rank 1's, ..., step
     after step (micro-batches of one row)."""
-    from vlmcore.data.loader import build_loader, samples_in
+    from vlmcore.data.load.loader import build_loader, samples_in
 
     loaders = [
         iter(build_loader(path, dp_rank=r, dp_world=dp_world, micro_batch_size=1, seed=seed, num_workers=num_workers))
         for r in range(dp_world)
     ]
-    order, seen = [], set()
+    order = []
+    seen = set()
     while len(seen) < samples_in(path):  # ranks may hold one pack more than others: theirs come last
         for loader in loaders:
             key = int(next(loader).row_keys[0])

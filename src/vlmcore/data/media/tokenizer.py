@@ -5,10 +5,11 @@ on the synthetic corpus. It keeps Qwen's layout (special tokens after the BPE vo
 same names) and a Qwen3-VL-style chat template, so the same encoding code serves both.
 """
 
+from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 # Qwen2.5 / Qwen3 / Qwen3-VL special tokens, in their id order after the base vocabulary.
 QWEN_SPECIAL_TOKENS = [
@@ -69,7 +70,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_demo_tokenizer(out_dir, texts, vocab_size: int = 512) -> PreTrainedTokenizerFast:
+def build_demo_tokenizer(out_dir: str | Path, texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE on `texts` and save it with Qwen's special tokens into `out_dir`.
 
     `vocab_size` counts the special tokens too; the model's vocabulary must be at least
@@ -103,7 +104,7 @@ def build_demo_tokenizer(out_dir, texts, vocab_size: int = 512) -> PreTrainedTok
     return tokenizer
 
 
-def special_token_ids(tokenizer) -> dict:
+def special_token_ids(tokenizer: PreTrainedTokenizerBase) -> dict:
     """The ids a Qwen3-VL / Qwen3.5 config must agree with, read from the tokenizer."""
     ids = {
         "image_token_id": "<|image_pad|>",

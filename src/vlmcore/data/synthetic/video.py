@@ -22,8 +22,9 @@ import numpy as np
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
-from vlmcore.data.synthetic import BACKGROUNDS, COLORS, SHAPES, draw_shape, write_dataset
-from vlmcore.data.video import encode_clip
+from vlmcore.data.media.video import encode_clip
+from vlmcore.data.synthetic.dataset import write_dataset
+from vlmcore.data.synthetic.shapes import BACKGROUNDS, COLORS, SHAPES, draw_shape
 
 FRAMES, FPS, QUARTER = 16, 4, 4  # frames of a clip, its frame rate, frames of a quarter
 DIRECTIONS = ["left", "right", "up", "down"]
@@ -39,7 +40,8 @@ COUNT_QUARTERS = {1: [[0, 1, 2, 3]], 2: [[0, 1], [2, 3]], 3: [[0], [1], [2, 3]]}
 
 def random_clip(rng: random.Random, kind: str, size: int) -> dict:
     """A clip's description: what the frames show and the answer to its question."""
-    colors, shapes = rng.sample(list(COLORS), 3), [rng.choice(SHAPES) for _ in range(3)]
+    colors = rng.sample(list(COLORS), 3)
+    shapes = [rng.choice(SHAPES) for _ in range(3)]
     clip = {"kind": kind, "size": size, "background": rng.choice(list(BACKGROUNDS))}
     if kind == "direction":
         clip.update(direction=rng.choice(DIRECTIONS), color=colors[0], shape=shapes[0])
@@ -59,7 +61,8 @@ def answer_of(clip: dict) -> str:
 
 def shapes_in_frame(clip: dict, frame: int) -> list[tuple[str, tuple, str]]:
     """(shape, box, colour) of what frame `frame` shows."""
-    s, quarter = clip["size"], frame // QUARTER
+    s = clip["size"]
+    quarter = frame // QUARTER
     side = s * 0.4
     if clip["kind"] == "direction":
         # From one edge to the other, the shape's centre in a straight line at constant speed.
@@ -105,7 +108,9 @@ def caption_for(clip: dict) -> str:
     return f"{clip['count'].capitalize()} {'shape' if clip['count'] == 'one' else 'shapes in turn'}: {shapes}."
 
 
-def generate(out_dir, num_train: int, num_eval: int, seed: int = 0, min_size: int = 64, max_size: int = 64) -> dict:
+def generate(
+    out_dir: str | Path, num_train: int, num_eval: int, seed: int = 0, min_size: int = 64, max_size: int = 64
+) -> dict:
     """Write the video demo dataset (see the module docstring); returns the contents of meta.json.
     Frames are square, of a side between min_size and max_size in steps of 32 (the demo model's
     merged patch)."""
@@ -125,7 +130,8 @@ def generate(out_dir, num_train: int, num_eval: int, seed: int = 0, min_size: in
         (out_dir / rel).write_bytes(render_clip(clip))
         return rel
 
-    captions, conversations = [], []
+    captions = []
+    conversations = []
     for i in tqdm(range(num_train), desc="synth train", unit="clip"):
         clip = random_clip(rng, kinds[i % len(kinds)], rng.choice(sizes))
         video = save(clip, f"train_{i:06d}")

@@ -1,6 +1,6 @@
 """Online packing: rows packed in the loader from a prepared (unpacked) dataset, in a global order.
 
-The samples are read in the epoch order of `vlmcore.data.order` (every sample once an epoch,
+The samples are read in the epoch order of `vlmcore.data.load.order` (every sample once an epoch,
 a new shuffle the next). Buffer b holds the samples at positions [b * B, (b + 1) * B) of that
 order; it is measured (text tokenized, images sized from their headers, the overlong policy
 applied) and packed by best fit decreasing, and its packs are the next global rows. So row j is
@@ -20,26 +20,37 @@ row is made (`PackedTaskEncoder.assemble_row`).
 """
 
 from collections import Counter
+from pathlib import Path
 
-from vlmcore.data.bin_packing import best_fit_decreasing
-from vlmcore.data.encoder import EncodingError
-from vlmcore.data.loader import PackedRow, PackedTaskEncoder, RowLoader, skip
-from vlmcore.data.measure import measure_sample
+from vlmcore.data.load.loader import RowLoader
+from vlmcore.data.load.rows import EncodedSegment, PackedRow, PackedTaskEncoder, skip
+from vlmcore.data.media.encoder import EncodingError, TextEncoding
+from vlmcore.data.pack.bin_packing import best_fit_decreasing
+from vlmcore.data.pack.measure import measure_sample
 from vlmcore.data.quality import BadSample, load_json
 
 
 class OnlineRowLoader(RowLoader):
     def __init__(
-        self, data_dir, task_encoder: PackedTaskEncoder, *, max_patches: int, overlong: str, buffer_size: int, **split
-    ):
+        self,
+        data_dir: str | Path,
+        task_encoder: PackedTaskEncoder,
+        *,
+        max_patches: int,
+        overlong: str,
+        buffer_size: int,
+        **split: int,
+    ) -> None:
         super().__init__(data_dir, task_encoder, **split)
         if len(self.datasets) != 1:
             raise ValueError(f"{data_dir}: online packing reads one prepared dataset; blends are of packed datasets")
-        self.max_patches, self.overlong, self.buffer_size = max_patches, overlong, buffer_size
+        self.max_patches = max_patches
+        self.overlong = overlong
+        self.buffer_size = buffer_size
         self.anchor = (0, 0)  # (buffer, its first global row): a walk to a later row starts here
         self._plans = {}  # buffer -> its packs (sample indices), the last few
 
-    def measure(self, crude: dict) -> tuple:
+    def measure(self, crude: dict) -> tuple[TextEncoding, list[bytes], list]:
         """(encoding, the kept images' bytes, the kept clips) of a sample read by index; BadSample or
         EncodingError if it is bad."""
         parts = {k: v for k, v in crude.items() if k not in ("__key__", "json")}
@@ -62,7 +73,10 @@ class OnlineRowLoader(RowLoader):
     def plan(self, b: int) -> list[list[int]]:
         """The packs of buffer b, each a list of sample indices (bad samples in the first)."""
         if b not in self._plans:
-            good, tokens, patches, bad = [], [], [], []
+            good = []
+            tokens = []
+            patches = []
+            bad = []
             for position in range(b * self.buffer_size, (b + 1) * self.buffer_size):
                 index = self.order[position][1]
                 try:
@@ -84,7 +98,7 @@ class OnlineRowLoader(RowLoader):
     def locate(self, j: int) -> list[int]:
         """The sample indices of global row j, walking the buffers from the anchor (from the
         start if j lies before it)."""
-        b, first = self.anchor if j >= self.anchor[1] else (0, 0)
+        b, first = self.anchor if j >= self.anchor[1] else (0, 0)  # (buffer, its first row)
         while j >= first + len(self.plan(b)):
             first += len(self.plan(b))
             b += 1
@@ -92,7 +106,9 @@ class OnlineRowLoader(RowLoader):
         return self.plan(b)[j - first]
 
     def row(self, j: int) -> PackedRow:
-        skipped, segments, keys = Counter(), [], []
+        skipped = Counter()
+        segments: list[EncodedSegment] = []
+        keys = []
         for index in self.locate(j):
             crude = self.datasets[0].read(index)
             try:
@@ -100,7 +116,7 @@ class OnlineRowLoader(RowLoader):
                 keys.append(crude["__key__"])
             except (BadSample, EncodingError) as e:
                 skip(skipped, e.reason, f"sample {crude['__key__']}", e)
-        return self.task_encoder.assemble_row({"__key__": ",".join(keys), "__restore_key__": ()}, segments, skipped)
+        return self.task_encoder.assemble_row(",".join(keys), segments, skipped)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "anchor": list(self.anchor)}
@@ -111,8 +127,8 @@ class OnlineRowLoader(RowLoader):
 
 
 def build_online_loader(
-    data_dir,
-    model_dir,
+    data_dir: str | Path,
+    model_dir: str | Path,
     *,
     seq_len: int,
     max_patches: int,

@@ -1,0 +1,227 @@
+"""The training loader: packed datasets -> `Batch`es (vlmcore.data.load.batch, docs/internals.md "Data batches").
+
+Packs are read by index as crude samples (their parts still compressed) and made into rows and
+batches by `vlmcore.data.load.rows.PackedTaskEncoder`, with the model files copied into the
+packed dataset.
+
+`build_loader` also accepts an Energon metadataset YAML (`write_blend`) that blends several packed
+datasets made with the same model and `seq_len`. `vlmcore.data.load.online` is the alternative to
+offline packing: rows packed in the loader from a prepared dataset with a buffer.
+
+Order and resuming (`RowLoader`): the packs are read in the global row order of
+`vlmcore.data.load.order`, each by its index; the position is the rows consumed, so a run resumed
+under another layout with the same rows per step goes on exactly.
+"""
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import yaml
+
+from vlmcore.data.load.batch import Batch
+from vlmcore.data.load.order import RowOrder, rows_of
+from vlmcore.data.load.rows import PackedRow, PackedTaskEncoder
+from vlmcore.data.pack.format import PACK_CONFIG_FILE, PACK_MODEL_DIR, PackConfig
+from vlmcore.data.shards import IndexedShards
+
+
+def packed_dataset_files(path: str | Path) -> tuple[Path, PackConfig]:
+    """The model files and pack config of a packed dataset, or of a blend of packed datasets.
+
+    All datasets of a blend must have been packed with the same tokenizer and pack config.
+    """
+    found = []
+    for dataset_dir in blend_entries(path)[0]:
+        if not (dataset_dir / PACK_CONFIG_FILE).is_file():
+            raise FileNotFoundError(
+                f"{dataset_dir} is not a packed dataset (no {PACK_CONFIG_FILE}); run `vlmcore pack`"
+            )
+        found.append((dataset_dir / PACK_MODEL_DIR, PackConfig.read(dataset_dir)))
+    model_dir, pack_config = found[0]
+    for other_dir, other_config in found[1:]:
+        same_tokenizer = (other_dir / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()
+        if other_config != pack_config or not same_tokenizer:
+            raise ValueError(
+                f"{path}: {other_dir.parent} was packed with another tokenizer or pack config than {model_dir.parent}"
+            )
+    return model_dir, pack_config
+
+
+def blend_entries(path: str | Path) -> tuple[list[Path], list[float] | None, list[int] | None]:
+    """(dataset directories, weights or None, repetitions or None) of a dataset directory or a blend YAML."""
+    path = Path(path)
+    if path.is_dir():
+        return [path], None, None
+    node = yaml.safe_load(path.read_text())["splits"]["train"]
+    entries = node.get("blend") or node.get("blend_epochized") or [node]
+    dirs = [(path.parent / entry["path"]).resolve() for entry in entries]
+    if "blend" in node:
+        return dirs, [float(entry["weight"]) for entry in entries], None
+    if "blend_epochized" in node:
+        return dirs, None, [int(entry["repetitions"]) for entry in entries]
+    return dirs, None, None
+
+
+def samples_in(dataset_dir: Path) -> int:
+    return sum(json.loads((dataset_dir / ".nv-meta" / ".info.json").read_text())["shard_counts"].values())
+
+
+class RowLoader:
+    """The batches of one data-parallel rank over a packed dataset (or a blend of them), read in
+    the global row order of `vlmcore.data.load.order`: micro-batch `a` of step `k` on rank `r` holds the
+    rows `rows_of(k, a, r)`, each pack read by index (`IndexedShards`). The position is the number
+    of micro-batches taken; under another layout with the same global batch (rows per step) it
+    is found again from the rows consumed (`seek`), at no cost but the index reads of the rows.
+
+    Loader workers take micro-batches in turn (worker w the ones congruent to w), and torch's
+    DataLoader hands them out in that order, so the worker count does not change the stream."""
+
+    anchor = None  # where finding a row starts, for a stream whose rows are found by walking it (online packing)
+
+    def __init__(
+        self,
+        path: str | Path,
+        task_encoder: PackedTaskEncoder,
+        *,
+        dp_rank: int,
+        dp_world: int,
+        micro_batch_size: int,
+        grad_accum_steps: int,
+        seed: int,
+        num_workers: int,
+    ) -> None:
+        self.task_encoder = task_encoder
+        self.split = {
+            "dp_rank": dp_rank,
+            "dp_world": dp_world,
+            "micro_batch_size": micro_batch_size,
+            "grad_accum_steps": grad_accum_steps,
+        }
+        self.num_workers = num_workers
+        entries, weights, repetitions = blend_entries(path)
+        self.datasets = [IndexedShards(d) for d in entries]
+        self.order = RowOrder([len(d) for d in self.datasets], seed, weights, repetitions)
+        self.first_row = 0  # where this layout started
+        self.micro_batches = 0  # taken since
+
+    @property
+    def global_batch_rows(self) -> int:
+        return self.split["dp_world"] * self.split["micro_batch_size"] * self.split["grad_accum_steps"]
+
+    def seek(self, rows: int) -> None:
+        """Go on from global row `rows`: the next step's global batch is the `global_batch_rows` rows after it."""
+        self.first_row = rows
+        self.micro_batches = 0
+
+    def rows_consumed(self) -> int:
+        """The global rows of the steps this rank has completed (every rank of the step read its share)."""
+        return self.first_row + self.micro_batches // self.split["grad_accum_steps"] * self.global_batch_rows
+
+    def micro_batch(self, m: int) -> Batch:
+        step, micro = divmod(m, self.split["grad_accum_steps"])
+        return self.task_encoder.batch([self.row(self.first_row + j) for j in rows_of(step, micro, **self.split)])
+
+    def row(self, j: int) -> PackedRow:
+        """Global row j: its pack, read by index and encoded."""
+        dataset, index = self.order[j]
+        crude = self.datasets[dataset].read(index)
+        return self.task_encoder.encode_sample(self.task_encoder.cook(crude))
+
+    def __iter__(self) -> Iterator[Batch]:
+        stream = _MicroBatches(self, self.micro_batches)
+        loader = torch.utils.data.DataLoader(
+            stream,
+            batch_size=None,
+            num_workers=self.num_workers,
+            collate_fn=_as_is,
+            pin_memory=torch.cuda.is_available(),
+        )
+        for batch, anchor in loader:
+            self.micro_batches += 1
+            self.anchor = anchor  # where a loader worker's walk over the stream got to
+            yield batch
+
+    def state_dict(self) -> dict:
+        return {
+            "first_row": self.first_row,
+            "micro_batches": self.micro_batches,
+            "rows": self.rows_consumed(),
+            **self.split,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """This loader's own state, or (at a step boundary) another layout's with the same global batch."""
+        if {k: state.get(k) for k in self.split} == self.split:
+            self.first_row = state["first_row"]
+            self.micro_batches = state["micro_batches"]
+            return
+        other = state["dp_world"] * state["micro_batch_size"] * state["grad_accum_steps"]
+        if other != self.global_batch_rows:
+            raise ValueError(
+                f"the saved position is in steps of {other} rows, this loader's are {self.global_batch_rows}"
+            )
+        self.seek(state["rows"])
+
+
+class _MicroBatches(torch.utils.data.IterableDataset):
+    """Micro-batches `start`, `start + 1`, ... of a `RowLoader`; loader worker w of W makes every Wth."""
+
+    def __init__(self, loader: RowLoader, start: int) -> None:
+        self.loader = loader
+        self.start = start
+
+    def __iter__(self) -> Iterator[tuple[Batch, object]]:
+        info = torch.utils.data.get_worker_info()
+        m = self.start
+        stride = 1
+        if info is not None:
+            m += info.id
+            stride = info.num_workers
+        while True:
+            yield self.loader.micro_batch(m), self.loader.anchor
+            m += stride
+
+
+def _as_is(batch: object) -> object:
+    return batch
+
+
+def build_loader(
+    packed_dir: str | Path,
+    *,
+    dp_rank: int,
+    dp_world: int,
+    micro_batch_size: int,
+    seed: int,
+    num_workers: int,
+    grad_accum_steps: int = 1,
+) -> RowLoader:
+    """Batches from a packed dataset (`vlmcore pack`) or a blend YAML of packed datasets (`write_blend`)."""
+    model_dir, pack_config = packed_dataset_files(packed_dir)
+    return RowLoader(
+        packed_dir,
+        PackedTaskEncoder(model_dir, pack_config.seq_len),
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+        micro_batch_size=micro_batch_size,
+        grad_accum_steps=grad_accum_steps,
+        seed=seed,
+        num_workers=num_workers,
+    )
+
+
+def write_blend(path: str | Path, datasets: list[tuple[str, float]], epochized: bool = False) -> None:
+    """An Energon metadataset over packed `datasets` [(dir, weight), ...].
+
+    Weighted: packs are sampled from each dataset with probability proportional to its weight.
+    Epochized: each "epoch" of the blend holds every dataset exactly `weight` (an integer) times.
+    """
+    path = Path(path)
+    if epochized:
+        node = {"blend_epochized": [{"repetitions": int(w), "path": str(Path(d).resolve())} for d, w in datasets]}
+    else:
+        node = {"blend": [{"weight": w, "path": str(Path(d).resolve())} for d, w in datasets]}
+    doc = {"__module__": "megatron.energon", "__class__": "MetadatasetV2", "splits": {"train": node}}
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))

@@ -1,0 +1,85 @@
+"""Images as the stages check them: decoded in full or by header, refused with a reason when they
+are unusable (empty, corrupt, too large, too small, too narrow), repaired to 8-bit RGB when that is safe."""
+
+import io
+import warnings
+
+import numpy as np
+from PIL import Image
+
+from vlmcore.data.quality import BadSample
+
+
+def load_image(data: bytes) -> Image.Image:
+    """The fully decoded image, or BadSample("corrupt_image") (a header alone can look valid)."""
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+        return image
+    except Exception as e:  # PIL raises many types for broken files
+        raise BadSample("corrupt_image", f"{type(e).__name__}: {e}") from e
+
+
+def open_image(data: bytes, max_pixels: int, min_side: int = 2, decode: bool = True) -> Image.Image:
+    """The image of encoded bytes, every pixel decoded unless `decode` is False (then its header
+    alone is read: a file cut after it is not seen); BadSample with the reason if it is unusable."""
+    if not data:
+        raise BadSample("empty_image_file")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            width, height = image.size
+            if width * height > max_pixels:
+                raise BadSample("image_too_large", f"{width}x{height} > {max_pixels} pixels")
+            if decode:
+                image.load()
+    except BadSample:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise BadSample("image_too_large", str(e)) from e
+    except Exception as e:  # PIL raises many types for broken files
+        raise BadSample("corrupt_image", f"{type(e).__name__}: {e}") from e
+    if min(width, height) < min_side:
+        raise BadSample("image_too_small", f"{width}x{height}")
+    if max(width, height) / min(width, height) > 200:
+        raise BadSample("bad_aspect_ratio", f"{width}x{height}")
+    return image
+
+
+def check_image(data: bytes, max_pixels: int, min_side: int = 2) -> tuple[bytes, str, tuple[int, int], str | None]:
+    """Validate encoded image bytes; returns (bytes, extension, (width, height), repair reason or None).
+
+    RGB JPEG/PNG files are kept as they are. CMYK, 16-bit, alpha, palette and grayscale images are
+    converted to 8-bit RGB (alpha composited on white) and stored as PNG.
+    """
+    image = open_image(data, max_pixels, min_side)
+    width, height = image.size
+
+    if image.mode == "RGB" and image.format in ("JPEG", "PNG"):
+        return data, "jpg" if image.format == "JPEG" else "png", (width, height), None
+    rgb, reason = to_rgb(image)
+    out = io.BytesIO()
+    rgb.save(out, format="PNG")
+    return out.getvalue(), "png", (width, height), reason
+
+
+def to_rgb(image: Image.Image) -> tuple[Image.Image, str]:
+    mode = image.mode
+    if mode.startswith("I"):  # 16-bit files open as I;16* or I: scale, do not clip at 255
+        array = np.asarray(image, dtype=np.float64)
+        gray = Image.fromarray(np.clip(array / 65535.0 * 255.0 + 0.5, 0, 255).astype(np.uint8), mode="L")
+        return gray.convert("RGB"), "16bit_to_8bit"
+    if mode == "CMYK":
+        return image.convert("RGB"), "cmyk_to_rgb"
+    if mode == "P":
+        has_alpha = "transparency" in image.info
+        image = image.convert("RGBA" if has_alpha else "RGB")
+        if not has_alpha:
+            return image, "palette_to_rgb"
+        mode = "RGBA"
+    if mode in ("RGBA", "LA", "PA", "La", "RGBa"):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB"), "alpha_on_white"
+    return image.convert("RGB"), f"{mode.lower()}_to_rgb"
