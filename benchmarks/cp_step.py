@@ -160,7 +160,7 @@ def print_table(cases: list[dict], title: str) -> None:
         )
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--tiny",
@@ -185,6 +185,11 @@ def main() -> int:
         "--cache", type=Path, help="where the model snapshot is written once (default: $TMPDIR/vlmcore_cp_step/<model>)"
     )
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or REPO / "benchmarks" / "results"))
+    return parser
+
+
+def main() -> int:
+    parser = build_parser()
     args = parser.parse_args()
     gpu = torch.cuda.is_available() and not args.tiny
     model = "tiny" if args.tiny else args.model

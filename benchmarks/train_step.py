@@ -432,7 +432,7 @@ def print_rows(cases: list[dict], name: str, preset: str) -> None:
             )
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=PRESETS, default="tiny")
     parser.add_argument(
@@ -470,6 +470,11 @@ def main() -> int:
         help="a `vlmcore train --set` for the real loop (repeatable), e.g. metrics.module_times=false",
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    return parser
+
+
+def main() -> int:
+    parser = build_parser()
     args = parser.parse_args()
     families = PRESETS[args.preset]["families"]
     family_given = args.family is not None

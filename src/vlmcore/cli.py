@@ -11,7 +11,9 @@ the exit code in every case, so tests call it in-process.
 import argparse
 import importlib
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 
 class UsageError(Exception):
@@ -19,13 +21,13 @@ class UsageError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         """One line (argparse would add the whole usage): the command, the flag, what is allowed."""
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _number(kind, allowed: str, ok):
-    def parse(text: str):
+def _number(kind: type[int] | type[float], allowed: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
         try:
             value = kind(text)
         except ValueError:
@@ -43,7 +45,7 @@ non_negative_int = _number(int, "an integer >= 0", lambda v: v >= 0)
 fraction = _number(float, "a fraction in [0, 1]", lambda v: 0 <= v <= 1)
 
 
-def _existing(what: str, ok):
+def _existing(what: str, ok: Callable[[Path], bool]) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if not ok(Path(text)):
             raise argparse.ArgumentTypeError(
@@ -73,7 +75,7 @@ COMMANDS = {
 }
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = Parser(prog="vlmcore", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     argv = sys.argv[1:] if argv is None else list(argv)
