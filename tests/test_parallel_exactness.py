@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from _train_helpers import load_dcp, read_metrics, tiny_snapshot, train, write_config
+from _train_helpers import load_dcp, read_metrics, tiny_snapshot, train, train_cases, write_config
 
 pytestmark = pytest.mark.slow
 STEPS = 10
@@ -172,24 +172,25 @@ def test_compiled_blocks_under_tp_follow_the_eager_run(tmp_path):
     (parallel/compile.py). Inductor's fused kernels round differently in fp32 and Adam magnifies
     that in near-zero gradients, so the trajectories agree to 1e-3, not bit for bit."""
     snapshot = tiny_snapshot("qwen3_5", tmp_path / "model")
-    runs = {}
-    for name, compiled, checkpointing in [
+    cases = [
         ("eager", False, "none"),
         ("compiled", True, "none"),
         ("compiled_full", True, "full"),
         ("compiled_selective", True, "selective"),
-    ]:
-        out = tmp_path / name
-        cfg = write_config(
+    ]
+    configs = [
+        write_config(
             tmp_path / f"{name}.yaml",
             snapshot,
-            out,
+            tmp_path / name,
             steps=3,
             checkpoint={"enabled": False},
             parallel={"tp": 2, "compile": compiled, "activation_checkpointing": checkpointing},
         )
-        train(2, cfg, timeout=600)
-        runs[name] = torch.tensor([m["loss"] for m in read_metrics(out)])
+        for name, compiled, checkpointing in cases
+    ]
+    train_cases(2, configs, timeout=4 * 600)  # the four runs in one launch, 600 s each
+    runs = {name: torch.tensor([m["loss"] for m in read_metrics(tmp_path / name)]) for name, _, _ in cases}
     assert len(runs["eager"]) == 3
     for name in ("compiled", "compiled_full", "compiled_selective"):
         torch.testing.assert_close(runs[name], runs["eager"], rtol=1e-3, atol=0, msg=name)
