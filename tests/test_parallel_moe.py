@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from _train_helpers import env, hf_config, load_dcp, read_metrics, tiny_snapshot, train, write_config
+from _train_helpers import env, hf_config, load_dcp, read_metrics, tiny_snapshot, train, train_cases, write_config
 
 from vlmcore.config import ConfigError, ParallelConfig
 from vlmcore.parallel.checks import check_ep, check_tp
@@ -131,23 +131,24 @@ def test_compiled_blocks_under_ep_follow_the_eager_run(tmp_path):
     compile inside the checkpoint, in pieces around the dispatch's host reads of the split sizes,
     see parallel/compile.py.) Inductor rounds differently in fp32: the trajectories agree to 1e-4."""
     snapshot = tiny_snapshot("qwen3_moe", tmp_path / "model")
-    runs = {}
-    for name, checkpointing, compiled in [
+    cases = [
         ("eager", "none", False),
         ("compiled", "none", True),
         ("compiled_full", "full", True),
-    ]:
-        out = tmp_path / name
-        cfg = write_config(
+    ]
+    configs = [
+        write_config(
             tmp_path / f"{name}.yaml",
             snapshot,
-            out,
+            tmp_path / name,
             steps=3,
             checkpoint={"enabled": False},
             parallel={"ep": 2, "activation_checkpointing": checkpointing, "compile": compiled},
         )
-        train(2, cfg, timeout=600)
-        runs[name] = torch.tensor(trajectory(out))
+        for name, checkpointing, compiled in cases
+    ]
+    train_cases(2, configs, timeout=3 * 600)  # the three runs in one launch, 600 s each
+    runs = {name: torch.tensor(trajectory(tmp_path / name)) for name, _, _ in cases}
     assert len(runs["eager"]) == 3
     for name in ("compiled", "compiled_full"):
         torch.testing.assert_close(runs[name], runs["eager"], rtol=1e-4, atol=0, msg=name)
