@@ -90,13 +90,35 @@ def references(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def layouts(references):
+    """Every case of CASES trained, those of one world size in one launch (train_cases), whatever
+    their model: (kind, name) -> the error of its launch, for the cases that launch stopped before
+    they finished."""
+    by_size = {}
+    for kind, name in CASES:
+        tmp_path, snapshot, _, _ = references(kind)
+        nproc, overrides = LAYOUTS[name]
+        out, cfg = run_layout(tmp_path, snapshot, name, 0, overrides)  # the config, not run yet
+        by_size.setdefault(nproc, []).append(((kind, name), out, cfg))
+    errors = {}
+    for nproc, cases in sorted(by_size.items()):
+        try:
+            train_cases(nproc, [cfg for _, _, cfg in cases], timeout=len(cases) * 300)
+        except AssertionError as error:
+            for case, out, _ in cases:
+                if not (out / "done").exists():
+                    errors[case] = str(error)
+    return errors
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, name", CASES)
-def test_layout_matches_one_process(references, kind, name):
-    tmp_path, snapshot, ref_trajectory, ref_weights = references(kind)
+def test_layout_matches_one_process(references, layouts, kind, name):
+    tmp_path, _, ref_trajectory, ref_weights = references(kind)
     assert len(ref_trajectory) == STEPS and max(norm for _, norm, _, _ in ref_trajectory) > 1.0
-    nproc, overrides = LAYOUTS[name]
-    out, _ = run_layout(tmp_path, snapshot, name, nproc, overrides)
+    assert (kind, name) not in layouts, layouts.get((kind, name))
+    out = tmp_path / name
     torch.testing.assert_close(torch.tensor(trajectory(out)), torch.tensor(ref_trajectory), rtol=1e-5, atol=1e-5)
     assert_same_weights(load_dcp(out / "final"), ref_weights)
 
