@@ -1,9 +1,12 @@
 """Shared pieces of the training-engine tests: tiny HF snapshots written by transformers, run
 configs, launching `vlmcore train` (one process or torchrun on gloo), reading its outputs.
 
-Also a script: `python tests/_train_helpers.py dump-state CONFIG OUT.safetensors` (under
-torchrun or not) builds the stage's parallel model and optimizer, loads the latest checkpoint
-and writes the full model and optimizer state from rank 0: what the reshard tests compare.
+Also a script (under torchrun or not):
+- `python tests/_train_helpers.py dump-state CONFIG OUT.safetensors` builds the stage's parallel
+  model and optimizer, loads the latest checkpoint and writes the full model and optimizer state
+  from rank 0: what the reshard tests compare.
+- `python tests/_train_helpers.py train-cases CONFIG ...` trains each config in turn, as
+  `vlmcore train CONFIG` does (train_cases).
 """
 
 import json
@@ -172,6 +175,29 @@ def train(nproc: int, config: Path, *sets: str, check: bool = True, timeout: int
     return proc
 
 
+CASE_START = "train-cases: training "
+
+
+def train_cases(nproc: int, configs: list[Path], timeout: int = 600) -> subprocess.CompletedProcess:
+    """Several runs of one world size in one launch: each config trained in turn, as `vlmcore
+    train CONFIG` would in a launch of its own. The start-up of a launch (torchrun, the imports,
+    inductor's first compile in a process) is paid once instead of once a run; the compile tests'
+    cases differ only in their settings. Fails naming the config that failed."""
+    args = [str(REPO / "tests" / "_train_helpers.py"), "train-cases", *map(str, configs)]
+    if nproc == 1:
+        cmd = [sys.executable, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env())
+    if proc.returncode != 0:
+        started = [line for line in proc.stdout.splitlines() if line.startswith(CASE_START)]
+        failed = started[-1].removeprefix(CASE_START) if started else "before the first config"
+        raise AssertionError(
+            f"vlmcore train failed ({proc.returncode}) on {failed}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
+    return proc
+
+
 def start_train(config: Path) -> subprocess.Popen:
     return subprocess.Popen(
         command(1, "train", str(config)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env()
@@ -235,6 +261,38 @@ def dump_state(config_path: str, out_path: str) -> None:
     dist.destroy_process_group()
 
 
+def run_train_cases(configs: list[str]) -> int:
+    """`vlmcore train CONFIG` for each config, in this process; the exit code of the first that
+    fails. Each config is named on stdout as it starts (what train_cases reports on a failure).
+    Between runs dynamo's compiled code is dropped, so that each run compiles its own model as in
+    a process of its own (inductor's caches of compiled kernels stay, as they do on disk between
+    processes).
+
+    Under torchrun each run's process group is made here, as the trainer would make it, but over
+    keys of its own in torchrun's store: the groups a run makes (its device meshes) are named by
+    their order, so a second run's would meet the first's keys there and its ranks would not
+    connect."""
+    import torch.distributed as dist
+
+    from vlmcore.cli import main
+
+    store = None
+    if "WORLD_SIZE" in os.environ:
+        store, rank, world_size = next(dist.rendezvous("env://"))
+    for index, config in enumerate(configs):
+        print(f"{CASE_START}{config}", flush=True)
+        if store is not None:  # the trainer finds it made, and destroys it at its end
+            case_store = dist.PrefixStore(f"train-cases/{index}/", store)
+            dist.init_process_group("gloo", store=case_store, rank=rank, world_size=world_size)
+        code = main(["train", config])
+        if code != 0:
+            return code
+        torch.compiler.reset()
+    return 0
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "dump-state":
         dump_state(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "train-cases":
+        sys.exit(run_train_cases(sys.argv[2:]))

@@ -10,6 +10,14 @@
 #    from the step time it measures, which a load that changes under it would make wrong. (A third
 #    process beside the workers was tried: on 2 cores it slowed them more than it saved.)
 #
+# Compiled code: all processes share inductor's cache (TORCHINDUCTOR_CACHE_DIR, by default
+# /tmp/torchinductor_$USER): a graph one run compiled is a cache hit for every later run (in a
+# compile test, the run under activation checkpointing finds the compiled run's graphs there). No
+# warm-up step before the workers: each test's graphs are its own (its model and layout), so a
+# warm-up would only move their compiling earlier and add its own start-up. What stays compiled
+# twice: the graphs of a torchrun's two ranks, the same graphs, which both compile at once and so
+# both miss in the cache; a warm-up would have to run those ranks itself.
+#
 # The SLURM tests need a SLURM (.ci/slurm_setup.sh); without one they are skipped (failed in CI).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -172,35 +172,31 @@ RUNS = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", list(RUNS))
-def test_cp2_trains_as_one_process(tmp_path, case):
-    """cp 2 (with dp_shard 2, tp 2, ep 2, a vision layout of its own or disjoint layouts) against one eager process over 6 steps of 2 micro-batches
-    (4 heads, 2 k/v heads): loss and gradient-norm trajectories, label counts, final weights (and the
-    MoE load-balancing loss, a term of the loss). Resumes across cp sizes: Qwen3's step-3 checkpoint
-    at cp 2 x dp_shard 2 resumed by one process, and one process's step-3 checkpoint of Qwen3.5
-    resumed at cp 2 x tp 2, each end as the uninterrupted run."""
-    from _train_helpers import load_dcp, read_metrics, tiny_snapshot, train
-    from test_train_elastic import cut_back
+@pytest.fixture(scope="module")
+def cp_runs(tmp_path_factory):
+    """The runs of every case of RUNS, its one-process reference and its cp run: the references in
+    one launch, the cp runs of one world size in one launch (train_cases). case -> (its directory,
+    its snapshot, the error of the launch that stopped before its runs finished, or None)."""
+    from _train_helpers import tiny_snapshot, train_cases
 
-    family, ranks, parallel, settings = RUNS[case]
-    heads = {"num_key_value_heads": 4, "linear_num_key_heads": 4} if parallel.get("tp", 1) > 1 else {}
-    snapshot = tiny_snapshot(family, tmp_path / "model", **heads)
-    # The reference takes the same micro-batches of the global batch (the sum order of fp32 gradients).
-    train(
-        1,
-        config(
+    folders = {}
+    launches = {}  # world size -> [(case, config)]
+    for case, (family, ranks, parallel, settings) in RUNS.items():
+        tmp_path = tmp_path_factory.mktemp(case)
+        heads = {"num_key_value_heads": 4, "linear_num_key_heads": 4} if parallel.get("tp", 1) > 1 else {}
+        snapshot = tiny_snapshot(family, tmp_path / "model", **heads)
+        folders[case] = (tmp_path, snapshot)
+        # The reference takes the same micro-batches of the global batch (the sum order of fp32 gradients).
+        reference = config(
             tmp_path,
             snapshot,
             "reference",
             DATA[family],
             **settings,
             checkpoint={"interval": 1, "keep": 10} if family == "qwen3_5" else {"enabled": False},
-        ),
-    )
-    train(
-        ranks,
-        config(
+        )
+        launches.setdefault(1, []).append((case, reference))
+        cp_run = config(
             tmp_path,
             snapshot,
             "cp2",
@@ -208,8 +204,33 @@ def test_cp2_trains_as_one_process(tmp_path, case):
             checkpoint={"interval": 1, "keep": 10},
             parallel=parallel,
             **settings,
-        ),
-    )
+        )
+        launches.setdefault(ranks, []).append((case, cp_run))
+    errors = {}
+    for nproc, runs in sorted(launches.items()):
+        try:
+            train_cases(nproc, [cfg for _, cfg in runs], timeout=len(runs) * 300)
+        except AssertionError as error:
+            for case, cfg in runs:
+                if not (cfg.with_suffix("") / "done").exists():  # the run's output directory
+                    errors.setdefault(case, str(error))
+    return {case: (*folder, errors.get(case)) for case, folder in folders.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(RUNS))
+def test_cp2_trains_as_one_process(cp_runs, case):
+    """cp 2 (with dp_shard 2, tp 2, ep 2, a vision layout of its own or disjoint layouts) against one eager process over 6 steps of 2 micro-batches
+    (4 heads, 2 k/v heads): loss and gradient-norm trajectories, label counts, final weights (and the
+    MoE load-balancing loss, a term of the loss). Resumes across cp sizes: Qwen3's step-3 checkpoint
+    at cp 2 x dp_shard 2 resumed by one process, and one process's step-3 checkpoint of Qwen3.5
+    resumed at cp 2 x tp 2, each end as the uninterrupted run."""
+    from _train_helpers import load_dcp, read_metrics, train
+    from test_train_elastic import cut_back
+
+    family, ranks, parallel, settings = RUNS[case]
+    tmp_path, snapshot, error = cp_runs[case]
+    assert error is None, error
     reference, run = read_metrics(tmp_path / "reference"), read_metrics(tmp_path / "cp2")
     trajectory = lambda metrics: torch.tensor([(m["loss"], m["grad_norm"]) for m in metrics])  # noqa: E731
     torch.testing.assert_close(trajectory(run), trajectory(reference), rtol=1e-5, atol=1e-5)

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from _train_helpers import load_dcp, read_metrics, tiny_snapshot, train, write_config
+from _train_helpers import load_dcp, read_metrics, tiny_snapshot, train, train_cases, write_config
 
 pytestmark = pytest.mark.slow
 STEPS = 10
@@ -28,19 +28,27 @@ LAYOUTS = {
 }
 
 
-def run_layout(tmp_path, snapshot, name, nproc, overrides, checkpoint=None):
-    out = tmp_path / name
-    cfg = write_config(
+def layout_config(tmp_path, snapshot, name, overrides, checkpoint=None):
+    return write_config(
         tmp_path / f"{name}.yaml",
         snapshot,
-        out,
+        tmp_path / name,
         steps=STEPS,
         optimizer={"lr": 3.0e-3, "weight_decay": 0.01},
         checkpoint=checkpoint or {"enabled": False},
         **overrides,
     )
-    train(nproc, cfg)
+
+
+def read_layout(tmp_path, name):
+    """The run's loss and gradient-norm trajectory and its final weights."""
+    out = tmp_path / name
     return [(m["loss"], m["grad_norm"]) for m in read_metrics(out)], load_dcp(out / "final")
+
+
+def run_layout(tmp_path, snapshot, name, nproc, overrides, checkpoint=None):
+    train(nproc, layout_config(tmp_path, snapshot, name, overrides, checkpoint))
+    return read_layout(tmp_path, name)
 
 
 @pytest.fixture(scope="module")
@@ -79,11 +87,29 @@ def test_reference_learns_and_ranks_mix_image_and_text_batches(reference):
     assert {True, False} in has_image
 
 
+@pytest.fixture(scope="module")
+def layouts(reference):
+    """Every layout of LAYOUTS trained, those of one world size in one launch (train_cases): name ->
+    the error of its launch, for the layouts that launch stopped before they finished."""
+    tmp_path, snapshot, _, _ = reference
+    errors = {}
+    for nproc in sorted({nproc for nproc, _ in LAYOUTS.values()}):
+        names = [name for name, (size, _) in LAYOUTS.items() if size == nproc]
+        configs = [layout_config(tmp_path, snapshot, name, LAYOUTS[name][1]) for name in names]
+        try:
+            train_cases(nproc, configs, timeout=len(configs) * 300)
+        except AssertionError as error:
+            for name in names:
+                if not (tmp_path / name / "done").exists():
+                    errors[name] = str(error)
+    return errors
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_one_process(reference, name):
-    tmp_path, snapshot, ref_trajectory, ref_weights = reference
-    nproc, overrides = LAYOUTS[name]
-    trajectory, weights = run_layout(tmp_path, snapshot, name, nproc, overrides)
+def test_layout_matches_one_process(reference, layouts, name):
+    tmp_path, _, ref_trajectory, ref_weights = reference
+    assert name not in layouts, layouts.get(name)
+    trajectory, weights = read_layout(tmp_path, name)
     torch.testing.assert_close(torch.tensor(trajectory), torch.tensor(ref_trajectory), rtol=1e-5, atol=1e-5)
     assert weights.keys() == ref_weights.keys()
     for key in ref_weights:
@@ -151,12 +177,18 @@ def test_hybrid_qwen3_5_under_fsdp_and_tp_matches_one_process(tmp_path):
     snapshot = tiny_snapshot("qwen3_5", tmp_path / "model")
     one, one_weights = run_layout(tmp_path, snapshot, "qwen3_5_one", 1, {"grad_accum_steps": 2})
     vision = {"tp": 2, "dp_replicate": 2}
-    for name, parallel in [
+    cases = [
         ("qwen3_5_dp2_tp2", {"tp": 2}),
         ("qwen3_5_dp2_tp2_vision_tp2_hsdp", {"tp": 2, "modules": {"vision": vision}}),
         ("qwen3_5_disjoint", {"modules": {"vision": {"ranks": [0, 2]}, "language": {"ranks": [2, 4]}}}),
-    ]:
-        four, four_weights = run_layout(tmp_path, snapshot, name, 4, {"grad_accum_steps": 1, "parallel": parallel})
+    ]
+    configs = [
+        layout_config(tmp_path, snapshot, name, {"grad_accum_steps": 1, "parallel": parallel})
+        for name, parallel in cases
+    ]
+    train_cases(4, configs, timeout=len(configs) * 300)  # the three runs in one launch
+    for name, _ in cases:
+        four, four_weights = read_layout(tmp_path, name)
         torch.testing.assert_close(torch.tensor(four), torch.tensor(one), rtol=1e-5, atol=1e-5, msg=name)
         linear = [key for key in one_weights if ".linear_attn." in key]
         assert len(linear) >= 9 * 3  # 9 tensors per mixer, 3 linear-attention layers
@@ -172,24 +204,25 @@ def test_compiled_blocks_under_tp_follow_the_eager_run(tmp_path):
     (parallel/compile.py). Inductor's fused kernels round differently in fp32 and Adam magnifies
     that in near-zero gradients, so the trajectories agree to 1e-3, not bit for bit."""
     snapshot = tiny_snapshot("qwen3_5", tmp_path / "model")
-    runs = {}
-    for name, compiled, checkpointing in [
+    cases = [
         ("eager", False, "none"),
         ("compiled", True, "none"),
         ("compiled_full", True, "full"),
         ("compiled_selective", True, "selective"),
-    ]:
-        out = tmp_path / name
-        cfg = write_config(
+    ]
+    configs = [
+        write_config(
             tmp_path / f"{name}.yaml",
             snapshot,
-            out,
+            tmp_path / name,
             steps=3,
             checkpoint={"enabled": False},
             parallel={"tp": 2, "compile": compiled, "activation_checkpointing": checkpointing},
         )
-        train(2, cfg, timeout=600)
-        runs[name] = torch.tensor([m["loss"] for m in read_metrics(out)])
+        for name, compiled, checkpointing in cases
+    ]
+    train_cases(2, configs, timeout=4 * 600)  # the four runs in one launch, 600 s each
+    runs = {name: torch.tensor([m["loss"] for m in read_metrics(tmp_path / name)]) for name, _, _ in cases}
     assert len(runs["eager"]) == 3
     for name in ("compiled", "compiled_full", "compiled_selective"):
         torch.testing.assert_close(runs[name], runs["eager"], rtol=1e-3, atol=0, msg=name)

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from _train_helpers import env, hf_config, load_dcp, read_metrics, tiny_snapshot, train, write_config
+from _train_helpers import env, hf_config, load_dcp, read_metrics, tiny_snapshot, train, train_cases, write_config
 
 from vlmcore.config import ConfigError, ParallelConfig
 from vlmcore.parallel.checks import check_ep, check_tp
@@ -90,13 +90,35 @@ def references(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def layouts(references):
+    """Every case of CASES trained, those of one world size in one launch (train_cases), whatever
+    their model: (kind, name) -> the error of its launch, for the cases that launch stopped before
+    they finished."""
+    by_size = {}
+    for kind, name in CASES:
+        tmp_path, snapshot, _, _ = references(kind)
+        nproc, overrides = LAYOUTS[name]
+        out, cfg = run_layout(tmp_path, snapshot, name, 0, overrides)  # the config, not run yet
+        by_size.setdefault(nproc, []).append(((kind, name), out, cfg))
+    errors = {}
+    for nproc, cases in sorted(by_size.items()):
+        try:
+            train_cases(nproc, [cfg for _, _, cfg in cases], timeout=len(cases) * 300)
+        except AssertionError as error:
+            for case, out, _ in cases:
+                if not (out / "done").exists():
+                    errors[case] = str(error)
+    return errors
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, name", CASES)
-def test_layout_matches_one_process(references, kind, name):
-    tmp_path, snapshot, ref_trajectory, ref_weights = references(kind)
+def test_layout_matches_one_process(references, layouts, kind, name):
+    tmp_path, _, ref_trajectory, ref_weights = references(kind)
     assert len(ref_trajectory) == STEPS and max(norm for _, norm, _, _ in ref_trajectory) > 1.0
-    nproc, overrides = LAYOUTS[name]
-    out, _ = run_layout(tmp_path, snapshot, name, nproc, overrides)
+    assert (kind, name) not in layouts, layouts.get((kind, name))
+    out = tmp_path / name
     torch.testing.assert_close(torch.tensor(trajectory(out)), torch.tensor(ref_trajectory), rtol=1e-5, atol=1e-5)
     assert_same_weights(load_dcp(out / "final"), ref_weights)
 
@@ -131,23 +153,24 @@ def test_compiled_blocks_under_ep_follow_the_eager_run(tmp_path):
     compile inside the checkpoint, in pieces around the dispatch's host reads of the split sizes,
     see parallel/compile.py.) Inductor rounds differently in fp32: the trajectories agree to 1e-4."""
     snapshot = tiny_snapshot("qwen3_moe", tmp_path / "model")
-    runs = {}
-    for name, checkpointing, compiled in [
+    cases = [
         ("eager", "none", False),
         ("compiled", "none", True),
         ("compiled_full", "full", True),
-    ]:
-        out = tmp_path / name
-        cfg = write_config(
+    ]
+    configs = [
+        write_config(
             tmp_path / f"{name}.yaml",
             snapshot,
-            out,
+            tmp_path / name,
             steps=3,
             checkpoint={"enabled": False},
             parallel={"ep": 2, "activation_checkpointing": checkpointing, "compile": compiled},
         )
-        train(2, cfg, timeout=600)
-        runs[name] = torch.tensor(trajectory(out))
+        for name, checkpointing, compiled in cases
+    ]
+    train_cases(2, configs, timeout=3 * 600)  # the three runs in one launch, 600 s each
+    runs = {name: torch.tensor(trajectory(tmp_path / name)) for name, _, _ in cases}
     assert len(runs["eager"]) == 3
     for name in ("compiled", "compiled_full"):
         torch.testing.assert_close(runs[name], runs["eager"], rtol=1e-4, atol=0, msg=name)
