@@ -260,16 +260,22 @@ class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
         pixel_values_videos=None,
         video_grid_thw=None,
         visual_selection=None,
+        vision_embeds: torch.Tensor | None = None,
     ):
         """Token embeddings with image and video features scattered in; also where they went
-        (VisualTokens) and the DeepStack features."""
+        (VisualTokens) and the DeepStack features. `vision_embeds`: the vision tower's output
+        computed on other ranks (the images', then the videos' embeddings, the DeepStack features
+        as further columns; vlmcore.parallel.disjoint), used instead of running the tower."""
         h = self.model.language_model.embed_tokens(input_ids)
         if pixel_values is None and pixel_values_videos is None:
             return h, None, []
         visual = VisualTokens(
             self.config, input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, visual_selection
         )
-        embeds, deepstack = self.model.visual(visual.pixels, visual.grids)
+        if vision_embeds is None:
+            embeds, deepstack = self.model.visual(visual.pixels, visual.grids)
+        else:
+            embeds, *deepstack = vision_embeds.split(self.config.vision_config.out_hidden_size, dim=1)
         return visual.scatter(h, embeds), visual, deepstack
 
     def forward(
@@ -284,11 +290,19 @@ class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
         pixel_values_videos=None,
         video_grid_thw=None,
         visual_selection=None,
+        vision_embeds: torch.Tensor | None = None,
     ) -> ModelOutput:
         """`visual_selection`: under context parallelism (vlmcore.parallel.cp) input_ids is a chunk
-        of the rows and this says which features of the images and videos go to it."""
+        of the rows and this says which features of the images and videos go to it.
+        `vision_embeds`: the tower's output from other ranks (`embed`)."""
         h, visual, deepstack = self.embed(
-            input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, visual_selection
+            input_ids,
+            pixel_values,
+            image_grid_thw,
+            pixel_values_videos,
+            video_grid_thw,
+            visual_selection,
+            vision_embeds,
         )
         if position_ids is None:
             position_ids = self.position_ids(input_ids, image_grid_thw, cu_seqlens, video_grid_thw)

@@ -1,7 +1,8 @@
 """Disjoint layouts (`parallel.modules.*.ranks`): the vision tower on its ranks (encoder ranks), the
 language model on the others. `hold_one_module` keeps a rank's module of the meta model (a language
 rank gets a parameterless stand-in, `ReceivedImages`, for the tower); `DisjointBridge` carries the
-embeddings between them, runs an encoder rank's side of the step and gives it its data.
+embeddings between them (a language rank's model takes them as its `vision_embeds` argument), runs
+an encoder rank's side of the step and gives it its data.
 
 Each module runs with tp 1 for now (vlmcore.parallel.checks refuses tensor parallelism here).
 Under context parallelism each language rank of a row receives the whole row's embeddings and
@@ -109,18 +110,31 @@ class EncoderInputs:
 
 
 class ReceivedImages(nn.Module):
-    """Stands in for the vision tower on the language ranks: returns the image embeddings (and
-    DeepStack features) the bridge received for this micro-batch. No parameters; an empty merger
-    list so the model's accessors (projectors) still answer."""
+    """Stands in for the vision tower on the language ranks, which never run it: the model takes
+    the embeddings the bridge received as its `vision_embeds` argument. No parameters; an empty
+    merger list so the model's accessors (projectors) still answer."""
 
-    def __init__(self, width: int):
+    def __init__(self, width: int) -> None:
         super().__init__()
-        self.width, self.received = width, None
-        self.merger, self.deepstack_merger_list = nn.Identity(), nn.ModuleList()
+        self.width = width
+        self.merger = nn.Identity()
+        self.deepstack_merger_list = nn.ModuleList()
 
-    def forward(self, pixel_values, grid_thw):
-        embeds, *deepstack = self.received.split(self.width, dim=1)
-        return embeds, deepstack
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> None:
+        raise RuntimeError(
+            "the vision tower runs on the encoder ranks: pass the received embeddings as the model's vision_embeds"
+        )
+
+
+@dataclass
+class ExchangePlan:
+    """One micro-batch's all_to_all on this rank, by world rank: the embedding rows it sends to each
+    rank and receives from each, and of those, per kind ("images", "videos"), the rows exchanged with
+    each rank (an encoder rank's for its destinations, a language rank's from its sources)."""
+
+    send: list[int]
+    receive: list[int]
+    by_kind: dict[str, list[int]]
 
 
 class DisjointBridge:
@@ -151,8 +165,7 @@ class DisjointBridge:
         self.kinds = {"images": config.image_token_id, "videos": getattr(config, "video_token_id", None)}
         self.columns = self.width * (1 + len(getattr(vision, "deepstack_visual_indexes", None) or []))
         self.dtype, self.device = dtype, device
-        self.plans = []  # per micro-batch: (send sizes, receive sizes, sizes by kind) by world rank
-        self.stand_in = None  # ReceivedImages on a language rank
+        self.plans: list[ExchangePlan] = []  # the step's, one per micro-batch
 
     def encoder_rows(self) -> range:
         i = self.rank - self.vision_ranks.start
@@ -198,7 +211,7 @@ class DisjointBridge:
                 Images(torch.cat(pixels), torch.tensor(grids), first.normalize, first.kind) if grids else None
             )
         send = [a + b for a, b in zip(sizes["images"], sizes["videos"])]
-        self.plans.append((send, [0] * self.world, sizes))
+        self.plans.append(ExchangePlan(send=send, receive=[0] * self.world, by_kind=sizes))
         return None if inputs["images"] is None and inputs["videos"] is None else EncoderInputs(**inputs)
 
     def _plan_language(self, batch) -> None:
@@ -209,13 +222,13 @@ class DisjointBridge:
                 encoder = self.vision_ranks[(j * self.micro_batch_size + k) // self.rows_per_encoder]
                 sizes[kind][encoder] += sum(math.prod(g) for g in images) // self.merge**2
         receive = [a + b for a, b in zip(sizes["images"], sizes["videos"])]
-        self.plans.append(([0] * self.world, receive, sizes))
+        self.plans.append(ExchangePlan(send=[0] * self.world, receive=receive, by_kind=sizes))
 
     def exchange(self, i: int, send: torch.Tensor) -> torch.Tensor:
         """Micro-batch i's all_to_all: `send` (rows for the language ranks, in their order) goes
         out, this rank's rows come in; backward sends the gradients the other way."""
-        send_sizes, receive_sizes, _ = self.plans[i]
-        return all_to_all_single_autograd(send.to(self.dtype).contiguous(), receive_sizes, send_sizes, dist.group.WORLD)
+        plan = self.plans[i]
+        return all_to_all_single_autograd(send.to(self.dtype).contiguous(), plan.receive, plan.send, dist.group.WORLD)
 
     def encoder_step(self, model: nn.Module, inputs: list[EncoderInputs | None]) -> torch.Tensor:
         """An encoder rank's forward and backward: runs the vision tower on the images and videos
@@ -234,7 +247,7 @@ class DisjointBridge:
             pixels = torch.cat([x.pixel_values for x in kinds]) if len(kinds) > 1 else kinds[0].pixel_values
             embeds, deepstack = vision(pixels, [g for x in kinds for g in x.grids()])
             sent = torch.cat([embeds, *deepstack], dim=1)
-            sent = self._by_destination(sent, self.plans[i][2]) if batch is not None else sent[:0]
+            sent = self._by_destination(sent, self.plans[i].by_kind) if batch is not None else sent[:0]
             received = self.exchange(i, sent)
             received.sum().backward()  # nothing arrives on an encoder rank; its backward brings `sent`'s gradient
         return torch.zeros((), dtype=torch.float64, device=device)
@@ -251,16 +264,17 @@ class DisjointBridge:
         return torch.cat([part for pair in parts for _ in range(self.cp) for part in pair])
 
     def receive(self, i: int) -> torch.Tensor:
-        """On a language rank: micro-batch i's image and video embeddings, for the model's
-        stand-in: the images of every source, then the videos (as the model's tower pass orders them)."""
+        """On a language rank: micro-batch i's image and video embeddings, as the model's
+        `vision_embeds` takes them: the images of every source, then the videos (as the model's
+        tower pass orders them), the DeepStack features as further columns."""
         nothing = torch.zeros(0, self.columns, dtype=self.dtype, device=self.device, requires_grad=True)
         received = self.exchange(i, nothing)
-        _, receive_sizes, sizes = self.plans[i]
-        by_source = [
-            part.split([a, b]) for part, a, b in zip(received.split(receive_sizes), sizes["images"], sizes["videos"])
-        ]
-        self.stand_in.received = torch.cat([images for images, _ in by_source] + [videos for _, videos in by_source])
-        return self.stand_in.received
+        plan = self.plans[i]
+        from_sources = zip(received.split(plan.receive), plan.by_kind["images"], plan.by_kind["videos"])
+        by_source = [part.split([image_rows, video_rows]) for part, image_rows, video_rows in from_sources]
+        images = [images for images, _ in by_source]
+        videos = [videos for _, videos in by_source]
+        return torch.cat(images + videos)
 
     def global_norm(self, norm: torch.Tensor) -> torch.Tensor:
         """The gradient norm over both grids from each module's own (the same on its ranks)."""

@@ -144,7 +144,6 @@ def build_meta_run(
         bridge = DisjointBridge(
             model.config, layout, cfg.micro_batch_size, getattr(torch, cfg.precision.param_dtype), device, rank
         )
-        bridge.stand_in = None if bridge.is_vision else model.vision_tower()
     return Run(cfg, layout, meshes, rank, device, model, partial, bridge)
 
 

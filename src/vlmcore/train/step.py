@@ -93,7 +93,8 @@ def forward_backward(
     over the micro-batches (on the device, `Batch.to`); returns this rank's sum of token
     losses, and for MoE models the sum of the micro-batches' load-balancing losses and the tokens
     routed to each expert per MoE layer (None otherwise), all on the device.
-    `bridge`: a language rank of disjoint layouts receives each micro-batch's image embeddings.
+    `bridge`: a language rank of disjoint layouts receives each micro-batch's image embeddings and
+    gives them to the model (`vision_embeds`).
     Under context parallelism the micro-batches are this rank's chunks of the rows (`Step.on_device`)."""
     loss_sum, aux_sum, routed = None, None, None
     for i, batch in enumerate(micro):
@@ -102,7 +103,13 @@ def forward_backward(
         if vision_dummy is not None:
             vision_dummy.active = not batch.has_visual
         received = bridge.receive(i) if bridge is not None else None
-        images, videos = batch.images, batch.videos
+        images = batch.images
+        videos = batch.videos
+        optional = {}  # arguments only some models take
+        if batch.visual_selection is not None:
+            optional["visual_selection"] = batch.visual_selection
+        if received is not None:
+            optional["vision_embeds"] = received
         output = model(
             batch.input_ids,
             pixel_values=images.pixel_values if images else None,
@@ -113,7 +120,7 @@ def forward_backward(
             return_hidden=True,
             pixel_values_videos=videos.pixel_values if videos else None,
             video_grid_thw=videos.grid_thw if videos else None,
-            **({"visual_selection": batch.visual_selection} if batch.visual_selection is not None else {}),
+            **optional,
         )
         local_sum, _ = chunked_cross_entropy(
             output.hidden_states, model.lm_head.weight, batch.labels, chunk_tokens, compiled=compiled_loss
