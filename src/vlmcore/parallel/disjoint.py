@@ -11,15 +11,17 @@ keeps the rows of its chunk (`Batch.context_chunk(keep_all=True)`).
 
 import copy
 import math
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from transformers import PretrainedConfig
 
 from vlmcore.config import ConfigError, TrainConfig
-from vlmcore.data.batch import Images
+from vlmcore.data.batch import Batch, Images
 from vlmcore.parallel.ac import apply_ac
 from vlmcore.parallel.cp import apply_cp
 from vlmcore.parallel.fsdp import apply_fsdp
@@ -60,7 +62,7 @@ def hold_one_module(model: nn.Module, module: str, cfg: TrainConfig, meshes: Mes
     apply_fsdp(root, blocks, None, meshes.dp(module), None, cfg.precision)
 
 
-def row_grids(batch, images: Images | None, token_id: int, merge: int) -> list[list[list[int]]]:
+def row_grids(batch: Batch, images: Images | None, token_id: int, merge: int) -> list[list[list[int]]]:
     """The grids of `images` (a host micro-batch's images, or its videos) in each of its rows
     (they are in token order, so a row's image tokens are those of its images)."""
     grids = iter(images.grids() if images is not None else [])
@@ -77,10 +79,10 @@ class SourceBatches:
     """An encoder rank's data: the micro-batches of the language data-parallel ranks whose rows
     it encodes (their own loaders, so the global micro-batch is the one the language ranks read)."""
 
-    def __init__(self, loaders: list):
+    def __init__(self, loaders: list) -> None:
         self.loaders = loaders
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[tuple]:
         return zip(*self.loaders)
 
     def state_dict(self) -> dict:
@@ -103,10 +105,14 @@ class EncoderInputs:
     videos: Images | None
 
     def to(self, device: torch.device) -> "EncoderInputs":
-        return EncoderInputs(*(None if x is None else x.to(device) for x in (self.images, self.videos)))
+        images = None if self.images is None else self.images.to(device)
+        videos = None if self.videos is None else self.videos.to(device)
+        return EncoderInputs(images, videos)
 
-    def map_tensors(self, fn) -> "EncoderInputs":
-        return EncoderInputs(*(None if x is None else x.map_tensors(fn) for x in (self.images, self.videos)))
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "EncoderInputs":
+        images = None if self.images is None else self.images.map_tensors(fn)
+        videos = None if self.videos is None else self.videos.map_tensors(fn)
+        return EncoderInputs(images, videos)
 
 
 class ReceivedImages(nn.Module):
@@ -152,19 +158,30 @@ class DisjointBridge:
     """
 
     def __init__(
-        self, config, layout: RunLayout, micro_batch_size: int, dtype: torch.dtype, device: torch.device, rank: int
-    ):
-        self.vision_ranks, self.language_ranks = layout.vision.ranks, layout.language.ranks
-        self.data_world, self.cp = layout.language.dims.dp, layout.language.dims.cp
-        self.rank, self.world = rank, layout.world_size
+        self,
+        config: PretrainedConfig,
+        layout: RunLayout,
+        micro_batch_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        rank: int,
+    ) -> None:
+        self.vision_ranks = layout.vision.ranks
+        self.language_ranks = layout.language.ranks
+        self.data_world = layout.language.dims.dp
+        self.cp = layout.language.dims.cp
+        self.rank = rank
+        self.world = layout.world_size
         self.is_vision = self.rank in self.vision_ranks
         self.micro_batch_size = micro_batch_size
         self.rows_per_encoder = micro_batch_size * self.data_world // len(self.vision_ranks)
         vision = config.vision_config
-        self.merge, self.width = vision.spatial_merge_size, vision.out_hidden_size
+        self.merge = vision.spatial_merge_size
+        self.width = vision.out_hidden_size
         self.kinds = {"images": config.image_token_id, "videos": getattr(config, "video_token_id", None)}
         self.columns = self.width * (1 + len(getattr(vision, "deepstack_visual_indexes", None) or []))
-        self.dtype, self.device = dtype, device
+        self.dtype = dtype
+        self.device = device
         self.plans: list[ExchangePlan] = []  # the step's, one per micro-batch
 
     def encoder_rows(self) -> range:
@@ -176,7 +193,7 @@ class DisjointBridge:
         rows = self.encoder_rows()
         return range(rows.start // self.micro_batch_size, (rows.stop - 1) // self.micro_batch_size + 1)
 
-    def encoder_data(self, build_data) -> "SourceBatches":
+    def encoder_data(self, build_data: Callable[[int, int], Iterable]) -> SourceBatches:
         """An encoder rank's data: `build_data(data_rank, data_world)` of each language
         data-parallel rank whose rows it encodes."""
         return SourceBatches([build_data(j, self.data_world) for j in self.source_ranks()])
@@ -193,9 +210,12 @@ class DisjointBridge:
         return host_micro
 
     def _plan_encoder(self, sources: tuple) -> EncoderInputs | None:
-        sizes, inputs = {}, {}  # sizes: per kind, the rows for each rank (every cp rank of a row gets it)
+        sizes = {}  # per kind, the rows for each rank (every cp rank of a row gets it)
+        inputs = {}
         for kind, token in self.kinds.items():
-            sizes[kind], pixels, grids = [0] * self.world, [], []
+            sizes[kind] = [0] * self.world
+            pixels = []
+            grids = []
             for j, batch in zip(self.source_ranks(), sources):
                 start = 0
                 for k, images in enumerate(row_grids(batch, getattr(batch, kind), token, self.merge)):
@@ -214,8 +234,9 @@ class DisjointBridge:
         self.plans.append(ExchangePlan(send=send, receive=[0] * self.world, by_kind=sizes))
         return None if inputs["images"] is None and inputs["videos"] is None else EncoderInputs(**inputs)
 
-    def _plan_language(self, batch) -> None:
-        sizes, j = {}, (self.rank - self.language_ranks.start) // self.cp
+    def _plan_language(self, batch: Batch) -> None:
+        sizes = {}
+        j = (self.rank - self.language_ranks.start) // self.cp  # this rank's language data-parallel rank
         for kind, token in self.kinds.items():
             sizes[kind] = [0] * self.world
             for k, images in enumerate(row_grids(batch, getattr(batch, kind), token, self.merge)):
@@ -236,7 +257,8 @@ class DisjointBridge:
         embeddings to the language ranks and backpropagates the gradients they send back. Without
         either it runs a tiny zero image and sends none of it, so the tower's collectives match its
         other ranks'. Returns a zero loss sum (the language ranks have it)."""
-        vision, device = model.vision_tower(), next(model.parameters()).device
+        vision = model.vision_tower()
+        device = next(model.parameters()).device
         for i, batch in enumerate(inputs):
             vision.set_requires_gradient_sync(i == len(inputs) - 1)
             kinds = (
@@ -258,7 +280,8 @@ class DisjointBridge:
         rank of a data-parallel rank)."""
         # The tower ran once per data-parallel rank's rows: their sizes are those of its first cp rank.
         firsts = self.language_ranks[:: self.cp]
-        images_by_data, videos_by_data = ([sizes[kind][rank] for rank in firsts] for kind in ("images", "videos"))
+        images_by_data = [sizes["images"][rank] for rank in firsts]
+        videos_by_data = [sizes["videos"][rank] for rank in firsts]
         images, videos = rows.split([sum(images_by_data), sum(videos_by_data)])
         parts = zip(images.split(images_by_data), videos.split(videos_by_data))
         return torch.cat([part for pair in parts for _ in range(self.cp) for part in pair])

@@ -42,7 +42,7 @@ class Meshes:
     rather than `dp_shard` flattened from the two: torch deprecates slicing a flattened dimension
     from the root mesh)."""
 
-    def __init__(self, layout: RunLayout, device: torch.device):
+    def __init__(self, layout: RunLayout, device: torch.device) -> None:
         self.layout = layout
         self.meshes = {"language": self._module_mesh("language", device)}
         dims, language = layout.language.dims, self.meshes["language"]

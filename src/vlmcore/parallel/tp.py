@@ -31,6 +31,8 @@ rank; `apply_tp` returns them, as (module, attribute name) since FSDP later repl
 parameter objects on the same modules, for the train step to all-reduce once per optimizer step.
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -141,7 +143,7 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
     return plan
 
 
-def _check_even_sequence_split(tp: int):
+def _check_even_sequence_split(tp: int) -> Callable[[nn.Module, tuple], None]:
     """torch before 2.13 fails on an unevenly split sequence with 'view size is not compatible'
     (a strided all-gather result; in backward on 2.11, already in forward on 2.12); say what to
     change instead."""

@@ -22,7 +22,7 @@ import dataclasses
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -134,7 +134,7 @@ def save_failure(tmp: Path, error: Exception) -> str:
 
 
 class Checkpointer:
-    def __init__(self, output_dir: str | Path, keep: int, async_save: bool = False):
+    def __init__(self, output_dir: str | Path, keep: int, async_save: bool = False) -> None:
         self.dir = Path(output_dir) / "checkpoints"
         self.keep, self.async_save = keep, async_save
         self._pending = None  # (future, tmp dir, final dir) of an async save
@@ -257,8 +257,10 @@ def load_model_weights(model: nn.Module, init_from: str | Path) -> None:
 
 
 class ResumableData(Protocol):
-    """A rank's data stream as a checkpoint resumes it: its own state under the split that wrote
-    it, else a seek to the global rows consumed."""
+    """A rank's data stream (its micro-batches) as a checkpoint resumes it: its own state under the
+    split that wrote it, else a seek to the global rows consumed."""
+
+    def __iter__(self) -> Iterator: ...
 
     def state_dict(self) -> dict: ...
 

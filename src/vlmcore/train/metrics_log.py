@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from transformers import PretrainedConfig
 
+from vlmcore.data.batch import Batch
 from vlmcore.models.flops import llm_flops, vision_flops
 from vlmcore.train.state import TrainState
 from vlmcore.train.step import StepResult
@@ -44,13 +46,13 @@ def peak_tflops(device: torch.device, override: float | None) -> float | None:
     return next((tflops for key, tflops in PEAK_TFLOPS if key in name), None)
 
 
-def batch_flops(config, batch) -> tuple[float, float]:
+def batch_flops(config: PretrainedConfig, batch: Batch) -> tuple[float, float]:
     """Training FLOPs (LLM, vision tower) of one packed micro-batch (vlmcore.models.flops)."""
     grids = [g for kind in (batch.images, batch.videos) if kind is not None for g in kind.grids()] or None
     return llm_flops(config, batch.segment_lengths().cpu()), vision_flops(config, grids)
 
 
-def global_counts(host_micro: list, model_config, peers: int) -> dict:
+def global_counts(host_micro: list[Batch], model_config: PretrainedConfig, peers: int) -> dict:
     """Label tokens, samples, tokens, FLOPs and bad samples of the global batch, summed over the
     ranks on the host (gloo: no GPU wait); `peers`: ranks that hold the same batch (tp x cp), hence the division."""
     flops = [batch_flops(model_config, b) for b in host_micro]
@@ -147,7 +149,7 @@ class MetricsLogger:
 
     def __init__(
         self, output_dir: str | Path, enabled: bool, tensorboard: bool, wandb: bool, config: dict, resume_step: int
-    ):
+    ) -> None:
         self.enabled = enabled
         self.tb = self.wandb = None
         if not enabled:

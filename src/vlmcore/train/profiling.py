@@ -31,7 +31,7 @@ DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 class StepProfiler:
-    def __init__(self, steps: list[int], folder: Path, rank: int, device: torch.device):
+    def __init__(self, steps: list[int], folder: Path, rank: int, device: torch.device) -> None:
         self.first, self.last = (min(steps), max(steps)) if steps else (0, -1)
         self.folder, self.rank, self.cuda = folder, rank, device.type == "cuda"
         self.profiler, self.started = None, 0.0
@@ -64,7 +64,7 @@ class StepProfiler:
         self.profiler = None
 
 
-def summarize(prof, trace_events: list[dict], wall_s: float, steps: int, cuda: bool) -> str:
+def summarize(prof: profile, trace_events: list[dict], wall_s: float, steps: int, cuda: bool) -> str:
     """The figures are read off the exported trace (the events Perfetto shows: device operations
     by category, CUDA runtime calls on the host), the table off the profiler's averages."""
     lines = [f"profiled steps: {steps}, wall_s {wall_s:.4f} ({wall_s / steps:.4f} a step)"]

@@ -16,16 +16,19 @@ still on the host (`Batch.to`), and losses and norms stay on the device until th
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from vlmcore.data.batch import Batch, Images
 from vlmcore.models.moe import RoutingStats, moe_blocks
+from vlmcore.parallel.disjoint import DisjointBridge
 from vlmcore.train.loss import chunked_cross_entropy
 
 
@@ -63,7 +66,7 @@ def grad_norm(params: list[torch.Tensor], foreach: bool | None = None) -> torch.
     return torch.stack(squares).sum().sqrt()
 
 
-def sum_partial_grads(params: list[torch.Tensor], group) -> None:
+def sum_partial_grads(params: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
     for p in params:
         if p.grad is not None:
             dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=group)
@@ -80,15 +83,15 @@ class MoE:
 
 
 def forward_backward(
-    model,
+    model: nn.Module,
     micro: list[Batch],
     label_tokens: float,
-    vision_dummy,
+    vision_dummy: "VisionDummy | None",
     chunk_tokens: int,
     compiled_loss: bool = False,
     moe: MoE | None = None,
-    bridge=None,
-):
+    bridge: DisjointBridge | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Accumulates the gradients of sum(token losses) / label_tokens (+ the MoE load-balancing loss)
     over the micro-batches (on the device, `Batch.to`); returns this rank's sum of token
     losses, and for MoE models the sum of the micro-batches' load-balancing losses and the tokens
@@ -166,20 +169,22 @@ class Step:
     optimizer: torch.optim.Optimizer
     trainable: list
     partial: list  # parameters whose gradients are partial sums over the TP ranks
-    tp_group: object
-    vision_dummy: object
+    tp_group: dist.ProcessGroup | None
+    vision_dummy: "VisionDummy | None"
     chunk_tokens: int
     max_grad_norm: float
     compiled_loss: bool = False
     moe: MoE | None = None
-    bridge: object = None  # disjoint layouts (vlmcore.parallel.disjoint.DisjointBridge)
+    bridge: DisjointBridge | None = None  # disjoint layouts
     norm_foreach: bool | None = None  # the gradient norm's multi-tensor kernel (None: where torch has it)
 
-    def __call__(self, micro: list, label_tokens: float, set_lr) -> StepResult:
+    def __call__(self, micro: list, label_tokens: float, set_lr: Callable[[torch.optim.Optimizer], None]) -> StepResult:
         """One optimizer step over the device micro-batches (an encoder rank of disjoint layouts:
         the image batches of its rows); `set_lr(optimizer)` sets this step's lr."""
         if self.bridge is not None and self.bridge.is_vision:
-            loss_sum, aux_sum, routed = self.bridge.encoder_step(self.model, micro), None, None
+            loss_sum = self.bridge.encoder_step(self.model, micro)
+            aux_sum = None
+            routed = None
         else:
             loss_sum, aux_sum, routed = forward_backward(
                 self.model,
@@ -227,15 +232,15 @@ def clip_grads(params: list[torch.Tensor], norm: float, max_norm: float) -> None
 
 
 def build_step(
-    model,
-    optimizer,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
     partial_params: list,
-    tp_group,
+    tp_group: dist.ProcessGroup | None,
     chunk_tokens: int,
     max_grad_norm: float,
     compiled_loss: bool = False,
-    bridge=None,
-    cp_group=None,
+    bridge: DisjointBridge | None = None,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> Step:
     """`partial_params`: (module, attribute name) of the TP-partial parameters (`apply_tp`);
     `cp_group`: this rank's context-parallel peers (None without context parallelism)."""
@@ -282,13 +287,13 @@ class VisionDummy:
     the backward graph has the same shape on every rank and the gradients are unchanged.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
         self.vision = model.vision_tower()
         self.config = model.config.vision_config
         self.active = False
         model.token_embedding().register_forward_hook(self._hook)
 
-    def _hook(self, module, args, output):
+    def _hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         if not self.active:
             return output
         zero = Images.zero(self.config, output.device)
