@@ -142,7 +142,7 @@ def test_resume_keeps_the_configured_group_settings(tmp_path, one_process_group)
     data.consumed = 7
     split = BatchSplit(world_size=1, dp_replicate=1, dp_shard=1, tp=1, grad_accum_steps=1, micro_batch_size=1)
     train_state = TrainState(split, step=1).state_dict()
-    del train_state["data_rows"]  # as a checkpoint written before the count was kept
+    del train_state["data_rows"]  # a checkpoint without the rows consumed: they follow from its split
     Checkpointer(tmp_path, keep=1).save(
         1, model, written, train_state, {"rng": rng_state(), "loader": data.state_dict()}
     )

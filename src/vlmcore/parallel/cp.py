@@ -1,5 +1,5 @@
 """Context parallelism by all-to-all over heads (the scheme of DeepSpeed-Ulysses), for rows too
-long for one GPU (`parallel.cp`; issue 30).
+long for one GPU (`parallel.cp`).
 
 A packed row is cut into `cp` contiguous chunks, one a rank (`Batch.context_chunk`): embeddings,
 norms, MLPs, the LM head and the loss run on the rank's chunk, so activations shrink by cp.
@@ -73,7 +73,9 @@ class UlyssesAttention:
     instead of its kernel; Gated DeltaNet moves its per-channel inputs and its output with it."""
 
     def __init__(self, group: dist.ProcessGroup, cp: int) -> None:
-        self.group, self.cp, self.rank = group, cp, dist.get_rank(group)
+        self.group = group
+        self.cp = cp
+        self.rank = dist.get_rank(group)
 
     def __call__(
         self, attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object

@@ -4,7 +4,7 @@ rank gets a parameterless stand-in, `ReceivedImages`, for the tower); `DisjointB
 embeddings between them (a language rank's model takes them as its `vision_embeds` argument), runs
 an encoder rank's side of the step and gives it its data.
 
-Each module runs with tp 1 for now (vlmcore.parallel.checks refuses tensor parallelism here).
+Each module runs with tp 1 (vlmcore.parallel.checks refuses tensor parallelism here).
 Under context parallelism each language rank of a row receives the whole row's embeddings and
 keeps the rows of its chunk (`Batch.context_chunk(keep_all=True)`).
 """
@@ -44,11 +44,15 @@ def hold_one_module(model: nn.Module, module: str, cfg: TrainConfig, meshes: Mes
         model.dropped_prefixes = tuple(_replace(model, part, None) for part in (model.text_model(), model.lm_head))
         model.config = copy.copy(model.config)
         model.config.tie_word_embeddings = False
-        stack, root, blocks = model.vision_layers(), model.vision_tower(), []
+        stack = model.vision_layers()
+        root = model.vision_tower()
+        blocks = []  # the tower is one FSDP unit
     else:
         width = model.config.vision_config.out_hidden_size
         model.dropped_prefixes = (_replace(model, model.vision_tower(), ReceivedImages(width)),)
-        stack, root, blocks = model.decoder_layers(), model, list(model.decoder_layers().children())
+        stack = model.decoder_layers()
+        root = model
+        blocks = list(model.decoder_layers().children())
         if meshes.layout.language.dims.cp > 1:
             apply_cp(model, meshes.cp())
     if not any(p.requires_grad for p in model.parameters()):  # its ranks would have nothing to do

@@ -80,7 +80,8 @@ def apply_vision_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Shards the vision blocks of `model` in place over `tp_mesh` (no partial gradients)."""
     for block in model.vision_layers():
         # Same parameters and state-dict names, another forward (as fully_shard swaps classes).
-        block.attn.qkv.__class__, block.attn.qkv.tp_mesh = OwnHeadsLinear, tp_mesh
+        block.attn.qkv.__class__ = OwnHeadsLinear
+        block.attn.qkv.tp_mesh = tp_mesh
         parallelize_module(
             block,
             tp_mesh,
@@ -185,7 +186,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Tr
         ]
         names += [f"linear_attn.{name}" for name in LINEAR_ATTN_PARTIAL if hasattr(block, "linear_attn")]
         partial += [(block.get_submodule(path), attr) for path, _, attr in (n.rpartition(".") for n in names)]
-    text_model, embed = model.text_model(), model.token_embedding()
+    text_model = model.text_model()
+    embed = model.token_embedding()
     parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     if sequence_parallel:
         if torch.__version__ < (2, 13):

@@ -108,7 +108,8 @@ class Run:
         """What cuts this rank's chunk from the rows under context parallelism (`to_device`: the
         arguments of `Batch.context_chunk`); None on an encoder rank of disjoint layouts (its images
         are whole). A language rank of disjoint layouts receives the whole rows' image embeddings."""
-        cp, config = self.layout.language.dims.cp, self.model.config
+        cp = self.layout.language.dims.cp
+        config = self.model.config
         if cp == 1 or self.role == "vision":
             return None
         context = {"cp_rank": self.layout.language.cp_rank(self.rank), "cp": cp}

@@ -72,7 +72,7 @@ def checkpoint_problem(path: Path, hash_part: tuple[int, int] | None = None) -> 
     """Why the DCP checkpoint at `path` cannot be loaded, or None: each file must hold the bytes
     `.metadata` and `manifest.json` say it does (cheap: no tensor is read). `hash_part` (i, n):
     also compare the sha256 of the manifest's files i, i + n, ... (n ranks share the full read).
-    A checkpoint without a manifest (written by an older vlmcore) is checked against `.metadata`."""
+    A checkpoint without a manifest is checked against `.metadata` only."""
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # a missing or cut .metadata fails in the unpickler, in many ways
@@ -136,7 +136,8 @@ def save_failure(tmp: Path, error: Exception) -> str:
 class Checkpointer:
     def __init__(self, output_dir: str | Path, keep: int, async_save: bool = False) -> None:
         self.dir = Path(output_dir) / "checkpoints"
-        self.keep, self.async_save = keep, async_save
+        self.keep = keep
+        self.async_save = async_save
         self._pending = None  # (future, tmp dir, final dir) of an async save
         self._async_group = dist.new_group(backend="gloo") if async_save else None
         if _is_rank0():
@@ -291,8 +292,8 @@ def resume_latest(
 
 
 def written_split(path: Path) -> tuple[BatchSplit, bool]:
-    """The split the checkpoint at `path` was written with, and whether it counts the rows consumed
-    (`data_rows`; not so in checkpoints written before the count was kept)."""
+    """The split the checkpoint at `path` was written with, and whether it records the rows consumed
+    (`data_rows`; a checkpoint without them had its split's rows at every step)."""
     written = split_state_dict(BatchSplit(0, 0, 0, 0, 0, 0)) | {"data_rows": -1}
     dcp.load({"train": written}, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
     return split_from_state_dict(written), written["data_rows"] >= 0

@@ -1,9 +1,9 @@
 """`vlmcore train CONFIG [--set key=value ...]`: one training stage, under torchrun or as one process.
 
-Start-up: the process group; the stage checked against the world size and the model
-(vlmcore.parallel.checks); the kernels; the run built (vlmcore.train.build: model on meta,
-frozen, parallelized, materialized and loaded, optimizer, step) and its data; resume from the
-latest checkpoint. Then the loop below.
+Start-up (`Trainer.__init__`, after the process group): the stage checked against the world size
+and the model (vlmcore.parallel.checks); the kernels; the run built (vlmcore.train.build: model on
+meta, frozen, parallelized, materialized and loaded, optimizer, step) and its data; resume from the
+latest checkpoint. Then the steps (`Trainer.train`) and one way out (`Trainer.finish`).
 
 The loss of a step is the sum of token losses over all micro-batches and data-parallel ranks
 divided by the global number of label tokens (counted before the forward passes), and FSDP

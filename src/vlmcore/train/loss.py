@@ -101,7 +101,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_hidden[start:end] = grad_logits @ weight
             if grad_weight is not None:
                 grad_weight += grad_logits.t() @ h
-        ctx.grads, ctx.group, ctx.weight_dtype = (grad_hidden, grad_weight), group, weight.dtype
+        ctx.grads = (grad_hidden, grad_weight)
+        ctx.group = group
+        ctx.weight_dtype = weight.dtype
         return total
 
     @staticmethod
@@ -125,14 +127,17 @@ def chunked_cross_entropy(
     replicated over the same mesh (a plain tensor or a DTensor, which is made Replicate).
     `compiled` runs each chunk's softmax and gradient as one compiled kernel (whole-vocabulary heads).
     """
-    group, vocab_start = None, 0
+    group = None  # the vocabulary-parallel head's ranks
+    vocab_start = 0
     if isinstance(weight, DTensor):
         if weight.placements != (Shard(0),) and weight.placements != (Replicate(),):
             raise ValueError(f"lm_head weight: unsupported placements {weight.placements}")
         if weight.placements == (Shard(0),):
-            rows, mesh = weight.shape[0], weight.device_mesh
-            # vocab_start: the first vocabulary row this rank holds (Shard(0) splits as torch.chunk does)
-            group, vocab_start = mesh.get_group(), min(rows, -(-rows // mesh.size()) * mesh.get_local_rank())
+            rows = weight.shape[0]
+            mesh = weight.device_mesh
+            group = mesh.get_group()
+            # The first vocabulary row this rank holds (Shard(0) splits as torch.chunk does).
+            vocab_start = min(rows, -(-rows // mesh.size()) * mesh.get_local_rank())
         weight = weight.to_local()
     if isinstance(hidden, DTensor):
         hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim).to_local()

@@ -87,7 +87,9 @@ class ModuleTimer:
         """{"vision_time_s", "llm_time_s", "vision_patches"} of the micro-batches since the last
         read (forward-only calls, which have no backward end, are left out); then starts over.
         `vision_patches`: the patches this rank's vision tower took (the cost model's input)."""
-        vision, llm, patches = 0.0, 0.0, 0
+        vision = 0.0
+        llm = 0.0
+        patches = 0
         for m in self.micro:
             if "end" not in m:
                 continue
@@ -97,7 +99,8 @@ class ModuleTimer:
                 v = self._elapsed(m["vision_start"], m["vision_end"])
                 if "vision_backward" in m:
                     v += self._elapsed(m["vision_backward"], m["end"])
-            vision, llm = vision + v, llm + total - v
+            vision += v
+            llm += total - v
             patches += m.get("patches", 0)
         self.micro = []
         times = {"llm_time_s": llm}

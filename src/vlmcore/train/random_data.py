@@ -165,7 +165,8 @@ class RandomBatches:
         return self.video_frames * (self.image_side**2 + 5)
 
     def _add_video(self, ids: torch.Tensor, start: int, end: int, g: torch.Generator) -> list[int]:
-        merge, group = self.vision.spatial_merge_size, self.image_side**2
+        merge = self.vision.spatial_merge_size
+        group = self.image_side**2  # merged patches of a frame group
         for f in range(self.video_frames):
             at = start + f * (group + 5)
             ids[at : at + 3] = torch.randint(0, self._text_vocab(), (3,), generator=g)  # the timestamp's text
@@ -176,7 +177,8 @@ class RandomBatches:
 
     def _add_image(self, ids: torch.Tensor, start: int, end: int) -> list[int]:
         """Puts one square image (image_side x image_side merged patches) at the start of a segment."""
-        merge, span = self.vision.spatial_merge_size, self._image_span()
+        merge = self.vision.spatial_merge_size
+        span = self._image_span()
         if end - start < span + 2:
             raise ValueError(
                 f"data.seq_len / data.segments: segment of {end - start} tokens too short for an image of {span} tokens"
