@@ -133,6 +133,7 @@ class Ending:
 
 
 def _set_seed(cfg: TrainConfig) -> None:
+    """The run's seed, and under `deterministic` torch's deterministic kernels."""
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
