@@ -294,7 +294,8 @@ def resume_latest(
 def written_split(path: Path) -> tuple[BatchSplit, bool]:
     """The split the checkpoint at `path` was written with, and whether it records the rows consumed
     (`data_rows`; a checkpoint without them had its split's rows at every step)."""
-    written = split_state_dict(BatchSplit(0, 0, 0, 0, 0, 0)) | {"data_rows": -1}
+    unknown = BatchSplit(world_size=0, dp_replicate=0, dp_shard=0, tp=0, grad_accum_steps=0, micro_batch_size=0)
+    written = split_state_dict(unknown) | {"data_rows": -1}  # what the checkpoint lacks keeps these values
     dcp.load({"train": written}, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
     return split_from_state_dict(written), written["data_rows"] >= 0
 

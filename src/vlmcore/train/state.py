@@ -22,6 +22,8 @@ def split_from_state_dict(state: dict[str, int]) -> BatchSplit:
 
 @dataclass
 class TrainState:
+    """What the loop counts, checkpoints and logs (`Trainer`, vlmcore.train.loop)."""
+
     split: BatchSplit  # this run's; a resumed checkpoint's own is read by vlmcore.train.checkpoint.resume
     step: int = 0
     samples: int = 0
