@@ -237,6 +237,21 @@ def mrope_position_ids(config, input_ids, image_grid_thw, cu_seqlens, video_grid
     return torch.cat(out, dim=1).view(3, batch, seq_len).to(input_ids.device)
 
 
+class VisionEmbeds:
+    """The vision tower's output computed on other ranks (disjoint layouts, vlmcore.parallel.disjoint),
+    which the model's forward takes instead of running its tower: the images', then the videos'
+    embeddings, the DeepStack features as further columns.
+
+    An object around the tensor, not the tensor as an argument: FSDP2 hooks the gradient of each
+    tensor argument of a module's forward that requires grad (found by flattening tuples, lists
+    and dicts) and reduce-scatters the module's gradients when it arrives. For these rows that
+    would come before or after the bridge's all_to_all depending on whether the rank's micro-batch
+    has images, and the ranks would wait in different collectives."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+
+
 class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
     text_model_class = LanguageModel
 
@@ -260,12 +275,11 @@ class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
         pixel_values_videos=None,
         video_grid_thw=None,
         visual_selection=None,
-        vision_embeds: torch.Tensor | None = None,
+        vision_embeds: VisionEmbeds | None = None,
     ):
         """Token embeddings with image and video features scattered in; also where they went
-        (VisualTokens) and the DeepStack features. `vision_embeds`: the vision tower's output
-        computed on other ranks (the images', then the videos' embeddings, the DeepStack features
-        as further columns; vlmcore.parallel.disjoint), used instead of running the tower."""
+        (VisualTokens) and the DeepStack features. `vision_embeds`: the tower's output from other
+        ranks, used instead of running the tower."""
         h = self.model.language_model.embed_tokens(input_ids)
         if pixel_values is None and pixel_values_videos is None:
             return h, None, []
@@ -275,7 +289,7 @@ class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
         if vision_embeds is None:
             embeds, deepstack = self.model.visual(visual.pixels, visual.grids)
         else:
-            embeds, *deepstack = vision_embeds.split(self.config.vision_config.out_hidden_size, dim=1)
+            embeds, *deepstack = vision_embeds.rows.split(self.config.vision_config.out_hidden_size, dim=1)
         return visual.scatter(h, embeds), visual, deepstack
 
     def forward(
@@ -290,7 +304,7 @@ class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
         pixel_values_videos=None,
         video_grid_thw=None,
         visual_selection=None,
-        vision_embeds: torch.Tensor | None = None,
+        vision_embeds: VisionEmbeds | None = None,
     ) -> ModelOutput:
         """`visual_selection`: under context parallelism (vlmcore.parallel.cp) input_ids is a chunk
         of the rows and this says which features of the images and videos go to it.

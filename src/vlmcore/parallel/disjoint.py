@@ -22,6 +22,7 @@ from transformers import PretrainedConfig
 
 from vlmcore.config import ConfigError, TrainConfig
 from vlmcore.data.batch import Batch, Images
+from vlmcore.models.qwen3_vl import VisionEmbeds
 from vlmcore.parallel.ac import apply_ac
 from vlmcore.parallel.cp import apply_cp
 from vlmcore.parallel.fsdp import apply_fsdp
@@ -290,7 +291,7 @@ class DisjointBridge:
         parts = zip(images.split(images_by_data), videos.split(videos_by_data))
         return torch.cat([part for pair in parts for _ in range(self.cp) for part in pair])
 
-    def receive(self, i: int) -> torch.Tensor:
+    def receive(self, i: int) -> VisionEmbeds:
         """On a language rank: micro-batch i's image and video embeddings, as the model's
         `vision_embeds` takes them: the images of every source, then the videos (as the model's
         tower pass orders them), the DeepStack features as further columns."""
@@ -301,7 +302,7 @@ class DisjointBridge:
         by_source = [part.split([image_rows, video_rows]) for part, image_rows, video_rows in from_sources]
         images = [images for images, _ in by_source]
         videos = [videos for _, videos in by_source]
-        return torch.cat(images + videos)
+        return VisionEmbeds(torch.cat(images + videos))
 
     def global_norm(self, norm: torch.Tensor) -> torch.Tensor:
         """The gradient norm over both grids from each module's own (the same on its ranks)."""

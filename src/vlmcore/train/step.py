@@ -136,7 +136,7 @@ def forward_backward(
             aux_sum = aux.detach() if aux_sum is None else aux_sum + aux.detach()
             routed = counts if routed is None else routed + counts
         if received is not None:  # the bridge's backward (a collective) runs even if no image uses it
-            loss = loss + 0.0 * received.sum()
+            loss = loss + 0.0 * received.rows.sum()
         with moe.routing.not_kept() if moe is not None else nullcontext():
             loss.backward()
         local_sum = local_sum.detach().double()
