@@ -198,9 +198,9 @@ def test_disjoint_bridge_sends_every_row_once_to_its_language_rank(vision_ranks,
         for a in range(2):
             for e in range(vision_ranks):
                 for lang in range(vision_ranks, world):
-                    assert bridges[e].plans[a][0][lang] == bridges[lang].plans[a][1][e]
+                    assert bridges[e].plans[a].send[lang] == bridges[lang].plans[a].receive[e]
                     for kind in ("images", "videos"):
-                        assert bridges[e].plans[a][2][kind][lang] == bridges[lang].plans[a][2][kind][e]
+                        assert bridges[e].plans[a].by_kind[kind][lang] == bridges[lang].plans[a].by_kind[kind][e]
             batches = [step[j][a] for j in range(language)]
             for kind, token in (("images", model_config.image_token_id), ("videos", model_config.video_token_id)):
                 expected = [
@@ -215,8 +215,8 @@ def test_disjoint_bridge_sends_every_row_once_to_its_language_rank(vision_ranks,
                         torch.cat([getattr(b, kind).pixel_values for b in batches if getattr(b, kind) is not None]),
                     )
                 tokens = sum(int((b.input_ids == token).sum()) for b in batches)
-                received = sum(sum(bridges[lang].plans[a][2][kind]) for lang in range(vision_ranks, world))
-                sent = sum(sum(bridges[e].plans[a][2][kind]) for e in range(vision_ranks))
+                received = sum(sum(bridges[lang].plans[a].by_kind[kind]) for lang in range(vision_ranks, world))
+                sent = sum(sum(bridges[e].plans[a].by_kind[kind]) for e in range(vision_ranks))
                 assert received == sent == tokens
                 seen[kind] += len(expected)
     assert seen["images"] > 0 and seen["videos"] > 0

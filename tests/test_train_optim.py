@@ -125,8 +125,10 @@ def test_resume_keeps_the_configured_group_settings(tmp_path, one_process_group)
     wrote the checkpoint had other settings and the multi-tensor kernel."""
     import torch
 
+    from vlmcore.parallel.layout import BatchSplit
     from vlmcore.train.checkpoint import Checkpointer, resume, rng_state
     from vlmcore.train.optim import build_optimizer
+    from vlmcore.train.state import TrainState
 
     torch.manual_seed(0)
     model = TinyVLM()
@@ -138,19 +140,21 @@ def test_resume_keeps_the_configured_group_settings(tmp_path, one_process_group)
     written.zero_grad(set_to_none=True)
     data = Position()
     data.consumed = 7
-    split = {"world_size": 1}
+    split = BatchSplit(world_size=1, dp_replicate=1, dp_shard=1, tp=1, grad_accum_steps=1, micro_batch_size=1)
+    train_state = TrainState(split, step=1).state_dict()
+    del train_state["data_rows"]  # a checkpoint without the rows consumed: they follow from its split
     Checkpointer(tmp_path, keep=1).save(
-        1, model, written, {"step": 1, "layout_world_size": 1}, {"rng": rng_state(), "loader": data.state_dict()}
+        1, model, written, train_state, {"rng": rng_state(), "loader": data.state_dict()}
     )
 
     cfg = OptimizerConfig(lr=1.0, vision_lr=0.1, projector_lr=0.5, weight_decay=0.01)
     optimizer = build_optimizer(model, cfg)
     built = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    state, data = {"step": 0, "layout_world_size": 0}, Position()
-    resume(Checkpointer(tmp_path, keep=1), tmp_path / "checkpoints" / "step_1", model, optimizer, data, state, split)
+    state, data = TrainState(split), Position()
+    resume(Checkpointer(tmp_path, keep=1), tmp_path / "checkpoints" / "step_1", model, optimizer, data, state)
     assert [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] == built
     assert all(g["fused"] for g in optimizer.param_groups)
-    assert state["step"] == 1 and data.consumed == 7
+    assert state.step == 1 and data.consumed == 7
     for p in model.parameters():
         assert torch.equal(optimizer.state[p]["exp_avg"], written.state[p]["exp_avg"])
         assert torch.equal(optimizer.state[p]["exp_avg_sq"], written.state[p]["exp_avg_sq"])

@@ -263,6 +263,21 @@ def mrope_position_ids(
     return torch.cat(out, dim=1).view(3, batch, seq_len).to(input_ids.device)
 
 
+class VisionEmbeds:
+    """The vision tower's output computed on other ranks (disjoint layouts, vlmcore.parallel.disjoint),
+    which the model's forward takes instead of running its tower: the images', then the videos'
+    embeddings, the DeepStack features as further columns.
+
+    An object around the tensor, not the tensor as an argument: FSDP2 hooks the gradient of each
+    tensor argument of a module's forward that requires grad (found by flattening tuples, lists
+    and dicts) and reduce-scatters the module's gradients when it arrives. For these rows that
+    would come before or after the bridge's all_to_all depending on whether the rank's micro-batch
+    has images, and the ranks would wait in different collectives."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+
+
 class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
     text_model_class = LanguageModel
 
@@ -292,16 +307,21 @@ class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
         pixel_values_videos: torch.Tensor | None = None,
         video_grid_thw: GridThw | None = None,
         visual_selection: Sequence[torch.Tensor] | None = None,
+        vision_embeds: VisionEmbeds | None = None,
     ) -> tuple[torch.Tensor, VisualTokens | None, list[torch.Tensor]]:
         """Token embeddings with image and video features scattered in; also where they went
-        (VisualTokens) and the DeepStack features."""
+        (VisualTokens) and the DeepStack features. `vision_embeds`: the tower's output from other
+        ranks, used instead of running the tower."""
         h = self.model.language_model.embed_tokens(input_ids)
         if pixel_values is None and pixel_values_videos is None:
             return h, None, []
         visual = VisualTokens(
             self.config, input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, visual_selection
         )
-        embeds, deepstack = self.model.visual(visual.pixels, visual.grids)
+        if vision_embeds is None:
+            embeds, deepstack = self.model.visual(visual.pixels, visual.grids)
+        else:
+            embeds, *deepstack = vision_embeds.rows.split(self.config.vision_config.out_hidden_size, dim=1)
         return visual.scatter(h, embeds), visual, deepstack
 
     def forward(
@@ -316,11 +336,19 @@ class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
         pixel_values_videos: torch.Tensor | None = None,
         video_grid_thw: GridThw | None = None,
         visual_selection: Sequence[torch.Tensor] | None = None,
+        vision_embeds: VisionEmbeds | None = None,
     ) -> ModelOutput:
         """`visual_selection`: under context parallelism (vlmcore.parallel.cp) input_ids is a chunk
-        of the rows and this says which features of the images and videos go to it."""
+        of the rows and this says which features of the images and videos go to it.
+        `vision_embeds`: the tower's output from other ranks (`embed`)."""
         h, visual, deepstack = self.embed(
-            input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, visual_selection
+            input_ids,
+            pixel_values,
+            image_grid_thw,
+            pixel_values_videos,
+            video_grid_thw,
+            visual_selection,
+            vision_embeds,
         )
         if position_ids is None:
             position_ids = self.position_ids(input_ids, image_grid_thw, cu_seqlens, video_grid_thw)

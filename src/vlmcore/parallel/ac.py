@@ -6,7 +6,12 @@ from functools import partial
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    SAC_IGNORED_OPS,
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    create_selective_checkpoint_contexts,
+)
 
 from vlmcore.parallel.compile import apply_compile
 
@@ -42,7 +47,9 @@ _PROFILER_OPS = {
 }
 
 
-def _save_matmuls(ctx, op, *args, **kwargs):
+def _save_matmuls(
+    ctx: SelectiveCheckpointContext, op: torch._ops.OpOverload, *args: object, **kwargs: object
+) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 

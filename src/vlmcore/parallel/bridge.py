@@ -27,9 +27,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from vlmcore.models.layers import grid_list
 from vlmcore.parallel.tp import sum_grad_over
 
+# What a vision tower returns: the image embeddings and the DeepStack features.
+TowerOutput = tuple[torch.Tensor, list[torch.Tensor]]
+
 
 class VisionBridge:
-    def __init__(self, vision: nn.Module, tp_mesh: DeviceMesh, language_tp: int):
+    def __init__(self, vision: nn.Module, tp_mesh: DeviceMesh, language_tp: int) -> None:
         self.tp_mesh, self.group = tp_mesh, tp_mesh.get_group()
         ranks = dist.get_process_group_ranks(self.group)
         # The group's first rank of each language data-parallel rank brings that micro-batch's images.
@@ -41,7 +44,7 @@ class VisionBridge:
         vision.register_forward_pre_hook(self.gather_images)
         vision.register_forward_hook(self.keep_own_rows)
 
-    def gather_images(self, module, args):
+    def gather_images(self, module: nn.Module, args: tuple) -> tuple:
         pixels, grids = args[0], grid_list(args[1])
         size = self.tp_mesh.size()
         all_grids = [grids] * size  # the memory estimate's fake tensors: every rank holds a batch like this one
@@ -56,7 +59,7 @@ class VisionBridge:
         union = torch.cat([gathered[i][: counts[i]] for i in self.sources])
         return (union, [grid for i in self.sources for grid in all_grids[i]], *args[2:])
 
-    def keep_own_rows(self, module, args, output):
+    def keep_own_rows(self, module: nn.Module, args: tuple, output: TowerOutput) -> TowerOutput:
         embeds, deepstack = output
         union = sum_grad_over(torch.cat([embeds, *deepstack], dim=1), self.tp_mesh)  # one all-reduce in backward
         embeds, *deepstack = union.narrow(0, *self.rows).split(embeds.shape[1], dim=1)
@@ -66,7 +69,7 @@ class VisionBridge:
 def count_images_once(vision: nn.Module, copies: int) -> None:
     """Scales the gradient of the vision tower's outputs by 1 / `copies` (the language tp)."""
 
-    def hook(module, args, output):
+    def hook(module: nn.Module, args: tuple, output: TowerOutput) -> TowerOutput:
         embeds, deepstack = output
         for t in (embeds, *deepstack):
             if t.requires_grad:

@@ -9,13 +9,18 @@ No torch: a model is its transformers config or its config.json as a dict.
 import dataclasses
 import math
 from types import SimpleNamespace
+from typing import Any, TypeAlias
 
 from vlmcore.config import ConfigError, TrainConfig
-from vlmcore.families import FAMILIES, family
+from vlmcore.families import FAMILIES, Family, family
 from vlmcore.parallel.layout import MODULES, RunLayout, modules_set, resolve_layout
 
+# A model's config read by attribute: a transformers config, or its config.json as `as_config` gives
+# it (typed Any: this module imports no transformers, see the module docstring).
+ModelConfig: TypeAlias = Any
 
-def check_run(cfg: TrainConfig, world_size: int, model_config=None) -> RunLayout:
+
+def check_run(cfg: TrainConfig, world_size: int, model_config: ModelConfig | dict | None = None) -> RunLayout:
     """The stage's layout on `world_size` ranks, checked against the world and, given the model's
     config (a transformers config or a config.json dict), against the model."""
     layout = resolve_layout(cfg.parallel, world_size)
@@ -80,7 +85,7 @@ def check_rows(cfg: TrainConfig, layout: RunLayout) -> None:
         )
 
 
-def check_model(cfg: TrainConfig, layout: RunLayout, config) -> None:
+def check_model(cfg: TrainConfig, layout: RunLayout, config: ModelConfig) -> None:
     try:
         model = family(config)
     except ValueError as e:
@@ -104,11 +109,11 @@ def check_model(cfg: TrainConfig, layout: RunLayout, config) -> None:
         check_vision_tp(config, layout.vision.dims.tp)
 
 
-def text_config(config):
+def text_config(config: ModelConfig) -> ModelConfig:
     return getattr(config, "text_config", None) or config
 
 
-def check_tp(config, tp: int) -> None:
+def check_tp(config: ModelConfig, tp: int) -> None:
     """The language model's heads, vocabulary and MLP split over `tp` ranks."""
     model = family(config)
     if not model.tensor_parallel:
@@ -128,7 +133,7 @@ def check_tp(config, tp: int) -> None:
             raise ConfigError(f"parallel.tp: {tp} does not divide the model's {key} ({value})")
 
 
-def check_cp_model(config, model, cp: int, tp: int = 1) -> None:
+def check_cp_model(config: ModelConfig, model: Family, cp: int, tp: int = 1) -> None:
     """The heads of every token mixer, those of a TP rank, split over `cp` ranks (the all-to-all gives
     each whole heads)."""
     text = text_config(config)
@@ -145,7 +150,7 @@ def check_cp_model(config, model, cp: int, tp: int = 1) -> None:
             )
 
 
-def check_vision_tp(config, tp: int) -> None:
+def check_vision_tp(config: ModelConfig, tp: int) -> None:
     vision = config.vision_config
     for key in ("num_heads", "intermediate_size"):
         if getattr(vision, key) % tp:
@@ -155,7 +160,7 @@ def check_vision_tp(config, tp: int) -> None:
             )
 
 
-def check_ep(config, ep: int) -> None:
+def check_ep(config: ModelConfig, ep: int) -> None:
     """Named-key errors for an expert-parallel degree the model cannot take."""
     num_experts = getattr(text_config(config), "num_experts", 0) or 0
     if ep > 1 and not num_experts:
@@ -166,7 +171,7 @@ def check_ep(config, ep: int) -> None:
         raise ConfigError(f"parallel.ep: {ep} does not divide the model's num_experts ({num_experts})", "parallel.ep")
 
 
-def as_config(config):
+def as_config(config: ModelConfig | dict) -> ModelConfig:
     """A config.json dict as an object read like a transformers config (attributes, sub-configs);
     a transformers config as it is."""
     if not isinstance(config, dict):

@@ -1,5 +1,5 @@
 """Context parallelism by all-to-all over heads (the scheme of DeepSpeed-Ulysses), for rows too
-long for one GPU (`parallel.cp`; issue 30).
+long for one GPU (`parallel.cp`).
 
 A packed row is cut into `cp` contiguous chunks, one a rank (`Batch.context_chunk`): embeddings,
 norms, MLPs, the LM head and the loss run on the rank's chunk, so activations shrink by cp.
@@ -19,14 +19,19 @@ the k/v heads a rank holds (Qwen3-VL-8B: 8, divided by tp), beyond which a ring 
 sequence chunks is the way (docs/hpc.md, "Context parallelism").
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
+# An attention kernel: attend(q, k, v, **kwargs) -> the attention output.
+Attend = Callable[..., torch.Tensor]
 
-def sequence_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+
+def sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torch.Tensor:
     """(B, S/cp, H, D) chunk of every head -> (B, S, H/cp, D): the whole row, this rank's heads."""
     batch, chunk, heads, dim = x.shape
     if heads % cp:
@@ -37,7 +42,7 @@ def sequence_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     return x.permute(1, 0, 2, 3, 4).reshape(batch, cp * chunk, heads // cp, dim)
 
 
-def heads_to_sequence(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+def heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torch.Tensor:
     """(B, S, H/cp, D) of this rank's heads -> (B, S/cp, H, D): this rank's chunk, every head."""
     batch, length, heads, dim = x.shape
     # Sequence chunk i goes to rank i; what arrives from rank j is head group j.
@@ -46,7 +51,15 @@ def heads_to_sequence(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     return x.permute(1, 2, 0, 3, 4).reshape(batch, length // cp, cp * heads, dim)
 
 
-def ulysses_attention(attend, q, k, v, group, cp: int, **kwargs) -> torch.Tensor:
+def ulysses_attention(
+    attend: Attend,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    cp: int,
+    **kwargs: object,
+) -> torch.Tensor:
     """`attend(q, k, v, **kwargs)` (vlmcore.models.attention.attention, with the whole row's
     cu_seqlens) on q (B, S/cp, Hq, D), k/v (B, S/cp, Hkv, D) chunks -> the (B, S/cp, Hq, D) chunk
     of the whole row's attention. Grouped-query heads stay grouped: rank j holds q heads
@@ -59,10 +72,14 @@ class UlyssesAttention:
     """What a model's token mixer calls under context parallelism: softmax attention calls it
     instead of its kernel; Gated DeltaNet moves its per-channel inputs and its output with it."""
 
-    def __init__(self, group, cp: int):
-        self.group, self.cp, self.rank = group, cp, dist.get_rank(group)
+    def __init__(self, group: dist.ProcessGroup, cp: int) -> None:
+        self.group = group
+        self.cp = cp
+        self.rank = dist.get_rank(group)
 
-    def __call__(self, attend, q, k, v, **kwargs) -> torch.Tensor:
+    def __call__(
+        self, attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object
+    ) -> torch.Tensor:
         return ulysses_attention(attend, q, k, v, self.group, self.cp, **kwargs)
 
     def channels_to_rows(self, x: torch.Tensor, blocks: list[int]) -> torch.Tensor:

@@ -1,24 +1,28 @@
 """Disjoint layouts (`parallel.modules.*.ranks`): the vision tower on its ranks (encoder ranks), the
 language model on the others. `hold_one_module` keeps a rank's module of the meta model (a language
 rank gets a parameterless stand-in, `ReceivedImages`, for the tower); `DisjointBridge` carries the
-embeddings between them, runs an encoder rank's side of the step and gives it its data.
+embeddings between them (a language rank's model takes them as its `vision_embeds` argument), runs
+an encoder rank's side of the step and gives it its data.
 
-Each module runs with tp 1 for now (vlmcore.parallel.checks refuses tensor parallelism here).
+Each module runs with tp 1 (vlmcore.parallel.checks refuses tensor parallelism here).
 Under context parallelism each language rank of a row receives the whole row's embeddings and
 keeps the rows of its chunk (`Batch.context_chunk(keep_all=True)`).
 """
 
 import copy
 import math
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from transformers import PretrainedConfig
 
 from vlmcore.config import ConfigError, TrainConfig
-from vlmcore.data.load.batch import Images
+from vlmcore.data.load.batch import Batch, Images
+from vlmcore.models.qwen3_vl import VisionEmbeds
 from vlmcore.parallel.ac import apply_ac
 from vlmcore.parallel.cp import apply_cp
 from vlmcore.parallel.fsdp import apply_fsdp
@@ -41,11 +45,15 @@ def hold_one_module(model: nn.Module, module: str, cfg: TrainConfig, meshes: Mes
         model.dropped_prefixes = tuple(_replace(model, part, None) for part in (model.text_model(), model.lm_head))
         model.config = copy.copy(model.config)
         model.config.tie_word_embeddings = False
-        stack, root, blocks = model.vision_layers(), model.vision_tower(), []
+        stack = model.vision_layers()
+        root = model.vision_tower()
+        blocks = []  # the tower is one FSDP unit
     else:
         width = model.config.vision_config.out_hidden_size
         model.dropped_prefixes = (_replace(model, model.vision_tower(), ReceivedImages(width)),)
-        stack, root, blocks = model.decoder_layers(), model, list(model.decoder_layers().children())
+        stack = model.decoder_layers()
+        root = model
+        blocks = list(model.decoder_layers().children())
         if meshes.layout.language.dims.cp > 1:
             apply_cp(model, meshes.cp())
     if not any(p.requires_grad for p in model.parameters()):  # its ranks would have nothing to do
@@ -59,7 +67,7 @@ def hold_one_module(model: nn.Module, module: str, cfg: TrainConfig, meshes: Mes
     apply_fsdp(root, blocks, None, meshes.dp(module), None, cfg.precision)
 
 
-def row_grids(batch, images: Images | None, token_id: int, merge: int) -> list[list[list[int]]]:
+def row_grids(batch: Batch, images: Images | None, token_id: int, merge: int) -> list[list[list[int]]]:
     """The grids of `images` (a host micro-batch's images, or its videos) in each of its rows
     (they are in token order, so a row's image tokens are those of its images)."""
     grids = iter(images.grids() if images is not None else [])
@@ -76,10 +84,10 @@ class SourceBatches:
     """An encoder rank's data: the micro-batches of the language data-parallel ranks whose rows
     it encodes (their own loaders, so the global micro-batch is the one the language ranks read)."""
 
-    def __init__(self, loaders: list):
+    def __init__(self, loaders: list) -> None:
         self.loaders = loaders
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[tuple]:
         return zip(*self.loaders)
 
     def state_dict(self) -> dict:
@@ -102,25 +110,42 @@ class EncoderInputs:
     videos: Images | None
 
     def to(self, device: torch.device) -> "EncoderInputs":
-        return EncoderInputs(*(None if x is None else x.to(device) for x in (self.images, self.videos)))
+        images = None if self.images is None else self.images.to(device)
+        videos = None if self.videos is None else self.videos.to(device)
+        return EncoderInputs(images, videos)
 
-    def map_tensors(self, fn) -> "EncoderInputs":
-        return EncoderInputs(*(None if x is None else x.map_tensors(fn) for x in (self.images, self.videos)))
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "EncoderInputs":
+        images = None if self.images is None else self.images.map_tensors(fn)
+        videos = None if self.videos is None else self.videos.map_tensors(fn)
+        return EncoderInputs(images, videos)
 
 
 class ReceivedImages(nn.Module):
-    """Stands in for the vision tower on the language ranks: returns the image embeddings (and
-    DeepStack features) the bridge received for this micro-batch. No parameters; an empty merger
-    list so the model's accessors (projectors) still answer."""
+    """Stands in for the vision tower on the language ranks, which never run it: the model takes
+    the embeddings the bridge received as its `vision_embeds` argument. No parameters; an empty
+    merger list so the model's accessors (projectors) still answer."""
 
-    def __init__(self, width: int):
+    def __init__(self, width: int) -> None:
         super().__init__()
-        self.width, self.received = width, None
-        self.merger, self.deepstack_merger_list = nn.Identity(), nn.ModuleList()
+        self.width = width
+        self.merger = nn.Identity()
+        self.deepstack_merger_list = nn.ModuleList()
 
-    def forward(self, pixel_values, grid_thw):
-        embeds, *deepstack = self.received.split(self.width, dim=1)
-        return embeds, deepstack
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> None:
+        raise RuntimeError(
+            "the vision tower runs on the encoder ranks: pass the received embeddings as the model's vision_embeds"
+        )
+
+
+@dataclass
+class ExchangePlan:
+    """One micro-batch's all_to_all on this rank, by world rank: the embedding rows it sends to each
+    rank and receives from each, and of those, per kind ("images", "videos"), the rows exchanged with
+    each rank (an encoder rank's for its destinations, a language rank's from its sources)."""
+
+    send: list[int]
+    receive: list[int]
+    by_kind: dict[str, list[int]]
 
 
 class DisjointBridge:
@@ -138,21 +163,31 @@ class DisjointBridge:
     """
 
     def __init__(
-        self, config, layout: RunLayout, micro_batch_size: int, dtype: torch.dtype, device: torch.device, rank: int
-    ):
-        self.vision_ranks, self.language_ranks = layout.vision.ranks, layout.language.ranks
-        self.data_world, self.cp = layout.language.dims.dp, layout.language.dims.cp
-        self.rank, self.world = rank, layout.world_size
+        self,
+        config: PretrainedConfig,
+        layout: RunLayout,
+        micro_batch_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        rank: int,
+    ) -> None:
+        self.vision_ranks = layout.vision.ranks
+        self.language_ranks = layout.language.ranks
+        self.data_world = layout.language.dims.dp
+        self.cp = layout.language.dims.cp
+        self.rank = rank
+        self.world = layout.world_size
         self.is_vision = self.rank in self.vision_ranks
         self.micro_batch_size = micro_batch_size
         self.rows_per_encoder = micro_batch_size * self.data_world // len(self.vision_ranks)
         vision = config.vision_config
-        self.merge, self.width = vision.spatial_merge_size, vision.out_hidden_size
+        self.merge = vision.spatial_merge_size
+        self.width = vision.out_hidden_size
         self.kinds = {"images": config.image_token_id, "videos": getattr(config, "video_token_id", None)}
         self.columns = self.width * (1 + len(getattr(vision, "deepstack_visual_indexes", None) or []))
-        self.dtype, self.device = dtype, device
-        self.plans = []  # per micro-batch: (send sizes, receive sizes, sizes by kind) by world rank
-        self.stand_in = None  # ReceivedImages on a language rank
+        self.dtype = dtype
+        self.device = device
+        self.plans: list[ExchangePlan] = []  # the step's, one per micro-batch
 
     def encoder_rows(self) -> range:
         i = self.rank - self.vision_ranks.start
@@ -163,7 +198,7 @@ class DisjointBridge:
         rows = self.encoder_rows()
         return range(rows.start // self.micro_batch_size, (rows.stop - 1) // self.micro_batch_size + 1)
 
-    def encoder_data(self, build_data) -> "SourceBatches":
+    def encoder_data(self, build_data: Callable[[int, int], Iterable]) -> SourceBatches:
         """An encoder rank's data: `build_data(data_rank, data_world)` of each language
         data-parallel rank whose rows it encodes."""
         return SourceBatches([build_data(j, self.data_world) for j in self.source_ranks()])
@@ -180,9 +215,12 @@ class DisjointBridge:
         return host_micro
 
     def _plan_encoder(self, sources: tuple) -> EncoderInputs | None:
-        sizes, inputs = {}, {}  # sizes: per kind, the rows for each rank (every cp rank of a row gets it)
+        sizes = {}  # per kind, the rows for each rank (every cp rank of a row gets it)
+        inputs = {}
         for kind, token in self.kinds.items():
-            sizes[kind], pixels, grids = [0] * self.world, [], []
+            sizes[kind] = [0] * self.world
+            pixels = []
+            grids = []
             for j, batch in zip(self.source_ranks(), sources):
                 start = 0
                 for k, images in enumerate(row_grids(batch, getattr(batch, kind), token, self.merge)):
@@ -198,24 +236,25 @@ class DisjointBridge:
                 Images(torch.cat(pixels), torch.tensor(grids), first.normalize, first.kind) if grids else None
             )
         send = [a + b for a, b in zip(sizes["images"], sizes["videos"])]
-        self.plans.append((send, [0] * self.world, sizes))
+        self.plans.append(ExchangePlan(send=send, receive=[0] * self.world, by_kind=sizes))
         return None if inputs["images"] is None and inputs["videos"] is None else EncoderInputs(**inputs)
 
-    def _plan_language(self, batch) -> None:
-        sizes, j = {}, (self.rank - self.language_ranks.start) // self.cp
+    def _plan_language(self, batch: Batch) -> None:
+        sizes = {}
+        j = (self.rank - self.language_ranks.start) // self.cp  # this rank's language data-parallel rank
         for kind, token in self.kinds.items():
             sizes[kind] = [0] * self.world
             for k, images in enumerate(row_grids(batch, getattr(batch, kind), token, self.merge)):
                 encoder = self.vision_ranks[(j * self.micro_batch_size + k) // self.rows_per_encoder]
                 sizes[kind][encoder] += sum(math.prod(g) for g in images) // self.merge**2
         receive = [a + b for a, b in zip(sizes["images"], sizes["videos"])]
-        self.plans.append(([0] * self.world, receive, sizes))
+        self.plans.append(ExchangePlan(send=[0] * self.world, receive=receive, by_kind=sizes))
 
     def exchange(self, i: int, send: torch.Tensor) -> torch.Tensor:
         """Micro-batch i's all_to_all: `send` (rows for the language ranks, in their order) goes
         out, this rank's rows come in; backward sends the gradients the other way."""
-        send_sizes, receive_sizes, _ = self.plans[i]
-        return all_to_all_single_autograd(send.to(self.dtype).contiguous(), receive_sizes, send_sizes, dist.group.WORLD)
+        plan = self.plans[i]
+        return all_to_all_single_autograd(send.to(self.dtype).contiguous(), plan.receive, plan.send, dist.group.WORLD)
 
     def encoder_step(self, model: nn.Module, inputs: list[EncoderInputs | None]) -> torch.Tensor:
         """An encoder rank's forward and backward: runs the vision tower on the images and videos
@@ -223,7 +262,8 @@ class DisjointBridge:
         embeddings to the language ranks and backpropagates the gradients they send back. Without
         either it runs a tiny zero image and sends none of it, so the tower's collectives match its
         other ranks'. Returns a zero loss sum (the language ranks have it)."""
-        vision, device = model.vision_tower(), next(model.parameters()).device
+        vision = model.vision_tower()
+        device = next(model.parameters()).device
         for i, batch in enumerate(inputs):
             vision.set_requires_gradient_sync(i == len(inputs) - 1)
             kinds = (
@@ -234,7 +274,7 @@ class DisjointBridge:
             pixels = torch.cat([x.pixel_values for x in kinds]) if len(kinds) > 1 else kinds[0].pixel_values
             embeds, deepstack = vision(pixels, [g for x in kinds for g in x.grids()])
             sent = torch.cat([embeds, *deepstack], dim=1)
-            sent = self._by_destination(sent, self.plans[i][2]) if batch is not None else sent[:0]
+            sent = self._by_destination(sent, self.plans[i].by_kind) if batch is not None else sent[:0]
             received = self.exchange(i, sent)
             received.sum().backward()  # nothing arrives on an encoder rank; its backward brings `sent`'s gradient
         return torch.zeros((), dtype=torch.float64, device=device)
@@ -245,22 +285,24 @@ class DisjointBridge:
         rank of a data-parallel rank)."""
         # The tower ran once per data-parallel rank's rows: their sizes are those of its first cp rank.
         firsts = self.language_ranks[:: self.cp]
-        images_by_data, videos_by_data = ([sizes[kind][rank] for rank in firsts] for kind in ("images", "videos"))
+        images_by_data = [sizes["images"][rank] for rank in firsts]
+        videos_by_data = [sizes["videos"][rank] for rank in firsts]
         images, videos = rows.split([sum(images_by_data), sum(videos_by_data)])
         parts = zip(images.split(images_by_data), videos.split(videos_by_data))
         return torch.cat([part for pair in parts for _ in range(self.cp) for part in pair])
 
-    def receive(self, i: int) -> torch.Tensor:
-        """On a language rank: micro-batch i's image and video embeddings, for the model's
-        stand-in: the images of every source, then the videos (as the model's tower pass orders them)."""
+    def receive(self, i: int) -> VisionEmbeds:
+        """On a language rank: micro-batch i's image and video embeddings, as the model's
+        `vision_embeds` takes them: the images of every source, then the videos (as the model's
+        tower pass orders them), the DeepStack features as further columns."""
         nothing = torch.zeros(0, self.columns, dtype=self.dtype, device=self.device, requires_grad=True)
         received = self.exchange(i, nothing)
-        _, receive_sizes, sizes = self.plans[i]
-        by_source = [
-            part.split([a, b]) for part, a, b in zip(received.split(receive_sizes), sizes["images"], sizes["videos"])
-        ]
-        self.stand_in.received = torch.cat([images for images, _ in by_source] + [videos for _, videos in by_source])
-        return self.stand_in.received
+        plan = self.plans[i]
+        from_sources = zip(received.split(plan.receive), plan.by_kind["images"], plan.by_kind["videos"])
+        by_source = [part.split([image_rows, video_rows]) for part, image_rows, video_rows in from_sources]
+        images = [images for images, _ in by_source]
+        videos = [videos for _, videos in by_source]
+        return VisionEmbeds(torch.cat(images + videos))
 
     def global_norm(self, norm: torch.Tensor) -> torch.Tensor:
         """The gradient norm over both grids from each module's own (the same on its ranks)."""

@@ -43,7 +43,7 @@ class AllToAllDispatch:
 
     reads_host = True  # the all-to-all's split sizes
 
-    def __init__(self, group):
+    def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
 
     def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:

@@ -30,7 +30,8 @@ def apply_fsdp(
     `expert_mesh`: the experts' under expert parallelism; `shard_one_rank`: FSDP units even over
     one rank without a cast (the memory estimate: torch's tracker of plain modules fails on frozen
     weights)."""
-    param_dtype, reduce_dtype = getattr(torch, precision.param_dtype), getattr(torch, precision.reduce_dtype)
+    param_dtype = getattr(torch, precision.param_dtype)
+    reduce_dtype = getattr(torch, precision.reduce_dtype)
     if (
         not shard_one_rank
         and dist.get_world_size() == 1

@@ -62,6 +62,25 @@ class Grid:
 
 
 @dataclass(frozen=True)
+class BatchSplit:
+    """How a run splits its global batch over ranks and micro-batches: what a checkpoint records
+    (`layout_<field>` keys, vlmcore.train.state) so that a resume under another split can tell
+    whether the data stream goes on exactly."""
+
+    world_size: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    grad_accum_steps: int
+    micro_batch_size: int
+
+    @property
+    def global_batch_rows(self) -> int:
+        """The packed rows of one optimizer step over all data-parallel ranks (tp peers share theirs)."""
+        return self.dp_replicate * self.dp_shard * self.micro_batch_size * self.grad_accum_steps
+
+
+@dataclass(frozen=True)
 class RunLayout:
     world_size: int
     language: Grid
@@ -75,6 +94,18 @@ class RunLayout:
 
     def grid(self, module: str) -> Grid:
         return getattr(self, module)
+
+    def batch_split(self, micro_batch_size: int) -> BatchSplit:
+        """The split of the global batch: the data's grid (the language model's), the micro-batches of a step."""
+        dims = self.data.dims
+        return BatchSplit(
+            world_size=self.world_size,
+            dp_replicate=dims.dp_replicate,
+            dp_shard=dims.dp_shard,
+            tp=dims.tp,
+            grad_accum_steps=self.grad_accum_steps,
+            micro_batch_size=micro_batch_size,
+        )
 
     def role(self, rank: int) -> str:
         """What `rank` holds: "both" modules (colocated), or the "vision" tower or the "language" model."""

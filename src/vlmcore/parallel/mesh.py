@@ -42,10 +42,11 @@ class Meshes:
     rather than `dp_shard` flattened from the two: torch deprecates slicing a flattened dimension
     from the root mesh)."""
 
-    def __init__(self, layout: RunLayout, device: torch.device):
+    def __init__(self, layout: RunLayout, device: torch.device) -> None:
         self.layout = layout
         self.meshes = {"language": self._module_mesh("language", device)}
-        dims, language = layout.language.dims, self.meshes["language"]
+        dims = layout.language.dims
+        language = self.meshes["language"]
         # FSDP shards over dp_shard x cp (the cp ranks of a row hold different tokens, so their
         # gradients add up like those of different rows); the cp ranks are that dimension
         # unflattened, from the same root mesh as the TP mesh (FSDP2 composes only meshes of one root).
@@ -65,7 +66,8 @@ class Meshes:
         names = tuple(self._name(module, name) for name in dims)
         shape = tuple(getattr(grid.dims, name) for name in dims)
         if grid.dims.cp > 1:
-            names, shape = ("dp_replicate", "dp_shard_cp", "tp"), (shape[0], shape[1] * grid.dims.cp, shape[2])
+            names = ("dp_replicate", "dp_shard_cp", "tp")
+            shape = (shape[0], shape[1] * grid.dims.cp, shape[2])
         if not self.layout.disjoint:
             return init_device_mesh(device.type, shape, mesh_dim_names=names)
         return DeviceMesh(
@@ -80,7 +82,9 @@ class Meshes:
 
     def dp(self, module: str = "language") -> DeviceMesh:
         """The mesh FSDP2 shards the module over: 1-D (FSDP) or 2-D replicate x shard (HSDP / DDP)."""
-        mesh, replicate, shard = self.meshes[module], self._name(module, "dp_replicate"), self._name(module, "dp_shard")
+        mesh = self.meshes[module]
+        replicate = self._name(module, "dp_replicate")
+        shard = self._name(module, "dp_shard")
         if module == "language" and self.context is not None:
             shard = "dp_shard_cp"
         return mesh[shard] if self.layout.grid(module).dims.dp_replicate == 1 else mesh[replicate, shard]

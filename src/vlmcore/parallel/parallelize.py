@@ -28,7 +28,9 @@ def parallelize(
     if role != "both":
         hold_one_module(model, role, cfg, meshes)
         return []
-    dims, blocks, vision = layout.language.dims, model.decoder_layers(), model.vision_tower()
+    dims = layout.language.dims
+    blocks = model.decoder_layers()
+    vision = model.vision_tower()
     partial = apply_tp(model, meshes.tp(), cfg.parallel.sequence_parallel) if dims.tp > 1 else []
     if dims.ep > 1:
         apply_ep(model, meshes.ep())

@@ -31,6 +31,8 @@ rank; `apply_tp` returns them, as (module, attribute name) since FSDP later repl
 parameter objects on the same modules, for the train step to all-reduce once per optimizer step.
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -78,7 +80,8 @@ def apply_vision_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Shards the vision blocks of `model` in place over `tp_mesh` (no partial gradients)."""
     for block in model.vision_layers():
         # Same parameters and state-dict names, another forward (as fully_shard swaps classes).
-        block.attn.qkv.__class__, block.attn.qkv.tp_mesh = OwnHeadsLinear, tp_mesh
+        block.attn.qkv.__class__ = OwnHeadsLinear
+        block.attn.qkv.tp_mesh = tp_mesh
         parallelize_module(
             block,
             tp_mesh,
@@ -141,7 +144,7 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
     return plan
 
 
-def _check_even_sequence_split(tp: int):
+def _check_even_sequence_split(tp: int) -> Callable[[nn.Module, tuple], None]:
     """torch before 2.13 fails on an unevenly split sequence with 'view size is not compatible'
     (a strided all-gather result; in backward on 2.11, already in forward on 2.12); say what to
     change instead."""
@@ -183,7 +186,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Tr
         ]
         names += [f"linear_attn.{name}" for name in LINEAR_ATTN_PARTIAL if hasattr(block, "linear_attn")]
         partial += [(block.get_submodule(path), attr) for path, _, attr in (n.rpartition(".") for n in names)]
-    text_model, embed = model.text_model(), model.token_embedding()
+    text_model = model.text_model()
+    embed = model.token_embedding()
     parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     if sequence_parallel:
         if torch.__version__ < (2, 13):

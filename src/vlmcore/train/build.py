@@ -11,12 +11,14 @@ the rest on fake tensors, with the optimizer and the gradient norm one tensor at
 vlmcore.train.memory).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers import PretrainedConfig
 
 from vlmcore.config import ConfigError, TrainConfig
 from vlmcore.families import family
@@ -25,7 +27,7 @@ from vlmcore.parallel.disjoint import DisjointBridge
 from vlmcore.parallel.layout import RunLayout
 from vlmcore.parallel.mesh import Meshes
 from vlmcore.parallel.parallelize import parallelize
-from vlmcore.train.checkpoint import load_model_weights
+from vlmcore.train.checkpoint import ResumableData, load_model_weights
 from vlmcore.train.optim import build_optimizer, freeze
 from vlmcore.train.step import Step, build_step
 
@@ -106,7 +108,8 @@ class Run:
         """What cuts this rank's chunk from the rows under context parallelism (`to_device`: the
         arguments of `Batch.context_chunk`); None on an encoder rank of disjoint layouts (its images
         are whole). A language rank of disjoint layouts receives the whole rows' image embeddings."""
-        cp, config = self.layout.language.dims.cp, self.model.config
+        cp = self.layout.language.dims.cp
+        config = self.model.config
         if cp == 1 or self.role == "vision":
             return None
         context = {"cp_rank": self.layout.language.cp_rank(self.rank), "cp": cp}
@@ -118,7 +121,7 @@ class Run:
             }
         return context
 
-    def data(self, source=None):
+    def data(self, source: Callable[[int, int], ResumableData] | None = None) -> ResumableData:
         """This rank's batches: its language data-parallel rank's, or on an encoder rank those of
         the language ranks whose rows it encodes. `source(data_rank, data_world)` makes one
         data-parallel rank's (default: the stage's data, `build_data`)."""
@@ -144,7 +147,6 @@ def build_meta_run(
         bridge = DisjointBridge(
             model.config, layout, cfg.micro_batch_size, getattr(torch, cfg.precision.param_dtype), device, rank
         )
-        bridge.stand_in = None if bridge.is_vision else model.vision_tower()
     return Run(cfg, layout, meshes, rank, device, model, partial, bridge)
 
 
@@ -156,7 +158,9 @@ def build_run(cfg: TrainConfig, layout: RunLayout, device: torch.device) -> Run:
     return run
 
 
-def build_data(cfg: TrainConfig, model_config, rank: int, world: int, grad_accum_steps: int):
+def build_data(
+    cfg: TrainConfig, model_config: PretrainedConfig, rank: int, world: int, grad_accum_steps: int
+) -> ResumableData:
     """The batches of data-parallel rank `rank` of `world`: the packed dataset's, or random rows."""
     if cfg.data.kind == "random":
         from vlmcore.train.random_data import RandomBatches

@@ -18,11 +18,13 @@ skipped for the one before it (`keep` > 1). Sizes are checked for every checkpoi
 only of the one about to be loaded, with its files shared out among the ranks.
 """
 
+import dataclasses
 import json
-import math
 import os
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,7 +39,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from vlmcore.config import TrainConfig
 from vlmcore.hashing import sha256_of
+from vlmcore.parallel.layout import BatchSplit
+from vlmcore.train.state import TrainState, split_from_state_dict, split_state_dict
 
 MANIFEST = "manifest.json"
 
@@ -67,7 +72,7 @@ def checkpoint_problem(path: Path, hash_part: tuple[int, int] | None = None) -> 
     """Why the DCP checkpoint at `path` cannot be loaded, or None: each file must hold the bytes
     `.metadata` and `manifest.json` say it does (cheap: no tensor is read). `hash_part` (i, n):
     also compare the sha256 of the manifest's files i, i + n, ... (n ranks share the full read).
-    A checkpoint without a manifest (written by an older vlmcore) is checked against `.metadata`."""
+    A checkpoint without a manifest is checked against `.metadata` only."""
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # a missing or cut .metadata fails in the unpickler, in many ways
@@ -129,9 +134,10 @@ def save_failure(tmp: Path, error: Exception) -> str:
 
 
 class Checkpointer:
-    def __init__(self, output_dir: str | Path, keep: int, async_save: bool = False):
+    def __init__(self, output_dir: str | Path, keep: int, async_save: bool = False) -> None:
         self.dir = Path(output_dir) / "checkpoints"
-        self.keep, self.async_save = keep, async_save
+        self.keep = keep
+        self.async_save = async_save
         self._pending = None  # (future, tmp dir, final dir) of an async save
         self._async_group = dist.new_group(backend="gloo") if async_save else None
         if _is_rank0():
@@ -184,7 +190,7 @@ class Checkpointer:
         self._pending = None
         self._complete(future.result, tmp, final)
 
-    def _complete(self, write, tmp: Path, final: Path) -> None:
+    def _complete(self, write: Callable[[], object], tmp: Path, final: Path) -> None:
         """`write` (the DCP save), then the publish; a failure says where and how much room is left."""
         try:
             write()
@@ -251,60 +257,69 @@ def load_model_weights(model: nn.Module, init_from: str | Path) -> None:
     set_model_state_dict(model, state["model"])
 
 
-def resume_latest(cfg, out: Path, split: dict, model: nn.Module, optimizer: torch.optim.Optimizer, data):
-    """The checkpointer (None when disabled) and the run's counters, resumed from the latest intact
-    checkpoint if there is one. `split`: how the run splits the global batch over ranks and
-    micro-batches (stored as `layout_*` keys, as checkpoints before this name have them)."""
-    state = {
-        "step": 0,
-        "samples": 0,
-        "tokens": 0,
-        "skipped_steps": 0,
-        "data_rows": 0,
-        **{f"layout_{k}": 0 for k in split},
-    }
+class ResumableData(Protocol):
+    """A rank's data stream (its micro-batches) as a checkpoint resumes it: its own state under the
+    split that wrote it, else a seek to the global rows consumed."""
+
+    def __iter__(self) -> Iterator: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def seek(self, rows: int) -> None: ...
+
+
+def resume_latest(
+    cfg: TrainConfig,
+    out: Path,
+    split: BatchSplit,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: ResumableData,
+) -> tuple[Checkpointer | None, TrainState]:
+    """The checkpointer (None when disabled) and the run's state, resumed from the latest intact
+    checkpoint if there is one. `split`: how this run splits the global batch over ranks and
+    micro-batches."""
+    state = TrainState(split)
     checkpointer = Checkpointer(out, cfg.checkpoint.keep, cfg.checkpoint.async_save) if cfg.checkpoint.enabled else None
     latest = checkpointer.latest() if checkpointer else None
     if latest is not None:
-        resume(checkpointer, latest, model, optimizer, data, state, split, cfg.allow_global_batch_change)
-    state.update({f"layout_{k}": v for k, v in split.items()})
-    if state["step"] == cfg.steps and _is_rank0():
+        resume(checkpointer, latest, model, optimizer, data, state, cfg.allow_global_batch_change)
+    if state.step == cfg.steps and _is_rank0():
         print(f"step {cfg.steps} was reached before final/ and done were written: writing them, no training")
     return checkpointer, state
 
 
-def global_batch_rows(split: dict) -> int:
-    return math.prod(split.get(k, 1) for k in ("dp_replicate", "dp_shard", "micro_batch_size", "grad_accum_steps"))
+def written_split(path: Path) -> tuple[BatchSplit, bool]:
+    """The split the checkpoint at `path` was written with, and whether it records the rows consumed
+    (`data_rows`; a checkpoint without them had its split's rows at every step)."""
+    unknown = BatchSplit(world_size=0, dp_replicate=0, dp_shard=0, tp=0, grad_accum_steps=0, micro_batch_size=0)
+    written = split_state_dict(unknown) | {"data_rows": -1}  # what the checkpoint lacks keeps these values
+    dcp.load({"train": written}, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+    return split_from_state_dict(written), written["data_rows"] >= 0
 
 
 def resume(
     checkpointer: Checkpointer,
     path: Path,
-    model,
-    optimizer,
-    data,
-    state: dict,
-    split: dict,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: ResumableData,
+    state: TrainState,
     allow_global_batch_change: bool = False,
 ) -> None:
     """Loads model, optimizer and `state` in place, and puts the data where the checkpoint's run
     left it. The data position is global (the rows consumed, `vlmcore.data.load.order`): under another
     split with the same rows per step the stream goes on exactly. The RNG state is per rank and
     comes back only under the split that wrote it, and the data loader's own state with it."""
-    written = {f"layout_{k}": 0 for k in split} | {"data_rows": -1}
-    dcp.load({"train": written}, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
-    written_split = {k: written[f"layout_{k}"] for k in split}
-    if written["data_rows"] < 0:  # written before the count was kept: every step had the split's rows
-        state.pop("data_rows", None)
-    same_split = written_split == split
-    if (
-        not same_split
-        and global_batch_rows(written_split) != global_batch_rows(split)
-        and not allow_global_batch_change
-    ):
+    split = state.split
+    written, counts_rows = written_split(path)
+    same_split = written == split
+    if not same_split and written.global_batch_rows != split.global_batch_rows and not allow_global_batch_change:
         raise CheckpointError(
-            f"{path}: written with {global_batch_rows(written_split)} rows per step ({_split_text(written_split)}), "
-            f"this run takes {global_batch_rows(split)} ({_split_text(split)}); keep micro_batch_size x "
+            f"{path}: written with {written.global_batch_rows} rows per step ({_split_text(written)}), "
+            f"this run takes {split.global_batch_rows} ({_split_text(split)}); keep micro_batch_size x "
             "grad_accum_steps x data-parallel ranks, or set allow_global_batch_change: true to go on from "
             "the rows consumed with the new batch size"
         )
@@ -314,24 +329,28 @@ def resume(
     # the encoder and language ranks' groups share indices, so a rank may read another's settings
     # or none (torch then falls back to AdamW's defaults: no fused kernel after a resume).
     built = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    checkpointer.load(path, model, optimizer, state, rank_state)
+    train_state = state.state_dict()
+    if not counts_rows:
+        del train_state["data_rows"]
+    checkpointer.load(path, model, optimizer, train_state, rank_state)
+    state.load_state_dict(train_state)
     for group, settings in zip(optimizer.param_groups, built):
         group.update(settings)
-    if "data_rows" not in state:
-        state["data_rows"] = state["step"] * global_batch_rows(written_split)
+    if not counts_rows:  # every step had the rows of the split that wrote it
+        state.data_rows = state.step * written.global_batch_rows
     if rank_state is not None:
         set_rng_state(rank_state["rng"])
         data.load_state_dict(rank_state["loader"])
     else:
-        data.seek(state["data_rows"])
+        data.seek(state.data_rows)
         if _is_rank0():
             print(
-                f"{path}: written with {_split_text(written_split)}; model and optimizer resharded, the data goes "
-                f"on from global row {state['data_rows']}, the RNG restarts"
+                f"{path}: written with {_split_text(written)}; model and optimizer resharded, the data goes "
+                f"on from global row {state.data_rows}, the RNG restarts"
             )
     if _is_rank0():
-        print(f"resumed from {path} at step {state['step']}")
+        print(f"resumed from {path} at step {state.step}")
 
 
-def _split_text(split: dict) -> str:
-    return ", ".join(f"{k} {v}" for k, v in split.items())
+def _split_text(split: BatchSplit) -> str:
+    return ", ".join(f"{name} {value}" for name, value in dataclasses.asdict(split).items())

@@ -1,9 +1,9 @@
 """`vlmcore train CONFIG [--set key=value ...]`: one training stage, under torchrun or as one process.
 
-Start-up: the process group; the stage checked against the world size and the model
-(vlmcore.parallel.checks); the kernels; the run built (vlmcore.train.build: model on meta,
-frozen, parallelized, materialized and loaded, optimizer, step) and its data; resume from the
-latest checkpoint. Then the loop below.
+Start-up (`Trainer.__init__`, after the process group): the stage checked against the world size
+and the model (vlmcore.parallel.checks); the kernels; the run built (vlmcore.train.build: model on
+meta, frozen, parallelized, materialized and loaded, optimizer, step) and its data; resume from the
+latest checkpoint. Then the steps (`Trainer.train`) and one way out (`Trainer.finish`).
 
 The loss of a step is the sum of token losses over all micro-batches and data-parallel ranks
 divided by the global number of label tokens (counted before the forward passes), and FSDP
@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,8 +26,8 @@ from vlmcore.models import load_hf_config
 from vlmcore.parallel.checks import check_run
 from vlmcore.parallel.mesh import device_for_rank, init_distributed
 from vlmcore.train.build import build_run, check_kernels
-from vlmcore.train.checkpoint import CheckpointError, global_batch_rows, resume_latest, rng_state, save_final
-from vlmcore.train.metrics_log import MetricsLogger, global_counts, peak_tflops, step_record
+from vlmcore.train.checkpoint import CheckpointError, resume_latest, rng_state, save_final
+from vlmcore.train.metrics_log import Hardware, MetricsLogger, StepTimes, global_counts, peak_tflops, step_record
 from vlmcore.train.module_timer import ModuleTimer
 from vlmcore.train.optim import lr_factor, schedule_total, set_lr
 from vlmcore.train.profiling import StepProfiler
@@ -51,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from vlmcore.data.quality import DataError
 
     # Every rank reads the same file: one rank says what is wrong with it.
@@ -79,7 +80,7 @@ class _StopSignal:
     """Records SIGTERM / SIGUSR1 (SLURM's warning before the time limit); the loop checkpoints
     and exits at the end of the current step."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.signum = 0
         for s in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(s, lambda signum, frame: setattr(self, "signum", signum))
@@ -109,118 +110,200 @@ def agreed_signal(stop: _StopSignal) -> int:
 
 
 def _train(cfg: TrainConfig, out: Path, device: torch.device, stop: _StopSignal) -> int:
-    rank = dist.get_rank()
-    layout = check_run(cfg, dist.get_world_size(), load_hf_config(cfg.model_path))
+    trainer = Trainer(cfg, out, device, stop)
+    ending = trainer.train()
+    return trainer.finish(ending)
+
+
+@dataclass
+class Ending:
+    """Why the steps stopped: the last step reached (every field unset), a stop signal, or too many
+    non-finite steps in a row. `before_first_step`: a signal during start-up, with no step since
+    the checkpoint and so nothing to save."""
+
+    signum: int = 0
+    nonfinite_steps: int = 0
+    before_first_step: bool = False
+
+    @property
+    def saves_checkpoint(self) -> bool:
+        """A stop before the last step keeps the steps since the last checkpoint."""
+        stopped_early = self.signum > 0 or self.nonfinite_steps > 0
+        return stopped_early and not self.before_first_step
+
+
+def _set_seed(cfg: TrainConfig) -> None:
+    """The run's seed, and under `deterministic` torch's deterministic kernels."""
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(cfg.seed)
-    backends = check_kernels(cfg, device)  # before anything is written
-    if rank == 0:
-        print("kernels: " + ", ".join(f"{part} {backend}" for part, backend in backends.items()))
-    run = build_run(cfg, layout, device)
-    model, optimizer, train_step, encoder = run.model, run.optimizer, run.step, run.role == "vision"
-    model.train()
-    # Per-module times need both modules on the rank (not so under disjoint layouts).
-    timer = ModuleTimer(model, device) if cfg.metrics.module_times and run.role == "both" else None
-    data = run.data()
-    # Written only now: a setting that does not fit the model (trainable, tp) leaves nothing behind.
-    prepare_output_dir(cfg, out)
-    dims = layout.data.dims  # the data's split of the global batch (the language model's)
-    split = {
-        "world_size": dist.get_world_size(),
-        "dp_replicate": dims.dp_replicate,
-        "dp_shard": dims.dp_shard,
-        "tp": dims.tp,
-        "grad_accum_steps": layout.grad_accum_steps,
-        "micro_batch_size": cfg.micro_batch_size,
-    }
-    checkpointer, state = resume_latest(cfg, out, split, model, optimizer, data)
-    if signum := agreed_signal(stop):  # during start-up: no step since the checkpoint, nothing to save
-        if rank == 0:
-            print(
-                f"signal {signum} before the first step at step {state['step']}: nothing to save, exiting to be resumed"
-            )
-        return 128 + signum
-    logger = MetricsLogger(out, rank == 0, cfg.metrics.tensorboard, cfg.metrics.wandb, to_dict(cfg), state["step"])
-    peak = peak_tflops(device, cfg.metrics.peak_tflops)
-    batches, nonfinite_in_a_row = iter(data), 0
-    profiler = StepProfiler(cfg.metrics.profile_steps, out / "profile", rank, device)
 
-    def save_checkpoint():
-        if checkpointer is not None:
-            checkpointer.save(
-                state["step"], model, optimizer, dict(state), {"rng": rng_state(), "loader": data.state_dict()}
-            )
 
-    while state["step"] < cfg.steps:
-        profiler.step_starts(state["step"] + 1)
-        t0 = time.perf_counter()
-        host_micro = [next(batches) for _ in range(layout.grad_accum_steps)]
-        data_wait = time.perf_counter() - t0
-        # cp and tp peers hold the same rows; encoder ranks count nothing
-        counts = global_counts([] if encoder else host_micro, model.config, dims.tp * dims.cp)
-        if counts["label_tokens"] == 0:
-            raise TrainingError(f"step {state['step'] + 1}: the global batch has no label tokens")
-        done = state["step"] + 1 if cfg.schedule.unit == "steps" else state["samples"] + int(counts["samples"])
-        factor = lr_factor(cfg.schedule, done, schedule_total(cfg))
+class Trainer:
+    """One training stage on this rank: the start-up (`__init__`), the steps (`train`), and one way
+    out (`finish`): the final model and `done`, or a checkpoint and an exit to be resumed."""
+
+    def __init__(self, cfg: TrainConfig, out: Path, device: torch.device, stop: _StopSignal) -> None:
+        self.cfg = cfg
+        self.out = out
+        self.device = device
+        self.stop = stop
+        self.rank = dist.get_rank()
+        self.layout = check_run(cfg, dist.get_world_size(), load_hf_config(cfg.model_path))
+        _set_seed(cfg)
+        backends = check_kernels(cfg, device)  # before anything is written
+        if self.rank == 0:
+            print("kernels: " + ", ".join(f"{part} {backend}" for part, backend in backends.items()))
+        self.run = build_run(cfg, self.layout, device)
+        self.run.model.train()
+        # Per-module times need both modules on the rank (not so under disjoint layouts).
+        self.timer = (
+            ModuleTimer(self.run.model, device) if cfg.metrics.module_times and self.run.role == "both" else None
+        )
+        self.data = self.run.data()
+        # Written only now: a setting that does not fit the model (trainable, tp) leaves nothing behind.
+        prepare_output_dir(cfg, out)
+        split = self.layout.batch_split(cfg.micro_batch_size)
+        self.checkpointer, self.state = resume_latest(cfg, out, split, self.run.model, self.run.optimizer, self.data)
+        self.logger = None  # opened with the first step: a signal during start-up leaves the metrics as they are
+        self.nonfinite_in_a_row = 0
+
+    def train(self) -> Ending:
+        """Steps until the last one, or until a reason to stop."""
+        if signum := agreed_signal(self.stop):
+            return Ending(signum=signum, before_first_step=True)
+        self._start_steps()
+        while self.state.step < self.cfg.steps:
+            self.train_step()
+            ending = self._reason_to_stop()
+            if ending is not None:
+                return ending
+            if self._checkpoint_due():
+                self.save_checkpoint()
+        return Ending()
+
+    def _start_steps(self) -> None:
+        """The metrics' sinks, the rates' hardware, the data stream and the profiler."""
+        cfg = self.cfg
+        metrics = cfg.metrics
+        self.logger = MetricsLogger(
+            self.out, self.rank == 0, metrics.tensorboard, metrics.wandb, to_dict(cfg), self.state.step
+        )
+        self.hardware = Hardware(self.device, peak_tflops(self.device, metrics.peak_tflops))
+        self.batches = iter(self.data)
+        self.profiler = StepProfiler(metrics.profile_steps, self.out / "profile", self.rank, self.device)
+
+    def train_step(self) -> None:
+        """One optimizer step over the next global batch, counted and logged."""
+        run = self.run
+        state = self.state
+        self.profiler.step_starts(state.step + 1)
+        start = time.perf_counter()
+        host_micro = [next(self.batches) for _ in range(self.layout.grad_accum_steps)]
+        data_wait = time.perf_counter() - start
+        counts = self._global_counts(host_micro)
+        factor = self._lr_factor(counts)
         if run.bridge is not None:  # an encoder rank gets the image batches of its rows
             host_micro = run.bridge.plan_step(host_micro)
-        result = train_step(
-            [to_device(b, device, run.context) for b in host_micro],
+        result = run.step(
+            [to_device(b, self.device, run.context) for b in host_micro],
             counts["label_tokens"],
-            lambda opt: set_lr(opt, factor),
+            lambda optimizer: set_lr(optimizer, factor),
         )
-        nonfinite_in_a_row = 0 if result.applied else nonfinite_in_a_row + 1
-        state["skipped_steps"] += not result.applied
-        state["step"] += 1
-        state["data_rows"] += global_batch_rows(split)
-        state["samples"] += int(counts["samples"])
-        state["tokens"] += int(counts["tokens"])
+        self.nonfinite_in_a_row = 0 if result.applied else self.nonfinite_in_a_row + 1
+        state.count_step(result.applied, int(counts["samples"]), int(counts["tokens"]))
         # Host time of the step: the step's one host read (norm and loss) waits for its backward,
         # so from step to step this follows the GPU without a synchronize of its own.
-        step_time = time.perf_counter() - t0
-        record = step_record(
-            state, result, counts, cfg.optimizer.lr * factor, step_time, data_wait, peak, device, dims.tp
-        )
-        logger.log(record | (timer.read() if timer else {}))
-        profiler.step_ended(state["step"])
+        times = StepTimes(step=time.perf_counter() - start, data_wait=data_wait)
+        lr = self.cfg.optimizer.lr * factor
+        record = step_record(state, result, counts, lr, times, self.hardware, self.layout.data.dims.tp)
+        self.logger.log(record | (self.timer.read() if self.timer else {}))
+        self.profiler.step_ended(state.step)
 
-        if nonfinite_in_a_row >= cfg.max_nonfinite_steps:
-            save_checkpoint()
-            _finish(checkpointer, logger)
+    def _global_counts(self, host_micro: list) -> dict:
+        """The global batch's counts (`global_counts`); a batch without label tokens is refused."""
+        dims = self.layout.data.dims
+        # cp and tp peers hold the same rows; encoder ranks count nothing
+        own = [] if self.run.role == "vision" else host_micro
+        counts = global_counts(own, self.run.model.config, dims.tp * dims.cp)
+        if counts["label_tokens"] == 0:
+            raise TrainingError(f"step {self.state.step + 1}: the global batch has no label tokens")
+        return counts
+
+    def _lr_factor(self, counts: dict) -> float:
+        """The learning-rate multiplier of the step about to run: the schedule at the progress it
+        brings, in steps or in samples."""
+        schedule = self.cfg.schedule
+        if schedule.unit == "steps":
+            done = self.state.step + 1
+        else:
+            done = self.state.samples + int(counts["samples"])
+        return lr_factor(schedule, done, schedule_total(self.cfg))
+
+    def _reason_to_stop(self) -> Ending | None:
+        if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
+            return Ending(nonfinite_steps=self.nonfinite_in_a_row)
+        if signum := agreed_signal(self.stop):
+            return Ending(signum=signum)
+        return None
+
+    def _checkpoint_due(self) -> bool:
+        """At each checkpoint interval (if set) and at the last step."""
+        interval = self.cfg.checkpoint.interval
+        at_interval = interval > 0 and self.state.step % interval == 0
+        return at_interval or self.state.step == self.cfg.steps
+
+    def save_checkpoint(self) -> None:
+        if self.checkpointer is None:
+            return
+        rank_state = {"rng": rng_state(), "loader": self.data.state_dict()}
+        self.checkpointer.save(self.state.step, self.run.model, self.run.optimizer, self.state.state_dict(), rank_state)
+
+    def finish(self, ending: Ending) -> int:
+        """The one way out of the steps: a stop saves them and exits to be resumed (or, after too
+        many non-finite steps, fails); the last step writes final/ and `done`. Returns the exit code."""
+        if ending.saves_checkpoint:
+            self.save_checkpoint()
+        self._close()
+        step = self.state.step
+        if ending.nonfinite_steps:
             raise TrainingError(
-                f"step {state['step']}: {nonfinite_in_a_row} steps in a row with a non-finite "
+                f"step {step}: {ending.nonfinite_steps} steps in a row with a non-finite "
                 f"loss or gradient norm; checkpoint saved, stopping (max_nonfinite_steps)"
             )
-        if signum := agreed_signal(stop):
-            save_checkpoint()
-            _finish(checkpointer, logger)
-            if rank == 0:
-                print(f"signal {signum}: checkpoint saved at step {state['step']}, exiting to be resumed")
-            return 128 + signum
-        if (cfg.checkpoint.interval and state["step"] % cfg.checkpoint.interval == 0) or state["step"] == cfg.steps:
-            save_checkpoint()
+        if ending.signum:
+            if ending.before_first_step:
+                self._say(
+                    f"signal {ending.signum} before the first step at step {step}: nothing to save, exiting to be resumed"
+                )
+            else:
+                self._say(f"signal {ending.signum}: checkpoint saved at step {step}, exiting to be resumed")
+            return 128 + ending.signum
+        self._save_final()
+        if self.rank == 0:
+            mark_done(self.out)
+        return 0
 
-    _finish(checkpointer, logger)
-    if cfg.save_final:
-        save_final(
-            out,
-            model,
-            {
-                "model_path": cfg.model_path,
-                "step": state["step"],
-                "tokens": state["tokens"],
-                "samples": state["samples"],
-                "stage_config": to_dict(cfg),
-            },
-        )
-    if rank == 0:
-        mark_done(out)
-    return 0
+    def _close(self) -> None:
+        """Waits for a checkpoint still being written and closes the metrics' sinks."""
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+        if self.logger is not None:
+            self.logger.close()
 
+    def _save_final(self) -> None:
+        if not self.cfg.save_final:
+            return
+        meta = {
+            "model_path": self.cfg.model_path,
+            "step": self.state.step,
+            "tokens": self.state.tokens,
+            "samples": self.state.samples,
+            "stage_config": to_dict(self.cfg),
+        }
+        save_final(self.out, self.run.model, meta)
 
-def _finish(checkpointer, logger) -> None:
-    if checkpointer is not None:
-        checkpointer.wait()
-    logger.close()
+    def _say(self, message: str) -> None:
+        if self.rank == 0:
+            print(message)

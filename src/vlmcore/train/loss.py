@@ -14,20 +14,25 @@ The function returns the *sum* of token losses; the training loop divides by the
 number of label tokens (across micro-batches and data-parallel ranks).
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
+from torch.autograd.function import FunctionCtx
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from vlmcore.data import IGNORE_INDEX
 
 
-def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
+def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
 
-def _chunk_loss_and_grad(logits, target, valid, vocab_local: int, group):
+def _chunk_loss_and_grad(
+    logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, vocab_local: int, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of the chunk's token losses and d(sum)/d logits (softmax - one-hot on label tokens), in
     the logits' dtype; statistics in fp32. `target` is the label minus this rank's first vocabulary
     row: outside [0, vocab_local) under a vocabulary-parallel head when another rank holds it.
@@ -48,10 +53,13 @@ def _chunk_loss_and_grad(logits, target, valid, vocab_local: int, group):
     return loss, grad.to(logits.dtype)
 
 
+# The chunk's (loss, d loss / d logits) from (logits, target, valid, vocab_local, group).
+ChunkLossAndGrad = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
 _compiled_chunk_loss_and_grad = None
 
 
-def _fused(group):
+def _fused(group: dist.ProcessGroup | None) -> ChunkLossAndGrad:
     """The chunk computation compiled (one fused pass over the logits instead of half a dozen), for
     a whole-vocabulary head; eager under a vocabulary-parallel one, whose all-reduces sit in between."""
     global _compiled_chunk_loss_and_grad
@@ -64,7 +72,16 @@ def _fused(group):
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_tokens, group, vocab_start, compiled):
+    def forward(
+        ctx: FunctionCtx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        chunk_tokens: int,
+        group: dist.ProcessGroup | None,
+        vocab_start: int,
+        compiled: bool,
+    ) -> torch.Tensor:
         need_hidden_grad, need_weight_grad = ctx.needs_input_grad[:2]
         chunk_fn = _fused(group) if compiled else _chunk_loss_and_grad
         acc = torch.promote_types(weight.dtype, torch.float32)  # loss and weight gradient in fp32 at least
@@ -84,11 +101,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_hidden[start:end] = grad_logits @ weight
             if grad_weight is not None:
                 grad_weight += grad_logits.t() @ h
-        ctx.grads, ctx.group, ctx.weight_dtype = (grad_hidden, grad_weight), group, weight.dtype
+        ctx.grads = (grad_hidden, grad_weight)
+        ctx.group = group
+        ctx.weight_dtype = weight.dtype
         return total
 
     @staticmethod
-    def backward(ctx, grad_total):
+    def backward(ctx: FunctionCtx, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_hidden, grad_weight = ctx.grads
         ctx.grads = None
         if grad_hidden is not None:
@@ -108,14 +127,17 @@ def chunked_cross_entropy(
     replicated over the same mesh (a plain tensor or a DTensor, which is made Replicate).
     `compiled` runs each chunk's softmax and gradient as one compiled kernel (whole-vocabulary heads).
     """
-    group, vocab_start = None, 0
+    group = None  # the vocabulary-parallel head's ranks
+    vocab_start = 0
     if isinstance(weight, DTensor):
         if weight.placements != (Shard(0),) and weight.placements != (Replicate(),):
             raise ValueError(f"lm_head weight: unsupported placements {weight.placements}")
         if weight.placements == (Shard(0),):
-            rows, mesh = weight.shape[0], weight.device_mesh
-            # vocab_start: the first vocabulary row this rank holds (Shard(0) splits as torch.chunk does)
-            group, vocab_start = mesh.get_group(), min(rows, -(-rows // mesh.size()) * mesh.get_local_rank())
+            rows = weight.shape[0]
+            mesh = weight.device_mesh
+            group = mesh.get_group()
+            # The first vocabulary row this rank holds (Shard(0) splits as torch.chunk does).
+            vocab_start = min(rows, -(-rows // mesh.size()) * mesh.get_local_rank())
         weight = weight.to_local()
     if isinstance(hidden, DTensor):
         hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim).to_local()

@@ -18,20 +18,27 @@ import dataclasses
 import json
 import math
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from vlmcore.config import ConfigError, TrainConfig, load_config
 from vlmcore.families import family
 from vlmcore.models import load_hf_config
 from vlmcore.models.moe import grouped_mm
 from vlmcore.parallel.checks import check_run
-from vlmcore.train.build import build_meta_run
+from vlmcore.parallel.layout import RunLayout
+from vlmcore.train.build import Run, build_meta_run
 from vlmcore.train.random_data import RandomBatches
 from vlmcore.train.step import to_device
+
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 HEADROOM = 0.10
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     try:
         if args.gpu_memory_gib is not None and args.gpu_memory_gib <= 0:
             raise ConfigError(f"--gpu-memory-gib: must be positive, got {args.gpu_memory_gib}")
@@ -189,7 +196,7 @@ def batch_shape(
 
 
 @contextmanager
-def _process_group(world_size: int, fake: bool, rank: int = 0):
+def _process_group(world_size: int, fake: bool, rank: int = 0) -> Iterator[None]:
     if dist.is_initialized():
         raise RuntimeError("estimate_memory needs a process of its own: a process group is already initialized")
     if fake:
@@ -205,7 +212,7 @@ def _process_group(world_size: int, fake: bool, rank: int = 0):
 
 
 @contextmanager
-def _fake_mode_with_constant_batch(fake: bool):
+def _fake_mode_with_constant_batch(fake: bool) -> Iterator["FakeTensorMode | None"]:
     """Fake tensors whose batch metadata stays readable: the model reads packed-segment bounds
     and image grids as Python numbers, which a fake tensor cannot give. Integer batch tensors
     become fake tensors that keep their real value (FakeTensorMode propagates such constants
@@ -225,7 +232,7 @@ def _fake_mode_with_constant_batch(fake: bool):
 
 
 @contextmanager
-def _grouped_experts(model, cfg: TrainConfig):
+def _grouped_experts(model: nn.Module, cfg: TrainConfig) -> Iterator[None]:
     """MoE experts run their GPU path (grouped GEMM over a buffer sized without reading the
     routing), in the fake run, which cannot follow the CPU loop (it reads the routing's values),
     and in the real one it is checked against."""
@@ -320,7 +327,14 @@ def _kinds(peak: dict) -> dict:
 
 
 def _estimate_rank(
-    cfg, layout, rank: int, seq_len: int, image_side: int, segments: int, fake: bool, video_frames: int = 0
+    cfg: TrainConfig,
+    layout: RunLayout,
+    rank: int,
+    seq_len: int,
+    image_side: int,
+    segments: int,
+    fake: bool,
+    video_frames: int = 0,
 ) -> dict:
     """Peak bytes per kind (and "Total") of global rank `rank` of `layout`."""
     device = torch.device("cpu")
@@ -371,15 +385,15 @@ def _estimate_rank(
                 return _peak_of_two_steps(run, micro, label_tokens)
 
 
-def _peak_of_two_steps(run, micro, label_tokens) -> dict[str, int]:
+def _peak_of_two_steps(run: Run, micro: list, label_tokens: float) -> dict[str, int]:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _State
 
     class PeakTracker(FSDPMemTracker):
         """Keeps the device-wide peak only. The tracker also keeps every module's own peak, a pass
         over all modules after every op: about half the time of a Qwen3-VL-2B estimate."""
 
-        def _update_peak_stats(self, peak_state) -> None:
+        def _update_peak_stats(self, peak_state: _State) -> None:
             for dev, snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
                     self._peak_mem[dev] = snap[_TOTAL_KEY]

@@ -6,12 +6,17 @@ import os
 import resource
 import uuid
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from transformers import PretrainedConfig
 
+from vlmcore.data.batch import Batch
 from vlmcore.models.flops import llm_flops, vision_flops
+from vlmcore.train.state import TrainState
+from vlmcore.train.step import StepResult
 
 # Dense BF16 peak TFLOPS per device (without sparsity); the first matching name wins.
 PEAK_TFLOPS = (
@@ -41,13 +46,13 @@ def peak_tflops(device: torch.device, override: float | None) -> float | None:
     return next((tflops for key, tflops in PEAK_TFLOPS if key in name), None)
 
 
-def batch_flops(config, batch) -> tuple[float, float]:
+def batch_flops(config: PretrainedConfig, batch: Batch) -> tuple[float, float]:
     """Training FLOPs (LLM, vision tower) of one packed micro-batch (vlmcore.models.flops)."""
     grids = [g for kind in (batch.images, batch.videos) if kind is not None for g in kind.grids()] or None
     return llm_flops(config, batch.segment_lengths().cpu()), vision_flops(config, grids)
 
 
-def global_counts(host_micro: list, model_config, peers: int) -> dict:
+def global_counts(host_micro: list[Batch], model_config: PretrainedConfig, peers: int) -> dict:
     """Label tokens, samples, tokens, FLOPs and bad samples of the global batch, summed over the
     ranks on the host (gloo: no GPU wait); `peers`: ranks that hold the same batch (tp x cp), hence the division."""
     flops = [batch_flops(model_config, b) for b in host_micro]
@@ -81,42 +86,58 @@ def peak_mem_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
 
 
+@dataclass
+class StepTimes:
+    """Host seconds of a step: all of it, and the part spent waiting for its batches."""
+
+    step: float
+    data_wait: float
+
+
+@dataclass
+class Hardware:
+    """What a step's rates are measured on: the device (its peak memory) and its dense BF16 peak
+    TFLOPS (None: unknown, no MFU)."""
+
+    device: torch.device
+    peak_tflops: float | None
+
+
 def step_record(
-    state: dict,
-    result,
+    state: TrainState,
+    result: StepResult,
     counts: dict,
     lr: float,
-    step_time: float,
-    data_wait: float,
-    peak: float | None,
-    device: torch.device,
+    times: StepTimes,
+    hardware: Hardware,
     tp: int,
 ) -> dict:
     """One line of metrics.jsonl."""
     world = dist.get_world_size()
+    step_time = times.step
     llm_tflops = counts["llm_flops"] / step_time / world / 1e12
     vision_tflops = counts["vision_flops"] / step_time / world / 1e12
     tokens = counts["tokens"]
     return {
-        "step": state["step"],
+        "step": state.step,
         "loss": result.loss_sum / tp / counts["label_tokens"],
         "grad_norm": result.grad_norm,
         "lr": lr,
-        "tokens": state["tokens"],
-        "samples": state["samples"],
-        "data_rows": state["data_rows"],  # global rows consumed (vlmcore.data.load.order): which packs the model saw
+        "tokens": state.tokens,
+        "samples": state.samples,
+        "data_rows": state.data_rows,  # global rows consumed (vlmcore.data.load.order): which packs the model saw
         "label_tokens": int(counts["label_tokens"]),
         "tokens_per_s": tokens / step_time,
         "tokens_per_s_per_device": tokens / step_time / world,
         "tflops_per_device": llm_tflops + vision_tflops,
-        "mfu": 100 * (llm_tflops + vision_tflops) / peak if peak else None,
+        "mfu": 100 * (llm_tflops + vision_tflops) / hardware.peak_tflops if hardware.peak_tflops else None,
         "llm_tflops_per_device": llm_tflops,
         "vision_tflops_per_device": vision_tflops,
-        "peak_mem_gb": peak_mem_gb(device),
-        "data_wait_s": data_wait,
+        "peak_mem_gb": peak_mem_gb(hardware.device),
+        "data_wait_s": times.data_wait,
         "step_time_s": step_time,
         "world_size": world,
-        "skipped_steps": state["skipped_steps"],
+        "skipped_steps": state.skipped_steps,
         "skipped_samples": int(counts["skipped_samples"]),
         **({"skipped_samples_by_reason": counts["skipped_samples_by_reason"]} if counts["skipped_samples"] else {}),
         **(result.moe or {}),  # moe_aux_loss, moe_load_imbalance
@@ -128,7 +149,7 @@ class MetricsLogger:
 
     def __init__(
         self, output_dir: str | Path, enabled: bool, tensorboard: bool, wandb: bool, config: dict, resume_step: int
-    ):
+    ) -> None:
         self.enabled = enabled
         self.tb = self.wandb = None
         if not enabled:

@@ -23,11 +23,17 @@ Times are those of the rank that reads them (rank 0 in the metrics).
 import time
 
 import torch
+from torch import nn
 from torch.autograd import Variable
+
+from vlmcore.models.parts import ModelOutput
+
+# A point in time: the host clock (seconds), or on a GPU an event recorded on the stream.
+Mark = float | torch.cuda.Event
 
 
 class ModuleTimer:
-    def __init__(self, model: torch.nn.Module, device: torch.device):
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.vision = model.vision_tower()
         self.micro: list[dict] = []
@@ -37,40 +43,40 @@ class ModuleTimer:
             self.vision.register_forward_pre_hook(self._vision_start)
             self.vision.register_forward_hook(self._vision_end)
 
-    def _mark(self):
+    def _mark(self) -> Mark:
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
-    def _elapsed(self, start, end) -> float:
+    def _elapsed(self, start: Mark, end: Mark) -> float:
         if not self.cuda:
             return end - start
         return start.elapsed_time(end) / 1000.0  # both complete: the step's host read came after them
 
-    def _model_start(self, module, args):
+    def _model_start(self, module: nn.Module, args: tuple) -> None:
         self.micro.append({"start": self._mark()})
 
-    def _vision_start(self, module, args):
+    def _vision_start(self, module: nn.Module, args: tuple) -> None:
         self.micro[-1]["vision_start"] = self._mark()
         self.micro[-1]["patches"] = args[0].shape[0]  # a shape: no GPU wait
 
-    def _vision_end(self, module, args, output):
+    def _vision_end(self, module: nn.Module, args: tuple, output: object) -> None:
         marks = self.micro[-1]
         marks["vision_end"] = self._mark()
 
-        def gradient_arrived(grad):  # the last of the outputs' gradients to arrive wins
+        def gradient_arrived(grad: torch.Tensor) -> None:  # the last of the outputs' gradients to arrive wins
             marks["vision_backward"] = self._mark()
 
         for t in torch.utils._pytree.tree_leaves(output):
             if torch.is_tensor(t) and t.requires_grad:
                 t.register_hook(gradient_arrived)
 
-    def _model_end(self, module, args, output):
+    def _model_end(self, module: nn.Module, args: tuple, output: ModelOutput) -> None:
         marks = self.micro[-1]
 
-        def backward_ended():
+        def backward_ended() -> None:
             marks["end"] = self._mark()
 
         out = output.hidden_states if output.hidden_states is not None else output.logits
@@ -81,7 +87,9 @@ class ModuleTimer:
         """{"vision_time_s", "llm_time_s", "vision_patches"} of the micro-batches since the last
         read (forward-only calls, which have no backward end, are left out); then starts over.
         `vision_patches`: the patches this rank's vision tower took (the cost model's input)."""
-        vision, llm, patches = 0.0, 0.0, 0
+        vision = 0.0
+        llm = 0.0
+        patches = 0
         for m in self.micro:
             if "end" not in m:
                 continue
@@ -91,7 +99,8 @@ class ModuleTimer:
                 v = self._elapsed(m["vision_start"], m["vision_end"])
                 if "vision_backward" in m:
                     v += self._elapsed(m["vision_backward"], m["end"])
-            vision, llm = vision + v, llm + total - v
+            vision += v
+            llm += total - v
             patches += m.get("patches", 0)
         self.micro = []
         times = {"llm_time_s": llm}

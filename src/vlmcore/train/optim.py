@@ -24,7 +24,8 @@ def freeze(model: nn.Module, patterns: list[str]) -> int:
     if not patterns:
         model.requires_grad_(True)
         return sum(1 for _ in model.parameters())
-    used, trainable = set(), 0
+    used = set()
+    trainable = 0
     for name, param in model.named_parameters():
         hits = [p for p in patterns if fnmatch.fnmatchcase(clean_name(name), p)]
         used.update(hits)
@@ -52,7 +53,8 @@ def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
     for param in model.parameters():
         if not param.requires_grad:
             continue
-        kind, decay = kinds.get(id(param), "llm"), param.ndim >= 2 and id(param) not in embeddings  # not norms, biases
+        kind = kinds.get(id(param), "llm")
+        decay = param.ndim >= 2 and id(param) not in embeddings  # not norms, biases
         key = f"{kind}{'' if decay else '_no_decay'}"
         group = groups.setdefault(
             key,

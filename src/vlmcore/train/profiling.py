@@ -31,10 +31,13 @@ DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 class StepProfiler:
-    def __init__(self, steps: list[int], folder: Path, rank: int, device: torch.device):
+    def __init__(self, steps: list[int], folder: Path, rank: int, device: torch.device) -> None:
         self.first, self.last = (min(steps), max(steps)) if steps else (0, -1)
-        self.folder, self.rank, self.cuda = folder, rank, device.type == "cuda"
-        self.profiler, self.started = None, 0.0
+        self.folder = folder
+        self.rank = rank
+        self.cuda = device.type == "cuda"
+        self.profiler = None
+        self.started = 0.0
 
     def step_starts(self, step: int) -> None:
         """Call before step `step` (1-based) takes its data."""
@@ -64,7 +67,7 @@ class StepProfiler:
         self.profiler = None
 
 
-def summarize(prof, trace_events: list[dict], wall_s: float, steps: int, cuda: bool) -> str:
+def summarize(prof: profile, trace_events: list[dict], wall_s: float, steps: int, cuda: bool) -> str:
     """The figures are read off the exported trace (the events Perfetto shows: device operations
     by category, CUDA runtime calls on the host), the table off the profiler's averages."""
     lines = [f"profiled steps: {steps}, wall_s {wall_s:.4f} ({wall_s / steps:.4f} a step)"]
@@ -79,7 +82,8 @@ def device_figures(trace_events: list[dict], wall_s: float, steps: int) -> list[
     device = [e for e in trace_events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e]
     runtime = [e["name"] for e in trace_events if e.get("cat") == "cuda_runtime"]
     intervals = [(e["ts"], e["ts"] + e["dur"]) for e in device]
-    busy_s, gaps = busy_time_us(intervals) / 1e6, [g / 1e6 for g in idle_gaps_us(intervals)]
+    busy_s = busy_time_us(intervals) / 1e6
+    gaps = [g / 1e6 for g in idle_gaps_us(intervals)]
     return [
         f"gpu_busy_s {busy_s:.4f} ({100 * busy_s / wall_s:.1f}% of wall)",
         f"gpu_idle_s {sum(gaps):.4f} between the first and last device operation: "
@@ -101,7 +105,8 @@ def busy_time_us(intervals: list[tuple[float, float]]) -> float:
 
 def idle_gaps_us(intervals: list[tuple[float, float]]) -> list[float]:
     """The gaps between the intervals' union, first to last."""
-    gaps, covered_until = [], None
+    gaps = []
+    covered_until = None
     for start, end in sorted(intervals):
         if covered_until is not None and start > covered_until:
             gaps.append(start - covered_until)

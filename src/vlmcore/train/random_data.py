@@ -6,7 +6,10 @@ them (`vlmcore.data.load.order.rows_of`): every layout with the same rows per st
 global batch at every step, which is what the exactness and resume tests compare.
 """
 
+from collections.abc import Iterator
+
 import torch
+from transformers import PretrainedConfig
 
 from vlmcore.data import IGNORE_INDEX
 from vlmcore.data.load.batch import Batch, Images
@@ -16,7 +19,7 @@ from vlmcore.data.load.order import rows_of
 class RandomBatches:
     def __init__(
         self,
-        model_config,
+        model_config: PretrainedConfig,
         *,
         seq_len: int,
         segments: int,
@@ -29,28 +32,37 @@ class RandomBatches:
         image_side: int = 2,
         video_fraction: float = 0.0,
         video_frames: int = 2,
-    ):
+    ) -> None:
         self.config = model_config
         self.text = getattr(model_config, "text_config", model_config)
         self.vision = getattr(model_config, "vision_config", None)
-        self.seq_len, self.segments, self.image_fraction = seq_len, segments, image_fraction
-        self.micro_batch_size, self.seed = micro_batch_size, seed
+        self.seq_len = seq_len
+        self.segments = segments
+        self.image_fraction = image_fraction
+        self.micro_batch_size = micro_batch_size
+        self.seed = seed
         self.image_side = image_side  # merged patches per side of each image (and video frame)
-        self.video_fraction, self.video_frames = video_fraction, video_frames  # frames: groups per video
-        self.dp_rank, self.dp_world, self.accum = dp_rank, dp_world, grad_accum_steps
-        self.first_row, self.consumed = 0, 0  # where this layout started, micro-batches taken since
+        self.video_fraction = video_fraction
+        self.video_frames = video_frames  # frame groups per video
+        self.dp_rank = dp_rank
+        self.dp_world = dp_world
+        self.accum = grad_accum_steps
+        self.first_row = 0  # where this layout started
+        self.consumed = 0  # micro-batches taken since
 
     def state_dict(self) -> dict:
         return {"first_row": self.first_row, "consumed": self.consumed}
 
     def load_state_dict(self, state: dict) -> None:
-        self.first_row, self.consumed = int(state.get("first_row", 0)), int(state["consumed"])
+        self.first_row = int(state.get("first_row", 0))
+        self.consumed = int(state["consumed"])
 
     def seek(self, rows: int) -> None:
         """Go on from global row `rows`: the next step's global batch is the rows after it."""
-        self.first_row, self.consumed = rows, 0
+        self.first_row = rows
+        self.consumed = 0
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Batch]:
         while True:
             step, a = divmod(self.consumed, self.accum)
             self.consumed += 1
@@ -153,7 +165,8 @@ class RandomBatches:
         return self.video_frames * (self.image_side**2 + 5)
 
     def _add_video(self, ids: torch.Tensor, start: int, end: int, g: torch.Generator) -> list[int]:
-        merge, group = self.vision.spatial_merge_size, self.image_side**2
+        merge = self.vision.spatial_merge_size
+        group = self.image_side**2  # merged patches of a frame group
         for f in range(self.video_frames):
             at = start + f * (group + 5)
             ids[at : at + 3] = torch.randint(0, self._text_vocab(), (3,), generator=g)  # the timestamp's text
@@ -164,7 +177,8 @@ class RandomBatches:
 
     def _add_image(self, ids: torch.Tensor, start: int, end: int) -> list[int]:
         """Puts one square image (image_side x image_side merged patches) at the start of a segment."""
-        merge, span = self.vision.spatial_merge_size, self._image_span()
+        merge = self.vision.spatial_merge_size
+        span = self._image_span()
         if end - start < span + 2:
             raise ValueError(
                 f"data.seq_len / data.segments: segment of {end - start} tokens too short for an image of {span} tokens"

@@ -38,7 +38,7 @@ RESUMABLE_CHANGES = {
 UNFINISHED = "unfinished"
 
 
-def stale_run_reason(out, cfg: TrainConfig) -> str | None:
+def stale_run_reason(out: str | Path, cfg: TrainConfig) -> str | None:
     """Why the checkpoints in `out` must not be resumed by `cfg`, or None when they may."""
     out = Path(out)
     latest = out / "checkpoints" / "latest"
@@ -60,7 +60,7 @@ def stale_run_reason(out, cfg: TrainConfig) -> str | None:
     return None
 
 
-def archive_stale_run(out, cfg: TrainConfig) -> str | None:
+def archive_stale_run(out: str | Path, cfg: TrainConfig) -> str | None:
     """Moves an earlier, non-resumable run to `out/previous/` (replacing an older one)."""
     out = Path(out)
     reason = stale_run_reason(out, cfg)
@@ -76,11 +76,11 @@ def archive_stale_run(out, cfg: TrainConfig) -> str | None:
     return reason
 
 
-def mark_unfinished(out) -> None:
+def mark_unfinished(out: str | Path) -> None:
     (Path(out) / UNFINISHED).touch()
 
 
-def mark_done(out) -> None:
+def mark_done(out: str | Path) -> None:
     """`done`, after removing the marker: a crash in between leaves a run that counts as finished."""
     (Path(out) / UNFINISHED).unlink(missing_ok=True)
     (Path(out) / "done").touch()

@@ -16,16 +16,19 @@ still on the host (`Batch.to`), and losses and norms stay on the device until th
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from vlmcore.data.load.batch import Batch, Images
 from vlmcore.models.moe import RoutingStats, moe_blocks
+from vlmcore.parallel.disjoint import DisjointBridge
 from vlmcore.train.loss import chunked_cross_entropy
 
 
@@ -63,7 +66,7 @@ def grad_norm(params: list[torch.Tensor], foreach: bool | None = None) -> torch.
     return torch.stack(squares).sum().sqrt()
 
 
-def sum_partial_grads(params: list[torch.Tensor], group) -> None:
+def sum_partial_grads(params: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
     for p in params:
         if p.grad is not None:
             dist.all_reduce(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad, group=group)
@@ -80,20 +83,21 @@ class MoE:
 
 
 def forward_backward(
-    model,
+    model: nn.Module,
     micro: list[Batch],
     label_tokens: float,
-    vision_dummy,
+    vision_dummy: "VisionDummy | None",
     chunk_tokens: int,
     compiled_loss: bool = False,
     moe: MoE | None = None,
-    bridge=None,
-):
+    bridge: DisjointBridge | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Accumulates the gradients of sum(token losses) / label_tokens (+ the MoE load-balancing loss)
     over the micro-batches (on the device, `Batch.to`); returns this rank's sum of token
     losses, and for MoE models the sum of the micro-batches' load-balancing losses and the tokens
     routed to each expert per MoE layer (None otherwise), all on the device.
-    `bridge`: a language rank of disjoint layouts receives each micro-batch's image embeddings.
+    `bridge`: a language rank of disjoint layouts receives each micro-batch's image embeddings and
+    gives them to the model (`vision_embeds`).
     Under context parallelism the micro-batches are this rank's chunks of the rows (`Step.on_device`)."""
     loss_sum, aux_sum, routed = None, None, None
     for i, batch in enumerate(micro):
@@ -102,7 +106,13 @@ def forward_backward(
         if vision_dummy is not None:
             vision_dummy.active = not batch.has_visual
         received = bridge.receive(i) if bridge is not None else None
-        images, videos = batch.images, batch.videos
+        images = batch.images
+        videos = batch.videos
+        optional = {}  # arguments only some models take
+        if batch.visual_selection is not None:
+            optional["visual_selection"] = batch.visual_selection
+        if received is not None:
+            optional["vision_embeds"] = received
         output = model(
             batch.input_ids,
             pixel_values=images.pixel_values if images else None,
@@ -113,7 +123,7 @@ def forward_backward(
             return_hidden=True,
             pixel_values_videos=videos.pixel_values if videos else None,
             video_grid_thw=videos.grid_thw if videos else None,
-            **({"visual_selection": batch.visual_selection} if batch.visual_selection is not None else {}),
+            **optional,
         )
         local_sum, _ = chunked_cross_entropy(
             output.hidden_states, model.lm_head.weight, batch.labels, chunk_tokens, compiled=compiled_loss
@@ -126,7 +136,7 @@ def forward_backward(
             aux_sum = aux.detach() if aux_sum is None else aux_sum + aux.detach()
             routed = counts if routed is None else routed + counts
         if received is not None:  # the bridge's backward (a collective) runs even if no image uses it
-            loss = loss + 0.0 * received.sum()
+            loss = loss + 0.0 * received.rows.sum()
         with moe.routing.not_kept() if moe is not None else nullcontext():
             loss.backward()
         local_sum = local_sum.detach().double()
@@ -159,20 +169,22 @@ class Step:
     optimizer: torch.optim.Optimizer
     trainable: list
     partial: list  # parameters whose gradients are partial sums over the TP ranks
-    tp_group: object
-    vision_dummy: object
+    tp_group: dist.ProcessGroup | None
+    vision_dummy: "VisionDummy | None"
     chunk_tokens: int
     max_grad_norm: float
     compiled_loss: bool = False
     moe: MoE | None = None
-    bridge: object = None  # disjoint layouts (vlmcore.parallel.disjoint.DisjointBridge)
+    bridge: DisjointBridge | None = None  # disjoint layouts
     norm_foreach: bool | None = None  # the gradient norm's multi-tensor kernel (None: where torch has it)
 
-    def __call__(self, micro: list, label_tokens: float, set_lr) -> StepResult:
+    def __call__(self, micro: list, label_tokens: float, set_lr: Callable[[torch.optim.Optimizer], None]) -> StepResult:
         """One optimizer step over the device micro-batches (an encoder rank of disjoint layouts:
         the image batches of its rows); `set_lr(optimizer)` sets this step's lr."""
         if self.bridge is not None and self.bridge.is_vision:
-            loss_sum, aux_sum, routed = self.bridge.encoder_step(self.model, micro), None, None
+            loss_sum = self.bridge.encoder_step(self.model, micro)
+            aux_sum = None
+            routed = None
         else:
             loss_sum, aux_sum, routed = forward_backward(
                 self.model,
@@ -220,15 +232,15 @@ def clip_grads(params: list[torch.Tensor], norm: float, max_norm: float) -> None
 
 
 def build_step(
-    model,
-    optimizer,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
     partial_params: list,
-    tp_group,
+    tp_group: dist.ProcessGroup | None,
     chunk_tokens: int,
     max_grad_norm: float,
     compiled_loss: bool = False,
-    bridge=None,
-    cp_group=None,
+    bridge: DisjointBridge | None = None,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> Step:
     """`partial_params`: (module, attribute name) of the TP-partial parameters (`apply_tp`);
     `cp_group`: this rank's context-parallel peers (None without context parallelism)."""
@@ -275,13 +287,13 @@ class VisionDummy:
     the backward graph has the same shape on every rank and the gradients are unchanged.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
         self.vision = model.vision_tower()
         self.config = model.config.vision_config
         self.active = False
         model.token_embedding().register_forward_hook(self._hook)
 
-    def _hook(self, module, args, output):
+    def _hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         if not self.active:
             return output
         zero = Images.zero(self.config, output.device)
