@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from transformers import PretrainedConfig
 
-from vlmcore.data.batch import Batch
+from vlmcore.data.load.batch import Batch
 from vlmcore.models.flops import llm_flops, vision_flops
 from vlmcore.train.state import TrainState
 from vlmcore.train.step import StepResult

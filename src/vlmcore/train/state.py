@@ -29,7 +29,7 @@ class TrainState:
     samples: int = 0
     tokens: int = 0
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm
-    data_rows: int = 0  # global rows consumed (vlmcore.data.order): where the data stream goes on
+    data_rows: int = 0  # global rows consumed (vlmcore.data.load.order): where the data stream goes on
 
     def count_step(self, applied: bool, samples: int, tokens: int) -> None:
         """Counts one optimizer step over the global batch (`applied`: False when it was skipped)."""
