@@ -62,7 +62,7 @@ def snapshot_tensor_info(path) -> dict[str, tuple[tuple[int, ...], torch.dtype, 
     info = {}
     for file in files:
         with safe_open(file, framework="pt") as f:
-            for name in f:
+            for name in f.keys():  # noqa: SIM118 - safetensors' safe_open has keys() but is not iterable
                 tensor_slice = f.get_slice(name)
                 dtype = getattr(torch, SAFETENSORS_DTYPES[tensor_slice.get_dtype()])
                 info[name] = (tuple(tensor_slice.get_shape()), dtype, file)
