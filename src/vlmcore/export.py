@@ -97,7 +97,7 @@ def untrained_tensors(model_dir, names) -> dict[str, torch.Tensor]:
     out = {}
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(file, framework="pt") as f:
-            out.update({name: f.get_tensor(name) for name in f if name in names})
+            out.update({name: f.get_tensor(name) for name in f.keys() if name in names})  # noqa: SIM118 - safe_open is not iterable
     return out
 
 
