@@ -4,7 +4,7 @@ pack shard sizes: held-out accuracy per kind of question, and the wall time of e
 
     python benchmarks/demo_learning.py                          # seeds 0 1 2 x shard sizes 16 1000
     python benchmarks/demo_learning.py --seeds 0 --shard-sizes 16 --config config/demo-moe.yaml
-    python benchmarks/demo_learning.py --seeds 0 --shard-sizes 16 --config config/demo-video.yaml
+    python benchmarks/demo_learning.py --seeds 0 1 --shard-sizes 16 --config config/demo-video.yaml
 
 The score is the config's first eval task's (demo_vqa, or demo_video_qa), per question kind; a
 second task (the video demo's frame-shuffled control) is printed beside it as `<kind>/ctl`.

@@ -169,6 +169,9 @@ def test_video_demo_answers_are_in_the_sampled_frames(tmp_path):
             colors = [s[0][0] for s in seen]
             assert colors[0] == answer and colors[-1] != answer and len(set(colors)) == 2, row["id"]
         else:
-            shown = [s[0] for s in seen if s]
-            distinct = {(name, x // 32, y // 32) for name, (x, y) in shown}  # colour and corner
-            assert len(distinct) == synthetic_video.COUNTS.index(answer) + 1, row["id"]
+            corners = [(x // 32, y // 32) for _, (x, y) in (s[0] for s in seen)]
+            groups = [corners[i : i + 2] for i in range(0, len(corners), 2)]  # the model's frame groups
+            jumps = sum(first != second for first, second in groups)
+            assert len(set(corners)) == 2 and jumps == synthetic_video.COUNTS.index(answer) + 1, row["id"]
+            # Every jump falls inside a frame group, none between two.
+            assert all(a[1] == b[0] for a, b in zip(groups, groups[1:])), row["id"]
