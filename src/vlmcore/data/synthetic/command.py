@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kind",
         choices=["image", "video"],
         default="image",
-        help="image: shapes in pictures; video: shapes that move or come in turn (vlmcore.data.synthetic.video)",
+        help="image: shapes in pictures; video: a shape that moves, changes colour or jumps (vlmcore.data.synthetic.video)",
     )
     parser.add_argument("--num-train", type=positive_int, default=512, help="number of training images or clips")
     parser.add_argument("--num-eval", type=non_negative_int, default=96, help="number of held-out eval questions")
