@@ -1,0 +1,1 @@
+"""Public image and video benchmarks: records, task definitions, scoring."""
