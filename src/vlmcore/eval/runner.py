@@ -5,11 +5,13 @@ Text-only models run through lm-eval's `hf` model, vision-language exports throu
 Qwen3-VL). Tasks are lm-eval's by name (mmlu, arc_challenge, ...; their datasets must be in
 the local HF cache), bundled here under vlmcore/eval/tasks/ (on the file given by --vqa-data:
 demo_vqa, multiple choice, and demo_vqa_gen, free answers, for the image demo; demo_video_qa and
-its frame-shuffled control demo_video_qa_shuffled for the video demo), or from --include-path.
+its frame-shuffled control demo_video_qa_shuffled for the video demo), the public benchmarks
+(mmmu_val, chartqa, docvqa_val, mmbench_en_dev, videomme, videomme_w_subtitle, mvbench: staged
+data under --benchmark-data; docs/evaluation.md), or from --include-path.
 
 EVAL_DIR gets `results.json` (lm-eval's results, configs and versions, plus `chance`: the chance
 level of every multiple-choice task, and `breakdown`: the score per question kind of tasks whose
-docs have a `kind`), `results.csv` (one row per task, kind and metric) and `samples_<task>.jsonl`.
+docs have a `kind`, and the public benchmarks' own breakdowns), `results.csv` (one row per task, kind and metric) and `samples_<task>.jsonl`.
 """
 
 import argparse
@@ -28,6 +30,8 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from lm_eval.utils import handle_non_serializable  # noqa: E402
 
 import vlmcore.eval.vlm  # noqa: E402,F401  (registers `vlmcore-vlm`)
+from vlmcore.eval.benchmarks.registry import BENCHMARKS  # noqa: E402
+from vlmcore.eval.benchmarks.tasks import breakdown as benchmark_breakdown  # noqa: E402
 from vlmcore.eval.results import results_table  # noqa: E402
 
 BUNDLED_TASKS = Path(__file__).parent / "tasks"
@@ -79,6 +83,7 @@ def evaluate(
     include_path: Sequence[str | Path] = (),
     apply_chat_template: bool = False,
     num_fewshot: int | None = None,
+    benchmark_data: str | Path | None = None,
 ) -> dict:
     """Runs lm-eval and writes EVAL_DIR/results.json, results.csv and samples_<task>.jsonl."""
     model_dir = Path(model_dir).resolve()
@@ -90,6 +95,8 @@ def evaluate(
         )
     # Task metadata reaches the bundled tasks' loaders (demo_vqa reads `vqa_data`).
     metadata = {"vqa_data": str(Path(vqa_data).resolve())} if vqa_data else {}
+    if benchmark_data:
+        metadata["benchmark_data"] = str(Path(benchmark_data).resolve())
     task_manager = TaskManager(include_path=[str(BUNDLED_TASKS), *map(str, include_path)], metadata=metadata)
     result = lm_eval.simple_evaluate(
         model=model,
@@ -109,6 +116,9 @@ def evaluate(
     figures = {task: chance_and_breakdown(task_samples) for task, task_samples in samples.items()}
     result["chance"] = {task: chance for task, (chance, _) in figures.items() if chance is not None}
     result["breakdown"] = {task: breakdown for task, (_, breakdown) in figures.items() if breakdown}
+    for task, task_samples in samples.items():
+        if task in BENCHMARKS:
+            result["breakdown"][task] = benchmark_breakdown(task, task_samples)
 
     out.mkdir(parents=True, exist_ok=True)
     for task, task_samples in samples.items():
@@ -131,6 +141,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output directory (results.json, results.csv, samples)")
     parser.add_argument(
         "--vqa-data", type=existing_file, help="raw/eval.jsonl of the demo, for the tasks " + ", ".join(DEMO_TASKS)
+    )
+    parser.add_argument(
+        "--benchmark-data",
+        type=existing_dir,
+        help="directory of the staged public benchmarks (one folder per task: DIR/mmmu_val/, DIR/videomme/, ...)",
     )
     parser.add_argument("--limit", type=positive_int, help="at most this many examples per task")
     parser.add_argument("--batch-size", type=positive_int, default=8)
@@ -173,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
         include_path=args.include_path,
         apply_chat_template=args.apply_chat_template,
         num_fewshot=args.num_fewshot,
+        benchmark_data=args.benchmark_data,
     )
     print(results_table(result).to_string(index=False))
     return 0

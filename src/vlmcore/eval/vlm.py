@@ -16,12 +16,15 @@ tokens. Text-only requests follow lm-eval's `--apply_chat_template` setting as u
 Videos: a task's `doc_to_image` may return `VideoClip`s among its visuals (`<video>` marks their
 place). transformers' video processor needs torchvision, which the project does not, so clips are
 sampled, resized and laid out by vlmcore's own video code (vlmcore.data.media.video, tested equal to
-the processor) and the row is encoded as the training data is (`SampleEncoder`). Multiple choice
-only: `generate_until` with videos is refused.
+the processor) and the row is encoded as the training data is (`SampleEncoder`). Generation with
+videos (Video-MME, MVBench) encodes its rows the same way and decodes greedily with the model's
+own `generate` (KV cache), one request at a time.
 """
 
+import copy
 import dataclasses
 import functools
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 from lm_eval.api.registry import register_model
 from lm_eval.models.hf_vlms import DEFAULT_IMAGE_PLACEHOLDER, HFMultimodalLM
+from lm_eval.models.utils import handle_stop_sequences
 from tqdm import tqdm
 from transformers import PreTrainedModel, ProcessorMixin
 
@@ -48,10 +52,20 @@ from vlmcore.data.media.video import (
 @dataclasses.dataclass(frozen=True)
 class VideoClip:
     """A video file among a request's visuals; `shuffle_seed` set: its sampled frames go to the
-    model in an order shuffled by that seed (a control for questions that need time)."""
+    model in an order shuffled by that seed (a control for questions that need time). `member`:
+    the clip is that member of the zip archive `path` (benchmarks ship their videos zipped).
+    `max_frames`: sample at most this many frames (default: the video processor's own limit)."""
 
     path: str
     shuffle_seed: int | None = None
+    member: str | None = None
+    max_frames: int | None = None
+
+    def read_bytes(self) -> bytes:
+        if self.member is None:
+            return Path(self.path).read_bytes()
+        with zipfile.ZipFile(self.path) as archive:
+            return archive.read(self.member)
 
     def frame_order(self, count: int) -> list[int]:
         order = list(range(count))
@@ -118,19 +132,54 @@ class VisionLanguageLM(HFMultimodalLM):
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         templated = []
-        for request in requests:
+        with_videos = []
+        for index, request in enumerate(requests):
             if len(request.args) == 3:
                 context, gen_kwargs, aux = request.args
-                if any(isinstance(v, VideoClip) for v in aux.get("visual") or []):
-                    raise ValueError(
-                        "vlmcore-vlm scores videos in multiple-choice tasks only; "
-                        f"generation with a video was asked for: {context!r}"
-                    )
-                request = dataclasses.replace(
-                    request, arguments=(self.chat_prompt(context, len(aux.get("visual") or [])), gen_kwargs, aux)
-                )
+                visuals = aux.get("visual") or []
+                num_videos = sum(isinstance(v, VideoClip) for v in visuals)
+                prompt = self.chat_prompt(context, len(visuals) - num_videos, num_videos)
+                request = dataclasses.replace(request, arguments=(prompt, gen_kwargs, aux))
+                if num_videos:
+                    # lm-eval's multimodal generation takes images only: videos go through ours.
+                    with_videos.append((index, request))
+                    continue
             templated.append(request)
-        return super().generate_until(templated, disable_tqdm=disable_tqdm)
+        answers = super().generate_until(templated, disable_tqdm=disable_tqdm) if templated else []
+        if not with_videos:
+            return answers
+        video_answers = {
+            index: self.generate_with_videos(*request.args)
+            for index, request in tqdm(with_videos, disable=disable_tqdm, desc="vlmcore-vlm generate (videos)")
+        }
+        others = iter(answers)
+        return [video_answers[i] if i in video_answers else next(others) for i in range(len(requests))]
+
+    @torch.no_grad()
+    def generate_with_videos(self, prompt: str, gen_kwargs: dict, aux: dict) -> str:
+        """Greedy (or the task's) decoding of one templated prompt with videos, cut at the stop sequences."""
+        visuals = aux.get("visual") or []
+        images = [v for v in visuals if not isinstance(v, VideoClip)]
+        videos = [v for v in visuals if isinstance(v, VideoClip)]
+        encoding = self.encode_with_videos(prompt, images, videos)
+        inputs = {key: value.to(self.device) for key, value in encoding.items()}
+        for key in ("pixel_values", "pixel_values_videos"):
+            if key in inputs:
+                inputs[key] = inputs[key].to(self.model.dtype)
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        kwargs = copy.deepcopy(gen_kwargs)
+        until = handle_stop_sequences(
+            kwargs.pop("until", None), eos=self.tok_decode(self.eot_token_id, skip_special_tokens=False)
+        )
+        max_gen_toks = kwargs.pop("max_gen_toks", self.max_gen_toks)
+        context_length = inputs["input_ids"].shape[1]
+        output = self._model_multimodal_generate(inputs, max_length=context_length + max_gen_toks, stop=until, **kwargs)
+        text = self.tok_decode(output[0, context_length:].tolist())
+        for stop in until:
+            if stop:
+                text = text.split(stop)[0]
+        self.cache_hook.add_partial("generate_until", (prompt, gen_kwargs), text)
+        return text
 
     @functools.cached_property
     def sample_encoder(self) -> SampleEncoder:
@@ -182,9 +231,9 @@ class VisionLanguageLM(HFMultimodalLM):
     def clip_inputs(self, clip: VideoClip) -> tuple[VideoPlan, torch.Tensor]:
         """The clip's VideoPlan and its pixel_values_videos, as the training data has them."""
         encoder = self.sample_encoder
-        data = Path(clip.path).read_bytes()
+        data = clip.read_bytes()
         meta = {"kind": "file", **probe(data).as_dict()}
-        plan = encoder.video_plan(meta)
+        plan = encoder.video_plan(meta, clip.max_frames)
         frames = clip_frames(meta, [data], plan.indices)[clip.frame_order(len(plan.indices))]
         patches, _ = video_patches(resize_frames(frames, *plan.size), encoder.video)
         return plan, normalize_video_patches(patches, encoder.video.image_mean, encoder.video.image_std)

@@ -1,0 +1,27 @@
+"""The public benchmarks' lm-eval functions: defined in vlmcore.eval.benchmarks.tasks."""
+
+from vlmcore.eval.benchmarks.tasks import (  # noqa: F401 (named by the YAML files beside this one)
+    chartqa_doc_to_text,
+    chartqa_process_results,
+    docvqa_doc_to_text,
+    docvqa_process_results,
+    image_doc_to_image,
+    load,
+    mmbench_aggregate,
+    mmbench_doc_to_text,
+    mmbench_process_results,
+    mmmu_aggregate,
+    mmmu_doc_to_image,
+    mmmu_doc_to_text,
+    mmmu_process_results,
+    mvbench_aggregate,
+    mvbench_doc_to_text,
+    mvbench_doc_to_video,
+    mvbench_process_results,
+    videomme_aggregate,
+    videomme_doc_to_video,
+    videomme_process_results,
+    videomme_question,
+    videomme_subtitle_doc_to_text,
+    videomme_subtitle_doc_to_video,
+)
