@@ -364,3 +364,46 @@ def test_logged_answers_score_as_our_scoring_and_prompts_are_the_benchmarks(benc
     # MVBench's tasks come in its own order: moving_count before action_antonym.
     assert prompts["mvbench"].startswith("Question:What does the object do (0)?\nOption:\n(A) 0\n(B) 1\n(C) 2\n(D) 3\n")
     assert prompts["mvbench"].endswith("Only give the best option.\n")
+
+
+@pytest.mark.slow
+def test_the_tiny_models_answers_score_as_lmms_eval_scores_them(benchmark_run):
+    """The answers the tiny model gave, fed to lmms-eval 0.7.3's scoring: the same headline scores
+    (MMMU is left out: an answer naming no option gets a random letter there)."""
+    from lmms_eval.api.metrics import anls
+    from lmms_eval.tasks.chartqa.utils import chartqa_process_results
+    from lmms_eval.tasks.mmbench.en_utils import mmbench_process_results
+    from lmms_eval.tasks.mmbench.mmbench_evals import MMBench_Evaluator
+    from lmms_eval.tasks.mvbench.utils import mvbench_aggregate_results, mvbench_process_results
+    from lmms_eval.tasks.videomme.utils import videomme_aggregate_results, videomme_process_results
+
+    result = json.loads((benchmark_run / "results.json").read_text())
+
+    def answers_of(task: str) -> list[tuple[dict, str]]:
+        samples = [json.loads(line) for line in (benchmark_run / f"samples_{task}.jsonl").read_text().splitlines()]
+        return [(sample["doc"], sample["resps"][0][0].strip()) for sample in samples]
+
+    def ours(task: str) -> float:
+        return result["results"][task][f"{BENCHMARKS[task].metric},none"]
+
+    chartqa = [chartqa_process_results(doc, [answer])["relaxed_overall"] for doc, answer in answers_of("chartqa")]
+    assert ours("chartqa") == pytest.approx(sum(chartqa) / len(chartqa))
+    docvqa = [anls(doc["answers"], [answer])["anls"] for doc, answer in answers_of("docvqa_val")]
+    assert ours("docvqa_val") == pytest.approx(sum(docvqa) / len(docvqa))
+    mmbench = [mmbench_process_results(doc, [answer])["gpt_eval_score"] for doc, answer in answers_of("mmbench_en_dev")]
+    overall, _, _ = MMBench_Evaluator().eval_result(mmbench, eval_method="static")
+    assert ours("mmbench_en_dev") == pytest.approx(100 * overall)
+    for task in ("videomme", "videomme_w_subtitle"):
+        records = [
+            videomme_process_results(doc, [answer])["videomme_perception_score"] for doc, answer in answers_of(task)
+        ]
+        assert ours(task) == pytest.approx(videomme_aggregate_results(records))
+    per_task = {}
+    for doc, answer in answers_of("mvbench"):
+        per_task.setdefault(doc["task"], []).append(mvbench_process_results(doc, [answer])["mvbench_accuracy"])
+    task_scores = [mvbench_aggregate_results(records) for records in per_task.values()]
+    assert ours("mvbench") == pytest.approx(sum(task_scores) / len(task_scores))
+    for task, (score, _) in scoring.mvbench_scores(
+        [scoring.mvbench_record(doc, answer) for doc, answer in answers_of("mvbench")]
+    )["breakdown"].items():
+        assert result["breakdown"]["mvbench"][task]["value"] == score
