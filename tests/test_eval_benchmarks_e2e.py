@@ -407,3 +407,56 @@ def test_the_tiny_models_answers_score_as_lmms_eval_scores_them(benchmark_run):
         [scoring.mvbench_record(doc, answer) for doc, answer in answers_of("mvbench")]
     )["breakdown"].items():
         assert result["breakdown"]["mvbench"][task]["value"] == score
+
+
+@pytest.mark.slow
+def test_video_answers_are_greedy_decoding_of_the_training_encoding(benchmark_run, benchmark_data):
+    """A Video-MME answer equals greedy decoding, one full transformers forward per token (no
+    cache), of the question encoded as the training data is (SampleEncoder: the clip's frames at
+    most 32, their timestamps, the chat template), cut where lm-eval stops."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from vlmcore.data import IGNORE_INDEX
+    from vlmcore.data.media.encoder import SampleEncoder
+    from vlmcore.data.media.video import decode_frames, normalize_video_patches, resize_frames, video_patches
+
+    model_dir = benchmark_run.parent / "model"
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    encoder = SampleEncoder(model_dir)
+    eos = model.generation_config.eos_token_id
+    stop_ids = {encoder.tokenizer.convert_tokens_to_ids("<|im_end|>"), *(eos if isinstance(eos, list) else [eos])}
+    samples = [json.loads(line) for line in (benchmark_run / "samples_videomme.jsonl").read_text().splitlines()]
+    for sample in samples[::2]:  # one question per video: short, medium, long
+        doc = sample["doc"]
+        with zipfile.ZipFile(doc["video_path"]) as archive:
+            clip_bytes = archive.read(doc["video_member"])
+        meta = {"kind": "file", **probe(clip_bytes).as_dict()}
+        conversation = {
+            "messages": [
+                {"role": "user", "content": "<video>" + sample["arguments"][0][0]},
+                {"role": "assistant", "content": "A"},
+            ]
+        }
+        encoding = encoder.encode_text(conversation, [], [meta], max_frames=32)
+        answer_start = next(t for t, label in enumerate(encoding.labels) if label != IGNORE_INDEX) + 1
+        ids = encoding.input_ids[:answer_start]
+        plan = encoder.video_plan(meta, 32)
+        assert len(plan.indices) == min(32, meta["frames"])
+        patches, grid = video_patches(resize_frames(decode_frames(clip_bytes, plan.indices), *plan.size), encoder.video)
+        pixels = normalize_video_patches(patches, encoder.video.image_mean, encoder.video.image_std)
+        generated = []
+        with torch.no_grad():
+            for _ in range(16):  # the task's max_gen_toks
+                tokens = ids + generated
+                logits = model(
+                    input_ids=torch.tensor([tokens]),
+                    pixel_values_videos=pixels,
+                    video_grid_thw=torch.tensor([grid]),
+                    mm_token_type_ids=torch.tensor(encoder.processor.create_mm_token_type_ids([tokens])),
+                ).logits
+                generated.append(int(logits[0, -1].argmax()))
+                if generated[-1] in stop_ids:
+                    break
+        expected = encoder.tokenizer.decode(generated, skip_special_tokens=True)
+        assert sample["resps"][0][0] == expected, doc["question_id"]
