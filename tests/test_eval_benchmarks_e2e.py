@@ -281,6 +281,22 @@ def test_missing_or_wrong_data_fails_naming_the_task(benchmark_data, tmp_path):
         load(str(tmp_path), "mvbench")
 
 
+def test_every_registered_benchmark_has_a_task_definition_with_its_metric():
+    """Each record of the registry (what the staging rule downloads) is a task lm-eval finds in
+    the bundled folder, scored under the record's headline metric."""
+    import yaml
+
+    folder = Path(__file__).resolve().parents[1] / "src/vlmcore/eval/tasks/benchmarks"
+    for name, benchmark in BENCHMARKS.items():
+        text = (folder / f"{name}.yaml").read_text()
+        config = yaml.safe_load(text.replace("!function ", ""))
+        assert config["task"] == name
+        assert config["dataset_kwargs"] == {"task": name}
+        assert config["metric_list"][0]["metric"] == benchmark.metric
+        assert name in scoring.SCORERS
+    assert sorted(BENCHMARKS) == sorted(TASKS)
+
+
 @pytest.fixture(scope="module")
 def benchmark_run(benchmark_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("benchmark_run")
