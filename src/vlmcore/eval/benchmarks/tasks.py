@@ -115,7 +115,7 @@ def videomme_media(rows: datasets.Dataset, directory: Path, task: str) -> datase
     rows = rows.add_column("video_path", [media.path for media in videos])
     rows = rows.add_column("video_member", [media.member or "" for media in videos])
     rows = rows.add_column("subtitle_path", [media.path if media else "" for media in subtitles])
-    return rows.add_column("subtitle_member", [media.member or "" if media else "" for media in subtitles])
+    return rows.add_column("subtitle_member", [(media.member or "") if media else "" for media in subtitles])
 
 
 def mvbench_questions(directory: Path) -> datasets.Dataset:
