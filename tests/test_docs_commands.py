@@ -15,8 +15,13 @@ program no rule covers fails:
   LEFT_OUT_OF_DRY_RUN; the usage lines of the configs are only parsed (tests/test_slurm_profiles.py
   dry-runs every recipe);
 - `vlmcore`, `python -m vlmcore.cli`, `torchrun ... -m vlmcore.cli`: the command exists and every
-  flag it names is in its `--help` (most need a cluster, a GPU, a big model or the demo's outputs);
-  those of RUN_HERE are run;
+  flag it names is in its `--help`. Each command line then runs, those of RUN_HERE here and those
+  of RUN_ON_DEMO beside the demo's run (tests/test_pipeline_demo.py, the placeholders replaced by
+  the demo's paths: DEMO_PLACEHOLDERS), and writes or prints what the docs say; those of HELP_ONLY
+  need a cluster, a GPU or a big model, for the reason given there. A span in a heading, or one in
+  a sentence without the arguments its command requires (`vlmcore pack --workers 1`), names the
+  command or an option of it and is only checked against `--help`; every other vlmcore command
+  must be in one of the three;
 - `python benchmarks/X.py`: the script exists and every flag is in its `--help`; `python -m M`:
   the module exists; `python -c CODE`: the code compiles;
 - `bash SCRIPT`: the script exists and parses (`bash -n`);
@@ -39,6 +44,7 @@ import runpy
 import shlex
 import subprocess
 import sys
+import tempfile
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,8 +106,107 @@ LEFT_OUT_OF_DRY_RUN = {
     "--report": "builds the HTML report of a finished run: needs the demo's outputs",
 }
 
-# vlmcore commands cheap enough to run here as written.
-RUN_HERE = {"vlmcore kernels --gpu-capability 9.0"}
+# ---- what the vlmcore commands of the docs write or print ----
+
+
+def prints_each_help(workdir: Path, output: str):
+    for subcommand in ("download", "synth", "prepare", "pack", "train", "export", "eval", "report"):
+        assert f"usage: vlmcore {subcommand} " in output, subcommand
+
+
+def prints_kernel_report(workdir: Path, output: str):
+    """The kernels' versions and the backend each part uses (docs/hpc.md section 2)."""
+    for line in ("GPU: ", "torch: ", "attention: ", "linear_attention: "):
+        assert line in output, output
+
+
+def writes_tiny_moe_model(workdir: Path, output: str):
+    """docs/moe.md section 6: a tiny Qwen3-VL-MoE, 4 experts, top-2, in every layer."""
+    from vlmcore.download import verify_snapshot
+
+    model = workdir / "results/demo-moe/model"
+    verify_snapshot(model)
+    config = json.loads((model / "config.json").read_text())
+    text = config["text_config"]
+    assert config["model_type"] == "qwen3_vl_moe"
+    assert (text["num_local_experts"], text["num_experts_per_tok"]) == (4, 2)
+    assert text["decoder_sparse_step"] == 1 and not text["mlp_only_layers"]
+
+
+def prints_memory_estimate(world_size: int):
+    """The check of an estimate for `world_size` ranks: rank 0's peak, by kind, at the stage's layout."""
+
+    def check(workdir: Path, output: str):
+        assert f"rank 0 of {world_size} " in output and "Activation" in output, output
+
+    return check
+
+
+def writes_memory_estimate_json(workdir: Path, output: str):
+    """`--json est.json`: the estimate at 4 ranks with full activation checkpointing."""
+    prints_memory_estimate(4)(workdir, output)
+    estimate = json.loads((workdir / "est.json").read_text())
+    assert estimate["world_size"] == 4 and estimate["peak_bytes"] > 0
+    assert estimate["activation_checkpointing"] == "full"
+
+
+def trains_stage2_by_hand(workdir: Path, output: str):
+    """docs/config.md: the stage's own settings, two overridden: 20 steps on 2 ranks, in a folder of
+    their own (the demo's stage 2 has `done`: it is not trained again)."""
+    out = workdir / DEMO / "by-hand/stage2"
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == list(range(1, 21))
+    assert {m["world_size"] for m in steps} == {2}
+    assert (out / "done").is_file() and (out / "final").is_dir()
+
+
+# The demo's outputs, where the commands of RUN_ON_DEMO run (tests/test_pipeline_demo.py).
+DEMO = Path("results/demo")
+
+# The words the docs use for what the reader fills in in a vlmcore command, and what the run on
+# the demo uses instead.
+DEMO_PLACEHOLDERS = {
+    "STAGE_CONFIG": str(DEMO / "train/stage2/stage_config.yaml"),
+    "N": "2",
+}
+
+# vlmcore commands that need nothing but the checkout: run here, in a scratch folder, as
+# written: {command: what it writes or prints}.
+RUN_HERE = {
+    "vlmcore download|synth|prepare|pack|train|export|eval|report --help": prints_each_help,
+    "vlmcore kernels --gpu-capability 9.0": prints_kernel_report,
+    "vlmcore kernels": prints_kernel_report,
+    "vlmcore download --tiny --tiny-family qwen3_vl_moe --out results/demo-moe/model": writes_tiny_moe_model,
+}
+
+# vlmcore commands that run on the demo's outputs: run in its folder by
+# tests/test_pipeline_demo.py, the placeholders replaced: {command: what it writes or prints}.
+RUN_ON_DEMO = {
+    "vlmcore memory STAGE_CONFIG --world-size N": prints_memory_estimate(2),
+    "vlmcore memory STAGE_CONFIG --world-size 4 --set parallel.activation_checkpointing=full --json est.json": (
+        writes_memory_estimate_json
+    ),
+    "torchrun --standalone --nproc-per-node 2 -m vlmcore.cli train results/demo/train/stage2/stage_config.yaml "
+    "--set steps=20 --set output_dir=results/demo/by-hand/stage2": trains_stage2_by_hand,
+}
+
+# vlmcore commands checked only against their --help, and why they cannot run here.
+HELP_ONLY = {
+    "vlmcore download --repo-id Qwen/Qwen3-VL-8B-Instruct --revision 0c351dd01ed87e9c1b53cbc748cba10e6187ff3b "
+    "--out Qwen3-VL-8B-Instruct": "downloads the 8B model from the Hugging Face Hub: the network and 17 GB",
+    "vlmcore download --verify staged/models/Qwen3-VL-8B-Instruct --revision 0c351dd01ed87e9c1b53cbc748cba10e6187ff3b": (
+        "verifies a cluster's staged copy of the 8B model"
+    ),
+    "vlmcore memory results/qwen3vl-8b-jupiter/train/stage2/stage_config.yaml --world-size 16": (
+        "the 8B recipe's stage config, which the workflow writes on the cluster from the staged model"
+    ),
+}
+
+
+def demo_argv(line: str) -> list[str]:
+    """A command of RUN_ON_DEMO as it runs in the demo's folder: the reader's placeholders replaced."""
+    return [DEMO_PLACEHOLDERS.get(word, word) for word in shlex.split(line)]
+
 
 # Inline spans that start like a command but quote a message or name a thing.
 NOT_COMMANDS = [
@@ -116,6 +221,9 @@ class Command:
     where: str  # file:line
     text: str  # as written, one line
     words: tuple[str, ...]  # shell words, the leading VAR=value assignments left out
+    place: str = (
+        "block"  # "block": a line of a code block or a config's comment; "sentence" or "heading": an inline span
+    )
 
 
 def shell_words(line: str) -> list[list[str]]:
@@ -208,7 +316,8 @@ def doc_commands(path: Path) -> list[Command]:
         if words[0] not in INLINE_PROGRAMS or any(re.fullmatch(p, text) for p in NOT_COMMANDS):
             continue
         number = prose.count("\n", 0, match.start()) + 1
-        commands += [Command(f"{name}:{number}", text, tuple(w)) for w in shell_words(text)]
+        place = "heading" if lines[number - 1].startswith("#") else "sentence"
+        commands += [Command(f"{name}:{number}", text, tuple(w), place) for w in shell_words(text)]
     return commands
 
 
@@ -303,18 +412,59 @@ def script_help(script: Path) -> str:
     return out.getvalue()
 
 
+def gives_required_arguments(words: list[str]) -> bool:
+    """Whether `vlmcore COMMAND ...` gives every argument its command requires, as the command's
+    parser reads them, its value checks left out (the files the docs' commands name exist only
+    beside the demo or on a cluster)."""
+    from vlmcore.cli import COMMANDS as SUBCOMMANDS
+    from vlmcore.cli import Parser
+
+    for subcommand in words[1].split("|"):
+        parser = Parser(prog=f"vlmcore {subcommand}")
+        importlib.import_module(SUBCOMMANDS[subcommand][0]).add_arguments(parser)
+        for action in parser._actions:
+            action.type = None
+        try:
+            with argv_and_stdout(["vlmcore"]):
+                parser.parse_args(words[2:])
+        except SystemExit as e:  # --help exits 0
+            if e.code != 0:
+                return False
+    return True
+
+
+def run_here(command: Command, words: list[str]):
+    """A command of RUN_HERE, in-process in a scratch folder: it exits 0 and writes or prints what
+    the docs say."""
+    from vlmcore.cli import main
+
+    output = ""
+    with tempfile.TemporaryDirectory() as scratch, contextlib.chdir(scratch):
+        for subcommand in words[1].split("|"):
+            with argv_and_stdout(["vlmcore"]) as out:
+                code = main([subcommand, *words[2:]])
+            assert code == 0, f"{command.where}: `{command.text}` failed"
+            output += out.getvalue()
+        RUN_HERE[" ".join(command.words)](Path(scratch), output)
+
+
 def check_vlmcore(command: Command, words: list[str]):
     from vlmcore.cli import COMMANDS as SUBCOMMANDS
-    from vlmcore.cli import main
 
     subcommands = words[1].split("|") if len(words) > 1 else []
     assert subcommands, f"{command.where}: `{command.text}` names no command"
     for subcommand in subcommands:
         assert subcommand in SUBCOMMANDS, f"{command.where}: `{command.text}`: no command {subcommand}"
         check_flags(command, words[2:], vlmcore_help(subcommand))
-    if " ".join(words) in RUN_HERE:
-        with argv_and_stdout(["vlmcore"]):
-            assert main(words[1:]) == 0, f"{command.where}: `{command.text}` failed"
+    line = " ".join(command.words)
+    if line in RUN_HERE:
+        run_here(command, words)
+        return
+    names_it = command.place == "heading" or (command.place == "sentence" and not gives_required_arguments(words))
+    assert names_it or line in RUN_ON_DEMO or line in HELP_ONLY, (
+        f"{command.where}: `{command.text}` is neither run nor named: add it to RUN_HERE or RUN_ON_DEMO "
+        "in tests/test_docs_commands.py with what it writes or prints, or to HELP_ONLY with why it cannot run here"
+    )
 
 
 def check_python(command: Command, words: list[str]):
@@ -410,6 +560,14 @@ def test_the_docs_give_commands():
     where = {c.where.split(":")[0] for c in COMMANDS}
     assert {"README.md", "docs/hpc.md", "docs/video.md", "config/demo-video.yaml"} <= where
     assert sum(c.words[0] == "snakemake" for c in COMMANDS) > 20
+
+
+def test_the_vlmcore_commands_listed_are_in_the_docs():
+    """RUN_HERE, RUN_ON_DEMO and HELP_ONLY hold only commands the docs give (a changed doc line
+    drops out of them, and the check of the new line asks where it goes)."""
+    lines = {" ".join(c.words) for c in COMMANDS}
+    for listed in (*RUN_HERE, *RUN_ON_DEMO, *HELP_ONLY):
+        assert listed in lines, f"`{listed}` is not a command of the docs"
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c.where)

@@ -7,6 +7,7 @@ workflow, then checks of every stage's outputs, then reruns. Slow: a few minutes
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -276,6 +277,19 @@ def test_memory_target_estimates_every_stage(demo):
     log = (demo / RESULTS / "logs" / "estimate_memory" / "stage2.log").read_text()
     assert "stage2_config.yaml: estimated peak" in log and "does not fit in" in log and "Try: " in log
     assert "DOES NOT FIT" in log and "Activation" in log  # the table is kept in the log
+
+
+def test_documented_vlmcore_commands_run_on_the_demo(demo):
+    """The `vlmcore` commands of README.md and docs/*.md that need the demo's outputs
+    (tests/test_docs_commands.py RUN_ON_DEMO) run as written in the demo's folder, the reader's
+    placeholders replaced, and write or print what the docs say."""
+    from test_docs_commands import RUN_ON_DEMO, demo_argv
+
+    for line, check in RUN_ON_DEMO.items():
+        argv = demo_argv(line)
+        proc = subprocess.run(argv, cwd=demo, env=ENV, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"`{shlex.join(argv)}` failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+        check(demo, proc.stdout)
 
 
 def test_second_run_does_nothing(demo):
