@@ -170,3 +170,38 @@ def test_export_writes_a_peft_adapter_that_gives_the_merged_models_logits(runs):
         merged = Qwen3VLMoeForConditionalGeneration.from_pretrained(merged_dir).eval()(**inputs).logits
     assert max_rel(adapted, merged) < 1e-4
     assert max_rel(adapted, base) > 1e-3  # the adapters trained
+
+
+# Other plans a LoRA stage runs under, each against the one-process eager run: activation
+# checkpointing (the adapters inside the recomputed blocks) and context parallelism.
+PLANS = {
+    "ac_full": (1, {"parallel": {"activation_checkpointing": "full"}}),
+    "ac_selective": (1, {"parallel": {"activation_checkpointing": "selective"}}),
+    "cp2": (2, {"parallel": {"cp": 2}}),
+}
+
+
+@pytest.fixture(scope="module")
+def plans(runs):
+    tmp_path, snapshot = runs
+    for nproc in sorted({nproc for nproc, _ in PLANS.values()}):
+        configs = [
+            lora_config(tmp_path, snapshot, name, checkpoint={"enabled": False}, **overrides)
+            for name, (size, overrides) in PLANS.items()
+            if size == nproc
+        ]
+        train_cases(nproc, configs, timeout=len(configs) * 300)
+    return tmp_path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PLANS))
+def test_lora_run_under_another_plan_equals_one_process(plans, name):
+    tmp_path = plans
+    reference = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / "one")]
+    trajectory = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / name)]
+    torch.testing.assert_close(torch.tensor(trajectory), torch.tensor(reference), rtol=1e-5, atol=1e-5)
+    ref_final, final = load_dcp(tmp_path / "one" / "final"), load_dcp(tmp_path / name / "final")
+    assert final.keys() == ref_final.keys()
+    for key in ref_final:
+        torch.testing.assert_close(final[key], ref_final[key], rtol=1e-4, atol=1e-4, msg=key)

@@ -43,6 +43,8 @@ from vlmcore.config import ConfigError
 from .moe import GroupedExperts, _local
 
 _ADAPTER_NAME = re.compile(r"(^|[._])lora_[AB]$")
+# What activation checkpointing and compile put into parameter names.
+_WRAPPER_PARTS = re.compile(r"_checkpoint_wrapped_module\.|_orig_mod\.")
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 
@@ -148,10 +150,11 @@ def add_adapters(
 
 
 def adapted_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(name, module) of every module with adapters, in model order."""
+    """(name, module) of every module with adapters, in model order; the names as in the model's
+    state dict (without the wrappers of activation checkpointing and compile)."""
     for name, module in model.named_modules():
         if isinstance(module, (LoraLinear, LoraGroupedExperts)):
-            yield name, module
+            yield _WRAPPER_PARTS.sub("", name), module
 
 
 def has_adapters(model: nn.Module) -> bool:
@@ -183,11 +186,12 @@ def _adapter_init(name: str, shape: Sequence[int], seed: int) -> torch.Tensor:
 
 @torch.no_grad()
 def init_adapters(model: nn.Module, seed: int = 0) -> None:
-    """Initial adapter values (see `_adapter_init`); a sharded adapter gets its own block of them."""
+    """Initial adapter values (see `_adapter_init`, by the parameter's name without the wrappers of
+    activation checkpointing and compile); a sharded adapter gets its own block of them."""
     for name, param in model.named_parameters():
         if not is_adapter(name):
             continue
-        full = _adapter_init(name, tuple(param.shape), seed)
+        full = _adapter_init(_WRAPPER_PARTS.sub("", name), tuple(param.shape), seed)
         if isinstance(param, DTensor):
             size, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
             block = full[tuple(slice(o, o + s) for o, s in zip(offset, size))]
@@ -215,8 +219,7 @@ def merged_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> 
         weight_names = ("weight",) if isinstance(module, LoraLinear) else EXPERT_WEIGHTS
         for weight_name in weight_names:
             key = f"{module_name}.{weight_name}"
-            if key in merged:
-                merged[key] = merged[key] + _delta(module, weight_name).to(merged[key].dtype)
+            merged[key] = merged[key] + _delta(module, weight_name).to(merged[key].dtype)
     return merged
 
 
