@@ -205,3 +205,29 @@ def test_lora_run_under_another_plan_equals_one_process(plans, name):
     assert final.keys() == ref_final.keys()
     for key in ref_final:
         torch.testing.assert_close(final[key], ref_final[key], rtol=1e-4, atol=1e-4, msg=key)
+
+
+@pytest.mark.slow
+def test_a_next_lora_stage_trains_fresh_adapters_on_the_merged_weights(runs):
+    """A LoRA stage `init_from` a LoRA stage's final/ starts from its merged weights (not the base's)
+    with new adapters: its final/ is those weights plus its own update only."""
+    tmp_path, snapshot = runs
+    previous = tmp_path / "one" / "final"
+    train(1, lora_config(tmp_path, snapshot, "next", init_from=str(previous), checkpoint={"enabled": False}))
+    first = load_dcp(previous)
+    final = load_dcp(tmp_path / "next" / "final")
+    assert read_metrics(tmp_path / "next")[0]["loss"] != read_metrics(tmp_path / "one")[0]["loss"]
+    adapters = {k.removeprefix("adapters."): v for k, v in final.items() if k.startswith("adapters.")}
+    for key, tensor in final.items():
+        name = key.removeprefix("model.")
+        if not key.startswith("model."):
+            continue
+        module = name.rpartition(".")[0]
+        if f"{module}.lora_A" in adapters and name.endswith(".weight"):
+            delta = adapters[f"{module}.lora_B"] @ adapters[f"{module}.lora_A"] * ALPHA / RANK
+        elif f"{name}_lora_A" in adapters:
+            delta = torch.bmm(adapters[f"{name}_lora_B"], adapters[f"{name}_lora_A"]) * ALPHA / RANK
+        else:
+            assert torch.equal(tensor, first[key]), key
+            continue
+        torch.testing.assert_close(tensor, first[key] + delta)
