@@ -173,10 +173,11 @@ def test_export_writes_a_peft_adapter_that_gives_the_merged_models_logits(runs):
 
 
 # Other plans a LoRA stage runs under, each against the one-process eager run: activation
-# checkpointing (the adapters inside the recomputed blocks) and context parallelism.
+# checkpointing (the adapters inside the recomputed blocks), compiled blocks and context parallelism.
 PLANS = {
     "ac_full": (1, {"parallel": {"activation_checkpointing": "full"}}),
     "ac_selective": (1, {"parallel": {"activation_checkpointing": "selective"}}),
+    "compiled": (1, {"parallel": {"compile": True}}),
     "cp2": (2, {"parallel": {"cp": 2}}),
 }
 
