@@ -205,6 +205,28 @@ class DataConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = setting(
+        0, "rank of the low-rank adapters; 0 = no LoRA (full fine-tuning of the `trainable` parameters)", ge=0
+    )
+    alpha: float = setting(16.0, "scale of the adapters' update: alpha / rank", gt=0)
+    dropout: float = setting(
+        0.0,
+        "dropout on the adapted linear layers' input to their adapter (must be 0 with experts on an MoE model)",
+        ge=0,
+        lt=1,
+    )
+    targets: list[str] = setting(
+        None,
+        "fnmatch patterns over module names (`model.language_model.layers.*.mlp.*_proj`, `model.visual.blocks.*.attn.qkv`, "
+        "`model.visual.merger.*`): the linear layers of the language model, vision tower and projector that get "
+        "adapters; each pattern must match one",
+        factory=lambda: ["*.self_attn.[qkvo]_proj"],
+    )
+    experts: bool = setting(True, "adapters on every routed expert of the MoE families (none on dense models)")
+
+
+@dataclass
 class TrainConfig:
     model_path: str = setting("", "HF snapshot: architecture, tokenizer, and the weights unless init_from")
     output_dir: str = setting("", "run directory: checkpoints, final/, metrics, the resolved config.yaml")
@@ -229,6 +251,7 @@ class TrainConfig:
     )
     seed: int = setting(0, "seed of the data order and of the random data", ge=0, le=2**32 - 1)
     trainable: list[str] = setting(None, "fnmatch patterns of the trained parameters; [] = all of them", factory=list)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     max_grad_norm: float = setting(
@@ -273,6 +296,29 @@ def _module_rules(module: str) -> list[Rule]:
     ]
 
 
+def _lora_rules() -> list[Rule]:
+    return [
+        (
+            "trainable",
+            "must be [] when lora.rank > 0 (with LoRA only the adapters train; lora.targets chooses them)",
+            lambda v, c: c.lora.rank == 0 or not v,
+        ),
+        (
+            "lora.targets",
+            "must hold a pattern when lora.rank > 0 and lora.experts is false (else nothing would train)",
+            lambda v, c: c.lora.rank == 0 or c.lora.experts or bool(v),
+        ),
+        *[
+            (
+                f"parallel.{key}",
+                "must be 1 when lora.rank > 0 (LoRA has no tensor- or expert-parallel plan yet)",
+                lambda v, c: c.lora.rank == 0 or v in (1, None),
+            )
+            for key in ("tp", "ep", "modules.vision.tp", "modules.language.tp")
+        ],
+    ]
+
+
 # Rules between keys, checked after each key's own type and range: (key, what is allowed, ok(value, config)).
 RULES = [
     ("model_path", "is required", lambda v, c: v != ""),
@@ -307,6 +353,7 @@ RULES = [
         "is a range (every module on every rank, or each on its own ranks)",
         lambda v, c: (v == "all") == (c.parallel.modules.vision.ranks == "all"),
     ),
+    *_lora_rules(),
     ("data.segments", "must be <= data.seq_len / 2", lambda v, c: v <= c.data.seq_len // 2),
     (
         "data.image_side",

@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 import vlmcore
 from vlmcore.data.pack.format import PACK_MODEL_DIR
@@ -34,6 +35,7 @@ from vlmcore.families import family
 from vlmcore.hashing import sha256_of, sha256_of_digests
 from vlmcore.models.expert_storage import stored_format, to_disk
 from vlmcore.models.hf import snapshot_tensor_info
+from vlmcore.models.lora import peft_state_dict
 
 PROVENANCE = "provenance.json"
 # Snapshot files that describe the source weights, not the exported ones.
@@ -228,6 +230,58 @@ def export_hf(
     return out
 
 
+def read_adapters(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The LoRA adapters of a LoRA stage's `final/` (`adapters.<name>`), in one process."""
+    metadata = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata()
+    state = {
+        key: torch.empty(item.size, dtype=item.properties.dtype)
+        for key, item in metadata.state_dict_metadata.items()
+        if key.startswith("adapters.")
+    }
+    if not state:
+        raise ValueError(
+            f"{checkpoint_dir}: no LoRA adapters (`adapters.*`): not the final/ of a stage with lora.rank > 0"
+        )
+    dcp.load(state, checkpoint_id=str(checkpoint_dir), no_dist=True)
+    return {key.removeprefix("adapters."): tensor for key, tensor in state.items()}
+
+
+def export_peft_adapter(checkpoint_dir: str | Path, model_dir: str | Path, out: str | Path) -> Path:
+    """Writes a peft adapter directory (adapter_config.json + adapter_model.safetensors) of a LoRA
+    stage's `final/`, which `peft.PeftModel.from_pretrained` loads onto the transformers model of
+    `model_dir`'s snapshot (the base the stage trained on, before its adapters): the linear layers'
+    adapters as `target_modules`, the experts' as `target_parameters`, the rank, alpha and dropout
+    from the stage's config in final/meta.json."""
+    checkpoint_dir = Path(checkpoint_dir)
+    out = Path(out)
+    adapters = read_adapters(checkpoint_dir)
+    meta_path = checkpoint_dir / "meta.json"
+    if not meta_path.is_file():
+        raise ValueError(f"{checkpoint_dir}: no meta.json, which holds the stage's lora settings")
+    lora = json.loads(meta_path.read_text())["stage_config"]["lora"]
+    linears = sorted({name.rpartition(".")[0] for name in adapters if name.endswith(".lora_A")})
+    expert_weights = sorted({name.removesuffix("_lora_A") for name in adapters if name.endswith("_lora_A")})
+    config = {
+        "peft_type": "LORA",
+        "base_model_name_or_path": str(model_dir),
+        "r": lora["rank"],
+        "lora_alpha": lora["alpha"],
+        "lora_dropout": lora["dropout"],
+        "target_modules": linears or None,
+        "target_parameters": expert_weights or None,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {name: tensor.contiguous() for name, tensor in peft_state_dict(adapters).items()}
+    save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
 def shard_size(text: str) -> str:
     from huggingface_hub.serialization._base import parse_size_to_int
 
@@ -274,6 +328,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=sorted(DTYPES), help="cast floating weights to this dtype (default: the snapshot's)"
     )
     parser.add_argument(
+        "--peft-adapter",
+        metavar="DIR",
+        help="a LoRA stage: also write its adapters as a peft adapter directory to DIR (--out gets the merged model)",
+    )
+    parser.add_argument(
         "--packed-data",
         type=existing_dir,
         help="packed/<dataset> of the last stage: the video sampling it was packed with goes into the export",
@@ -281,6 +340,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.peft_adapter:
+        adapter = export_peft_adapter(args.checkpoint, args.model, args.peft_adapter)
+        print(f"exported the LoRA adapters of {args.checkpoint} -> {adapter} (peft adapter directory)")
     dtype = DTYPES[args.dtype] if args.dtype else None
     out = export_hf(
         args.checkpoint,

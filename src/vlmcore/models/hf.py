@@ -27,6 +27,7 @@ from transformers import GenerationConfig
 from vlmcore.families import family
 
 from .expert_storage import disk_tensors, is_expert_tensor, read_block, stored_format, to_disk
+from .lora import is_adapter
 
 # Files of a snapshot that belong to the tokenizer / processor and travel with the weights.
 SIDE_FILES = (
@@ -83,7 +84,7 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     path = Path(path)
     tied = model.config.tie_word_embeddings
     headers = snapshot_tensor_info(path)
-    state = get_model_state_dict(model)
+    state = {n: t for n, t in get_model_state_dict(model).items() if not is_adapter(n)}  # LoRA's start fresh
     if tied:
         state.pop("lm_head.weight")  # stored once, as the input embedding
     storage = stored_format(model.config.model_type, state, headers)

@@ -64,10 +64,15 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: (N, H) rows sorted by expert, `counts[e]` rows for local expert e."""
-        gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+        gate_up, down = self.expert_weights()
         if grouped_mm.runs_on(x, half_precision_only=True):  # the kernel takes bf16 only
             return _grouped_forward(x, counts, gate_up, down)
         return _loop_forward(x, counts, gate_up, down)
+
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The local experts' `gate_up_proj` (E, 2I, H) and `down_proj` (E, H, I) the forward multiplies
+        by (models/lora.py adds its adapters' update here)."""
+        return _local(self.gate_up_proj), _local(self.down_proj)
 
     def reset_own_parameters(self, std: float = 0.02) -> None:
         nn.init.normal_(self.gate_up_proj, std=std)

@@ -87,6 +87,10 @@ class GatedDeltaNet(nn.Module):
         sizes = [size // self.head_shard[1] for size in self.split]
         # This rank's heads (all of them without TP).
         mixed = F.linear(x_local, block_share(self.in_proj_qkv.weight, self.split, *self.head_shard))
+        if getattr(self.in_proj_qkv, "adapters_enabled", False):  # LoRA (models/lora.py) on this rank's heads
+            mixed = mixed + self.in_proj_qkv.update(
+                x_local, block_share(self.in_proj_qkv.lora_B, self.split, *self.head_shard)
+            )
         conv_weight = block_share(self.conv1d.weight, self.split, *self.head_shard)
         A_log = block_share(self.A_log, [self.n_v_heads], *self.head_shard)
         dt_bias = block_share(self.dt_bias, [self.n_v_heads], *self.head_shard)

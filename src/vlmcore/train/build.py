@@ -23,6 +23,7 @@ from transformers import PretrainedConfig
 from vlmcore.config import ConfigError, TrainConfig
 from vlmcore.families import family
 from vlmcore.models import build_model, load_hf_weights, use_backends
+from vlmcore.models.lora import add_adapters, init_adapters
 from vlmcore.parallel.disjoint import DisjointBridge
 from vlmcore.parallel.layout import RunLayout
 from vlmcore.parallel.mesh import Meshes
@@ -71,13 +72,14 @@ class Run:
         return self.layout.role(self.rank)
 
     def materialize(self, load: bool = True) -> None:
-        """This rank's shards on the device, random init; with `load`, the previous stage's final/
-        or else the snapshot's safetensors."""
+        """This rank's shards on the device, random init; with `load`, the LoRA adapters' initial
+        values and the previous stage's final/ or else the snapshot's safetensors."""
         self.model.to_empty(device=self.device)
         with torch.no_grad():
             self.model.init_weights()
         if not load:
             return
+        init_adapters(self.model, self.cfg.seed)
         if self.cfg.init_from:
             load_model_weights(self.model, self.cfg.init_from)
         elif any(Path(self.cfg.model_path).glob("*.safetensors")):
@@ -140,7 +142,7 @@ def build_meta_run(
     parallelized for what `rank` holds. `shard_one_rank`: see `vlmcore.parallel.fsdp.apply_fsdp`."""
     meshes = Meshes(layout, device)
     model = build_model(cfg.model_path, device="meta")
-    freeze(model, cfg.trainable)
+    choose_trainable(model, cfg)
     partial = parallelize(model, cfg, layout, meshes, rank, shard_one_rank)
     bridge = None
     if layout.disjoint:  # each rank holds one module; the bridge carries the image embeddings between them
@@ -148,6 +150,16 @@ def build_meta_run(
             model.config, layout, cfg.micro_batch_size, getattr(torch, cfg.precision.param_dtype), device, rank
         )
     return Run(cfg, layout, meshes, rank, device, model, partial, bridge)
+
+
+def choose_trainable(model: nn.Module, cfg: TrainConfig) -> None:
+    """With LoRA (`lora.rank` > 0), adapters on `lora.targets` (and the routed experts) and only they
+    train (vlmcore.models.lora); else the parameters `trainable` names."""
+    if cfg.lora.rank > 0:
+        lora = cfg.lora
+        add_adapters(model, lora.rank, lora.alpha, lora.dropout, lora.targets, lora.experts)
+    else:
+        freeze(model, cfg.trainable)
 
 
 def build_run(cfg: TrainConfig, layout: RunLayout, device: torch.device) -> Run:

@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -41,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from vlmcore.config import TrainConfig
 from vlmcore.hashing import sha256_of
+from vlmcore.models.lora import adapter_state_dict, has_adapters, is_adapter, merged_state_dict
 from vlmcore.parallel.layout import BatchSplit
 from vlmcore.train.state import TrainState, split_from_state_dict, split_state_dict
 
@@ -168,7 +170,7 @@ class Checkpointer:
         """train_state: replicated values (step, samples, tokens, ...); rank_state: this rank's
         own values, stored under `rank<r>` keys (loader position, RNG)."""
         self.wait()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=state_dict_options(model))
         state = {
             "model": model_sd,
             "optim": optim_sd,
@@ -220,26 +222,47 @@ class Checkpointer:
     ) -> None:
         """Loads model and optimizer, and fills the `train_state` template (and `rank_state`,
         this rank's template, unless None: the layout changed) in place."""
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        options = state_dict_options(model)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         state = {"model": model_sd, "optim": optim_sd, "train": train_state}
         if rank_state is not None:
             state["ranks"] = {f"rank{dist.get_rank()}": rank_state}
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
+        )
         train_state.update(state["train"])
         if rank_state is not None:
             rank_state.update(state["ranks"][f"rank{dist.get_rank()}"])
 
 
+def state_dict_options(model: nn.Module) -> StateDictOptions:
+    """What a checkpoint of `model` holds: with LoRA adapters only the adapters (and their optimizer
+    state): the frozen base comes again from the stage's init on resume, so loading leaves it as is
+    (not strict; DCP fails on an adapter the checkpoint lacks); else every parameter."""
+    adapters = has_adapters(model)
+    return StateDictOptions(ignore_frozen_params=adapters, strict=not adapters)
+
+
+def final_state(model: nn.Module) -> dict:
+    """What final/ holds: `model`, the weights; with LoRA the adapted model's (adapters merged into
+    the base weights, so the next stage and the export read a plain model) and, under `adapters`,
+    the adapters themselves (the export's peft adapter directory)."""
+    state = get_model_state_dict(model)
+    if not has_adapters(model):
+        return {"model": state}
+    return {"model": merged_state_dict(model, state), "adapters": adapter_state_dict(state)}
+
+
 def save_final(output_dir: str | Path, model: nn.Module, meta: dict) -> None:
-    """final/ = the model weights (full logical tensors, keys `model.<name>`) + meta.json,
-    readable with DCP in one process without a process group."""
+    """final/ = the model weights (full logical tensors, keys `model.<name>`; see `final_state`) +
+    meta.json, readable with DCP in one process without a process group."""
     output_dir = Path(output_dir)
     final, tmp = output_dir / "final", output_dir / "final.tmp"
     if _is_rank0() and tmp.exists():
         shutil.rmtree(tmp)
     dist.barrier()
-    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(tmp))
+    dcp.save(final_state(model), checkpoint_id=str(tmp))
     dist.barrier()
     if _is_rank0():
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
@@ -251,10 +274,12 @@ def save_final(output_dir: str | Path, model: nn.Module, meta: dict) -> None:
 
 def load_model_weights(model: nn.Module, init_from: str | Path) -> None:
     """Loads a final/ directory (or any DCP checkpoint with `model.*` keys) into the (sharded)
-    model: every rank reads only its shards."""
-    state = {"model": get_model_state_dict(model)}
+    model: every rank reads only its shards. LoRA adapters are not read: a stage's adapters start fresh
+    on the previous stage's (merged) weights."""
+    weights = {n: t for n, t in get_model_state_dict(model).items() if not is_adapter(n)}
+    state = {"model": weights}
     dcp.load(state, checkpoint_id=str(init_from))
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not has_adapters(model)))
 
 
 class ResumableData(Protocol):

@@ -1,0 +1,234 @@
+"""LoRA stages of `vlmcore train`: the `lora` settings are checked before any work; only the
+adapters train, sit in the optimizer and in the checkpoints; final/ holds the merged weights and
+the adapters; a resume is exact; a 2-rank FSDP2 run equals one process."""
+
+import shutil
+
+import pytest
+import torch
+from _train_helpers import load_dcp, read_metrics, tiny_snapshot, train, train_cases, write_config
+from safetensors.torch import load_file
+
+from vlmcore.config import ConfigError, from_dict
+from vlmcore.models.lora import is_adapter
+
+STEPS = 6
+ALPHA, RANK = 8.0, 4
+LORA = {
+    "rank": RANK,
+    "alpha": ALPHA,
+    "targets": ["*.self_attn.[qv]_proj", "model.visual.blocks.*.attn.qkv", "model.visual.merger.linear_fc1"],
+    "experts": True,
+}
+
+
+def base(**overrides):
+    return {"model_path": "m", "output_dir": "o", "data": {"kind": "random"}, **overrides}
+
+
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (dict(lora={"rank": 4}, trainable=["model.visual.*"]), "trainable"),
+        (dict(lora={"rank": 4, "experts": False, "targets": []}), "lora.targets"),
+        (dict(lora={"rank": 4}, parallel={"tp": 2}), "parallel.tp"),
+        (dict(lora={"rank": 4}, parallel={"ep": 2}), "parallel.ep"),
+        (dict(lora={"rank": 4, "alpha": 0}), "lora.alpha"),
+        (dict(lora={"rank": -1}), "lora.rank"),
+    ],
+)
+def test_bad_lora_settings_are_refused_by_key(overrides, key):
+    with pytest.raises(ConfigError) as error:
+        from_dict(base(**overrides))
+    assert error.value.key == key
+
+
+def test_lora_settings_load_with_their_defaults():
+    cfg = from_dict(base(lora={"rank": 8}))
+    assert (cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.experts) == (8, 16.0, 0.0, True)
+    assert cfg.lora.targets == ["*.self_attn.[qkvo]_proj"]
+    assert from_dict(base()).lora.rank == 0  # no LoRA unless asked
+
+
+def lora_config(tmp_path, snapshot, name, **overrides):
+    return write_config(
+        tmp_path / f"{name}.yaml",
+        snapshot,
+        tmp_path / name,
+        steps=STEPS,
+        global_batch_rows=2,  # one row a rank on 2 ranks, two micro-batches on one
+        optimizer={"lr": 1.0e-2, "weight_decay": 0.01},
+        lora=LORA,
+        **overrides,
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One process with checkpoints every 3 steps, and the same stage on 2 ranks (FSDP2, one launch)."""
+    tmp_path = tmp_path_factory.mktemp("lora")
+    snapshot = tiny_snapshot("qwen3_vl_moe", tmp_path / "model")
+    train(1, lora_config(tmp_path, snapshot, "one", checkpoint={"interval": 3, "keep": 2}))
+    train_cases(2, [lora_config(tmp_path, snapshot, "fsdp2", checkpoint={"enabled": False})])
+    return tmp_path, snapshot
+
+
+@pytest.mark.slow
+def test_only_adapters_train_and_are_checkpointed(runs):
+    tmp_path, snapshot = runs
+    out = tmp_path / "one"
+    checkpoint = load_dcp(out / "checkpoints" / "step_3")
+    model_keys = [k.removeprefix("model.") for k in checkpoint if k.startswith("model.")]
+    assert model_keys and all(is_adapter(k) for k in model_keys)
+    assert any("experts.gate_up_proj_lora_A" in k for k in model_keys)
+    assert any(k.startswith("model.visual.blocks.0.attn.qkv") for k in model_keys)
+    # optim.state.<parameter name>.<exp_avg | exp_avg_sq | step>
+    optimizer_params = {
+        k.removeprefix("optim.state.").rpartition(".")[0] for k in checkpoint if k.startswith("optim.state.")
+    }
+    assert optimizer_params and all(is_adapter(k) for k in optimizer_params), sorted(optimizer_params)[:3]
+    # The frozen base in final/: untouched where no adapter is, base + B A alpha / rank where one is.
+    final = load_dcp(out / "final")
+    initial = load_file(snapshot / "model.safetensors")
+    weights = {k.removeprefix("model."): v for k, v in final.items() if k.startswith("model.")}
+    adapters = {k.removeprefix("adapters."): v for k, v in final.items() if k.startswith("adapters.")}
+    assert not any(is_adapter(k) for k in weights) and adapters.keys() == set(model_keys)
+    assert all(adapters[k].abs().max() > 0 for k in adapters if k.endswith("lora_B"))  # B moved off zero
+    adapted = {k.rpartition(".")[0] for k in adapters if k.endswith(".lora_A")}
+    for name, tensor in weights.items():
+        module = name.rpartition(".")[0]
+        if module in adapted and name.endswith(".weight"):
+            delta = adapters[f"{module}.lora_B"] @ adapters[f"{module}.lora_A"] * ALPHA / RANK
+            torch.testing.assert_close(tensor, initial[name] + delta)
+        elif "mlp.experts." in name:
+            delta = torch.bmm(adapters[f"{name}_lora_B"], adapters[f"{name}_lora_A"]) * ALPHA / RANK
+            torch.testing.assert_close(tensor, initial[name] + delta)
+        elif name in initial:
+            assert torch.equal(tensor, initial[name]), name
+
+
+@pytest.mark.slow
+def test_resume_from_an_adapter_checkpoint_is_exact(runs):
+    """The run resumed at step 3 from adapters and optimizer state only (the base from the snapshot)
+    ends bit for bit like the uninterrupted one."""
+    tmp_path, snapshot = runs
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "one", resumed)
+    shutil.rmtree(resumed / "final")
+    shutil.rmtree(resumed / "checkpoints" / "step_6")
+    (resumed / "done").unlink()
+    (resumed / "checkpoints" / "latest").write_text("step_3")
+    metrics = resumed / "metrics.jsonl"
+    metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:3]))
+    cfg = lora_config(tmp_path, snapshot, "resumed", checkpoint={"interval": 3, "keep": 2})
+    proc = train(1, cfg)
+    assert "resumed from" in proc.stdout and "at step 3" in proc.stdout
+    reference = read_metrics(tmp_path / "one")
+    again = read_metrics(resumed)
+    assert [m["step"] for m in again] == list(range(1, STEPS + 1))
+    assert [(m["loss"], m["grad_norm"]) for m in again] == [(m["loss"], m["grad_norm"]) for m in reference]
+    ref_final, final = load_dcp(tmp_path / "one" / "final"), load_dcp(resumed / "final")
+    assert final.keys() == ref_final.keys()
+    assert all(torch.equal(final[k], ref_final[k]) for k in ref_final)
+
+
+@pytest.mark.slow
+def test_two_rank_fsdp2_lora_run_equals_one_process(runs):
+    tmp_path, _ = runs
+    reference = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / "one")]
+    trajectory = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / "fsdp2")]
+    torch.testing.assert_close(torch.tensor(trajectory), torch.tensor(reference), rtol=1e-5, atol=1e-5)
+    ref_final, final = load_dcp(tmp_path / "one" / "final"), load_dcp(tmp_path / "fsdp2" / "final")
+    assert final.keys() == ref_final.keys()
+    for key in ref_final:
+        torch.testing.assert_close(final[key], ref_final[key], rtol=1e-4, atol=1e-4, msg=key)
+
+
+@pytest.mark.slow
+def test_export_writes_a_peft_adapter_that_gives_the_merged_models_logits(runs):
+    """`vlmcore export --peft-adapter`: peft loads the adapter directory onto the transformers model
+    of the base snapshot, and its logits are those of the merged model the same export wrote to --out."""
+    from _models_helpers import IMAGE, max_rel, vl_sample
+    from peft import PeftModel
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    from vlmcore.cli import main
+
+    tmp_path, snapshot = runs
+    merged_dir, adapter_dir = tmp_path / "export", tmp_path / "adapter"
+    args = ["export", "--checkpoint", str(tmp_path / "one" / "final"), "--model", str(snapshot)]
+    assert main([*args, "--out", str(merged_dir), "--peft-adapter", str(adapter_dir)]) == 0
+    assert {p.name for p in adapter_dir.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    ids, pixels, grid = vl_sample([(1, 4, 4)], [5, 3], torch.Generator().manual_seed(2))
+    inputs = dict(
+        input_ids=ids[None], pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(ids[None] == IMAGE).int()
+    )
+    with torch.no_grad():
+        base_model = Qwen3VLMoeForConditionalGeneration.from_pretrained(snapshot).eval()
+        base = base_model(**inputs).logits
+        adapted = PeftModel.from_pretrained(base_model, adapter_dir).eval()(**inputs).logits
+        merged = Qwen3VLMoeForConditionalGeneration.from_pretrained(merged_dir).eval()(**inputs).logits
+    assert max_rel(adapted, merged) < 1e-4
+    assert max_rel(adapted, base) > 1e-3  # the adapters trained
+
+
+# Other plans a LoRA stage runs under, each against the one-process eager run: activation
+# checkpointing (the adapters inside the recomputed blocks), compiled blocks and context parallelism.
+PLANS = {
+    "ac_full": (1, {"parallel": {"activation_checkpointing": "full"}}),
+    "ac_selective": (1, {"parallel": {"activation_checkpointing": "selective"}}),
+    "compiled": (1, {"parallel": {"compile": True}}),
+    "cp2": (2, {"parallel": {"cp": 2}}),
+}
+
+
+@pytest.fixture(scope="module")
+def plans(runs):
+    tmp_path, snapshot = runs
+    for nproc in sorted({nproc for nproc, _ in PLANS.values()}):
+        configs = [
+            lora_config(tmp_path, snapshot, name, checkpoint={"enabled": False}, **overrides)
+            for name, (size, overrides) in PLANS.items()
+            if size == nproc
+        ]
+        train_cases(nproc, configs, timeout=len(configs) * 300)
+    return tmp_path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PLANS))
+def test_lora_run_under_another_plan_equals_one_process(plans, name):
+    tmp_path = plans
+    reference = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / "one")]
+    trajectory = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / name)]
+    torch.testing.assert_close(torch.tensor(trajectory), torch.tensor(reference), rtol=1e-5, atol=1e-5)
+    ref_final, final = load_dcp(tmp_path / "one" / "final"), load_dcp(tmp_path / name / "final")
+    assert final.keys() == ref_final.keys()
+    for key in ref_final:
+        torch.testing.assert_close(final[key], ref_final[key], rtol=1e-4, atol=1e-4, msg=key)
+
+
+@pytest.mark.slow
+def test_a_next_lora_stage_trains_fresh_adapters_on_the_merged_weights(runs):
+    """A LoRA stage `init_from` a LoRA stage's final/ starts from its merged weights (not the base's)
+    with new adapters: its final/ is those weights plus its own update only."""
+    tmp_path, snapshot = runs
+    previous = tmp_path / "one" / "final"
+    train(1, lora_config(tmp_path, snapshot, "next", init_from=str(previous), checkpoint={"enabled": False}))
+    first = load_dcp(previous)
+    final = load_dcp(tmp_path / "next" / "final")
+    assert read_metrics(tmp_path / "next")[0]["loss"] != read_metrics(tmp_path / "one")[0]["loss"]
+    adapters = {k.removeprefix("adapters."): v for k, v in final.items() if k.startswith("adapters.")}
+    for key, tensor in final.items():
+        name = key.removeprefix("model.")
+        if not key.startswith("model."):
+            continue
+        module = name.rpartition(".")[0]
+        if f"{module}.lora_A" in adapters and name.endswith(".weight"):
+            delta = adapters[f"{module}.lora_B"] @ adapters[f"{module}.lora_A"] * ALPHA / RANK
+        elif f"{name}_lora_A" in adapters:
+            delta = torch.bmm(adapters[f"{name}_lora_B"], adapters[f"{name}_lora_A"]) * ALPHA / RANK
+        else:
+            assert torch.equal(tensor, first[key]), key
+            continue
+        torch.testing.assert_close(tensor, first[key] + delta)
