@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from vlmcore.data.load.batch import Batch, Images
 from vlmcore.models.moe import RoutingStats, moe_blocks
+from vlmcore.models.qwen3_vl import VisionEmbeds
 from vlmcore.parallel.disjoint import DisjointBridge
 from vlmcore.train.loss import chunked_cross_entropy
 
@@ -82,6 +83,31 @@ class MoE:
     cp: int = 1  # context-parallel ranks: each a chunk of the rows, its loss a part of theirs
 
 
+def forward_hidden(model: nn.Module, batch: Batch, received: VisionEmbeds | None = None) -> torch.Tensor:
+    """The model's final hidden states (B, S, H) for a device batch (`return_hidden`: the loss goes
+    through the LM head itself). `received`: a language rank's image embeddings under disjoint layouts."""
+    images = batch.images
+    videos = batch.videos
+    optional = {}  # arguments only some models take
+    if batch.visual_selection is not None:
+        optional["visual_selection"] = batch.visual_selection
+    if received is not None:
+        optional["vision_embeds"] = received
+    output = model(
+        batch.input_ids,
+        pixel_values=images.pixel_values if images else None,
+        image_grid_thw=images.grid_thw if images else None,
+        position_ids=batch.position_ids,
+        cu_seqlens=batch.cu_seqlens,
+        max_seqlen=batch.max_seqlen,
+        return_hidden=True,
+        pixel_values_videos=videos.pixel_values if videos else None,
+        video_grid_thw=videos.grid_thw if videos else None,
+        **optional,
+    )
+    return output.hidden_states
+
+
 def forward_backward(
     model: nn.Module,
     micro: list[Batch],
@@ -106,27 +132,9 @@ def forward_backward(
         if vision_dummy is not None:
             vision_dummy.active = not batch.has_visual
         received = bridge.receive(i) if bridge is not None else None
-        images = batch.images
-        videos = batch.videos
-        optional = {}  # arguments only some models take
-        if batch.visual_selection is not None:
-            optional["visual_selection"] = batch.visual_selection
-        if received is not None:
-            optional["vision_embeds"] = received
-        output = model(
-            batch.input_ids,
-            pixel_values=images.pixel_values if images else None,
-            image_grid_thw=images.grid_thw if images else None,
-            position_ids=batch.position_ids,
-            cu_seqlens=batch.cu_seqlens,
-            max_seqlen=batch.max_seqlen,
-            return_hidden=True,
-            pixel_values_videos=videos.pixel_values if videos else None,
-            video_grid_thw=videos.grid_thw if videos else None,
-            **optional,
-        )
+        hidden = forward_hidden(model, batch, received)
         local_sum, _ = chunked_cross_entropy(
-            output.hidden_states, model.lm_head.weight, batch.labels, chunk_tokens, compiled=compiled_loss
+            hidden, model.lm_head.weight, batch.labels, chunk_tokens, compiled=compiled_loss
         )
         loss = local_sum / label_tokens
         if moe is not None:
@@ -141,7 +149,7 @@ def forward_backward(
             loss.backward()
         local_sum = local_sum.detach().double()
         loss_sum = local_sum if loss_sum is None else loss_sum + local_sum
-        del output
+        del hidden
     return loss_sum, aux_sum, routed
 
 
