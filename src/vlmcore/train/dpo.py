@@ -24,12 +24,13 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
 from vlmcore.data import IGNORE_INDEX
 from vlmcore.data.load.batch import Batch
-from vlmcore.train.step import forward_hidden
+from vlmcore.train.step import VisionDummy, forward_hidden
 
 
 def _chunk_token_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -94,14 +95,18 @@ class FrozenReference:
     """The reference as a model of its own that never trains (a copy of the policy's weights at
     the stage's start, built and sharded as the policy is)."""
 
-    def __init__(self, model: nn.Module, chunk_tokens: int = 1024) -> None:
+    def __init__(self, model: nn.Module, chunk_tokens: int = 1024, vision_dummy: VisionDummy | None = None) -> None:
+        """`vision_dummy`: the reference's own (a sharded VL model runs its vision tower on every batch)."""
         for parameter in model.parameters():
             parameter.requires_grad_(False)
         self.model = model.eval()
         self.chunk_tokens = chunk_tokens
+        self.vision_dummy = vision_dummy
 
     @torch.no_grad()
     def logps(self, batch: Batch) -> torch.Tensor:
+        if self.vision_dummy is not None:
+            self.vision_dummy.active = not batch.has_visual
         return model_segment_logps(self.model, batch, self.chunk_tokens)
 
 
@@ -157,3 +162,59 @@ def pair_losses(
         beta,
         label_smoothing,
     )
+
+
+# The sums over a step's pairs that the step reduces over the ranks and `pair_metrics` reads:
+# the DPO loss, the chosen and rejected rewards, and the pairs whose chosen reward is the larger.
+PAIR_SUMS = ("loss", "chosen_reward", "rejected_reward", "correct")
+
+
+@dataclass
+class DPOObjective:
+    """What the train step needs to train on preference pairs (`Step.objective`)."""
+
+    reference: Reference
+    beta: float
+    label_smoothing: float
+    chunk_tokens: int = 1024
+
+    def __call__(
+        self, model: nn.Module, micro: list[Batch], pairs_total: float, vision_dummy: VisionDummy | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Accumulates the gradients of sum(pair losses) / pairs_total over the device micro-batches;
+        returns this rank's sum of pair losses and its `PAIR_SUMS` (on the device)."""
+        sums = None
+        for i, batch in enumerate(micro):
+            if batch.pairs is None:
+                raise ValueError(f"objective dpo: a batch without preference pairs (rows {batch.row_keys})")
+            if isinstance(model, FSDPModule):
+                model.set_requires_gradient_sync(i == len(micro) - 1)  # reduce once, after the last
+            reference_logps = self.reference.logps(batch)
+            if vision_dummy is not None:
+                vision_dummy.active = not batch.has_visual
+            policy_logps = model_segment_logps(model, batch, self.chunk_tokens)
+            pairs = pair_losses(policy_logps, reference_logps, batch.pairs, self.beta, self.label_smoothing)
+            (pairs.losses.sum() / pairs_total).backward()
+            batch_sums = torch.stack(
+                [
+                    pairs.losses.detach().sum(),
+                    pairs.chosen_rewards.sum(),
+                    pairs.rejected_rewards.sum(),
+                    pairs.correct.sum(),
+                ]
+            ).double()
+            sums = batch_sums if sums is None else sums + batch_sums
+        return sums[0], sums
+
+
+def pair_metrics(sums: list[float], pairs: float) -> dict:
+    """The step's DPO metrics from its `PAIR_SUMS` over all ranks and its global number of pairs:
+    the mean loss, chosen and rejected rewards, margin and accuracy."""
+    mean = dict(zip(PAIR_SUMS, (value / max(pairs, 1) for value in sums)))
+    return {
+        "dpo_loss": mean["loss"],
+        "dpo_chosen_reward": mean["chosen_reward"],
+        "dpo_rejected_reward": mean["rejected_reward"],
+        "dpo_margin": mean["chosen_reward"] - mean["rejected_reward"],
+        "dpo_accuracy": mean["correct"],
+    }

@@ -167,6 +167,7 @@ class StepResult:
     grad_norm: float  # before clipping
     applied: bool  # False: non-finite loss or norm, the optimizer step was skipped
     moe: dict | None = None  # moe_aux_loss, moe_load_imbalance (MoE models)
+    objective_sums: list[float] | None = None  # the objective's sums over all ranks (DPO: `dpo.PAIR_SUMS`)
 
 
 @dataclass
@@ -185,12 +186,21 @@ class Step:
     moe: MoE | None = None
     bridge: DisjointBridge | None = None  # disjoint layouts
     norm_foreach: bool | None = None  # the gradient norm's multi-tensor kernel (None: where torch has it)
+    # Another loss than next-token cross-entropy (DPO: vlmcore.train.dpo.DPOObjective): called as
+    # objective(model, micro, normaliser, vision_dummy), it accumulates the gradients and returns
+    # this rank's loss sum and further sums to reduce over the ranks.
+    objective: Callable | None = None
 
     def __call__(self, micro: list, label_tokens: float, set_lr: Callable[[torch.optim.Optimizer], None]) -> StepResult:
         """One optimizer step over the device micro-batches (an encoder rank of disjoint layouts:
         the image batches of its rows); `set_lr(optimizer)` sets this step's lr."""
+        objective_sums = None
         if self.bridge is not None and self.bridge.is_vision:
             loss_sum = self.bridge.encoder_step(self.model, micro)
+            aux_sum = None
+            routed = None
+        elif self.objective is not None:
+            loss_sum, objective_sums = self.objective(self.model, micro, label_tokens, self.vision_dummy)
             aux_sum = None
             routed = None
         else:
@@ -211,12 +221,17 @@ class Step:
             norm = self.bridge.global_norm(norm)
         # One all-reduce for the loss and the MoE statistics, one host read for everything.
         totals = loss_sum.view(1)
+        if objective_sums is not None:
+            totals = torch.cat([totals, objective_sums])
         if routed is not None:
             totals = torch.cat([totals, aux_sum.double().view(1), routed.double().flatten()])
         ranks = dist.get_world_size() if dist.is_initialized() else 1
         if ranks > 1:
             dist.all_reduce(totals)
         norm_value, loss_value, *moe_totals = read_host(norm, totals)
+        if objective_sums is not None:
+            objective_sums = moe_totals[: len(objective_sums)]
+            moe_totals = moe_totals[len(objective_sums) :]
         moe = None
         if routed is not None:
             routed_total = torch.tensor(moe_totals[1:], dtype=torch.float64).view(routed.shape)
@@ -227,7 +242,7 @@ class Step:
             set_lr(self.optimizer)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_value, norm_value, finite, moe)
+        return StepResult(loss_value, norm_value, finite, moe, objective_sums)
 
 
 def clip_grads(params: list[torch.Tensor], norm: float, max_norm: float) -> None:
