@@ -86,7 +86,7 @@ def test_preference_pairs_prepare_pack_and_load_whole(preference_data, caplog):
 
     packed = root / "packed"
     pack_stats = pack(root / "data", model, packed, seq_len=SEQ_LEN, max_patches=512, shard_size=4)
-    assert pack_stats["samples"] == 13
+    assert pack_stats["samples"] == 13 and pack_stats["pairs"] == 13
     packs = [json.loads(s.data["json"])["segments"] for shard in shard_paths(packed) for s in iter_shard_samples(shard)]
     for segments in packs:
         roles = [segment.get("preference") for segment in segments]

@@ -108,7 +108,7 @@ def test_bad_dpo_settings_are_refused_by_key(overrides, key):
 
 @pytest.mark.slow
 def test_dpo_without_pairs_is_refused(tmp_path):
-    """Packed data without preference pairs: the run stops at its first step, naming the data."""
+    """Packed data without preference pairs: refused by key before the run starts."""
     from _data_helpers import make_demo_model_dir
 
     from vlmcore.data.pack.dataset import pack
@@ -129,5 +129,6 @@ def test_dpo_without_pairs_is_refused(tmp_path):
         data={"kind": "packed"},
     )
     proc = train(1, config, check=False)
-    assert proc.returncode == 1
-    assert "no preference pairs" in proc.stderr and str(tmp_path / "packed") in proc.stderr
+    assert proc.returncode == 2  # refused with the config, before any work
+    assert "data_path: objective is dpo" in proc.stderr and "no preference pairs" in proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -9,6 +9,7 @@ workflow-written YAML is found at once instead of deep inside the training loop.
 
 import contextlib
 import dataclasses
+import json
 import math
 import operator
 import types
@@ -588,6 +589,21 @@ def check_paths(cfg: TrainConfig) -> None:
         )
     if cfg.data.kind == "packed":
         _need(Path(cfg.data_path).is_dir(), "data_path", f"{cfg.data_path} is not a directory")
+        _check_pairs(cfg)
+
+
+def _check_pairs(cfg: TrainConfig) -> None:
+    """A DPO stage's packed dataset must hold preference pairs (its stats.json counts them)."""
+    stats = Path(cfg.data_path) / "stats.json"
+    if cfg.objective != "dpo" or not stats.is_file():
+        return
+    pairs = json.loads(stats.read_text()).get("pairs", 0)
+    _need(
+        pairs > 0,
+        "data_path",
+        f"objective is dpo but {cfg.data_path} holds no preference pairs (a `preference:` source through "
+        "vlmcore prepare and pack)",
+    )
 
 
 def warnings_of(cfg: TrainConfig) -> list[str]:
