@@ -3,6 +3,7 @@ in one pack and one row, both sides with the same prompt and media, bad pairs co
 
 import json
 import logging
+from collections import Counter
 from itertools import islice
 
 import pytest
@@ -10,6 +11,7 @@ from _data_helpers import make_clip, make_demo_model_dir, write_jsonl
 
 from vlmcore.data import IGNORE_INDEX
 from vlmcore.data.load.loader import build_loader
+from vlmcore.data.load.rows import whole_pairs
 from vlmcore.data.media.encoder import SampleEncoder
 from vlmcore.data.pack.dataset import pack
 from vlmcore.data.prepare.dataset import prepare
@@ -124,3 +126,14 @@ def test_preference_pairs_prepare_pack_and_load_whole(preference_data, caplog):
         assert len(enc.input_ids) == segment["num_tokens"]
         answer = segment["sample"]["messages"][-1]["content"]
         assert encoder.tokenizer.decode([t for t in enc.labels if t != IGNORE_INDEX]) == answer + "<|im_end|>"
+
+
+def test_a_pair_that_lost_a_side_is_left_out_whole():
+    """The loader keeps a pair only with both its sides (same sample key, chosen then rejected)."""
+    roles = [("a", "chosen"), ("a", "rejected"), ("b", "chosen"), ("c", "rejected"), ("d", None), ("e", "chosen")]
+    roles += [("e", "rejected")]
+    segments = [(key, None, [], [], role) for key, role in roles]
+    skipped = Counter()
+    kept = whole_pairs(segments, "000000001", skipped)
+    assert [(key, role) for key, _, _, _, role in kept] == [("a", "chosen"), ("a", "rejected"), ("d", None), ("e", "chosen"), ("e", "rejected")]  # fmt: skip
+    assert skipped == {"preference_side_left_out": 2}

@@ -256,12 +256,15 @@ def whole_pairs(segments: list[EncodedSegment], key: str, skipped: Counter) -> l
     followed by its rejected side (`vlmcore.data.pack.format.Segment`)."""
     kept = []
     for i, segment in enumerate(segments):
+        sample_key = segment[0]
         preference = segment[4]
-        previous = segments[i - 1][4] if i > 0 else None
-        following = segments[i + 1][4] if i + 1 < len(segments) else None
-        if preference == "chosen" and following != "rejected" or preference == "rejected" and previous != "chosen":
-            skip(skipped, "preference_side_left_out", f"pack {key} sample {segment[0]}", ValueError(preference))
-            continue
+        partner = {"chosen": (i + 1, "rejected"), "rejected": (i - 1, "chosen")}.get(preference)
+        if partner is not None:
+            j, side = partner
+            whole = 0 <= j < len(segments) and segments[j][4] == side and segments[j][0] == sample_key
+            if not whole:
+                skip(skipped, "preference_side_left_out", f"pack {key} sample {sample_key}", ValueError(preference))
+                continue
         kept.append(segment)
     return kept
 
