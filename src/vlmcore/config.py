@@ -9,6 +9,7 @@ workflow-written YAML is found at once instead of deep inside the training loop.
 
 import contextlib
 import dataclasses
+import json
 import math
 import operator
 import types
@@ -227,6 +228,22 @@ class LoraConfig:
 
 
 @dataclass
+class DPOConfig:
+    beta: float = setting(
+        0.1, "objective dpo: how far the policy may move from the reference (the implicit reward's scale)", gt=0
+    )
+    label_smoothing: float = setting(
+        0.0,
+        "objective dpo: assumed share of pairs whose preference is wrong (conservative DPO); 0 = plain sigmoid DPO",
+        ge=0,
+        lt=0.5,
+    )
+    reference: Literal["copy"] = setting(
+        "copy", "objective dpo: the reference policy; copy = a frozen copy of the weights the stage starts from"
+    )
+
+
+@dataclass
 class TrainConfig:
     model_path: str = setting("", "HF snapshot: architecture, tokenizer, and the weights unless init_from")
     output_dir: str = setting("", "run directory: checkpoints, final/, metrics, the resolved config.yaml")
@@ -267,6 +284,12 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     loss_chunk_tokens: int = setting(1024, "tokens per cross-entropy chunk (bounds the logits in memory)", ge=1)
     max_nonfinite_steps: int = setting(5, "consecutive skipped (non-finite) steps before the run saves and stops", ge=1)
+    objective: Literal["sft", "dpo"] = setting(
+        "sft",
+        "the stage's loss: sft = next-token cross-entropy over the label tokens; dpo = direct preference "
+        "optimisation over preference pairs (data: a `preference:` source through vlmcore prepare and pack)",
+    )
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
 
 # A check between keys, or a warning: (dotted key, what is allowed or why it is suspicious, check(value, config)).
@@ -319,6 +342,32 @@ def _lora_rules() -> list[Rule]:
     ]
 
 
+def _dpo_rules() -> list[Rule]:
+    """What a DPO stage needs: whole pairs on each rank (no cut of the rows) and pairs in random data."""
+    return [
+        (
+            "data.segments",
+            "must be even when objective is dpo and data.kind is random (consecutive segments are the pairs)",
+            lambda v, c: c.objective != "dpo" or c.data.kind != "random" or v % 2 == 0,
+        ),
+        (
+            "parallel.tp",
+            "must be 1 when objective is dpo (a pair's log-probabilities need the whole vocabulary on each rank)",
+            lambda v, c: c.objective != "dpo" or v == 1,
+        ),
+        (
+            "parallel.cp",
+            "must be 1 when objective is dpo (a pair's log-probabilities need whole rows on each rank)",
+            lambda v, c: c.objective != "dpo" or v == 1,
+        ),
+        (
+            "parallel.modules.vision.ranks",
+            "must be all when objective is dpo (no disjoint module layouts)",
+            lambda v, c: c.objective != "dpo" or v == "all",
+        ),
+    ]
+
+
 # Rules between keys, checked after each key's own type and range: (key, what is allowed, ok(value, config)).
 RULES = [
     ("model_path", "is required", lambda v, c: v != ""),
@@ -355,6 +404,7 @@ RULES = [
     ),
     *_lora_rules(),
     ("data.segments", "must be <= data.seq_len / 2", lambda v, c: v <= c.data.seq_len // 2),
+    *_dpo_rules(),
     (
         "data.image_side",
         "must leave room for an image (image_side**2 + 4 tokens) in data.seq_len / data.segments "
@@ -586,6 +636,21 @@ def check_paths(cfg: TrainConfig) -> None:
         )
     if cfg.data.kind == "packed":
         _need(Path(cfg.data_path).is_dir(), "data_path", f"{cfg.data_path} is not a directory")
+        _check_pairs(cfg)
+
+
+def _check_pairs(cfg: TrainConfig) -> None:
+    """A DPO stage's packed dataset must hold preference pairs (its stats.json counts them)."""
+    stats = Path(cfg.data_path) / "stats.json"
+    if cfg.objective != "dpo" or not stats.is_file():
+        return
+    pairs = json.loads(stats.read_text()).get("pairs", 0)
+    _need(
+        pairs > 0,
+        "data_path",
+        f"objective is dpo but {cfg.data_path} holds no preference pairs (a `preference:` source through "
+        "vlmcore prepare and pack)",
+    )
 
 
 def warnings_of(cfg: TrainConfig) -> list[str]:

@@ -24,13 +24,15 @@ from vlmcore.config import ConfigError, TrainConfig
 from vlmcore.families import family
 from vlmcore.models import build_model, load_hf_weights, use_backends
 from vlmcore.models.lora import add_adapters, init_adapters
+from vlmcore.models.moe import moe_blocks
 from vlmcore.parallel.disjoint import DisjointBridge
 from vlmcore.parallel.layout import RunLayout
 from vlmcore.parallel.mesh import Meshes
 from vlmcore.parallel.parallelize import parallelize
 from vlmcore.train.checkpoint import ResumableData, load_model_weights
+from vlmcore.train.dpo import DPOObjective, FrozenReference
 from vlmcore.train.optim import build_optimizer, freeze
-from vlmcore.train.step import Step, build_step
+from vlmcore.train.step import Step, VisionDummy, build_step
 
 
 def check_kernels(cfg: TrainConfig, device: torch.device) -> dict:
@@ -80,12 +82,7 @@ class Run:
         if not load:
             return
         init_adapters(self.model, self.cfg.seed)
-        if self.cfg.init_from:
-            load_model_weights(self.model, self.cfg.init_from)
-        elif any(Path(self.cfg.model_path).glob("*.safetensors")):
-            load_hf_weights(self.model, self.cfg.model_path)
-        elif self.rank == 0:
-            print(f"{self.cfg.model_path}: no safetensors, training from random init")
+        load_start_weights(self.model, self.cfg, self.rank)
 
     def make_step(self) -> None:
         """AdamW over the trainable parameters and the train step."""
@@ -135,6 +132,32 @@ class Run:
         return source(self.layout.data.data_rank(self.rank), self.layout.data.dims.dp)
 
 
+def load_start_weights(model: nn.Module, cfg: TrainConfig, rank: int) -> None:
+    """The weights the stage starts from: the previous stage's final/, or else the snapshot's safetensors."""
+    if cfg.init_from:
+        load_model_weights(model, cfg.init_from)
+    elif any(Path(cfg.model_path).glob("*.safetensors")):
+        load_hf_weights(model, cfg.model_path)
+    elif rank == 0:
+        print(f"{cfg.model_path}: no safetensors, training from random init")
+
+
+def build_reference(run: Run) -> FrozenReference:
+    """The DPO reference (`dpo.reference: copy`): the model built again, parallelized as the policy,
+    with the weights the stage starts from (on a resume too: the reference never trains), frozen."""
+    cfg = run.cfg
+    model = build_model(cfg.model_path, device="meta")
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    parallelize(model, cfg, run.layout, run.meshes, run.rank)
+    model.to_empty(device=run.device)
+    with torch.no_grad():
+        model.init_weights()
+    load_start_weights(model, cfg, run.rank)
+    vision_dummy = VisionDummy(model) if model.vision_tower() is not None else None
+    return FrozenReference(model, cfg.loss_chunk_tokens, vision_dummy)
+
+
 def build_meta_run(
     cfg: TrainConfig, layout: RunLayout, device: torch.device, rank: int, shard_one_rank: bool = False
 ) -> Run:
@@ -167,7 +190,17 @@ def build_run(cfg: TrainConfig, layout: RunLayout, device: torch.device) -> Run:
     run = build_meta_run(cfg, layout, device, dist.get_rank())
     run.materialize(load=True)
     run.make_step()
+    if cfg.objective == "dpo":
+        use_dpo(run)
     return run
+
+
+def use_dpo(run: Run) -> None:
+    """The run's step trains on preference pairs against a frozen reference (vlmcore.train.dpo)."""
+    if moe_blocks(run.model):
+        raise ConfigError("objective: dpo is not available for mixture-of-experts models yet", "objective")
+    dpo = run.cfg.dpo
+    run.step.objective = DPOObjective(build_reference(run), dpo.beta, dpo.label_smoothing, run.cfg.loss_chunk_tokens)
 
 
 def build_data(
@@ -190,6 +223,7 @@ def build_data(
             image_side=cfg.data.image_side,
             video_fraction=cfg.data.video_fraction,
             video_frames=cfg.data.video_frames,
+            pairs=cfg.objective == "dpo",
         )
     from vlmcore.data.load.loader import build_loader
 

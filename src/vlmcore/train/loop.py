@@ -6,8 +6,9 @@ meta, frozen, parallelized, materialized and loaded, optimizer, step) and its da
 latest checkpoint. Then the steps (`Trainer.train`) and one way out (`Trainer.finish`).
 
 The loss of a step is the sum of token losses over all micro-batches and data-parallel ranks
-divided by the global number of label tokens (counted before the forward passes), and FSDP
-reduces gradients by SUM: any split of the same global batch gives the same gradients.
+divided by the global number of label tokens (counted before the forward passes), or with
+`objective: dpo` the sum of pair losses divided by the global number of pairs, and FSDP reduces
+gradients by SUM: any split of the same global batch gives the same gradients.
 """
 
 import argparse
@@ -208,7 +209,7 @@ class Trainer:
             host_micro = run.bridge.plan_step(host_micro)
         result = run.step(
             [to_device(b, self.device, run.context) for b in host_micro],
-            counts["label_tokens"],
+            self._loss_normaliser(counts),
             lambda optimizer: set_lr(optimizer, factor),
         )
         self.nonfinite_in_a_row = 0 if result.applied else self.nonfinite_in_a_row + 1
@@ -229,7 +230,18 @@ class Trainer:
         counts = global_counts(own, self.run.model.config, dims.tp * dims.cp)
         if counts["label_tokens"] == 0:
             raise TrainingError(f"step {self.state.step + 1}: the global batch has no label tokens")
+        if self.cfg.objective == "dpo" and counts["pairs"] == 0:
+            raise TrainingError(
+                f"step {self.state.step + 1}: objective dpo but the global batch has no preference pairs "
+                f"(data_path {self.cfg.data_path}: a `preference:` source through vlmcore prepare and pack)"
+            )
         return counts
+
+    def _loss_normaliser(self, counts: dict) -> float:
+        """What the step's summed loss is divided by: the global label tokens, or the global pairs (DPO)."""
+        if self.cfg.objective == "dpo":
+            return counts["pairs"]
+        return counts["label_tokens"]
 
     def _lr_factor(self, counts: dict) -> float:
         """The learning-rate multiplier of the step about to run: the schedule at the progress it

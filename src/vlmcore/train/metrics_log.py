@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 
 from vlmcore.data.load.batch import Batch
 from vlmcore.models.flops import llm_flops, vision_flops
+from vlmcore.train.dpo import pair_metrics
 from vlmcore.train.state import TrainState
 from vlmcore.train.step import StepResult
 
@@ -57,7 +58,7 @@ def global_counts(host_micro: list[Batch], model_config: PretrainedConfig, peers
     ranks on the host (gloo: no GPU wait); `peers`: ranks that hold the same batch (tp x cp), hence the division."""
     flops = [batch_flops(model_config, b) for b in host_micro]
     skipped = sum((Counter(b.skipped_samples) for b in host_micro), Counter())
-    keys = ("label_tokens", "samples", "tokens", "llm_flops", "vision_flops", "skipped_samples")
+    keys = ("label_tokens", "samples", "tokens", "llm_flops", "vision_flops", "skipped_samples", "pairs")
     counts = torch.tensor(
         [
             sum(b.label_tokens for b in host_micro),
@@ -66,6 +67,7 @@ def global_counts(host_micro: list[Batch], model_config: PretrainedConfig, peers
             sum(f[0] for f in flops),
             sum(f[1] for f in flops),
             sum(skipped.values()),
+            sum(len(b.pairs) for b in host_micro if b.pairs is not None),  # preference pairs (DPO)
         ],
         dtype=torch.float64,
     )
@@ -118,9 +120,14 @@ def step_record(
     llm_tflops = counts["llm_flops"] / step_time / world / 1e12
     vision_tflops = counts["vision_flops"] / step_time / world / 1e12
     tokens = counts["tokens"]
+    loss = result.loss_sum / tp / counts["label_tokens"]
+    pairs = {}  # DPO: the loss is the mean over pairs, with the rewards, margin and accuracy
+    if result.objective_sums is not None:
+        pairs = pair_metrics(result.objective_sums, counts["pairs"])
+        loss = pairs["dpo_loss"]
     return {
         "step": state.step,
-        "loss": result.loss_sum / tp / counts["label_tokens"],
+        "loss": loss,
         "grad_norm": result.grad_norm,
         "lr": lr,
         "tokens": state.tokens,
@@ -141,6 +148,7 @@ def step_record(
         "skipped_samples": int(counts["skipped_samples"]),
         **({"skipped_samples_by_reason": counts["skipped_samples_by_reason"]} if counts["skipped_samples"] else {}),
         **(result.moe or {}),  # moe_aux_loss, moe_load_imbalance
+        **pairs,
     }
 
 

@@ -32,7 +32,9 @@ class RandomBatches:
         image_side: int = 2,
         video_fraction: float = 0.0,
         video_frames: int = 2,
+        pairs: bool = False,
     ) -> None:
+        """`pairs`: each row's consecutive segments are preference pairs (DPO), (0, 1), (2, 3), ..."""
         self.config = model_config
         self.text = getattr(model_config, "text_config", model_config)
         self.vision = getattr(model_config, "vision_config", None)
@@ -44,6 +46,7 @@ class RandomBatches:
         self.image_side = image_side  # merged patches per side of each image (and video frame)
         self.video_fraction = video_fraction
         self.video_frames = video_frames  # frame groups per video
+        self.pairs = pairs
         self.dp_rank = dp_rank
         self.dp_world = dp_world
         self.accum = grad_accum_steps
@@ -94,6 +97,8 @@ class RandomBatches:
             cu_seqlens=torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32),
             num_samples=len(lengths),
         )
+        if self.pairs:
+            batch.pairs = torch.arange(len(lengths)).reshape(-1, 2)
         if self.vision is not None:
             for name in ("images", "videos"):
                 parts = [row[name] for row in rows if row[name] is not None]

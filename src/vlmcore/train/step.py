@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from vlmcore.data.load.batch import Batch, Images
 from vlmcore.models.moe import RoutingStats, moe_blocks
+from vlmcore.models.qwen3_vl import VisionEmbeds
 from vlmcore.parallel.disjoint import DisjointBridge
 from vlmcore.train.loss import chunked_cross_entropy
 
@@ -82,6 +83,31 @@ class MoE:
     cp: int = 1  # context-parallel ranks: each a chunk of the rows, its loss a part of theirs
 
 
+def forward_hidden(model: nn.Module, batch: Batch, received: VisionEmbeds | None = None) -> torch.Tensor:
+    """The model's final hidden states (B, S, H) for a device batch (`return_hidden`: the loss goes
+    through the LM head itself). `received`: a language rank's image embeddings under disjoint layouts."""
+    images = batch.images
+    videos = batch.videos
+    optional = {}  # arguments only some models take
+    if batch.visual_selection is not None:
+        optional["visual_selection"] = batch.visual_selection
+    if received is not None:
+        optional["vision_embeds"] = received
+    output = model(
+        batch.input_ids,
+        pixel_values=images.pixel_values if images else None,
+        image_grid_thw=images.grid_thw if images else None,
+        position_ids=batch.position_ids,
+        cu_seqlens=batch.cu_seqlens,
+        max_seqlen=batch.max_seqlen,
+        return_hidden=True,
+        pixel_values_videos=videos.pixel_values if videos else None,
+        video_grid_thw=videos.grid_thw if videos else None,
+        **optional,
+    )
+    return output.hidden_states
+
+
 def forward_backward(
     model: nn.Module,
     micro: list[Batch],
@@ -106,27 +132,9 @@ def forward_backward(
         if vision_dummy is not None:
             vision_dummy.active = not batch.has_visual
         received = bridge.receive(i) if bridge is not None else None
-        images = batch.images
-        videos = batch.videos
-        optional = {}  # arguments only some models take
-        if batch.visual_selection is not None:
-            optional["visual_selection"] = batch.visual_selection
-        if received is not None:
-            optional["vision_embeds"] = received
-        output = model(
-            batch.input_ids,
-            pixel_values=images.pixel_values if images else None,
-            image_grid_thw=images.grid_thw if images else None,
-            position_ids=batch.position_ids,
-            cu_seqlens=batch.cu_seqlens,
-            max_seqlen=batch.max_seqlen,
-            return_hidden=True,
-            pixel_values_videos=videos.pixel_values if videos else None,
-            video_grid_thw=videos.grid_thw if videos else None,
-            **optional,
-        )
+        hidden = forward_hidden(model, batch, received)
         local_sum, _ = chunked_cross_entropy(
-            output.hidden_states, model.lm_head.weight, batch.labels, chunk_tokens, compiled=compiled_loss
+            hidden, model.lm_head.weight, batch.labels, chunk_tokens, compiled=compiled_loss
         )
         loss = local_sum / label_tokens
         if moe is not None:
@@ -141,7 +149,7 @@ def forward_backward(
             loss.backward()
         local_sum = local_sum.detach().double()
         loss_sum = local_sum if loss_sum is None else loss_sum + local_sum
-        del output
+        del hidden
     return loss_sum, aux_sum, routed
 
 
@@ -159,6 +167,7 @@ class StepResult:
     grad_norm: float  # before clipping
     applied: bool  # False: non-finite loss or norm, the optimizer step was skipped
     moe: dict | None = None  # moe_aux_loss, moe_load_imbalance (MoE models)
+    objective_sums: list[float] | None = None  # the objective's sums over all ranks (DPO: `dpo.PAIR_SUMS`)
 
 
 @dataclass
@@ -177,12 +186,21 @@ class Step:
     moe: MoE | None = None
     bridge: DisjointBridge | None = None  # disjoint layouts
     norm_foreach: bool | None = None  # the gradient norm's multi-tensor kernel (None: where torch has it)
+    # Another loss than next-token cross-entropy (DPO: vlmcore.train.dpo.DPOObjective): called as
+    # objective(model, micro, normaliser, vision_dummy), it accumulates the gradients and returns
+    # this rank's loss sum and further sums to reduce over the ranks.
+    objective: Callable | None = None
 
     def __call__(self, micro: list, label_tokens: float, set_lr: Callable[[torch.optim.Optimizer], None]) -> StepResult:
         """One optimizer step over the device micro-batches (an encoder rank of disjoint layouts:
         the image batches of its rows); `set_lr(optimizer)` sets this step's lr."""
+        objective_sums = None
         if self.bridge is not None and self.bridge.is_vision:
             loss_sum = self.bridge.encoder_step(self.model, micro)
+            aux_sum = None
+            routed = None
+        elif self.objective is not None:
+            loss_sum, objective_sums = self.objective(self.model, micro, label_tokens, self.vision_dummy)
             aux_sum = None
             routed = None
         else:
@@ -203,12 +221,17 @@ class Step:
             norm = self.bridge.global_norm(norm)
         # One all-reduce for the loss and the MoE statistics, one host read for everything.
         totals = loss_sum.view(1)
+        if objective_sums is not None:
+            totals = torch.cat([totals, objective_sums])
         if routed is not None:
             totals = torch.cat([totals, aux_sum.double().view(1), routed.double().flatten()])
         ranks = dist.get_world_size() if dist.is_initialized() else 1
         if ranks > 1:
             dist.all_reduce(totals)
         norm_value, loss_value, *moe_totals = read_host(norm, totals)
+        if objective_sums is not None:
+            objective_sums = moe_totals[: len(objective_sums)]
+            moe_totals = moe_totals[len(objective_sums) :]
         moe = None
         if routed is not None:
             routed_total = torch.tensor(moe_totals[1:], dtype=torch.float64).view(routed.shape)
@@ -219,7 +242,7 @@ class Step:
             set_lr(self.optimizer)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_value, norm_value, finite, moe)
+        return StepResult(loss_value, norm_value, finite, moe, objective_sums)
 
 
 def clip_grads(params: list[torch.Tensor], norm: float, max_norm: float) -> None:

@@ -107,6 +107,8 @@ class Batch:
     # Context parallelism (`context_chunk`): per kind present (images, then videos), the indices of
     # the vision tower's output rows at this rank's tokens; None: all of them
     visual_selection: list[torch.Tensor] | None = None
+    # Preference data (DPO): (pairs, 2) int64, each pair's (chosen, rejected) segment indices; None: no pairs
+    pairs: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "Batch":
         """The batch on `device`; its host metadata (`max_seqlen`, the image and video grids) stays on the host."""
@@ -122,6 +124,7 @@ class Batch:
             visual_selection=None
             if self.visual_selection is None
             else [t.to(device, non_blocking=True) for t in self.visual_selection],
+            pairs=None if self.pairs is None else self.pairs.to(device, non_blocking=True),
             max_seqlen=self.max_seqlen if self.max_seqlen is not None else int(lengths.max()),
         )
 
@@ -142,6 +145,7 @@ class Batch:
             images=None if self.images is None else self.images.map_tensors(fn),
             videos=None if self.videos is None else self.videos.map_tensors(fn),
             visual_selection=None if self.visual_selection is None else list(map(fn, self.visual_selection)),
+            pairs=None if self.pairs is None else fn(self.pairs),
         )
 
     def context_chunk(

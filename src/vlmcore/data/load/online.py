@@ -57,6 +57,8 @@ class OnlineRowLoader(RowLoader):
         if "json" not in crude:
             raise BadSample("malformed_row", f"no json part, parts {sorted(parts)}")
         sample = load_json(crude["json"])
+        if isinstance(sample, dict) and "rejected" in sample:
+            raise BadSample("preference_pair_online", "preference pairs are packed by `vlmcore pack`, not online")
         enc, kept, _, max_frames = measure_sample(
             sample,
             parts,
@@ -112,7 +114,7 @@ class OnlineRowLoader(RowLoader):
         for index in self.locate(j):
             crude = self.datasets[0].read(index)
             try:
-                segments.append((crude["__key__"], *self.measure(crude)))
+                segments.append((crude["__key__"], *self.measure(crude), None))
                 keys.append(crude["__key__"])
             except (BadSample, EncodingError) as e:
                 skip(skipped, e.reason, f"sample {crude['__key__']}", e)

@@ -54,10 +54,12 @@ class PackedRow:
     skipped: dict[str, int]  # bad samples left out of this row, by reason
     video_pixels: torch.Tensor | None = None  # uint8 patches of the row's videos (`video_patches`)
     video_grid_thw: torch.Tensor | None = None
+    pairs: list[tuple[int, int]] | None = None  # preference pairs: (chosen, rejected) segment indices in the row
 
 
-# One segment ready to join a row: its key, its encoding, its kept images' bytes, its kept clips.
-EncodedSegment = tuple[str, TextEncoding, list[bytes], list]
+# One segment ready to join a row: its key, its encoding, its kept images' bytes, its kept clips,
+# its preference side ("chosen", "rejected" or None).
+EncodedSegment = tuple[str, TextEncoding, list[bytes], list, str | None]
 
 
 class PackedTaskEncoder:
@@ -94,7 +96,7 @@ class PackedTaskEncoder:
                 encoded.append(self.encode_segment(stored, segment))
             except (BadSample, EncodingError) as e:
                 skip(skipped, e.reason, f"pack {stored.key} segment {i}", e)
-        return self.assemble_row(stored.key, encoded, skipped)
+        return self.assemble_row(stored.key, whole_pairs(encoded, stored.key, skipped), skipped)
 
     def encode_segment(self, stored: StoredSample, raw_segment: object) -> EncodedSegment:
         try:
@@ -112,7 +114,7 @@ class PackedTaskEncoder:
                 f"pack {stored.key}, sample {segment.key}: encodes to {len(enc.input_ids)} tokens but was "
                 f"packed as {segment.num_tokens}; the packed dataset's model/ files changed since `vlmcore pack`"
             )
-        return segment.key, enc, [stored.parts[name] for name in segment.images], clips
+        return segment.key, enc, [stored.parts[name] for name in segment.images], clips, segment.preference
 
     def clips(self, enc: TextEncoding, videos: list[dict], max_frames: int | None, parts: dict) -> list:
         """(metadata, plan, parts' bytes) of each video the encoding keeps."""
@@ -132,13 +134,16 @@ class PackedTaskEncoder:
         seq_lens = []
         images = []
         videos = []
-        for sample_key, enc, image_bytes, clips in segments:
+        pairs = []
+        for sample_key, enc, image_bytes, clips, preference in segments:
             try:
                 decoded = [load_image(data) for data in image_bytes]
                 clip_results = [clip_patches(meta, data, plan, self.encoder.video) for meta, plan, data in clips]
-            except BadSample as e:
+            except BadSample as e:  # a pair's sides share their media: both are left out
                 skip(skipped, e.reason, f"sample {sample_key}", e)
                 continue
+            if preference == "rejected":
+                pairs.append((len(seq_lens) - 1, len(seq_lens)))
             resized = [self.patcher.resized(image) for image in decoded]
             self.check_grids(key, enc, resized, clip_results)
             images += resized
@@ -154,7 +159,9 @@ class PackedTaskEncoder:
             ids += [self.encoder.pad_id] * padding
             labels += [IGNORE_INDEX] * padding
             seq_lens.append(padding)
-        return self.row_tensors(key, ids, labels, seq_lens, images, videos, num_samples, skipped)
+        row = self.row_tensors(key, ids, labels, seq_lens, images, videos, num_samples, skipped)
+        row.pairs = pairs
+        return row
 
     def check_grids(self, key: str, enc: TextEncoding, resized: list, clip_results: list) -> None:
         """The images and clips as decoded must have the grids the text was encoded with."""
@@ -230,6 +237,7 @@ class PackedTaskEncoder:
                 [Images(row.video_pixels, row.video_grid_thw, video_normalize, "video") for row in with_videos]
             )
         return Batch(
+            pairs=batch_pairs(rows),
             input_ids=torch.stack([row.input_ids for row in rows]),
             labels=torch.stack([row.labels for row in rows]),
             cu_seqlens=torch.tensor([0] + seq_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32),
@@ -240,6 +248,38 @@ class PackedTaskEncoder:
             skipped_samples=dict(sum((Counter(row.skipped) for row in rows), Counter())),
             row_keys=[row.key for row in rows],
         )
+
+
+def whole_pairs(segments: list[EncodedSegment], key: str, skipped: Counter) -> list[EncodedSegment]:
+    """The segments without the preference sides whose other side was left out (counted as
+    `preference_side_left_out`): a pair trains whole or not at all. A pair is its chosen side
+    followed by its rejected side (`vlmcore.data.pack.format.Segment`)."""
+    kept = []
+    for i, segment in enumerate(segments):
+        sample_key = segment[0]
+        preference = segment[4]
+        partner = {"chosen": (i + 1, "rejected"), "rejected": (i - 1, "chosen")}.get(preference)
+        if partner is not None:
+            j, side = partner
+            whole = 0 <= j < len(segments) and segments[j][4] == side and segments[j][0] == sample_key
+            if not whole:
+                skip(skipped, "preference_side_left_out", f"pack {key} sample {sample_key}", ValueError(preference))
+                continue
+        kept.append(segment)
+    return kept
+
+
+def batch_pairs(rows: list[PackedRow]) -> torch.Tensor | None:
+    """(pairs, 2) segment indices over the batch's segments (the rows' in turn, padding included),
+    or None when no row holds a pair."""
+    if not any(row.pairs for row in rows):
+        return None
+    pairs = []
+    first = 0  # the row's first segment in the batch
+    for row in rows:
+        pairs += [(first + chosen, first + rejected) for chosen, rejected in row.pairs or []]
+        first += len(row.seq_lens)
+    return torch.tensor(pairs, dtype=torch.long).reshape(-1, 2)
 
 
 def skip(skipped: Counter, reason: str, where: str, error: Exception) -> None:

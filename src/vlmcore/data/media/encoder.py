@@ -1,7 +1,8 @@
 """One sample -> model inputs, exactly as the snapshot's transformers processor does it.
 
 A sample is the dict `vlmcore prepare` stores in each shard's `json` part: either a conversation
-`{"messages": [{"role", "content"}, ...]}` whose contents hold `<image>` and `<video>`
+`{"messages": [{"role", "content"}, ...]}` (with `answer_from`, a preference pair's side: its
+assistant turns from that index on are its answer, the only ones trained on) whose contents hold `<image>` and `<video>`
 placeholders (one per image or video, in order), or a plain document `{"text": ...}`.
 
 Conversations go through the snapshot's chat template (items rendered by the template, images as
@@ -173,7 +174,8 @@ class SampleEncoder:
         # Two template calls per sample: the whole conversation with the prefixes through each
         # assistant turn (the last one is the whole conversation when it ends it), and the
         # prefixes before each assistant turn with the generation prompt.
-        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        # `answer_from` (a preference side): only the answer after the shared prompt is trained on.
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= sample.get("answer_from", 0)]
         full, *throughs = self.render([messages] + [messages[: i + 1] for i in turns if i + 1 < len(messages)])
         throughs += [full] * (len(turns) - len(throughs))
         spans = []

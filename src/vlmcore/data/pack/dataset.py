@@ -207,6 +207,8 @@ def make_plan(job: PackJob) -> None:
         "videos": int(samples["kept_videos"].sum()),
         # The longest clip's frame groups: `vlmcore memory` estimates a stage with a video that long.
         "video_groups": int(samples["video_groups"].max(initial=0)),
+        # Preference pairs (DPO), each one of `samples` and two segments: `vlmcore train` refuses a DPO stage without.
+        "pairs": int((samples["rejected_tokens"] > 0).sum()),
         "bad": log.as_dict(),
     }
     (job.partial / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")

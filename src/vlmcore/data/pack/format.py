@@ -10,7 +10,9 @@ A packed dataset directory holds:
   stats.json             what the pack measured, dropped and truncated
 
 A segment is one sample of a pack, stored crude: its prepared json and the sizes of its images,
-tokenized again by the loader with the model files in `model/`.
+tokenized again by the loader with the model files in `model/`. A preference pair (DPO) is two
+segments of one pack, its chosen then its rejected side (`Segment.preference`), sharing the
+pair's image and video parts: no pair is ever split between packs, rows or ranks.
 """
 
 import json
@@ -68,12 +70,17 @@ class Segment:
     # in the loader), the kept ones with their part names (`part` for a file, `parts` for frames).
     videos: list[dict] = field(default_factory=list)
     max_frames: int | None = None  # the frames its videos are sampled at; None: the processor's max_frames
+    # A preference pair's side, "chosen" or "rejected": a pair is two segments of one pack, the
+    # chosen one first, with the same images and videos (the same parts); None: any other sample.
+    preference: str | None = None
 
     def to_json(self) -> dict:
         out = {"key": self.key, "sample": self.sample, "image_sizes": self.image_sizes, "images": self.images}
         if self.videos:
             out["videos"] = self.videos
             out["max_frames"] = self.max_frames
+        if self.preference:
+            out["preference"] = self.preference
         out["num_tokens"] = self.num_tokens
         return out
 
@@ -88,6 +95,7 @@ class Segment:
             num_tokens=segment["num_tokens"],
             videos=segment.get("videos", []),
             max_frames=segment.get("max_frames"),
+            preference=segment.get("preference"),
         )
 
 

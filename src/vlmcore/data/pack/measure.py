@@ -25,6 +25,7 @@ from vlmcore.data import IGNORE_INDEX
 from vlmcore.data.media.encoder import EncodingError, SampleEncoder, TextEncoding
 from vlmcore.data.media.image import open_image
 from vlmcore.data.pack.format import MODEL_FILES
+from vlmcore.data.prepare.preference import preference_sides
 from vlmcore.data.quality import BadSample, load_json
 from vlmcore.data.shards import ShardSample, iter_shard_samples, video_part_names
 
@@ -32,13 +33,15 @@ from vlmcore.data.shards import ShardSample, iter_shard_samples, video_part_name
 # video part, plus its key): where its json part lies in its shard, its images (then its videos'
 # parts, in the `IMAGE` rows after its images), and its budget. `max_frames`: the frames its
 # videos were sampled at to fit the row (0: the processor's setting); `video_groups`: its
-# longest video's frame groups.
+# longest video's frame groups; `rejected_tokens`: a preference pair's rejected side (its `tokens` and
+# `patches` are both sides'), 0 for any other sample.
 SAMPLE = np.dtype([
     ("shard", "<u4"), ("json_offset", "<u8"), ("json_size", "<u4"), ("key_offset", "<u8"), ("key_size", "<u2"),
     ("first_image", "<u8"), ("num_images", "<u2"), ("kept_images", "<u2"), ("tokens", "<u4"), ("patches", "<u4"),
     ("video_parts", "<u2"), ("kept_videos", "<u2"), ("max_frames", "<u2"), ("video_groups", "<u2"),
+    ("rejected_tokens", "<u4"),
 ])  # fmt: skip
-FORMAT = 2  # version of the measurements kept between runs: a cache of another version is measured again
+FORMAT = 3  # version of the measurements kept between runs: a cache of another version is measured again
 IMAGE = np.dtype([("offset", "<u8"), ("size", "<u4"), ("width", "<u4"), ("height", "<u4")])
 
 
@@ -146,21 +149,66 @@ def apply_overlong(
     return enc
 
 
+def measure_pair(
+    sample: dict, parts: dict, encoder: SampleEncoder, seq_len: int, max_patches: int, counts: dict
+) -> tuple[TextEncoding, TextEncoding, list[tuple[int, int]]]:
+    """Both sides of a preference pair (`vlmcore.data.prepare.preference`) encoded as the loader
+    will, and its images' sizes. Both go into one row: a pair is never truncated, nor its videos'
+    frames reduced; one that does not fit a row is dropped and counted."""
+    videos = sample.get("videos", [])
+    missing = [name for video in videos for name in video_part_names(video) if name not in parts]
+    if missing:
+        raise BadSample("missing_video", f"parts {missing[:3]}")
+    sizes = image_sizes(sample.get("images", []), parts, decode=True)
+    chosen, rejected = [encoder.encode_text(side, sizes, videos) for side in preference_sides(sample)]
+    tokens = len(chosen.input_ids) + len(rejected.input_ids)
+    patches = chosen.num_patches + rejected.num_patches
+    if tokens > seq_len or patches > max_patches:
+        counts["dropped_overlong"] += 1
+        raise BadSample(
+            "overlong_pair", f"{tokens} tokens, {patches} patches > seq_len {seq_len}, max_patches {max_patches}"
+        )
+    for side, enc in zip(("chosen", "rejected"), (chosen, rejected)):
+        if all(label == IGNORE_INDEX for label in enc.labels):
+            raise BadSample("no_labels", f"the {side} side has nothing to train on")
+    return chosen, rejected, sizes
+
+
+@dataclass
+class Measurement:
+    """One sample's measurement: a preference pair's `enc` is its chosen side, `rejected` its other."""
+
+    enc: TextEncoding
+    sample: dict
+    sizes: list[tuple[int, int]]  # its images' (width, height)
+    max_frames: int  # the frames its videos are sampled at (0: the processor's max_frames)
+    rejected: TextEncoding | None = None
+
+    @property
+    def tokens(self) -> int:
+        return len(self.enc.input_ids) + (len(self.rejected.input_ids) if self.rejected else 0)
+
+    @property
+    def patches(self) -> int:
+        return self.enc.num_patches + (self.rejected.num_patches if self.rejected else 0)
+
+
 def measure(
     shard_sample: ShardSample, encoder: SampleEncoder, seq_len: int, max_patches: int, overlong: str, counts: dict
-) -> tuple[TextEncoding, dict, list[tuple[int, int]], int]:
-    """Size one shard sample as the loader will encode it; raises BadSample/EncodingError to skip it.
-
-    Returns the encoding, the sample, its images' sizes and its videos' frames (`measure_sample`)."""
+) -> Measurement:
+    """Size one shard sample as the loader will encode it; raises BadSample/EncodingError to skip it."""
     if shard_sample.unsafe_names:
         raise BadSample("unsafe_tar_member", repr(shard_sample.unsafe_names[0]))
     if "json" not in shard_sample.data:
         raise BadSample("malformed_row", f"no json part, parts {sorted(shard_sample.parts)}")
     sample = load_json(shard_sample.data["json"])
+    if isinstance(sample, dict) and "rejected" in sample:
+        chosen, rejected, sizes = measure_pair(sample, shard_sample.data, encoder, seq_len, max_patches, counts)
+        return Measurement(chosen, sample, sizes, 0, rejected)
     enc, _, sizes, max_frames = measure_sample(
         sample, shard_sample.data, encoder, seq_len, max_patches, overlong, counts
     )
-    return enc, sample, sizes, max_frames
+    return Measurement(enc, sample, sizes, max_frames)
 
 
 _worker = {}  # per measuring process: the encoder and the pack settings
@@ -183,7 +231,7 @@ def measure_shard(job: tuple[int, Path]) -> MeasuredShard:
     for shard_sample in iter_shard_samples(shard):
         seen += 1
         try:
-            enc, sample, sizes, max_frames = measure(
+            measured = measure(
                 shard_sample,
                 _worker["encoder"],
                 _worker["seq_len"],
@@ -194,6 +242,8 @@ def measure_shard(job: tuple[int, Path]) -> MeasuredShard:
         except (BadSample, EncodingError) as e:
             bad.append((e.reason, f"{shard.name}:{shard_sample.key}", str(e)))
             continue
+        enc = measured.enc
+        sample = measured.sample
         key = shard_sample.key.encode()
         json_part = shard_sample.parts["json"]
         names = sample.get("images", [])
@@ -212,18 +262,19 @@ def measure_shard(job: tuple[int, Path]) -> MeasuredShard:
                 len(images),
                 len(names),
                 len(enc.image_grid_thw),
-                len(enc.input_ids),
-                enc.num_patches,
+                measured.tokens,
+                measured.patches,
                 len(video_parts),
                 len(enc.video_grid_thw),
-                max_frames,
+                measured.max_frames,
                 max((t for t, _, _ in enc.video_grid_thw), default=0),
+                len(measured.rejected.input_ids) if measured.rejected else 0,
             )
         )
         keys += key
         images += [
             (shard_sample.parts[n].offset, shard_sample.parts[n].size, w, h)
-            for n, (w, h) in [*zip(names, sizes), *video_parts]
+            for n, (w, h) in [*zip(names, measured.sizes), *video_parts]
         ]
     return MeasuredShard(
         np.array(samples, SAMPLE), np.array(images, IMAGE), bytes(keys), seen, bad, counts, time.process_time() - start

@@ -8,6 +8,7 @@ import os
 import shutil
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -26,6 +27,7 @@ from vlmcore.data.pack.format import (
     video_part_name,
 )
 from vlmcore.data.pack.measure import SAMPLE
+from vlmcore.data.prepare.preference import preference_sides
 from vlmcore.data.shards import video_part_names
 
 MAX_OPEN_SHARDS = 64
@@ -116,9 +118,23 @@ def pack_record(pack_index: int, inputs: InputShards) -> dict:
     starts = _writing["starts"]
     members = _writing["members"][starts[pack_index] : starts[pack_index + 1]].tolist()
     record = {"__key__": pack_key(pack_index)}
-    segments = [copy_segment(s, i, inputs, record) for s, i in enumerate(members)]
+    segments = []
+    for s, i in enumerate(members):
+        segments += pair_segments(copy_segment(s, i, inputs, record), int(_writing["samples"][i]["rejected_tokens"]))
     record["json"] = encode_pack(segments)
     return record
+
+
+def pair_segments(segment: Segment, rejected_tokens: int) -> list[Segment]:
+    """A preference pair's stored sample (`rejected_tokens` > 0) as its two segments, chosen then
+    rejected, with the same image and video parts; any other sample as it is."""
+    if not rejected_tokens:
+        return [segment]
+    chosen, rejected = preference_sides(segment.sample)
+    return [
+        replace(segment, sample=chosen, num_tokens=segment.num_tokens - rejected_tokens, preference="chosen"),
+        replace(segment, sample=rejected, num_tokens=rejected_tokens, preference="rejected"),
+    ]
 
 
 def copy_segment(s: int, i: int, inputs: InputShards, record: dict) -> Segment:

@@ -164,19 +164,33 @@ def row_to_sample(
     if not isinstance(row, dict):
         raise BadSample("malformed_row", f"row is {type(row).__name__}")
     refs = row_refs(row, "image")
-    video_refs = row_refs(row, "video", (None, "", []))
+    video_refs = video_refs_of(row)
     messages = row_messages(row, len(refs), len(video_refs))
     if messages is None:
         return text_document(row, len(refs), len(video_refs)), [], []
 
     messages, repairs = normalise_messages(messages, len(refs), len(video_refs))
-    videos = [video_entry(ref, row, files, max_image_pixels, max_video_seconds) for ref in video_refs]
+    images, videos = row_media(row, files, max_image_pixels, log, where, max_video_seconds)
     for repair in repairs:
         log.repair(repair, where)
+    return {"messages": messages}, images, videos
+
+
+def row_media(
+    row: dict, files: ImageFiles, max_image_pixels: int, log: BadDataLog, where: str, max_video_seconds: float
+) -> tuple[list, list]:
+    """The row's images ([(bytes, ext)], checked, repaired where safe) and videos ([([(bytes, ext)],
+    metadata)]); raises BadSample."""
+    videos = [video_entry(ref, row, files, max_image_pixels, max_video_seconds) for ref in video_refs_of(row)]
     images = []
-    for ref in refs:
+    for ref in row_refs(row, "image"):
         data, ext, _, image_repair = check_image(image_bytes(ref, files), max_image_pixels)
         if image_repair:
             log.repair(image_repair, where)
         images.append((data, ext))
-    return {"messages": messages}, images, videos
+    return images, videos
+
+
+def video_refs_of(row: dict) -> list:
+    """The row's video references (an empty string or list is no video)."""
+    return row_refs(row, "video", (None, "", []))

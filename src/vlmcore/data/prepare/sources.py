@@ -14,7 +14,12 @@ from vlmcore.data.quality import BadDataLog, BadSample, DataError, decode_utf8, 
 
 logger = logging.getLogger(__name__)
 
-SOURCE_KINDS = {"captions": ("caption",), "conversations": ("messages", "conversations", "texts"), "text": ("text",)}
+SOURCE_KINDS = {
+    "captions": ("caption",),
+    "conversations": ("messages", "conversations", "texts"),
+    "text": ("text",),
+    "preference": ("chosen", "rejected"),  # vlmcore.data.prepare.preference
+}
 
 
 def parse_source(spec: str) -> tuple[str | None, Path]:

@@ -1,0 +1,220 @@
+"""Direct preference optimisation (DPO): per-pair log-probabilities, the loss, its statistics.
+
+A preference pair is two segments of a batch, the chosen and the rejected conversation (the same
+prompt and media, a different answer), listed in `Batch.pairs` as (chosen, rejected) segment
+indices. A side's log-probability is the sum of the policy's token log-probabilities over its
+response tokens (its labels != IGNORE_INDEX). Packed rows give each segment its own attention
+block and positions, so a side's log-probability is the same packed as alone.
+
+The loss is the sigmoid DPO loss with conservative label smoothing (the DPO paper's cDPO, TRL's
+`sigmoid` loss, and its `aot` loss for one pair when smoothed):
+    d = (policy_chosen - reference_chosen) - (policy_rejected - reference_rejected)
+    loss = -(1 - label_smoothing) * log sigmoid(beta * d) - label_smoothing * log sigmoid(-beta * d)
+with the implicit rewards beta * (policy - reference) of each side, their margin and whether the
+chosen side's reward is the larger (the accuracy).
+
+The reference is an object with one method, `logps(batch)`, the per-segment log-probabilities of
+a batch without gradients: here a frozen copy of the policy at the stage's start; with LoRA, the
+same model with its adapters switched off fits the same slot.
+"""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils.checkpoint import checkpoint
+
+from vlmcore.data import IGNORE_INDEX
+from vlmcore.data.load.batch import Batch
+from vlmcore.train.step import VisionDummy, forward_hidden
+
+
+def _chunk_token_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The log-probability of each token's label (fp32 at least), 0 where no label."""
+    logits = hidden @ weight.t()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    valid = labels != IGNORE_INDEX
+    target = labels.clamp(min=0)[:, None]
+    return logits.log_softmax(dim=-1).gather(1, target)[:, 0] * valid
+
+
+def _local_head_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The LM head's whole weight on this rank; a vocabulary-sharded (tensor-parallel) head is refused."""
+    if not isinstance(weight, DTensor):
+        return weight
+    if any(p != Replicate() for p in weight.placements):
+        raise ValueError(f"DPO: the LM head is sharded ({weight.placements}); DPO needs the whole vocabulary per rank")
+    return weight.to_local()
+
+
+def segment_logps(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor, chunk_tokens: int = 1024
+) -> torch.Tensor:
+    """(segments,) sums of token log-probabilities over each segment's label tokens, for `hidden`
+    (..., H) through the LM head `weight` (V, H); labels (...) are already shifted. The logits
+    go chunk by chunk; with gradients each chunk is recomputed in backward, so no chunk's
+    logits outlive it."""
+    weight = _local_head_weight(weight)
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1).to(hidden.device)
+    parts = []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        end = min(start + chunk_tokens, hidden.shape[0])
+        if torch.is_grad_enabled():
+            part = checkpoint(_chunk_token_logps, hidden[start:end], weight, labels[start:end], use_reentrant=False)
+        else:
+            part = _chunk_token_logps(hidden[start:end], weight, labels[start:end])
+        parts.append(part)
+    token_logps = torch.cat(parts)
+    cu_seqlens = cu_seqlens.to(hidden.device)
+    tokens = torch.arange(hidden.shape[0], device=hidden.device, dtype=cu_seqlens.dtype)
+    segment = torch.searchsorted(cu_seqlens[1:], tokens, right=True)
+    sums = torch.zeros(len(cu_seqlens) - 1, dtype=token_logps.dtype, device=hidden.device)
+    return sums.index_add(0, segment, token_logps)
+
+
+def model_segment_logps(model: nn.Module, batch: Batch, chunk_tokens: int = 1024) -> torch.Tensor:
+    """The model's per-segment log-probabilities of a device batch (`segment_logps`)."""
+    hidden = forward_hidden(model, batch)
+    return segment_logps(hidden, model.lm_head.weight, batch.labels, batch.cu_seqlens, chunk_tokens)
+
+
+class Reference(Protocol):
+    """What DPO needs of its reference policy."""
+
+    def logps(self, batch: Batch) -> torch.Tensor:
+        """(segments,) log-probabilities of the device batch's segments, without gradients."""
+        ...
+
+
+class FrozenReference:
+    """The reference as a model of its own that never trains (a copy of the policy's weights at
+    the stage's start, built and sharded as the policy is)."""
+
+    def __init__(self, model: nn.Module, chunk_tokens: int = 1024, vision_dummy: VisionDummy | None = None) -> None:
+        """`vision_dummy`: the reference's own (a sharded VL model runs its vision tower on every batch)."""
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
+        self.model = model.eval()
+        self.chunk_tokens = chunk_tokens
+        self.vision_dummy = vision_dummy
+
+    @torch.no_grad()
+    def logps(self, batch: Batch) -> torch.Tensor:
+        if self.vision_dummy is not None:
+            self.vision_dummy.active = not batch.has_visual
+        return model_segment_logps(self.model, batch, self.chunk_tokens)
+
+
+@dataclass
+class PairLosses:
+    """Per pair: the DPO loss and the implicit rewards beta * (policy - reference) of each side."""
+
+    losses: torch.Tensor  # (pairs,)
+    chosen_rewards: torch.Tensor  # (pairs,), detached
+    rejected_rewards: torch.Tensor  # (pairs,), detached
+
+    @property
+    def margins(self) -> torch.Tensor:
+        return self.chosen_rewards - self.rejected_rewards
+
+    @property
+    def correct(self) -> torch.Tensor:
+        """1.0 where the chosen side's reward is the larger (the preference accuracy), else 0.0."""
+        return (self.chosen_rewards > self.rejected_rewards).to(self.chosen_rewards.dtype)
+
+
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    reference_chosen: torch.Tensor,
+    reference_rejected: torch.Tensor,
+    beta: float,
+    label_smoothing: float = 0.0,
+) -> PairLosses:
+    """The sigmoid DPO loss of each pair from its sides' log-probabilities (module docstring)."""
+    chosen_logratios = policy_chosen - reference_chosen
+    rejected_logratios = policy_rejected - reference_rejected
+    scaled = beta * (chosen_logratios - rejected_logratios)
+    losses = -(1 - label_smoothing) * F.logsigmoid(scaled) - label_smoothing * F.logsigmoid(-scaled)
+    return PairLosses(losses, beta * chosen_logratios.detach(), beta * rejected_logratios.detach())
+
+
+def pair_losses(
+    policy_logps: torch.Tensor,
+    reference_logps: torch.Tensor,
+    pairs: torch.Tensor,
+    beta: float,
+    label_smoothing: float = 0.0,
+) -> PairLosses:
+    """`dpo_loss` of the batch's pairs from per-segment log-probabilities; `pairs` (pairs, 2) holds
+    each pair's (chosen, rejected) segment indices."""
+    pairs = pairs.to(policy_logps.device)
+    return dpo_loss(
+        policy_logps[pairs[:, 0]],
+        policy_logps[pairs[:, 1]],
+        reference_logps[pairs[:, 0]],
+        reference_logps[pairs[:, 1]],
+        beta,
+        label_smoothing,
+    )
+
+
+# The sums over a step's pairs that the step reduces over the ranks and `pair_metrics` reads:
+# the DPO loss, the chosen and rejected rewards, and the pairs whose chosen reward is the larger.
+PAIR_SUMS = ("loss", "chosen_reward", "rejected_reward", "correct")
+
+
+@dataclass
+class DPOObjective:
+    """What the train step needs to train on preference pairs (`Step.objective`)."""
+
+    reference: Reference
+    beta: float
+    label_smoothing: float
+    chunk_tokens: int = 1024
+
+    def __call__(
+        self, model: nn.Module, micro: list[Batch], pairs_total: float, vision_dummy: VisionDummy | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Accumulates the gradients of sum(pair losses) / pairs_total over the device micro-batches;
+        returns this rank's sum of pair losses and its `PAIR_SUMS` (on the device)."""
+        sums = None
+        for i, batch in enumerate(micro):
+            if batch.pairs is None:
+                raise ValueError(f"objective dpo: a batch without preference pairs (rows {batch.row_keys})")
+            if isinstance(model, FSDPModule):
+                model.set_requires_gradient_sync(i == len(micro) - 1)  # reduce once, after the last
+            reference_logps = self.reference.logps(batch)
+            if vision_dummy is not None:
+                vision_dummy.active = not batch.has_visual
+            policy_logps = model_segment_logps(model, batch, self.chunk_tokens)
+            pairs = pair_losses(policy_logps, reference_logps, batch.pairs, self.beta, self.label_smoothing)
+            (pairs.losses.sum() / pairs_total).backward()
+            batch_sums = torch.stack(
+                [
+                    pairs.losses.detach().sum(),
+                    pairs.chosen_rewards.sum(),
+                    pairs.rejected_rewards.sum(),
+                    pairs.correct.sum(),
+                ]
+            ).double()
+            sums = batch_sums if sums is None else sums + batch_sums
+        return sums[0], sums
+
+
+def pair_metrics(sums: list[float], pairs: float) -> dict:
+    """The step's DPO metrics from its `PAIR_SUMS` over all ranks and its global number of pairs:
+    the mean loss, chosen and rejected rewards, margin and accuracy."""
+    mean = dict(zip(PAIR_SUMS, (value / max(pairs, 1) for value in sums)))
+    return {
+        "dpo_loss": mean["loss"],
+        "dpo_chosen_reward": mean["chosen_reward"],
+        "dpo_rejected_reward": mean["rejected_reward"],
+        "dpo_margin": mean["chosen_reward"] - mean["rejected_reward"],
+        "dpo_accuracy": mean["correct"],
+    }

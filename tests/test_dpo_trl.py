@@ -1,0 +1,234 @@
+"""vlmcore's DPO against TRL's `DPOTrainer` (trl 1.16.0) on the same tiny transformers models and pairs.
+
+TRL builds its batch (its own collator and tokenization: chosen rows then rejected rows, right
+padded) and computes, with its own methods, each pair's log-probabilities
+(`compute_ref_log_probs` on a given model) and the DPO loss (`_compute_loss`, the policy against
+its reference model, and the loss's gradients). vlmcore's native models, loaded from the same snapshots, get the same
+tokens and pixels twice: as TRL's rows (unpacked, each side a row) and packed, all pairs' sides
+in one row (block-diagonal attention per segment, positions restarting per segment).
+
+TRL 1.16's `sigmoid` loss has no label smoothing; the smoothed (conservative) sigmoid loss is its
+`aot` loss with one pair a batch (sorting one pair's log-ratios changes nothing), which the
+smoothed case is compared with, pair by pair.
+"""
+
+import numpy as np
+import torch
+import transformers
+import trl
+from _data_helpers import make_demo_model_dir
+from datasets import Dataset
+from PIL import Image
+
+from vlmcore.data import IGNORE_INDEX
+from vlmcore.data.load.batch import Batch, Images
+from vlmcore.data.media.processor import load_processor
+from vlmcore.data.media.tokenizer import build_demo_tokenizer
+from vlmcore.data.synthetic.image import corpus_texts
+from vlmcore.models import from_pretrained
+from vlmcore.train.dpo import FrozenReference, model_segment_logps, pair_losses
+
+BETA = 0.3
+TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+
+
+def image(seed: int, size: tuple[int, int]) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def user(text: str, with_image: bool) -> list[dict]:
+    content = [{"type": "image"}] if with_image else []
+    return [{"role": "user", "content": content + [{"type": "text", "text": text}]}]
+
+
+def assistant(text: str) -> list[dict]:
+    return [{"role": "assistant", "content": [{"type": "text", "text": text}]}]
+
+
+def vision_pairs() -> list[dict]:
+    return [
+        {
+            "images": [image(0, (64, 64))],
+            "prompt": user("What shape is this?", True),
+            "chosen": assistant("A red circle."),
+            "rejected": assistant("A blue square, I think."),
+        },
+        {
+            "images": [image(1, (96, 64))],
+            "prompt": user("What color is the shape in the middle?", True),
+            "chosen": assistant("Green."),
+            "rejected": assistant("It is a yellow one."),
+        },
+    ]
+
+
+def text_pairs() -> list[dict]:
+    return [
+        {"prompt": user("Name a shape.", False), "chosen": assistant("A circle."), "rejected": assistant("Blue.")},
+        {
+            "prompt": user("What color is the sky?", False),
+            "chosen": assistant("Blue, on a clear day."),
+            "rejected": assistant("A square."),
+        },
+    ]
+
+
+def save_pair_of_models(model_class: type, config: transformers.PretrainedConfig, tmp_path, source_dir) -> tuple:
+    """Policy and reference snapshots (different random weights) with the tokenizer and processor files."""
+    dirs = []
+    for seed, name in [(0, "policy"), (1, "reference")]:
+        torch.manual_seed(seed)
+        path = tmp_path / name
+        model_class(config).save_pretrained(path)
+        for file in source_dir.iterdir():
+            if file.is_file() and not (path / file.name).exists():
+                (path / file.name).write_bytes(file.read_bytes())
+        dirs.append(path)
+    return tuple(dirs)
+
+
+def trl_trainer(policy_dir, reference_dir, processing_class, examples, tmp_path, **args) -> trl.DPOTrainer:
+    policy = transformers.AutoModelForImageTextToText if "images" in examples[0] else transformers.AutoModelForCausalLM
+    config = trl.DPOConfig(
+        output_dir=str(tmp_path / "trl"),
+        beta=BETA,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,  # TRL autocasts to bf16 by default; the comparison is in fp32
+        **args,
+    )
+    return trl.DPOTrainer(
+        model=policy.from_pretrained(policy_dir, dtype=torch.float32),
+        ref_model=policy.from_pretrained(reference_dir, dtype=torch.float32),
+        args=config,
+        train_dataset=Dataset.from_list(examples),
+        processing_class=processing_class,
+    )
+
+
+def trl_inputs(trainer: trl.DPOTrainer, examples: list[dict]) -> dict:
+    """TRL's batch of the pairs, made by its collator (for text, from its own tokenized dataset)."""
+    if "images" in examples[0]:
+        return trainer.data_collator([dict(e) for e in examples])
+    return trainer.data_collator([trainer.train_dataset[i] for i in range(len(examples))])
+
+
+def rows_of(inputs: dict) -> list[dict]:
+    """TRL's rows (chosen rows, then rejected rows), each as its real tokens, shifted labels and patches."""
+    grids = inputs.get("image_grid_thw")
+    patches = inputs["pixel_values"].split(grids.prod(-1).tolist()) if grids is not None else None
+    rows = []
+    for i, ids in enumerate(inputs["input_ids"]):
+        length = int(inputs["attention_mask"][i].sum())
+        ids = ids[:length]
+        completion = inputs["completion_mask"][i][:length].bool()
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        labels[:-1] = ids[1:].masked_fill(~completion[1:], IGNORE_INDEX)
+        row = {"ids": ids, "labels": labels, "pixels": None, "grid": None}
+        if patches is not None:
+            row["pixels"] = patches[i]
+            row["grid"] = grids[i : i + 1]
+        rows.append(row)
+    return rows
+
+
+def batch_of(rows: list[dict], pairs: list[list[int]], packed: bool) -> Batch:
+    """One row of all `rows` as segments (packed) or one row each, padded to the longest (unpacked)."""
+    lengths = [len(row["ids"]) for row in rows]
+    if packed:
+        input_ids = torch.cat([row["ids"] for row in rows])[None]
+        labels = torch.cat([row["labels"] for row in rows])[None]
+    else:
+        width = max(lengths)
+        input_ids = torch.stack([torch.nn.functional.pad(row["ids"], (0, width - len(row["ids"]))) for row in rows])
+        labels = torch.stack(
+            [torch.nn.functional.pad(row["labels"], (0, width - len(row["ids"])), value=IGNORE_INDEX) for row in rows]
+        )
+        lengths = [width] * len(rows)
+    images = None
+    if rows[0]["pixels"] is not None:
+        images = Images(torch.cat([row["pixels"] for row in rows]), torch.cat([row["grid"] for row in rows]))
+    cu_seqlens = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    return Batch(input_ids, labels, cu_seqlens, images=images, pairs=torch.tensor(pairs)).to(torch.device("cpu"))
+
+
+def vlmcore_results(policy_dir, reference_dir, rows: list[dict], label_smoothing: float, packed: bool) -> tuple:
+    """(policy chosen, policy rejected) log-probabilities and the pairs' DPO losses, from vlmcore's models."""
+    pairs_count = len(rows) // 2
+    if packed:  # each pair's chosen and rejected side next to each other
+        order = [i for pair in range(pairs_count) for i in (pair, pair + pairs_count)]
+        rows = [rows[i] for i in order]
+        pairs = [[2 * pair, 2 * pair + 1] for pair in range(pairs_count)]
+    else:  # TRL's rows: chosen ones, then rejected ones
+        pairs = [[pair, pair + pairs_count] for pair in range(pairs_count)]
+    batch = batch_of(rows, pairs, packed)
+    policy = from_pretrained(policy_dir).eval()
+    reference = FrozenReference(from_pretrained(reference_dir))
+    policy_logps = model_segment_logps(policy, batch, chunk_tokens=16)
+    pairs = pair_losses(policy_logps, reference.logps(batch), batch.pairs, BETA, label_smoothing)
+    pairs.losses.mean().backward()
+    gradients = {name: p.grad for name, p in policy.named_parameters()}
+    return policy_logps[batch.pairs[:, 0]], policy_logps[batch.pairs[:, 1]], pairs, gradients
+
+
+def check_against_trl(policy_dir, reference_dir, processing_class, examples, tmp_path) -> None:
+    trainer = trl_trainer(policy_dir, reference_dir, processing_class, examples, tmp_path)
+    inputs = trl_inputs(trainer, examples)
+    trl_chosen, trl_rejected = trainer.compute_ref_log_probs(trainer.model, inputs)
+    trl_loss = trainer._compute_loss(trainer.model, inputs, return_outputs=False)
+    trl_loss.backward()
+    trl_gradients = {name: p.grad for name, p in trainer.model.named_parameters()}
+    rows = rows_of(inputs)
+    for packed in (False, True):
+        chosen, rejected, pairs, gradients = vlmcore_results(policy_dir, reference_dir, rows, 0.0, packed)
+        torch.testing.assert_close(chosen.detach(), trl_chosen, **TOLERANCE)
+        torch.testing.assert_close(rejected.detach(), trl_rejected, **TOLERANCE)
+        torch.testing.assert_close(pairs.losses.mean().detach(), trl_loss.detach(), **TOLERANCE)
+        assert gradients.keys() == trl_gradients.keys()
+        for name, gradient in gradients.items():
+            scale = trl_gradients[name].abs().max() + 1e-6
+            assert (gradient - trl_gradients[name]).abs().max() / scale < 1e-4, name
+    # Label smoothing: TRL's `aot` loss with one pair a batch is the smoothed sigmoid loss.
+    smoothed = trl_trainer(
+        policy_dir, reference_dir, processing_class, examples, tmp_path, loss_type=["aot"], label_smoothing=0.2
+    )
+    with torch.no_grad():
+        trl_losses = torch.stack(
+            [smoothed._compute_loss(smoothed.model, trl_inputs_one(smoothed, examples, i), False) for i in range(2)]
+        )
+    for packed in (False, True):
+        _, _, pairs, _ = vlmcore_results(policy_dir, reference_dir, rows, 0.2, packed)
+        torch.testing.assert_close(pairs.losses.detach(), trl_losses, **TOLERANCE)
+
+
+def trl_inputs_one(trainer: trl.DPOTrainer, examples: list[dict], index: int) -> dict:
+    if "images" in examples[0]:
+        return trainer.data_collator([dict(examples[index])])
+    return trainer.data_collator([trainer.train_dataset[index]])
+
+
+def test_qwen3_vl_pair_logps_and_loss_equal_trl(tmp_path):
+    source = make_demo_model_dir(tmp_path / "source")
+    config = transformers.AutoConfig.from_pretrained(source)
+    policy_dir, reference_dir = save_pair_of_models(
+        transformers.Qwen3VLForConditionalGeneration, config, tmp_path, source
+    )
+    check_against_trl(policy_dir, reference_dir, load_processor(source), vision_pairs(), tmp_path)
+
+
+def test_qwen3_text_pair_logps_and_loss_equal_trl(tmp_path):
+    source = tmp_path / "source"
+    tokenizer = build_demo_tokenizer(source, corpus_texts(0), vocab_size=512)
+    config = transformers.Qwen3Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    )
+    policy_dir, reference_dir = save_pair_of_models(transformers.Qwen3ForCausalLM, config, tmp_path, source)
+    check_against_trl(policy_dir, reference_dir, tokenizer, text_pairs(), tmp_path)
