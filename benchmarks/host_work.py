@@ -1,35 +1,45 @@
-"""Host work of the training step on CPU (issue 43, item 1): per step, the operators dispatched
-outside compiled regions, the copies and fills among them, and their host time, by source (FSDP's
-all-gather and reduce-scatter, the optimizer, the gradient norm and clipping, the loss, the module
-timer, the data and its transfer, the forward/backward compute), for the 2B and 8B presets'
-structure at a width small enough for 2 cores.
+"""Host work of the training step on CPU, by source (issue 43, item 1): operators, copies, host time.
+
+Per step, the operators dispatched outside compiled regions, the copies and fills among them, and
+their host time, by source (FSDP's all-gather and reduce-scatter, the optimizer, the gradient norm
+and clipping, the loss, the module timer, the data and its transfer, the forward/backward compute),
+for the 2B and 8B presets' structure at a width small enough for 2 cores.
 
     OMP_NUM_THREADS=1 python benchmarks/host_work.py --structure 2b   # Qwen3-VL 2B and Qwen3 2B
     OMP_NUM_THREADS=1 python benchmarks/host_work.py --structure 8b   # Qwen3-VL 8B
     OMP_NUM_THREADS=1 python benchmarks/host_work.py --structure tiny # 2 layers: the test's setting
 
 Each case is the real training loop's step (`vlmcore.train.loop.Trainer.train_step`, built by
-vlmcore.train.build as `vlmcore train` builds it) under torchrun on 2 gloo ranks: FSDP2 over both,
-the GPU's bf16 mixed-precision policy (bf16 compute and all-gather, fp32 weights, gradients reduced
-in fp32), fused AdamW, clipping at norm 1, the module timer on, random packed rows (16 documents,
-one image) in 4 loss chunks, eager. The number of operators, copies and FSDP groups depends on the
-structure (layers, parameter tensors, FSDP units, loss chunks, segments), not on the width, so the
+vlmcore.train.build as `vlmcore train` builds it), or with --bare the step alone as
+benchmarks/train_step.py times it, under torchrun on --nproc gloo ranks (default 2): FSDP2 over
+them with the GPU's bf16 mixed-precision policy (bf16 compute and all-gather, fp32 weights,
+gradients reduced in fp32), fused AdamW, clipping at norm 1, the module timer on (the loop), random
+packed rows with one image, 512 tokens in 4 loss chunks (8,192 in chunks of 2,048 on the GPU),
+eager. One document a row: the GPU's varlen attention is one call a layer however many documents a
+row packs, the CPU's one call per document. The number of operators, copies and FSDP groups depends
+on the structure (layers, parameter tensors, FSDP units, loss chunks), not on the width, so the
 counts stand for the full-width model; host times are those of this machine's CPU at a tiny width.
 
 How it counts: torch.profiler over the timed steps, with a record_function range around each part
 of the step that has none of its own (FSDP and the optimizer name theirs). Every operator is given
-to the innermost range around it; "ops" are the outermost operators (one dispatch from Python or
-from the autograd engine each: what a GPU step launches, as far as the host is concerned), "kernels"
-the innermost operators that do work (views and allocations left out: a GPU launch each when not
-compiled), "copies" the copy_/cat/chunk_cat/split-copy kernels (casts included), "fills" the
-zero_/fill_ kernels (a GPU memset each). Host ms is the time of the source's own ranges and
-operators, less what nests inside them from other sources. A profiler, not a TorchDispatchMode
-counter: it sees the operators that C++ dispatches (the autograd engine's backward, DTensor's
-fast path, the fused optimizer's per-group calls) without adding Python to each one, and its
-ranges give each source's host time, which a counting mode would inflate.
+to the innermost range around it. "ops" are the outermost operators (one dispatch from Python or
+from the autograd engine each); "kernels" the innermost operators that do work (views and
+allocations left out), with a copy, cat, FSDP's chunk_cat and split copy, and each foreach or fused
+call counted as one, as a GPU launches them (the CPU runs these tensor by tensor); "copies" the
+copy kernels (casts included), "fills" the zero_/fill_ kernels (a GPU memcpy and memset each);
+"DTensor" the operators DTensor dispatches in Python (the profiler's PythonSubclass ranges). Host ms
+is the time of the source's own ranges and operators, less what nests inside them from other
+sources ("loop (other)" holds the step's loss all-reduce and host read, where a rank waits for the
+other). A profiler, not a TorchDispatchMode counter: it sees the operators that C++ dispatches
+(the autograd engine's backward, DTensor's fast path, the fused optimizer's per-group calls)
+without adding Python to each one, and its ranges give each source's host time, which a counting
+mode would inflate.
 
-Prints one table per case and writes benchmarks/results/host_work_cpu_<structure>.json ($OUT or
---out), rank 0's figures (the ranks' counts agree but for rank 0's metrics line).
+--src runs another copy of the vlmcore package (an older commit's src/, unpacked with git archive),
+to compare the host work of two commits (with --bare: older code has no Trainer).
+
+Prints one table per case and writes benchmarks/results/host_work_cpu_<structure>[_<family>][_bare]
+[_<n>ranks][_<tag>].json ($OUT or --out), rank 0's figures (the ranks' counts agree but for rank 0's metrics line).
 """
 
 import argparse
@@ -281,6 +291,8 @@ def source_of_range(name: str) -> str | None:
     return RANGE_SOURCES.get(name)
 
 
+# The profiler's range around an operator that a tensor subclass (DTensor) dispatches in Python.
+DTENSOR_DISPATCH = "PythonSubclass"
 OP_PREFIXES = ("aten::", "c10d::", "_c10d_functional::", "fsdp::", "prims::", "vlmcore::")
 # Operators that the CPU runs as several but a GPU as one kernel: the copies FSDP makes in one call,
 # and the multi-tensor (foreach, fused) ops, which the CPU runs tensor by tensor and a GPU in one
@@ -321,7 +333,7 @@ def mark_work_below(step_events: list) -> dict:
 
 def count_events(step_events: list) -> dict:
     """Per-source counts and host time of the events under the step ranges `step_events`."""
-    table = {s: {"ops": 0, "kernels": 0, "copies": 0, "fills": 0, "host_ms": 0.0} for s in SOURCES}
+    table = {s: {"ops": 0, "kernels": 0, "copies": 0, "fills": 0, "dtensor": 0, "host_ms": 0.0} for s in SOURCES}
     ops = {s: defaultdict(int) for s in SOURCES}  # every operator call by name, nested ones too
     kernels = defaultdict(int)  # the kernels by name, all sources
     range_ms = defaultdict(float)  # the outermost occurrences of each named range
@@ -333,6 +345,7 @@ def count_events(step_events: list) -> dict:
         source = source_of_range(event.name) or source
         row = table[source]
         row["host_ms"] += event.self_cpu_time_total / 1000
+        row["dtensor"] += event.name == DTENSOR_DISPATCH
         op = is_op(event)
         if op:
             ops[source][event.name] += 1
@@ -516,7 +529,7 @@ def run_case(family: str, structure_name: str, work: Path, args) -> dict:
 
 
 def totals(sources: dict) -> dict:
-    keys = ("ops", "kernels", "copies", "fills", "host_ms")
+    keys = ("ops", "kernels", "copies", "fills", "dtensor", "host_ms")
     return {k: sum(row[k] for row in sources.values()) for k in keys}
 
 
@@ -526,12 +539,12 @@ def print_case(case: dict) -> None:
         f"blocks, {case['parameter_tensors']} parameter tensors, {case['fsdp_groups']} FSDP groups), per step "
         f"(step {case['step_ms']:.0f} ms under the profiler)"
     )
-    print(f"{'source':<26}{'ops':>9}{'kernels':>9}{'copies':>9}{'fills':>8}{'host ms':>10}")
+    print(f"{'source':<26}{'ops':>9}{'kernels':>9}{'copies':>9}{'fills':>8}{'DTensor':>9}{'host ms':>10}")
     rows = dict(case["sources"], total=totals(case["sources"]))
     for source, row in rows.items():
         print(
             f"{source:<26}{row['ops']:>9.0f}{row['kernels']:>9.0f}{row['copies']:>9.0f}{row['fills']:>8.0f}"
-            f"{row['host_ms']:>10.1f}"
+            f"{row['dtensor']:>9.0f}{row['host_ms']:>10.1f}"
         )
     print("against the H200 profile (compiled Qwen3-VL 2B bare step, one GPU), per step:")
     for label, h200, where, name in H200:
@@ -540,7 +553,12 @@ def print_case(case: dict) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--structure", choices=STRUCTURES, default="2b")
+    parser.add_argument(
+        "--structure",
+        choices=STRUCTURES,
+        default="2b",
+        help="the preset whose layers, vision blocks and FSDP groups are counted (tiny: 2 layers, the test's)",
+    )
     parser.add_argument("--family", choices=("qwen3_vl", "qwen3"), help="one of the structure's families only")
     parser.add_argument("--steps", type=int, default=2, help="profiled steps (default 2)")
     parser.add_argument("--warmup", type=int, default=2, help="steps before them (default 2)")
