@@ -5,6 +5,8 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim.adam import adam
 
 from vlmcore.config import ConfigError, OptimizerConfig, ScheduleConfig, TrainConfig
 
@@ -72,10 +74,65 @@ def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
     return list(groups.values())
 
 
+def local_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each DTensor's local shard; plain tensors as they are. The shard the DTensor holds
+    (`_local_tensor`, as FSDP2 reads it), not `to_local()`, which dispatches a view per tensor:
+    hundreds of host operations a step, the work this step is to save."""
+    return [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
+
+
+class LocalShardAdamW(torch.optim.AdamW):
+    """torch's AdamW, stepped on this rank's local shards.
+
+    Under FSDP2 and TP the parameters, gradients and moments are DTensors, and torch's own step
+    sends every fused or foreach call through DTensor dispatch, host work that grows with the
+    parameter tensors (20 ms a step for the 2B model on an H200, docs/performance.md). The update is
+    elementwise, so each shard can be updated alone: the same functional AdamW over the local
+    tensors computes the same values. The state is the one torch makes (moments shaped and placed
+    like their parameters), so checkpoints (DCP) save and reshard it as they do torch's."""
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:
+        if closure is not None:
+            raise ValueError("LocalShardAdamW.step takes no closure")
+        for group in self.param_groups:
+            params = []
+            grads = []
+            exp_avgs = []
+            exp_avg_sqs = []
+            max_exp_avg_sqs = []
+            state_steps = []
+            has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)
+            beta1, beta2 = group["betas"]
+            adam(
+                local_tensors(params),
+                local_tensors(grads),
+                local_tensors(exp_avgs),
+                local_tensors(exp_avg_sqs),
+                local_tensors(max_exp_avg_sqs),
+                local_tensors(state_steps),
+                amsgrad=group["amsgrad"],
+                has_complex=has_complex,
+                beta1=beta1,
+                beta2=beta2,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=group["maximize"],
+                foreach=group["foreach"],
+                capturable=group["capturable"],
+                differentiable=group["differentiable"],
+                fused=group["fused"],
+                grad_scale=None,
+                found_inf=None,
+                decoupled_weight_decay=group["decoupled_weight_decay"],
+            )
+
+
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """AdamW in torch's fused kernel on every device: the GPU's fastest, and on CPU (3x the
-    multi-tensor step there) the tests run the optimizer that the GPU runs."""
-    return torch.optim.AdamW(
+    """AdamW in torch's fused kernel on every device (the GPU's fastest; on CPU 3x the multi-tensor
+    step, so the tests run the optimizer that the GPU runs), over the local shards."""
+    return LocalShardAdamW(
         param_groups(model, cfg),
         lr=cfg.lr,
         betas=tuple(cfg.betas),

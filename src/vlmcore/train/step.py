@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -31,6 +32,7 @@ from vlmcore.models.moe import RoutingStats, moe_blocks
 from vlmcore.models.qwen3_vl import VisionEmbeds
 from vlmcore.parallel.disjoint import DisjointBridge
 from vlmcore.train.loss import chunked_cross_entropy
+from vlmcore.train.optim import local_tensors
 
 
 def read_host(*values: torch.Tensor) -> list[float]:
@@ -56,15 +58,29 @@ def _by_layout(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 def grad_norm(params: list[torch.Tensor], foreach: bool | None = None) -> torch.Tensor:
     """Global L2 norm of the gradients (a device tensor), correct for FSDP / TP (sharded DTensor)
     gradients: one reduction per layout, then combined."""
-    squares = []
-    for group in _by_layout(params):
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=foreach)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        squares.append(norm.double() ** 2)
+    squares = [_squared_norm([p.grad for p in group], foreach) for group in _by_layout(params)]
     if not squares:
         return torch.zeros((), dtype=torch.float64)
     return torch.stack(squares).sum().sqrt()
+
+
+def _squared_norm(grads: list[torch.Tensor], foreach: bool | None) -> torch.Tensor:
+    """The squared L2 norm of gradients of one layout, in float64. DTensor gradients: the norm of
+    the local shards, summed over the mesh dimensions they are sharded on (a replicated dimension
+    holds the same values on each rank: counted once). Computed on plain tensors, so without
+    DTensor dispatch on each gradient; a layout with other placements (partial sums) takes
+    DTensor's own reduction."""
+    first = grads[0]
+    if not isinstance(first, DTensor):
+        return torch.nn.utils.get_total_norm(grads, foreach=foreach).double() ** 2
+    placements = first.placements
+    if not all(p.is_shard() or p.is_replicate() for p in placements):
+        return torch.nn.utils.get_total_norm(grads, foreach=foreach).full_tensor().double() ** 2
+    square = torch.nn.utils.get_total_norm(local_tensors(grads), foreach=foreach).double() ** 2
+    for dim, placement in enumerate(placements):
+        if placement.is_shard():
+            square = funcol.all_reduce(square, "sum", (first.device_mesh, dim))
+    return square
 
 
 def sum_partial_grads(params: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
@@ -246,12 +262,13 @@ class Step:
 
 
 def clip_grads(params: list[torch.Tensor], norm: float, max_norm: float) -> None:
-    """torch's clipping by a known global norm, one gradient layout at a time; decided on the host
-    (`norm` was read already), so a step within `max_norm` launches nothing."""
+    """Clipping by a known global norm, as torch's `clip_grads_with_norm_` scales: one multi-tensor
+    multiply over the gradients' local shards (no DTensor dispatch); decided on the host (`norm` was
+    read already), so a step within `max_norm` launches nothing."""
     if max_norm > 0 and max_norm / (norm + 1e-6) < 1.0:
-        total = torch.tensor(norm, dtype=torch.float64)
-        for group in _by_layout(params):
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=None)
+        grads = local_tensors([p.grad for p in params if p.grad is not None])
+        coefficient = torch.clamp(max_norm / (torch.tensor(norm, dtype=torch.float64) + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coefficient.to(grads[0].device))
 
 
 def build_step(

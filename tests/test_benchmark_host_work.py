@@ -1,0 +1,60 @@
+"""benchmarks/host_work.py, the CPU count of the training step's host work, runs end to end at its
+smallest setting (--structure tiny: 2 layers, 2 vision blocks, 2 gloo ranks)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _train_helpers import env
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from host_work import SOURCES  # noqa: E402  (the benchmark is a script, not a package)
+
+
+@pytest.mark.slow
+def test_host_work_counts_the_loop_step_by_source(tmp_path):
+    """The real loop's step, profiled on 2 ranks: one table with a row per source and the total,
+    and the JSON whose figures add up and show each source's work where the step has it."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "host_work.py"), "--structure", "tiny", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env(),
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "qwen3_vl, tiny structure (2 layers, 2 vision blocks" in proc.stdout
+    table = proc.stdout.split("source ")[1].split("against the H200")[0]
+    assert [line.split("  ")[0] for line in table.splitlines()[1:]] == [*SOURCES, "total"]
+
+    written = json.loads((tmp_path / "host_work_cpu_tiny.json").read_text())
+    assert written["complete"] and written["torch"] == torch.__version__ and written["step"] == "loop"
+    (case,) = written["cases"]
+    assert case["family"] == "qwen3_vl" and case["layers"] == 2 and case["vision_depth"] == 2
+    # Two decoder blocks, the vision tower and the root: one FSDP group each.
+    assert case["fsdp_groups"] == 4
+    sources = case["sources"]
+    assert list(sources) == list(SOURCES)
+    for row in sources.values():
+        assert row["copies"] + row["fills"] <= row["kernels"]
+        assert row["host_ms"] >= 0
+    # Every part of the step that dispatches work is seen where it runs.
+    for source in ("FSDP all-gather", "FSDP reduce-scatter", "optimizer", "grad norm", "loss", "data"):
+        assert sources[source]["kernels"] > 0, source
+    compute = sources["forward/backward compute"]
+    assert compute["ops"] == max(row["ops"] for row in sources.values())
+    # Each FSDP group gathers its weights (a copy in and a copy out) at least once a step and reduces
+    # its gradients once (one chunk_cat copy-in each); the optimizer runs the fused kernel.
+    assert sources["FSDP all-gather"]["copies"] >= 2 * case["fsdp_groups"]
+    assert case["ops_by_name"]["aten::_chunk_cat"] == case["fsdp_groups"]
+    assert case["ops_by_name"]["aten::_fused_adamw_"] > 0
+    # The optimizer steps the local shards: none of its calls goes through DTensor's dispatch.
+    assert sources["optimizer"]["dtensor"] == 0
+    # The sources' host times add up to the profiled step's (each event's own time counted once).
+    assert sum(row["host_ms"] for row in sources.values()) == pytest.approx(case["step_ms"], rel=1e-6)
