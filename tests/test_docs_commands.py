@@ -160,6 +160,58 @@ def trains_stage2_by_hand(workdir: Path, output: str):
     assert (out / "done").is_file() and (out / "final").is_dir()
 
 
+def write_preference_pairs(workdir: Path):
+    """docs/post-training.md's input: raw/pairs.jsonl, three text preference pairs (a prompt, the
+    chosen and the rejected answer) in the layouts the doc names."""
+    raw = workdir / "raw"
+    raw.mkdir()
+    rows = [
+        {"prompt": "What color is the sky?", "chosen": "Blue.", "rejected": "Green."},
+        {
+            "chosen": [{"role": "user", "content": "Two plus two?"}, {"role": "assistant", "content": "Four."}],
+            "rejected": [{"role": "user", "content": "Two plus two?"}, {"role": "assistant", "content": "Five."}],
+        },
+        {
+            "prompt": [{"role": "user", "content": "Name a shape."}],
+            "chosen": [{"role": "assistant", "content": "A circle."}],
+            "rejected": [{"role": "assistant", "content": "Red."}],
+        },
+    ]
+    (raw / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def prepares_preference_pairs(workdir: Path, output: str):
+    """docs/post-training.md: the three pairs prepared, none rejected."""
+    from vlmcore.data.shards import iter_shard_samples, shard_paths
+
+    samples = [s for path in shard_paths(workdir / "data/pairs") for s in iter_shard_samples(path)]
+    assert len(samples) == 3, samples
+
+
+def write_prepared_pairs_and_model(workdir: Path):
+    """docs/post-training.md's pack input: the prepared pairs and a tiny model with its tokenizer."""
+    from _data_helpers import make_demo_model_dir
+
+    from vlmcore.data.prepare.dataset import prepare
+
+    write_preference_pairs(workdir)
+    prepare([workdir / "raw/pairs.jsonl"], workdir / "data/pairs")
+    make_demo_model_dir(workdir / "model")
+
+
+def packs_preference_pairs(workdir: Path, output: str):
+    """docs/post-training.md: the three pairs packed whole (pack's stats.json counts them)."""
+    stats = json.loads((workdir / "packed/pairs/stats.json").read_text())
+    assert stats["pairs"] == 3, stats
+
+
+# What a RUN_HERE command needs in its scratch folder before it runs: {command: setup}.
+SETUP_HERE = {
+    "vlmcore prepare --source preference:raw/pairs.jsonl --out data/pairs": write_preference_pairs,
+    "vlmcore pack --data data/pairs --model model --out packed/pairs --seq-len 4096 --max-patches 16384": write_prepared_pairs_and_model,
+}
+
+
 # The demo's outputs, where the commands of RUN_ON_DEMO run (tests/test_pipeline_demo.py).
 DEMO = Path("results/demo")
 
@@ -177,6 +229,8 @@ RUN_HERE = {
     "vlmcore kernels --gpu-capability 9.0": prints_kernel_report,
     "vlmcore kernels": prints_kernel_report,
     "vlmcore download --tiny --tiny-family qwen3_vl_moe --out results/demo-moe/model": writes_tiny_moe_model,
+    "vlmcore prepare --source preference:raw/pairs.jsonl --out data/pairs": prepares_preference_pairs,
+    "vlmcore pack --data data/pairs --model model --out packed/pairs --seq-len 4096 --max-patches 16384": packs_preference_pairs,
 }
 
 # vlmcore commands that run on the demo's outputs: run in its folder by
@@ -440,6 +494,9 @@ def run_here(command: Command, words: list[str]):
 
     output = ""
     with tempfile.TemporaryDirectory() as scratch, contextlib.chdir(scratch):
+        setup = SETUP_HERE.get(" ".join(command.words))
+        if setup is not None:
+            setup(Path(scratch))
         for subcommand in words[1].split("|"):
             with argv_and_stdout(["vlmcore"]) as out:
                 code = main([subcommand, *words[2:]])

@@ -87,6 +87,32 @@ def test_dpo_resume_and_two_ranks_equal_one_process(one_process):
             torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=1e-6, msg=f"{name} {key}")
 
 
+@pytest.mark.slow
+def test_lora_dpo_reference_with_adapters_off_equals_a_frozen_copy(one_process):
+    """A LoRA DPO stage's reference can be the policy with its adapters off: the same weights as
+    a frozen copy of the stage's start, without a second model. On 2 FSDP2 ranks (the reference's
+    forward runs through the policy's sharded model, outside its backward) both references give
+    the same metrics and adapters, and the first step starts at the reference (loss log 2)."""
+    tmp_path, snapshot = one_process
+    lora = {"rank": 4, "alpha": 8.0, "targets": ["*.self_attn.[qkvo]_proj", "*.mlp.*_proj"]}
+    configs = [
+        dpo_config(tmp_path, snapshot, f"lora-{reference}", lora=lora, dpo={"reference": reference})
+        for reference in ("copy", "adapters_off")
+    ]
+    train_cases(2, configs)
+    copy = read_metrics(tmp_path / "lora-copy")
+    adapters_off = read_metrics(tmp_path / "lora-adapters_off")
+    assert [m["step"] for m in adapters_off] == list(range(1, STEPS + 1))
+    assert adapters_off[0]["dpo_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert abs(adapters_off[-1]["dpo_loss"] - math.log(2)) > 1e-4  # the adapters moved the policy
+    for expected, got in zip(copy, adapters_off):
+        for key in (*DPO_METRICS, "grad_norm"):
+            assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), (got["step"], key)
+    copy_weights = load_dcp(tmp_path / "lora-copy" / "final")
+    for key, value in load_dcp(tmp_path / "lora-adapters_off" / "final").items():
+        torch.testing.assert_close(value, copy_weights[key], rtol=1e-5, atol=1e-7, msg=key)
+
+
 @pytest.mark.parametrize(
     "overrides, key",
     [
@@ -95,6 +121,7 @@ def test_dpo_resume_and_two_ranks_equal_one_process(one_process):
         ({"data": {"kind": "random", "segments": 3}}, "data.segments"),
         ({"parallel": {"tp": 2}}, "parallel.tp"),
         ({"parallel": {"cp": 2}}, "parallel.cp"),
+        ({"dpo": {"reference": "adapters_off"}}, "dpo.reference"),
     ],
 )
 def test_bad_dpo_settings_are_refused_by_key(overrides, key):

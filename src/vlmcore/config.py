@@ -238,8 +238,11 @@ class DPOConfig:
         ge=0,
         lt=0.5,
     )
-    reference: Literal["copy"] = setting(
-        "copy", "objective dpo: the reference policy; copy = a frozen copy of the weights the stage starts from"
+    reference: Literal["copy", "adapters_off"] = setting(
+        "copy",
+        "objective dpo: the reference policy; copy = a frozen copy of the weights the stage starts from; "
+        "adapters_off = the policy with its LoRA adapters switched off (the same weights, no second model; "
+        "needs lora.rank > 0)",
     )
 
 
@@ -349,6 +352,11 @@ def _dpo_rules() -> list[Rule]:
             "data.segments",
             "must be even when objective is dpo and data.kind is random (consecutive segments are the pairs)",
             lambda v, c: c.objective != "dpo" or c.data.kind != "random" or v % 2 == 0,
+        ),
+        (
+            "dpo.reference",
+            "must be copy unless lora.rank > 0 (adapters_off is the base of a LoRA stage)",
+            lambda v, c: v == "copy" or c.lora.rank > 0,
         ),
         (
             "parallel.tp",

@@ -30,7 +30,7 @@ from vlmcore.parallel.layout import RunLayout
 from vlmcore.parallel.mesh import Meshes
 from vlmcore.parallel.parallelize import parallelize
 from vlmcore.train.checkpoint import ResumableData, load_model_weights
-from vlmcore.train.dpo import DPOObjective, FrozenReference
+from vlmcore.train.dpo import AdaptersOffReference, DPOObjective, FrozenReference, Reference
 from vlmcore.train.optim import build_optimizer, freeze
 from vlmcore.train.step import Step, VisionDummy, build_step
 
@@ -196,11 +196,16 @@ def build_run(cfg: TrainConfig, layout: RunLayout, device: torch.device) -> Run:
 
 
 def use_dpo(run: Run) -> None:
-    """The run's step trains on preference pairs against a frozen reference (vlmcore.train.dpo)."""
+    """The run's step trains on preference pairs against a frozen reference (vlmcore.train.dpo): a
+    copy of the starting weights, or the policy itself with its LoRA adapters off."""
     if moe_blocks(run.model):
         raise ConfigError("objective: dpo is not available for mixture-of-experts models yet", "objective")
     dpo = run.cfg.dpo
-    run.step.objective = DPOObjective(build_reference(run), dpo.beta, dpo.label_smoothing, run.cfg.loss_chunk_tokens)
+    if dpo.reference == "adapters_off":
+        reference: Reference = AdaptersOffReference(run.model, run.cfg.loss_chunk_tokens, run.step.vision_dummy)
+    else:
+        reference = build_reference(run)
+    run.step.objective = DPOObjective(reference, dpo.beta, dpo.label_smoothing, run.cfg.loss_chunk_tokens)
 
 
 def build_data(

@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from vlmcore.data import IGNORE_INDEX
 from vlmcore.data.load.batch import Batch
+from vlmcore.models.lora import adapters_disabled
 from vlmcore.train.step import VisionDummy, forward_hidden
 
 
@@ -108,6 +109,25 @@ class FrozenReference:
         if self.vision_dummy is not None:
             self.vision_dummy.active = not batch.has_visual
         return model_segment_logps(self.model, batch, self.chunk_tokens)
+
+
+class AdaptersOffReference:
+    """The reference of a LoRA stage (`dpo.reference: adapters_off`): the policy's own model with
+    its adapters switched off, which is the stage's frozen starting weights. It holds no second
+    copy of the model, so a LoRA DPO stage needs the memory of one model, not two."""
+
+    def __init__(self, model: nn.Module, chunk_tokens: int = 1024, vision_dummy: VisionDummy | None = None) -> None:
+        """`vision_dummy`: the policy step's own (the reference runs the same model)."""
+        self.model = model
+        self.chunk_tokens = chunk_tokens
+        self.vision_dummy = vision_dummy
+
+    @torch.no_grad()
+    def logps(self, batch: Batch) -> torch.Tensor:
+        if self.vision_dummy is not None:
+            self.vision_dummy.active = not batch.has_visual
+        with adapters_disabled(self.model):
+            return model_segment_logps(self.model, batch, self.chunk_tokens)
 
 
 @dataclass
