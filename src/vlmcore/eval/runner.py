@@ -29,6 +29,7 @@ from lm_eval.utils import handle_non_serializable  # noqa: E402
 
 import vlmcore.eval.vlm  # noqa: E402,F401  (registers `vlmcore-vlm`)
 from vlmcore.eval.results import results_table  # noqa: E402
+from vlmcore.eval.staging import check_staged  # noqa: E402
 
 BUNDLED_TASKS = Path(__file__).parent / "tasks"
 # The bundled tasks that read the demo's held-out file (`--vqa-data`).
@@ -79,6 +80,7 @@ def evaluate(
     include_path: Sequence[str | Path] = (),
     apply_chat_template: bool = False,
     num_fewshot: int | None = None,
+    benchmark_data: str | Path | None = None,
 ) -> dict:
     """Runs lm-eval and writes EVAL_DIR/results.json, results.csv and samples_<task>.jsonl."""
     model_dir = Path(model_dir).resolve()
@@ -88,8 +90,13 @@ def evaluate(
         raise ValueError(
             f"tasks {', '.join(DEMO_TASKS)} need --vqa-data (the raw/eval.jsonl written by `vlmcore synth`)"
         )
-    # Task metadata reaches the bundled tasks' loaders (demo_vqa reads `vqa_data`).
+    # Offline by construction: a public benchmark's staged copy is checked before the model loads.
+    check_staged(tasks, benchmark_data)
+    # Task metadata reaches the bundled tasks' loaders (demo_vqa reads `vqa_data`, a public
+    # benchmark `benchmark_data`/<task>).
     metadata = {"vqa_data": str(Path(vqa_data).resolve())} if vqa_data else {}
+    if benchmark_data:
+        metadata["benchmark_data"] = str(Path(benchmark_data).resolve())
     task_manager = TaskManager(include_path=[str(BUNDLED_TASKS), *map(str, include_path)], metadata=metadata)
     result = lm_eval.simple_evaluate(
         model=model,
@@ -132,6 +139,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--vqa-data", type=existing_file, help="raw/eval.jsonl of the demo, for the tasks " + ", ".join(DEMO_TASKS)
     )
+    parser.add_argument(
+        "--benchmark-data",
+        type=existing_dir,
+        help="directory of the staged public benchmarks (<name>/ each, `vlmcore stage-benchmark`), checked first",
+    )
     parser.add_argument("--limit", type=positive_int, help="at most this many examples per task")
     parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:0, ...")
@@ -173,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
         include_path=args.include_path,
         apply_chat_template=args.apply_chat_template,
         num_fewshot=args.num_fewshot,
+        benchmark_data=args.benchmark_data,
     )
     print(results_table(result).to_string(index=False))
     return 0
