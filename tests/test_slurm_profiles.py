@@ -241,3 +241,16 @@ def test_staged_benchmark_is_verified_on_the_login_node(tmp_path):
     log = (root / "logs" / "download_benchmark" / "chartqa.log").read_text()
     assert "data/test-00000-of-00001.parquet: size 7, manifest says" in log
     assert "must not be called" not in proc.stderr
+
+
+def test_evaluation_asks_for_a_gpu_per_process(tmp_path):
+    """JUPITER with eval.nproc 4: each evaluation job gets the node's 4 GPUs, one per process."""
+    config = stage_inputs(tmp_path, REPO / "config" / "experiments" / "qwen3vl-2b-jupiter.yaml")
+    config["eval"]["nproc"] = 4
+    recipe = tmp_path / "qwen3vl-2b-jupiter-nproc4.yaml"
+    recipe.write_text(yaml.safe_dump(config))
+    proc = snakemake(tmp_path, "jupiter", recipe, "-n", "-p", "eval")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    jobs = planned_jobs(proc.stdout)["evaluate"]
+    assert {(j["gres"], j["slurm_partition"]) for j in jobs} == {("gpu:4", "booster")}
+    assert proc.stdout.count("torchrun --standalone --nproc-per-node 4 -m vlmcore.cli eval") == len(jobs)

@@ -296,3 +296,15 @@ def test_a_public_benchmark_is_staged_on_the_login_node_and_evaluated_offline(tm
     cached = {"eval": dict(overlay["eval"], benchmark_cache="/shared/hf")}
     stdout = plan_demo(tmp_path, "benchmarks", overlay=cached).stdout
     assert "vlmcore stage-benchmark chartqa --cache-dir /shared/hf --out results/demo/benchmarks/chartqa " in stdout
+
+
+def test_an_evaluation_job_is_split_over_eval_nproc_processes(tmp_path):
+    """eval.nproc > 1: each evaluation job runs its task data parallel under torchrun."""
+    stdout = plan_demo(tmp_path, "eval", overlay={"eval": {"nproc": 2, "tasks": ["demo_vqa"]}}).stdout
+    for stage in ("stage1", "stage2"):
+        assert (
+            "TRANSFORMERS_OFFLINE=1 torchrun --standalone --nproc-per-node 2 -m vlmcore.cli eval"
+            f" --model results/demo/hf/{stage} --tasks demo_vqa " in stdout
+        )
+    default = plan_demo(tmp_path, "eval").stdout
+    assert "TRANSFORMERS_OFFLINE=1 vlmcore eval --model" in default and "torchrun --standalone" not in default

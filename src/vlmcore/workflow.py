@@ -295,6 +295,13 @@ class Experiment:
             return f"--cache-dir {shlex.quote(evaluation['benchmark_cache'])}"
         return ""
 
+    def eval_launcher(self) -> str:
+        """How an evaluation job starts `vlmcore`: one process, or eval.nproc under torchrun."""
+        nproc = self.config["eval"]["nproc"]
+        if nproc == 1:
+            return "vlmcore"
+        return f"torchrun --standalone --nproc-per-node {nproc} -m vlmcore.cli"
+
     def eval_results(self) -> list[str]:
         """One results.json per exported stage and task: adding a task adds only its jobs."""
         return [

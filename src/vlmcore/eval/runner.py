@@ -7,6 +7,10 @@ the local HF cache), bundled here under vlmcore/eval/tasks/ (on the file given b
 demo_vqa, multiple choice, and demo_vqa_gen, free answers, for the image demo; demo_video_qa and
 its frame-shuffled control demo_video_qa_shuffled for the video demo), or from --include-path.
 
+Under `torchrun --nproc-per-node N -m vlmcore.cli eval ...` the samples of every task are split
+among the N processes (lm-eval's data parallelism through accelerate, one GPU each) and the first
+process writes the results of all.
+
 EVAL_DIR gets `results.json` (lm-eval's results, configs and versions, plus `chance`: the chance
 level of every multiple-choice task, and `breakdown`: the score per question kind of tasks whose
 docs have a `kind`), `results.csv` (one row per task, kind and metric) and `samples_<task>.jsonl`.
@@ -90,8 +94,10 @@ def evaluate(
         raise ValueError(
             f"tasks {', '.join(DEMO_TASKS)} need --vqa-data (the raw/eval.jsonl written by `vlmcore synth`)"
         )
-    # Offline by construction: a public benchmark's staged copy is checked before the model loads.
-    check_staged(tasks, benchmark_data)
+    # Offline by construction: a public benchmark's staged copy is checked before the model loads
+    # (under torchrun, its checksums by the first process only: every process reads the same files).
+    rank = int(os.environ.get("RANK", "0"))
+    check_staged(tasks, benchmark_data, checksums=rank == 0)
     # Task metadata reaches the bundled tasks' loaders (demo_vqa reads `vqa_data`, a public
     # benchmark `benchmark_data`/<task>).
     metadata = {"vqa_data": str(Path(vqa_data).resolve())} if vqa_data else {}
@@ -111,6 +117,8 @@ def evaluate(
         log_samples=True,
         bootstrap_iters=1000,
     )
+    if result is None:  # another than the first process of a data-parallel run: the first writes
+        return {}
     samples = result.pop("samples")
     result["lm_eval_model"] = model
     figures = {task: chance_and_breakdown(task_samples) for task, task_samples in samples.items()}
@@ -187,5 +195,6 @@ def run(args: argparse.Namespace) -> int:
         num_fewshot=args.num_fewshot,
         benchmark_data=args.benchmark_data,
     )
-    print(results_table(result).to_string(index=False))
+    if result:
+        print(results_table(result).to_string(index=False))
     return 0

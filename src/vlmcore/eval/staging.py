@@ -172,9 +172,10 @@ def use_staged_benchmark(staged: str | Path, out: str | Path, name: str) -> dict
     return manifest
 
 
-def check_staged(tasks: list[str], benchmark_data: str | Path | None) -> None:
+def check_staged(tasks: list[str], benchmark_data: str | Path | None, checksums: bool = True) -> None:
     """Before evaluation loads a model: every public benchmark among `tasks` is staged under
-    `benchmark_data`/<task> and matches its manifest; raises ValueError naming the task."""
+    `benchmark_data`/<task> and matches its manifest (files and sizes, and with `checksums` their
+    sha256); raises ValueError naming the task."""
     for task in tasks:
         if task not in BENCHMARKS:
             continue
@@ -183,7 +184,7 @@ def check_staged(tasks: list[str], benchmark_data: str | Path | None) -> None:
                 f"task {task} reads staged data: give --benchmark-data DIR, the directory holding {task}/ "
                 f"(staged by the `{STAGING_RULE}` rule or `vlmcore stage-benchmark {task} --out DIR/{task}`)"
             )
-        verify_benchmark(Path(benchmark_data) / task, task)
+        verify_benchmark(Path(benchmark_data) / task, task, checksums=checksums)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
