@@ -57,8 +57,8 @@ def run_demo(config_path: Path, seed: int, shard_size: int, work: Path) -> dict:
     task, *control = config["eval"]["tasks"]
     # One results.json per task of the last stage's export, merged.
     results = {"results": {}, "breakdown": {}}
+    last_stage = list(config["train"]["stages"])[-1]
     for name in config["eval"]["tasks"]:
-        last_stage = list(config["train"]["stages"])[-1]
         task_results = json.loads((root / "eval" / last_stage / name / "results.json").read_text())
         results["results"] |= task_results["results"]
         results["breakdown"] |= task_results["breakdown"]
