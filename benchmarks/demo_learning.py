@@ -53,9 +53,15 @@ def run_demo(config_path: Path, seed: int, shard_size: int, work: Path) -> dict:
     if proc.returncode:
         raise RuntimeError(f"demo at seed {seed}, shard size {shard_size} failed:\n{proc.stderr[-3000:]}")
     root = work / config["results_dir"] / config["experiment"]
-    results = json.loads((root / "eval" / "results.json").read_text())
     packs = json.loads((root / "packed" / "conversations" / "stats.json").read_text())["packs"]
     task, *control = config["eval"]["tasks"]
+    # One results.json per task of the last stage's export, merged.
+    results = {"results": {}, "breakdown": {}}
+    last_stage = list(config["train"]["stages"])[-1]
+    for name in config["eval"]["tasks"]:
+        task_results = json.loads((root / "eval" / last_stage / name / "results.json").read_text())
+        results["results"] |= task_results["results"]
+        results["breakdown"] |= task_results["breakdown"]
     row = {
         "seed": seed,
         "shard_size": shard_size,

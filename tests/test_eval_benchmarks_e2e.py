@@ -234,9 +234,16 @@ def write_mvbench(root: Path) -> None:
 
 @pytest.fixture(scope="module")
 def benchmark_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("benchmarks")
+    """Each benchmark's repository files written locally, then staged as the login-node rule stages
+    a downloaded snapshot (links and a manifest with checksums, which `vlmcore eval` verifies)."""
+    from vlmcore.eval.staging import stage_snapshot
+
+    repositories = tmp_path_factory.mktemp("hub")
     for write in (write_mmmu, write_chartqa, write_docvqa, write_mmbench, write_videomme, write_mvbench):
-        write(root)
+        write(repositories)
+    root = tmp_path_factory.mktemp("benchmarks")
+    for task in TASKS:
+        stage_snapshot(repositories / task, root / task, BENCHMARKS[task], "local", patterns=["*"])
     return root
 
 

@@ -161,7 +161,7 @@ def test_export_loads_in_transformers(demo):
 
     from vlmcore.data.media.processor import load_processor
 
-    hf = demo / RESULTS / "hf"
+    hf = demo / RESULTS / "hf/stage2"
     model = AutoModelForImageTextToText.from_pretrained(hf)
     processor = load_processor(hf)
     assert type(model).__name__ == "Qwen3VLForConditionalGeneration" and processor.tokenizer is not None
@@ -170,7 +170,7 @@ def test_export_loads_in_transformers(demo):
 
 
 def test_evaluation_is_far_above_chance(demo):
-    results = json.loads((demo / RESULTS / "eval/results.json").read_text())
+    results = json.loads((demo / RESULTS / "eval/stage2/demo_vqa/results.json").read_text())
     meta = json.loads((demo / RESULTS / "raw/meta.json").read_text())
     acc = results["results"]["demo_vqa"]["acc,none"]
     chance = results["chance"]["demo_vqa"]
@@ -220,7 +220,7 @@ def test_training_and_evaluation_see_the_same_sample(demo, tmp_path):
     train = host.to(torch.device("cpu"))
 
     # demo_vqa.yaml: doc_to_text "<image>\n{{question}}", doc_to_image, target delimiter "".
-    lm = VisionLanguageLM(pretrained=str(demo / RESULTS / "hf"), device="cpu", batch_size=1)
+    lm = VisionLanguageLM(pretrained=str(demo / RESULTS / "hf/stage2"), device="cpu", batch_size=1)
     row = lm.encode_row(f"<image>\n{doc['question']}", answer, {"visual": doc_to_image(doc)})
     n, start = len(row["input_ids"]), row["continuation_start"]
     assert train.input_ids[0, :n].tolist() == row["input_ids"]
@@ -240,6 +240,33 @@ def test_scaling_report(demo):
     rows = (report / "scaling.csv").read_text().strip().splitlines()
     assert len(rows) == 3  # header + world sizes 1 and 2
     assert len(list((report / "plots").glob("*.png"))) >= 4
+
+
+def test_every_exported_stage_is_evaluated_and_reported(demo):
+    """Both stages exported and evaluated: stage 1 (the projector alone) scores below stage 2, and
+    the report has each stage's score beside the other, from the same results files."""
+    import pandas as pd
+
+    scores = {}
+    for stage in ("stage1", "stage2"):
+        assert (demo / RESULTS / "hf" / stage / "config.json").is_file()
+        results = json.loads((demo / RESULTS / "eval" / stage / "demo_vqa/results.json").read_text())
+        scores[stage] = results["results"]["demo_vqa"]["acc,none"]
+    assert scores["stage1"] < scores["stage2"], scores
+    table = pd.read_csv(demo / RESULTS / "report/eval.csv", keep_default_na=False)
+    overall = table[(table["task"] == "demo_vqa") & (table["subset"] == "") & (table["metric"] == "acc")]
+    assert overall.set_index("run")["value"].astype(float).to_dict() == pytest.approx(scores)
+    md = (demo / RESULTS / "report/SCALABILITY.md").read_text()
+    assert "| task | subset | metric | stage1 | stage2 | chance |" in md
+    assert f"| demo_vqa |  | acc | {scores['stage1']:.3f} | {scores['stage2']:.3f} |" in md
+
+
+def test_adding_a_task_evaluates_only_that_task(demo):
+    """A task added to eval.tasks: its evaluation of each exported stage and the report, nothing else."""
+    overlay = demo / "more_tasks.yaml"
+    overlay.write_text("eval:\n  tasks: [demo_vqa, demo_vqa_gen]\n")
+    jobs = planned_jobs(demo, "train_all", "--configfile", "config/config.yaml", str(overlay))
+    assert jobs == {"evaluate": 2, "scaling_report": 1, "train_all": 1}
 
 
 def test_snakemake_html_report_attaches_plots_and_tables(demo):
@@ -311,7 +338,7 @@ def test_changed_eval_settings_rerun_only_evaluation(demo):
     text = config.read_text()
     assert "  batch_size: 16\n" in text
     config.write_text(text.replace("  batch_size: 16\n", "  batch_size: 4\n"))
-    assert planned_jobs(demo, "train_all") == {"evaluate": 1, "scaling_report": 1, "train_all": 1}
+    assert planned_jobs(demo, "train_all") == {"evaluate": 2, "scaling_report": 1, "train_all": 1}
     done = demo / RESULTS / "train/stage2/done"
     before = done.stat().st_mtime
     snakemake(demo, "train_all")

@@ -38,8 +38,10 @@ def test_video_demo_through_slurm(slurm, tmp_path):
     assert (root / "report" / "SCALABILITY.md").is_file()
     stats = json.loads((root / "packed" / "conversations" / "stats.json").read_text())
     assert stats["videos"] == 1500 and stats["bad"]["skipped"] == 0
-    results = json.loads((root / "eval" / "results.json").read_text())
-    breakdown = results["breakdown"]
+    # One results.json per task of the last stage's export.
+    breakdown = {}
+    for task in ("demo_video_qa", "demo_video_qa_shuffled"):
+        breakdown |= json.loads((root / "eval" / "stage2" / task / "results.json").read_text())["breakdown"]
     for task in ("demo_video_qa", "demo_video_qa_shuffled"):
         assert {kind: figures["n"] for kind, figures in breakdown[task].items()} == {
             "direction": 100,

@@ -93,6 +93,20 @@ def test_recipe_dry_runs_and_places_rules(tmp_path, recipe):
         assert job["runtime"] == str(config["train"]["runtime_minutes"])
         assert job["slurm_extra"] == "--ntasks-per-node=4 --signal=USR1@600"
     assert jobs["evaluate"][0]["gres"] == "gpu:1"
+    # Each exported stage is evaluated on each task, offline; the public benchmarks among the tasks
+    # are staged on the login node (a local rule; MareNostrum 5: verified from a copy).
+    from vlmcore.eval.benchmarks.registry import BENCHMARKS
+
+    tasks = config["eval"]["tasks"]
+    assert len(jobs["evaluate"]) == len(config["train"]["stages"]) * len(tasks)
+    staged = [task for task in tasks if task in BENCHMARKS]
+    assert len(jobs["download_benchmark"]) == len(staged)
+    for task in staged:
+        source = f"--staged staged/benchmarks/{task}" if cluster == "mn5" else ""
+        assert (
+            f"vlmcore stage-benchmark {task} {source} --out results/{config['experiment']}/benchmarks/{task} "
+            in proc.stdout
+        )
     # the measure pass of each dataset that is packed, scattered over pack.measure_jobs CPU jobs
     assert len(jobs["pack_measure"]) == config["pack"]["measure_jobs"] * len(jobs["pack_data"])
     if cluster == "mn5":
@@ -188,3 +202,55 @@ def test_staged_snapshot_is_verified_on_the_login_node(tmp_path, weights_size):
         log = tmp_path / "results" / config["experiment"] / "logs" / "download_model.log"
         assert "model.safetensors: size 10, manifest says 1000" in log.read_text()
     assert "must not be called" not in proc.stderr
+
+
+def test_staged_benchmark_is_verified_on_the_login_node(tmp_path):
+    """MN5: download_benchmark (a local rule: nothing is submitted) verifies the copied-in
+    benchmark and links it into the experiment; a damaged copy fails naming the file."""
+    import pandas as pd
+
+    from vlmcore.eval.benchmarks.registry import BENCHMARKS
+    from vlmcore.eval.staging import stage_snapshot
+
+    recipe = REPO / "config" / "experiments" / "qwen3vl-2b-mn5.yaml"
+    config = stage_inputs(tmp_path, recipe)
+    hub = tmp_path / "hub"
+    (hub / "data").mkdir(parents=True)
+    pd.DataFrame({"question": ["q"], "answer": ["a"]}).to_parquet(hub / "data/test-00000-of-00001.parquet")
+    for task in ("mmmu_val", "chartqa"):
+        stage_snapshot(hub, tmp_path / "staged/benchmarks" / task, BENCHMARKS[task], "c0ffee", ["data/*"])
+    fakes = tmp_path / "fake_bin"
+    fakes.mkdir()
+    for name in ("sbatch", "srun"):
+        (fakes / name).write_text('#!/bin/sh\necho "$0 must not be called" >&2\nexit 1\n')
+        (fakes / name).chmod(0o755)
+    (fakes / "sacctmgr").write_text("#!/bin/sh\necho ehpc01\n")
+    (fakes / "sacctmgr").chmod(0o755)
+    root = tmp_path / "results" / config["experiment"]
+    args = ["--retries", "0", "--slurm-init-seconds-before-status-checks", "1"]
+    proc = snakemake(tmp_path, "mn5", recipe, "benchmarks", *args, path_prefix=fakes)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for task in ("mmmu_val", "chartqa"):
+        staged = root / "benchmarks" / task / "data/test-00000-of-00001.parquet"
+        assert staged.resolve() == (hub / "data/test-00000-of-00001.parquet").resolve()
+    assert "must not be called" not in proc.stderr
+
+    (hub / "data/test-00000-of-00001.parquet").write_bytes(b"damaged")
+    proc = snakemake(tmp_path, "mn5", recipe, "benchmarks", "--forceall", *args, path_prefix=fakes)
+    assert proc.returncode != 0
+    log = (root / "logs" / "download_benchmark" / "chartqa.log").read_text()
+    assert "data/test-00000-of-00001.parquet: size 7, manifest says" in log
+    assert "must not be called" not in proc.stderr
+
+
+def test_evaluation_asks_for_a_gpu_per_process(tmp_path):
+    """JUPITER with eval.nproc 4: each evaluation job gets the node's 4 GPUs, one per process."""
+    config = stage_inputs(tmp_path, REPO / "config" / "experiments" / "qwen3vl-2b-jupiter.yaml")
+    config["eval"]["nproc"] = 4
+    recipe = tmp_path / "qwen3vl-2b-jupiter-nproc4.yaml"
+    recipe.write_text(yaml.safe_dump(config))
+    proc = snakemake(tmp_path, "jupiter", recipe, "-n", "-p", "eval")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    jobs = planned_jobs(proc.stdout)["evaluate"]
+    assert {(j["gres"], j["slurm_partition"]) for j in jobs} == {("gpu:4", "booster")}
+    assert proc.stdout.count("torchrun --standalone --nproc-per-node 4 -m vlmcore.cli eval") == len(jobs)

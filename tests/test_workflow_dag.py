@@ -1,6 +1,7 @@
 """The workflow's shape: lint-clean, every target plans the right jobs, without running them."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,12 +60,13 @@ PACK = {"pack_measure": 4, "pack_plan": 2, "pack_write": 4, "pack_data": 2}
                 "prepare_data": 2,
                 **PACK,
                 "train_stage": 2,
-                "export_hf": 1,
-                "evaluate": 1,
+                "export_hf": 2,
+                "evaluate": 2,
                 "scaling_run": 2,
                 "scaling_report": 1,
             },
         ),
+        ("hf", {"download_model": 1, "synth_data": 1, "prepare_data": 2, **PACK, "train_stage": 2, "export_hf": 2}),
     ],
 )
 def test_each_target_plans_its_stages(tmp_path, target, expected):
@@ -92,8 +94,8 @@ DEMO_JOBS = {
     "prepare_data": 2,
     **PACK,
     "train_stage": 2,
-    "export_hf": 1,
-    "evaluate": 1,
+    "export_hf": 2,
+    "evaluate": 2,
     "scaling_run": 2,
     "scaling_report": 1,
 }
@@ -118,7 +120,8 @@ def plan_demo_variant(tmp_path, name: str) -> tuple[str, dict, dict]:
     assert proc.returncode == 0, proc.stderr
     stats = job_stats(proc.stdout)
     stats.pop("train_all", None)
-    assert stats == DEMO_JOBS
+    tasks = yaml.safe_load((REPO / "config" / name).read_text())["eval"]["tasks"]
+    assert stats == dict(DEMO_JOBS, evaluate=2 * len(tasks))  # each exported stage, each task
     demo, variant = (yaml.safe_load((REPO / "config" / f).read_text()) for f in ("config.yaml", name))
     demo.pop("experiment")
     assert variant.pop("experiment") == name.removesuffix(".yaml")
@@ -139,7 +142,9 @@ def test_video_demo_plans_the_demo_on_generated_clips(tmp_path):
     """config/demo-video.yaml: the demo's whole DAG on synthetic clips, evaluated with its control."""
     stdout, demo, video = plan_demo_variant(tmp_path, "demo-video.yaml")
     assert "vlmcore synth --kind video --out results/demo-video/raw" in stdout
-    assert "--tasks demo_video_qa,demo_video_qa_shuffled" in stdout
+    for stage in ("stage1", "stage2"):
+        for task in ("demo_video_qa", "demo_video_qa_shuffled"):
+            assert f"--model results/demo-video/hf/{stage} --tasks {task} " in stdout
     # The demo's model, training and packing; its data and questions are video.
     assert video["data"].pop("synthetic")["kind"] == "video" and video.pop("eval") == {
         "tasks": ["demo_video_qa", "demo_video_qa_shuffled"],
@@ -208,3 +213,98 @@ def test_corpus_of_100m_samples_plans_its_scattered_pack(tmp_path, cluster, part
     assert shell.count("--plan-only ") == 1
     # The video sampling settings reach every job of the pack (they decide the packs' bytes).
     assert shell.count("--video-fps 1 --video-max-frames 64") == 32 + 1 + 16 + 1
+
+
+def plan_demo(tmp_path, *args, overlay: dict | None = None) -> subprocess.CompletedProcess:
+    """A dry run of the demo in `tmp_path`, with `overlay` as a second config file."""
+    configfiles = [str(REPO / "config/config.yaml")]
+    if overlay:
+        (tmp_path / "overlay.yaml").write_text(yaml.safe_dump(overlay))
+        configfiles.append(str(tmp_path / "overlay.yaml"))
+    proc = snakemake(
+        "-n",
+        "-p",
+        "--profile",
+        str(REPO / "profiles/local"),
+        "--snakefile",
+        str(REPO / "Snakefile"),
+        "--directory",
+        str(tmp_path),
+        *args,
+        "--configfile",
+        *configfiles,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+# Outputs that the rules declare as directory(): the rest are files.
+DIRECTORY_OUTPUTS = re.compile(r"/(data|packed|hf)/[^/]+$|/final$|/plots$")
+
+
+def test_adding_a_task_evaluates_only_that_task(tmp_path):
+    """Every output of the demo in place (as after a finished run), then eval.tasks gains a demo
+    task and a public benchmark: only their evaluations of each exported stage are planned (and the
+    benchmark's staging, and the report); demo_vqa's results stand."""
+    for line in plan_demo(tmp_path, "train_all").stdout.splitlines():
+        match = re.match(r"\s+output: (.*)", line)
+        for output in match.group(1).split(", ") if match else []:
+            path = tmp_path / output
+            if DIRECTORY_OUTPUTS.search(output):
+                path.mkdir(parents=True, exist_ok=True)
+            else:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.touch()
+    assert "Nothing to be done" in plan_demo(tmp_path, "train_all").stdout
+    more = {"eval": {"tasks": ["demo_vqa", "demo_vqa_gen", "chartqa"], "batch_size": 16}}
+    proc = plan_demo(tmp_path, "train_all", overlay=more)
+    stats = job_stats(proc.stdout)
+    assert stats == {"download_benchmark": 1, "evaluate": 4, "scaling_report": 1, "train_all": 1}
+    planned = set(re.findall(r"output: (results/demo/eval/\S+)", proc.stdout))
+    assert planned == {
+        f"results/demo/eval/{s}/{t}/results.json" for s in ("stage1", "stage2") for t in more["eval"]["tasks"][1:]
+    }
+
+
+def test_a_public_benchmark_is_staged_on_the_login_node_and_evaluated_offline(tmp_path):
+    """A benchmark of eval.tasks: a local rule stages it (from the hub, or verified from
+    eval.staged_benchmarks), and each stage's evaluation reads it with the hubs switched off."""
+    overlay = {"eval": {"tasks": ["demo_vqa", "chartqa"], "batch_size": 16}}
+    proc = plan_demo(tmp_path, "benchmarks", overlay=overlay)
+    assert job_stats(proc.stdout) == {"download_benchmark": 1, "benchmarks": 1}
+    assert "vlmcore stage-benchmark chartqa  --out results/demo/benchmarks/chartqa " in proc.stdout
+
+    stdout = plan_demo(tmp_path, "train_all", overlay=overlay).stdout
+    for stage in ("stage1", "stage2"):
+        assert (
+            f"HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 vlmcore eval --model results/demo/hf/{stage}"
+            f" --tasks chartqa --out results/demo/eval/{stage}/chartqa --vqa-data results/demo/raw/eval.jsonl"
+            " --benchmark-data results/demo/benchmarks " in stdout
+        )
+        assert (
+            f"--tasks demo_vqa --out results/demo/eval/{stage}/demo_vqa --vqa-data results/demo/raw/eval.jsonl  "
+            in stdout
+        )
+    assert "--eval stage1=results/demo/eval/stage1 --eval stage2=results/demo/eval/stage2" in stdout
+
+    offline = {"eval": dict(overlay["eval"], staged_benchmarks="staged/benchmarks")}
+    stdout = plan_demo(tmp_path, "benchmarks", overlay=offline).stdout
+    assert (
+        "vlmcore stage-benchmark chartqa --staged staged/benchmarks/chartqa --out results/demo/benchmarks/chartqa "
+        in stdout
+    )
+    cached = {"eval": dict(overlay["eval"], benchmark_cache="/shared/hf")}
+    stdout = plan_demo(tmp_path, "benchmarks", overlay=cached).stdout
+    assert "vlmcore stage-benchmark chartqa --cache-dir /shared/hf --out results/demo/benchmarks/chartqa " in stdout
+
+
+def test_an_evaluation_job_is_split_over_eval_nproc_processes(tmp_path):
+    """eval.nproc > 1: each evaluation job runs its task data parallel under torchrun."""
+    stdout = plan_demo(tmp_path, "eval", overlay={"eval": {"nproc": 2, "tasks": ["demo_vqa"]}}).stdout
+    for stage in ("stage1", "stage2"):
+        assert (
+            "TRANSFORMERS_OFFLINE=1 torchrun --standalone --nproc-per-node 2 -m vlmcore.cli eval"
+            f" --model results/demo/hf/{stage} --tasks demo_vqa " in stdout
+        )
+    default = plan_demo(tmp_path, "eval").stdout
+    assert "TRANSFORMERS_OFFLINE=1 vlmcore eval --model" in default and "torchrun --standalone" not in default

@@ -70,6 +70,7 @@ COMMANDS = {
     "memory": ("vlmcore.train.memory", "estimate a training stage's peak memory per device, no GPU needed"),
     "kernels": ("vlmcore.kernels", "check the GPU kernels' versions (torch, Triton, fla, tilelang, flash-attn)"),
     "export": ("vlmcore.export", "training checkpoint -> Hugging Face directory"),
+    "stage-benchmark": ("vlmcore.eval.staging", "stage a public benchmark's data for offline evaluation"),
     "eval": ("vlmcore.eval.runner", "lm-eval on an exported directory"),
     "report": ("vlmcore.report.scaling", "scaling CSV, plots and SCALABILITY.md"),
 }

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from vlmcore.families import FAMILIES, TINY_FAMILIES, TinyBuild
@@ -37,7 +38,8 @@ def remove_path(path: Path) -> None:
         path.unlink()
 
 
-def write_manifest(directory: str | Path, repo_id: str, revision: str) -> dict:
+def write_manifest(directory: str | Path, repo_id: str, revision: str, extra: dict | None = None) -> dict:
+    """Writes `directory`/manifest.json: the source, `extra` fields, and size and sha256 of every file."""
     directory = Path(directory)
     files = {
         str(rel): {"size": (directory / rel).stat().st_size, "sha256": sha256_of(directory / rel)}
@@ -46,6 +48,7 @@ def write_manifest(directory: str | Path, repo_id: str, revision: str) -> dict:
     manifest = {
         "repo_id": repo_id,
         "revision": revision,
+        **(extra or {}),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "files": files,
     }
@@ -53,6 +56,28 @@ def write_manifest(directory: str | Path, repo_id: str, revision: str) -> dict:
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp, directory / MANIFEST)
     return manifest
+
+
+def file_problems(directory: Path, manifest: dict, checksums: bool = True) -> list[str]:
+    """Every file of the manifest that is missing, of another size or (with `checksums`) of another
+    sha256 in `directory`. The files are hashed in parallel threads: a benchmark's videos are
+    hundreds of GB, and hashlib releases the GIL."""
+    problems = []
+    to_hash = []
+    for rel, info in manifest["files"].items():
+        path = directory / rel
+        if not path.is_file():
+            problems.append(f"missing file {rel}")
+        elif path.stat().st_size != info["size"]:
+            problems.append(f"{rel}: size {path.stat().st_size}, manifest says {info['size']}")
+        elif checksums:
+            to_hash.append(rel)
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        digests = pool.map(sha256_of, [directory / rel for rel in to_hash])
+        for rel, digest in zip(to_hash, digests):
+            if digest != manifest["files"][rel]["sha256"]:
+                problems.append(f"{rel}: sha256 differs from the manifest")
+    return problems
 
 
 def verify_snapshot(directory: str | Path, revision: str | None = None, checksums: bool = True) -> dict:
@@ -65,14 +90,7 @@ def verify_snapshot(directory: str | Path, revision: str | None = None, checksum
     problems = []
     if revision and manifest.get("revision") != revision:
         problems.append(f"revision is {manifest.get('revision')!r}, the config pins {revision!r}")
-    for rel, info in manifest["files"].items():
-        path = directory / rel
-        if not path.is_file():
-            problems.append(f"missing file {rel}")
-        elif path.stat().st_size != info["size"]:
-            problems.append(f"{rel}: size {path.stat().st_size}, manifest says {info['size']}")
-        elif checksums and sha256_of(path) != info["sha256"]:
-            problems.append(f"{rel}: sha256 differs from the manifest")
+    problems += file_problems(directory, manifest, checksums)
     if not any(rel.endswith(".safetensors") for rel in manifest["files"]):
         problems.append("no *.safetensors weights listed")
     if problems:

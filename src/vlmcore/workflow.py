@@ -8,6 +8,7 @@ import copy
 import json
 import shlex
 import sys
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -251,6 +252,61 @@ class Experiment:
     @property
     def last_stage(self) -> str:
         return self.config.get("export", {}).get("stage") or self.stages[-1]
+
+    @property
+    def exported_stages(self) -> list[str]:
+        """The stages exported to hf/<stage> and evaluated: every stage up to export.stage."""
+        return self.stages[: self.stages.index(self.last_stage) + 1]
+
+    @property
+    def eval_tasks(self) -> list[str]:
+        return list(self.config["eval"]["tasks"])
+
+    def export_provenance(self, stage: str) -> dict:
+        """What `vlmcore export` of `stage` records: the configs of the stages up to it, the
+        statistics of their packed datasets, and the packed dataset of `stage` itself (its video
+        sampling goes into the export)."""
+        chain = self.stages[: self.stages.index(stage) + 1]
+        datasets = list(dict.fromkeys(self.config["train"]["stages"][s]["dataset"] for s in chain))
+        return {
+            "stage_configs": [self.path("train", s, "config.yaml") for s in chain],
+            "data_stats": [self.path("packed", d, "stats.json") for d in datasets],
+            "packed": self.path("packed", self.config["train"]["stages"][stage]["dataset"]),
+        }
+
+    def eval_inputs(self, stage: str, task: str, benchmarks: Collection[str]) -> dict:
+        """The evaluation of `task` on the export of `stage`: the export, the demo's held-out file
+        for the demo tasks, and the staged data of a public benchmark (one of `benchmarks`, the
+        names of vlmcore.eval.benchmarks.registry, a layer above this module)."""
+        inputs = {"hf": self.path("hf", stage)}
+        if self.uses_synthetic_data:
+            inputs["vqa"] = self.path("raw", "eval.jsonl")
+        if task in benchmarks:
+            inputs["benchmark"] = self.path("benchmarks", task, "manifest.json")
+        return inputs
+
+    def benchmark_source(self, name: str) -> str:
+        """`vlmcore stage-benchmark` arguments of where benchmark `name` comes from: a copy staged
+        elsewhere (eval.staged_benchmarks), else the hub through eval.benchmark_cache."""
+        evaluation = self.config["eval"]
+        if evaluation.get("staged_benchmarks"):
+            return f"--staged {shlex.quote(str(Path(evaluation['staged_benchmarks'], name)))}"
+        if evaluation.get("benchmark_cache"):
+            return f"--cache-dir {shlex.quote(evaluation['benchmark_cache'])}"
+        return ""
+
+    def eval_launcher(self) -> str:
+        """How an evaluation job starts `vlmcore`: one process, or eval.nproc under torchrun."""
+        nproc = self.config["eval"]["nproc"]
+        if nproc == 1:
+            return "vlmcore"
+        return f"torchrun --standalone --nproc-per-node {nproc} -m vlmcore.cli"
+
+    def eval_results(self) -> list[str]:
+        """One results.json per exported stage and task: adding a task adds only its jobs."""
+        return [
+            self.path("eval", stage, task, "results.json") for stage in self.exported_stages for task in self.eval_tasks
+        ]
 
     def model_config(self) -> dict | None:
         """The model's config.json where it is here already: the staged snapshot's, or the

@@ -1,6 +1,8 @@
 # Validation and paths. The logic lives in vlmcore.workflow so it is tested without Snakemake.
 import os
+import re
 
+from vlmcore.eval.benchmarks.registry import BENCHMARKS
 from vlmcore.workflow import Experiment, as_yaml_arg, check_kernels, validate_config
 
 validate_config(config, workflow.source_path("../schemas/config.schema.yaml"))
@@ -11,6 +13,8 @@ R = EXP.root
 STAGES = EXP.stages
 DATASETS = list(config["data"]["datasets"])
 WORLD_SIZES = config["scaling"]["world_sizes"]
+EXPORTED = EXP.exported_stages
+TASKS = EXP.eval_tasks
 LAUNCHER = f"{workflow.basedir}/workflow/scripts/launch_torchrun.sh"
 
 
@@ -33,9 +37,12 @@ wildcard_constraints:
     stage="|".join(STAGES),
     dataset="|".join(DATASETS),
     ws=r"\d+",
+    task="|".join(map(re.escape, TASKS)),
+    benchmark="|".join(map(re.escape, BENCHMARKS)),
 
 
 localrules:
     download_model,
+    download_benchmark,
     scaling_report,
     train_all,

@@ -1,19 +1,20 @@
 rule export_hf:
+    # Every exported stage (export.stage and the stages before it) gets its own directory.
     input:
-        done=f"{R}/train/{EXP.last_stage}/done",
+        done=f"{R}/train/{{stage}}/done",
         model=f"{R}/model/manifest.json",
     output:
-        directory(f"{R}/hf"),
+        directory(f"{R}/hf/{{stage}}"),
     params:
-        checkpoint=f"{R}/train/{EXP.last_stage}/final",
+        checkpoint=lambda wc: EXP.path("train", wc.stage, "final"),
         model=lambda wc, input: os.path.dirname(input.model),
-        stage_configs=" ".join(f"--stage-config {EXP.path('train', s, 'config.yaml')}" for s in STAGES),
-        data_stats=" ".join(f"--data-stats {EXP.path('packed', d, 'stats.json')}" for d in DATASETS),
+        stage_configs=lambda wc: " ".join(f"--stage-config {p}" for p in EXP.export_provenance(wc.stage)["stage_configs"]),
+        data_stats=lambda wc: " ".join(f"--data-stats {p}" for p in EXP.export_provenance(wc.stage)["data_stats"]),
         max_shard_size=config["export"]["max_shard_size"],
-        # The video sampling the last stage's data was packed with (pack.video), for the export.
-        packed=EXP.path("packed", config["train"]["stages"][EXP.last_stage]["dataset"]),
+        # The video sampling the stage's data was packed with (pack.video), for the export.
+        packed=lambda wc: EXP.export_provenance(wc.stage)["packed"],
     log:
-        f"{R}/logs/export_hf.log",
+        f"{R}/logs/export_hf/{{stage}}.log",
     resources:
         runtime=60,
     conda:

@@ -2,7 +2,7 @@ rule scaling_report:
     input:
         scaling=expand(f"{R}/scaling/ws{{ws}}/metrics.jsonl", ws=WORLD_SIZES),
         train=expand(f"{R}/train/{{stage}}/done", stage=STAGES),
-        eval=f"{R}/eval/results.json",
+        eval=EXP.eval_results(),
     output:
         md=report(f"{R}/report/SCALABILITY.md", category="Scaling"),
         csv=report(f"{R}/report/scaling.csv", category="Scaling"),
@@ -16,6 +16,8 @@ rule scaling_report:
     params:
         scaling=" ".join(f"--scaling ws{ws}={R}/scaling/ws{ws}/metrics.jsonl" for ws in WORLD_SIZES),
         train=" ".join(f"--train {s}={R}/train/{s}/metrics.jsonl" for s in STAGES),
+        # Each exported stage's results, one results.json per task below eval/<stage>, in stage order.
+        evals=" ".join(f"--eval {s}={R}/eval/{s}" for s in EXPORTED),
         imports=" ".join(f"--import {p}" for p in config["report"]["import"]),
         hardware=config["report"]["hardware"],
         out=lambda wc, output: os.path.dirname(output.md),
@@ -24,5 +26,5 @@ rule scaling_report:
     conda:
         "../envs/vlmcore.yaml"
     shell:
-        "vlmcore report {params.scaling} {params.train} --eval {input.eval} {params.imports}"
+        "vlmcore report {params.scaling} {params.train} {params.evals} {params.imports}"
         " --hardware '{params.hardware}' --out {params.out} > {log} 2>&1"

@@ -4,7 +4,7 @@
 rule train_all:
     default_target: True
     input:
-        f"{R}/eval/results.json",
+        EXP.eval_results(),
         f"{R}/report/SCALABILITY.md",
 
 
@@ -30,12 +30,18 @@ rule train:
 
 rule hf:
     input:
-        f"{R}/hf",
+        expand(f"{R}/hf/{{stage}}", stage=EXPORTED),
+
+
+rule benchmarks:
+    # The public benchmarks of eval.tasks, staged on the login node (part of eval and train_all).
+    input:
+        [f"{R}/benchmarks/{task}/manifest.json" for task in TASKS if task in BENCHMARKS],
 
 
 rule eval:
     input:
-        f"{R}/eval/results.json",
+        EXP.eval_results(),
 
 
 rule scaling:

@@ -9,6 +9,10 @@ its frame-shuffled control demo_video_qa_shuffled for the video demo), the publi
 (mmmu_val, chartqa, docvqa_val, mmbench_en_dev, videomme, videomme_w_subtitle, mvbench: staged
 data under --benchmark-data; docs/evaluation.md), or from --include-path.
 
+Under `torchrun --nproc-per-node N -m vlmcore.cli eval ...` the samples of every task are split
+among the N processes (lm-eval's data parallelism through accelerate, one GPU each) and the first
+process writes the results of all.
+
 EVAL_DIR gets `results.json` (lm-eval's results, configs and versions, plus `chance`: the chance
 level of every multiple-choice task, and `breakdown`: the score per question kind of tasks whose
 docs have a `kind`, and the public benchmarks' own breakdowns), `results.csv` (one row per task, kind and metric) and `samples_<task>.jsonl`.
@@ -33,6 +37,7 @@ import vlmcore.eval.vlm  # noqa: E402,F401  (registers `vlmcore-vlm`)
 from vlmcore.eval.benchmarks.registry import BENCHMARKS  # noqa: E402
 from vlmcore.eval.benchmarks.tasks import breakdown as benchmark_breakdown  # noqa: E402
 from vlmcore.eval.results import results_table  # noqa: E402
+from vlmcore.eval.staging import check_staged  # noqa: E402
 
 BUNDLED_TASKS = Path(__file__).parent / "tasks"
 # The bundled tasks that read the demo's held-out file (`--vqa-data`).
@@ -93,7 +98,12 @@ def evaluate(
         raise ValueError(
             f"tasks {', '.join(DEMO_TASKS)} need --vqa-data (the raw/eval.jsonl written by `vlmcore synth`)"
         )
-    # Task metadata reaches the bundled tasks' loaders (demo_vqa reads `vqa_data`).
+    # Offline by construction: a public benchmark's staged copy is checked before the model loads
+    # (under torchrun, its checksums by the first process only: every process reads the same files).
+    rank = int(os.environ.get("RANK", "0"))
+    check_staged(tasks, benchmark_data, checksums=rank == 0)
+    # Task metadata reaches the bundled tasks' loaders (demo_vqa reads `vqa_data`, a public
+    # benchmark `benchmark_data`/<task>).
     metadata = {"vqa_data": str(Path(vqa_data).resolve())} if vqa_data else {}
     if benchmark_data:
         metadata["benchmark_data"] = str(Path(benchmark_data).resolve())
@@ -111,6 +121,8 @@ def evaluate(
         log_samples=True,
         bootstrap_iters=1000,
     )
+    if result is None:  # another than the first process of a data-parallel run: the first writes
+        return {}
     samples = result.pop("samples")
     result["lm_eval_model"] = model
     figures = {task: chance_and_breakdown(task_samples) for task, task_samples in samples.items()}
@@ -145,7 +157,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--benchmark-data",
         type=existing_dir,
-        help="directory of the staged public benchmarks (one folder per task: DIR/mmmu_val/, DIR/videomme/, ...)",
+        help="directory of the staged public benchmarks (one folder per task: DIR/mmmu_val/, DIR/videomme/, ...; "
+        "`vlmcore stage-benchmark`), checked before the model loads",
     )
     parser.add_argument("--limit", type=positive_int, help="at most this many examples per task")
     parser.add_argument("--batch-size", type=positive_int, default=8)
@@ -190,5 +203,6 @@ def run(args: argparse.Namespace) -> int:
         num_fewshot=args.num_fewshot,
         benchmark_data=args.benchmark_data,
     )
-    print(results_table(result).to_string(index=False))
+    if result:
+        print(results_table(result).to_string(index=False))
     return 0

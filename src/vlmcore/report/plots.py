@@ -15,8 +15,8 @@ from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocato
 
 DPI = 150
 DEVICES_LABEL = "Devices (GPUs, or processes on CPU)"
-# Scores on a 0..1 scale that the eval summary plots; other metrics (perplexities) stay in the table.
-SCORE_METRICS = ["acc", "acc_norm", "exact_match", "f1", "anls", "relaxed_accuracy"]
+# Subsets (question kinds, categories) drawn per task in the eval summary; more stay in eval.csv.
+MAX_SUBSETS = 8
 
 
 def _save(fig: Figure, path: Path) -> Path:
@@ -184,57 +184,68 @@ def plot_training_curves(stages: dict[str, pd.DataFrame], path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_eval_summary(table: pd.DataFrame, path: Path) -> Path:
-    """One bar per run for every task (and question kind) on its main score, chance marked."""
-    rows = []
-    ordered = table.sort_values(["task", "subset"], kind="stable")  # each task, its overall score first
-    for (run, task, subset), group in ordered.groupby(["run", "task", "subset"], sort=False):
-        scored = group[group["metric"].isin(SCORE_METRICS)]
-        if scored.empty:
-            continue
-        main_metric = next(m for m in SCORE_METRICS if m in set(scored["metric"]))
-        row = scored.set_index("metric").loc[main_metric]
-        name = f"{task}\n{subset or 'all'}"
-        rows.append({"run": run, "name": name, "metric": row.name, "value": row["value"], "chance": row["chance"]})
-    n_names = len({r["name"] for r in rows})
-    fig = Figure(figsize=(max(6, 1.2 * n_names + 2), 4.8))
-    ax = fig.add_subplot()
-    if not rows:
-        ax.text(
+def _eval_panel(ax: Axes, rows: pd.DataFrame, runs: list[str]) -> None:
+    """One task's main score per run: all samples bold, each subset thin (up to MAX_SUBSETS), its
+    chance level and the reference model's published score as horizontal lines."""
+    x = np.arange(len(runs))
+    overall = rows[rows["subset"] == ""]
+    subsets = rows[rows["subset"] != ""]
+    if len(subsets) <= MAX_SUBSETS:
+        for i, (_, row) in enumerate(subsets.iterrows()):
+            values = row[runs].to_numpy(dtype=float) * 100
+            ax.plot(x, values, "o-", color=f"C{i + 1}", linewidth=1, markersize=3, alpha=0.7, label=row["subset"])
+    for _, row in overall.iterrows():
+        values = row[runs].to_numpy(dtype=float) * 100
+        ax.plot(x, values, "o-", color="C0", linewidth=2.5, label="all samples")
+        for xi, value in zip(x, values):
+            if not np.isnan(value):
+                ax.annotate(
+                    f"{value:.1f}", (xi, value), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8
+                )
+    levels = overall if not overall.empty else rows
+    chance = levels["chance"].dropna()
+    if not chance.empty:
+        ax.axhline(chance.iloc[0] * 100, color="gray", linestyle="--", linewidth=1, label="chance")
+    published = levels["published"].dropna()
+    if not published.empty:
+        ax.axhline(
+            published.iloc[0] * 100, color="black", linestyle=":", linewidth=1.5, label="published (reference model)"
+        )
+    metric = rows["metric"].iloc[0]
+    hidden = f", {len(subsets)} subsets in eval.csv" if len(subsets) > MAX_SUBSETS else ""
+    ax.set_title(f"{rows['task'].iloc[0]} ({metric}{hidden})", fontsize=10)
+    ax.set_xticks(x, runs, fontsize=9)
+    ax.set_xlim(-0.5, len(runs) - 0.5)
+    ax.set_ylim(0, 105)
+    ax.yaxis.set_major_formatter(PercentFormatter())
+    ax.yaxis.set_major_locator(MaxNLocator(6))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+
+
+def plot_eval_summary(scores: pd.DataFrame, runs: list[str], path: Path) -> Path:
+    """Each task's main score across the runs (exported stages, checkpoints), one panel per task
+    (vlmcore.report.evaluation.scores_by_run gives the rows)."""
+    tasks = list(dict.fromkeys(scores["task"]))
+    columns = min(3, max(1, len(tasks)))
+    panel_rows = max(1, -(-len(tasks) // columns))
+    fig = Figure(figsize=(5.2 * columns + 0.8, 3.9 * panel_rows + 0.6))
+    axes = np.atleast_1d(fig.subplots(panel_rows, columns)).ravel()
+    if not tasks:
+        axes[0].text(
             0.5,
             0.5,
             "no scored tasks (accuracy-type metrics) in the results",
             ha="center",
             va="center",
-            transform=ax.transAxes,
+            transform=axes[0].transAxes,
         )
         return _save(fig, path)
-    data = pd.DataFrame(rows)
-    names = list(dict.fromkeys(data["name"]))
-    runs = list(dict.fromkeys(data["run"]))
-    width = 0.8 / len(runs)
-    for i, run in enumerate(runs):
-        part = data[data["run"] == run].set_index("name").reindex(names)
-        x = np.arange(len(names)) + (i - (len(runs) - 1) / 2) * width
-        bars = ax.bar(x, part["value"] * 100, width, label=run)
-        ax.bar_label(bars, fmt="%.0f", fontsize=8)
-    chance = data.groupby("name", sort=False)["chance"].first().reindex(names)
-    if chance.notna().any():
-        ax.hlines(
-            chance * 100,
-            np.arange(len(names)) - 0.45,
-            np.arange(len(names)) + 0.45,
-            colors="black",
-            linestyles="--",
-            label="chance",
-        )
-    ax.set_xticks(np.arange(len(names)), names, fontsize=9)
-    ax.set_ylim(0, 105)
-    ax.yaxis.set_major_formatter(PercentFormatter())
-    ax.yaxis.set_major_locator(MaxNLocator(6))
-    ax.set_ylabel("Score (% accuracy or exact match)")
-    ax.set_xlabel("Task (question kind)")
-    ax.set_title("Evaluation summary")
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
+    for ax, task in zip(axes, tasks):
+        _eval_panel(ax, scores[scores["task"] == task], runs)
+        ax.set_ylabel("Score (%)")
+        ax.set_xlabel("Run (exported stage or checkpoint)")
+    for ax in axes[len(tasks) :]:
+        ax.set_visible(False)
+    fig.suptitle("Evaluation across stages")
     return _save(fig, path)

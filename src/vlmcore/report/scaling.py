@@ -2,12 +2,14 @@
 
 Inputs: this experiment's scaling runs (`--scaling ws2=scaling/ws2`), points imported from runs
 done elsewhere (`--import`, see vlmcore/report/tables.py), the training stages' metrics
-(`--train stage1=train/stage1/metrics.jsonl`) and eval results (`--eval [label=]eval/results.json`).
+(`--train stage1=train/stage1/metrics.jsonl`) and eval results (`--eval [label=]eval/<stage>`, one per
+exported stage or checkpoint, in order; vlmcore/report/evaluation.py).
 
 Output directory:
   scaling.csv            one row per scaling point (columns: vlmcore.report.tables.SCALING_COLUMNS)
   training.csv           one row per training stage (when --train is given)
-  eval.csv               tidy eval table across runs (when --eval is given)
+  eval.csv               tidy eval table across runs (when --eval is given): one row per run, task,
+                         subset and metric
   layouts.csv            predicted step time of each per-module layout, per training stage with
                          module times (vlmcore.report.layouts)
   plots/*.png            scaling_throughput, scaling_efficiency, scaling_flops, scaling_memory,
@@ -26,9 +28,9 @@ import pandas as pd
 import yaml
 
 import vlmcore
-from vlmcore.eval.results import gather
 from vlmcore.export import git_commit
 from vlmcore.report import plots
+from vlmcore.report.evaluation import gather_runs, scores_by_run
 from vlmcore.report.layouts import Cluster, compare, measured_workload
 from vlmcore.report.tables import import_points, point_from_metrics, read_metrics, scaling_table, settings_of
 
@@ -112,14 +114,9 @@ LAYOUT_MD_COLUMNS = {
     "speedup": ("speed-up", ".2f"),
 }
 EVAL_MD_COLUMNS = {
-    "run": ("run", ""),
     "task": ("task", ""),
-    "subset": ("question kind", ""),
+    "subset": ("subset", ""),
     "metric": ("metric", ""),
-    "value": ("value", ".3f"),
-    "stderr": ("stderr", ".3f"),
-    "chance": ("chance", ".3f"),
-    "n_samples": ("n", "d"),
 }
 
 
@@ -189,6 +186,31 @@ def layout_section(stages: dict, warmup_steps: int, cluster: Cluster) -> tuple[l
             "",
         ] + md
     return md, rows
+
+
+def eval_section(evals: Mapping[str, str | Path], out: Path) -> list[str]:
+    """Writes eval.csv and the plot across runs; returns the markdown of the Evaluation section:
+    each task's main score (and its subsets') per run, with chance and published score."""
+    table = gather_runs(evals)
+    table.to_csv(out / "eval.csv", index=False)
+    runs = list(evals)
+    scores = scores_by_run(table)
+    plots.plot_eval_summary(scores, runs, out / "plots/eval_summary.png")
+    columns = EVAL_MD_COLUMNS | {run: (run, ".3f") for run in runs}
+    columns |= {"chance": ("chance", ".3f"), "published": ("published (reference model)", ".3f")}
+    return [
+        "## Evaluation",
+        "",
+        f"Each task's main score per run ({', '.join(runs)}), over all its samples (subset blank) and per "
+        "subset, on a 0..1 scale; chance is the level of guessing, published the reference model's score "
+        "where one is known (vlmcore/eval/benchmarks/registry.py). Every metric, with its standard error "
+        "and sample count, is in eval.csv.",
+        "",
+        markdown_table(scores.to_dict("records"), columns),
+        "",
+        "![Evaluation across stages](plots/eval_summary.png)",
+        "",
+    ]
 
 
 def generated_line(code: dict) -> str:
@@ -282,17 +304,7 @@ def write_report(
         md += layout_md
 
     if evals:
-        eval_table = gather(evals)
-        eval_table.to_csv(out / "eval.csv", index=False)
-        plots.plot_eval_summary(eval_table, out / "plots/eval_summary.png")
-        md += [
-            "## Evaluation",
-            "",
-            markdown_table(eval_table.to_dict("records"), EVAL_MD_COLUMNS),
-            "",
-            "![Evaluation summary](plots/eval_summary.png)",
-            "",
-        ]
+        md += eval_section(evals, out)
 
     md += ["## Exact settings", ""]
     sources = [(f"scaling run `{p['label']}` ({p['world_size']} devices)", p["source"]) for p in points]
@@ -347,7 +359,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="[LABEL=]PATH",
-        help="results.json of `vlmcore eval` (or its directory), optionally labelled (repeatable)",
+        help="results.json of `vlmcore eval`, its directory, or an eval/<stage> directory of <task>/results.json, "
+        "optionally labelled; repeat in stage order",
     )
     parser.add_argument("--hardware", default="unknown", help="hardware description for SCALABILITY.md")
     parser.add_argument(
