@@ -110,7 +110,7 @@ LEFT_OUT_OF_DRY_RUN = {
 
 
 def prints_each_help(workdir: Path, output: str):
-    for subcommand in ("download", "synth", "prepare", "pack", "train", "export", "eval", "report"):
+    for subcommand in ("download", "synth", "prepare", "pack", "train", "export", "stage-benchmark", "eval", "report"):
         assert f"usage: vlmcore {subcommand} " in output, subcommand
 
 
@@ -225,7 +225,7 @@ DEMO_PLACEHOLDERS = {
 # vlmcore commands that need nothing but the checkout: run here, in a scratch folder, as
 # written: {command: what it writes or prints}.
 RUN_HERE = {
-    "vlmcore download|synth|prepare|pack|train|export|eval|report --help": prints_each_help,
+    "vlmcore download|synth|prepare|pack|train|export|stage-benchmark|eval|report --help": prints_each_help,
     "vlmcore kernels --gpu-capability 9.0": prints_kernel_report,
     "vlmcore kernels": prints_kernel_report,
     "vlmcore download --tiny --tiny-family qwen3_vl_moe --out results/demo-moe/model": writes_tiny_moe_model,
@@ -250,6 +250,18 @@ HELP_ONLY = {
     "--out Qwen3-VL-8B-Instruct": "downloads the 8B model from the Hugging Face Hub: the network and 17 GB",
     "vlmcore download --verify staged/models/Qwen3-VL-8B-Instruct --revision 0c351dd01ed87e9c1b53cbc748cba10e6187ff3b": (
         "verifies a cluster's staged copy of the 8B model"
+    ),
+    "vlmcore eval --model results/demo/hf/stage2 --tasks mmmu_val,videomme --benchmark-data results/demo/benchmarks "
+    "--out results/demo/eval-benchmarks": (
+        "reads MMMU and Video-MME as staged from the Hugging Face hub (the network; Video-MME's videos are about "
+        "100 GB); tests/test_eval_benchmarks_e2e.py runs the same command on local data in their formats"
+    ),
+    "vlmcore stage-benchmark chartqa --out chartqa": (
+        "downloads ChartQA from the Hugging Face hub (the network); tests/test_eval_staging.py stages a local "
+        "repository snapshot through the same code"
+    ),
+    "vlmcore stage-benchmark chartqa --verify results/<experiment>/benchmarks/chartqa": (
+        "verifies a cluster's staged copy of ChartQA (tests/test_eval_staging.py verifies local ones)"
     ),
     "vlmcore memory results/qwen3vl-8b-jupiter/train/stage2/stage_config.yaml --world-size 16": (
         "the 8B recipe's stage config, which the workflow writes on the cluster from the staged model"

@@ -6,6 +6,7 @@ The hub is not reachable here: a repository snapshot is a local directory laid o
 (dataset card, parquet files of real rows, a zip of media), which is what snapshot_download hands
 to the staging in the real run."""
 
+import dataclasses
 import json
 import zipfile
 
@@ -22,7 +23,7 @@ from vlmcore.eval.staging import (
     verify_benchmark,
 )
 
-# The dataset card of lmms-lab/MMMU's layout: one config, a parquet file pattern per split.
+# The dataset card of lmms-lab-encoder/MMMU's layout: one config, a parquet file pattern per split.
 MMMU_CARD = """---
 dataset_info:
   features:
@@ -40,7 +41,7 @@ configs:
 ---
 # MMMU
 """
-# lmms-lab/DocVQA's layout: two configs, each with its own splits.
+# lmms-lab-encoder/DocVQA's layout: two configs, each with its own splits.
 DOCVQA_CARD = """---
 configs:
 - config_name: DocVQA
@@ -73,22 +74,26 @@ def test_data_patterns_follow_the_dataset_card():
     assert data_patterns(BENCHMARKS["mmmu_val"], MMMU_CARD) == ["data/validation-*"]
     assert data_patterns(BENCHMARKS["docvqa_val"], DOCVQA_CARD) == ["DocVQA/validation-*"]
     # Without configs named, the card's default config.
-    assert data_patterns(BENCHMARKS["mvbench"], MVBENCH_CARD) == ["json/action_sequence.json"]
+    no_configs = dataclasses.replace(BENCHMARKS["mvbench"], configs=())
+    assert data_patterns(no_configs, MVBENCH_CARD) == ["json/action_sequence.json"]
+    # Configs named: each one's files.
+    two_configs = dataclasses.replace(BENCHMARKS["mvbench"], configs=("object_shuffle", "action_sequence"))
+    assert data_patterns(two_configs, MVBENCH_CARD) == ["json/object_shuffle.json", "json/action_sequence.json"]
     # No configs in the card: the hub's default layout, files named after their split.
     assert data_patterns(BENCHMARKS["chartqa"], "# ChartQA\n") == ["*test*"]
 
 
 def test_a_config_or_split_the_card_lacks_is_named():
-    with pytest.raises(ValueError, match=r"docvqa_val: configs \['DocVQA'\] are not in lmms-lab/DocVQA"):
+    with pytest.raises(ValueError, match=r"docvqa_val: configs \['DocVQA'\] are not in lmms-lab-encoder/DocVQA"):
         data_patterns(BENCHMARKS["docvqa_val"], MMMU_CARD)
     with pytest.raises(
-        ValueError, match=r"config 'action_sequence' of lmms-lab/ChartQA has no split 'test' \(it has train\)"
+        ValueError, match=r"config 'action_sequence' of lmms-lab-encoder/ChartQA has no split 'test' \(it has train\)"
     ):
         data_patterns(BENCHMARKS["chartqa"], MVBENCH_CARD)
 
 
 def hub_snapshot(root):
-    """A local stand-in for lmms-lab/MMMU at one commit: its card, real parquet files of each split,
+    """A local stand-in for lmms-lab-encoder/MMMU at one commit: its card, real parquet files of each split,
     and a file the benchmark does not read."""
     root.mkdir(parents=True)
     (root / "README.md").write_text(MMMU_CARD)
@@ -111,7 +116,11 @@ def staged_mmmu(tmp_path):
 def test_staged_benchmark_links_the_files_it_reads_with_their_checksums(tmp_path):
     snapshot, out, manifest = staged_mmmu(tmp_path)
     assert set(manifest["files"]) == {"README.md", "data/validation-00000-of-00001.parquet"}
-    assert (manifest["repo_id"], manifest["revision"], manifest["benchmark"]) == ("lmms-lab/MMMU", "c0ffee", "mmmu_val")
+    assert (manifest["repo_id"], manifest["revision"], manifest["benchmark"]) == (
+        "lmms-lab-encoder/MMMU",
+        "c0ffee",
+        "mmmu_val",
+    )
     assert manifest["split"] == "validation" and manifest["patterns"] == ["README.md", "data/validation-*"]
     assert json.loads((out / "manifest.json").read_text()) == manifest
     rows = pd.read_parquet(out / "data/validation-00000-of-00001.parquet")

@@ -124,11 +124,13 @@ def stage_snapshot(
 def download_benchmark(
     name: str, out: str | Path, revision: str | None = None, cache_dir: str | Path | None = None
 ) -> dict:
-    """Downloads benchmark `name`'s files at one commit (`revision`, default the newest) into the
-    hub cache `cache_dir` and stages them into `out`; the token comes from HF_TOKEN if set."""
+    """Downloads benchmark `name`'s files at one commit (`revision`, default the registry's pinned
+    revision, else the newest) into the hub cache `cache_dir` and stages them into `out`; the token
+    comes from HF_TOKEN if set."""
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
 
     benchmark = benchmark_record(name)
+    revision = revision or benchmark.revision
     commit = HfApi().dataset_info(benchmark.hf_repo, revision=revision).sha
     card = hf_hub_download(benchmark.hf_repo, "README.md", repo_type="dataset", revision=commit, cache_dir=cache_dir)
     patterns = ["README.md", *data_patterns(benchmark, Path(card).read_text()), *benchmark.media_files]
@@ -199,7 +201,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--verify", type=existing_dir, help="only verify an existing staged directory against its manifest"
     )
     parser.add_argument("--out", help="staged directory to write (results/<experiment>/benchmarks/<name>)")
-    parser.add_argument("--revision", help="commit or tag of the dataset repository (default: the newest commit)")
+    parser.add_argument(
+        "--revision",
+        help="commit or tag of the dataset repository (default: the registry's pinned one, else the newest commit)",
+    )
     parser.add_argument(
         "--cache-dir", help="Hugging Face cache the files are downloaded into (default: the user's HF cache)"
     )
