@@ -15,6 +15,9 @@ from _train_helpers import env
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "config" / "experiments").glob("*.yaml"))
+# The two-stage recipes (projector alignment, then full fine-tuning) and the one-stage LoRA ones.
+LORA_RECIPES = [r for r in RECIPES if "-lora-" in r.stem]
+FULL_RECIPES = [r for r in RECIPES if r not in LORA_RECIPES]
 
 DRIVER = """
 import json, sys
@@ -89,7 +92,7 @@ def stages(tmp_path_factory):
     return json.loads(proc.stdout.split("RESULT")[-1])
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.stem)
+@pytest.mark.parametrize("recipe", FULL_RECIPES, ids=lambda r: r.stem)
 def test_recipe_stages_build_on_their_model(stages, recipe):
     stage1, stage2 = stages[f"{recipe.stem}/stage1"], stages[f"{recipe.stem}/stage2"]
     assert stage1["params"] == stage2["params"] == pytest.approx(PARAMS[recipe.stem.rsplit("-", 1)[0]], rel=0.03)
@@ -98,6 +101,65 @@ def test_recipe_stages_build_on_their_model(stages, recipe):
     assert 0 < stage1["trainable"] < stage1["params"] / 20
     assert stage2["tower"] > 0 and stage2["trainable"] == stage2["params"]
     assert stage1["cp"] == stage2["cp"] == LONG_CONTEXT.get(recipe.stem, 1)
+
+
+def adapter_params(rank: int, shapes: list[tuple[int, int]]) -> int:
+    """Parameters of rank-`rank` adapters on linear maps of the given (in, out) features: A and B."""
+    return sum(rank * (n_in + n_out) for n_in, n_out in shapes)
+
+
+# Adapters of the LoRA recipes (rank 16), from the published architectures.
+# Qwen3-VL-8B: 36 layers, hidden 4096, 32 query and 8 key/value heads of 128, MLP 12288; adapters
+# on q, k, v, o and the MLP's gate, up and down.
+# Qwen3-VL-30B-A3B: 48 layers, hidden 2048, 32 query and 4 key/value heads of 128; adapters on
+# q, k, v, o and, per layer, on each of 128 routed experts' gate_up (2048 -> 2 x 768) and down.
+LORA_ADAPTERS = {
+    "qwen3vl-8b-lora": 36
+    * adapter_params(
+        16, [(4096, 4096), (4096, 1024), (4096, 1024), (4096, 4096), (4096, 12288), (4096, 12288), (12288, 4096)]
+    ),
+    "qwen3vl-30b-a3b-lora": 48
+    * (
+        adapter_params(16, [(2048, 4096), (2048, 512), (2048, 512), (4096, 2048)])
+        + 128 * adapter_params(16, [(2048, 1536), (768, 2048)])
+    ),
+}
+
+
+@pytest.mark.parametrize("recipe", LORA_RECIPES, ids=lambda r: r.stem)
+def test_lora_recipe_trains_the_adapters_only(stages, recipe):
+    """One LoRA stage from the released weights on one node: the base as published, and exactly the
+    adapters the recipe's targets (and, on the MoE model, the routed experts) call for train."""
+    name = recipe.stem.rsplit("-", 1)[0]
+    assert [key for key in stages if key.startswith(f"{recipe.stem}/")] == [f"{recipe.stem}/lora_sft"]
+    stage = stages[f"{recipe.stem}/lora_sft"]
+    assert stage["ranks"] == 4
+    assert stage["trainable"] == LORA_ADAPTERS[name]
+    assert stage["params"] - stage["trainable"] == pytest.approx(PARAMS[name.removesuffix("-lora")], rel=0.03)
+    assert stage["tp"] == stage["cp"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", LORA_RECIPES, ids=lambda r: r.stem)
+def test_lora_recipe_fits_its_gpus(tmp_path, recipe):
+    """Each LoRA recipe's stage fits its cluster's GPU with 10% kept free (benchmarks/memory_recipes.py,
+    as the `memory` target runs on the cluster), with AdamW state for the adapters alone."""
+    out = tmp_path / "estimate.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "memory_recipes.py"), str(recipe), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env(),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["stage"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"lora_sft"}
+    row = rows["lora_sft"]
+    assert row["fits"] and row["gpu_memory_gib"] == {"mn5": 64, "jupiter": 96}[recipe.stem.rsplit("-", 1)[1]]
+    # AdamW's two fp32 moments of the adapters, sharded over the 4 GPUs; none for the frozen base.
+    adapters = LORA_ADAPTERS[recipe.stem.rsplit("-", 1)[0]]
+    assert 8 * adapters / 4 <= row["peak_bytes_by_kind"]["OptState"] < 8 * adapters / 4 * 1.01 + 2**20
 
 
 @pytest.mark.slow
