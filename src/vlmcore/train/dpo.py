@@ -111,23 +111,21 @@ class FrozenReference:
         return model_segment_logps(self.model, batch, self.chunk_tokens)
 
 
-class AdaptersOffReference:
+class AdaptersOffReference(FrozenReference):
     """The reference of a LoRA stage (`dpo.reference: adapters_off`): the policy's own model with
     its adapters switched off, which is the stage's frozen starting weights. It holds no second
     copy of the model, so a LoRA DPO stage needs the memory of one model, not two."""
 
     def __init__(self, model: nn.Module, chunk_tokens: int = 1024, vision_dummy: VisionDummy | None = None) -> None:
-        """`vision_dummy`: the policy step's own (the reference runs the same model)."""
+        """`vision_dummy`: the policy step's own (the reference runs the same model). The model is
+        the policy: it is neither frozen nor switched to eval here."""
         self.model = model
         self.chunk_tokens = chunk_tokens
         self.vision_dummy = vision_dummy
 
-    @torch.no_grad()
     def logps(self, batch: Batch) -> torch.Tensor:
-        if self.vision_dummy is not None:
-            self.vision_dummy.active = not batch.has_visual
         with adapters_disabled(self.model):
-            return model_segment_logps(self.model, batch, self.chunk_tokens)
+            return super().logps(batch)
 
 
 @dataclass
