@@ -51,6 +51,37 @@ def test_generate_is_deterministic_and_well_formed(tmp_path):
     assert json.loads((root / "meta.json").read_text()) == meta
 
 
+def test_preference_pairs_answer_about_their_image(tmp_path):
+    """The DPO demo's pairs: the chosen side is the scene's answer to the pair's question (the
+    caption names the colour and shape of a train image; a held-out pair asks the question of its
+    eval row, on the same image), the rejected side another choice of that question; the pairs
+    pass `vlmcore prepare` as a preference source with none bad."""
+    from vlmcore.data.prepare.dataset import prepare
+
+    meta = generate(tmp_path / "a", num_train=30, num_eval=12, seed=5)
+    root = tmp_path / "a"
+    pairs = read_jsonl(root / "preference.jsonl")
+    held_out = read_jsonl(root / "preference_eval.jsonl")
+    assert meta["num_preference"] == len(pairs) == 30 and meta["num_preference_eval"] == len(held_out) == 12
+    captions = {c["image"]: c["caption"] for c in read_jsonl(root / "captions.jsonl")}
+    evals = {row["image"]: row for row in read_jsonl(root / "eval.jsonl")}
+    for pair in pairs + held_out:
+        question, choices = QUESTIONS[pair["kind"]]
+        assert pair["prompt"] == f"<image>\n{question}" and len(pair["images"]) == 1
+        assert pair["chosen"] != pair["rejected"] and {pair["chosen"], pair["rejected"]} <= set(choices)
+    for pair in pairs:
+        caption_words = captions[pair["images"][0]].rstrip(".").split(" ")
+        if pair["kind"] in ("color", "shape"):
+            assert pair["chosen"] in caption_words and pair["rejected"] not in caption_words, pair
+    for pair in held_out:
+        row = evals[pair["images"][0]]
+        assert pair["kind"] == row["kind"] and pair["chosen"] == row["choices"][row["answer"]]
+    assert len({pair["kind"] for pair in pairs}) == 3
+
+    stats = prepare([f"preference:{root / 'preference.jsonl'}"], tmp_path / "prepared", images=root)
+    assert stats["samples"] == 30 and stats["bad"]["skipped"] == 0, stats
+
+
 def test_demo_tokenizer(tmp_path):
     texts = corpus_texts(0)
     assert texts == corpus_texts(0)

@@ -1,9 +1,18 @@
+# The image demo also writes preference pairs on its images (DPO data, and their held-out half).
+SYNTH_PREFERENCE = (
+    {"preference": f"{R}/raw/preference.jsonl", "preference_eval": f"{R}/raw/preference_eval.jsonl"}
+    if config["data"].get("synthetic", {}).get("kind") == "image"
+    else {}
+)
+
+
 rule synth_data:
     output:
         captions=f"{R}/raw/captions.jsonl",
         conversations=f"{R}/raw/conversations.jsonl",
         eval=f"{R}/raw/eval.jsonl",
         meta=f"{R}/raw/meta.json",
+        **SYNTH_PREFERENCE,
     params:
         out=lambda wc, output: os.path.dirname(output.meta),
         cfg=config["data"].get("synthetic", {}),

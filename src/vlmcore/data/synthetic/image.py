@@ -9,7 +9,13 @@ Layout written under `out_dir`:
   captions.jsonl       {"id", "image", "caption"}                          alignment data
   conversations.jsonl  {"id", "images", "messages"}   LLaVA style, `<image>` placeholders
   eval.jsonl           {"id", "image", "question", "choices", "answer"}    held-out multiple choice
+  preference.jsonl     {"id", "images", "prompt", "chosen", "rejected"}   DPO pairs on the train images
+  preference_eval.jsonl  the same on the eval images, one pair per eval question (held out)
   meta.json            counts and chance level per question kind
+
+A preference pair asks one question about one image: the correct answer is chosen, a wrong one
+drawn from the other choices rejected. Its draws come from their own random stream, so adding
+the pairs left every other file as it was.
 """
 
 import itertools
@@ -19,7 +25,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
-from vlmcore.data.synthetic.dataset import write_dataset
+from vlmcore.data.synthetic.dataset import write_dataset, write_jsonl
 from vlmcore.data.synthetic.shapes import BACKGROUNDS, COLORS, SHAPES, SIDES, draw_shape
 
 QUESTIONS = {
@@ -115,21 +121,31 @@ def generate(
         captions.append({"id": f"cap_{i:06d}", "image": image, "caption": caption_for(scene, rng)})
     conversations = conversation_rows(train_scenes, rng)
     eval_rows = []
+    eval_scenes = []
     kinds = list(QUESTIONS)
     for i in tqdm(range(num_eval), desc="synth eval", unit="img"):
         scene = random_scene(rng, min_size, max_size)
         kind = kinds[i % len(kinds)]
         question, choices = QUESTIONS[kind]
+        image = save(scene, f"eval_{i:06d}")
+        eval_scenes.append((scene, image))
         eval_rows.append(
             {
                 "id": f"eval_{i:06d}",
                 "kind": kind,
-                "image": save(scene, f"eval_{i:06d}"),
+                "image": image,
                 "question": question,
                 "choices": choices,
                 "answer": choices.index(scene[kind]),
             }
         )
+    preference_rng = random.Random(f"preference-{seed}")
+    train_kinds = [preference_rng.choice(kinds) for _ in train_scenes]
+    preference = preference_rows(train_scenes, train_kinds, preference_rng, "pref")
+    eval_kinds = [row["kind"] for row in eval_rows]
+    preference_eval = preference_rows(eval_scenes, eval_kinds, preference_rng, "pref_eval")
+    write_jsonl(out_dir / "preference.jsonl", preference)
+    write_jsonl(out_dir / "preference_eval.jsonl", preference_eval)
 
     return write_dataset(
         out_dir,
@@ -143,6 +159,8 @@ def generate(
             "num_eval": num_eval,
             "num_captions": len(captions),
             "num_conversations": len(conversations),
+            "num_preference": len(preference),
+            "num_preference_eval": len(preference_eval),
             "image_size_range": [min_size, max_size],
         },
     )
@@ -160,3 +178,23 @@ def conversation_rows(train_scenes: list[tuple[dict, str]], rng: random.Random) 
             images.append(other_image)
         conversations.append({"id": f"conv_{i:06d}", "images": images, "messages": conversation_for(scenes, rng)})
     return conversations
+
+
+def preference_rows(scenes: list[tuple[dict, str]], kinds: list[str], rng: random.Random, prefix: str) -> list[dict]:
+    """One preference pair per image, asking the question of its kind: the scene's answer chosen,
+    one of the other choices rejected."""
+    rows = []
+    for i, ((scene, image), kind) in enumerate(zip(scenes, kinds, strict=True)):
+        question, choices = QUESTIONS[kind]
+        wrong = [choice for choice in choices if choice != scene[kind]]
+        rows.append(
+            {
+                "id": f"{prefix}_{i:06d}",
+                "kind": kind,
+                "images": [image],
+                "prompt": f"<image>\n{question}",
+                "chosen": scene[kind],
+                "rejected": rng.choice(wrong),
+            }
+        )
+    return rows
