@@ -83,7 +83,10 @@ def _synthetic_data_problems(config: dict) -> list[str]:
     synthetic = config["data"].get("synthetic", {})
     if synthetic.get("max_size", 0) < synthetic.get("min_size", 0):
         problems.append(f"data.synthetic.max_size: {synthetic['max_size']} is below min_size {synthetic['min_size']}")
-    demo_tasks = {"image": ("demo_vqa", "demo_vqa_gen"), "video": ("demo_video_qa", "demo_video_qa_shuffled")}
+    demo_tasks = {
+        "image": ("demo_vqa", "demo_vqa_gen", "demo_preference"),
+        "video": ("demo_video_qa", "demo_video_qa_shuffled"),
+    }
     for kind, tasks in demo_tasks.items():
         for task in set(tasks) & set(config.get("eval", {}).get("tasks", [])):
             if synthetic and synthetic.get("kind") != kind:

@@ -4,7 +4,8 @@ Text-only models run through lm-eval's `hf` model, vision-language exports throu
 (vlmcore/eval/vlm.py says why; `hf` cannot load them at all: AutoModelForCausalLM does not map
 Qwen3-VL). Tasks are lm-eval's by name (mmlu, arc_challenge, ...; their datasets must be in
 the local HF cache), bundled here under vlmcore/eval/tasks/ (on the file given by --vqa-data:
-demo_vqa, multiple choice, and demo_vqa_gen, free answers, for the image demo; demo_video_qa and
+demo_vqa, multiple choice, and demo_vqa_gen, free answers, for the image demo, and demo_preference,
+the held-out preference pairs beside that file as a choice of two; demo_video_qa and
 its frame-shuffled control demo_video_qa_shuffled for the video demo), the public benchmarks
 (mmmu_val, chartqa, docvqa_val, mmbench_en_dev, videomme, videomme_w_subtitle, mvbench: staged
 data under --benchmark-data; docs/evaluation.md), or from --include-path.
@@ -41,7 +42,7 @@ from vlmcore.eval.staging import check_staged  # noqa: E402
 
 BUNDLED_TASKS = Path(__file__).parent / "tasks"
 # The bundled tasks that read the demo's held-out file (`--vqa-data`).
-DEMO_TASKS = ("demo_vqa", "demo_vqa_gen", "demo_video_qa", "demo_video_qa_shuffled")
+DEMO_TASKS = ("demo_vqa", "demo_vqa_gen", "demo_preference", "demo_video_qa", "demo_video_qa_shuffled")
 
 
 def is_vision_language(model_dir: str | Path) -> bool:
