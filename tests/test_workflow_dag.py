@@ -154,6 +154,34 @@ def test_video_demo_plans_the_demo_on_generated_clips(tmp_path):
     assert video == demo
 
 
+def test_dpo_demo_plans_sft_then_dpo_on_generated_pairs(tmp_path):
+    """config/demo-dpo.yaml: the synthetic data with its preference pairs, prepared as a preference
+    source; stage2 a DPO stage from stage1's weights; both stages evaluated on the held-out pairs."""
+    proc = snakemake(
+        "-n",
+        "-p",
+        "--profile",
+        str(REPO / "profiles/local"),
+        "--snakefile",
+        str(REPO / "Snakefile"),
+        "--configfile",
+        str(REPO / "config" / "demo-dpo.yaml"),
+        "--directory",
+        str(tmp_path),
+        "train_all",
+    )
+    assert proc.returncode == 0, proc.stderr
+    stdout = proc.stdout
+    assert "vlmcore synth --kind image --out results/demo-dpo/raw" in stdout
+    assert "--source preference:results/demo-dpo/raw/preference.jsonl" in stdout
+    for stage in ("stage1", "stage2"):
+        assert f"--model results/demo-dpo/hf/{stage} --tasks demo_preference " in stdout
+    stats = job_stats(stdout)
+    assert stats["train_stage"] == 2 and stats["prepare_data"] == 2 and stats["evaluate"] == 2, stats
+    stage2 = yaml.safe_load((REPO / "config" / "demo-dpo.yaml").read_text())["train"]["stages"]["stage2"]
+    assert stage2["objective"] == "dpo" and stage2["init_from"] == "stage1" and stage2["dataset"] == "preference"
+
+
 # A corpus of 100M samples (10,000 input shards of 10,000), on top of a cluster recipe: the measure
 # pass scattered over 32 CPU jobs, the writing over 16 (docs/hpc.md section 12).
 CORPUS_100M = {
