@@ -90,6 +90,32 @@ def test_vqa_scores_equal_a_direct_transformers_forward(vqa_run):
         assert sample["acc"] == float(max(range(len(got)), key=got.__getitem__) == doc["answer"])
 
 
+def test_preference_accuracy_is_chosen_logp_above_rejected(vqa_run, tmp_path):
+    """demo_preference on the held-out pairs beside eval.jsonl: each pair's two scores are the
+    log-probabilities of its chosen and rejected answers (a direct transformers forward), and `acc`
+    counts the pairs whose chosen answer scores higher: the preference accuracy of DPO."""
+    root, model_dir, _ = vqa_run
+    out = tmp_path / "eval"
+    evaluate(model_dir, ["demo_preference"], out, vqa_data=root / "raw/eval.jsonl", limit=6, batch_size=4)
+    samples = [json.loads(line) for line in (out / "samples_demo_preference.jsonl").read_text().splitlines()]
+    pairs = [json.loads(line) for line in (root / "raw/preference_eval.jsonl").read_text().splitlines()]
+    assert len(samples) == 6
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    processor = load_processor(model_dir)
+    for sample in samples:
+        pair = next(p for p in pairs if p["id"] == sample["doc"]["id"])
+        image = root / "raw" / pair["images"][0]
+        question = pair["prompt"].removeprefix("<image>\n")
+        expected = [answer_logprob(model, processor, image, question, pair[side]) for side in ("chosen", "rejected")]
+        got = [resp[0][0] for resp in sample["resps"]]
+        assert got == pytest.approx(expected, abs=1e-4), pair["id"]
+        assert sample["acc"] == float(got[0] > got[1])
+    results = json.loads((out / "results.json").read_text())
+    assert results["chance"]["demo_preference"] == 0.5
+    with pytest.raises(ValueError, match="preference_eval.jsonl: no such file"):
+        evaluate(model_dir, ["demo_preference"], tmp_path / "bad", vqa_data=tmp_path / "eval.jsonl")
+
+
 def test_free_answers_equal_transformers_generate(vqa_run):
     """demo_vqa_gen (generation with images, as MMMU-style tasks) in the same chat form."""
     root, model_dir, out = vqa_run
