@@ -15,9 +15,11 @@ from _train_helpers import env
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "config" / "experiments").glob("*.yaml"))
-# The two-stage recipes (projector alignment, then full fine-tuning) and the one-stage LoRA ones.
+# The two-stage recipes (projector alignment, then full fine-tuning), the one-stage LoRA ones and
+# the one-stage LoRA DPO ones.
 LORA_RECIPES = [r for r in RECIPES if "-lora-" in r.stem]
-FULL_RECIPES = [r for r in RECIPES if r not in LORA_RECIPES]
+DPO_RECIPES = [r for r in RECIPES if "-dpo-" in r.stem]
+FULL_RECIPES = [r for r in RECIPES if r not in LORA_RECIPES and r not in DPO_RECIPES]
 
 DRIVER = """
 import json, sys
@@ -181,3 +183,44 @@ def test_moe_recipe_fits_marenostrum5(tmp_path):
     assert set(rows) == {"stage1", "stage2"} and all(r["fits"] and r["gpu_memory_gib"] == 64 for r in rows.values())
     # The states alone are 28.5 GiB per GPU in stage 2; what backward holds beyond them stays small.
     assert rows["stage2"]["peak_bytes"] < 40 * 2**30
+
+
+@pytest.mark.parametrize("recipe", DPO_RECIPES, ids=lambda r: r.stem)
+def test_dpo_recipe_trains_the_adapters_against_the_released_weights(stages, recipe):
+    """One LoRA DPO stage from the released weights on one node, the reference being the policy with
+    its adapters off: the LoRA SFT recipe's adapters, the base as published."""
+    import yaml
+
+    stage = stages[f"{recipe.stem}/lora_dpo"]
+    assert [key for key in stages if key.startswith(f"{recipe.stem}/")] == [f"{recipe.stem}/lora_dpo"]
+    settings = yaml.safe_load(recipe.read_text())["train"]["stages"]["lora_dpo"]
+    assert settings["objective"] == "dpo" and settings["dpo"]["reference"] == "adapters_off"
+    assert stage["ranks"] == 4
+    assert stage["trainable"] == LORA_ADAPTERS["qwen3vl-8b-lora"]
+    assert stage["params"] - stage["trainable"] == pytest.approx(PARAMS["qwen3vl-8b"], rel=0.03)
+    assert stage["tp"] == stage["cp"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", DPO_RECIPES, ids=lambda r: r.stem)
+def test_dpo_recipe_fits_its_gpus(tmp_path, recipe):
+    """Each DPO recipe's stage fits its cluster's GPU with 10% kept free (benchmarks/memory_recipes.py,
+    as the `memory` target runs on the cluster): no second model (`adapters_off`), AdamW state for
+    the adapters alone."""
+    out = tmp_path / "estimate.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "memory_recipes.py"), str(recipe), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env(),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["stage"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"lora_dpo"}
+    row = rows["lora_dpo"]
+    assert row["fits"] and row["gpu_memory_gib"] == {"mn5": 64, "jupiter": 96}[recipe.stem.rsplit("-", 1)[1]]
+    adapters = LORA_ADAPTERS["qwen3vl-8b-lora"]
+    assert 8 * adapters / 4 <= row["peak_bytes_by_kind"]["OptState"] < 8 * adapters / 4 * 1.01 + 2**20
+    # One model's weights: the frozen base (8.8B fp32 parameters over 4 GPUs, 8.2 GiB) and the adapters.
+    assert row["peak_bytes_by_kind"]["Sharded Param"] < 9 * 2**30

@@ -67,6 +67,7 @@ class Run:
     bridge: DisjointBridge | None = None  # disjoint layouts
     optimizer: torch.optim.Optimizer | None = None
     step: Step | None = None
+    shard_one_rank: bool = False  # FSDP units even on one rank (`build_meta_run`)
 
     @property
     def role(self) -> str:
@@ -142,18 +143,20 @@ def load_start_weights(model: nn.Module, cfg: TrainConfig, rank: int) -> None:
         print(f"{cfg.model_path}: no safetensors, training from random init")
 
 
-def build_reference(run: Run) -> FrozenReference:
+def build_reference(run: Run, load: bool = True) -> FrozenReference:
     """The DPO reference (`dpo.reference: copy`): the model built again, parallelized as the policy,
-    with the weights the stage starts from (on a resume too: the reference never trains), frozen."""
+    with the weights the stage starts from (on a resume too: the reference never trains), frozen.
+    Without `load`, random init (the memory estimate's fake run)."""
     cfg = run.cfg
     model = build_model(cfg.model_path, device="meta")
     for parameter in model.parameters():
         parameter.requires_grad_(False)
-    parallelize(model, cfg, run.layout, run.meshes, run.rank)
+    parallelize(model, cfg, run.layout, run.meshes, run.rank, run.shard_one_rank)
     model.to_empty(device=run.device)
     with torch.no_grad():
         model.init_weights()
-    load_start_weights(model, cfg, run.rank)
+    if load:
+        load_start_weights(model, cfg, run.rank)
     vision_dummy = VisionDummy(model) if model.vision_tower() is not None else None
     return FrozenReference(model, cfg.loss_chunk_tokens, vision_dummy)
 
@@ -172,7 +175,7 @@ def build_meta_run(
         bridge = DisjointBridge(
             model.config, layout, cfg.micro_batch_size, getattr(torch, cfg.precision.param_dtype), device, rank
         )
-    return Run(cfg, layout, meshes, rank, device, model, partial, bridge)
+    return Run(cfg, layout, meshes, rank, device, model, partial, bridge, shard_one_rank=shard_one_rank)
 
 
 def choose_trainable(model: nn.Module, cfg: TrainConfig) -> None:
@@ -195,16 +198,17 @@ def build_run(cfg: TrainConfig, layout: RunLayout, device: torch.device) -> Run:
     return run
 
 
-def use_dpo(run: Run) -> None:
+def use_dpo(run: Run, load: bool = True) -> None:
     """The run's step trains on preference pairs against a frozen reference (vlmcore.train.dpo): a
-    copy of the starting weights, or the policy itself with its LoRA adapters off."""
+    copy of the starting weights (`load`: see `build_reference`), or the policy itself with its
+    LoRA adapters off."""
     if moe_blocks(run.model):
         raise ConfigError("objective: dpo is not available for mixture-of-experts models yet", "objective")
     dpo = run.cfg.dpo
     if dpo.reference == "adapters_off":
         reference: Reference = AdaptersOffReference(run.model, run.cfg.loss_chunk_tokens, run.step.vision_dummy)
     else:
-        reference = build_reference(run)
+        reference = build_reference(run, load)
     run.step.objective = DPOObjective(reference, dpo.beta, dpo.label_smoothing, run.cfg.loss_chunk_tokens)
 
 

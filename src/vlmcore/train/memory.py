@@ -6,6 +6,8 @@ frozen, parallelized and sharded as the config says for a world of N ranks, the 
 forward/backward, gradient norm and AdamW as `vlmcore train`) on fake tensors (shapes and
 dtypes, no data) over a fake process group, and counts the bytes of every live tensor with
 torch's FSDP2 memory tracker: the peak is what rank 0 holds at its fullest moment, by kind.
+A DPO stage's steps include its reference's forward and, with `dpo.reference: copy`, the
+reference's weights (sharded as the policy's, counted as sharded parameters).
 
 It counts tensor bytes, what `torch.cuda.max_memory_allocated` reports: not the caching
 allocator's reserve, the CUDA context or kernel workspaces. It runs eager, AdamW one weight
@@ -33,7 +35,7 @@ from vlmcore.models import load_hf_config
 from vlmcore.models.moe import grouped_mm
 from vlmcore.parallel.checks import check_run
 from vlmcore.parallel.layout import RunLayout
-from vlmcore.train.build import Run, build_meta_run
+from vlmcore.train.build import Run, build_meta_run, use_dpo
 from vlmcore.train.random_data import RandomBatches
 from vlmcore.train.step import to_device
 
@@ -115,13 +117,15 @@ def run(args: argparse.Namespace) -> int:
 def estimate_stage(
     cfg: TrainConfig, world_size: int, seq_len: int | None = None, image_side: int | None = None, video_frames: int = 0
 ) -> dict:
-    """`estimate_memory` of a stage config at its worst-case row: a packed row is one sample
-    holding the largest image the dataset allows (or a video of `video_frames` frame groups of
-    that size: by default, for a packed dataset with videos, its longest clip's); random rows are
-    estimated as configured."""
+    """`estimate_memory` of a stage config at its worst-case row: a packed row is one sample (DPO:
+    one pair of two segments) holding the largest image the dataset allows (or a video of
+    `video_frames` frame groups of that size: by default, for a packed dataset with videos, its
+    longest clip's); random rows are estimated as configured."""
     video_frames = video_frames or packed_limits(cfg).get("video_groups", 0)
     seq_len, image_side = batch_shape(cfg, seq_len, image_side, video_frames)
     segments = cfg.data.segments if cfg.data.kind == "random" else 1
+    if cfg.objective == "dpo":  # a DPO row holds pairs: at least one pair, both sides
+        segments = max(segments, 2)
     return estimate_memory(cfg, world_size, seq_len, image_side, segments=segments, video_frames=video_frames)
 
 
@@ -363,6 +367,7 @@ def _estimate_rank(
                     image_side=image_side,
                     video_fraction=1.0 if video_frames else 0.0,
                     video_frames=video_frames or 1,
+                    pairs=cfg.objective == "dpo",
                 )
             )
         )
@@ -386,12 +391,26 @@ def _estimate_rank(
 
 
 def _peak_of_two_steps(run: Run, micro: list, label_tokens: float) -> dict[str, int]:
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _State
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _MemRefType, _State
 
     class PeakTracker(FSDPMemTracker):
         """Keeps the device-wide peak only. The tracker also keeps every module's own peak, a pass
-        over all modules after every op: about half the time of a Qwen3-VL-2B estimate."""
+        over all modules after every op: about half the time of a Qwen3-VL-2B estimate. It also
+        counts the weights of `frozen` models outside the tracked root (a DPO reference copy):
+        its shards as sharded parameters, its buffers as buffers."""
+
+        def __init__(self, mod: nn.Module, optm: torch.optim.Optimizer, frozen: list[nn.Module]) -> None:
+            super().__init__(mod, optm)
+            self.frozen = frozen
+
+        def _register_module_and_optimizer_hooks(self) -> None:
+            super()._register_module_and_optimizer_hooks()
+            for model in self.frozen:
+                for parameter in model.parameters():
+                    self._update_and_maybe_create_winfos(parameter, _FSDPRefType.SHARDED_PARAM)
+                for buffer in model.buffers():
+                    self._update_and_maybe_create_winfos(buffer, _MemRefType.BUFFER)
 
         def _update_peak_stats(self, peak_state: _State) -> None:
             for dev, snap in self._curr_mem_snap.items():
@@ -413,9 +432,10 @@ def _peak_of_two_steps(run: Run, micro: list, label_tokens: float) -> dict[str, 
     # norm's outputs are one scalar per gradient, so this is the fake run's accounting, not memory.
     run.step.norm_foreach = False
     run.step.compiled_loss = False
+    frozen = _use_dpo_reference(run)
     # An encoder rank's FSDP root is its vision tower.
     root = run.model.vision_tower() if run.role == "vision" else run.model
-    tracker = PeakTracker(mod=root, optm=run.optimizer)
+    tracker = PeakTracker(mod=root, optm=run.optimizer, frozen=frozen)
     tracker.track_inputs(tuple(micro))
     with tracker:
         # The tracker takes a second forward of the root for a bug unless its per-module stats
@@ -427,6 +447,18 @@ def _peak_of_two_steps(run: Run, micro: list, label_tokens: float) -> dict[str, 
     hook.remove()
     peak = tracker.get_tracker_snapshot("peak")[run.device]
     return {str(getattr(kind, "value", kind)): int(n) for kind, n in peak.items()}
+
+
+def _use_dpo_reference(run: Run) -> list[nn.Module]:
+    """A DPO stage's step with its reference, random init: its forward runs in each step (no
+    gradients: its logits chunks, no saved activations). Returns the models the tracker must count
+    beside the policy: with `dpo.reference: copy` the reference, whose weights are sharded as the
+    policy's, without gradients or optimizer state; none with `adapters_off` or an SFT stage."""
+    if run.cfg.objective != "dpo":
+        return []
+    use_dpo(run, load=False)
+    reference = run.step.objective.reference.model
+    return [] if reference is run.model else [reference]
 
 
 def format_table(result: dict) -> str:

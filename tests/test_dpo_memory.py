@@ -1,0 +1,59 @@
+"""`vlmcore memory` of a DPO stage: with `dpo.reference: copy` the reference model's weights,
+sharded as the policy's but without gradients or optimizer state, and its no-grad forward; with
+`adapters_off` (LoRA) no second model, only a second forward of the policy's."""
+
+import pytest
+from _train_helpers import tiny_snapshot, write_config
+from test_train_memory import estimates
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_copy_reference_adds_its_weights_and_adapters_off_adds_none(tmp_path):
+    from vlmcore.models import build_model
+
+    snapshot = tiny_snapshot("qwen3_vl", tmp_path / "qwen3_vl")
+    config = write_config(
+        tmp_path / "stage.yaml", snapshot, tmp_path / "out", data={"kind": "random", "seq_len": 96, "segments": 2}
+    )
+    model = build_model(str(snapshot), device="meta")
+    reference_weights = 4 * sum(p.numel() for p in model.parameters())  # fp32, as the policy's
+    dpo = ["objective=dpo"]
+    lora = ["lora.rank=4", "lora.alpha=8"]
+    sft, copy, copy_real, lora_sft, lora_copy, adapters_off = estimates(
+        config,
+        [[], 1, 96, 2, True],
+        [dpo, 1, 96, 2, True],
+        [dpo, 1, 96, 2, False],
+        [lora, 1, 96, 2, True],
+        [[*dpo, *lora, "dpo.reference=copy"], 1, 96, 2, True],
+        [[*dpo, *lora, "dpo.reference=adapters_off"], 1, 96, 2, True],
+    )
+    # The fake run counts what a real CPU run of the same DPO steps (reference included) holds, to the byte.
+    assert copy["peak_bytes_by_kind"] == copy_real["peak_bytes_by_kind"]
+    assert copy["peak_bytes"] == copy_real["peak_bytes"] > 0
+
+    def kind(result: dict, name: str) -> int:
+        return result["peak_bytes_by_kind"].get(name, 0)
+
+    # The copy: its weights, sharded as the policy's, and neither gradients nor optimizer state.
+    assert kind(copy, "Sharded Param") == kind(sft, "Sharded Param") + reference_weights
+    assert kind(copy, "OptState") == kind(sft, "OptState")
+    assert kind(copy, "Sharded Grad") == kind(sft, "Sharded Grad")
+    # Above the SFT stage by its weights and at most as much again: its all-gathered weights (below)
+    # and the DPO step's own few activations.
+    assert sft["peak_bytes"] + reference_weights <= copy["peak_bytes"] <= sft["peak_bytes"] + 2 * reference_weights
+    # Same policy (LoRA), one reference against the other: the copy adds its weights and, at most,
+    # its all-gathered weights (FSDP keeps the root unit's gathered after a forward with no backward
+    # to follow; the tracker instruments the policy's units only, so it counts them as activations).
+    # The no-grad forward saves nothing, and its logits chunks are freed before the policy's forward.
+    added = lora_copy["peak_bytes"] - adapters_off["peak_bytes"]
+    assert kind(lora_copy, "Sharded Param") == kind(adapters_off, "Sharded Param") + reference_weights
+    assert reference_weights <= added <= 2 * reference_weights
+    # adapters_off: no second model. The base weights and the adapters' states are the LoRA SFT
+    # stage's; the DPO step's own difference (per-segment log-probabilities in place of the token
+    # loss, a no-grad forward before the policy's) is a few activations of a 96-token row, far
+    # below a tenth of the weights of this model (whose weights are a third of its peak).
+    assert kind(adapters_off, "Sharded Param") == kind(lora_sft, "Sharded Param")
+    assert kind(adapters_off, "OptState") == kind(lora_sft, "OptState")
+    assert abs(adapters_off["peak_bytes"] - lora_sft["peak_bytes"]) < reference_weights / 10
