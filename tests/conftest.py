@@ -12,10 +12,12 @@ LONGEST_FIRST = (
     "test_pipeline_demo.py",  # the demo pipeline run, then reruns on it
     "test_parallel_exactness.py",
     "test_slurm_demo.py",  # the video demo through SLURM
+    "test_pipeline_dpo_demo.py",  # the DPO demo pipeline run
     "test_parallel_moe.py",
     "test_parallel_cp.py",
     "test_recipe_models.py",
     "test_train_checkpoint.py",
+    "test_lora_train.py",
     "test_train_elastic.py",
     "test_faults.py",
     "test_slurm_fake.py",

@@ -406,3 +406,22 @@ def test_training_on_a_pack_with_a_bad_image_logs_the_count(tmp_path):
     proc = train(1, config, check=False)
     assert proc.returncode == 1 and f"error: {shard}: truncated" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out2").exists()
+
+
+def test_a_truncated_image_is_refused_whatever_pils_switch_says(monkeypatch):
+    """PIL's process-wide LOAD_TRUNCATED_IMAGES, which libraries turn on at import (lmms-eval's
+    api/task.py does), must not let a file cut short through as a good image."""
+    from PIL import ImageFile
+
+    from vlmcore.data.media.image import load_image, open_image
+    from vlmcore.data.quality import BadSample
+
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    encoded = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 10, 10)).save(encoded, "PNG")
+    cut = encoded.getvalue()[:-40]
+    with pytest.raises(BadSample, match="corrupt_image"):
+        open_image(cut, max_pixels=1 << 20)
+    with pytest.raises(BadSample, match="corrupt_image"):
+        load_image(cut)
+    assert ImageFile.LOAD_TRUNCATED_IMAGES  # the switch is left as the caller set it

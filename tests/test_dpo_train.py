@@ -83,8 +83,11 @@ def test_dpo_resume_and_two_ranks_equal_one_process(one_process):
             for key in (*DPO_METRICS, "grad_norm"):
                 assert by_step[m["step"]][key] == pytest.approx(m[key], rel=1e-4, abs=1e-6), (name, m["step"], key)
         weights = load_dcp(tmp_path / name / "final")
+        # atol 1e-5, 10x under tests/test_parallel_exactness.py's: 4 AdamW steps at lr 1e-2 after a
+        # gradient norm that 2 ranks sum from their shards' norms (a float32 rounding apart from one
+        # process's) leave weights about 4e-6 apart.
         for key, value in reference_weights.items():
-            torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=1e-6, msg=f"{name} {key}")
+            torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=1e-5, msg=f"{name} {key}")
 
 
 @pytest.mark.slow

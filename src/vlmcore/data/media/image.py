@@ -1,11 +1,13 @@
 """Images as the stages check them: decoded in full or by header, refused with a reason when they
 are unusable (empty, corrupt, too large, too small, too narrow), repaired to 8-bit RGB when that is safe."""
 
+import contextlib
 import io
 import warnings
+from collections.abc import Iterator
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageFile
 
 from vlmcore.data.quality import BadSample
 
@@ -14,10 +16,29 @@ def load_image(data: bytes) -> Image.Image:
     """The fully decoded image, or BadSample("corrupt_image") (a header alone can look valid)."""
     try:
         image = Image.open(io.BytesIO(data))
-        image.load()
+        load_every_pixel(image)
         return image
     except Exception as e:  # PIL raises many types for broken files
         raise BadSample("corrupt_image", f"{type(e).__name__}: {e}") from e
+
+
+@contextlib.contextmanager
+def _truncated_images_refused() -> Iterator[None]:
+    """PIL's `ImageFile.LOAD_TRUNCATED_IMAGES` off while inside: it is a process-wide switch that
+    other libraries turn on at import (lmms-eval's `api/task.py` does), after which a file cut short
+    decodes with grey pixels instead of failing, and would be trained on as a good image."""
+    before = ImageFile.LOAD_TRUNCATED_IMAGES
+    ImageFile.LOAD_TRUNCATED_IMAGES = False
+    try:
+        yield
+    finally:
+        ImageFile.LOAD_TRUNCATED_IMAGES = before
+
+
+def load_every_pixel(image: Image.Image) -> None:
+    """Decodes all of `image`; a file cut short raises, whatever PIL's process-wide switch says."""
+    with _truncated_images_refused():
+        image.load()
 
 
 def open_image(data: bytes, max_pixels: int, min_side: int = 2, decode: bool = True) -> Image.Image:
@@ -33,7 +54,7 @@ def open_image(data: bytes, max_pixels: int, min_side: int = 2, decode: bool = T
             if width * height > max_pixels:
                 raise BadSample("image_too_large", f"{width}x{height} > {max_pixels} pixels")
             if decode:
-                image.load()
+                load_every_pixel(image)
     except BadSample:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
