@@ -80,17 +80,22 @@ if ! pgrep -x munged >/dev/null; then
     munged --force
     pgrep -x munged -n >"$state/munged.pid"
 fi
-running "$state/slurmctld.pid" || slurmctld
+# A controller this call starts begins with no jobs (-c): the saved state of an earlier machine
+# (a snapshot, a killed run) would otherwise bring back jobs whose processes are gone, holding
+# both nodes "allocated" for ever (a CI run failed on exactly that).
+running "$state/slurmctld.pid" || slurmctld -c
 for node in "${nodes[@]}"; do
     running "$state/slurmd-$node.pid" || slurmd -N "$node"
 done
 # Daemons of an earlier call read the configuration written above.
 scontrol reconfigure 2>/dev/null || true
 
-# Up: both nodes idle, or busy with jobs of an earlier call.
+# Up: both nodes idle, or busy with jobs of an earlier call of this same controller (whose
+# processes run: `squeue` lists them).
 for _ in $(seq 60); do
     states=$(sinfo -h -N -o '%t' 2>/dev/null || true)
     if [[ $(wc -l <<<"$states") -eq 2 ]] && ! grep -qvE '^(idle|mix|alloc)$' <<<"$states"; then
+        squeue
         sinfo
         exit 0
     fi

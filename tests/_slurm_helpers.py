@@ -13,6 +13,12 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 
 
+def squeue():
+    """The jobs SLURM holds, for an error message: the ones that keep nodes busy."""
+    proc = subprocess.run(["squeue", "-h", "-o", "%i %j %T %M %N"], capture_output=True, text=True, timeout=30)
+    return "; ".join(proc.stdout.strip().splitlines()) or "(no jobs)"
+
+
 def require_slurm():
     try:
         proc = subprocess.run(["sinfo", "-h", "-o", "%D %t"], capture_output=True, text=True, timeout=30)
@@ -22,7 +28,7 @@ def require_slurm():
         problem = (
             None
             if proc.returncode == 0 and idle_nodes >= 2
-            else f"`sinfo` says: {proc.stdout.strip()} {proc.stderr.strip()}"
+            else f"`sinfo` says: {proc.stdout.strip()} {proc.stderr.strip()}; `squeue` says: {squeue()}"
         )
     except (OSError, subprocess.TimeoutExpired) as e:
         problem = f"`sinfo` failed: {e}"
