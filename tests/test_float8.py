@@ -56,6 +56,19 @@ def test_fp8_is_refused_on_devices_without_float8():
     check_fp8_device(from_dict(base()), "cpu", None)
 
 
+@pytest.mark.slow  # a `vlmcore train` start-up (~18 s on a shared CPU); the check itself is tested above
+def test_vlmcore_train_on_cpu_without_emulate_stops_before_any_work(tmp_path):
+    snapshot = tiny_snapshot("qwen3", tmp_path / "model")
+    config = write_config(
+        tmp_path / "run.yaml", snapshot, tmp_path / "run", precision={"fp8": {"recipe": "tensorwise"}}
+    )
+    proc = train(1, config, check=False)
+    assert proc.returncode != 0
+    assert "precision.fp8.recipe: tensorwise needs a CUDA GPU with float8" in proc.stderr
+    assert "this run is on cpu" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_fp8_without_torchao_is_refused_naming_the_key(monkeypatch):
     """A CPU install without the `fp8` extra runs everything else; FP8 stops with the key and the fix."""
     import sys
