@@ -1,6 +1,7 @@
 """FP8 training (`precision.fp8`, torchao float8, emulated on CPU): the settings and the device
 refused by key; which linear layers are converted; the converted model's loss close to float32's
-and trained; FSDP2 with the float8 all-gather, and TP, against one process; an exact resume."""
+and trained; FSDP2 with the float8 all-gather (float32 and bfloat16), TP and EP against one
+process; an exact resume."""
 
 import copy
 import logging
@@ -174,16 +175,21 @@ def fp8_config(tmp_path, snapshot, name, **overrides):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """One launch of one process (float32, both recipes, a MoE model) and one of two ranks (FSDP2
+    with each recipe, FSDP2 in bfloat16, TP 2, EP 2)."""
     tmp_path = tmp_path_factory.mktemp("fp8")
     snapshot = tiny_snapshot("qwen3", tmp_path / "model")
+    moe = tiny_snapshot("qwen3_moe", tmp_path / "moe")
     saved = {"checkpoint": {"interval": 3, "keep": 2}}
     unsaved = {"checkpoint": {"enabled": False}}
+    bf16 = {"fp8": TENSORWISE, "param_dtype": "bfloat16", "reduce_dtype": "float32"}
     one = train_cases(
         1,
         [
             fp8_config(tmp_path, snapshot, "fp32", **unsaved),
             fp8_config(tmp_path, snapshot, "tensorwise", precision={"fp8": TENSORWISE}, **saved),
             fp8_config(tmp_path, snapshot, "rowwise", precision={"fp8": ROWWISE}, **unsaved),
+            fp8_config(tmp_path, moe, "moe_tensorwise", precision={"fp8": TENSORWISE}, **unsaved),
         ],
     )
     two = train_cases(
@@ -191,9 +197,11 @@ def runs(tmp_path_factory):
         [
             fp8_config(tmp_path, snapshot, "fsdp_tensorwise", precision={"fp8": TENSORWISE}, **unsaved),
             fp8_config(tmp_path, snapshot, "fsdp_rowwise", precision={"fp8": ROWWISE}, **unsaved),
+            fp8_config(tmp_path, snapshot, "fsdp_tensorwise_bf16", precision=bf16, **unsaved),
             fp8_config(
                 tmp_path, snapshot, "tp_tensorwise", precision={"fp8": TENSORWISE}, parallel={"tp": 2}, **unsaved
             ),
+            fp8_config(tmp_path, moe, "ep_tensorwise", precision={"fp8": TENSORWISE}, parallel={"ep": 2}, **unsaved),
         ],
     )
     return tmp_path, snapshot, one.stdout + two.stdout
@@ -206,10 +214,11 @@ def trajectory(path):
 @pytest.mark.slow
 def test_fp8_runs_convert_and_stay_close_to_float32(runs):
     tmp_path, _, stdout = runs
-    assert stdout.count("fp8: tensorwise (emulated): 14 linear layers converted") == 3
+    assert stdout.count("fp8: tensorwise (emulated): 14 linear layers converted") == 4
     assert stdout.count("fp8: rowwise (emulated): 14 linear layers converted") == 2
+    assert stdout.count("fp8: tensorwise (emulated): 8 linear layers converted") == 2  # MoE: attention only
     fp32 = trajectory(tmp_path / "fp32")
-    for recipe in ("tensorwise", "rowwise"):
+    for recipe in ("tensorwise", "rowwise", "fsdp_tensorwise_bf16"):
         fp8 = trajectory(tmp_path / recipe)
         assert not torch.equal(fp8, fp32)
         # random tokens: the loss stays near ln(256); float8 moves it by e4m3's rounding
@@ -241,6 +250,19 @@ def test_two_rank_tp_fp8_run_is_close_to_one_process(runs):
     reference = trajectory(tmp_path / "tensorwise")
     tp = trajectory(tmp_path / "tp_tensorwise")
     torch.testing.assert_close(tp[:, 0], reference[:, 0], rtol=0, atol=0.05)
+
+
+@pytest.mark.slow
+def test_two_rank_ep_fp8_run_equals_one_process(runs):
+    """Expert parallelism over a MoE model whose attention is float8 (the routed experts stay in
+    their dtype): the tokens' all-to-all changes no float8 cast, the attention's FSDP2 all-gather is
+    float8 as above."""
+    tmp_path, _, _ = runs
+    reference = trajectory(tmp_path / "moe_tensorwise")
+    ep = trajectory(tmp_path / "ep_tensorwise")
+    torch.testing.assert_close(ep[:3], reference[:3], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ep[:, 0], reference[:, 0], rtol=1e-3, atol=0)
+    torch.testing.assert_close(ep[:, 1], reference[:, 1], rtol=5e-2, atol=0)
 
 
 @pytest.mark.slow
