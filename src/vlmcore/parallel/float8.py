@@ -36,6 +36,7 @@ run everything else.
 import dataclasses
 import functools
 import logging
+import sys
 from collections.abc import Callable
 
 import torch
@@ -105,8 +106,9 @@ def wanted(module: nn.Module, name: str) -> bool:
         return False
     out_features, in_features = module.weight.shape
     if out_features % ALIGNMENT or in_features % ALIGNMENT:
-        log.info(
-            "fp8: %s stays in high precision: its shape %s is not a multiple of %d",
+        # A warning: `vlmcore train` configures no logging, and Python shows warnings without.
+        log.warning(
+            "fp8: layers.%s stays in param_dtype: its shape %s is not a multiple of %d",
             name,
             tuple(module.weight.shape),
             ALIGNMENT,
@@ -155,10 +157,8 @@ def precompute_scales(model: nn.Module) -> Callable[[], None] | None:
 
 
 def _float8_linear_class() -> type | None:
-    """torchao's `Float8Linear` where torchao was imported (by `convert_to_float8`), else None:
-    a run without FP8 never imports torchao."""
-    import sys
-
+    """torchao's `Float8Linear` where torchao's float8 was imported (as `convert_to_float8` does),
+    else None: a model without float8 layers needs no torchao."""
     if "torchao.float8" not in sys.modules:
         return None
     from torchao.float8.float8_linear import Float8Linear
