@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_session.sh qwen3               # issue 15: the 2B Qwen3 part
 #   bash benchmarks/gpu_session.sh qwen3_vl_moe 30b-a3b   # issue 19: Qwen3-VL-30B-A3B's shape, 4 layers
 #   bash benchmarks/gpu_session.sh checks              # issue 31 item 3: expert mesh on NCCL, bf16 resume
+#   bash benchmarks/gpu_session.sh fp8                 # issue 43 item 4: FP8 (see its block below)
 #
 # Prints the machine and kernel versions, then `benchmarks/train_step.py --all` for one family:
 # compiled then eager, bare step, transformers and the real `vlmcore train` loop, each case
@@ -27,6 +28,25 @@ out=${OUT:-benchmarks/results}
 if [ "$family" = checks ]; then
     exec python benchmarks/gpu_checks.py --out "$out"
 fi
+
+# --- FP8 (issue 43 item 4) ---------------------------------------------------------------------
+# The real `vlmcore train` loop on the 2B preset's Qwen3 (2048 wide, MLP 6144, 28 layers, 8192
+# tokens a step), compiled, in bf16 and with torchao float8 (precision.fp8) tensorwise and
+# rowwise, one GPU: step time and peak memory of each (the bare step of train_step.py stays bf16:
+# --loop-set reaches the loop only). The machine has no torchao and no network: the device tool's
+# `carry` brings the wheel, downloaded here beforehand into build/wheels/ (git-ignored):
+#   pip download "torchao==0.18.0" --no-deps -d build/wheels
+# and the run is `bash benchmarks/gpu_session.sh fp8` with carry ["build/wheels"]. torchao 0.18
+# needs torch >= 2.11 (its __init__.py), which the machine has; its wheel is cp310-abi3.
+if [ "$family" = fp8 ]; then
+    pip install --no-deps --no-index --find-links build/wheels "torchao==0.18.0"
+    for recipe in none tensorwise rowwise; do
+        python benchmarks/train_step.py --preset 2b --family qwen3 --compile --skip-transformers \
+            --loop-set "precision.fp8.recipe=$recipe" --out "$out/fp8_$recipe"
+    done
+    exit 0
+fi
+# --- end FP8 -----------------------------------------------------------------------------------
 python benchmarks/train_step.py --preset "$preset" --all --family "$family" --profile --out "$out"
 # One file for the traces and summaries: the device tool brings back at most 8 files.
 (cd "$out" && tar czf "profiles_${family}_${preset}.tar.gz" profile_* && rm -r profile_*)

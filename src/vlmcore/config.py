@@ -149,9 +149,24 @@ class ParallelConfig:
 
 
 @dataclass
+class Float8Config:
+    recipe: Literal["none", "tensorwise", "rowwise"] = setting(
+        "none",
+        "FP8 training (torchao float8) of the language model's attention and dense MLP projections "
+        "(docs/performance.md): tensorwise = one scale per tensor, FSDP2 all-gathers the weights in float8; "
+        "rowwise = one scale per row, weights all-gathered in param_dtype; none = no FP8. Needs torchao and "
+        "a GPU of compute capability 8.9 or more (or emulate)",
+    )
+    emulate: bool = setting(
+        False, "emulate the float8 matmuls in high precision (CPU tests; any GPU); false on CPU is refused"
+    )
+
+
+@dataclass
 class PrecisionConfig:
     param_dtype: Dtype = setting("float32", "dtype of the forward and backward computation (FSDP2 mixed precision)")
     reduce_dtype: Dtype = setting("float32", "dtype of the gradient reduction across ranks")
+    fp8: Float8Config = field(default_factory=Float8Config)
 
 
 @dataclass
@@ -333,6 +348,11 @@ def _lora_rules() -> list[Rule]:
             "lora.targets",
             "must hold a pattern when lora.rank > 0 and lora.experts is false (else nothing would train)",
             lambda v, c: c.lora.rank == 0 or c.lora.experts or bool(v),
+        ),
+        (
+            "precision.fp8.recipe",
+            "must be none when lora.rank > 0 (the adapted layers would lose their adapters to torchao's swap)",
+            lambda v, c: c.lora.rank == 0 or v == "none",
         ),
         *[
             (

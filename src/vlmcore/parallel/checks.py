@@ -177,3 +177,29 @@ def as_config(config: ModelConfig | dict) -> ModelConfig:
     if not isinstance(config, dict):
         return config
     return SimpleNamespace(**{k: as_config(v) if isinstance(v, dict) else v for k, v in config.items()})
+
+
+# The first CUDA compute capability with float8 tensor cores (Ada, sm_89; Hopper is 9.0).
+FP8_CAPABILITY = (8, 9)
+
+
+def check_fp8_device(cfg: TrainConfig, device_type: str, capability: tuple[int, int] | None, name: str = "") -> None:
+    """FP8 training (`precision.fp8`) on this device: real float8 matmuls need a CUDA GPU of
+    compute capability 8.9 or more; elsewhere (CPU, older GPUs) only torchao's emulation runs.
+    `capability`: the GPU's (major, minor), None off CUDA; `name`: the GPU's, for the message."""
+    fp8 = cfg.precision.fp8
+    if fp8.recipe == "none" or fp8.emulate:
+        return
+    if device_type != "cuda":
+        raise ConfigError(
+            f"precision.fp8.recipe: {fp8.recipe} needs a CUDA GPU with float8 (compute capability >= 8.9); "
+            f"this run is on {device_type}: set precision.fp8.emulate true (tests) or recipe none",
+            "precision.fp8.recipe",
+        )
+    if tuple(capability) < FP8_CAPABILITY:
+        major, minor = capability
+        raise ConfigError(
+            f"precision.fp8.recipe: {fp8.recipe} needs a GPU with float8 (compute capability >= 8.9); "
+            f"{name or 'this GPU'} has {major}.{minor}: set recipe none (or precision.fp8.emulate true, slow)",
+            "precision.fp8.recipe",
+        )

@@ -1,5 +1,6 @@
-"""Applies the parallelisms to a model on the meta device, in their required order: TP, EP, CP,
-activation checkpointing, per-block compile, then FSDP2 (FSDP, HSDP or DDP by the mesh). The run
+"""Applies the parallelisms to a model on the meta device, in their required order: the float8
+conversion of the language model's linear layers (`precision.fp8`, before TP and FSDP wrap them),
+TP, EP, CP, activation checkpointing, per-block compile, then FSDP2 (FSDP, HSDP or DDP by the mesh). The run
 layout says what this rank holds: under colocated layouts both modules, the language model on the
 language mesh and the vision tower on its own layout of the same ranks; under disjoint layouts one
 module on its own ranks (vlmcore.parallel.disjoint). The layout was checked against the model
@@ -13,6 +14,7 @@ from vlmcore.parallel.bridge import VisionBridge, count_images_once
 from vlmcore.parallel.cp import apply_cp
 from vlmcore.parallel.disjoint import hold_one_module
 from vlmcore.parallel.expert_parallel import apply_ep
+from vlmcore.parallel.float8 import convert_to_float8
 from vlmcore.parallel.fsdp import apply_fsdp
 from vlmcore.parallel.layout import RunLayout
 from vlmcore.parallel.mesh import Meshes
@@ -24,6 +26,11 @@ def parallelize(
 ) -> list:
     """Returns the (module, attribute name) of the parameters whose gradients must be summed over
     the TP ranks. `shard_one_rank`: see `apply_fsdp`."""
+    fp8 = cfg.precision.fp8
+    if fp8.recipe != "none":
+        converted = convert_to_float8(model.decoder_layers(), fp8)
+        if rank == 0:
+            print(f"fp8: {fp8.recipe}{' (emulated)' if fp8.emulate else ''}: {len(converted)} linear layers converted")
     role = layout.role(rank)
     if role != "both":
         hold_one_module(model, role, cfg, meshes)

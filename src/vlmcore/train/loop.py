@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from vlmcore.config import ConfigError, TrainConfig, load_config, to_dict, warnings_of
 from vlmcore.models import load_hf_config
+from vlmcore.parallel import float8
 from vlmcore.parallel.checks import check_run
 from vlmcore.parallel.mesh import device_for_rank, init_distributed
 from vlmcore.train.build import build_run, check_kernels
@@ -154,6 +155,7 @@ class Trainer:
         self.layout = check_run(cfg, dist.get_world_size(), load_hf_config(cfg.model_path))
         _set_seed(cfg)
         backends = check_kernels(cfg, device)  # before anything is written
+        float8.check_device(cfg, device)
         if self.rank == 0:
             print("kernels: " + ", ".join(f"{part} {backend}" for part, backend in backends.items()))
         self.run = build_run(cfg, self.layout, device)

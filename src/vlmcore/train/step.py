@@ -31,6 +31,7 @@ from vlmcore.data.load.batch import Batch, Images
 from vlmcore.models.moe import RoutingStats, moe_blocks
 from vlmcore.models.qwen3_vl import VisionEmbeds
 from vlmcore.parallel.disjoint import DisjointBridge
+from vlmcore.parallel.float8 import precompute_scales
 from vlmcore.train.loss import chunked_cross_entropy
 from vlmcore.train.optim import local_tensors
 
@@ -206,6 +207,9 @@ class Step:
     # objective(model, micro, normaliser, vision_dummy), it accumulates the gradients and returns
     # this rank's loss sum and further sums to reduce over the ranks.
     objective: Callable | None = None
+    # After each optimizer step: the float8 weights' scales for FSDP2's float8 all-gather
+    # (vlmcore.parallel.float8.precompute_scales; None without).
+    float8_scales: Callable[[], None] | None = None
 
     def __call__(self, micro: list, label_tokens: float, set_lr: Callable[[torch.optim.Optimizer], None]) -> StepResult:
         """One optimizer step over the device micro-batches (an encoder rank of disjoint layouts:
@@ -257,6 +261,8 @@ class Step:
             clip_grads(self.trainable, norm_value, self.max_grad_norm)
             set_lr(self.optimizer)
             self.optimizer.step()
+            if self.float8_scales is not None:
+                self.float8_scales()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(loss_value, norm_value, finite, moe, objective_sums)
 
@@ -306,6 +312,7 @@ def build_step(
         compiled_loss,
         moe,
         bridge,
+        float8_scales=precompute_scales(model),
     )
 
 
