@@ -29,7 +29,7 @@ dpo   the SFT step and the DPO step (vlmcore.train.dpo) on the same rows (consec
 
 On CPU the clock is the process's CPU time (benchmarks/train_step.py `time_steps`), the checkpoint
 save's is wall time (it writes files). Prints a table per part and writes
-benchmarks/results/post_training_<device>_<preset>[_compile].json (--out).
+benchmarks/results/post_training_<device>_<preset>[_compile][_<part>].json (--out, or $OUT).
 """
 
 import argparse
@@ -163,6 +163,7 @@ def peft_model_of(path: Path, family: str, run, device: torch.device):
     """The transformers model under peft with the run's adapters (targets, rank, alpha, weights)."""
     import transformers
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from torch.distributed.tensor import DTensor
 
     from vlmcore.models.lora import LoraGroupedExperts, LoraLinear, adapted_modules, adapter_state_dict, peft_state_dict
 
@@ -179,7 +180,11 @@ def peft_model_of(path: Path, family: str, run, device: torch.device):
         target_parameters=EXPERT_PARAMETERS if has_experts else None,
     )
     peft_model = get_peft_model(model, config)
-    adapters = peft_state_dict(adapter_state_dict(run.model.state_dict()))
+    # Whole tensors: on a GPU the run's model is FSDP-sharded (over one rank, DTensors).
+    state = {}
+    for name, value in run.model.state_dict().items():
+        state[name] = value.full_tensor() if isinstance(value, DTensor) else value
+    adapters = peft_state_dict(adapter_state_dict(state))
     loaded = set_peft_model_state_dict(peft_model, adapters)
     if loaded.unexpected_keys:
         raise RuntimeError(f"peft does not know the adapters {loaded.unexpected_keys[:5]}")
@@ -455,6 +460,8 @@ def main() -> int:
     families = args.family or (["qwen3_vl", "qwen3_vl_moe"] if args.preset == "tiny" else ["qwen3_vl"])
     parts = ("lora", "cost", "dpo") if args.part == "all" else (args.part,)
     tag = f"{device.type}_{args.preset}{'_compile' if args.compile else ''}"
+    if args.part != "all":  # a part alone (a GPU command of limited time) keeps the others' files
+        tag += f"_{args.part}"
     args.out.mkdir(parents=True, exist_ok=True)
     result_file = args.out / f"post_training_{tag}.json"
     result = {
