@@ -46,7 +46,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from train_step import HF_CLASSES, MOE, PRESETS, write_snapshot  # noqa: E402 (needs the path above)
+from train_step import HF_CLASSES, MOE, PRESETS, release_device_memory, write_snapshot  # noqa: E402 (needs the path above)
 
 # LoRA targets per family: the language model's linear layers (attention only on MoE, whose MLPs
 # are the routed experts, adapted through lora.experts), the vision tower's qkv and the projector.
@@ -480,20 +480,25 @@ def main() -> int:
         for family in dict.fromkeys([*families, "qwen3_vl"]):
             snapshots[family] = Path(tmp) / family / "model"
             write_snapshot(family, PRESETS[args.preset], snapshots[family])
+        # Each case's runs go before the next one's are built (on a GPU: with their compiled code).
         if "lora" in parts:
-            result["lora"] = [lora_vs_peft(args, f, snapshots[f], device, clock) for f in families]
+            result["lora"] = []
+            for family in families:
+                result["lora"].append(lora_vs_peft(args, family, snapshots[family], device, clock))
+                release_device_memory(device)
             print_lora(result["lora"], name)
         if "cost" in parts:
-            ranks = [*args.ranks, 0]
-            result["cost"] = [
-                optimizer_and_checkpoint(args, "qwen3_vl", snapshots["qwen3_vl"], r, device, clock) for r in ranks
-            ]
+            result["cost"] = []
+            for rank in [*args.ranks, 0]:
+                row = optimizer_and_checkpoint(args, "qwen3_vl", snapshots["qwen3_vl"], rank, device, clock)
+                result["cost"].append(row)
+                release_device_memory(device)
             print_cost(result["cost"], name)
         if "dpo" in parts:
-            result["dpo"] = [
-                dpo_vs_flops(args, "qwen3_vl", snapshots["qwen3_vl"], reference, device, clock)
-                for reference in ("copy", "adapters_off")
-            ]
+            result["dpo"] = []
+            for reference in ("copy", "adapters_off"):
+                result["dpo"].append(dpo_vs_flops(args, "qwen3_vl", snapshots["qwen3_vl"], reference, device, clock))
+                release_device_memory(device)
             print_dpo(result["dpo"], name)
         result_file.write_text(json.dumps(result, indent=2))
     print(f"\nwritten: {result_file}")
