@@ -7,6 +7,17 @@
 #   bash benchmarks/gpu_session.sh qwen3_vl_moe 30b-a3b   # issue 19: Qwen3-VL-30B-A3B's shape, 4 layers
 #   bash benchmarks/gpu_session.sh checks              # issue 31 item 3: expert mesh on NCCL, bf16 resume
 #   bash benchmarks/gpu_session.sh fp8                 # issue 43 item 4: FP8 (see its block below)
+#   bash benchmarks/gpu_session.sh post_training lora  # issue 41 item 7: the 2B's LoRA step vs peft
+#   bash benchmarks/gpu_session.sh post_training cost  # LoRA's optimizer step and checkpoint vs full
+#   bash benchmarks/gpu_session.sh post_training dpo   # the DPO step vs its FLOPs at the SFT rate
+#
+# post_training runs benchmarks/post_training.py on the 2B Qwen3-VL, compiled, one part a command
+# (each builds two to four 2B runs and compiles them; the full fine-tuning ones hold 16 bytes a
+# parameter, 32 GB, so the dpo part wants an H200 or an 80 GB GPU with room to spare). peft is not
+# on the GPU machine: build it here, beside nothing else (transformers is there already),
+#     pip install --no-deps --target build/gpu_site "peft==0.21.2" "accelerate==1.15.0"
+# and give the device tool carry: ["build/gpu_site"] (build/ is git-ignored, so it travels only
+# when carried); this script puts build/gpu_site on the path when it is there.
 #
 # Prints the machine and kernel versions, then `benchmarks/train_step.py --all` for one family:
 # compiled then eager, bare step, transformers and the real `vlmcore train` loop, each case
@@ -20,6 +31,9 @@ cd "$(dirname "$0")/.."
 family=${1:-qwen3_vl}
 preset=${2:-2b}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+if [ -d build/gpu_site ]; then  # peft and accelerate, carried (post_training above)
+    export PYTHONPATH="$PYTHONPATH:$PWD/build/gpu_site"
+fi
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
 python -c "import transformers; print('transformers:', transformers.__version__)"
@@ -47,6 +61,9 @@ if [ "$family" = fp8 ]; then
     exit 0
 fi
 # --- end FP8 -----------------------------------------------------------------------------------
+if [ "$family" = post_training ]; then
+    exec python benchmarks/post_training.py --preset 2b --compile --part "${2:-lora}" --out "$out"
+fi
 python benchmarks/train_step.py --preset "$preset" --all --family "$family" --profile --out "$out"
 # One file for the traces and summaries: the device tool brings back at most 8 files.
 (cd "$out" && tar czf "profiles_${family}_${preset}.tar.gz" profile_* && rm -r profile_*)

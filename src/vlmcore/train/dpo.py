@@ -24,9 +24,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import FunctionCtx
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
-from torch.utils.checkpoint import checkpoint
 
 from vlmcore.data import IGNORE_INDEX
 from vlmcore.data.load.batch import Batch
@@ -34,13 +34,50 @@ from vlmcore.models.lora import adapters_disabled
 from vlmcore.train.step import VisionDummy, forward_hidden
 
 
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A chunk's logits through the LM head, fp32 at least."""
+    logits = hidden @ weight.t()
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def _label_logps(logits: torch.Tensor, logsumexp: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The log-probability of each token's label, label logit - log-sum-exp (no log-softmax of the
+    whole vocabulary), 0 where no label."""
+    target = labels.clamp(min=0)[:, None]
+    return (logits.gather(1, target)[:, 0] - logsumexp) * (labels != IGNORE_INDEX)
+
+
 def _chunk_token_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The log-probability of each token's label (fp32 at least), 0 where no label."""
-    logits = hidden @ weight.t()
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    valid = labels != IGNORE_INDEX
-    target = labels.clamp(min=0)[:, None]
-    return logits.log_softmax(dim=-1).gather(1, target)[:, 0] * valid
+    logits = _chunk_logits(hidden, weight)
+    return _label_logps(logits, logits.logsumexp(dim=-1), labels)
+
+
+class _ChunkTokenLogps(torch.autograd.Function):
+    """`_chunk_token_logps` with gradients, keeping no (tokens, vocabulary) tensor between forward and
+    backward: the backward computes the chunk's logits again and turns them into their gradient in
+    place, grad * (one-hot(label) - softmax), from the log-sum-exp the forward kept (one pass over
+    the logits, where recomputing the forward under autograd would run the log-softmax again and
+    scatter the label's gradient into a zero tensor of the logits' size)."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = _chunk_logits(hidden, weight)
+        logsumexp = logits.logsumexp(dim=-1)
+        ctx.save_for_backward(hidden, weight, labels, logsumexp)
+        return _label_logps(logits, logsumexp, labels)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, labels, logsumexp = ctx.saved_tensors
+        scale = grad * (labels != IGNORE_INDEX)
+        grad_logits = _chunk_logits(hidden, weight).sub_(logsumexp[:, None]).exp_()  # the softmax
+        grad_logits.mul_(-scale[:, None])
+        grad_logits.scatter_add_(1, labels.clamp(min=0)[:, None], scale[:, None].to(grad_logits.dtype))
+        grad_logits = grad_logits.to(hidden.dtype)
+        grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight, None
 
 
 def _local_head_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -57,8 +94,8 @@ def segment_logps(
 ) -> torch.Tensor:
     """(segments,) sums of token log-probabilities over each segment's label tokens, for `hidden`
     (..., H) through the LM head `weight` (V, H); labels (...) are already shifted. The logits
-    go chunk by chunk; with gradients each chunk is recomputed in backward, so no chunk's
-    logits outlive it."""
+    go chunk by chunk; with gradients each chunk's logits are computed again in backward
+    (`_ChunkTokenLogps`), so no chunk's logits outlive it."""
     weight = _local_head_weight(weight)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1).to(hidden.device)
@@ -66,7 +103,7 @@ def segment_logps(
     for start in range(0, hidden.shape[0], chunk_tokens):
         end = min(start + chunk_tokens, hidden.shape[0])
         if torch.is_grad_enabled():
-            part = checkpoint(_chunk_token_logps, hidden[start:end], weight, labels[start:end], use_reentrant=False)
+            part = _ChunkTokenLogps.apply(hidden[start:end], weight, labels[start:end])
         else:
             part = _chunk_token_logps(hidden[start:end], weight, labels[start:end])
         parts.append(part)
