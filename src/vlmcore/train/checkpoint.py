@@ -171,6 +171,7 @@ class Checkpointer:
         own values, stored under `rank<r>` keys (loader position, RNG)."""
         self.wait()
         model_sd, optim_sd = get_state_dict(model, optimizer, options=state_dict_options(model))
+        model_sd = checkpointed_model_state(model, model_sd)
         state = {
             "model": model_sd,
             "optim": optim_sd,
@@ -224,6 +225,7 @@ class Checkpointer:
         this rank's template, unless None: the layout changed) in place."""
         options = state_dict_options(model)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        model_sd = checkpointed_model_state(model, model_sd)
         state = {"model": model_sd, "optim": optim_sd, "train": train_state}
         if rank_state is not None:
             state["ranks"] = {f"rank{dist.get_rank()}": rank_state}
@@ -242,6 +244,16 @@ def state_dict_options(model: nn.Module) -> StateDictOptions:
     (not strict; DCP fails on an adapter the checkpoint lacks); else every parameter."""
     adapters = has_adapters(model)
     return StateDictOptions(ignore_frozen_params=adapters, strict=not adapters)
+
+
+def checkpointed_model_state(model: nn.Module, model_sd: dict) -> dict:
+    """The model part of a checkpoint: with LoRA adapters, the adapters alone. `ignore_frozen_params`
+    drops frozen parameters by the names `named_parameters()` gives, which hold a tied weight once
+    (the embedding's), so a tied LM head would still be written under its own name: a whole frozen
+    base matrix in every LoRA checkpoint (1.2 GB in fp32 on the 2B)."""
+    if not has_adapters(model):
+        return model_sd
+    return adapter_state_dict(model_sd)
 
 
 def final_state(model: nn.Module) -> dict:
