@@ -136,6 +136,22 @@ def test_bad_dpo_settings_are_refused_by_key(overrides, key):
     assert error.value.key == key and str(error.value).startswith(key)
 
 
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_vl_moe", "qwen3_5_moe"])
+def test_dpo_on_a_mixture_of_experts_model_is_refused_before_any_work(kind):
+    """The checks of the run (the workflow's parse, `vlmcore memory`, the start of `vlmcore train`)
+    refuse DPO on an MoE model from its config alone, by key; the dense family passes them."""
+    from _train_helpers import hf_config
+
+    from vlmcore.parallel.checks import check_run
+
+    cfg = from_dict({"model_path": "m", "output_dir": "o", "objective": "dpo", "data": {"kind": "random"}})
+    with pytest.raises(ConfigError) as error:
+        check_run(cfg, 1, hf_config(kind))
+    assert error.value.key == "objective"
+    assert str(error.value) == "objective: dpo is not available for mixture-of-experts models yet"
+    check_run(cfg, 1, hf_config("qwen3_vl"))
+
+
 @pytest.mark.slow
 def test_dpo_without_pairs_is_refused(tmp_path):
     """Packed data without preference pairs: refused by key before the run starts."""
