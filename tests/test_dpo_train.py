@@ -62,6 +62,24 @@ def test_dpo_metrics_start_at_the_reference_and_move(one_process):
 
 
 @pytest.mark.slow
+def test_report_tabulates_and_plots_the_dpo_run(one_process):
+    """`vlmcore report` on the real run's metrics.jsonl: the DPO table's row holds the means of its
+    last steps (all 4 here) and the DPO plot is written and linked."""
+    from test_report_dpo import dpo_table
+
+    from vlmcore.report.scaling import write_report
+
+    tmp_path, _ = one_process
+    md = write_report(tmp_path / "report", train={"one": tmp_path / "one" / "metrics.jsonl"}).read_text()
+    metrics = read_metrics(tmp_path / "one")
+    steps, *values = dpo_table(md)["one"]
+    assert int(steps) == STEPS
+    for key, value in zip(DPO_METRICS, values, strict=True):
+        assert float(value) == pytest.approx(sum(m[key] for m in metrics) / len(metrics), abs=1e-3), key
+    assert "](plots/dpo_one.png)" in md and (tmp_path / "report" / "plots" / "dpo_one.png").is_file()
+
+
+@pytest.mark.slow
 def test_dpo_resume_and_two_ranks_equal_one_process(one_process):
     tmp_path, snapshot = one_process
     # Resumed: stopped after step 2 (its checkpoint kept), then trained on to the end.
