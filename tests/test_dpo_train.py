@@ -62,6 +62,24 @@ def test_dpo_metrics_start_at_the_reference_and_move(one_process):
 
 
 @pytest.mark.slow
+def test_report_tabulates_and_plots_the_dpo_run(one_process):
+    """`vlmcore report` on the real run's metrics.jsonl: the DPO table's row holds the means of its
+    last steps (all 4 here) and the DPO plot is written and linked."""
+    from test_report_dpo import dpo_table
+
+    from vlmcore.report.scaling import write_report
+
+    tmp_path, _ = one_process
+    md = write_report(tmp_path / "report", train={"one": tmp_path / "one" / "metrics.jsonl"}).read_text()
+    metrics = read_metrics(tmp_path / "one")
+    steps, *values = dpo_table(md)["one"]
+    assert int(steps) == STEPS
+    for key, value in zip(DPO_METRICS, values, strict=True):
+        assert float(value) == pytest.approx(sum(m[key] for m in metrics) / len(metrics), abs=1e-3), key
+    assert "](plots/dpo_one.png)" in md and (tmp_path / "report" / "plots" / "dpo_one.png").is_file()
+
+
+@pytest.mark.slow
 def test_dpo_resume_and_two_ranks_equal_one_process(one_process):
     tmp_path, snapshot = one_process
     # Resumed: stopped after step 2 (its checkpoint kept), then trained on to the end.
@@ -134,6 +152,22 @@ def test_bad_dpo_settings_are_refused_by_key(overrides, key):
     with pytest.raises(ConfigError) as error:
         from_dict(data)
     assert error.value.key == key and str(error.value).startswith(key)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_vl_moe", "qwen3_5_moe"])
+def test_dpo_on_a_mixture_of_experts_model_is_refused_before_any_work(kind):
+    """The checks of the run (the workflow's parse, `vlmcore memory`, the start of `vlmcore train`)
+    refuse DPO on an MoE model from its config alone, by key; the dense family passes them."""
+    from _train_helpers import hf_config
+
+    from vlmcore.parallel.checks import check_run
+
+    cfg = from_dict({"model_path": "m", "output_dir": "o", "objective": "dpo", "data": {"kind": "random"}})
+    with pytest.raises(ConfigError) as error:
+        check_run(cfg, 1, hf_config(kind))
+    assert error.value.key == "objective"
+    assert str(error.value) == "objective: dpo is not available for mixture-of-experts models yet"
+    check_run(cfg, 1, hf_config("qwen3_vl"))
 
 
 @pytest.mark.slow

@@ -70,3 +70,26 @@ def test_dpo_stage_trained_on_pairs(demo: Path) -> None:
     assert sum(m["loss"] for m in metrics[-20:]) / 20 < 0.55  # measured 0.67 -> 0.41
     stats = json.loads((demo / RESULTS / "packed" / "preference" / "stats.json").read_text())
     assert stats["pairs"] == 600, stats
+
+
+def test_report_shows_the_dpo_stage(demo: Path) -> None:
+    """train_all's report has a DPO section: the DPO stage's plot and its row of final values (means
+    of the last steps of its metrics.jsonl); the SFT stage has neither."""
+    from test_report_dpo import dpo_table
+
+    from vlmcore.report.scaling import DPO_FINAL_STEPS
+
+    report = demo / RESULTS / "report"
+    md = (report / "SCALABILITY.md").read_text()
+    assert "![DPO stage stage2: loss, rewards, margin and accuracy](plots/dpo_stage2.png)" in md
+    assert (report / "plots" / "dpo_stage2.png").stat().st_size > 10_000
+    assert not (report / "plots" / "dpo_stage1.png").exists()
+    table = dpo_table(md)
+    assert list(table) == ["stage2"]
+    final = read_jsonl(demo / RESULTS / "train" / "stage2" / "metrics.jsonl")[-DPO_FINAL_STEPS:]
+    steps, *values = table["stage2"]
+    assert int(steps) == 150
+    keys = ("dpo_loss", "dpo_chosen_reward", "dpo_rejected_reward", "dpo_margin", "dpo_accuracy")
+    for key, value in zip(keys, values, strict=True):
+        expected = sum(m[key] for m in final) / len(final)
+        assert abs(float(value) - expected) <= 1e-3, (key, value, expected)

@@ -336,3 +336,16 @@ def test_an_evaluation_job_is_split_over_eval_nproc_processes(tmp_path):
         )
     default = plan_demo(tmp_path, "eval").stdout
     assert "TRANSFORMERS_OFFLINE=1 vlmcore eval --model" in default and "torchrun --standalone" not in default
+
+
+def test_a_lora_stage_is_exported_with_its_peft_adapter(tmp_path):
+    """A stage with lora.rank > 0: its export job also writes the adapters as a peft adapter
+    directory inside the export (hf/<stage>/peft_adapter); a stage without LoRA writes none."""
+    overlay = {"train": {"stages": {"stage2": {"lora": {"rank": 4, "alpha": 8}}}}}
+    stdout = plan_demo(tmp_path, "hf", "--forceall", overlay=overlay).stdout
+    exports = [line for line in stdout.splitlines() if "vlmcore export " in line]
+    assert len(exports) == 2, exports
+    stage1, stage2 = sorted(exports, key=lambda line: "train/stage2/final" in line)
+    assert "--out results/demo/hf/stage2 " in stage2
+    assert " --peft-adapter results/demo/hf/stage2/peft_adapter " in stage2
+    assert "--out results/demo/hf/stage1 " in stage1 and "--peft-adapter" not in stage1

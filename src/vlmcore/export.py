@@ -330,7 +330,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--peft-adapter",
         metavar="DIR",
-        help="a LoRA stage: also write its adapters as a peft adapter directory to DIR (--out gets the merged model)",
+        help="a LoRA stage: also write its adapters as a peft adapter directory to DIR (--out gets the merged "
+        "model; DIR may be inside it)",
     )
     parser.add_argument(
         "--packed-data",
@@ -340,9 +341,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.peft_adapter:
-        adapter = export_peft_adapter(args.checkpoint, args.model, args.peft_adapter)
-        print(f"exported the LoRA adapters of {args.checkpoint} -> {adapter} (peft adapter directory)")
     dtype = DTYPES[args.dtype] if args.dtype else None
     out = export_hf(
         args.checkpoint,
@@ -356,4 +354,9 @@ def run(args: argparse.Namespace) -> int:
     )
     files = sorted(p.name for p in out.iterdir())
     print(f"exported {args.checkpoint} -> {out}: {', '.join(files)}")
+    # After the merged model: --out is replaced as a whole, and the adapter directory may be inside it
+    # (the workflow's hf/<stage>/peft_adapter).
+    if args.peft_adapter:
+        adapter = export_peft_adapter(args.checkpoint, args.model, args.peft_adapter)
+        print(f"exported the LoRA adapters of {args.checkpoint} -> {adapter} (peft adapter directory)")
     return 0

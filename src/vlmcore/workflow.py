@@ -277,6 +277,20 @@ class Experiment:
             "packed": self.path("packed", self.config["train"]["stages"][stage]["dataset"]),
         }
 
+    def peft_adapter(self, stage: str) -> str | None:
+        """Where the export of a LoRA stage (`lora.rank` > 0) writes its adapters as a peft adapter
+        directory: `peft_adapter/` inside the stage's export hf/<stage>, beside the merged model
+        that the evaluation reads. None for a stage without LoRA."""
+        lora = self.stage_config(stage).get("lora") or {}
+        if not lora.get("rank"):
+            return None
+        return self.path("hf", stage, "peft_adapter")
+
+    def export_adapter_args(self, stage: str) -> str:
+        """The `vlmcore export` arguments that write `peft_adapter(stage)` (none without LoRA)."""
+        adapter = self.peft_adapter(stage)
+        return f"--peft-adapter {shlex.quote(adapter)}" if adapter else ""
+
     def eval_inputs(self, stage: str, task: str, benchmarks: Collection[str]) -> dict:
         """The evaluation of `task` on the export of `stage`: the export, the demo's held-out file
         for the demo tasks, and the staged data of a public benchmark (one of `benchmarks`, the

@@ -1,5 +1,6 @@
 rule export_hf:
-    # Every exported stage (export.stage and the stages before it) gets its own directory.
+    # Every exported stage (export.stage and the stages before it) gets its own directory; a LoRA
+    # stage's export also holds its adapters as a peft adapter directory, hf/<stage>/peft_adapter.
     input:
         done=f"{R}/train/{{stage}}/done",
         model=f"{R}/model/manifest.json",
@@ -13,6 +14,7 @@ rule export_hf:
         max_shard_size=config["export"]["max_shard_size"],
         # The video sampling the stage's data was packed with (pack.video), for the export.
         packed=lambda wc: EXP.export_provenance(wc.stage)["packed"],
+        peft_adapter=lambda wc: EXP.export_adapter_args(wc.stage),
     log:
         f"{R}/logs/export_hf/{{stage}}.log",
     resources:
@@ -22,4 +24,4 @@ rule export_hf:
     shell:
         "vlmcore export --checkpoint {params.checkpoint} --model {params.model} --out {output}"
         " {params.stage_configs} {params.data_stats} --packed-data {params.packed}"
-        " --max-shard-size {params.max_shard_size} > {log} 2>&1"
+        " --max-shard-size {params.max_shard_size} {params.peft_adapter} > {log} 2>&1"

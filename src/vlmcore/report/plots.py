@@ -1,4 +1,4 @@
-"""PNG plots of the report: scaling, training curves, eval summary.
+"""PNG plots of the report: scaling, training curves, DPO curves, eval summary.
 
 Figures are built with matplotlib's object API (no pyplot state, no display needed) and saved at
 150 dpi. Every axis names its quantity and unit; every plot with more than one series has a legend.
@@ -248,4 +248,55 @@ def plot_eval_summary(scores: pd.DataFrame, runs: list[str], path: Path) -> Path
     for ax in axes[len(tasks) :]:
         ax.set_visible(False)
     fig.suptitle("Evaluation across stages")
+    return _save(fig, path)
+
+
+def _raw_and_mean(ax: Axes, steps: pd.Series, values: pd.Series, color: str, label: str) -> None:
+    """A noisy per-step series: thin as logged, and bold as a rolling mean once there are 20 steps."""
+    if len(values) < 20:
+        ax.plot(steps, values, color=color, linewidth=1.5, label=label)
+        return
+    window = max(5, len(values) // 20)
+    ax.plot(steps, values, color=color, alpha=0.3, linewidth=0.8)
+    ax.plot(
+        steps,
+        values.rolling(window, min_periods=1).mean(),
+        color=color,
+        linewidth=2,
+        label=f"{label} (mean of {window} steps)",
+    )
+
+
+def plot_dpo_curves(stage: str, metrics: pd.DataFrame, path: Path) -> Path:
+    """A DPO stage's pair metrics over its steps (metrics.jsonl's `dpo_*` keys): the loss against
+    log 2 (the policy equal to its reference), the chosen and rejected rewards, their margin, and
+    the accuracy against chance."""
+    fig = Figure(figsize=(12, 8))
+    loss_ax, reward_ax, margin_ax, accuracy_ax = fig.subplots(2, 2, sharex=True).ravel()
+    steps = metrics["step"]
+
+    def values(key: str) -> pd.Series:
+        return pd.to_numeric(metrics[key], errors="coerce")
+
+    _raw_and_mean(loss_ax, steps, values("dpo_loss"), "C0", "loss")
+    loss_ax.axhline(np.log(2), color="gray", linestyle="--", linewidth=1, label="log 2 (policy = reference)")
+    loss_ax.set_ylabel("DPO loss (mean over the step's pairs)")
+    _raw_and_mean(reward_ax, steps, values("dpo_chosen_reward"), "C2", "chosen")
+    _raw_and_mean(reward_ax, steps, values("dpo_rejected_reward"), "C3", "rejected")
+    reward_ax.axhline(0, color="gray", linestyle="--", linewidth=1)
+    reward_ax.set_ylabel("Implicit reward (beta x log-ratio to the reference)")
+    _raw_and_mean(margin_ax, steps, values("dpo_margin"), "C1", "margin")
+    margin_ax.axhline(0, color="gray", linestyle="--", linewidth=1)
+    margin_ax.set_ylabel("Reward margin (chosen - rejected)")
+    _raw_and_mean(accuracy_ax, steps, values("dpo_accuracy"), "C4", "accuracy")
+    accuracy_ax.axhline(0.5, color="gray", linestyle="--", linewidth=1, label="chance")
+    accuracy_ax.set_ylim(-0.05, 1.05)
+    accuracy_ax.yaxis.set_major_formatter(PercentFormatter(xmax=1))
+    accuracy_ax.set_ylabel("Pairs whose chosen reward is the larger")
+    for ax in (loss_ax, reward_ax, margin_ax, accuracy_ax):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=9)
+    for ax in (margin_ax, accuracy_ax):
+        ax.set_xlabel("Optimizer step")
+    fig.suptitle(f"DPO stage {stage}: training pairs")
     return _save(fig, path)

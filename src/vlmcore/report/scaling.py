@@ -13,7 +13,7 @@ Output directory:
   layouts.csv            predicted step time of each per-module layout, per training stage with
                          module times (vlmcore.report.layouts)
   plots/*.png            scaling_throughput, scaling_efficiency, scaling_flops, scaling_memory,
-                         training_curves, eval_summary
+                         training_curves, dpo_<stage> (each DPO stage), eval_summary
   SCALABILITY.md         tables, plots, hardware and the exact settings of every run
 """
 
@@ -105,6 +105,18 @@ MOE_KEYS = {
     "moe_aux_loss": ("MoE aux loss (mean of last 10)", ".4g"),
     "moe_load_imbalance": ("expert load imbalance, max/mean (mean of last 10)", ".2f"),
 }
+# DPO stages (metrics.jsonl has the pair metrics of vlmcore.train.dpo.pair_metrics): final values
+# are the means of the last DPO_FINAL_STEPS steps, as the training table's final loss.
+DPO_FINAL_STEPS = 10
+DPO_MD_COLUMNS = {
+    "stage": ("stage", ""),
+    "steps": ("steps", "d"),
+    "dpo_loss": ("loss", ".4f"),
+    "dpo_chosen_reward": ("chosen reward", ".4f"),
+    "dpo_rejected_reward": ("rejected reward", ".4f"),
+    "dpo_margin": ("margin", ".4f"),
+    "dpo_accuracy": ("accuracy", ".3f"),
+}
 LAYOUT_MD_COLUMNS = {
     "layout": ("layout", ""),
     "vision_s": ("vision s", ".3f"),
@@ -141,6 +153,40 @@ def training_summary(stages: dict[str, pd.DataFrame]) -> list[dict]:
             }
         )
     return rows
+
+
+def dpo_summary(stage: str, metrics: pd.DataFrame) -> dict:
+    """A DPO stage's row of the DPO table: its steps and each pair metric's mean over the last
+    DPO_FINAL_STEPS steps."""
+    row = {"stage": stage, "steps": int(metrics["step"].iloc[-1])}
+    for key in DPO_MD_COLUMNS:
+        if key.startswith("dpo_"):
+            row[key] = float(pd.to_numeric(metrics[key], errors="coerce").tail(DPO_FINAL_STEPS).mean())
+    return row
+
+
+def dpo_section(stages: dict[str, pd.DataFrame], out: Path) -> list[str]:
+    """Plots each DPO stage's pair metrics (plots/dpo_<stage>.png); returns the markdown of the DPO
+    section (empty without DPO stages): the table of final values and the plots."""
+    dpo_stages = {stage: m for stage, m in stages.items() if "dpo_loss" in m}
+    if not dpo_stages:
+        return []
+    rows = [dpo_summary(stage, m) for stage, m in dpo_stages.items()]
+    md = [
+        "## DPO",
+        "",
+        "Per DPO stage, its training pairs' metrics: the loss, the implicit rewards beta x (policy - reference) "
+        "log-probability of the chosen and the rejected answers, their margin, and the accuracy (the share of pairs "
+        f"whose chosen reward is the larger); final values are means of the last {DPO_FINAL_STEPS} steps. On the "
+        "first step the policy is its reference: loss log 2 = 0.693, rewards 0 (docs/post-training.md).",
+        "",
+        markdown_table(rows, DPO_MD_COLUMNS),
+        "",
+    ]
+    for stage, metrics in dpo_stages.items():
+        plots.plot_dpo_curves(stage, metrics, out / f"plots/dpo_{stage}.png")
+        md += [f"![DPO stage {stage}: loss, rewards, margin and accuracy](plots/dpo_{stage}.png)", ""]
+    return md
 
 
 def layout_section(stages: dict, warmup_steps: int, cluster: Cluster) -> tuple[list[str], list[dict]]:
@@ -296,6 +342,7 @@ def write_report(
             "![Loss, learning rate, gradient norm and throughput per stage](plots/training_curves.png)",
             "",
         ]
+        md += dpo_section(stages, out)
         layout_md, layout_rows = layout_section(
             {stage: (m, settings_of(train[stage])) for stage, m in stages.items()}, warmup_steps, cluster
         )

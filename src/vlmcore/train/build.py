@@ -24,7 +24,6 @@ from vlmcore.config import ConfigError, TrainConfig
 from vlmcore.families import family
 from vlmcore.models import build_model, load_hf_weights, use_backends
 from vlmcore.models.lora import add_adapters, init_adapters
-from vlmcore.models.moe import moe_blocks
 from vlmcore.parallel.disjoint import DisjointBridge
 from vlmcore.parallel.layout import RunLayout
 from vlmcore.parallel.mesh import Meshes
@@ -202,8 +201,6 @@ def use_dpo(run: Run, load: bool = True) -> None:
     """The run's step trains on preference pairs against a frozen reference (vlmcore.train.dpo): a
     copy of the starting weights (`load`: see `build_reference`), or the policy itself with its
     LoRA adapters off."""
-    if moe_blocks(run.model):
-        raise ConfigError("objective: dpo is not available for mixture-of-experts models yet", "objective")
     dpo = run.cfg.dpo
     if dpo.reference == "adapters_off":
         reference: Reference = AdaptersOffReference(run.model, run.cfg.loss_chunk_tokens, run.step.vision_dummy)
