@@ -31,8 +31,6 @@ def base(**overrides):
     [
         (dict(lora={"rank": 4}, trainable=["model.visual.*"]), "trainable"),
         (dict(lora={"rank": 4, "experts": False, "targets": []}), "lora.targets"),
-        (dict(lora={"rank": 4}, parallel={"tp": 2}), "parallel.tp"),
-        (dict(lora={"rank": 4}, parallel={"ep": 2}), "parallel.ep"),
         (dict(lora={"rank": 4, "alpha": 0}), "lora.alpha"),
         (dict(lora={"rank": -1}), "lora.rank"),
     ],
@@ -41,6 +39,12 @@ def test_bad_lora_settings_are_refused_by_key(overrides, key):
     with pytest.raises(ConfigError) as error:
         from_dict(base(**overrides))
     assert error.value.key == key
+
+
+def test_lora_settings_load_under_tensor_and_expert_parallelism():
+    parallel = {"tp": 2, "ep": 2, "modules": {"vision": {"tp": 2}}}
+    cfg = from_dict(base(lora={"rank": 4}, parallel=parallel))
+    assert (cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.modules.vision.tp) == (2, 2, 2)
 
 
 def test_lora_settings_load_with_their_defaults():

@@ -334,14 +334,6 @@ def _lora_rules() -> list[Rule]:
             "must hold a pattern when lora.rank > 0 and lora.experts is false (else nothing would train)",
             lambda v, c: c.lora.rank == 0 or c.lora.experts or bool(v),
         ),
-        *[
-            (
-                f"parallel.{key}",
-                "must be 1 when lora.rank > 0 (LoRA has no tensor- or expert-parallel plan yet)",
-                lambda v, c: c.lora.rank == 0 or v in (1, None),
-            )
-            for key in ("tp", "ep", "modules.vision.tp", "modules.language.tp")
-        ],
     ]
 
 
