@@ -17,7 +17,13 @@ ALPHA, RANK = 8.0, 4
 LORA = {
     "rank": RANK,
     "alpha": ALPHA,
-    "targets": ["*.self_attn.[qv]_proj", "model.visual.blocks.*.attn.qkv", "model.visual.merger.linear_fc1"],
+    # Column- and row-parallel linears under TP (q/v, o, the vision blocks' qkv and proj under vision TP).
+    "targets": [
+        "*.self_attn.[qvo]_proj",
+        "model.visual.blocks.*.attn.qkv",
+        "model.visual.blocks.*.attn.proj",
+        "model.visual.merger.linear_fc1",
+    ],
     "experts": True,
 }
 
@@ -77,6 +83,15 @@ def runs(tmp_path_factory):
     return tmp_path, snapshot
 
 
+def is_adapter_checkpoint(checkpoint):
+    """Whether a checkpoint's model and optimizer state are the adapters' alone."""
+    model_keys = [k.removeprefix("model.") for k in checkpoint if k.startswith("model.")]
+    optimizer_params = {
+        k.removeprefix("optim.state.").rpartition(".")[0] for k in checkpoint if k.startswith("optim.state.")
+    }
+    return bool(model_keys) and all(is_adapter(k) for k in [*model_keys, *optimizer_params])
+
+
 @pytest.mark.slow
 def test_only_adapters_train_and_are_checkpointed(runs):
     tmp_path, snapshot = runs
@@ -111,12 +126,9 @@ def test_only_adapters_train_and_are_checkpointed(runs):
             assert torch.equal(tensor, initial[name]), name
 
 
-@pytest.mark.slow
-def test_resume_from_an_adapter_checkpoint_is_exact(runs):
-    """The run resumed at step 3 from adapters and optimizer state only (the base from the snapshot)
-    ends bit for bit like the uninterrupted one."""
-    tmp_path, snapshot = runs
-    resumed = tmp_path / "resumed"
+def stopped_at_step_3(tmp_path, name):
+    """A copy of the one-process run's directory as if it had stopped after its step 3 checkpoint."""
+    resumed = tmp_path / name
     shutil.copytree(tmp_path / "one", resumed)
     shutil.rmtree(resumed / "final")
     shutil.rmtree(resumed / "checkpoints" / "step_6")
@@ -124,6 +136,15 @@ def test_resume_from_an_adapter_checkpoint_is_exact(runs):
     (resumed / "checkpoints" / "latest").write_text("step_3")
     metrics = resumed / "metrics.jsonl"
     metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:3]))
+    return resumed
+
+
+@pytest.mark.slow
+def test_resume_from_an_adapter_checkpoint_is_exact(runs):
+    """The run resumed at step 3 from adapters and optimizer state only (the base from the snapshot)
+    ends bit for bit like the uninterrupted one."""
+    tmp_path, snapshot = runs
+    resumed = stopped_at_step_3(tmp_path, "resumed")
     cfg = lora_config(tmp_path, snapshot, "resumed", checkpoint={"interval": 3, "keep": 2})
     proc = train(1, cfg)
     assert "resumed from" in proc.stdout and "at step 3" in proc.stdout
@@ -177,25 +198,34 @@ def test_export_writes_a_peft_adapter_that_gives_the_merged_models_logits(runs):
 
 
 # Other plans a LoRA stage runs under, each against the one-process eager run: activation
-# checkpointing (the adapters inside the recomputed blocks), compiled blocks and context parallelism.
+# checkpointing (the adapters inside the recomputed blocks), compiled blocks, context parallelism,
+# tensor parallelism (of the language model, and of the vision tower too), expert parallelism, and
+# the one-process run resumed at step 3 under TP (its adapters and optimizer state loaded into the
+# TP placements, its step 6 checkpoint written from them).
 PLANS = {
     "ac_full": (1, {"parallel": {"activation_checkpointing": "full"}}),
     "ac_selective": (1, {"parallel": {"activation_checkpointing": "selective"}}),
     "compiled": (1, {"parallel": {"compile": True}}),
     "cp2": (2, {"parallel": {"cp": 2}}),
+    "tp2": (2, {"parallel": {"tp": 2}}),
+    "tp2_vision_tp2": (2, {"parallel": {"tp": 2, "modules": {"vision": {"tp": 2}}}}),
+    "ep2": (2, {"parallel": {"ep": 2}}),
+    "tp2_resumed": (2, {"parallel": {"tp": 2}, "checkpoint": {"interval": 3, "keep": 2}}),
 }
 
 
 @pytest.fixture(scope="module")
 def plans(runs):
     tmp_path, snapshot = runs
+    stopped_at_step_3(tmp_path, "tp2_resumed")
     for nproc in sorted({nproc for nproc, _ in PLANS.values()}):
         configs = [
-            lora_config(tmp_path, snapshot, name, checkpoint={"enabled": False}, **overrides)
+            lora_config(tmp_path, snapshot, name, **{"checkpoint": {"enabled": False}, **overrides})
             for name, (size, overrides) in PLANS.items()
             if size == nproc
         ]
-        train_cases(nproc, configs, timeout=len(configs) * 300)
+        proc = train_cases(nproc, configs, timeout=len(configs) * 300)
+        (tmp_path / f"plans_{nproc}.out").write_text(proc.stdout)
     return tmp_path
 
 
@@ -210,6 +240,34 @@ def test_lora_run_under_another_plan_equals_one_process(plans, name):
     assert final.keys() == ref_final.keys()
     for key in ref_final:
         torch.testing.assert_close(final[key], ref_final[key], rtol=1e-4, atol=1e-4, msg=key)
+
+
+@pytest.mark.slow
+def test_a_run_resumed_under_tp_starts_from_the_one_process_checkpoint(plans):
+    """The tp2_resumed plan (compared with the uninterrupted run above) did resume, and wrote its
+    own step 6 checkpoint from the TP placements."""
+    out = plans / "tp2_resumed"
+    assert f"resumed from {out / 'checkpoints' / 'step_3'} at step 3" in (plans / "plans_2.out").read_text()
+    assert is_adapter_checkpoint(load_dcp(out / "checkpoints" / "step_6"))
+
+
+@pytest.mark.slow
+def test_export_of_a_tensor_parallel_run_gives_the_one_process_peft_adapter(plans):
+    """`vlmcore export --peft-adapter` of the TP run's final/ (adapters saved from their TP placements)
+    writes the one-process run's adapter."""
+    from vlmcore.cli import main
+
+    tmp_path = plans
+    adapters = {}
+    for name in ("one", "tp2"):
+        out = tmp_path / f"export_{name}"
+        args = ["export", "--checkpoint", str(tmp_path / name / "final"), "--model", str(tmp_path / "model")]
+        assert main([*args, "--out", str(out / "merged"), "--peft-adapter", str(out / "adapter")]) == 0
+        adapters[name] = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert adapters["tp2"].keys() == adapters["one"].keys()
+    assert any("experts" in key for key in adapters["one"]) and any("o_proj" in key for key in adapters["one"])
+    for key, tensor in adapters["one"].items():
+        torch.testing.assert_close(adapters["tp2"][key], tensor, rtol=1e-4, atol=1e-4, msg=key)
 
 
 @pytest.mark.slow
