@@ -60,7 +60,7 @@ def test_lora_settings_load_with_their_defaults():
     assert from_dict(base()).lora.rank == 0  # no LoRA unless asked
 
 
-def lora_config(tmp_path, snapshot, name, **overrides):
+def lora_config(tmp_path, snapshot, name, lora=LORA, **overrides):
     return write_config(
         tmp_path / f"{name}.yaml",
         snapshot,
@@ -68,7 +68,7 @@ def lora_config(tmp_path, snapshot, name, **overrides):
         steps=STEPS,
         global_batch_rows=2,  # one row a rank on 2 ranks, two micro-batches on one
         optimizer={"lr": 1.0e-2, "weight_decay": 0.01},
-        lora=LORA,
+        lora=lora,
         **overrides,
     )
 
@@ -214,16 +214,37 @@ PLANS = {
 }
 
 
+# Qwen3.5's mixers under TP: the fused in_proj_qkv stays whole on each rank, which adapts its
+# heads' rows (the adapters' gradients partial per rank), in_proj_z column- and out_proj row-parallel.
+QWEN3_5_LORA = {
+    "rank": RANK,
+    "alpha": ALPHA,
+    "targets": ["*.linear_attn.in_proj_qkv", "*.linear_attn.in_proj_z", "*.linear_attn.out_proj", "*.mlp.down_proj"],
+    "experts": False,
+}
+
+
+def qwen3_5_configs(tmp_path):
+    """(one-process config, tp 2 config) of a Qwen3.5 LoRA stage."""
+    snapshot = tiny_snapshot("qwen3_5", tmp_path / "qwen3_5_model")
+    return [
+        lora_config(tmp_path, snapshot, name, lora=QWEN3_5_LORA, checkpoint={"enabled": False}, parallel=parallel)
+        for name, parallel in (("qwen3_5_one", {}), ("qwen3_5_tp2", {"tp": 2}))
+    ]
+
+
 @pytest.fixture(scope="module")
 def plans(runs):
     tmp_path, snapshot = runs
     stopped_at_step_3(tmp_path, "tp2_resumed")
+    qwen3_5_one, qwen3_5_tp2 = qwen3_5_configs(tmp_path)
     for nproc in sorted({nproc for nproc, _ in PLANS.values()}):
         configs = [
             lora_config(tmp_path, snapshot, name, **{"checkpoint": {"enabled": False}, **overrides})
             for name, (size, overrides) in PLANS.items()
             if size == nproc
         ]
+        configs.append(qwen3_5_one if nproc == 1 else qwen3_5_tp2)
         proc = train_cases(nproc, configs, timeout=len(configs) * 300)
         (tmp_path / f"plans_{nproc}.out").write_text(proc.stdout)
     return tmp_path
@@ -238,6 +259,20 @@ def test_lora_run_under_another_plan_equals_one_process(plans, name):
     torch.testing.assert_close(torch.tensor(trajectory), torch.tensor(reference), rtol=1e-5, atol=1e-5)
     ref_final, final = load_dcp(tmp_path / "one" / "final"), load_dcp(tmp_path / name / "final")
     assert final.keys() == ref_final.keys()
+    for key in ref_final:
+        torch.testing.assert_close(final[key], ref_final[key], rtol=1e-4, atol=1e-4, msg=key)
+
+
+@pytest.mark.slow
+def test_qwen3_5_lora_run_under_tp_equals_one_process(plans):
+    tmp_path = plans
+    reference = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / "qwen3_5_one")]
+    trajectory = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / "qwen3_5_tp2")]
+    assert len(reference) == STEPS
+    torch.testing.assert_close(torch.tensor(trajectory), torch.tensor(reference), rtol=1e-5, atol=1e-5)
+    ref_final, final = load_dcp(tmp_path / "qwen3_5_one" / "final"), load_dcp(tmp_path / "qwen3_5_tp2" / "final")
+    assert final.keys() == ref_final.keys()
+    assert any(key.endswith("in_proj_qkv.lora_A") for key in final)
     for key in ref_final:
         torch.testing.assert_close(final[key], ref_final[key], rtol=1e-4, atol=1e-4, msg=key)
 
