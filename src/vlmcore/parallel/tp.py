@@ -25,6 +25,11 @@ attention `proj` and MLP `linear_fc2` are row-parallel and `linear_fc1` column-p
 fused `attn.qkv` stays whole (`OwnHeadsLinear`), and the residual stream replicated: the vision
 TP group runs the tower on the same images (vlmcore.parallel.bridge).
 
+A LoRA linear (vlmcore.models.lora) is split as its base: `ColwiseParallel` and `RowwiseParallel`
+here are torch's, also distributing the adapters (column-parallel: B Shard(0), A whole; row-parallel:
+A Shard(1), B whole), so its forward computes the update with DTensors of the same output layout as
+the base's. The vision qkv's B takes its heads' rows as the weight does (`OwnHeadsLoraLinear`).
+
 Parameters that are whole on every TP rank but used for local heads only (per-head q/k norms,
 the gated norm and the rows read by the linear-attention mixers) get partial gradients on each
 rank; `apply_tp` returns them, as (module, attribute name) since FSDP later replaces the
@@ -63,11 +68,13 @@ LINEAR_ATTN_PARTIAL = (
 )
 
 
-def _distribute_parameters(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement]) -> None:
+def _distribute_parameters(
+    module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement], src_data_rank: int | None
+) -> None:
     """The module's own parameters (not its children's: a LoRA linear's dropout module is one) as
     DTensors of the placements named; a plain linear has no `lora_A` / `lora_B`."""
     for name, param in list(module.named_parameters(recurse=False)):
-        sharded = distribute_tensor(param, mesh, [placements[name]])
+        sharded = distribute_tensor(param, mesh, [placements[name]], src_data_rank=src_data_rank)
         module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
@@ -79,7 +86,7 @@ class ColwiseParallel(TorchColwiseParallel):
     PLACEMENTS = {"weight": Shard(0), "bias": Shard(0), "lora_A": Replicate(), "lora_B": Shard(0)}
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        _distribute_parameters(module, device_mesh, self.PLACEMENTS)
+        _distribute_parameters(module, device_mesh, self.PLACEMENTS, self.src_data_rank)
 
 
 class RowwiseParallel(TorchRowwiseParallel):
@@ -90,7 +97,7 @@ class RowwiseParallel(TorchRowwiseParallel):
     PLACEMENTS = {"weight": Shard(1), "bias": Replicate(), "lora_A": Shard(1), "lora_B": Replicate()}
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        _distribute_parameters(module, device_mesh, self.PLACEMENTS)
+        _distribute_parameters(module, device_mesh, self.PLACEMENTS, self.src_data_rank)
 
 
 def sum_grad_over(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
