@@ -17,7 +17,13 @@ ALPHA, RANK = 8.0, 4
 LORA = {
     "rank": RANK,
     "alpha": ALPHA,
-    "targets": ["*.self_attn.[qv]_proj", "model.visual.blocks.*.attn.qkv", "model.visual.merger.linear_fc1"],
+    # Column- and row-parallel linears under TP (q/v, o, the vision blocks' qkv and proj under vision TP).
+    "targets": [
+        "*.self_attn.[qvo]_proj",
+        "model.visual.blocks.*.attn.qkv",
+        "model.visual.blocks.*.attn.proj",
+        "model.visual.merger.linear_fc1",
+    ],
     "experts": True,
 }
 
@@ -31,8 +37,6 @@ def base(**overrides):
     [
         (dict(lora={"rank": 4}, trainable=["model.visual.*"]), "trainable"),
         (dict(lora={"rank": 4, "experts": False, "targets": []}), "lora.targets"),
-        (dict(lora={"rank": 4}, parallel={"tp": 2}), "parallel.tp"),
-        (dict(lora={"rank": 4}, parallel={"ep": 2}), "parallel.ep"),
         (dict(lora={"rank": 4, "alpha": 0}), "lora.alpha"),
         (dict(lora={"rank": -1}), "lora.rank"),
     ],
@@ -43,6 +47,12 @@ def test_bad_lora_settings_are_refused_by_key(overrides, key):
     assert error.value.key == key
 
 
+def test_lora_settings_load_under_tensor_and_expert_parallelism():
+    parallel = {"tp": 2, "ep": 2, "modules": {"vision": {"tp": 2}}}
+    cfg = from_dict(base(lora={"rank": 4}, parallel=parallel))
+    assert (cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.modules.vision.tp) == (2, 2, 2)
+
+
 def test_lora_settings_load_with_their_defaults():
     cfg = from_dict(base(lora={"rank": 8}))
     assert (cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.experts) == (8, 16.0, 0.0, True)
@@ -50,7 +60,7 @@ def test_lora_settings_load_with_their_defaults():
     assert from_dict(base()).lora.rank == 0  # no LoRA unless asked
 
 
-def lora_config(tmp_path, snapshot, name, **overrides):
+def lora_config(tmp_path, snapshot, name, lora=LORA, **overrides):
     return write_config(
         tmp_path / f"{name}.yaml",
         snapshot,
@@ -58,7 +68,7 @@ def lora_config(tmp_path, snapshot, name, **overrides):
         steps=STEPS,
         global_batch_rows=2,  # one row a rank on 2 ranks, two micro-batches on one
         optimizer={"lr": 1.0e-2, "weight_decay": 0.01},
-        lora=LORA,
+        lora=lora,
         **overrides,
     )
 
@@ -71,6 +81,15 @@ def runs(tmp_path_factory):
     train(1, lora_config(tmp_path, snapshot, "one", checkpoint={"interval": 3, "keep": 2}))
     train_cases(2, [lora_config(tmp_path, snapshot, "fsdp2", checkpoint={"enabled": False})])
     return tmp_path, snapshot
+
+
+def is_adapter_checkpoint(checkpoint):
+    """Whether a checkpoint's model and optimizer state are the adapters' alone."""
+    model_keys = [k.removeprefix("model.") for k in checkpoint if k.startswith("model.")]
+    optimizer_params = {
+        k.removeprefix("optim.state.").rpartition(".")[0] for k in checkpoint if k.startswith("optim.state.")
+    }
+    return bool(model_keys) and all(is_adapter(k) for k in [*model_keys, *optimizer_params])
 
 
 @pytest.mark.slow
@@ -107,12 +126,9 @@ def test_only_adapters_train_and_are_checkpointed(runs):
             assert torch.equal(tensor, initial[name]), name
 
 
-@pytest.mark.slow
-def test_resume_from_an_adapter_checkpoint_is_exact(runs):
-    """The run resumed at step 3 from adapters and optimizer state only (the base from the snapshot)
-    ends bit for bit like the uninterrupted one."""
-    tmp_path, snapshot = runs
-    resumed = tmp_path / "resumed"
+def stopped_at_step_3(tmp_path, name):
+    """A copy of the one-process run's directory as if it had stopped after its step 3 checkpoint."""
+    resumed = tmp_path / name
     shutil.copytree(tmp_path / "one", resumed)
     shutil.rmtree(resumed / "final")
     shutil.rmtree(resumed / "checkpoints" / "step_6")
@@ -120,6 +136,15 @@ def test_resume_from_an_adapter_checkpoint_is_exact(runs):
     (resumed / "checkpoints" / "latest").write_text("step_3")
     metrics = resumed / "metrics.jsonl"
     metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:3]))
+    return resumed
+
+
+@pytest.mark.slow
+def test_resume_from_an_adapter_checkpoint_is_exact(runs):
+    """The run resumed at step 3 from adapters and optimizer state only (the base from the snapshot)
+    ends bit for bit like the uninterrupted one."""
+    tmp_path, snapshot = runs
+    resumed = stopped_at_step_3(tmp_path, "resumed")
     cfg = lora_config(tmp_path, snapshot, "resumed", checkpoint={"interval": 3, "keep": 2})
     proc = train(1, cfg)
     assert "resumed from" in proc.stdout and "at step 3" in proc.stdout
@@ -173,25 +198,55 @@ def test_export_writes_a_peft_adapter_that_gives_the_merged_models_logits(runs):
 
 
 # Other plans a LoRA stage runs under, each against the one-process eager run: activation
-# checkpointing (the adapters inside the recomputed blocks), compiled blocks and context parallelism.
+# checkpointing (the adapters inside the recomputed blocks), compiled blocks, context parallelism,
+# tensor parallelism (of the language model, and of the vision tower too), expert parallelism, and
+# the one-process run resumed at step 3 under TP (its adapters and optimizer state loaded into the
+# TP placements, its step 6 checkpoint written from them).
 PLANS = {
     "ac_full": (1, {"parallel": {"activation_checkpointing": "full"}}),
     "ac_selective": (1, {"parallel": {"activation_checkpointing": "selective"}}),
     "compiled": (1, {"parallel": {"compile": True}}),
     "cp2": (2, {"parallel": {"cp": 2}}),
+    "tp2": (2, {"parallel": {"tp": 2}}),
+    "tp2_vision_tp2": (2, {"parallel": {"tp": 2, "modules": {"vision": {"tp": 2}}}}),
+    "ep2": (2, {"parallel": {"ep": 2}}),
+    "tp2_resumed": (2, {"parallel": {"tp": 2}, "checkpoint": {"interval": 3, "keep": 2}}),
 }
+
+
+# Qwen3.5's mixers under TP: the fused in_proj_qkv stays whole on each rank, which adapts its
+# heads' rows (the adapters' gradients partial per rank), in_proj_z column- and out_proj row-parallel.
+QWEN3_5_LORA = {
+    "rank": RANK,
+    "alpha": ALPHA,
+    "targets": ["*.linear_attn.in_proj_qkv", "*.linear_attn.in_proj_z", "*.linear_attn.out_proj", "*.mlp.down_proj"],
+    "experts": False,
+}
+
+
+def qwen3_5_configs(tmp_path):
+    """(one-process config, tp 2 config) of a Qwen3.5 LoRA stage."""
+    snapshot = tiny_snapshot("qwen3_5", tmp_path / "qwen3_5_model")
+    return [
+        lora_config(tmp_path, snapshot, name, lora=QWEN3_5_LORA, checkpoint={"enabled": False}, parallel=parallel)
+        for name, parallel in (("qwen3_5_one", {}), ("qwen3_5_tp2", {"tp": 2}))
+    ]
 
 
 @pytest.fixture(scope="module")
 def plans(runs):
     tmp_path, snapshot = runs
+    stopped_at_step_3(tmp_path, "tp2_resumed")
+    qwen3_5_one, qwen3_5_tp2 = qwen3_5_configs(tmp_path)
     for nproc in sorted({nproc for nproc, _ in PLANS.values()}):
         configs = [
-            lora_config(tmp_path, snapshot, name, checkpoint={"enabled": False}, **overrides)
+            lora_config(tmp_path, snapshot, name, **{"checkpoint": {"enabled": False}, **overrides})
             for name, (size, overrides) in PLANS.items()
             if size == nproc
         ]
-        train_cases(nproc, configs, timeout=len(configs) * 300)
+        configs.append(qwen3_5_one if nproc == 1 else qwen3_5_tp2)
+        proc = train_cases(nproc, configs, timeout=len(configs) * 300)
+        (tmp_path / f"plans_{nproc}.out").write_text(proc.stdout)
     return tmp_path
 
 
@@ -206,6 +261,48 @@ def test_lora_run_under_another_plan_equals_one_process(plans, name):
     assert final.keys() == ref_final.keys()
     for key in ref_final:
         torch.testing.assert_close(final[key], ref_final[key], rtol=1e-4, atol=1e-4, msg=key)
+
+
+@pytest.mark.slow
+def test_qwen3_5_lora_run_under_tp_equals_one_process(plans):
+    tmp_path = plans
+    reference = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / "qwen3_5_one")]
+    trajectory = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / "qwen3_5_tp2")]
+    assert len(reference) == STEPS
+    torch.testing.assert_close(torch.tensor(trajectory), torch.tensor(reference), rtol=1e-5, atol=1e-5)
+    ref_final, final = load_dcp(tmp_path / "qwen3_5_one" / "final"), load_dcp(tmp_path / "qwen3_5_tp2" / "final")
+    assert final.keys() == ref_final.keys()
+    assert any(key.endswith("in_proj_qkv.lora_A") for key in final)
+    for key in ref_final:
+        torch.testing.assert_close(final[key], ref_final[key], rtol=1e-4, atol=1e-4, msg=key)
+
+
+@pytest.mark.slow
+def test_a_run_resumed_under_tp_starts_from_the_one_process_checkpoint(plans):
+    """The tp2_resumed plan (compared with the uninterrupted run above) did resume, and wrote its
+    own step 6 checkpoint from the TP placements."""
+    out = plans / "tp2_resumed"
+    assert f"resumed from {out / 'checkpoints' / 'step_3'} at step 3" in (plans / "plans_2.out").read_text()
+    assert is_adapter_checkpoint(load_dcp(out / "checkpoints" / "step_6"))
+
+
+@pytest.mark.slow
+def test_export_of_a_tensor_parallel_run_gives_the_one_process_peft_adapter(plans):
+    """`vlmcore export --peft-adapter` of the TP run's final/ (adapters saved from their TP placements)
+    writes the one-process run's adapter."""
+    from vlmcore.cli import main
+
+    tmp_path = plans
+    adapters = {}
+    for name in ("one", "tp2"):
+        out = tmp_path / f"export_{name}"
+        args = ["export", "--checkpoint", str(tmp_path / name / "final"), "--model", str(tmp_path / "model")]
+        assert main([*args, "--out", str(out / "merged"), "--peft-adapter", str(out / "adapter")]) == 0
+        adapters[name] = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert adapters["tp2"].keys() == adapters["one"].keys()
+    assert any("experts" in key for key in adapters["one"]) and any("o_proj" in key for key in adapters["one"])
+    for key, tensor in adapters["one"].items():
+        torch.testing.assert_close(adapters["tp2"][key], tensor, rtol=1e-4, atol=1e-4, msg=key)
 
 
 @pytest.mark.slow

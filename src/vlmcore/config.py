@@ -354,14 +354,6 @@ def _lora_rules() -> list[Rule]:
             "must be none when lora.rank > 0 (the adapted layers would lose their adapters to torchao's swap)",
             lambda v, c: c.lora.rank == 0 or v == "none",
         ),
-        *[
-            (
-                f"parallel.{key}",
-                "must be 1 when lora.rank > 0 (LoRA has no tensor- or expert-parallel plan yet)",
-                lambda v, c: c.lora.rank == 0 or v in (1, None),
-            )
-            for key in ("tp", "ep", "modules.vision.tp", "modules.language.tp")
-        ],
     ]
 
 

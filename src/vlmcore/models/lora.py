@@ -18,8 +18,9 @@ The adapted modules keep their class's parameters under the same names (`q_proj.
 `mlp.experts.gate_up_proj`) and add the adapters beside them (`q_proj.lora_A`, `q_proj.lora_B`,
 `mlp.experts.gate_up_proj_lora_A`, ...): the snapshot IO, the parallel plans by module and the
 checkpoints read the base weights as for full fine-tuning, and an adapter is a plain parameter of
-the module it adapts, so FSDP2 shards it with that module and EP can shard the expert adapters along
-the experts as it does the expert weights. Expert adapters take no dropout: the update is folded
+the module it adapts, so FSDP2 shards it with that module, EP shards the expert adapters along the
+experts as it does the expert weights, and the TP plans split a linear's adapters as its weight
+(vlmcore.parallel.tp: B with a column-parallel weight's rows, A with a row-parallel one's columns). Expert adapters take no dropout: the update is folded
 into the expert weights, which sees no per-token input (peft refuses dropout there too).
 
 `adapters_disabled(model)` runs forwards of the base model alone (a DPO reference model).

@@ -25,6 +25,11 @@ attention `proj` and MLP `linear_fc2` are row-parallel and `linear_fc1` column-p
 fused `attn.qkv` stays whole (`OwnHeadsLinear`), and the residual stream replicated: the vision
 TP group runs the tower on the same images (vlmcore.parallel.bridge).
 
+A LoRA linear (vlmcore.models.lora) is split as its base: `ColwiseParallel` and `RowwiseParallel`
+here are torch's, also distributing the adapters (column-parallel: B Shard(0), A whole; row-parallel:
+A Shard(1), B whole), so its forward computes the update with DTensors of the same output layout as
+the base's. The vision qkv's B takes its heads' rows as the weight does (`OwnHeadsLoraLinear`).
+
 Parameters that are whole on every TP rank but used for local heads only (per-head q/k norms,
 the gated norm and the rows read by the linear-attention mixers) get partial gradients on each
 rank; `apply_tp` returns them, as (module, attribute name) since FSDP later replaces the
@@ -37,26 +42,74 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwiseParallel
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
     PrepareModuleInput,
     PrepareModuleInputOutput,
-    RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
+from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwiseParallel
 
+from vlmcore.models.lora import LoraLinear
 from vlmcore.models.moe import SparseMoeBlock
 
 HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
-# Whole on every TP rank, used for this rank's heads only.
-LINEAR_ATTN_PARTIAL = ("in_proj_qkv.weight", "conv1d.weight", "A_log", "dt_bias", "norm.weight")
+# Whole on every TP rank, used for this rank's heads only (the fused qkv's adapters too, under LoRA).
+LINEAR_ATTN_PARTIAL = (
+    "in_proj_qkv.weight",
+    "in_proj_qkv.lora_A",
+    "in_proj_qkv.lora_B",
+    "conv1d.weight",
+    "A_log",
+    "dt_bias",
+    "norm.weight",
+)
+
+
+def _distribute_parameters(
+    module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement], src_data_rank: int | None
+) -> None:
+    """The module's own parameters (not its children's: a LoRA linear's dropout module is one) as
+    DTensors of the placements named; a plain linear has no `lora_A` / `lora_B`."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        sharded = distribute_tensor(param, mesh, [placements[name]], src_data_rank=src_data_rank)
+        module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+
+class ColwiseParallel(TorchColwiseParallel):
+    """torch's ColwiseParallel (weight and bias Shard(0): output features split) that also splits a
+    LoRA linear's update (models/lora.py) the same way: B (out, rank) Shard(0), A (rank, in) whole
+    (Replicate). The forward computes the update with these DTensors: B A x comes out Shard(-1), as W x."""
+
+    PLACEMENTS = {"weight": Shard(0), "bias": Shard(0), "lora_A": Replicate(), "lora_B": Shard(0)}
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        _distribute_parameters(module, device_mesh, self.PLACEMENTS, self.src_data_rank)
+
+
+class RowwiseParallel(TorchRowwiseParallel):
+    """torch's RowwiseParallel (weight Shard(1): input features split, bias whole; the output a partial
+    sum) that also splits a LoRA linear's update the same way: A (rank, in) Shard(1), B (out, rank)
+    whole. A x is then a partial sum, so is B A x, reduced with W x by the plan's output layout."""
+
+    PLACEMENTS = {"weight": Shard(1), "bias": Replicate(), "lora_A": Shard(1), "lora_B": Replicate()}
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        _distribute_parameters(module, device_mesh, self.PLACEMENTS, self.src_data_rank)
 
 
 def sum_grad_over(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """t, whose gradient is summed over the ranks of `mesh` in backward (each rank's is partial)."""
     return DTensor.from_local(t, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+def _own_rows(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's heads' rows of each third ([q | k | v]) of a whole tensor; in backward the rows'
+    gradients are all-gathered, so the whole tensor's gradient is whole on every rank."""
+    whole = DTensor.from_local(t.view(3, -1, *t.shape[1:]), mesh, [Replicate()], run_check=False)
+    return whole.redistribute(mesh, [Shard(1)]).to_local().flatten(0, 1)
 
 
 class OwnHeadsLinear(nn.Linear):
@@ -72,16 +125,33 @@ class OwnHeadsLinear(nn.Linear):
         return F.linear(sum_grad_over(x, self.tp_mesh), self.own_rows(self.weight), self.own_rows(self.bias))
 
     def own_rows(self, t: torch.Tensor) -> torch.Tensor:
-        whole = DTensor.from_local(t.view(3, -1, *t.shape[1:]), self.tp_mesh, [Replicate()], run_check=False)
-        return whole.redistribute(self.tp_mesh, [Shard(1)]).to_local().flatten(0, 1)
+        return _own_rows(t, self.tp_mesh)
+
+
+class OwnHeadsLoraLinear(LoraLinear):
+    """OwnHeadsLinear of a LoRA qkv (models/lora.py): B's rows are taken as the weight's (their
+    gradients all-gathered); A stays whole, and its gradient, this rank's heads' part, is summed
+    over the TP ranks as x's is. Still a LoraLinear, so the merge and the export find it."""
+
+    tp_mesh: DeviceMesh
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = sum_grad_over(x, self.tp_mesh)
+        y = F.linear(x, _own_rows(self.weight, self.tp_mesh), _own_rows(self.bias, self.tp_mesh))
+        if not self.adapters_enabled:
+            return y
+        lora_a = sum_grad_over(self.lora_A, self.tp_mesh)
+        low_rank = F.linear(self.lora_dropout(x), lora_a)
+        return y + F.linear(low_rank, _own_rows(self.lora_B, self.tp_mesh)) * self.scaling
 
 
 def apply_vision_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Shards the vision blocks of `model` in place over `tp_mesh` (no partial gradients)."""
     for block in model.vision_layers():
         # Same parameters and state-dict names, another forward (as fully_shard swaps classes).
-        block.attn.qkv.__class__ = OwnHeadsLinear
-        block.attn.qkv.tp_mesh = tp_mesh
+        qkv = block.attn.qkv
+        qkv.__class__ = OwnHeadsLoraLinear if isinstance(qkv, LoraLinear) else OwnHeadsLinear
+        qkv.tp_mesh = tp_mesh
         parallelize_module(
             block,
             tp_mesh,
@@ -175,6 +245,9 @@ def _set_local_heads(block: nn.Module, tp_mesh: DeviceMesh) -> None:
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> list[tuple[nn.Module, str]]:
     """Shards `model` in place over `tp_mesh`; returns the (module, attribute name) of every
     parameter whose gradient is a partial sum over the TP ranks."""
+    # torch's SequenceParallel makes new parameters that require gradients: frozen ones (a LoRA
+    # stage's base, `trainable`'s rest) are frozen again at the end.
+    frozen = [name for name, param in model.named_parameters() if not param.requires_grad]
     partial = []
     for block in model.decoder_layers():
         parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))
@@ -185,7 +258,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Tr
             if hasattr(block, "self_attn") and hasattr(block.self_attn, norm.split(".")[1])
         ]
         names += [f"linear_attn.{name}" for name in LINEAR_ATTN_PARTIAL if hasattr(block, "linear_attn")]
-        partial += [(block.get_submodule(path), attr) for path, _, attr in (n.rpartition(".") for n in names)]
+        for path, _, attr in (name.rpartition(".") for name in names):
+            module = block.get_submodule(path)
+            if hasattr(module, attr):  # the adapters are there under LoRA only
+                partial.append((module, attr))
     text_model = model.text_model()
     embed = model.token_embedding()
     parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
@@ -200,4 +276,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Tr
         parallelize_module(text_model.norm, tp_mesh, SequenceParallel())
     if model.lm_head.weight is not embed.weight:
         parallelize_module(model.lm_head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
     return partial
