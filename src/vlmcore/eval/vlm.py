@@ -19,6 +19,16 @@ sampled, resized and laid out by vlmcore's own video code (vlmcore.data.media.vi
 the processor) and the row is encoded as the training data is (`SampleEncoder`). Generation with
 videos (Video-MME, MVBench) encodes its rows the same way and decodes greedily with the model's
 own `generate` (KV cache), one request at a time.
+
+A video that does not decode (not a video, cut short, no video stream: vlmcore.data.media.video's
+BadSample reasons) does not stop the evaluation: the question is recorded in `UNDECODABLE_VIDEOS`
+(the runner reports them by task and reason) and answered as by a model that gives no answer. A
+generated answer is empty, and the benchmark's own rule for an empty answer scores it: wrong in
+Video-MME (the question stays in the denominator), left out of both counts in MVBench (as
+lmms-eval's MVBench scoring leaves out an empty answer). lmms-eval's video models that catch a clip
+that cannot load (llava_vid, oryx) do the same in spirit: they answer a fixed "can not load" text
+that the task then scores. A multiple-choice question gets log-probability -inf for every choice,
+and lm-eval then takes the first choice.
 """
 
 import copy
@@ -47,6 +57,7 @@ from vlmcore.data.media.video import (
     resize_frames,
     video_patches,
 )
+from vlmcore.data.quality import BadSample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +103,27 @@ def user_turn(context: str, num_images: int, num_videos: int = 0) -> list[dict]:
 
 VISUAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
+# The questions whose video did not decode in this process: (task, doc_id) -> {task, doc_id, video,
+# reason, detail}. lm-eval builds the model object itself, so the runner reads them here (it
+# empties this before a run).
+UNDECODABLE_VIDEOS: dict[tuple[str, int], dict] = {}
+
+
+def record_undecodable(request: Instance, videos: list[VideoClip], error: BadSample) -> None:
+    """Notes a question whose video did not decode (once per question: its choices ask again)."""
+    clip = videos[0] if len(videos) == 1 else None
+    if clip is None:
+        name = ", ".join(video.member or video.path for video in videos)
+    else:
+        name = clip.member or clip.path
+    UNDECODABLE_VIDEOS[(request.task_name, request.doc_id)] = {
+        "task": request.task_name,
+        "doc_id": request.doc_id,
+        "video": name,
+        "reason": error.reason,
+        "detail": error.detail,
+    }
+
 
 @register_model("vlmcore-vlm")
 class VisionLanguageLM(HFMultimodalLM):
@@ -110,10 +142,14 @@ class VisionLanguageLM(HFMultimodalLM):
     def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         if requests and len(requests[0].args) < 3:
             return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
-        rows = [self.encode_row(*request.args) for request in requests]
-        # Longest first, so every batch pads to its first row and memory peaks at the start.
-        order = sorted(range(len(rows)), key=lambda i: -len(rows[i]["input_ids"]))
+        rows = [self.encode_row_or_none(request) for request in requests]
         results = [None] * len(rows)
+        for i, row in enumerate(rows):
+            if row is None:  # its video did not decode: no choice is likelier than another
+                results[i] = (float("-inf"), False)
+        # Longest first, so every batch pads to its first row and memory peaks at the start.
+        encoded = [i for i, row in enumerate(rows) if row is not None]
+        order = sorted(encoded, key=lambda i: -len(rows[i]["input_ids"]))
         batch_size = int(self.batch_size)
         for start in tqdm(range(0, len(order), batch_size), disable=disable_tqdm, desc="vlmcore-vlm loglikelihood"):
             batch = [rows[i] for i in order[start : start + batch_size]]
@@ -121,6 +157,17 @@ class VisionLanguageLM(HFMultimodalLM):
                 results[i] = result
                 self.cache_hook.add_partial("loglikelihood", requests[i].args[:2], result)
         return results
+
+    def encode_row_or_none(self, request: Instance) -> dict | None:
+        """`encode_row` of a request; None (recorded) when its video does not decode."""
+        try:
+            return self.encode_row(*request.args)
+        except BadSample as error:
+            videos = [v for v in request.args[2].get("visual") or [] if isinstance(v, VideoClip)]
+            if not videos:
+                raise
+            record_undecodable(request, videos, error)
+            return None
 
     def chat_prompt(self, context: str, num_images: int, num_videos: int = 0) -> str:
         """The context as a chat-templated user turn, unless lm-eval has applied the template already."""
@@ -148,10 +195,15 @@ class VisionLanguageLM(HFMultimodalLM):
         answers = super().generate_until(templated, disable_tqdm=disable_tqdm) if templated else []
         if not with_videos:
             return answers
-        video_answers = {
-            index: self.generate_with_videos(*request.args)
-            for index, request in tqdm(with_videos, disable=disable_tqdm, desc="vlmcore-vlm generate (videos)")
-        }
+        video_answers = {}
+        for index, request in tqdm(with_videos, disable=disable_tqdm, desc="vlmcore-vlm generate (videos)"):
+            try:
+                video_answers[index] = self.generate_with_videos(*request.args)
+            except BadSample as error:
+                # An empty answer, which the benchmark's rule for an empty answer scores.
+                videos = [v for v in request.args[2]["visual"] if isinstance(v, VideoClip)]
+                record_undecodable(request, videos, error)
+                video_answers[index] = ""
         others = iter(answers)
         return [video_answers[i] if i in video_answers else next(others) for i in range(len(requests))]
 
