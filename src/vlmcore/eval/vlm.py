@@ -124,15 +124,10 @@ def split_visuals(aux: dict) -> tuple[list, list[VideoClip]]:
 
 def record_undecodable(request: Instance, videos: list[VideoClip], error: BadSample) -> None:
     """Notes a question whose video did not decode (once per question: its choices ask again)."""
-    clip = videos[0] if len(videos) == 1 else None
-    if clip is None:
-        name = ", ".join(video.member or video.path for video in videos)
-    else:
-        name = clip.member or clip.path
     UNDECODABLE_VIDEOS[(request.task_name, request.doc_id)] = {
         "task": request.task_name,
         "doc_id": request.doc_id,
-        "video": name,
+        "video": ", ".join(video.member or video.path for video in videos),
         "reason": error.reason,
         "detail": error.detail,
     }
@@ -205,6 +200,7 @@ class VisionLanguageLM(HFMultimodalLM):
                 groups.setdefault(settings, []).append(index)
         batch_size = int(self.batch_size)
         progress = tqdm(total=len(requests), disable=disable_tqdm, desc="vlmcore-vlm generate")
+        progress.update(rows.count(None))
         for indices in groups.values():
             indices.sort(key=lambda i: -len(rows[i]["input_ids"]))
             for start in range(0, len(indices), batch_size):
