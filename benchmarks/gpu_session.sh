@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_session.sh qwen3_vl_moe 30b-a3b   # issue 19: Qwen3-VL-30B-A3B's shape, 4 layers
 #   bash benchmarks/gpu_session.sh checks              # issue 31 item 3: expert mesh on NCCL, bf16 resume
 #   bash benchmarks/gpu_session.sh fp8                 # issue 43 item 4: FP8 (see its block below)
+#   bash benchmarks/gpu_session.sh eval                # issue 42 item 4: evaluation throughput
 #   bash benchmarks/gpu_session.sh post_training lora  # issue 41 item 7: the 2B's LoRA step vs peft
 #   bash benchmarks/gpu_session.sh post_training cost  # LoRA's optimizer step and checkpoint vs full
 #   bash benchmarks/gpu_session.sh post_training dpo   # the DPO step vs its FLOPs at the SFT rate
@@ -63,6 +64,14 @@ fi
 # --- end FP8 -----------------------------------------------------------------------------------
 if [ "$family" = post_training ]; then
     exec python benchmarks/post_training.py --preset 2b --compile --part "${2:-lora}" --out "$out"
+fi
+# Issue 42 item 4: questions a second of `vlmcore eval` on a random Qwen3-VL-2B-shaped export (bf16),
+# per task kind and batch size, and its generation against transformers' generate. Not yet run on a
+# GPU; sized for the 10 minutes of one command: the 2B model is built on the CPU once, then each of
+# the 12 evaluations loads it and answers 64 questions.
+if [ "$family" = eval ]; then
+    exec python benchmarks/eval_throughput.py --preset 2b --device cuda --limit 64 --batch-sizes 1,4,8 \
+        --note "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)" --out "$out"
 fi
 python benchmarks/train_step.py --preset "$preset" --all --family "$family" --profile --out "$out"
 # One file for the traces and summaries: the device tool brings back at most 8 files.

@@ -15,7 +15,8 @@ COLUMNS = ["task", "subset", "metric", "filter", "value", "stderr", "chance", "n
 
 
 def results_table(result: dict) -> pd.DataFrame:
-    """Rows from lm-eval's `results` (keys "<metric>,<filter>") plus vlmcore's per-kind breakdown."""
+    """Rows from lm-eval's `results` (keys "<metric>,<filter>") plus vlmcore's per-kind breakdown
+    and the count of questions whose video did not decode, per reason."""
     rows = []
     for task, metrics in result["results"].items():
         n_samples = result.get("n-samples", {}).get(task, {}).get("effective")
@@ -49,6 +50,20 @@ def results_table(result: dict) -> pd.DataFrame:
                     "stderr": None,
                     "chance": figures["chance"],
                     "n_samples": figures["n"],
+                }
+            )
+    for task, by_reason in result.get("undecodable_videos", {}).items():
+        for reason, count in by_reason.items():
+            rows.append(
+                {
+                    "task": task,
+                    "subset": f"undecodable_video/{reason}",
+                    "metric": "undecodable_videos",
+                    "filter": "none",
+                    "value": float(count),
+                    "stderr": None,
+                    "chance": None,
+                    "n_samples": count,
                 }
             )
     return pd.DataFrame(rows, columns=COLUMNS)

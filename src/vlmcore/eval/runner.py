@@ -17,6 +17,11 @@ process writes the results of all.
 EVAL_DIR gets `results.json` (lm-eval's results, configs and versions, plus `chance`: the chance
 level of every multiple-choice task, and `breakdown`: the score per question kind of tasks whose
 docs have a `kind`, and the public benchmarks' own breakdowns), `results.csv` (one row per task, kind and metric) and `samples_<task>.jsonl`.
+
+A video that does not decode is counted, not fatal (vlmcore/eval/vlm.py says how it is scored):
+results.json's `undecodable_videos` has the count per task and reason, and
+`undecodable_video_samples` each question (task, doc_id, video, reason, detail); results.csv a
+row per task and reason (subset `undecodable_video/<reason>`, metric `undecodable_videos`).
 """
 
 import argparse
@@ -31,10 +36,11 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
 
 import lm_eval  # noqa: E402
 import lm_eval.models  # noqa: E402,F401  (fills lm-eval's model registry before ours is added)
+import torch.distributed as dist  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 from lm_eval.utils import handle_non_serializable  # noqa: E402
 
-import vlmcore.eval.vlm  # noqa: E402,F401  (registers `vlmcore-vlm`)
+from vlmcore.eval import vlm  # noqa: E402  (registers `vlmcore-vlm`)
 from vlmcore.eval.benchmarks.registry import BENCHMARKS  # noqa: E402
 from vlmcore.eval.benchmarks.tasks import breakdown as benchmark_breakdown  # noqa: E402
 from vlmcore.eval.results import results_table  # noqa: E402
@@ -77,6 +83,24 @@ def chance_and_breakdown(samples: list[dict]) -> tuple[float | None, dict]:
     return chance, breakdown
 
 
+def undecodable_videos() -> list[dict]:
+    """The questions whose video did not decode, of every process of a data-parallel run."""
+    found = sorted(vlm.UNDECODABLE_VIDEOS.values(), key=lambda q: (q["task"], q["doc_id"]))
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return found
+    per_process = [None] * dist.get_world_size()
+    dist.all_gather_object(per_process, found)
+    return sorted((q for found in per_process for q in found), key=lambda q: (q["task"], q["doc_id"]))
+
+
+def count_by_task_and_reason(questions: list[dict]) -> dict:
+    counts = {}
+    for question in questions:
+        by_reason = counts.setdefault(question["task"], {})
+        by_reason[question["reason"]] = by_reason.get(question["reason"], 0) + 1
+    return counts
+
+
 def evaluate(
     model_dir: str | Path,
     tasks: list[str],
@@ -109,6 +133,7 @@ def evaluate(
     if benchmark_data:
         metadata["benchmark_data"] = str(Path(benchmark_data).resolve())
     task_manager = TaskManager(include_path=[str(BUNDLED_TASKS), *map(str, include_path)], metadata=metadata)
+    vlm.UNDECODABLE_VIDEOS.clear()
     result = lm_eval.simple_evaluate(
         model=model,
         model_args={"pretrained": str(model_dir), "dtype": dtype},
@@ -122,10 +147,13 @@ def evaluate(
         log_samples=True,
         bootstrap_iters=1000,
     )
+    undecodable = undecodable_videos()  # every process takes part in the gathering
     if result is None:  # another than the first process of a data-parallel run: the first writes
         return {}
     samples = result.pop("samples")
     result["lm_eval_model"] = model
+    result["undecodable_videos"] = count_by_task_and_reason(undecodable)
+    result["undecodable_video_samples"] = undecodable
     figures = {task: chance_and_breakdown(task_samples) for task, task_samples in samples.items()}
     result["chance"] = {task: chance for task, (chance, _) in figures.items() if chance is not None}
     result["breakdown"] = {task: breakdown for task, (_, breakdown) in figures.items() if breakdown}

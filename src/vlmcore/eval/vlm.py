@@ -4,9 +4,14 @@ Why not lm-eval's own `hf-multimodal`: in lm-eval 0.4.13 it refuses `loglikeliho
 that carry images (NotImplementedError, "not yet tested"), so it cannot score multiple-choice
 VQA; its unfinished code path behind that error extends neither Qwen-VL's `mm_token_type_ids`
 over the answer tokens nor passes an attention mask for padded rows. This class subclasses it
-and implements that one missing piece, checked against a direct transformers forward; generation
-with images (MMMU, ChartQA, DocVQA style tasks) and text-only requests (mmlu, arc, hellaswag)
-stay lm-eval's code.
+and implements that missing piece, checked against a direct transformers forward. Generation with
+images or videos (MMMU, ChartQA, DocVQA, Video-MME, MVBench) is ours too: lm-eval's multimodal
+generation takes no videos, and runs a full `gc.collect()` after every batch (about 1.4 s each in
+an evaluation process on a CPU, more than the tiny model's decoding of the batch:
+benchmarks/eval_throughput.py). Rows are encoded one by one, left-padded into batches of the
+batch size and decoded greedily by the model's own `generate` (KV cache) with lm-eval's stopping
+criteria, the answers cut at the stop sequences as lm-eval cuts them. Text-only requests (mmlu,
+arc, hellaswag) stay lm-eval's code.
 
 Requests with images are always put in the chat form the model was trained on: the context
 (with `<image>` placeholders) becomes the user turn of the model's chat template and the answer
@@ -16,14 +21,24 @@ tokens. Text-only requests follow lm-eval's `--apply_chat_template` setting as u
 Videos: a task's `doc_to_image` may return `VideoClip`s among its visuals (`<video>` marks their
 place). transformers' video processor needs torchvision, which the project does not, so clips are
 sampled, resized and laid out by vlmcore's own video code (vlmcore.data.media.video, tested equal to
-the processor) and the row is encoded as the training data is (`SampleEncoder`). Generation with
-videos (Video-MME, MVBench) encodes its rows the same way and decodes greedily with the model's
-own `generate` (KV cache), one request at a time.
+the processor) and the row is encoded as the training data is (`SampleEncoder`), for scoring and
+for generation alike.
+
+A video that does not decode (not a video, cut short, no video stream: vlmcore.data.media.video's
+BadSample reasons) does not stop the evaluation: the question is recorded in `UNDECODABLE_VIDEOS`
+(the runner reports them by task and reason) and answered as by a model that gives no answer. A
+generated answer is empty, and the benchmark's own rule for an empty answer scores it: wrong in
+Video-MME (the question stays in the denominator), left out of both counts in MVBench (as
+lmms-eval's MVBench scoring leaves out an empty answer). lmms-eval's video models that catch a clip
+that cannot load (llava_vid, oryx) do the same in spirit: they answer a fixed "can not load" text
+that the task then scores. A multiple-choice question gets log-probability -inf for every choice,
+and lm-eval then takes the first choice.
 """
 
 import copy
 import dataclasses
 import functools
+import json
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -47,6 +62,7 @@ from vlmcore.data.media.video import (
     resize_frames,
     video_patches,
 )
+from vlmcore.data.quality import BadSample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +108,30 @@ def user_turn(context: str, num_images: int, num_videos: int = 0) -> list[dict]:
 
 VISUAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
+# The questions whose video did not decode in this process: (task, doc_id) -> {task, doc_id, video,
+# reason, detail}. lm-eval builds the model object itself, so the runner reads them here (it
+# empties this before a run).
+UNDECODABLE_VIDEOS: dict[tuple[str, int], dict] = {}
+
+
+def split_visuals(aux: dict) -> tuple[list, list[VideoClip]]:
+    """A request's images and its videos."""
+    visuals = aux.get("visual") or []
+    images = [v for v in visuals if not isinstance(v, VideoClip)]
+    videos = [v for v in visuals if isinstance(v, VideoClip)]
+    return images, videos
+
+
+def record_undecodable(request: Instance, videos: list[VideoClip], error: BadSample) -> None:
+    """Notes a question whose video did not decode (once per question: its choices ask again)."""
+    UNDECODABLE_VIDEOS[(request.task_name, request.doc_id)] = {
+        "task": request.task_name,
+        "doc_id": request.doc_id,
+        "video": ", ".join(video.member or video.path for video in videos),
+        "reason": error.reason,
+        "detail": error.detail,
+    }
+
 
 @register_model("vlmcore-vlm")
 class VisionLanguageLM(HFMultimodalLM):
@@ -110,10 +150,14 @@ class VisionLanguageLM(HFMultimodalLM):
     def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         if requests and len(requests[0].args) < 3:
             return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
-        rows = [self.encode_row(*request.args) for request in requests]
-        # Longest first, so every batch pads to its first row and memory peaks at the start.
-        order = sorted(range(len(rows)), key=lambda i: -len(rows[i]["input_ids"]))
+        rows = [self.encode_row_or_none(request) for request in requests]
         results = [None] * len(rows)
+        for i, row in enumerate(rows):
+            if row is None:  # its video did not decode: no choice is likelier than another
+                results[i] = (float("-inf"), False)
+        # Longest first, so every batch pads to its first row and memory peaks at the start.
+        encoded = [i for i, row in enumerate(rows) if row is not None]
+        order = sorted(encoded, key=lambda i: -len(rows[i]["input_ids"]))
         batch_size = int(self.batch_size)
         for start in tqdm(range(0, len(order), batch_size), disable=disable_tqdm, desc="vlmcore-vlm loglikelihood"):
             batch = [rows[i] for i in order[start : start + batch_size]]
@@ -121,6 +165,17 @@ class VisionLanguageLM(HFMultimodalLM):
                 results[i] = result
                 self.cache_hook.add_partial("loglikelihood", requests[i].args[:2], result)
         return results
+
+    def encode_row_or_none(self, request: Instance) -> dict | None:
+        """`encode_row` of a request; None (recorded) when its video does not decode."""
+        try:
+            return self.encode_row(*request.args)
+        except BadSample as error:
+            _, videos = split_visuals(request.args[2])
+            if not videos:
+                raise
+            record_undecodable(request, videos, error)
+            return None
 
     def chat_prompt(self, context: str, num_images: int, num_videos: int = 0) -> str:
         """The context as a chat-templated user turn, unless lm-eval has applied the template already."""
@@ -131,69 +186,87 @@ class VisionLanguageLM(HFMultimodalLM):
         )
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
-        templated = []
-        with_videos = []
-        for index, request in enumerate(requests):
-            if len(request.args) == 3:
-                context, gen_kwargs, aux = request.args
-                visuals = aux.get("visual") or []
-                num_videos = sum(isinstance(v, VideoClip) for v in visuals)
-                prompt = self.chat_prompt(context, len(visuals) - num_videos, num_videos)
-                request = dataclasses.replace(request, arguments=(prompt, gen_kwargs, aux))
-                if num_videos:
-                    # lm-eval's multimodal generation takes images only: videos go through ours.
-                    with_videos.append((index, request))
-                    continue
-            templated.append(request)
-        answers = super().generate_until(templated, disable_tqdm=disable_tqdm) if templated else []
-        if not with_videos:
-            return answers
-        video_answers = {
-            index: self.generate_with_videos(*request.args)
-            for index, request in tqdm(with_videos, disable=disable_tqdm, desc="vlmcore-vlm generate (videos)")
-        }
-        others = iter(answers)
-        return [video_answers[i] if i in video_answers else next(others) for i in range(len(requests))]
+        """Answers of requests with images or videos, in batches of the model's batch size: longest
+        prompt first within each set of generation settings (lm-eval's order), each batch left-padded
+        and decoded by the model's own `generate` (KV cache). Text-only requests are lm-eval's."""
+        if requests and len(requests[0].args) < 3:
+            return super().generate_until(requests, disable_tqdm=disable_tqdm)
+        rows = [self.generation_row_or_none(request) for request in requests]
+        answers = [""] * len(requests)  # a question whose video did not decode answers nothing
+        groups = {}
+        for index, row in enumerate(rows):
+            if row is not None:
+                settings = json.dumps(requests[index].args[1], sort_keys=True, default=str)
+                groups.setdefault(settings, []).append(index)
+        batch_size = int(self.batch_size)
+        progress = tqdm(total=len(requests), disable=disable_tqdm, desc="vlmcore-vlm generate")
+        progress.update(rows.count(None))
+        for indices in groups.values():
+            indices.sort(key=lambda i: -len(rows[i]["input_ids"]))
+            for start in range(0, len(indices), batch_size):
+                batch = indices[start : start + batch_size]
+                gen_kwargs = requests[batch[0]].args[1]
+                for i, text in zip(batch, self.generate_batch([rows[i] for i in batch], gen_kwargs)):
+                    answers[i] = text
+                    self.cache_hook.add_partial("generate_until", (rows[i]["prompt"], gen_kwargs), text)
+                progress.update(len(batch))
+        progress.close()
+        return answers
+
+    def generation_row_or_none(self, request: Instance) -> dict | None:
+        """The encoded chat prompt of a generation request; None (recorded) when its video does not decode."""
+        context, _, aux = request.args
+        images, videos = split_visuals(aux)
+        prompt = self.chat_prompt(context, len(images), len(videos))
+        try:
+            encoding = self.encode_prompt(prompt, images, videos)
+        except BadSample as error:
+            if not videos:
+                raise
+            record_undecodable(request, videos, error)
+            return None
+        input_ids = encoding["input_ids"][0].tolist()
+        row = {key: value for key, value in encoding.items() if key in VISUAL_KEYS}
+        row.update(prompt=prompt, input_ids=input_ids, attention_mask=[1] * len(input_ids))
+        if "mm_token_type_ids" in encoding:
+            row["mm_token_type_ids"] = encoding["mm_token_type_ids"][0].tolist()
+        return row
 
     @torch.no_grad()
-    def generate_with_videos(self, prompt: str, gen_kwargs: dict, aux: dict) -> str:
-        """Greedy (or the task's) decoding of one templated prompt with videos, cut at the stop sequences."""
-        visuals = aux.get("visual") or []
-        images = [v for v in visuals if not isinstance(v, VideoClip)]
-        videos = [v for v in visuals if isinstance(v, VideoClip)]
-        encoding = self.encode_with_videos(prompt, images, videos)
-        inputs = {key: value.to(self.device) for key, value in encoding.items()}
-        for key in ("pixel_values", "pixel_values_videos"):
-            if key in inputs:
-                inputs[key] = inputs[key].to(self.model.dtype)
-        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    def generate_batch(self, rows: list[dict], gen_kwargs: dict) -> list[str]:
+        """Greedy (or the task's) decoding of a batch of encoded prompts, each answer cut at the
+        stop sequences as lm-eval cuts them."""
         kwargs = copy.deepcopy(gen_kwargs)
         until = handle_stop_sequences(
             kwargs.pop("until", None), eos=self.tok_decode(self.eot_token_id, skip_special_tokens=False)
         )
         max_gen_toks = kwargs.pop("max_gen_toks", self.max_gen_toks)
+        inputs = self.left_padded_inputs(rows)
         context_length = inputs["input_ids"].shape[1]
         output = self._model_multimodal_generate(inputs, max_length=context_length + max_gen_toks, stop=until, **kwargs)
-        text = self.tok_decode(output[0, context_length:].tolist())
-        for stop in until:
-            if stop:
-                text = text.split(stop)[0]
-        self.cache_hook.add_partial("generate_until", (prompt, gen_kwargs), text)
-        return text
+        answers = []
+        for tokens in output[:, context_length:].tolist():
+            text = self.tok_decode(tokens)
+            for stop in until:
+                if stop:
+                    text = text.split(stop)[0]
+            answers.append(text)
+        return answers
 
     @functools.cached_property
     def sample_encoder(self) -> SampleEncoder:
         return SampleEncoder(self.model.name_or_path)
 
-    def encode_row(self, context: str, continuation: str, aux: dict) -> dict:
-        visuals = aux.get("visual") or []
-        images = [v for v in visuals if not isinstance(v, VideoClip)]
-        videos = [v for v in visuals if isinstance(v, VideoClip)]
-        context = self.chat_prompt(context, len(images), len(videos))
+    def encode_prompt(self, prompt: str, images: list, videos: list[VideoClip]) -> dict:
+        """The processor's outputs for one templated prompt (videos encoded as the training data is)."""
         if videos:
-            encoding = self.encode_with_videos(context, images, videos)
-        else:
-            encoding = self.processor(text=[context], images=images or None, return_tensors="pt")
+            return self.encode_with_videos(prompt, images, videos)
+        return self.processor(text=[prompt], images=images or None, return_tensors="pt")
+
+    def encode_row(self, context: str, continuation: str, aux: dict) -> dict:
+        images, videos = split_visuals(aux)
+        context = self.chat_prompt(context, len(images), len(videos))
+        encoding = self.encode_prompt(context, images, videos)
         continuation_ids = self.tokenizer(continuation, add_special_tokens=False)["input_ids"]
         if not continuation_ids:
             raise ValueError(f"empty continuation after context {context!r}")
@@ -238,15 +311,10 @@ class VisionLanguageLM(HFMultimodalLM):
         patches, _ = video_patches(resize_frames(frames, *plan.size), encoder.video)
         return plan, normalize_video_patches(patches, encoder.video.image_mean, encoder.video.image_std)
 
-    @torch.no_grad()
-    def score_batch(self, batch: list[dict]) -> list[tuple[float, bool]]:
-        """(sum log p(continuation), greedy?) per row, from one forward of the left-padded batch.
-
-        Left padding puts every continuation at the end, so the LM head runs only on the last
-        positions (`logits_to_keep`): a large vocabulary never gets full-sequence logits.
-        """
+    def left_padded_inputs(self, batch: list[dict]) -> dict[str, torch.Tensor]:
+        """The model's inputs for encoded rows: token lists left-padded to the longest, the rows'
+        visual tensors concatenated (in row order, as the processor lays out a batch)."""
         length = max(len(row["input_ids"]) for row in batch)
-        keep = max(len(row["input_ids"]) - row["continuation_start"] for row in batch) + 1
 
         def left_padded(key: str, value: int) -> torch.Tensor:
             return torch.tensor([[value] * (length - len(row[key])) + row[key] for row in batch], device=self.device)
@@ -261,7 +329,17 @@ class VisionLanguageLM(HFMultimodalLM):
             if any(key in row for row in batch):
                 dtype = self.model.dtype if key.startswith("pixel_values") else None  # the grids stay integers
                 inputs[key] = torch.cat([row[key] for row in batch if key in row]).to(self.device, dtype)
-        logits = self.model(**inputs, logits_to_keep=keep).logits
+        return inputs
+
+    @torch.no_grad()
+    def score_batch(self, batch: list[dict]) -> list[tuple[float, bool]]:
+        """(sum log p(continuation), greedy?) per row, from one forward of the left-padded batch.
+
+        Left padding puts every continuation at the end, so the LM head runs only on the last
+        positions (`logits_to_keep`): a large vocabulary never gets full-sequence logits.
+        """
+        keep = max(len(row["input_ids"]) - row["continuation_start"] for row in batch) + 1
+        logits = self.model(**self.left_padded_inputs(batch), logits_to_keep=keep).logits
         results = []
         for b, row in enumerate(batch):
             targets = torch.tensor(row["input_ids"][row["continuation_start"] :], device=self.device)

@@ -42,7 +42,10 @@ class Benchmark:
     media_files: tuple[str, ...] = ()  # glob patterns of repository files the samples need (videos)
     modality: str = "image"  # image | video
     chance: float | None = None  # chance level of the headline metric, as a fraction (None: free-form answers)
-    # Published score of the reference model (Qwen3-VL-8B-Instruct model card), headline metric.
+    # Published score of the reference model ({model card name: headline metric}), each with its
+    # source URL beside it; only figures stated in text. None yet: the Qwen3-VL model cards and
+    # https://github.com/QwenLM/Qwen3-VL/blob/main/README.md give their benchmark tables as images,
+    # and the technical report's tables (https://arxiv.org/abs/2511.21631) were not at hand as text.
     published: dict[str, float] = field(default_factory=dict)
     revision: str | None = None  # the repository's branch or tag to stage (None: the default branch)
     metric: str = ""  # the headline metric in results.json (its scale: `scale`)

@@ -17,6 +17,7 @@ import numpy as np
 from PIL import Image
 
 from vlmcore.data.media.video import probe
+from vlmcore.data.quality import BadSample
 from vlmcore.eval.benchmarks.data import (
     MediaFile,
     MissingBenchmarkData,
@@ -243,11 +244,15 @@ def video_frames_and_fps(media: MediaFile) -> tuple[int, float]:
 
 def subtitles_at_frames(doc: dict, frame_count: int) -> str:
     """Video-MME's subtitles for a clip: the lines shown at `frame_count` frames spread evenly over
-    the video (the frames the model sees), their white-font text one per line."""
+    the video (the frames the model sees), their white-font text one per line. A video that does
+    not decode has none: the model's encoding of it fails next, and is counted there."""
     if not doc["subtitle_path"]:
         return "No subtitles available"
     subtitle = MediaFile(doc["subtitle_path"], doc["subtitle_member"] or None)
-    total, fps = video_frames_and_fps(MediaFile(doc["video_path"], doc["video_member"] or None))
+    try:
+        total, fps = video_frames_and_fps(MediaFile(doc["video_path"], doc["video_member"] or None))
+    except BadSample:
+        return "No subtitles available"
     timed = [(int(start * fps), int(end * fps), text) for start, end, text in srt_timed_lines(subtitle.read_text())]
     frames = np.linspace(0, total - 1, frame_count, dtype=int).tolist()
     shown = sorted({i for frame in frames for i, (start, end, _) in enumerate(timed) if start <= frame < end})
