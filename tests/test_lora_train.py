@@ -37,6 +37,8 @@ def base(**overrides):
     [
         (dict(lora={"rank": 4}, trainable=["model.visual.*"]), "trainable"),
         (dict(lora={"rank": 4, "experts": False, "targets": []}), "lora.targets"),
+        # The chunked loss reads lm_head.weight itself: an adapter on the head would silently never train.
+        (dict(lora={"rank": 4, "targets": ["*.q_proj", "lm_*"]}), "lora.targets"),
         (dict(lora={"rank": 4, "alpha": 0}), "lora.alpha"),
         (dict(lora={"rank": -1}), "lora.rank"),
     ],

@@ -9,6 +9,7 @@ workflow-written YAML is found at once instead of deep inside the training loop.
 
 import contextlib
 import dataclasses
+import fnmatch
 import json
 import math
 import operator
@@ -348,6 +349,12 @@ def _lora_rules() -> list[Rule]:
             "lora.targets",
             "must hold a pattern when lora.rank > 0 and lora.experts is false (else nothing would train)",
             lambda v, c: c.lora.rank == 0 or c.lora.experts or bool(v),
+        ),
+        (
+            "lora.targets",
+            "must not match lm_head (the training loss multiplies lm_head.weight chunk by chunk without calling "
+            "the layer, so an adapter there would never train)",
+            lambda v, c: c.lora.rank == 0 or not any(fnmatch.fnmatchcase("lm_head", pattern) for pattern in v),
         ),
         (
             "precision.fp8.recipe",

@@ -47,8 +47,6 @@ _ADAPTER_NAME = re.compile(r"(^|[._])lora_[AB]$")
 # What activation checkpointing and compile put into parameter names.
 _WRAPPER_PARTS = re.compile(r"_checkpoint_wrapped_module\.|_orig_mod\.")
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
-# The LM head: the loss multiplies its weight chunk by chunk (train/loss.py), never calling the layer.
-UNADAPTABLE = "lm_head"
 
 
 def is_adapter(name: str) -> bool:
@@ -130,12 +128,6 @@ def add_adapters(
         hits = [name for name in linears if fnmatch.fnmatchcase(name, pattern)]
         if not hits:
             raise ConfigError(f"lora.targets: pattern {pattern!r} matches no linear layer of the model", "lora.targets")
-        if UNADAPTABLE in hits:
-            raise ConfigError(
-                f"lora.targets: pattern {pattern!r} matches {UNADAPTABLE}, whose weight the chunked loss reads "
-                "directly (an adapter there would never apply); name the layers to adapt more narrowly",
-                "lora.targets",
-            )
         chosen.update(dict.fromkeys(hits))
     expert_modules = []
     if experts:
