@@ -63,13 +63,35 @@ def lora_config(tmp_path, snapshot, name, **overrides):
     )
 
 
+# Other plans a LoRA stage runs under, each against the one-process eager run: activation
+# checkpointing (the adapters inside the recomputed blocks), compiled blocks and context parallelism.
+PLANS = {
+    "ac_full": (1, {"parallel": {"activation_checkpointing": "full"}}),
+    "ac_selective": (1, {"parallel": {"activation_checkpointing": "selective"}}),
+    "compiled": (1, {"parallel": {"compile": True}}),
+    "cp2": (2, {"parallel": {"cp": 2}}),
+}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One process with checkpoints every 3 steps, and the same stage on 2 ranks (FSDP2, one launch)."""
+    """The file's training runs, one launch per world size (their start-up shared): one process
+    with checkpoints every 3 steps, the same stage under each of PLANS, a next stage `init_from`
+    the first's final/ (trained after it in the same launch), and the stage on 2 ranks (FSDP2)."""
     tmp_path = tmp_path_factory.mktemp("lora")
     snapshot = tiny_snapshot("qwen3_vl_moe", tmp_path / "model")
-    train(1, lora_config(tmp_path, snapshot, "one", checkpoint={"interval": 3, "keep": 2}))
-    train_cases(2, [lora_config(tmp_path, snapshot, "fsdp2", checkpoint={"enabled": False})])
+    one_process = [lora_config(tmp_path, snapshot, "one", checkpoint={"interval": 3, "keep": 2})]
+    two_ranks = [lora_config(tmp_path, snapshot, "fsdp2", checkpoint={"enabled": False})]
+    for name, (nproc, overrides) in PLANS.items():
+        config = lora_config(tmp_path, snapshot, name, checkpoint={"enabled": False}, **overrides)
+        if nproc == 1:
+            one_process.append(config)
+        else:
+            two_ranks.append(config)
+    previous = tmp_path / "one" / "final"
+    one_process.append(lora_config(tmp_path, snapshot, "next", init_from=str(previous), checkpoint={"enabled": False}))
+    train_cases(1, one_process, timeout=len(one_process) * 300)
+    train_cases(2, two_ranks, timeout=len(two_ranks) * 300)
     return tmp_path, snapshot
 
 
@@ -172,33 +194,10 @@ def test_export_writes_a_peft_adapter_that_gives_the_merged_models_logits(runs):
     assert max_rel(adapted, base) > 1e-3  # the adapters trained
 
 
-# Other plans a LoRA stage runs under, each against the one-process eager run: activation
-# checkpointing (the adapters inside the recomputed blocks), compiled blocks and context parallelism.
-PLANS = {
-    "ac_full": (1, {"parallel": {"activation_checkpointing": "full"}}),
-    "ac_selective": (1, {"parallel": {"activation_checkpointing": "selective"}}),
-    "compiled": (1, {"parallel": {"compile": True}}),
-    "cp2": (2, {"parallel": {"cp": 2}}),
-}
-
-
-@pytest.fixture(scope="module")
-def plans(runs):
-    tmp_path, snapshot = runs
-    for nproc in sorted({nproc for nproc, _ in PLANS.values()}):
-        configs = [
-            lora_config(tmp_path, snapshot, name, checkpoint={"enabled": False}, **overrides)
-            for name, (size, overrides) in PLANS.items()
-            if size == nproc
-        ]
-        train_cases(nproc, configs, timeout=len(configs) * 300)
-    return tmp_path
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PLANS))
-def test_lora_run_under_another_plan_equals_one_process(plans, name):
-    tmp_path = plans
+def test_lora_run_under_another_plan_equals_one_process(runs, name):
+    tmp_path, _ = runs
     reference = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / "one")]
     trajectory = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / name)]
     torch.testing.assert_close(torch.tensor(trajectory), torch.tensor(reference), rtol=1e-5, atol=1e-5)
@@ -212,10 +211,8 @@ def test_lora_run_under_another_plan_equals_one_process(plans, name):
 def test_a_next_lora_stage_trains_fresh_adapters_on_the_merged_weights(runs):
     """A LoRA stage `init_from` a LoRA stage's final/ starts from its merged weights (not the base's)
     with new adapters: its final/ is those weights plus its own update only."""
-    tmp_path, snapshot = runs
-    previous = tmp_path / "one" / "final"
-    train(1, lora_config(tmp_path, snapshot, "next", init_from=str(previous), checkpoint={"enabled": False}))
-    first = load_dcp(previous)
+    tmp_path, _ = runs
+    first = load_dcp(tmp_path / "one" / "final")
     final = load_dcp(tmp_path / "next" / "final")
     assert read_metrics(tmp_path / "next")[0]["loss"] != read_metrics(tmp_path / "one")[0]["loss"]
     adapters = {k.removeprefix("adapters."): v for k, v in final.items() if k.startswith("adapters.")}
