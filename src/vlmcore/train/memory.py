@@ -264,8 +264,7 @@ def estimate_memory(
     segments: int | None = None,
     video_frames: int = 0,
 ) -> dict:
-    """Peak bytes per kind of a second training step (the first's optimizer state held from its
-    start, as in every later step), each row `segments` packed samples (default:
+    """Peak bytes per kind over two training steps, each row `segments` packed samples (default:
     data.segments), the longest with the image (`video_frames` > 0: with a video of that many
     frame groups of image_side x image_side merged patches): on rank 0, or under disjoint layouts on the first
     rank of each module (`modules`: each one's estimate; the top level is the larger). `fake=False`
@@ -388,10 +387,10 @@ def _estimate_rank(
                     for b in micro
                 ]
             with _grouped_experts(run.model, cfg):
-                return _peak_of_second_step(run, micro, label_tokens)
+                return _peak_of_two_steps(run, micro, label_tokens)
 
 
-def _peak_of_second_step(run: Run, micro: list, label_tokens: float) -> dict[str, int]:
+def _peak_of_two_steps(run: Run, micro: list, label_tokens: float) -> dict[str, int]:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _MemRefType, _State
 
@@ -443,23 +442,11 @@ def _peak_of_second_step(run: Run, micro: list, label_tokens: float) -> dict[str
         # are cleared first (the peak is kept): every micro-batch starts with a clear. Registered
         # here, after the tracker has put its own hooks first.
         hook = root.register_forward_pre_hook(lambda *_: tracker.reset_mod_stats(), prepend=True)
-        _first_step_state(run)
-        run.step(micro, label_tokens, set_lr=lambda optimizer: None)
+        for _ in range(2):  # the second step holds the optimizer state from its start
+            run.step(micro, label_tokens, set_lr=lambda optimizer: None)
     hook.remove()
     peak = tracker.get_tracker_snapshot("peak")[run.device]
     return {str(getattr(kind, "value", kind)): int(n) for kind, n in peak.items()}
-
-
-def _first_step_state(run: Run) -> None:
-    """What a first training step leaves for the second: the optimizer state of every trainable
-    weight, made by an optimizer step on zero gradients. The traced step then holds it from its
-    start, as every step of a run after the first does; the first step itself holds the same as the
-    second but for that state, so its peak is never the larger, and tracing its forward and
-    backward would double the estimate's time for nothing."""
-    for parameter in run.step.trainable:
-        parameter.grad = torch.zeros_like(parameter)
-    run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
 
 
 def _use_dpo_reference(run: Run) -> list[nn.Module]:
