@@ -75,14 +75,78 @@ def lora_config(tmp_path, snapshot, name, lora=LORA, **overrides):
     )
 
 
+# Other plans a LoRA stage runs under, each against the one-process eager run: activation
+# checkpointing (the adapters inside the recomputed blocks), compiled blocks, context parallelism,
+# tensor parallelism (of the language model, and of the vision tower too), expert parallelism, and
+# the one-process run resumed at step 3 under TP (its adapters and optimizer state loaded into the
+# TP placements, its step 6 checkpoint written from them).
+PLANS = {
+    "ac_full": (1, {"parallel": {"activation_checkpointing": "full"}}),
+    "ac_selective": (1, {"parallel": {"activation_checkpointing": "selective"}}),
+    "compiled": (1, {"parallel": {"compile": True}}),
+    "cp2": (2, {"parallel": {"cp": 2}}),
+    "tp2": (2, {"parallel": {"tp": 2}}),
+    "tp2_vision_tp2": (2, {"parallel": {"tp": 2, "modules": {"vision": {"tp": 2}}}}),
+    "ep2": (2, {"parallel": {"ep": 2}}),
+    "tp2_resumed": (2, {"parallel": {"tp": 2}, "checkpoint": {"interval": 3, "keep": 2}}),
+}
+
+
+# Qwen3.5's mixers under TP: the fused in_proj_qkv stays whole on each rank, which adapts its
+# heads' rows (the adapters' gradients partial per rank), in_proj_z column- and out_proj row-parallel.
+QWEN3_5_LORA = {
+    "rank": RANK,
+    "alpha": ALPHA,
+    "targets": ["*.linear_attn.in_proj_qkv", "*.linear_attn.in_proj_z", "*.linear_attn.out_proj", "*.mlp.down_proj"],
+    "experts": False,
+}
+
+
+def qwen3_5_configs(tmp_path):
+    """(one-process config, tp 2 config) of a Qwen3.5 LoRA stage."""
+    snapshot = tiny_snapshot("qwen3_5", tmp_path / "qwen3_5_model")
+    return [
+        lora_config(tmp_path, snapshot, name, lora=QWEN3_5_LORA, checkpoint={"enabled": False}, parallel=parallel)
+        for name, parallel in (("qwen3_5_one", {}), ("qwen3_5_tp2", {"tp": 2}))
+    ]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One process with checkpoints every 3 steps, and the same stage on 2 ranks (FSDP2, one launch)."""
+    """The file's training runs, one launch per world size (their start-up shared): one process
+    with checkpoints every 3 steps, the same stage under each of PLANS, a next stage `init_from`
+    the first's final/ (trained after it in the same launch), Qwen3.5's one-process run; then on 2
+    ranks the stage under FSDP2 and each 2-rank plan (tp2_resumed from the one-process run's step 3
+    checkpoint, written by the first launch) and Qwen3.5 under TP. Each launch's output is kept
+    (plans_<nproc>.out)."""
     tmp_path = tmp_path_factory.mktemp("lora")
     snapshot = tiny_snapshot("qwen3_vl_moe", tmp_path / "model")
-    train(1, lora_config(tmp_path, snapshot, "one", checkpoint={"interval": 3, "keep": 2}))
-    train_cases(2, [lora_config(tmp_path, snapshot, "fsdp2", checkpoint={"enabled": False})])
+    qwen3_5_one, qwen3_5_tp2 = qwen3_5_configs(tmp_path)
+    one_process = [lora_config(tmp_path, snapshot, "one", checkpoint={"interval": 3, "keep": 2})]
+    two_ranks = [lora_config(tmp_path, snapshot, "fsdp2", checkpoint={"enabled": False})]
+    for name, (nproc, overrides) in PLANS.items():
+        config = lora_config(tmp_path, snapshot, name, **{"checkpoint": {"enabled": False}, **overrides})
+        if nproc == 1:
+            one_process.append(config)
+        else:
+            two_ranks.append(config)
+    previous = tmp_path / "one" / "final"
+    one_process.append(lora_config(tmp_path, snapshot, "next", init_from=str(previous), checkpoint={"enabled": False}))
+    one_process.append(qwen3_5_one)
+    two_ranks.append(qwen3_5_tp2)
+    proc = train_cases(1, one_process, timeout=len(one_process) * 300)
+    (tmp_path / "plans_1.out").write_text(proc.stdout)
+    stopped_at_step_3(tmp_path, "tp2_resumed")
+    proc = train_cases(2, two_ranks, timeout=len(two_ranks) * 300)
+    (tmp_path / "plans_2.out").write_text(proc.stdout)
     return tmp_path, snapshot
+
+
+@pytest.fixture(scope="module")
+def plans(runs):
+    """The directory of the runs under PLANS (made by `runs`)."""
+    tmp_path, _ = runs
+    return tmp_path
 
 
 def is_adapter_checkpoint(checkpoint):
@@ -199,63 +263,10 @@ def test_export_writes_a_peft_adapter_that_gives_the_merged_models_logits(runs):
     assert max_rel(adapted, base) > 1e-3  # the adapters trained
 
 
-# Other plans a LoRA stage runs under, each against the one-process eager run: activation
-# checkpointing (the adapters inside the recomputed blocks), compiled blocks, context parallelism,
-# tensor parallelism (of the language model, and of the vision tower too), expert parallelism, and
-# the one-process run resumed at step 3 under TP (its adapters and optimizer state loaded into the
-# TP placements, its step 6 checkpoint written from them).
-PLANS = {
-    "ac_full": (1, {"parallel": {"activation_checkpointing": "full"}}),
-    "ac_selective": (1, {"parallel": {"activation_checkpointing": "selective"}}),
-    "compiled": (1, {"parallel": {"compile": True}}),
-    "cp2": (2, {"parallel": {"cp": 2}}),
-    "tp2": (2, {"parallel": {"tp": 2}}),
-    "tp2_vision_tp2": (2, {"parallel": {"tp": 2, "modules": {"vision": {"tp": 2}}}}),
-    "ep2": (2, {"parallel": {"ep": 2}}),
-    "tp2_resumed": (2, {"parallel": {"tp": 2}, "checkpoint": {"interval": 3, "keep": 2}}),
-}
-
-
-# Qwen3.5's mixers under TP: the fused in_proj_qkv stays whole on each rank, which adapts its
-# heads' rows (the adapters' gradients partial per rank), in_proj_z column- and out_proj row-parallel.
-QWEN3_5_LORA = {
-    "rank": RANK,
-    "alpha": ALPHA,
-    "targets": ["*.linear_attn.in_proj_qkv", "*.linear_attn.in_proj_z", "*.linear_attn.out_proj", "*.mlp.down_proj"],
-    "experts": False,
-}
-
-
-def qwen3_5_configs(tmp_path):
-    """(one-process config, tp 2 config) of a Qwen3.5 LoRA stage."""
-    snapshot = tiny_snapshot("qwen3_5", tmp_path / "qwen3_5_model")
-    return [
-        lora_config(tmp_path, snapshot, name, lora=QWEN3_5_LORA, checkpoint={"enabled": False}, parallel=parallel)
-        for name, parallel in (("qwen3_5_one", {}), ("qwen3_5_tp2", {"tp": 2}))
-    ]
-
-
-@pytest.fixture(scope="module")
-def plans(runs):
-    tmp_path, snapshot = runs
-    stopped_at_step_3(tmp_path, "tp2_resumed")
-    qwen3_5_one, qwen3_5_tp2 = qwen3_5_configs(tmp_path)
-    for nproc in sorted({nproc for nproc, _ in PLANS.values()}):
-        configs = [
-            lora_config(tmp_path, snapshot, name, **{"checkpoint": {"enabled": False}, **overrides})
-            for name, (size, overrides) in PLANS.items()
-            if size == nproc
-        ]
-        configs.append(qwen3_5_one if nproc == 1 else qwen3_5_tp2)
-        proc = train_cases(nproc, configs, timeout=len(configs) * 300)
-        (tmp_path / f"plans_{nproc}.out").write_text(proc.stdout)
-    return tmp_path
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PLANS))
-def test_lora_run_under_another_plan_equals_one_process(plans, name):
-    tmp_path = plans
+def test_lora_run_under_another_plan_equals_one_process(runs, name):
+    tmp_path, _ = runs
     reference = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / "one")]
     trajectory = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / name)]
     torch.testing.assert_close(torch.tensor(trajectory), torch.tensor(reference), rtol=1e-5, atol=1e-5)
@@ -311,10 +322,8 @@ def test_export_of_a_tensor_parallel_run_gives_the_one_process_peft_adapter(plan
 def test_a_next_lora_stage_trains_fresh_adapters_on_the_merged_weights(runs):
     """A LoRA stage `init_from` a LoRA stage's final/ starts from its merged weights (not the base's)
     with new adapters: its final/ is those weights plus its own update only."""
-    tmp_path, snapshot = runs
-    previous = tmp_path / "one" / "final"
-    train(1, lora_config(tmp_path, snapshot, "next", init_from=str(previous), checkpoint={"enabled": False}))
-    first = load_dcp(previous)
+    tmp_path, _ = runs
+    first = load_dcp(tmp_path / "one" / "final")
     final = load_dcp(tmp_path / "next" / "final")
     assert read_metrics(tmp_path / "next")[0]["loss"] != read_metrics(tmp_path / "one")[0]["loss"]
     adapters = {k.removeprefix("adapters."): v for k, v in final.items() if k.startswith("adapters.")}
