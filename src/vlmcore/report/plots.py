@@ -156,16 +156,8 @@ def plot_training_curves(stages: dict[str, pd.DataFrame], path: Path) -> Path:
             if key not in metrics:
                 continue
             values = pd.to_numeric(metrics[key], errors="coerce")
-            if key == "loss" and len(values) >= 20:
-                ax.plot(steps, values, color=color, alpha=0.3, linewidth=0.8)
-                window = max(5, len(values) // 20)
-                ax.plot(
-                    steps,
-                    values.rolling(window, min_periods=1).mean(),
-                    color=color,
-                    linewidth=2,
-                    label=f"{stage} (mean of {window} steps)",
-                )
+            if key == "loss":
+                _raw_and_mean(ax, steps, values, color, stage)
             else:
                 ax.plot(steps, values, color=color, linewidth=1.5, label=stage)
         if i > 0:
