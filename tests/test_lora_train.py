@@ -102,13 +102,28 @@ QWEN3_5_LORA = {
 }
 
 
+# A disjoint module layout (rank 0 the vision tower, rank 1 the language model, each with its own
+# adapters), on Qwen3.5 since disjoint layouts take no mixture-of-experts model.
+QWEN3_5_VISION_LORA = {**QWEN3_5_LORA, "targets": [*QWEN3_5_LORA["targets"], "model.visual.blocks.*.attn.proj"]}
+DISJOINT = {"modules": {"vision": {"ranks": [0, 1]}, "language": {"ranks": [1, 2]}}}
+
+
 def qwen3_5_configs(tmp_path):
-    """(one-process config, tp 2 config) of a Qwen3.5 LoRA stage."""
+    """(one-process configs, 2-rank configs) of Qwen3.5 LoRA stages: tp 2, and the disjoint layout."""
     snapshot = tiny_snapshot("qwen3_5", tmp_path / "qwen3_5_model")
-    return [
-        lora_config(tmp_path, snapshot, name, lora=QWEN3_5_LORA, checkpoint={"enabled": False}, parallel=parallel)
-        for name, parallel in (("qwen3_5_one", {}), ("qwen3_5_tp2", {"tp": 2}))
-    ]
+    cases = {
+        "qwen3_5_one": (QWEN3_5_LORA, {}),
+        "qwen3_5_vision_one": (QWEN3_5_VISION_LORA, {}),
+        "qwen3_5_tp2": (QWEN3_5_LORA, {"tp": 2}),
+        "qwen3_5_disjoint": (QWEN3_5_VISION_LORA, DISJOINT),
+    }
+    configs = {
+        name: lora_config(tmp_path, snapshot, name, lora=lora, checkpoint={"enabled": False}, parallel=parallel)
+        for name, (lora, parallel) in cases.items()
+    }
+    one_process = [configs["qwen3_5_one"], configs["qwen3_5_vision_one"]]
+    two_ranks = [configs["qwen3_5_tp2"], configs["qwen3_5_disjoint"]]
+    return one_process, two_ranks
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +136,7 @@ def runs(tmp_path_factory):
     (plans_<nproc>.out)."""
     tmp_path = tmp_path_factory.mktemp("lora")
     snapshot = tiny_snapshot("qwen3_vl_moe", tmp_path / "model")
-    qwen3_5_one, qwen3_5_tp2 = qwen3_5_configs(tmp_path)
+    qwen3_5_one_process, qwen3_5_two_ranks = qwen3_5_configs(tmp_path)
     one_process = [lora_config(tmp_path, snapshot, "one", checkpoint={"interval": 3, "keep": 2})]
     two_ranks = [lora_config(tmp_path, snapshot, "fsdp2", checkpoint={"enabled": False})]
     for name, (nproc, overrides) in PLANS.items():
@@ -132,8 +147,8 @@ def runs(tmp_path_factory):
             two_ranks.append(config)
     previous = tmp_path / "one" / "final"
     one_process.append(lora_config(tmp_path, snapshot, "next", init_from=str(previous), checkpoint={"enabled": False}))
-    one_process.append(qwen3_5_one)
-    two_ranks.append(qwen3_5_tp2)
+    one_process.extend(qwen3_5_one_process)
+    two_ranks.extend(qwen3_5_two_ranks)
     proc = train_cases(1, one_process, timeout=len(one_process) * 300)
     (tmp_path / "plans_1.out").write_text(proc.stdout)
     stopped_at_step_3(tmp_path, "tp2_resumed")
@@ -285,6 +300,23 @@ def test_qwen3_5_lora_run_under_tp_equals_one_process(plans):
     torch.testing.assert_close(torch.tensor(trajectory), torch.tensor(reference), rtol=1e-5, atol=1e-5)
     ref_final, final = load_dcp(tmp_path / "qwen3_5_one" / "final"), load_dcp(tmp_path / "qwen3_5_tp2" / "final")
     assert final.keys() == ref_final.keys()
+    assert any(key.endswith("in_proj_qkv.lora_A") for key in final)
+    for key in ref_final:
+        torch.testing.assert_close(final[key], ref_final[key], rtol=1e-4, atol=1e-4, msg=key)
+
+
+@pytest.mark.slow
+def test_lora_run_under_a_disjoint_layout_equals_one_process(plans):
+    """The vision tower's adapters train on rank 0, the language model's on rank 1, as in one process."""
+    tmp_path = plans
+    reference = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / "qwen3_5_vision_one")]
+    trajectory = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / "qwen3_5_disjoint")]
+    assert len(reference) == STEPS
+    torch.testing.assert_close(torch.tensor(trajectory), torch.tensor(reference), rtol=1e-5, atol=1e-5)
+    ref_final = load_dcp(tmp_path / "qwen3_5_vision_one" / "final")
+    final = load_dcp(tmp_path / "qwen3_5_disjoint" / "final")
+    assert final.keys() == ref_final.keys()
+    assert any(key.startswith("adapters.model.visual.") for key in final)
     assert any(key.endswith("in_proj_qkv.lora_A") for key in final)
     for key in ref_final:
         torch.testing.assert_close(final[key], ref_final[key], rtol=1e-4, atol=1e-4, msg=key)
