@@ -278,48 +278,39 @@ def test_export_writes_a_peft_adapter_that_gives_the_merged_models_logits(runs):
     assert max_rel(adapted, base) > 1e-3  # the adapters trained
 
 
+def assert_run_equals(tmp_path, reference: str, name: str) -> dict:
+    """Run `name` took the steps of run `reference`: loss and gradient norm each step (1e-5) and the
+    final weights and adapters (1e-4). Returns the final state of `name`."""
+    expected = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / reference)]
+    trajectory = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / name)]
+    assert len(expected) == STEPS
+    torch.testing.assert_close(torch.tensor(trajectory), torch.tensor(expected), rtol=1e-5, atol=1e-5)
+    ref_final, final = load_dcp(tmp_path / reference / "final"), load_dcp(tmp_path / name / "final")
+    assert final.keys() == ref_final.keys()
+    for key in ref_final:
+        torch.testing.assert_close(final[key], ref_final[key], rtol=1e-4, atol=1e-4, msg=key)
+    return final
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PLANS))
 def test_lora_run_under_another_plan_equals_one_process(runs, name):
     tmp_path, _ = runs
-    reference = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / "one")]
-    trajectory = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / name)]
-    torch.testing.assert_close(torch.tensor(trajectory), torch.tensor(reference), rtol=1e-5, atol=1e-5)
-    ref_final, final = load_dcp(tmp_path / "one" / "final"), load_dcp(tmp_path / name / "final")
-    assert final.keys() == ref_final.keys()
-    for key in ref_final:
-        torch.testing.assert_close(final[key], ref_final[key], rtol=1e-4, atol=1e-4, msg=key)
+    assert_run_equals(tmp_path, "one", name)
 
 
 @pytest.mark.slow
 def test_qwen3_5_lora_run_under_tp_equals_one_process(plans):
-    tmp_path = plans
-    reference = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / "qwen3_5_one")]
-    trajectory = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / "qwen3_5_tp2")]
-    assert len(reference) == STEPS
-    torch.testing.assert_close(torch.tensor(trajectory), torch.tensor(reference), rtol=1e-5, atol=1e-5)
-    ref_final, final = load_dcp(tmp_path / "qwen3_5_one" / "final"), load_dcp(tmp_path / "qwen3_5_tp2" / "final")
-    assert final.keys() == ref_final.keys()
+    final = assert_run_equals(plans, "qwen3_5_one", "qwen3_5_tp2")
     assert any(key.endswith("in_proj_qkv.lora_A") for key in final)
-    for key in ref_final:
-        torch.testing.assert_close(final[key], ref_final[key], rtol=1e-4, atol=1e-4, msg=key)
 
 
 @pytest.mark.slow
 def test_lora_run_under_a_disjoint_layout_equals_one_process(plans):
     """The vision tower's adapters train on rank 0, the language model's on rank 1, as in one process."""
-    tmp_path = plans
-    reference = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / "qwen3_5_vision_one")]
-    trajectory = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / "qwen3_5_disjoint")]
-    assert len(reference) == STEPS
-    torch.testing.assert_close(torch.tensor(trajectory), torch.tensor(reference), rtol=1e-5, atol=1e-5)
-    ref_final = load_dcp(tmp_path / "qwen3_5_vision_one" / "final")
-    final = load_dcp(tmp_path / "qwen3_5_disjoint" / "final")
-    assert final.keys() == ref_final.keys()
+    final = assert_run_equals(plans, "qwen3_5_vision_one", "qwen3_5_disjoint")
     assert any(key.startswith("adapters.model.visual.") for key in final)
     assert any(key.endswith("in_proj_qkv.lora_A") for key in final)
-    for key in ref_final:
-        torch.testing.assert_close(final[key], ref_final[key], rtol=1e-4, atol=1e-4, msg=key)
 
 
 @pytest.mark.slow
