@@ -108,6 +108,15 @@ def test_the_bottom_layers_import_no_torch_at_module_level():
     assert not found, "\n".join(found)
 
 
+def test_the_trainer_imports_no_processor_or_modeling_code():
+    """A training process reads packed uint8 patches and needs no image processor: importing
+    transformers' processor stack (processing_utils -> modeling_utils -> its quantizers) costs about
+    1 s of every trainer's start-up, in every rank of every launch."""
+    heavy = ["transformers.processing_utils", "transformers.modeling_utils", "vlmcore.data.media.processor"]
+    probe = f"import sys, vlmcore.train.loop; print([m for m in {heavy!r} if m in sys.modules])"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]", result.stdout
+
 def test_imports_have_no_cycle():
     """Module-level and function-level imports alike: a lazy import hides a cycle from Python's
     import, not from the reader."""
