@@ -7,7 +7,8 @@ from PIL import Image
 from transformers import AutoImageProcessor
 
 from vlmcore.data.load.batch import Images
-from vlmcore.data.media.processor import ImagePatcher, normalize_patches, write_processor_files
+from vlmcore.data.media.image import normalize_patches
+from vlmcore.data.media.processor import ImagePatcher, write_processor_files
 
 # (width, height, PIL mode): sizes that are and are not multiples of 32, upscaled (below
 # min_pixels) and downscaled (above max_pixels), a very wide one, and modes the processor converts.

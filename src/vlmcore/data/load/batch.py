@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vlmcore.data import IGNORE_INDEX
-from vlmcore.data.media.processor import normalize_patches
+from vlmcore.data.media.image import normalize_patches
 from vlmcore.data.media.video import normalize_video_patches
 from vlmcore.models.qwen3 import text_position_ids
 

@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Iterator
 
 import numpy as np
+import torch
 from PIL import Image, ImageFile
 
 from vlmcore.data.quality import BadSample
@@ -104,3 +105,19 @@ def to_rgb(image: Image.Image) -> tuple[Image.Image, str]:
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB"), "alpha_on_white"
     return image.convert("RGB"), f"{mode.lower()}_to_rgb"
+
+
+def normalize_patches(
+    patches: torch.Tensor, rescale_factor: float, mean: list[float], std: list[float], temporal_patch_size: int
+) -> torch.Tensor:
+    """uint8 patches (N, C*P*P) -> the image processor's float32 `pixel_values` (N, C*T*P*P), bit for
+    bit: its rescale (float64, then float32) is a 256-entry table, its normalisation the same float32
+    ops, and each patch is repeated over the T temporal slots as the processor repeats an image."""
+    table = (torch.arange(256, dtype=torch.float64) * rescale_factor).float().to(patches.device)
+    n = patches.shape[0]
+    channels = len(mean)
+    values = table[patches.int()].view(n, channels, 1, -1)
+    mean = torch.tensor(mean, dtype=torch.float32, device=patches.device).view(1, channels, 1, 1)
+    std = torch.tensor(std, dtype=torch.float32, device=patches.device).view(1, channels, 1, 1)
+    values = (values - mean) / std
+    return values.expand(n, channels, temporal_patch_size, values.shape[-1]).reshape(n, -1)

@@ -6,7 +6,7 @@ publishes (patch 16, merge 2, mean/std 0.5), naming the PIL image processor.
 `ImagePatcher` is the training loader's image path: the image processor's RGB conversion, smart
 resize (PIL, the processor's resample) and patch order, with the patches kept as uint8, one frame
 (an image's patches are the same for every temporal slot), and written straight into the row's
-buffer; `normalize_patches` does the rest on the device. Together they give exactly the
+buffer; `normalize_patches` (image.py, so that the training loader imports no processor code) does the rest on the device. Together they give exactly the
 processor's float32 `pixel_values` from an eighth of the bytes, without its float copies on the CPU.
 
 transformers 5.x cannot build any `Qwen3VLProcessor` without torchvision: the processor always
@@ -19,7 +19,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import torch
 from PIL import Image
 from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, BaseImageProcessor, ProcessorMixin
 from transformers.image_transforms import convert_to_rgb
@@ -149,19 +148,3 @@ class ImagePatcher:
         gh, gw = image.height // (p * m), image.width // (p * m)
         src = pixels.reshape(gh, m, p, gw, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5)  # (gh, gw, mh, mw, C, ph, pw)
         out.reshape(gh, gw, m, m, 3, p, p)[...] = src
-
-
-def normalize_patches(
-    patches: torch.Tensor, rescale_factor: float, mean: list[float], std: list[float], temporal_patch_size: int
-) -> torch.Tensor:
-    """uint8 patches (N, C*P*P) -> the image processor's float32 `pixel_values` (N, C*T*P*P), bit for
-    bit: its rescale (float64, then float32) is a 256-entry table, its normalisation the same float32
-    ops, and each patch is repeated over the T temporal slots as the processor repeats an image."""
-    table = (torch.arange(256, dtype=torch.float64) * rescale_factor).float().to(patches.device)
-    n = patches.shape[0]
-    channels = len(mean)
-    values = table[patches.int()].view(n, channels, 1, -1)
-    mean = torch.tensor(mean, dtype=torch.float32, device=patches.device).view(1, channels, 1, 1)
-    std = torch.tensor(std, dtype=torch.float32, device=patches.device).view(1, channels, 1, 1)
-    values = (values - mean) / std
-    return values.expand(n, channels, temporal_patch_size, values.shape[-1]).reshape(n, -1)
