@@ -47,7 +47,7 @@ def write_mvbench(repository, clips: list[bytes]) -> None:
 @pytest.fixture(scope="module")
 def run_with_bad_videos(tmp_path_factory):
     root = tmp_path_factory.mktemp("undecodable")
-    model = tiny_snapshot("qwen3_vl", root / "model")
+    tiny_snapshot("qwen3_vl", root / "model")
     synthetic_video.generate(root / "raw", num_train=1, num_eval=4, seed=2)
     questions = [json.loads(line) for line in (root / "raw/eval.jsonl").read_text().splitlines()]
     good_clip = (root / "raw" / questions[2]["video"]).read_bytes()
@@ -56,15 +56,20 @@ def run_with_bad_videos(tmp_path_factory):
     write_mvbench(root / "hub/mvbench", [good_clip, GARBAGE, cut_in_half(good_clip)])
     stage_snapshot(root / "hub/mvbench", root / "benchmarks/mvbench", BENCHMARKS["mvbench"], "local", patterns=["*"])
     out = root / "eval"
-    result = evaluate(
-        model,
+    result = evaluate_video_tasks(root, out)
+    return result, out
+
+
+def evaluate_video_tasks(root, out, video_workers: int = 0) -> dict:
+    return evaluate(
+        root / "model",
         ["demo_video_qa", "mvbench"],
         out,
         vqa_data=root / "raw/eval.jsonl",
         benchmark_data=root / "benchmarks",
         batch_size=4,
+        video_workers=video_workers,
     )
-    return result, out
 
 
 def samples(out, task: str) -> list[dict]:
@@ -107,6 +112,20 @@ def test_their_questions_get_no_answer_and_the_run_goes_on(run_with_bad_videos):
             assert scores == [float("-inf")] * len(scores)
         else:
             assert all(score > float("-inf") for score in scores)
+
+
+def test_decoding_in_worker_processes_gives_the_same_results(run_with_bad_videos, tmp_path):
+    """Two processes decode the clips ahead of the model: every sample (log-likelihoods, generated
+    answers, scores) and every count of undecodable videos is exactly as when the evaluating
+    process decodes them itself."""
+    result, out = run_with_bad_videos
+    root = out.parent
+    with_workers = evaluate_video_tasks(root, tmp_path / "eval", video_workers=2)
+    assert with_workers["undecodable_video_samples"] == result["undecodable_video_samples"]
+    assert with_workers["undecodable_videos"] == result["undecodable_videos"]
+    assert with_workers["results"] == result["results"]
+    for task in ("demo_video_qa", "mvbench"):
+        assert samples(tmp_path / "eval", task) == samples(out, task)
 
 
 def test_video_mme_subtitles_of_an_undecodable_video_are_none(tmp_path):
