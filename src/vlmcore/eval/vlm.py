@@ -22,7 +22,9 @@ Videos: a task's `doc_to_image` may return `VideoClip`s among its visuals (`<vid
 place). transformers' video processor needs torchvision, which the project does not, so clips are
 sampled, resized and laid out by vlmcore's own video code (vlmcore.data.media.video, tested equal to
 the processor) and the row is encoded as the training data is (`SampleEncoder`), for scoring and
-for generation alike.
+for generation alike. A row's tokens need only each clip's plan (from its container headers); the
+pixels are decoded per batch, by `video_workers` processes ahead of the model when set
+(vlmcore/eval/video_decode.py), the batches being the same either way.
 
 A video that does not decode (not a video, cut short, no video stream: vlmcore.data.media.video's
 BadSample reasons) does not stop the evaluation: the question is recorded in `UNDECODABLE_VIDEOS`
