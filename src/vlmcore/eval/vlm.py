@@ -135,7 +135,7 @@ class VisionLanguageLM(HFMultimodalLM):
         encoded = [i for i, row in enumerate(rows) if row is not None]
         order = sorted(encoded, key=lambda i: -len(rows[i]["input_ids"]))
         progress = tqdm(total=len(order), disable=disable_tqdm, desc="vlmcore-vlm loglikelihood")
-        with self.clip_pixels(rows, order) as pixels:
+        with self.clip_decoder(rows, order) as pixels:
             for batch in self.batches_with_pixels(requests, rows, order, pixels):
                 indices = [i for i, _ in batch]
                 for i, result in zip(indices, self.score_batch([row for _, row in batch])):
@@ -145,7 +145,7 @@ class VisionLanguageLM(HFMultimodalLM):
         progress.close()
         return results
 
-    def clip_pixels(self, rows: list[dict | None], order: list[int]) -> ClipPixels:
+    def clip_decoder(self, rows: list[dict | None], order: list[int]) -> ClipPixels:
         """The decoder of the rows' videos, in the order the batches of `order` will ask for them."""
         jobs = [job for i in order for job in rows[i].get("videos", ())]
         settings = self.sample_encoder.video if jobs else None
@@ -226,7 +226,7 @@ class VisionLanguageLM(HFMultimodalLM):
         order = [i for indices in groups.values() for i in indices]
         progress = tqdm(total=len(requests), disable=disable_tqdm, desc="vlmcore-vlm generate")
         progress.update(rows.count(None))
-        with self.clip_pixels(rows, order) as pixels:
+        with self.clip_decoder(rows, order) as pixels:
             for indices in groups.values():
                 for batch in self.batches_with_pixels(requests, rows, indices, pixels):
                     gen_kwargs = requests[batch[0][0]].args[1]
