@@ -9,12 +9,14 @@ stages it; one clip a few bytes of garbage, one a real clip cut in half.
 """
 
 import json
+import shutil
 import zipfile
 
 import pandas as pd
 import pytest
 from _export_helpers import tiny_snapshot
 
+from vlmcore.data.media.video import probe
 from vlmcore.data.synthetic import video as synthetic_video
 from vlmcore.eval.benchmarks.registry import BENCHMARKS
 from vlmcore.eval.benchmarks.tasks import subtitles_at_frames
@@ -114,18 +116,37 @@ def test_their_questions_get_no_answer_and_the_run_goes_on(run_with_bad_videos):
             assert all(score > float("-inf") for score in scores)
 
 
+def garbage_after_the_first_frame(data: bytes) -> bytes:
+    """The clip with its frame data after the first frame's overwritten: its headers (and so its
+    plan) read, its frames fail in the decoding, after the rows are put into batches."""
+    frames_start = data.find(b"mdat") + 200
+    frames_end = data.find(b"moov") - 4
+    assert 0 < frames_start < frames_end, "the demo's clips keep their frames before their index"
+    garbage = (b"\xff\x00\x13" * len(data))[: frames_end - frames_start]
+    return data[:frames_start] + garbage + data[frames_end:]
+
+
 def test_decoding_in_worker_processes_gives_the_same_results(run_with_bad_videos, tmp_path):
     """Two processes decode the clips ahead of the model: every sample (log-likelihoods, generated
     answers, scores) and every count of undecodable videos is exactly as when the evaluating
-    process decodes them itself."""
-    result, out = run_with_bad_videos
-    root = out.parent
-    with_workers = evaluate_video_tasks(root, tmp_path / "eval", video_workers=2)
-    assert with_workers["undecodable_video_samples"] == result["undecodable_video_samples"]
-    assert with_workers["undecodable_videos"] == result["undecodable_videos"]
-    assert with_workers["results"] == result["results"]
+    process decodes them itself, with a third clip that fails only in the decoding."""
+    _, out = run_with_bad_videos
+    root = tmp_path / "data"
+    shutil.copytree(out.parent, root, ignore=shutil.ignore_patterns("eval"))
+    questions = [json.loads(line) for line in (root / "raw/eval.jsonl").read_text().splitlines()]
+    clip = root / "raw" / questions[3]["video"]
+    clip.write_bytes(garbage_after_the_first_frame(clip.read_bytes()))
+    assert probe(clip.read_bytes()).width > 0  # it fails in the decoding, not in the probe
+    in_process = evaluate_video_tasks(root, tmp_path / "in_process")
+    in_workers = evaluate_video_tasks(root, tmp_path / "in_workers", video_workers=2)
+    assert in_process["undecodable_videos"]["demo_video_qa"] == {"unreadable_video": 3}
+    listed = [(q["task"], q["doc_id"]) for q in in_process["undecodable_video_samples"]]
+    assert ("demo_video_qa", 3) in listed
+    assert in_workers["undecodable_video_samples"] == in_process["undecodable_video_samples"]
+    assert in_workers["undecodable_videos"] == in_process["undecodable_videos"]
+    assert in_workers["results"] == in_process["results"]
     for task in ("demo_video_qa", "mvbench"):
-        assert samples(tmp_path / "eval", task) == samples(out, task)
+        assert samples(tmp_path / "in_workers", task) == samples(tmp_path / "in_process", task)
 
 
 def test_video_mme_subtitles_of_an_undecodable_video_are_none(tmp_path):
