@@ -2,6 +2,7 @@
 batch size, and its free-form generation against transformers' `generate` on the same prompts.
 
     python benchmarks/eval_throughput.py --preset tiny                 # CPU, the demo's tiny model
+    python benchmarks/eval_throughput.py --video-workers 0,2           # the video tasks also with 2 decoding workers
     python benchmarks/eval_throughput.py --preset 2b --device cuda     # one GPU, Qwen3-VL-2B's shape, bf16
 
 Four tasks, on the synthetic demo data (`vlmcore synth`'s images and clips): image multiple choice
@@ -11,7 +12,10 @@ ChartQA/DocVQA-like: greedy generation with the KV cache, batched), video multip
 MVBench are, batched the same way: vlmcore/eval/vlm.py). Each runs through the real
 `vlmcore.eval.runner.evaluate` at every batch size; the figure is questions over the seconds spent
 in the model's request methods (encoding, forwards, decoding), so model loading and lm-eval's task
-building are left out (the end-to-end wall time is in the JSON too).
+building are left out (the end-to-end wall time is in the JSON too). The video tasks run once per
+count of `--video-workers` (eval.video_workers: processes that decode the clips ahead of the model;
+starting them is inside the timed methods), and their answers are checked equal to those of the
+first count's run.
 
 The native model (vlmcore.models) has no KV cache: `vlmcore eval` generates with transformers'
 `generate` on the export, in its own batches with lm-eval's stopping criteria. The comparison runs
@@ -146,8 +150,10 @@ def write_data(root: Path, questions: int) -> dict[str, Path]:
     return {"image": root / "image/eval.jsonl", "video": root / "video/eval.jsonl", "tasks": tasks}
 
 
-def run_task(model: Path, task: str, data: dict[str, Path], out: Path, args: argparse.Namespace, batch: int) -> dict:
-    """One evaluation of one task at one batch size: its row of the table."""
+def run_task(
+    model: Path, task: str, data: dict[str, Path], out: Path, args: argparse.Namespace, batch: int, workers: int
+) -> dict:
+    """One evaluation of one task at one batch size and count of video workers: its row of the table."""
     clock = ModelClock()
     start = time.perf_counter()
     with clock.timing(args.device):
@@ -161,6 +167,7 @@ def run_task(model: Path, task: str, data: dict[str, Path], out: Path, args: arg
             device=args.device,
             dtype=args.dtype,
             include_path=[data["tasks"]],
+            video_workers=workers,
         )
     wall = time.perf_counter() - start
     questions = result["n-samples"][task]["effective"]
@@ -168,12 +175,23 @@ def run_task(model: Path, task: str, data: dict[str, Path], out: Path, args: arg
         "task": task,
         "kind": TASKS[task][0],
         "batch_size": batch,
+        "video_workers": workers,
         "questions": questions,
         "requests": clock.requests,
         "model_seconds": round(clock.seconds, 4),
         "questions_per_s": round(questions / clock.seconds, 3),
         "wall_seconds": round(wall, 3),
     }
+
+
+def same_answers(out: Path, first: Path, task: str) -> bool:
+    """Whether the run in `out` logged the same responses as the run in `first`."""
+
+    def responses(directory: Path) -> list:
+        lines = (directory / f"samples_{task}.jsonl").read_text().splitlines()
+        return [json.loads(line)["resps"] for line in lines]
+
+    return responses(out) == responses(first)
 
 
 def cut_at_stops(text: str) -> str:
@@ -245,11 +263,14 @@ def transformers_generation(model_dir: Path, samples_file: Path, image_root: Pat
 
 def print_table(rows: list[dict], comparisons: list[dict], header: str) -> None:
     print(header)
-    print(f"{'task':<22} {'kind':<52} {'batch':>5} {'questions':>9} {'requests':>8} {'q/s':>9} {'wall s':>8}")
+    print(
+        f"{'task':<22} {'kind':<52} {'batch':>5} {'workers':>7} {'questions':>9} {'requests':>8} {'q/s':>9} "
+        f"{'wall s':>8}"
+    )
     for row in rows:
         print(
-            f"{row['task']:<22} {row['kind']:<52} {row['batch_size']:>5} {row['questions']:>9} "
-            f"{row['requests']:>8} {row['questions_per_s']:>9.3f} {row['wall_seconds']:>8.1f}"
+            f"{row['task']:<22} {row['kind']:<52} {row['batch_size']:>5} {row['video_workers']:>7} "
+            f"{row['questions']:>9} {row['requests']:>8} {row['questions_per_s']:>9.3f} {row['wall_seconds']:>8.1f}"
         )
     print("free-form image answers: vlmcore eval vs transformers' generate called directly")
     for comparison in comparisons:
@@ -267,6 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="default: the preset's (float32 tiny, bfloat16 2b)")
     parser.add_argument("--batch-sizes", default="1,4,8", help="comma-separated")
+    parser.add_argument(
+        "--video-workers",
+        default="0",
+        help="comma-separated counts of the processes that decode the video tasks' clips (0 = in process)",
+    )
     parser.add_argument("--limit", type=int, default=16, help="questions per task")
     parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated, of " + ", ".join(TASKS))
     parser.add_argument("--note", default="", help="a line about the machine, kept in the JSON")
@@ -278,6 +304,7 @@ def main() -> int:
     args = build_parser().parse_args()
     args.dtype = args.dtype or PRESETS[args.preset]["dtype"]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    video_workers = [int(w) for w in args.video_workers.split(",")]
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="eval_throughput_") as tmp:
@@ -291,10 +318,15 @@ def main() -> int:
         comparisons = []
         for task in tasks:
             for batch in batch_sizes:
-                out = root / "eval" / f"{task}_{batch}"
-                row = run_task(model, task, data, out, args, batch)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                # Image tasks have no clips to decode: in process only.
+                counts = video_workers if TASKS[task][1] == "video" else [0]
+                for workers in counts:
+                    out = root / "eval" / f"{task}_{batch}_{workers}"
+                    row = run_task(model, task, data, out, args, batch, workers)
+                    first = root / "eval" / f"{task}_{batch}_{counts[0]}"
+                    row["same_answers_as_first_run"] = same_answers(out, first, task)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
                 if task == "demo_vqa_gen":
                     comparison = transformers_generation(
                         model, out / "samples_demo_vqa_gen.jsonl", data["image"].parent, args, batch

@@ -9,12 +9,14 @@ stages it; one clip a few bytes of garbage, one a real clip cut in half.
 """
 
 import json
+import shutil
 import zipfile
 
 import pandas as pd
 import pytest
 from _export_helpers import tiny_snapshot
 
+from vlmcore.data.media.video import probe
 from vlmcore.data.synthetic import video as synthetic_video
 from vlmcore.eval.benchmarks.registry import BENCHMARKS
 from vlmcore.eval.benchmarks.tasks import subtitles_at_frames
@@ -47,7 +49,7 @@ def write_mvbench(repository, clips: list[bytes]) -> None:
 @pytest.fixture(scope="module")
 def run_with_bad_videos(tmp_path_factory):
     root = tmp_path_factory.mktemp("undecodable")
-    model = tiny_snapshot("qwen3_vl", root / "model")
+    tiny_snapshot("qwen3_vl", root / "model")
     synthetic_video.generate(root / "raw", num_train=1, num_eval=4, seed=2)
     questions = [json.loads(line) for line in (root / "raw/eval.jsonl").read_text().splitlines()]
     good_clip = (root / "raw" / questions[2]["video"]).read_bytes()
@@ -56,15 +58,20 @@ def run_with_bad_videos(tmp_path_factory):
     write_mvbench(root / "hub/mvbench", [good_clip, GARBAGE, cut_in_half(good_clip)])
     stage_snapshot(root / "hub/mvbench", root / "benchmarks/mvbench", BENCHMARKS["mvbench"], "local", patterns=["*"])
     out = root / "eval"
-    result = evaluate(
-        model,
+    result = evaluate_video_tasks(root, out)
+    return result, out
+
+
+def evaluate_video_tasks(root, out, video_workers: int = 0) -> dict:
+    return evaluate(
+        root / "model",
         ["demo_video_qa", "mvbench"],
         out,
         vqa_data=root / "raw/eval.jsonl",
         benchmark_data=root / "benchmarks",
         batch_size=4,
+        video_workers=video_workers,
     )
-    return result, out
 
 
 def samples(out, task: str) -> list[dict]:
@@ -107,6 +114,39 @@ def test_their_questions_get_no_answer_and_the_run_goes_on(run_with_bad_videos):
             assert scores == [float("-inf")] * len(scores)
         else:
             assert all(score > float("-inf") for score in scores)
+
+
+def garbage_after_the_first_frame(data: bytes) -> bytes:
+    """The clip with its frame data after the first frame's overwritten: its headers (and so its
+    plan) read, its frames fail in the decoding, after the rows are put into batches."""
+    frames_start = data.find(b"mdat") + 200
+    frames_end = data.find(b"moov") - 4
+    assert 0 < frames_start < frames_end, "the demo's clips keep their frames before their index"
+    garbage = (b"\xff\x00\x13" * len(data))[: frames_end - frames_start]
+    return data[:frames_start] + garbage + data[frames_end:]
+
+
+def test_decoding_in_worker_processes_gives_the_same_results(run_with_bad_videos, tmp_path):
+    """Two processes decode the clips ahead of the model: every sample (log-likelihoods, generated
+    answers, scores) and every count of undecodable videos is exactly as when the evaluating
+    process decodes them itself, with a third clip that fails only in the decoding."""
+    _, out = run_with_bad_videos
+    root = tmp_path / "data"
+    shutil.copytree(out.parent, root, ignore=shutil.ignore_patterns("eval"))
+    questions = [json.loads(line) for line in (root / "raw/eval.jsonl").read_text().splitlines()]
+    clip = root / "raw" / questions[3]["video"]
+    clip.write_bytes(garbage_after_the_first_frame(clip.read_bytes()))
+    assert probe(clip.read_bytes()).width > 0  # it fails in the decoding, not in the probe
+    in_process = evaluate_video_tasks(root, tmp_path / "in_process")
+    in_workers = evaluate_video_tasks(root, tmp_path / "in_workers", video_workers=2)
+    assert in_process["undecodable_videos"]["demo_video_qa"] == {"unreadable_video": 3}
+    listed = [(q["task"], q["doc_id"]) for q in in_process["undecodable_video_samples"]]
+    assert ("demo_video_qa", 3) in listed
+    assert in_workers["undecodable_video_samples"] == in_process["undecodable_video_samples"]
+    assert in_workers["undecodable_videos"] == in_process["undecodable_videos"]
+    assert in_workers["results"] == in_process["results"]
+    for task in ("demo_video_qa", "mvbench"):
+        assert samples(tmp_path / "in_workers", task) == samples(tmp_path / "in_process", task)
 
 
 def test_video_mme_subtitles_of_an_undecodable_video_are_none(tmp_path):

@@ -17,6 +17,7 @@ rule evaluate:
         benchmark_data=lambda wc: f"--benchmark-data {R}/benchmarks" if wc.task in BENCHMARKS else "",
         limit=f"--limit {config['eval']['limit']}" if config["eval"]["limit"] else "",
         batch_size=config["eval"]["batch_size"],
+        video_workers=config["eval"]["video_workers"],
         device=config["eval"]["device"],
         launcher=EXP.eval_launcher(),
     log:
@@ -31,4 +32,5 @@ rule evaluate:
     shell:
         "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1"
         " {params.launcher} eval --model {input.hf} --tasks {wildcards.task} --out {params.out} {params.vqa}"
-        " {params.benchmark_data} {params.limit} --batch-size {params.batch_size} --device {params.device} > {log} 2>&1"
+        " {params.benchmark_data} {params.limit} --batch-size {params.batch_size}"
+        " --video-workers {params.video_workers} --device {params.device} > {log} 2>&1"

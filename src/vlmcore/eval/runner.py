@@ -114,8 +114,11 @@ def evaluate(
     apply_chat_template: bool = False,
     num_fewshot: int | None = None,
     benchmark_data: str | Path | None = None,
+    video_workers: int = 0,
 ) -> dict:
-    """Runs lm-eval and writes EVAL_DIR/results.json, results.csv and samples_<task>.jsonl."""
+    """Runs lm-eval and writes EVAL_DIR/results.json, results.csv and samples_<task>.jsonl.
+    `video_workers`: processes that decode the video clips ahead of the model (0: the evaluating
+    process decodes them itself)."""
     model_dir = Path(model_dir).resolve()
     out = Path(out)
     model = "vlmcore-vlm" if is_vision_language(model_dir) else "hf"
@@ -133,10 +136,13 @@ def evaluate(
     if benchmark_data:
         metadata["benchmark_data"] = str(Path(benchmark_data).resolve())
     task_manager = TaskManager(include_path=[str(BUNDLED_TASKS), *map(str, include_path)], metadata=metadata)
+    model_args = {"pretrained": str(model_dir), "dtype": dtype}
+    if model == "vlmcore-vlm":
+        model_args["video_workers"] = video_workers
     vlm.UNDECODABLE_VIDEOS.clear()
     result = lm_eval.simple_evaluate(
         model=model,
-        model_args={"pretrained": str(model_dir), "dtype": dtype},
+        model_args=model_args,
         tasks=tasks,
         num_fewshot=num_fewshot,
         batch_size=batch_size,
@@ -191,6 +197,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--limit", type=positive_int, help="at most this many examples per task")
     parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument(
+        "--video-workers",
+        type=non_negative_int,
+        default=0,
+        help="processes that decode the video clips ahead of the model, per evaluating process "
+        "(0 = the evaluating process decodes them itself)",
+    )
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:0, ...")
     parser.add_argument("--dtype", default="auto", help="model dtype (auto = as saved, float32, bfloat16)")
     parser.add_argument("--num-fewshot", type=non_negative_int, help="few-shot examples (default: each task's own)")
@@ -231,6 +244,7 @@ def run(args: argparse.Namespace) -> int:
         apply_chat_template=args.apply_chat_template,
         num_fewshot=args.num_fewshot,
         benchmark_data=args.benchmark_data,
+        video_workers=args.video_workers,
     )
     if result:
         print(results_table(result).to_string(index=False))

@@ -22,7 +22,9 @@ Videos: a task's `doc_to_image` may return `VideoClip`s among its visuals (`<vid
 place). transformers' video processor needs torchvision, which the project does not, so clips are
 sampled, resized and laid out by vlmcore's own video code (vlmcore.data.media.video, tested equal to
 the processor) and the row is encoded as the training data is (`SampleEncoder`), for scoring and
-for generation alike.
+for generation alike. A row's tokens need only each clip's plan (from its container headers); the
+pixels are decoded per batch, by `video_workers` processes ahead of the model when set
+(vlmcore/eval/video_decode.py), the batches being the same either way.
 
 A video that does not decode (not a video, cut short, no video stream: vlmcore.data.media.video's
 BadSample reasons) does not stop the evaluation: the question is recorded in `UNDECODABLE_VIDEOS`
@@ -36,11 +38,9 @@ and lm-eval then takes the first choice.
 """
 
 import copy
-import dataclasses
 import functools
 import json
-import zipfile
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -54,42 +54,9 @@ from transformers import PreTrainedModel, ProcessorMixin
 
 from vlmcore.data.media.encoder import VIDEO_PLACEHOLDER, SampleEncoder, to_chat_messages
 from vlmcore.data.media.processor import load_processor
-from vlmcore.data.media.video import (
-    VideoPlan,
-    clip_frames,
-    normalize_video_patches,
-    probe,
-    resize_frames,
-    video_patches,
-)
+from vlmcore.data.media.video import probe
 from vlmcore.data.quality import BadSample
-
-
-@dataclasses.dataclass(frozen=True)
-class VideoClip:
-    """A video file among a request's visuals; `shuffle_seed` set: its sampled frames go to the
-    model in an order shuffled by that seed (a control for questions that need time). `member`:
-    the clip is that member of the zip archive `path` (benchmarks ship their videos zipped).
-    `max_frames`: sample at most this many frames (default: the video processor's own limit)."""
-
-    path: str
-    shuffle_seed: int | None = None
-    member: str | None = None
-    max_frames: int | None = None
-
-    def read_bytes(self) -> bytes:
-        if self.member is None:
-            return Path(self.path).read_bytes()
-        with zipfile.ZipFile(self.path) as archive:
-            return archive.read(self.member)
-
-    def frame_order(self, count: int) -> list[int]:
-        order = list(range(count))
-        if self.shuffle_seed is not None and count > 1:
-            generator = torch.Generator().manual_seed(self.shuffle_seed)
-            while order == sorted(order):
-                order = torch.randperm(count, generator=generator).tolist()
-        return order
+from vlmcore.eval.video_decode import ClipJob, ClipPixels, VideoClip
 
 
 def user_turn(context: str, num_images: int, num_videos: int = 0) -> list[dict]:
@@ -107,6 +74,8 @@ def user_turn(context: str, num_images: int, num_videos: int = 0) -> list[dict]:
 
 
 VISUAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+# An encoded row keeps its visual inputs and its videos' decoding jobs (their pixels join per batch).
+ROW_VISUAL_KEYS = (*VISUAL_KEYS, "videos")
 
 # The questions whose video did not decode in this process: (task, doc_id) -> {task, doc_id, video,
 # reason, detail}. lm-eval builds the model object itself, so the runner reads them here (it
@@ -135,6 +104,15 @@ def record_undecodable(request: Instance, videos: list[VideoClip], error: BadSam
 
 @register_model("vlmcore-vlm")
 class VisionLanguageLM(HFMultimodalLM):
+    def __init__(self, pretrained: str | PreTrainedModel, video_workers: int = 0, **kwargs: Any) -> None:
+        # Processes that decode the video clips ahead of the model (0: this process decodes them).
+        self.video_workers = int(video_workers)
+        if self.video_workers < 0:
+            raise ValueError(f"video_workers: {video_workers}; must be 0 (decode in this process) or more")
+        # A clip's metadata and plan, probed once (a multiple-choice question asks once per choice).
+        self.clip_jobs: dict[VideoClip, ClipJob] = {}
+        super().__init__(pretrained, **kwargs)
+
     def _create_tokenizer(
         self,
         pretrained: str | PreTrainedModel,
@@ -151,20 +129,65 @@ class VisionLanguageLM(HFMultimodalLM):
         if requests and len(requests[0].args) < 3:
             return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
         rows = [self.encode_row_or_none(request) for request in requests]
-        results = [None] * len(rows)
-        for i, row in enumerate(rows):
-            if row is None:  # its video did not decode: no choice is likelier than another
-                results[i] = (float("-inf"), False)
+        # A question whose video does not decode keeps this: no choice is likelier than another.
+        results = [(float("-inf"), False)] * len(rows)
         # Longest first, so every batch pads to its first row and memory peaks at the start.
         encoded = [i for i, row in enumerate(rows) if row is not None]
         order = sorted(encoded, key=lambda i: -len(rows[i]["input_ids"]))
-        batch_size = int(self.batch_size)
-        for start in tqdm(range(0, len(order), batch_size), disable=disable_tqdm, desc="vlmcore-vlm loglikelihood"):
-            batch = [rows[i] for i in order[start : start + batch_size]]
-            for i, result in zip(order[start : start + batch_size], self.score_batch(batch)):
-                results[i] = result
-                self.cache_hook.add_partial("loglikelihood", requests[i].args[:2], result)
+        progress = tqdm(total=len(order), disable=disable_tqdm, desc="vlmcore-vlm loglikelihood")
+        with self.clip_decoder(rows, order) as pixels:
+            for batch in self.batches_with_pixels(requests, rows, order, pixels):
+                indices = [i for i, _ in batch]
+                for i, result in zip(indices, self.score_batch([row for _, row in batch])):
+                    results[i] = result
+                    self.cache_hook.add_partial("loglikelihood", requests[i].args[:2], result)
+                progress.update(len(batch))
+        progress.close()
         return results
+
+    def clip_decoder(self, rows: list[dict | None], order: list[int]) -> ClipPixels:
+        """The decoder of the rows' videos, in the order the batches of `order` will ask for them."""
+        jobs = [job for i in order for job in rows[i].get("videos", ())]
+        settings = self.sample_encoder.video if jobs else None
+        # Two batches ahead: the workers decode the next batch's clips while the model runs this one.
+        ahead = 2 * max(int(self.batch_size), self.video_workers)
+        return ClipPixels(jobs, settings, self.video_workers, ahead)
+
+    def batches_with_pixels(
+        self, requests: list[Instance], rows: list[dict | None], order: list[int], pixels: ClipPixels
+    ) -> Iterator[list[tuple[int, dict]]]:
+        """(index, row) batches of the batch size, the rows at `order` taken in turn with their
+        videos' pixels. A row whose video does not decode is recorded and left out, so the batches
+        are those of the rows that decode, as if it had never been encoded."""
+        batch_size = int(self.batch_size)
+        batch = []
+        for i in order:
+            try:
+                batch.append((i, self.with_pixels(rows[i], pixels)))
+            except BadSample as error:
+                record_undecodable(requests[i], [job.clip for job in rows[i]["videos"]], error)
+                continue
+            if len(batch) == batch_size:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    @staticmethod
+    def with_pixels(row: dict, pixels: ClipPixels) -> dict:
+        """The row with its videos' pixel_values_videos; raises the BadSample of a clip that does not decode."""
+        if not row.get("videos"):
+            return row
+        decoded = []
+        failure = None
+        for job in row["videos"]:
+            try:
+                decoded.append(pixels.take(job))
+            except BadSample as error:  # the other clips are still taken: each is kept until its last use
+                failure = failure or error
+        if failure is not None:
+            raise failure
+        return {**row, "pixel_values_videos": torch.cat(decoded)}
 
     def encode_row_or_none(self, request: Instance) -> dict | None:
         """`encode_row` of a request; None (recorded) when its video does not decode."""
@@ -198,18 +221,20 @@ class VisionLanguageLM(HFMultimodalLM):
             if row is not None:
                 settings = json.dumps(requests[index].args[1], sort_keys=True, default=str)
                 groups.setdefault(settings, []).append(index)
-        batch_size = int(self.batch_size)
-        progress = tqdm(total=len(requests), disable=disable_tqdm, desc="vlmcore-vlm generate")
-        progress.update(rows.count(None))
         for indices in groups.values():
             indices.sort(key=lambda i: -len(rows[i]["input_ids"]))
-            for start in range(0, len(indices), batch_size):
-                batch = indices[start : start + batch_size]
-                gen_kwargs = requests[batch[0]].args[1]
-                for i, text in zip(batch, self.generate_batch([rows[i] for i in batch], gen_kwargs)):
-                    answers[i] = text
-                    self.cache_hook.add_partial("generate_until", (rows[i]["prompt"], gen_kwargs), text)
-                progress.update(len(batch))
+        order = [i for indices in groups.values() for i in indices]
+        progress = tqdm(total=len(requests), disable=disable_tqdm, desc="vlmcore-vlm generate")
+        progress.update(rows.count(None))
+        with self.clip_decoder(rows, order) as pixels:
+            for indices in groups.values():
+                for batch in self.batches_with_pixels(requests, rows, indices, pixels):
+                    gen_kwargs = requests[batch[0][0]].args[1]
+                    texts = self.generate_batch([row for _, row in batch], gen_kwargs)
+                    for (i, _), text in zip(batch, texts):
+                        answers[i] = text
+                        self.cache_hook.add_partial("generate_until", (rows[i]["prompt"], gen_kwargs), text)
+                    progress.update(len(batch))
         progress.close()
         return answers
 
@@ -226,7 +251,7 @@ class VisionLanguageLM(HFMultimodalLM):
             record_undecodable(request, videos, error)
             return None
         input_ids = encoding["input_ids"][0].tolist()
-        row = {key: value for key, value in encoding.items() if key in VISUAL_KEYS}
+        row = {key: value for key, value in encoding.items() if key in ROW_VISUAL_KEYS}
         row.update(prompt=prompt, input_ids=input_ids, attention_mask=[1] * len(input_ids))
         if "mm_token_type_ids" in encoding:
             row["mm_token_type_ids"] = encoding["mm_token_type_ids"][0].tolist()
@@ -258,7 +283,8 @@ class VisionLanguageLM(HFMultimodalLM):
         return SampleEncoder(self.model.name_or_path)
 
     def encode_prompt(self, prompt: str, images: list, videos: list[VideoClip]) -> dict:
-        """The processor's outputs for one templated prompt (videos encoded as the training data is)."""
+        """The processor's outputs for one templated prompt (videos encoded as the training data is,
+        their pixels left to the batches: `videos` holds their decoding jobs)."""
         if videos:
             return self.encode_with_videos(prompt, images, videos)
         return self.processor(text=[prompt], images=images or None, return_tensors="pt")
@@ -271,7 +297,7 @@ class VisionLanguageLM(HFMultimodalLM):
         if not continuation_ids:
             raise ValueError(f"empty continuation after context {context!r}")
         context_ids = encoding["input_ids"][0].tolist()
-        row = {key: value for key, value in encoding.items() if key in VISUAL_KEYS}
+        row = {key: value for key, value in encoding.items() if key in ROW_VISUAL_KEYS}
         row.update(
             input_ids=context_ids + continuation_ids,
             attention_mask=[1] * (len(context_ids) + len(continuation_ids)),
@@ -282,34 +308,32 @@ class VisionLanguageLM(HFMultimodalLM):
         return row
 
     def encode_with_videos(self, prompt: str, images: list, videos: list[VideoClip]) -> dict:
-        """The processor's outputs for a templated prompt with videos, made as the training data is."""
+        """The processor's outputs for a templated prompt with videos, made as the training data is,
+        but for the videos' pixels: `videos` holds the clips' decoding jobs (ClipPixels decodes them)."""
         encoder = self.sample_encoder
         out = {}
         grids = []
         if images:
             out = dict(self.processor.image_processor(images, return_tensors="pt"))
             grids = [tuple(g) for g in out["image_grid_thw"].tolist()]
-        plans, pixels = zip(*map(self.clip_inputs, videos))
+        jobs = [self.clip_job(clip) for clip in videos]
+        plans = [job.plan for job in jobs]
         input_ids = self.tokenizer(encoder.expand_visual_tokens(prompt, grids, plans))["input_ids"]
         return {
             **out,
             "input_ids": torch.tensor([input_ids]),
-            "pixel_values_videos": torch.cat(pixels),
+            "videos": jobs,
             "video_grid_thw": torch.tensor([plan.grid for plan in plans]),
             "mm_token_type_ids": torch.tensor(self.processor.create_mm_token_type_ids([input_ids])),
         }
 
-    # A multiple-choice question asks for its clip once per choice.
-    @functools.lru_cache(maxsize=32)  # noqa: B019 (one model lives for the whole evaluation)
-    def clip_inputs(self, clip: VideoClip) -> tuple[VideoPlan, torch.Tensor]:
-        """The clip's VideoPlan and its pixel_values_videos, as the training data has them."""
-        encoder = self.sample_encoder
-        data = clip.read_bytes()
-        meta = {"kind": "file", **probe(data).as_dict()}
-        plan = encoder.video_plan(meta, clip.max_frames)
-        frames = clip_frames(meta, [data], plan.indices)[clip.frame_order(len(plan.indices))]
-        patches, _ = video_patches(resize_frames(frames, *plan.size), encoder.video)
-        return plan, normalize_video_patches(patches, encoder.video.image_mean, encoder.video.image_std)
+    def clip_job(self, clip: VideoClip) -> ClipJob:
+        """The clip with its metadata and plan, from its container headers (a clip that does not
+        probe raises its BadSample); its frames are decoded later, by ClipPixels."""
+        if clip not in self.clip_jobs:
+            meta = {"kind": "file", **probe(clip.read_bytes()).as_dict()}
+            self.clip_jobs[clip] = ClipJob(clip, meta, self.sample_encoder.video_plan(meta, clip.max_frames))
+        return self.clip_jobs[clip]
 
     def left_padded_inputs(self, batch: list[dict]) -> dict[str, torch.Tensor]:
         """The model's inputs for encoded rows: token lists left-padded to the longest, the rows'
