@@ -14,6 +14,7 @@ import fractions
 import importlib.util
 import io
 import math
+import struct
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -167,6 +168,14 @@ def test_encode_video_end_to_end(clips, name):
     assert len(frames) == len(indices) and not torch.equal(frames[0], frames[-1])
 
 
+def frame_data_zeroed(mp4: bytes) -> bytes:
+    """The MP4 with its `mdat` box's payload (all frames' data) zeroed and its other boxes kept:
+    an MPEG-4 Part 2 stream then reads with a frame size of 0x0 from its headers."""
+    start = mp4.find(b"mdat") - 4
+    size = struct.unpack(">I", mp4[start : start + 4])[0]
+    return mp4[: start + 8] + bytes(size - 8) + mp4[start + size :]
+
+
 def test_bad_clips_are_refused_by_reason(clips):
     reasons = {}
     for name, data in {
@@ -179,10 +188,16 @@ def test_bad_clips_are_refused_by_reason(clips):
     with pytest.raises(BadSample) as e:
         probe(audio_only_clip())
     reasons["audio_only"] = e.value.reason
+    with pytest.raises(BadSample) as e:
+        encode_video(
+            frame_data_zeroed(make_clip("mpeg4", "mp4", frames=8, rate=4, width=64, height=48)), VideoSettings()
+        )
+    reasons["frame_data_zeroed"] = e.value.reason
     assert reasons == {
         "garbage": "unreadable_video",
         "cut_short": reasons["cut_short"],
         "audio_only": "no_video_stream",
+        "frame_data_zeroed": "unreadable_video",
     }
     assert reasons["cut_short"] in ("unreadable_video", "truncated_video")
 

@@ -136,14 +136,20 @@ def read_video_info(container: "av.container.InputContainer") -> VideoInfo:
     rate = stream.average_rate or stream.guessed_rate
     if not rate:
         raise BadSample("unreadable_video", "no frame rate in the container")
+    width = stream.codec_context.width
+    height = stream.codec_context.height
+    # An MPEG-4 Part 2 stream whose frame data is unreadable (zeroed, say) gives no frame size
+    # in its headers; refused here, where frame sizes and plans would divide by it.
+    if width <= 0 or height <= 0:
+        raise BadSample("unreadable_video", f"the video stream gives no frame size ({width}x{height})")
     frames = complete_frame_count(container, stream)
     duration = float(stream.duration * stream.time_base) if stream.duration else frames / float(rate)
     return VideoInfo(
         frames=frames,
         fps=float(rate),
         duration_s=duration,
-        width=stream.codec_context.width,
-        height=stream.codec_context.height,
+        width=width,
+        height=height,
         codec=stream.codec_context.name,
         container=container_extension(container, stream),
     )
