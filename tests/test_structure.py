@@ -117,6 +117,7 @@ def test_the_trainer_imports_no_processor_or_modeling_code():
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]", result.stdout
 
+
 def test_imports_have_no_cycle():
     """Module-level and function-level imports alike: a lazy import hides a cycle from Python's
     import, not from the reader."""
