@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vlmcore.config import ConfigError, TrainConfig, load_config
+from vlmcore.data.load.batch import Batch
 from vlmcore.families import family
 from vlmcore.models import load_hf_config
 from vlmcore.models.moe import grouped_mm
@@ -436,7 +437,11 @@ def _peak_of_two_steps(run: Run, micro: list, label_tokens: float) -> dict[str, 
     # An encoder rank's FSDP root is its vision tower.
     root = run.model.vision_tower() if run.role == "vision" else run.model
     tracker = PeakTracker(mod=root, optm=run.optimizer, frozen=frozen)
-    tracker.track_inputs(tuple(micro))
+    # The micro-batches are on the device for the whole step. Their tensors go to the tracker one by
+    # one: it looks for tensors with torch's pytree, which does not look into a Batch, and would
+    # count a batch tensor only from the first op that returns a view of it (as an activation), and
+    # never one that no op views (the pixels).
+    tracker.track_inputs(tuple(t for batch in micro if batch is not None for t in _batch_tensors(batch)))
     with tracker:
         # The tracker takes a second forward of the root for a bug unless its per-module stats
         # are cleared first (the peak is kept): every micro-batch starts with a clear. Registered
@@ -447,6 +452,18 @@ def _peak_of_two_steps(run: Run, micro: list, label_tokens: float) -> dict[str, 
     hook.remove()
     peak = tracker.get_tracker_snapshot("peak")[run.device]
     return {str(getattr(kind, "value", kind)): int(n) for kind, n in peak.items()}
+
+
+def _batch_tensors(batch: Batch) -> list[torch.Tensor]:
+    """The tensors of a micro-batch, its images' and videos' included."""
+    tensors = []
+
+    def collect(tensor: torch.Tensor) -> torch.Tensor:
+        tensors.append(tensor)
+        return tensor
+
+    batch.map_tensors(collect)
+    return tensors
 
 
 def _use_dpo_reference(run: Run) -> list[nn.Module]:
