@@ -65,6 +65,9 @@ def test_fake_run_counts_what_the_real_run_holds(configs, kind):
     assert fake["peak_bytes_by_kind"] == real["peak_bytes_by_kind"]
     assert fake["peak_bytes"] == real["peak_bytes"] > 0
     assert fake["fake"] and not real["fake"]
+    # The step's micro-batches are on the device for the whole step: at least the input ids and
+    # labels (int64) of both count as inputs.
+    assert fake["peak_bytes_by_kind"]["Inputs"] >= 2 * 2 * 96 * 8
     if video:
         video_fake, video_real, longer = video
         assert video_fake["peak_bytes_by_kind"] == video_real["peak_bytes_by_kind"] and video_fake["video_frames"] == 2
