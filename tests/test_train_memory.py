@@ -1,6 +1,6 @@
 """`vlmcore memory`: a training stage's peak memory per device, estimated on fake tensors.
 
-The reference is the same two training steps on real tensors, counted by the same tracker: the
+The reference is the same training step on real tensors, counted by the same tracker: the
 fake run must give every kind of memory to the byte. The rest checks what the estimate must
 show: FSDP and TP divide the states, frozen modules hold no optimizer state, activation
 checkpointing and shorter rows hold fewer activations.
