@@ -2,11 +2,12 @@
 
     python benchmarks/memory.py        # writes benchmarks/results/memory_2b.json
 
-Each row is `vlmcore memory` (vlmcore.train.memory): two training steps of the model of
-benchmarks/train_step.py's `2b` preset, parallelized for the given world size, run on fake
-tensors, with torch's FSDP2 memory tracker counting every live tensor on rank 0. The batch is
-the one train_step.py measures on a GPU: one row of 8,192 packed tokens, 16 samples, for
-Qwen3-VL one 512x512 image (1,024 patches); bf16 compute over fp32 weights and AdamW state.
+Each row is `vlmcore memory` (vlmcore.train.memory): a training step of the model of
+benchmarks/train_step.py's `2b` preset, holding the optimizer state from its start,
+parallelized for the given world size, run on fake tensors, with torch's FSDP2 memory tracker
+counting every live tensor on rank 0. The batch is the one train_step.py measures on a GPU:
+one row of 8,192 packed tokens, 16 samples, for Qwen3-VL one 512x512 image (1,024 patches);
+bf16 compute over fp32 weights and AdamW state.
 """
 
 import argparse

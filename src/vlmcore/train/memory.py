@@ -1,12 +1,13 @@
 """`vlmcore memory CONFIG --world-size N`: peak memory per device of a training stage,
 estimated on any machine, without a GPU, the other ranks or the weights.
 
-It runs two real training steps of the stage (the model from `model_path`'s config.json,
+It runs a real training step of the stage (the model from `model_path`'s config.json,
 frozen, parallelized and sharded as the config says for a world of N ranks, the same
 forward/backward, gradient norm and AdamW as `vlmcore train`) on fake tensors (shapes and
 dtypes, no data) over a fake process group, and counts the bytes of every live tensor with
 torch's FSDP2 memory tracker: the peak is what rank 0 holds at its fullest moment, by kind.
-A DPO stage's steps include its reference's forward and, with `dpo.reference: copy`, the
+The step holds the optimizer state from its start, as every step after a run's first does.
+A DPO stage's step includes its reference's forward and, with `dpo.reference: copy`, the
 reference's weights (sharded as the policy's, counted as sharded parameters).
 
 It counts tensor bytes, what `torch.cuda.max_memory_allocated` reports: not the caching
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vlmcore.config import ConfigError, TrainConfig, load_config
+from vlmcore.data.load.batch import Batch
 from vlmcore.families import family
 from vlmcore.models import load_hf_config
 from vlmcore.models.moe import grouped_mm
@@ -41,6 +43,7 @@ from vlmcore.train.step import to_device
 
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -264,11 +267,12 @@ def estimate_memory(
     segments: int | None = None,
     video_frames: int = 0,
 ) -> dict:
-    """Peak bytes per kind over two training steps, each row `segments` packed samples (default:
+    """Peak bytes per kind of a training step holding the optimizer state from its start (as
+    every step after a run's first), each row `segments` packed samples (default:
     data.segments), the longest with the image (`video_frames` > 0: with a video of that many
     frame groups of image_side x image_side merged patches): on rank 0, or under disjoint layouts on the first
     rank of each module (`modules`: each one's estimate; the top level is the larger). `fake=False`
-    runs the same steps on real tensors (one process only): what the fake run must reproduce."""
+    runs the same step on real tensors (one process only): what the fake run must reproduce."""
     if world_size < 1:
         raise ConfigError(f"--world-size: must be at least 1, got {world_size}")
     if not fake and world_size != 1:
@@ -387,10 +391,10 @@ def _estimate_rank(
                     for b in micro
                 ]
             with _grouped_experts(run.model, cfg):
-                return _peak_of_two_steps(run, micro, label_tokens)
+                return _peak_of_a_later_step(run, micro, label_tokens)
 
 
-def _peak_of_two_steps(run: Run, micro: list, label_tokens: float) -> dict[str, int]:
+def _peak_of_a_later_step(run: Run, micro: list, label_tokens: float) -> dict[str, int]:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _MemRefType, _State
 
@@ -403,6 +407,14 @@ def _peak_of_two_steps(run: Run, micro: list, label_tokens: float) -> dict[str, 
         def __init__(self, mod: nn.Module, optm: torch.optim.Optimizer, frozen: list[nn.Module]) -> None:
             super().__init__(mod, optm)
             self.frozen = frozen
+            self.in_sharding_propagation = 0  # depth of DTensor's sharding propagation calls
+
+        def __torch_dispatch__(
+            self, func: torch._ops.OpOverload, types: tuple, args: tuple = (), kwargs: dict | None = None
+        ) -> object:
+            if self.in_sharding_propagation:  # shapes of a DTensor op's output, no device memory
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
 
         def _register_module_and_optimizer_hooks(self) -> None:
             super()._register_module_and_optimizer_hooks()
@@ -436,17 +448,76 @@ def _peak_of_two_steps(run: Run, micro: list, label_tokens: float) -> dict[str, 
     # An encoder rank's FSDP root is its vision tower.
     root = run.model.vision_tower() if run.role == "vision" else run.model
     tracker = PeakTracker(mod=root, optm=run.optimizer, frozen=frozen)
-    tracker.track_inputs(tuple(micro))
-    with tracker:
+    # The micro-batches are on the device for the whole step. Their tensors go to the tracker one by
+    # one: it looks for tensors with torch's pytree, which does not look into a Batch, and would
+    # count a batch tensor only from the first op that returns a view of it (as an activation), and
+    # never one that no op views (the pixels).
+    tracker.track_inputs(tuple(_batch_tensors(micro)))
+    with tracker, _untracked_sharding_propagation(tracker):
         # The tracker takes a second forward of the root for a bug unless its per-module stats
         # are cleared first (the peak is kept): every micro-batch starts with a clear. Registered
         # here, after the tracker has put its own hooks first.
         hook = root.register_forward_pre_hook(lambda *_: tracker.reset_mod_stats(), prepend=True)
-        for _ in range(2):  # the second step holds the optimizer state from its start
-            run.step(micro, label_tokens, set_lr=lambda optimizer: None)
+        _first_step_state(run)
+        run.step(micro, label_tokens, set_lr=lambda optimizer: None)
     hook.remove()
     peak = tracker.get_tracker_snapshot("peak")[run.device]
     return {str(getattr(kind, "value", kind)): int(n) for kind, n in peak.items()}
+
+
+@contextmanager
+def _untracked_sharding_propagation(tracker: "FSDPMemTracker") -> Iterator[None]:
+    """DTensor's sharding propagation runs an op on fake tensors of its global shapes, the first
+    time it sees the op with those inputs (it caches the result), to learn its output's shape: no
+    memory on a GPU. Under the estimate's fake mode the tracker cannot tell those ops from the
+    step's and would count their outputs (as temporaries, in backward) in the first step that
+    meets each op, e.g. 160 KB more at the peak of a tiny Qwen3-VL under tp 2. The tracker skips
+    them here."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def untracked(propagator: ShardingPropagator, op_schema: object) -> object:
+        tracker.in_sharding_propagation += 1
+        try:
+            return propagate(propagator, op_schema)
+        finally:
+            tracker.in_sharding_propagation -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = untracked
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+
+
+def _first_step_state(run: Run) -> None:
+    """What a run's first step leaves for the next: the optimizer state of every trainable weight,
+    made by an optimizer step on zero gradients. The first step holds the same as a later one but
+    for that state, so its peak is never the larger; tracing its forward and backward would double
+    the estimate's time. The figures are those of tracing two whole steps, to the byte: nothing
+    else outlives a step (its activations, gradients and communication buffers are freed by its
+    end), the inputs are counted from the start either way (`track_inputs`), and DTensor's sharding
+    propagation, which runs in the first step that meets each op only, is not counted either way
+    (`_untracked_sharding_propagation`)."""
+    for parameter in run.step.trainable:
+        parameter.grad = torch.zeros_like(parameter)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+
+
+def _batch_tensors(micro: list[Batch | None]) -> list[torch.Tensor]:
+    """The tensors of the micro-batches, their images' and videos' included."""
+    tensors = []
+
+    def collect(tensor: torch.Tensor) -> torch.Tensor:
+        tensors.append(tensor)
+        return tensor
+
+    for batch in micro:
+        if batch is not None:  # an encoder rank's micro-batch without an image
+            batch.map_tensors(collect)
+    return tensors
 
 
 def _use_dpo_reference(run: Run) -> list[nn.Module]:
