@@ -24,7 +24,7 @@ from vlmcore.data.media.video import decode_frames, normalize_video_patches, pro
 from vlmcore.data.synthetic import video as synthetic_video
 from vlmcore.data.synthetic.image import generate
 from vlmcore.eval.results import gather, results_table
-from vlmcore.eval.runner import evaluate
+from vlmcore.eval.runner import BUNDLED_TASKS, evaluate, task_manager_for
 from vlmcore.eval.vlm import VideoClip
 
 pytestmark = pytest.mark.slow
@@ -302,6 +302,17 @@ def test_text_task_runs_through_lm_eval_hf_model(tmp_path):
             log_probs.gather(-1, torch.tensor(continuation)[:, None]).sum().item(), abs=1e-4
         )
     assert results_table(result)["task"].tolist() == ["tiny_colors"]
+
+
+def test_lm_eval_task_files_are_indexed_only_when_a_task_needs_them():
+    """The bundled tasks alone when they define every task asked for; with a task of lm-eval's
+    own (arc_easy), lm-eval's task files too, the bundled benchmarks still overriding theirs."""
+    own = task_manager_for(["demo_vqa", "chartqa"], [BUNDLED_TASKS], {})
+    assert {"demo_vqa", "chartqa", "videomme"} <= set(own.all_tasks)
+    assert "arc_easy" not in own.all_tasks
+    with_lm_eval = task_manager_for(["demo_vqa", "arc_easy"], [BUNDLED_TASKS], {})
+    assert {"demo_vqa", "arc_easy"} <= set(with_lm_eval.all_tasks)
+    assert with_lm_eval._index["chartqa"].yaml_path == BUNDLED_TASKS / "benchmarks" / "chartqa.yaml"
 
 
 def test_bad_inputs_fail_with_the_file_and_line(tmp_path, vqa_run):
