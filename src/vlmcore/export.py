@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import time
 from collections.abc import Collection, Iterable
 from pathlib import Path
@@ -36,6 +35,7 @@ from vlmcore.hashing import sha256_of, sha256_of_digests
 from vlmcore.models.expert_storage import stored_format, to_disk
 from vlmcore.models.hf import snapshot_tensor_info
 from vlmcore.models.lora import peft_state_dict
+from vlmcore.provenance import git_commit
 
 PROVENANCE = "provenance.json"
 # Snapshot files that describe the source weights, not the exported ones.
@@ -108,23 +108,6 @@ def untrained_tensors(model_dir: str | Path, names: Collection[str]) -> dict[str
         with safe_open(file, framework="pt") as f:
             out.update({name: f.get_tensor(name) for name in f.keys() if name in names})  # noqa: SIM118 (a safetensors safe_open is not iterable: keys() lists its tensors)
     return out
-
-
-def git_commit() -> dict:
-    """Commit of the vlmcore source tree, when it is a git checkout."""
-    source = Path(vlmcore.__file__).resolve().parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=source, capture_output=True, text=True, check=True)
-        status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=source,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return {"commit": None, "dirty": None}
-    return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
 
 
 def data_fingerprint(stats_paths: Iterable[str | Path]) -> dict:

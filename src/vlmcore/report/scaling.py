@@ -28,7 +28,7 @@ import pandas as pd
 import yaml
 
 import vlmcore
-from vlmcore.export import git_commit
+from vlmcore.provenance import git_commit
 from vlmcore.report import plots
 from vlmcore.report.evaluation import gather_runs, scores_by_run
 from vlmcore.report.layouts import Cluster, compare, measured_workload
