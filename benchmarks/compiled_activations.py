@@ -3,11 +3,11 @@
     OMP_NUM_THREADS=1 python benchmarks/compiled_activations.py --preset 2b   # Qwen3 2B / Qwen3-VL 2B's text layer
     OMP_NUM_THREADS=1 python benchmarks/compiled_activations.py --preset 8b
 
-`vlmcore memory` runs the step eagerly on fake tensors: compiled blocks do not run there. Its
-estimate is exact for an eager step and above the compiled one's peak, because a compiled block
-keeps less for its backward than the eager ops it replaces: AOTAutograd's min-cut partitioner
-recomputes the cheap elementwise ops in backward (the norms' scaling, SiLU, RoPE) instead of
-saving their outputs.
+A compiled block keeps less for its backward than the eager ops it replaces: AOTAutograd's
+min-cut partitioner recomputes the cheap elementwise ops in backward (the norms' scaling, SiLU,
+RoPE) instead of saving their outputs. `vlmcore memory` runs on fake tensors, where inductor's
+kernels cannot run; with `parallel.compile` it runs the blocks through that partitioner instead
+(vlmcore.train.memory._compile_blocks). This measures what the partitioner saves, layer by layer.
 
 This counts, for one decoder layer of the preset's widths (one layer, real tensors, bf16, a short
 row), the bytes of the tensors that autograd saves for backward in the layer's forward, eagerly
@@ -17,8 +17,8 @@ eagerly, seconds) or `inductor` (what training compiles with; the same saved set
 The saved bytes are per token of the row: the ratio of the two does not depend on the row's
 length nor on the width at the same proportions (measured: 0.601 at hidden sizes 256, 512 and 1024).
 
-It then predicts the compiled step's peak from the eager one, as the estimate would model it:
-peak_compiled = peak_eager - layers x tokens x (eager - compiled bytes per token), and compares the
+It then predicts the compiled step's peak from the eager one by hand, a check of the estimate's
+model: peak_compiled = peak_eager - layers x tokens x (eager - compiled bytes per token), against the
 prediction with the H200 peaks that benchmarks/train_step.py measured for the same preset
 (benchmarks/results/train_step_cuda_h200_2b_all_*.json), where the results exist.
 

@@ -330,7 +330,7 @@ def train_config(args, path: Path, output_dir: Path, device: torch.device):
 
 
 def estimate_peak_gib(args, family: str, path: Path, device_type: str) -> float | None:
-    """`vlmcore memory`'s estimate of the bare step's peak (eager whatever --compile says). The MoE
+    """`vlmcore memory`'s estimate of the bare step's peak (its blocks compiled with --compile). The MoE
     estimate is of the experts' bf16 grouped GEMM: none for an fp32 (CPU) MoE run."""
     from vlmcore.train.memory import estimate_memory
 

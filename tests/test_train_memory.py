@@ -114,6 +114,25 @@ def test_states_are_sharded_and_frozen_modules_hold_no_optimizer_state(configs, 
     assert stage1["peak_bytes"] < one["peak_bytes"]
 
 
+def test_compiled_blocks_keep_what_aot_autograd_saves(configs):
+    """`parallel.compile`: the blocks run as AOTAutograd partitions them (what inductor then fuses),
+    so they keep less for backward than eager ones (benchmarks/compiled_activations.py); the fake
+    run counts what a real run of the same compiled blocks holds, and the states are unchanged."""
+    bf16 = ["precision.param_dtype=bfloat16"]
+    compiled = [*bf16, "parallel.compile=true"]
+    # Qwen3-VL: its vision blocks compiled too; the tiny model's peak is not where its blocks' activations are.
+    fake, real = estimates(configs["qwen3_vl"], [compiled, 1, 96, 2, True], [compiled, 1, 96, 2, False])
+    assert fake["compile"] and fake["peak_bytes_by_kind"] == real["peak_bytes_by_kind"]
+    eager, fake, real = estimates(
+        configs["qwen3"], [bf16, 1, 96, 2, True], [compiled, 1, 96, 2, True], [compiled, 1, 96, 2, False]
+    )
+    assert fake["compile"] and not eager["compile"]
+    assert fake["peak_bytes_by_kind"] == real["peak_bytes_by_kind"]
+    assert fake["peak_bytes_by_kind"]["Activation"] < 0.85 * eager["peak_bytes_by_kind"]["Activation"]
+    for kind in ("Sharded Param", "OptState", "Inputs"):
+        assert fake["peak_bytes_by_kind"][kind] == eager["peak_bytes_by_kind"][kind]
+
+
 def test_checkpointing_and_shorter_rows_hold_fewer_activations(configs):
     none, selective, full, short = estimates(
         configs["qwen3"],

@@ -29,8 +29,10 @@ from vlmcore.models.parts import breaks_graph
 DYNAMIC_MAX_SEQLEN = "L['max_seqlen']"
 
 
-def apply_compile(blocks: nn.Module, checkpointing: str = "none") -> None:
-    """Compiles each child of `blocks`, already wrapped by `apply_ac(blocks, checkpointing)`."""
+def apply_compile(blocks: nn.Module, checkpointing: str = "none", backend: str = "inductor") -> None:
+    """Compiles each child of `blocks`, already wrapped by `apply_ac(blocks, checkpointing)`.
+    `backend`: inductor for training; the memory estimate's fake run takes AOTAutograd's partition
+    without inductor (`aot_eager_decomp_partition`: the same tensors kept for backward, no kernels)."""
     if moe_blocks(blocks) and hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     # The longest packed segment, a host integer for the attention kernels, changes with every
@@ -41,6 +43,6 @@ def apply_compile(blocks: nn.Module, checkpointing: str = "none") -> None:
         torch.compiler.config.dynamic_sources = ",".join(filter(None, [sources, DYNAMIC_MAX_SEQLEN]))
     for block in blocks.children():
         if checkpointing == "none" or not breaks_graph(block):
-            block.compile(fullgraph=False)
+            block.compile(fullgraph=False, backend=backend)
         elif checkpointing == "full":
-            block._checkpoint_wrapped_module.compile(fullgraph=False)
+            block._checkpoint_wrapped_module.compile(fullgraph=False, backend=backend)

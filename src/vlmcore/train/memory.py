@@ -11,9 +11,11 @@ A DPO stage's step includes its reference's forward and, with `dpo.reference: co
 reference's weights (sharded as the policy's, counted as sharded parameters).
 
 It counts tensor bytes, what `torch.cuda.max_memory_allocated` reports: not the caching
-allocator's reserve, the CUDA context or kernel workspaces. It runs eager, AdamW one weight
-at a time, and the CPU paths of attention and Gated DeltaNet (SDPA per packed segment, the
-chunked pure-torch delta rule), which keep more for backward than the fused GPU kernels do.
+allocator's reserve, the CUDA context or kernel workspaces. It runs AdamW one weight at a
+time, and the CPU paths of attention and Gated DeltaNet (SDPA per packed segment, the chunked
+pure-torch delta rule), which keep more for backward than the fused GPU kernels do. With
+`parallel.compile` the blocks run as AOTAutograd partitions them, keeping for backward what a
+compiled block keeps (`_compile_blocks`); a mixture-of-experts model's layers stay eager.
 """
 
 import argparse
@@ -34,8 +36,9 @@ from vlmcore.config import ConfigError, TrainConfig, load_config
 from vlmcore.data.load.batch import Batch
 from vlmcore.families import family
 from vlmcore.models import load_hf_config
-from vlmcore.models.moe import grouped_mm
+from vlmcore.models.moe import grouped_mm, moe_blocks
 from vlmcore.parallel.checks import check_run
+from vlmcore.parallel.compile import apply_compile
 from vlmcore.parallel.layout import RunLayout
 from vlmcore.train.build import Run, build_meta_run, use_dpo
 from vlmcore.train.random_data import RandomBatches
@@ -278,8 +281,9 @@ def estimate_memory(
     if not fake and world_size != 1:
         raise ValueError("a real run is measured in one process only")
     layout = check_run(cfg, world_size, load_hf_config(cfg.model_path))
-    # Eager: compiled blocks do not run on fake tensors (inductor's fused kernels usually keep
-    # less for backward than the eager ops they replace).
+    # Compiled blocks run as AOTAutograd partitions them, without inductor (no kernels for fake
+    # tensors): `_compile_blocks`. The run is built uncompiled, they are compiled once it is.
+    compiled = cfg.parallel.compile
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, compile=False))
     segments = segments or cfg.data.segments
     if video_frames and video_frames * (image_side**2 + 5) + 2 > seq_len // segments:
@@ -294,7 +298,7 @@ def estimate_memory(
         else {"both": 0}
     )
     peaks = {
-        role: _estimate_rank(cfg, layout, rank, seq_len, image_side, segments, fake, video_frames)
+        role: _estimate_rank(cfg, layout, rank, seq_len, image_side, segments, fake, video_frames, compiled)
         for role, rank in ranks.items()
     }
     role = max(peaks, key=lambda r: peaks[r]["Total"])
@@ -311,6 +315,7 @@ def estimate_memory(
         "image_side": image_side,
         "video_frames": video_frames,
         "activation_checkpointing": cfg.parallel.activation_checkpointing,
+        "compile": compiled,
         "param_dtype": cfg.precision.param_dtype,
         "fake": fake,
         "rank": ranks[role],
@@ -343,8 +348,10 @@ def _estimate_rank(
     segments: int,
     fake: bool,
     video_frames: int = 0,
+    compiled: bool = False,
 ) -> dict:
-    """Peak bytes per kind (and "Total") of global rank `rank` of `layout`."""
+    """Peak bytes per kind (and "Total") of global rank `rank` of `layout`; `compiled`: its blocks
+    compiled as `parallel.compile` compiles them (`_compile_blocks`)."""
     device = torch.device("cpu")
     with _process_group(layout.world_size, fake, rank):
         # The meshes and the meta model are real; the materialized shards, optimizer state and steps
@@ -352,6 +359,8 @@ def _estimate_rank(
         # tracker of plain modules fails on frozen weights): above that run by one block's weight
         # copy and the gradient reduce buffers.
         run = build_meta_run(cfg, layout, device, rank, shard_one_rank=True)
+        if compiled:
+            _compile_blocks(run.model, cfg.parallel.activation_checkpointing)
         # The rank's micro-batches, every row with an image or a video (an encoder rank: those of its
         # language ranks). Two micro-batches hold as much as more would: from the second on, the
         # unsynced gradients of the first are held too.
@@ -394,7 +403,24 @@ def _estimate_rank(
                 return _peak_of_a_later_step(run, micro, label_tokens)
 
 
-def _peak_of_a_later_step(run: Run, micro: list, label_tokens: float) -> dict[str, int]:
+def _compile_blocks(model: nn.Module, checkpointing: str) -> None:
+    """The blocks that `parallel.compile` compiles, compiled as AOTAutograd partitions them but run
+    eagerly (`aot_eager_decomp_partition`): the tensors a compiled block keeps for its backward are
+    those of AOTAutograd's partitioner, whose graphs inductor then only fuses, and the ops run on
+    fake tensors. A compiled block keeps about 60% of what the eager one does
+    (benchmarks/compiled_activations.py: the norms' scaling, SiLU and RoPE are recomputed).
+    A mixture-of-experts model's layers stay eager, an upper bound: traced on fake tensors, the
+    experts' grouped GEMM reads the routing's counts on the host."""
+    stacks = [model.decoder_layers()]
+    if model.vision_tower() is not None:
+        stacks.append(model.vision_layers())
+    for stack in stacks:
+        if not moe_blocks(stack):
+            apply_compile(stack, checkpointing, backend="aot_eager_decomp_partition")
+
+
+def _peak_tracker(root: nn.Module, optimizer: torch.optim.Optimizer, frozen: list[nn.Module]) -> "FSDPMemTracker":
+    """torch's FSDP2 memory tracker of `root`, keeping only the device-wide peak (`PeakTracker`)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _MemRefType, _State
 
@@ -408,6 +434,12 @@ def _peak_of_a_later_step(run: Run, micro: list, label_tokens: float) -> dict[st
             super().__init__(mod, optm)
             self.frozen = frozen
             self.in_sharding_propagation = 0  # depth of DTensor's sharding propagation calls
+
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            """Lets compiled blocks compile under the tracker (dynamo skips frames under any other
+            dispatch mode): it sees the ops of their graphs as they run, not dynamo's tracing."""
+            return True
 
         def __torch_dispatch__(
             self, func: torch._ops.OpOverload, types: tuple, args: tuple = (), kwargs: dict | None = None
@@ -430,6 +462,10 @@ def _peak_of_a_later_step(run: Run, micro: list, label_tokens: float) -> dict[st
                     self._peak_mem[dev] = snap[_TOTAL_KEY]
                     self._peak_mem_snap[dev] = dict(snap)
 
+    return PeakTracker(mod=root, optm=optimizer, frozen=frozen)
+
+
+def _peak_of_a_later_step(run: Run, micro: list, label_tokens: float) -> dict[str, int]:
     run.materialize(load=False)
     run.model.train()
     run.make_step()
@@ -447,7 +483,7 @@ def _peak_of_a_later_step(run: Run, micro: list, label_tokens: float) -> dict[st
     frozen = _use_dpo_reference(run)
     # An encoder rank's FSDP root is its vision tower.
     root = run.model.vision_tower() if run.role == "vision" else run.model
-    tracker = PeakTracker(mod=root, optm=run.optimizer, frozen=frozen)
+    tracker = _peak_tracker(root, run.optimizer, frozen)
     # The micro-batches are on the device for the whole step. Their tensors go to the tracker one by
     # one: it looks for tensors with torch's pytree, which does not look into a Batch, and would
     # count a batch tensor only from the first op that returns a view of it (as an activation), and
