@@ -151,6 +151,9 @@ NO_KERNEL_OPS = {
     "aten::resolve_neg",
     "aten::promote_types",
     "aten::as_strided_",
+    # A `to` that changes nothing returns its input; one that casts or moves has its copy below it,
+    # counted there.
+    "aten::to",
 }
 # The profiler's range around an operator that a tensor subclass (DTensor) dispatches in Python.
 DTENSOR_DISPATCH = "PythonSubclass"

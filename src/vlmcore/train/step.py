@@ -73,15 +73,41 @@ def _squared_norm(grads: list[torch.Tensor], foreach: bool | None) -> torch.Tens
     DTensor's own reduction."""
     first = grads[0]
     if not isinstance(first, DTensor):
-        return torch.nn.utils.get_total_norm(grads, foreach=foreach).double() ** 2
+        return total_norm(grads, foreach).double() ** 2
     placements = first.placements
     if not all(p.is_shard() or p.is_replicate() for p in placements):
         return torch.nn.utils.get_total_norm(grads, foreach=foreach).full_tensor().double() ** 2
-    square = torch.nn.utils.get_total_norm(local_tensors(grads), foreach=foreach).double() ** 2
+    square = total_norm(local_tensors(grads), foreach).double() ** 2
     for dim, placement in enumerate(placements):
         if placement.is_shard():
             square = funcol.all_reduce(square, "sum", (first.device_mesh, dim))
     return square
+
+
+def total_norm(tensors: list[torch.Tensor], foreach: bool | None) -> torch.Tensor:
+    """The L2 norm of plain `tensors`, computed as torch.nn.utils.get_total_norm computes it (the
+    norm of each tensor, one multi-tensor norm per device and dtype unless `foreach` is False, then
+    the norm of those norms), so with the same result bit for bit. Without get_total_norm's `.to` of
+    each tensor's norm to the first device: a dispatch per gradient that does nothing on one device
+    (613 a step for Qwen3-VL 2B, benchmarks/host_work.py)."""
+    if not tensors:
+        return torch.tensor(0.0)
+    by_device_and_dtype = defaultdict(list)
+    for tensor in tensors:
+        by_device_and_dtype[tensor.device, tensor.dtype].append(tensor)
+    norms = []
+    for group in by_device_and_dtype.values():
+        # get_total_norm's default: the multi-tensor norm for plain tensors (not subclasses such as
+        # the memory estimate's fake tensors).
+        multi_tensor = foreach if foreach is not None else all(type(t) in (torch.Tensor, nn.Parameter) for t in group)
+        if multi_tensor:
+            norms.extend(torch._foreach_norm(group))
+        else:
+            norms.extend(torch.linalg.vector_norm(t) for t in group)
+    first_device = tensors[0].device
+    # Only norms from another device move (a model split over devices, which vlmcore does not make).
+    on_first_device = [n if n.device == first_device else n.to(first_device) for n in norms]
+    return torch.linalg.vector_norm(torch.stack(on_first_device))
 
 
 def sum_partial_grads(params: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
