@@ -29,10 +29,14 @@ from vlmcore.models.parts import breaks_graph
 DYNAMIC_MAX_SEQLEN = "L['max_seqlen']"
 
 
-def apply_compile(blocks: nn.Module, checkpointing: str = "none", backend: str = "inductor") -> None:
+def apply_compile(
+    blocks: nn.Module, checkpointing: str = "none", backend: str = "inductor", whole_graphs_only: bool = False
+) -> None:
     """Compiles each child of `blocks`, already wrapped by `apply_ac(blocks, checkpointing)`.
     `backend`: inductor for training; the memory estimate's fake run takes AOTAutograd's partition
-    without inductor (`aot_eager_decomp_partition`: the same tensors kept for backward, no kernels)."""
+    without inductor (`aot_eager_decomp_partition`: the same tensors kept for backward, no kernels),
+    and with `whole_graphs_only` leaves the blocks with a graph break eager: what their break reads
+    on the host, fake tensors do not hold."""
     if moe_blocks(blocks) and hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     # The longest packed segment, a host integer for the attention kernels, changes with every
@@ -42,6 +46,8 @@ def apply_compile(blocks: nn.Module, checkpointing: str = "none", backend: str =
     if sources is not None and DYNAMIC_MAX_SEQLEN not in sources.split(","):
         torch.compiler.config.dynamic_sources = ",".join(filter(None, [sources, DYNAMIC_MAX_SEQLEN]))
     for block in blocks.children():
+        if whole_graphs_only and breaks_graph(block):
+            continue
         if checkpointing == "none" or not breaks_graph(block):
             block.compile(fullgraph=False, backend=backend)
         elif checkpointing == "full":

@@ -15,7 +15,7 @@ allocator's reserve, the CUDA context or kernel workspaces. It runs AdamW one we
 time, and the CPU paths of attention and Gated DeltaNet (SDPA per packed segment, the chunked
 pure-torch delta rule), which keep more for backward than the fused GPU kernels do. With
 `parallel.compile` the blocks run as AOTAutograd partitions them, keeping for backward what a
-compiled block keeps (`_compile_blocks`); a mixture-of-experts model's layers stay eager.
+compiled block keeps (`_compile_blocks`); blocks with a graph break stay eager.
 """
 
 import argparse
@@ -36,7 +36,7 @@ from vlmcore.config import ConfigError, TrainConfig, load_config
 from vlmcore.data.load.batch import Batch
 from vlmcore.families import family
 from vlmcore.models import load_hf_config
-from vlmcore.models.moe import grouped_mm, moe_blocks
+from vlmcore.models.moe import grouped_mm
 from vlmcore.parallel.checks import check_run
 from vlmcore.parallel.compile import apply_compile
 from vlmcore.parallel.layout import RunLayout
@@ -409,14 +409,13 @@ def _compile_blocks(model: nn.Module, checkpointing: str) -> None:
     those of AOTAutograd's partitioner, whose graphs inductor then only fuses, and the ops run on
     fake tensors. A compiled block keeps about 60% of what the eager one does
     (benchmarks/compiled_activations.py: the norms' scaling, SiLU and RoPE are recomputed).
-    A mixture-of-experts model's layers stay eager, an upper bound: traced on fake tensors, the
-    experts' grouped GEMM reads the routing's counts on the host."""
+    Blocks with a graph break stay eager, an upper bound: MoE blocks under expert parallelism,
+    whose dispatch reads the all-to-all's split sizes on the host, which fake tensors do not hold."""
     stacks = [model.decoder_layers()]
     if model.vision_tower() is not None:
         stacks.append(model.vision_layers())
     for stack in stacks:
-        if not moe_blocks(stack):
-            apply_compile(stack, checkpointing, backend="aot_eager_decomp_partition")
+        apply_compile(stack, checkpointing, backend="aot_eager_decomp_partition", whole_graphs_only=True)
 
 
 def _peak_tracker(root: nn.Module, optimizer: torch.optim.Optimizer, frozen: list[nn.Module]) -> "FSDPMemTracker":
