@@ -7,6 +7,7 @@ for the 2B and 8B presets' structure at a width small enough for 2 cores.
 
     OMP_NUM_THREADS=1 python benchmarks/host_work.py --structure 2b   # Qwen3-VL 2B and Qwen3 2B
     OMP_NUM_THREADS=1 python benchmarks/host_work.py --structure 8b   # Qwen3-VL 8B
+    OMP_NUM_THREADS=1 python benchmarks/host_work.py --structure 30b-a3b --bare --nproc 1   # the MoE step
     OMP_NUM_THREADS=1 python benchmarks/host_work.py --structure tiny # 2 layers: the test's setting
 
 Each case is the real training loop's step (`vlmcore.train.loop.Trainer.train_step`, built by
@@ -67,6 +68,18 @@ STRUCTURES = {
     "tiny": dict(layers=2, vision_depth=2, deepstack=[0], tied=True, families=("qwen3_vl",)),
     "2b": dict(layers=28, vision_depth=24, deepstack=[0], tied=True, families=("qwen3_vl", "qwen3")),
     "8b": dict(layers=36, vision_depth=27, deepstack=[8, 16, 24], tied=False, families=("qwen3_vl",)),
+    # Qwen3-VL-30B-A3B (benchmarks/recipe_models.py): 48 MoE layers of 128 experts, 8 a token. Its
+    # experts run the GPU's grouped GEMM here too (torch._grouped_mm has a CPU kernel in bf16), not
+    # the CPU's loop over the experts, so that the MoE block's operators are those a GPU launches.
+    "30b-a3b": dict(
+        layers=48,
+        vision_depth=27,
+        deepstack=[8, 16, 24],
+        tied=False,
+        families=("qwen3_vl_moe",),
+        experts=128,
+        experts_per_token=8,
+    ),
 }
 SEQ_LEN = 512
 # One document a row: the GPU's varlen attention is one call a layer however many documents a row
@@ -86,6 +99,9 @@ SOURCES = (
     "data",
     "data transfer",
     "forward/backward compute",
+    "MoE routing",
+    "MoE experts",
+    "MoE dispatch and combine",
     "loop (other)",
 )
 # Our ranges (installed by `install_ranges`), by name.
@@ -98,6 +114,12 @@ RANGE_SOURCES = {
     "host_work::to_device": "data transfer",
     "host_work::forward_backward": "forward/backward compute",
     "host_work::step": "loop (other)",
+    # An MoE block's forward by part (its backward stays in the compute's row): the router, the
+    # experts' grouped GEMMs with their padding, and the rest of the block (the sort by expert, the
+    # gather of the rows, the weighted scatter back).
+    "host_work::moe_routing": "MoE routing",
+    "host_work::moe_experts": "MoE experts",
+    "host_work::moe_block": "MoE dispatch and combine",
 }
 # FSDP's own ranges: what gathers the weights, and what reduces the gradients.
 FSDP_REDUCE = ("FSDP::post_backward", "FSDP::root_post_backward")
@@ -161,7 +183,9 @@ OP_PREFIXES = ("aten::", "c10d::", "_c10d_functional::", "fsdp::", "prims::", "v
 # Operators that the CPU runs as several but a GPU as one kernel: the copies FSDP makes in one call,
 # and the multi-tensor (foreach, fused) ops, which the CPU runs tensor by tensor and a GPU in one
 # launch per chunk of tensors (counted as one: a lower bound).
-ONE_KERNEL_OPS = {"aten::_chunk_cat", "aten::cat", "aten::copy_", "aten::split_with_sizes_copy"}
+# The grouped GEMM too: the CPU's kernel multiplies expert by expert (an `aten::mm` each), a GPU's
+# is one launch.
+ONE_KERNEL_OPS = {"aten::_chunk_cat", "aten::cat", "aten::copy_", "aten::split_with_sizes_copy", "aten::_grouped_mm"}
 MULTI_TENSOR_PREFIXES = ("aten::_foreach_", "aten::_fused_")
 
 
@@ -211,6 +235,12 @@ def model_config(family: str, structure: dict):
             deepstack_visual_indexes=structure["deepstack"],
         ),
     )
+    if "experts" in structure:
+        preset["moe"] = dict(
+            num_experts=structure["experts"],
+            num_experts_per_tok=structure["experts_per_token"],
+            moe_intermediate_size=32,
+        )
     config = hf_config(family, preset)
     config.tie_word_embeddings = structure["tied"]
     if hasattr(config, "text_config"):
@@ -285,6 +315,7 @@ def wrap_in_range(owner: object, name: str, range_name: str) -> None:
 def install_ranges() -> None:
     """Ranges around the parts of the step that torch does not name, by wrapping the functions the
     step and the loop call through their modules' globals (the code that runs is unchanged)."""
+    from vlmcore.models import moe
     from vlmcore.train import loop, step
     from vlmcore.train.module_timer import ModuleTimer
 
@@ -296,6 +327,9 @@ def install_ranges() -> None:
     # The timer's hooks are bound at construction: wrap them on the class, before the Trainer.
     for name in ("_mark", "_model_start", "_vision_start", "_vision_end", "_model_end", "read"):
         wrap_in_range(ModuleTimer, name, "host_work::module_timer")
+    wrap_in_range(moe.SparseMoeBlock, "forward", "host_work::moe_block")
+    wrap_in_range(moe.TopKRouter, "forward", "host_work::moe_routing")
+    wrap_in_range(moe.GroupedExperts, "forward", "host_work::moe_experts")
 
 
 def source_of_range(name: str) -> str | None:
@@ -469,6 +503,13 @@ def profile_steps(step, warmup: int, steps: int) -> dict:
     return figures
 
 
+def grouped_gemm_on_cpu() -> None:
+    """MoE experts run the GPU's grouped GEMM (vlmcore.models.moe.grouped_mm) on CPU too."""
+    from vlmcore.models.moe import grouped_mm
+
+    grouped_mm.set(torch._grouped_mm, force=True)
+
+
 def worker(args) -> None:
     """One rank: `args.steps` steps profiled after `args.warmup`; rank 0 writes `args.result`."""
     import torch.distributed as dist
@@ -480,6 +521,7 @@ def worker(args) -> None:
     device = device_for_rank()
     init_distributed(device)
     install_ranges()
+    grouped_gemm_on_cpu()
     step, model, close = bare_steps(cfg, device) if args.bare else loop_steps(cfg, device)
     figures = profile_steps(step, args.warmup, args.steps)
     figures["parameter_tensors"] = sum(1 for _ in model.parameters())
@@ -529,7 +571,7 @@ def run_case(family: str, structure_name: str, work: Path, args) -> dict:
         "family": family,
         "structure": structure_name,
         "layers": structure["layers"],
-        "vision_depth": structure["vision_depth"] if family == "qwen3_vl" else 0,
+        "vision_depth": structure["vision_depth"] if family.startswith("qwen3_vl") else 0,
         "wall_s": round(time.perf_counter() - started, 1),
         **figures,
     }
@@ -566,7 +608,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="2b",
         help="the preset whose layers, vision blocks and FSDP groups are counted (tiny: 2 layers, the test's)",
     )
-    parser.add_argument("--family", choices=("qwen3_vl", "qwen3"), help="one of the structure's families only")
+    parser.add_argument(
+        "--family", choices=("qwen3_vl", "qwen3", "qwen3_vl_moe"), help="one of the structure's families only"
+    )
     parser.add_argument("--steps", type=int, default=2, help="profiled steps (default 2)")
     parser.add_argument("--warmup", type=int, default=2, help="steps before them (default 2)")
     parser.add_argument("--nproc", type=int, default=2, help="gloo ranks, FSDP over all of them (default 2)")

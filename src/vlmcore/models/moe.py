@@ -109,10 +109,12 @@ def _grouped_forward(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tenso
     sized by a bound known without reading `counts` (no sync); padding rows are zero."""
     padded = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
     ends = padded.cumsum(0)
-    starts = ends - padded
     expert_of_row = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts, output_size=x.shape[0])
-    row_in_expert = torch.arange(x.shape[0], device=x.device) - (counts.cumsum(0) - counts)[expert_of_row]
-    slot = starts[expert_of_row] + row_in_expert
+    # A row's slot is its place among the sorted rows, moved on by the padding of the groups before
+    # its own: 2 kernels fewer than its group's start plus its place in the group.
+    padding = padded - counts
+    padding_before = padding.cumsum(0) - padding
+    slot = torch.arange(x.shape[0], device=x.device) + padding_before[expert_of_row]
     capacity = x.shape[0] + len(counts) * (GROUP_ALIGN - 1)
     buffer = x.new_zeros(capacity, x.shape[1]).index_copy(0, slot, x)
     offsets = ends.to(torch.int32)
