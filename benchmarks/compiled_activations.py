@@ -37,15 +37,15 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-# Qwen3-VL-8B's language model (benchmarks/recipe_models.py), beside train_step.py's presets.
-QWEN3_VL_8B_TEXT = dict(
-    vocab_size=151936,
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_hidden_layers=36,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
+# The text fields of a decoder layer, read from Qwen3-VL-8B's published architecture for "8b".
+TEXT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
 )
 # The H200 measurements of the bare step (benchmarks/train_step.py --preset 2b --all), by family.
 H200_RESULTS = {
@@ -87,9 +87,14 @@ def saved_bytes(layer: torch.nn.Module, forward, inputs: tuple[torch.Tensor, ...
 
 
 def preset_of(name: str) -> dict:
+    """train_step.py's preset, or for "8b" Qwen3-VL-8B's language model (benchmarks/recipe_models.py)."""
+    from recipe_models import MODELS
     from train_step import PRESETS
 
-    return {"text": QWEN3_VL_8B_TEXT} if name == "8b" else PRESETS[name]
+    if name != "8b":
+        return PRESETS[name]
+    text = MODELS["Qwen/Qwen3-VL-8B-Instruct"]().text_config
+    return {"text": {field: getattr(text, field) for field in TEXT_FIELDS}}
 
 
 def measure(preset_name: str, seq_len: int, backend: str) -> dict:
