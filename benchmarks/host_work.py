@@ -8,7 +8,7 @@ for the 2B and 8B presets' structure at a width small enough for 2 cores.
     OMP_NUM_THREADS=1 python benchmarks/host_work.py --structure 2b   # Qwen3-VL 2B and Qwen3 2B
     OMP_NUM_THREADS=1 python benchmarks/host_work.py --structure 8b   # Qwen3-VL 8B
     OMP_NUM_THREADS=1 python benchmarks/host_work.py --structure 30b-a3b --bare --nproc 1   # the MoE step
-    OMP_NUM_THREADS=1 python benchmarks/host_work.py --structure tiny # 2 layers: the test's setting
+    OMP_NUM_THREADS=1 python benchmarks/host_work.py --structure tiny # 2 layers: the test's setting (also tiny-moe)
 
 Each case is the real training loop's step (`vlmcore.train.loop.Trainer.train_step`, built by
 vlmcore.train.build as `vlmcore train` builds it), or with --bare the step alone as
@@ -66,6 +66,15 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 # 8b: Qwen3-VL-8B's published architecture (benchmarks/recipe_models.py).
 STRUCTURES = {
     "tiny": dict(layers=2, vision_depth=2, deepstack=[0], tied=True, families=("qwen3_vl",)),
+    "tiny-moe": dict(
+        layers=2,
+        vision_depth=2,
+        deepstack=[0],
+        tied=False,
+        families=("qwen3_vl_moe",),
+        experts=8,
+        experts_per_token=2,
+    ),
     "2b": dict(layers=28, vision_depth=24, deepstack=[0], tied=True, families=("qwen3_vl", "qwen3")),
     "8b": dict(layers=36, vision_depth=27, deepstack=[8, 16, 24], tied=False, families=("qwen3_vl",)),
     # Qwen3-VL-30B-A3B (benchmarks/recipe_models.py): 48 MoE layers of 128 experts, 8 a token. Its

@@ -58,3 +58,29 @@ def test_host_work_counts_the_loop_step_by_source(tmp_path):
     assert sources["optimizer"]["dtensor"] == 0
     # The sources' host times add up to the profiled step's (each event's own time counted once).
     assert sum(row["host_ms"] for row in sources.values()) == pytest.approx(case["step_ms"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_host_work_counts_the_moe_block_by_part(tmp_path):
+    """The MoE step (--structure tiny-moe: 2 layers of 8 experts, the bare step on one rank): the
+    block's forward counted by part, and the grouped GEMM, which the CPU runs expert by expert,
+    counted as one kernel a call, as a GPU launches it."""
+    command = [sys.executable, str(REPO / "benchmarks" / "host_work.py"), "--structure", "tiny-moe", "--bare"]
+    proc = subprocess.run(
+        [*command, "--nproc", "1", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env(),
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (case,) = json.loads((tmp_path / "host_work_cpu_tiny-moe_bare_1ranks.json").read_text())["cases"]
+    assert case["family"] == "qwen3_vl_moe" and case["layers"] == 2
+    for part in ("MoE routing", "MoE experts", "MoE dispatch and combine"):
+        assert case["sources"][part]["kernels"] > 0, part
+    # Two grouped GEMMs a layer forward, more in backward; each one kernel, its per-expert
+    # matmuls inside it none.
+    grouped = case["kernels_by_name"]["aten::_grouped_mm"]
+    assert grouped >= 2 * case["layers"] and grouped == case["ops_by_name"]["aten::_grouped_mm"]
+    assert case["kernels_by_name"].get("aten::mm", 0) < case["ops_by_name"]["aten::mm"]
