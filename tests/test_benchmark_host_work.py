@@ -16,19 +16,19 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from host_work import SOURCES  # noqa: E402  (the benchmark is a script, not a package)
 
 
+def run_host_work(*args: str) -> subprocess.CompletedProcess:
+    """benchmarks/host_work.py with `args`, which must succeed."""
+    command = [sys.executable, str(REPO / "benchmarks" / "host_work.py"), *args]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env(), check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 @pytest.mark.slow
 def test_host_work_counts_the_loop_step_by_source(tmp_path):
     """The real loop's step, profiled on 2 ranks: one table with a row per source and the total,
     and the JSON whose figures add up and show each source's work where the step has it."""
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "host_work.py"), "--structure", "tiny", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        env=env(),
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_host_work("--structure", "tiny", "--out", str(tmp_path))
     assert "qwen3_vl, tiny structure (2 layers, 2 vision blocks" in proc.stdout
     table = proc.stdout.split("source ")[1].split("against the H200")[0]
     assert [line.split("  ")[0] for line in table.splitlines()[1:]] == [*SOURCES, "total"]
@@ -65,16 +65,7 @@ def test_host_work_counts_the_moe_block_by_part(tmp_path):
     """The MoE step (--structure tiny-moe: 2 layers of 8 experts, the bare step on one rank): the
     block's forward counted by part, and the grouped GEMM, which the CPU runs expert by expert,
     counted as one kernel a call, as a GPU launches it."""
-    command = [sys.executable, str(REPO / "benchmarks" / "host_work.py"), "--structure", "tiny-moe", "--bare"]
-    proc = subprocess.run(
-        [*command, "--nproc", "1", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        env=env(),
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_host_work("--structure", "tiny-moe", "--bare", "--nproc", "1", "--out", str(tmp_path))
     (case,) = json.loads((tmp_path / "host_work_cpu_tiny-moe_bare_1ranks.json").read_text())["cases"]
     assert case["family"] == "qwen3_vl_moe" and case["layers"] == 2
     for part in ("MoE routing", "MoE experts", "MoE dispatch and combine"):
