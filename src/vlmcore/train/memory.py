@@ -409,8 +409,9 @@ def _compile_blocks(model: nn.Module, checkpointing: str) -> None:
     those of AOTAutograd's partitioner, whose graphs inductor then only fuses, and the ops run on
     fake tensors. A compiled block keeps about 60% of what the eager one does
     (benchmarks/compiled_activations.py: the norms' scaling, SiLU and RoPE are recomputed).
-    Blocks with a graph break stay eager, an upper bound: MoE blocks under expert parallelism,
-    whose dispatch reads the all-to-all's split sizes on the host, which fake tensors do not hold."""
+    Blocks with a graph break stay eager, an upper bound: Gated DeltaNet layers, and MoE blocks
+    under expert parallelism, whose dispatch reads the all-to-all's split sizes on the host, which
+    fake tensors do not hold."""
     stacks = [model.decoder_layers()]
     if model.vision_tower() is not None:
         stacks.append(model.vision_layers())
