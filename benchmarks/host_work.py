@@ -12,14 +12,16 @@ for the 2B and 8B presets' structure at a width small enough for 2 cores.
 
 Each case is the real training loop's step (`vlmcore.train.loop.Trainer.train_step`, built by
 vlmcore.train.build as `vlmcore train` builds it), or with --bare the step alone as
-benchmarks/train_step.py times it, under torchrun on --nproc gloo ranks (default 2): FSDP2 over
-them with the GPU's bf16 mixed-precision policy (bf16 compute and all-gather, fp32 weights,
-gradients reduced in fp32), fused AdamW, clipping at norm 1, the module timer on (the loop), random
-packed rows with one image, 512 tokens in 4 loss chunks (8,192 in chunks of 2,048 on the GPU),
-eager. One document a row: the GPU's varlen attention is one call a layer however many documents a
-row packs, the CPU's one call per document. The number of operators, copies and FSDP groups depends
-on the structure (layers, parameter tensors, FSDP units, loss chunks), not on the width, so the
-counts stand for the full-width model; host times are those of this machine's CPU at a tiny width.
+benchmarks/train_step.py times it, under torchrun on --nproc gloo ranks (default 2), with the GPU's
+bf16 mixed-precision policy (bf16 compute and all-gather, fp32 weights, gradients reduced in fp32):
+FSDP2 over 2 ranks or more, on one rank the weights' and gradients' casts of
+vlmcore.parallel.fsdp.OneRankMixedPrecision (counted in the FSDP rows, whose work they do there);
+fused AdamW, clipping at norm 1, the module timer on (the loop), random packed rows with one image,
+512 tokens in 4 loss chunks (8,192 in chunks of 2,048 on the GPU), eager. One document a row: the
+GPU's varlen attention is one call a layer however many documents a row packs, the CPU's one call
+per document. The number of operators, copies and FSDP groups depends on the structure (layers,
+parameter tensors, FSDP units, loss chunks), not on the width, so the counts stand for the
+full-width model; host times are those of this machine's CPU at a tiny width.
 
 How it counts: torch.profiler over the timed steps, with a record_function range around each part
 of the step that has none of its own (FSDP and the optimizer name theirs). Every operator is given
@@ -129,6 +131,10 @@ RANGE_SOURCES = {
     "host_work::moe_routing": "MoE routing",
     "host_work::moe_experts": "MoE experts",
     "host_work::moe_block": "MoE dispatch and combine",
+    # On one rank with a compute dtype no FSDP: the weights' and the gradients' casts
+    # (vlmcore.parallel.fsdp.OneRankMixedPrecision) stand where FSDP2's gather and reduce were.
+    "OneRankMixedPrecision::cast_weights": "FSDP all-gather",
+    "OneRankMixedPrecision::cast_grads": "FSDP reduce-scatter",
 }
 # FSDP's own ranges: what gathers the weights, and what reduces the gradients.
 FSDP_REDUCE = ("FSDP::post_backward", "FSDP::root_post_backward")
@@ -622,7 +628,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--steps", type=int, default=2, help="profiled steps (default 2)")
     parser.add_argument("--warmup", type=int, default=2, help="steps before them (default 2)")
-    parser.add_argument("--nproc", type=int, default=2, help="gloo ranks, FSDP over all of them (default 2)")
+    parser.add_argument(
+        "--nproc", type=int, default=2, help="gloo ranks (default 2): FSDP over them, or on 1 the one-rank cast"
+    )
     parser.add_argument(
         "--bare",
         action="store_true",

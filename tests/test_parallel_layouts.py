@@ -313,28 +313,34 @@ def test_memory_estimate_of_disjoint_layouts(tmp_path):
 
 
 def test_one_rank_trains_a_plain_module_unless_it_casts(tmp_path, one_process_group):
-    """FSDP2 over a single rank only copies weights and gradients unless it casts them: one rank in
-    fp32 trains the plain module, in bf16 FSDP's units do the cast; the memory estimate's model is
-    sharded either way (torch's tracker needs FSDP units)."""
+    """FSDP2 over a single rank only copies and casts weights and gradients, one at a time: one rank
+    trains the plain module, in fp32 as it is, in bf16 with the casts done for all weights at once
+    (vlmcore.parallel.fsdp.OneRankMixedPrecision, tests/test_fsdp_one_rank.py), unless
+    `parallel.one_rank_cast: false` asks for FSDP2's units (one block's compute copy at a time)."""
     import torch
     from _train_helpers import tiny_snapshot, write_config
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     from vlmcore.config import load_config
+    from vlmcore.parallel.fsdp import one_rank_cast_of
     from vlmcore.train.build import build_meta_run
 
-    cfg = load_config(write_config(tmp_path / "c.yaml", tiny_snapshot("qwen3_vl", tmp_path / "m"), tmp_path / "o"))
-    one = check_run(cfg, 1)
+    config = write_config(tmp_path / "c.yaml", tiny_snapshot("qwen3_vl", tmp_path / "m"), tmp_path / "o")
     kinds = {}
-    for dtype, shard_one_rank in (("float32", False), ("bfloat16", False), ("float32", True)):
-        cfg.precision.param_dtype = dtype
-        model = build_meta_run(cfg, one, torch.device("cpu"), 0, shard_one_rank=shard_one_rank).model
-        kinds[dtype, shard_one_rank] = (isinstance(model, FSDPModule), isinstance(model.lm_head.weight, DTensor))
+    for dtype, cast in (("float32", True), ("bfloat16", True), ("float32", False), ("bfloat16", False)):
+        cfg = load_config(config, [f"precision.param_dtype={dtype}", f"parallel.one_rank_cast={str(cast).lower()}"])
+        model = build_meta_run(cfg, check_run(cfg, 1), torch.device("cpu"), 0).model
+        kinds[dtype, cast] = (
+            isinstance(model, FSDPModule),
+            isinstance(model.lm_head.weight, DTensor),
+            one_rank_cast_of(model) is not None,
+        )
     assert kinds == {
-        ("float32", False): (False, False),
-        ("bfloat16", False): (True, True),
-        ("float32", True): (True, True),
+        ("float32", True): (False, False, False),
+        ("bfloat16", True): (False, False, True),
+        ("float32", False): (False, False, False),
+        ("bfloat16", False): (True, True, False),
     }
 
 

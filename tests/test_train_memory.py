@@ -114,6 +114,38 @@ def test_states_are_sharded_and_frozen_modules_hold_no_optimizer_state(configs, 
     assert stage1["peak_bytes"] < one["peak_bytes"]
 
 
+def test_one_rank_cast_is_counted_with_a_compute_copy_of_every_weight(configs):
+    """One rank in bf16 trains without FSDP units (vlmcore.parallel.fsdp.OneRankMixedPrecision): the
+    estimate runs that path, with bf16 compute copies of all the weights (frozen ones included)
+    held through the step, where FSDP2's units (`parallel.one_rank_cast: false`) hold one block's
+    copy at a time. The fake run counts what the real one holds, frozen weights included."""
+    from vlmcore.models import build_model
+
+    model = build_model(str(configs["qwen3_vl"].parent / "qwen3_vl"), device="meta")
+    n_all = sum(p.numel() for p in model.parameters())
+    bf16 = ["precision.param_dtype=bfloat16", "grad_accum_steps=2"]
+    stage1 = [*bf16, 'trainable=["model.visual.merger.*"]']
+    fsdp2 = [*bf16, "parallel.one_rank_cast=false"]
+    cast, fsdp, frozen_fake, frozen_real = estimates(
+        configs["qwen3_vl"],
+        [bf16, 1, 96, 2, True],
+        [fsdp2, 1, 96, 2, True],
+        [stage1, 1, 96, 2, True],
+        [stage1, 1, 96, 2, False],
+    )
+    kinds = cast["peak_bytes_by_kind"]
+    assert kinds["Unsharded Param"] == 2 * n_all
+    assert fsdp["peak_bytes_by_kind"]["Unsharded Param"] < 2 * n_all
+    for kind in ("Sharded Param", "OptState", "Inputs"):
+        assert kinds[kind] == fsdp["peak_bytes_by_kind"][kind]
+    assert kinds["Sharded Param"] == 4 * n_all
+    # The peak is in the second micro-batch's backward: the first's fp32 gradients are held, the
+    # second's bf16 ones are being made, and no second fp32 copy of them all (the cast is chunked).
+    assert kinds["Sharded Grad"] == 4 * n_all and kinds["Unsharded Grad"] < 2 * n_all
+    assert frozen_fake["peak_bytes_by_kind"] == frozen_real["peak_bytes_by_kind"]
+    assert frozen_fake["peak_bytes_by_kind"]["Unsharded Param"] == 2 * n_all
+
+
 def test_compiled_blocks_keep_what_aot_autograd_saves(configs):
     """`parallel.compile`: the blocks run as AOTAutograd partitions them (what inductor then fuses),
     so they keep less for backward than eager ones (benchmarks/compiled_activations.py); the fake

@@ -131,6 +131,13 @@ class ParallelConfig:
         "fsdp", "fsdp: FSDP2 (HSDP when dp_replicate > 1); ddp: replicate everything"
     )
     sequence_parallel: bool = setting(True, "under tp > 1: norms and the residual stream split on the sequence")
+    one_rank_cast: bool = setting(
+        True,
+        "on one rank with a compute dtype other than the weights' (bf16): no FSDP2 units; every "
+        "weight cast in one multi-tensor copy a forward and the copies held to the end of "
+        "backward (2 bytes a weight more at the peak, counted by vlmcore memory; one launch "
+        "instead of two per weight); false: FSDP2 units, one block's copy at a time",
+    )
     activation_checkpointing: Literal["none", "selective", "full"] = setting(
         "none", "recompute activations in backward: selective (the cheap ops) or full (every block)"
     )

@@ -2,15 +2,26 @@
 rest (embeddings, final norm, LM head) in the root unit. On a 2-D mesh the same call gives HSDP,
 and with a shard size of 1 it is plain data parallelism (DDP). Under expert parallelism each
 block's experts (already sharded over `ep`) are a unit of their own over the data-parallel ranks
-orthogonal to EP. Over a single rank with no dtype to cast to (fp32 training, as on CPU) the model
-stays a plain module, as torchtitan leaves it without FSDP: there FSDP would only copy every
-weight and gradient, twice each per step (13% of a tiny MoE's CPU step)."""
+orthogonal to EP.
+
+Over a single rank there is nothing to shard, and FSDP2 would cast and copy every weight on its
+own, twice per unit and step (1,843 copies a step for Qwen3-VL 2B, benchmarks/host_work.py). There
+the model stays a plain module, as torchtitan leaves it without FSDP: with no dtype to cast to
+(fp32 training, as on CPU) it trains as it is; with a compute dtype (bf16 on a GPU) its weights
+are cast by `OneRankMixedPrecision`, in one multi-tensor copy a forward, and its gradients back in
+one a backward, with FSDP2's arithmetic."""
+
+import dataclasses
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.profiler import record_function
+from torch.utils._pytree import tree_leaves, tree_map
 
 from vlmcore.config import PrecisionConfig
 from vlmcore.models.moe import moe_blocks
@@ -24,20 +35,26 @@ def apply_fsdp(
     vision_mesh: DeviceMesh,
     precision: PrecisionConfig,
     expert_mesh: DeviceMesh | None = None,
-    shard_one_rank: bool = False,
+    one_rank_cast: bool = True,
 ) -> None:
     """`vision_mesh`: the vision tower's own data-parallel mesh (vlmcore.parallel.bridge);
-    `expert_mesh`: the experts' under expert parallelism; `shard_one_rank`: FSDP units even over
-    one rank without a cast (the memory estimate: torch's tracker of plain modules fails on frozen
-    weights)."""
+    `expert_mesh`: the experts' under expert parallelism; `one_rank_cast` (`parallel.one_rank_cast`):
+    on one rank with a cast, `OneRankMixedPrecision` instead of FSDP2 units."""
     param_dtype = getattr(torch, precision.param_dtype)
     reduce_dtype = getattr(torch, precision.reduce_dtype)
-    if (
-        not shard_one_rank
-        and dist.get_world_size() == 1
-        and all(p.dtype == param_dtype == reduce_dtype for p in model.parameters())
-    ):
-        return
+    weight_dtypes = {p.dtype for p in model.parameters()}
+    if dist.get_world_size() == 1:
+        if weight_dtypes == {param_dtype} and param_dtype == reduce_dtype:
+            return
+        # FSDP2 reduces the gradients in reduce_dtype and gives them back in the weights' dtype:
+        # one cast when the two are one dtype (fp32 weights, reduced in fp32). Float8 weights
+        # keep FSDP2 (its float8 all-gather works on them).
+        if one_rank_cast and weight_dtypes == {reduce_dtype} and precision.fp8.recipe == "none":
+            units = [model, *blocks]
+            if vision is not None:
+                units.append(vision)
+            OneRankMixedPrecision(model, units, param_dtype)
+            return
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in blocks:
         if expert_mesh is not None:
@@ -59,3 +76,158 @@ def apply_fsdp(
             module.set_gradient_divide_factor(1.0)
             # Plain SUM collectives (no PREMUL_SUM: gloo lacks it).
             module.set_force_sum_reduction_for_comms(True)
+
+
+class OneRankMixedPrecision:
+    """FSDP2's mixed precision on one rank, without FSDP2's work per weight: the forward and
+    backward run on compute copies of the weights in `param_dtype` (kept for the run, 2 bytes a
+    weight in bf16; for a model that never trains, made for each forward), cast from the weights in one multi-tensor copy before each forward; after
+    each backward the compute copies' gradients are cast to the weights' dtype in one multi-tensor
+    copy (and, over several micro-batches, added to those already there in the weights' dtype).
+    The arithmetic is FSDP2's: the same casts of weights, inputs and gradients, gradients
+    accumulated in the weights' dtype (here `reduce_dtype`, which FSDP2 reduces in), so the same
+    losses and gradients bit for bit (tests/test_fsdp_one_rank.py). Between forward and backward
+    the modules hold the compute copies; otherwise the weights themselves, so the optimizer, the
+    checkpoint and `model.parameters()` see the weights."""
+
+    def __init__(self, model: nn.Module, units: list[nn.Module], param_dtype: torch.dtype) -> None:
+        """`units`: the modules whose floating-point inputs are cast to `param_dtype`, as FSDP2 casts
+        the inputs of each of its units (the root, the vision tower, each decoder block)."""
+        self.param_dtype = param_dtype
+        # Found at the first forward, once the weights are on their device and loaded.
+        self.weights: list[nn.Parameter] = []
+        self.places: list[list[tuple[nn.Module, str]]] = []  # where each weight is held (tied: twice)
+        self.compute: list[nn.Parameter] = []
+        self.computing = False  # the modules hold the compute copies
+        self.backward_due = False  # a forward's output awaits its backward, which needs them held
+        for unit in units:
+            unit.register_forward_pre_hook(self._cast_inputs, prepend=True, with_kwargs=True)
+        model.register_forward_pre_hook(self._before_forward, prepend=True)
+        model.register_forward_hook(self._after_forward)
+        _ONE_RANK_CASTS[model] = self
+
+    def _cast_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        def cast(x: object) -> object:
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.param_dtype:
+                return x.to(self.param_dtype)
+            return x
+
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    def _before_forward(self, module: nn.Module, args: tuple) -> None:
+        if self.computing:  # a second forward before the backward of the first: the same weights
+            return
+        if not self.compute:
+            self._find_weights(module)
+            # Normal tensors even if the first forward is an inference-mode one: training's
+            # forwards copy into them.
+            with torch.inference_mode(False):
+                self.compute = [
+                    nn.Parameter(torch.empty_like(w, dtype=self.param_dtype), requires_grad=w.requires_grad)
+                    for w in self.weights
+                ]
+        with torch.no_grad(), record_function("OneRankMixedPrecision::cast_weights"):
+            torch._foreach_copy_(self.compute, self.weights)
+        self._hold(self.compute)
+
+    def _find_weights(self, model: nn.Module) -> None:
+        self.weights = []
+        self.places = []
+        index = {}
+        for module in model.modules():
+            for name, weight in module._parameters.items():
+                if weight is None:
+                    continue
+                if id(weight) not in index:
+                    index[id(weight)] = len(self.weights)
+                    self.weights.append(weight)
+                    self.places.append([])
+                self.places[index[id(weight)]].append((module, name))
+
+    def _after_forward(self, module: nn.Module, args: tuple, output: object) -> None:
+        needs_grad = [t for t in output_tensors(output) if t.requires_grad]
+        if not needs_grad:  # no backward to come (no_grad, a frozen model): the weights back now
+            if not self.backward_due:
+                self._hold(self.weights)
+                if not any(c.requires_grad for c in self.compute):
+                    # A model that never trains (a DPO reference) keeps no copies between its
+                    # forwards, as FSDP2 keeps none: made again at the next.
+                    self.compute = []
+            return
+        self.backward_due = True
+        # At the end of the backward that reaches this output (the autograd engine's callback, as
+        # FSDP2's and the module timer's).
+        needs_grad[0].register_hook(lambda grad: Variable._execution_engine.queue_callback(self._after_backward))
+
+    def _after_backward(self) -> None:
+        with torch.no_grad(), record_function("OneRankMixedPrecision::cast_grads"):
+            trained = [(w, c) for w, c in zip(self.weights, self.compute, strict=True) if c.grad is not None]
+            # In a few chunks, each chunk's compute gradients freed once cast: the gradients in both
+            # dtypes (6 bytes a weight from bf16 to fp32) are never all held at once, nor, after a
+            # second micro-batch, a second copy of them all in the weights' dtype.
+            for chunk in split_by_size(trained, [w.numel() for w, _ in trained], GRAD_CAST_CHUNKS):
+                weights = [w for w, _ in chunk]
+                grads = [c.grad for _, c in chunk]
+                for _, compute in chunk:
+                    compute.grad = None
+                cast = [torch.empty_like(w) for w in weights]
+                torch._foreach_copy_(cast, grads)
+                del grads  # the chunk's compute gradients are freed here
+                add_grads(weights, cast)
+        self.backward_due = False
+        self._hold(self.weights)
+
+    def _hold(self, tensors: list[nn.Parameter]) -> None:
+        """Puts `tensors` (the weights or their compute copies) where the weights are held."""
+        for tensor, places in zip(tensors, self.places, strict=True):
+            for module, name in places:
+                module._parameters[name] = tensor
+        self.computing = tensors is self.compute
+
+
+# The gradients' cast after backward, in this many chunks of about equal size: two multi-tensor
+# calls each (the cast, and over several micro-batches the sum), against two per weight in FSDP2,
+# for at most an eighth of the gradients held twice at a time.
+GRAD_CAST_CHUNKS = 8
+
+
+def split_by_size(items: list, sizes: list[int], parts: int) -> list[list]:
+    """`items` in order, in at most `parts` runs of about equal total size: each item goes to the
+    part where its first element falls when the total is cut into `parts` equal shares."""
+    total = sum(sizes)
+    runs: dict[int, list] = {}
+    before = 0
+    for item, size in zip(items, sizes, strict=True):
+        runs.setdefault(before * parts // max(total, 1), []).append(item)
+        before += size
+    return list(runs.values())
+
+
+# The model's cast, for the memory estimate's tracker (vlmcore.train.memory), which labels the
+# compute copies and the gradients it makes.
+_ONE_RANK_CASTS: "weakref.WeakKeyDictionary[nn.Module, OneRankMixedPrecision]" = weakref.WeakKeyDictionary()
+
+
+def one_rank_cast_of(model: nn.Module) -> OneRankMixedPrecision | None:
+    """The `OneRankMixedPrecision` that casts `model`'s weights, if one does."""
+    return _ONE_RANK_CASTS.get(model)
+
+
+def add_grads(weights: list[nn.Parameter], grads: list[torch.Tensor]) -> None:
+    """Gives each weight its gradient, or adds it to the one it holds (the micro-batches before)
+    in one multi-tensor add."""
+    held = [w for w in weights if w.grad is not None]
+    added = [g for w, g in zip(weights, grads, strict=True) if w.grad is not None]
+    for weight, grad in zip(weights, grads, strict=True):
+        if weight.grad is None:
+            weight.grad = grad
+    if held:
+        torch._foreach_add_([w.grad for w in held], added)
+
+
+def output_tensors(output: object) -> list[torch.Tensor]:
+    """The tensors of a module's output: in tuples, lists, dicts and dataclasses (the models'
+    ModelOutput)."""
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        output = [getattr(output, f.name) for f in dataclasses.fields(output)]
+    return [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]

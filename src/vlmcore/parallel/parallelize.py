@@ -21,11 +21,9 @@ from vlmcore.parallel.mesh import Meshes
 from vlmcore.parallel.tp import apply_tp, apply_vision_tp
 
 
-def parallelize(
-    model: nn.Module, cfg: TrainConfig, layout: RunLayout, meshes: Meshes, rank: int, shard_one_rank: bool = False
-) -> list:
+def parallelize(model: nn.Module, cfg: TrainConfig, layout: RunLayout, meshes: Meshes, rank: int) -> list:
     """Returns the (module, attribute name) of the parameters whose gradients must be summed over
-    the TP ranks. `shard_one_rank`: see `apply_fsdp`."""
+    the TP ranks."""
     fp8 = cfg.precision.fp8
     if fp8.recipe != "none":
         converted = convert_to_float8(model.decoder_layers(), fp8)
@@ -58,6 +56,6 @@ def parallelize(
         meshes.dp("vision") if vision is not None else None,
         cfg.precision,
         expert_mesh=meshes.expert_dp() if dims.ep > 1 else None,
-        shard_one_rank=shard_one_rank,
+        one_rank_cast=cfg.parallel.one_rank_cast,
     )
     return partial

@@ -66,7 +66,6 @@ class Run:
     bridge: DisjointBridge | None = None  # disjoint layouts
     optimizer: torch.optim.Optimizer | None = None
     step: Step | None = None
-    shard_one_rank: bool = False  # FSDP units even on one rank (`build_meta_run`)
 
     @property
     def role(self) -> str:
@@ -150,7 +149,7 @@ def build_reference(run: Run, load: bool = True) -> FrozenReference:
     model = build_model(cfg.model_path, device="meta")
     for parameter in model.parameters():
         parameter.requires_grad_(False)
-    parallelize(model, cfg, run.layout, run.meshes, run.rank, run.shard_one_rank)
+    parallelize(model, cfg, run.layout, run.meshes, run.rank)
     model.to_empty(device=run.device)
     with torch.no_grad():
         model.init_weights()
@@ -160,21 +159,19 @@ def build_reference(run: Run, load: bool = True) -> FrozenReference:
     return FrozenReference(model, cfg.loss_chunk_tokens, vision_dummy)
 
 
-def build_meta_run(
-    cfg: TrainConfig, layout: RunLayout, device: torch.device, rank: int, shard_one_rank: bool = False
-) -> Run:
+def build_meta_run(cfg: TrainConfig, layout: RunLayout, device: torch.device, rank: int) -> Run:
     """The run's meshes and its model on the meta device (no memory): frozen by `trainable` and
-    parallelized for what `rank` holds. `shard_one_rank`: see `vlmcore.parallel.fsdp.apply_fsdp`."""
+    parallelized for what `rank` holds."""
     meshes = Meshes(layout, device)
     model = build_model(cfg.model_path, device="meta")
     choose_trainable(model, cfg)
-    partial = parallelize(model, cfg, layout, meshes, rank, shard_one_rank)
+    partial = parallelize(model, cfg, layout, meshes, rank)
     bridge = None
     if layout.disjoint:  # each rank holds one module; the bridge carries the image embeddings between them
         bridge = DisjointBridge(
             model.config, layout, cfg.micro_batch_size, getattr(torch, cfg.precision.param_dtype), device, rank
         )
-    return Run(cfg, layout, meshes, rank, device, model, partial, bridge, shard_one_rank=shard_one_rank)
+    return Run(cfg, layout, meshes, rank, device, model, partial, bridge)
 
 
 def choose_trainable(model: nn.Module, cfg: TrainConfig) -> None:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from vlmcore.config import ConfigError, TrainConfig, load_config
 from vlmcore.data.load.batch import Batch
@@ -355,10 +356,8 @@ def _estimate_rank(
     device = torch.device("cpu")
     with _process_group(layout.world_size, fake, rank):
         # The meshes and the meta model are real; the materialized shards, optimizer state and steps
-        # are fake. FSDP units even for a one-rank fp32 run, which trains a plain module (torch's
-        # tracker of plain modules fails on frozen weights): above that run by one block's weight
-        # copy and the gradient reduce buffers.
-        run = build_meta_run(cfg, layout, device, rank, shard_one_rank=True)
+        # are fake.
+        run = build_meta_run(cfg, layout, device, rank)
         if compiled:
             _compile_blocks(run.model, cfg.parallel.activation_checkpointing)
         # The rank's micro-batches, every row with an image or a video (an encoder rank: those of its
@@ -420,49 +419,13 @@ def _compile_blocks(model: nn.Module, checkpointing: str) -> None:
 
 
 def _peak_tracker(root: nn.Module, optimizer: torch.optim.Optimizer, frozen: list[nn.Module]) -> "FSDPMemTracker":
-    """torch's FSDP2 memory tracker of `root`, keeping only the device-wide peak (`PeakTracker`)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _MemRefType, _State
+    """torch's FSDP2 memory tracker of `root`, keeping only the device-wide peak; for a root without
+    FSDP units (one rank), one that labels its weights, gradients and compute copies itself."""
+    from vlmcore.train.peak_tracker import PeakTracker, PlainPeakTracker
 
-    class PeakTracker(FSDPMemTracker):
-        """Keeps the device-wide peak only. The tracker also keeps every module's own peak, a pass
-        over all modules after every op: about half the time of a Qwen3-VL-2B estimate. It also
-        counts the weights of `frozen` models outside the tracked root (a DPO reference copy):
-        its shards as sharded parameters, its buffers as buffers."""
-
-        def __init__(self, mod: nn.Module, optm: torch.optim.Optimizer, frozen: list[nn.Module]) -> None:
-            super().__init__(mod, optm)
-            self.frozen = frozen
-            self.in_sharding_propagation = 0  # depth of DTensor's sharding propagation calls
-
-        @classmethod
-        def ignore_compile_internals(cls) -> bool:
-            """Lets compiled blocks compile under the tracker (dynamo skips frames under any other
-            dispatch mode): it sees the ops of their graphs as they run, not dynamo's tracing."""
-            return True
-
-        def __torch_dispatch__(
-            self, func: torch._ops.OpOverload, types: tuple, args: tuple = (), kwargs: dict | None = None
-        ) -> object:
-            if self.in_sharding_propagation:  # shapes of a DTensor op's output, no device memory
-                return func(*args, **(kwargs or {}))
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
-        def _register_module_and_optimizer_hooks(self) -> None:
-            super()._register_module_and_optimizer_hooks()
-            for model in self.frozen:
-                for parameter in model.parameters():
-                    self._update_and_maybe_create_winfos(parameter, _FSDPRefType.SHARDED_PARAM)
-                for buffer in model.buffers():
-                    self._update_and_maybe_create_winfos(buffer, _MemRefType.BUFFER)
-
-        def _update_peak_stats(self, peak_state: _State) -> None:
-            for dev, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
-                    self._peak_mem[dev] = snap[_TOTAL_KEY]
-                    self._peak_mem_snap[dev] = dict(snap)
-
-    return PeakTracker(mod=root, optm=optimizer, frozen=frozen)
+    if isinstance(root, FSDPModule):
+        return PeakTracker(root, optimizer, frozen)
+    return PlainPeakTracker(root, optimizer, frozen)
 
 
 def _peak_of_a_later_step(run: Run, micro: list, label_tokens: float) -> dict[str, int]:

@@ -1,0 +1,123 @@
+"""The memory estimate's trackers (vlmcore.train.memory): torch's FSDP2 memory tracker keeping the
+device-wide peak only, and the same for a model without FSDP units (one rank). They reach into the
+tracker's private hooks, so they live apart from the estimate, imported when it runs."""
+
+import torch
+from torch import nn
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType, _FSDPState
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _RefType, _State
+from torch.utils.weak import WeakIdKeyDictionary
+
+from vlmcore.parallel.fsdp import one_rank_cast_of
+
+
+class PeakTracker(FSDPMemTracker):
+    """Keeps the device-wide peak only. The tracker also keeps every module's own peak, a pass
+    over all modules after every op: about half the time of a Qwen3-VL-2B estimate. It also
+    counts the weights of `frozen` models outside the tracked root (a DPO reference copy):
+    its shards as sharded parameters, its buffers as buffers."""
+
+    def __init__(self, mod: nn.Module, optm: torch.optim.Optimizer, frozen: list[nn.Module]) -> None:
+        super().__init__(mod, optm)
+        self.frozen = frozen
+        self.in_sharding_propagation = 0  # depth of DTensor's sharding propagation calls
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Lets compiled blocks compile under the tracker (dynamo skips frames under any other
+        dispatch mode): it sees the ops of their graphs as they run, not dynamo's tracing."""
+        return True
+
+    def __torch_dispatch__(
+        self, func: torch._ops.OpOverload, types: tuple, args: tuple = (), kwargs: dict | None = None
+    ) -> object:
+        if self.in_sharding_propagation:  # shapes of a DTensor op's output, no device memory
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _register_module_and_optimizer_hooks(self) -> None:
+        super()._register_module_and_optimizer_hooks()
+        for model in self.frozen:
+            for parameter in model.parameters():
+                self._update_and_maybe_create_winfos(parameter, _FSDPRefType.SHARDED_PARAM)
+            for buffer in model.buffers():
+                self._update_and_maybe_create_winfos(buffer, _MemRefType.BUFFER)
+
+    def _update_peak_stats(self, peak_state: _State) -> None:
+        for dev, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                self._peak_mem[dev] = snap[_TOTAL_KEY]
+                self._peak_mem_snap[dev] = dict(snap)
+
+
+class PlainPeakTracker(PeakTracker):
+    """The peak of a model without FSDP units: on one rank a plain module, or one whose weights
+    `OneRankMixedPrecision` casts. FSDP2's tracker hooks FSDP units only, and torch's tracker
+    of plain modules (MemTracker) fails on frozen weights (it hooks every weight's gradient).
+    The kinds are FSDP2's, for the same table: the weights and their gradients are "sharded"
+    (what the rank holds of them: all of them), the cast's compute copies and their
+    gradients "unsharded", as FSDP2's unsharded weights in the compute dtype are."""
+
+    def __init__(self, mod: nn.Module, optm: torch.optim.Optimizer, frozen: list[nn.Module]) -> None:
+        # FSDPMemTracker's own state, without its check that the root is an FSDP unit.
+        MemTracker.__init__(self)
+        self._root_mod = mod
+        self._optm = optm
+        self._fsdp_mod_to_saved_methods = WeakIdKeyDictionary()
+        self._fsdp_state = _FSDPState.PRE_FW
+        self._ref_class = _FSDPRefType
+        self.frozen = frozen
+        self.in_sharding_propagation = 0
+        self.cast = one_rank_cast_of(mod)
+        self.new_tensors_are: _RefType | None = None  # the kind of what the ops make now, if known
+        self.handles = []
+        self.hooked_copies: set[int] = set()
+
+    def _track(self, reftype: _RefType, t: torch.Tensor) -> None:
+        super()._track(self.new_tensors_are or reftype, t)
+
+    def _register_module_and_optimizer_hooks(self) -> None:
+        super()._register_module_and_optimizer_hooks()
+        for weight in self._root_mod.parameters():
+            self._update_and_maybe_create_winfos(weight, _FSDPRefType.SHARDED_PARAM)
+            if weight.grad is not None:
+                self._update_and_maybe_create_winfos(weight.grad, _FSDPRefType.SHARDED_GRAD)
+            if weight.requires_grad:  # a plain module's: autograd accumulates into them
+                self.handles.append(weight.register_post_accumulate_grad_hook(self._label_sharded_grad))
+        if self.cast is None:
+            return
+        # After the cast's hook before the forward, which makes the compute copies at the first
+        # (as activations: the peak is never there, the forward's activations come on top).
+        self.handles.append(self._root_mod.register_forward_pre_hook(self._label_copies))
+        # The cast's end of backward (queued by name at each forward) makes the weights' gradients.
+        cast_grads = self.cast._after_backward
+
+        def after_backward() -> None:
+            self.new_tensors_are = _FSDPRefType.SHARDED_GRAD
+            try:
+                cast_grads()
+            finally:
+                self.new_tensors_are = None
+
+        self.cast._after_backward = after_backward
+
+    def _deregister_module_and_optimizer_hooks(self) -> None:
+        super()._deregister_module_and_optimizer_hooks()
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        if self.cast is not None:
+            del self.cast._after_backward  # the method again
+
+    def _label_sharded_grad(self, weight: nn.Parameter) -> None:
+        self._update_and_maybe_create_winfos(weight.grad, _FSDPRefType.SHARDED_GRAD)
+
+    def _label_copies(self, module: nn.Module, args: tuple) -> None:
+        for copy in self.cast.compute:
+            self._update_and_maybe_create_winfos(copy, _FSDPRefType.UNSHARDED_PARAM)
+            if copy.requires_grad and id(copy) not in self.hooked_copies:
+                self.hooked_copies.add(id(copy))
+                self.handles.append(copy.register_post_accumulate_grad_hook(self._label_unsharded_grad))
+
+    def _label_unsharded_grad(self, copy: nn.Parameter) -> None:
+        self._update_and_maybe_create_winfos(copy.grad, _FSDPRefType.UNSHARDED_GRAD)
