@@ -9,7 +9,8 @@ own, twice per unit and step (1,843 copies a step for Qwen3-VL 2B, benchmarks/ho
 the model stays a plain module, as torchtitan leaves it without FSDP: with no dtype to cast to
 (fp32 training, as on CPU) it trains as it is; with a compute dtype (bf16 on a GPU) its weights
 are cast by `OneRankMixedPrecision`, in one multi-tensor copy a forward, and its gradients back in
-one a backward, with FSDP2's arithmetic."""
+a few a backward, with FSDP2's arithmetic (`parallel.one_rank_cast: false`: FSDP2's units, which
+hold one block's compute copy at a time instead of all of them from forward to backward)."""
 
 import dataclasses
 import weakref
@@ -80,15 +81,15 @@ def apply_fsdp(
 
 class OneRankMixedPrecision:
     """FSDP2's mixed precision on one rank, without FSDP2's work per weight: the forward and
-    backward run on compute copies of the weights in `param_dtype` (kept for the run, 2 bytes a
-    weight in bf16; for a model that never trains, made for each forward), cast from the weights in one multi-tensor copy before each forward; after
-    each backward the compute copies' gradients are cast to the weights' dtype in one multi-tensor
-    copy (and, over several micro-batches, added to those already there in the weights' dtype).
-    The arithmetic is FSDP2's: the same casts of weights, inputs and gradients, gradients
-    accumulated in the weights' dtype (here `reduce_dtype`, which FSDP2 reduces in), so the same
-    losses and gradients bit for bit (tests/test_fsdp_one_rank.py). Between forward and backward
-    the modules hold the compute copies; otherwise the weights themselves, so the optimizer, the
-    checkpoint and `model.parameters()` see the weights."""
+    backward run on compute copies of the weights in `param_dtype` (2 bytes a weight in bf16),
+    cast from the weights in one multi-tensor copy before each forward and freed after the
+    backward; after each backward the compute copies' gradients are cast to the weights' dtype in
+    `GRAD_CAST_CHUNKS` multi-tensor copies (and, over several micro-batches, added to those
+    already there in the weights' dtype). The arithmetic is FSDP2's: the same casts of weights,
+    inputs and gradients, gradients accumulated in the weights' dtype (here `reduce_dtype`, which
+    FSDP2 reduces in), so the same losses and gradients bit for bit (tests/test_fsdp_one_rank.py).
+    Between forward and backward the modules hold the compute copies; otherwise the weights
+    themselves, so the optimizer, the checkpoint and `model.parameters()` see the weights."""
 
     def __init__(self, model: nn.Module, units: list[nn.Module], param_dtype: torch.dtype) -> None:
         """`units`: the modules whose floating-point inputs are cast to `param_dtype`, as FSDP2 casts
@@ -127,8 +128,20 @@ class OneRankMixedPrecision:
                     for w in self.weights
                 ]
         with torch.no_grad(), record_function("OneRankMixedPrecision::cast_weights"):
+            for copy in self.compute:
+                storage = copy.untyped_storage()
+                if storage.nbytes() == 0:  # freed since the last forward (`_free_copies`)
+                    storage.resize_(copy.numel() * copy.element_size())
             torch._foreach_copy_(self.compute, self.weights)
         self._hold(self.compute)
+
+    def _free_copies(self) -> None:
+        """Frees the compute copies' memory until the next forward, as FSDP2 frees its unsharded
+        weights: the optimizer step, evaluation and checkpointing between steps run without them.
+        Their storage is resized to nothing, the tensors kept, so compiled blocks see the same
+        parameters at every step."""
+        for copy in self.compute:
+            copy.untyped_storage().resize_(0)
 
     def _find_weights(self, model: nn.Module) -> None:
         self.weights = []
@@ -149,10 +162,7 @@ class OneRankMixedPrecision:
         if not needs_grad:  # no backward to come (no_grad, a frozen model): the weights back now
             if not self.backward_due:
                 self._hold(self.weights)
-                if not any(c.requires_grad for c in self.compute):
-                    # A model that never trains (a DPO reference) keeps no copies between its
-                    # forwards, as FSDP2 keeps none: made again at the next.
-                    self.compute = []
+                self._free_copies()
             return
         self.backward_due = True
         # At the end of the backward that reaches this output (the autograd engine's callback, as
@@ -176,6 +186,7 @@ class OneRankMixedPrecision:
                 add_grads(weights, cast)
         self.backward_due = False
         self._hold(self.weights)
+        self._free_copies()
 
     def _hold(self, tensors: list[nn.Parameter]) -> None:
         """Puts `tensors` (the weights or their compute copies) where the weights are held."""
