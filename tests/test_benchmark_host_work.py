@@ -61,13 +61,25 @@ def test_host_work_counts_the_loop_step_by_source(tmp_path):
 
 
 @pytest.mark.slow
-def test_host_work_counts_the_moe_block_by_part(tmp_path):
+def test_host_work_counts_the_moe_block_by_part_and_the_one_rank_cast(tmp_path):
     """The MoE step (--structure tiny-moe: 2 layers of 8 experts, the bare step on one rank): the
     block's forward counted by part, and the grouped GEMM, which the CPU runs expert by expert,
-    counted as one kernel a call, as a GPU launches it."""
+    counted as one kernel a call, as a GPU launches it. On one rank in bf16 there are no FSDP
+    units: the weights' cast is one copy a step, the gradients' one per chunk (issue 43 item 3;
+    its arithmetic in tests/test_fsdp_one_rank.py, the 2B presets' counts in docs/performance.md)."""
+    from vlmcore.parallel.fsdp import GRAD_CAST_CHUNKS
+
     run_host_work("--structure", "tiny-moe", "--bare", "--nproc", "1", "--out", str(tmp_path))
     (case,) = json.loads((tmp_path / "host_work_cpu_tiny-moe_bare_1ranks.json").read_text())["cases"]
     assert case["family"] == "qwen3_vl_moe" and case["layers"] == 2
+    assert case["fsdp_groups"] == 0
+    weights = case["sources"]["FSDP all-gather"]
+    grads = case["sources"]["FSDP reduce-scatter"]
+    assert (weights["kernels"], weights["copies"]) == (1, 1)
+    # One micro-batch a step: each chunk's gradients are cast into the weights' gradients, no sum.
+    # (At most GRAD_CAST_CHUNKS: a weight larger than a chunk's share takes more than one's.)
+    assert 1 < grads["kernels"] == grads["copies"] <= GRAD_CAST_CHUNKS
+    assert case["ops_by_name"]["aten::_foreach_copy_"] == 1 + grads["kernels"]
     for part in ("MoE routing", "MoE experts", "MoE dispatch and combine"):
         assert case["sources"][part]["kernels"] > 0, part
     # Two grouped GEMMs a layer forward, more in backward; each one kernel, its per-expert

@@ -207,16 +207,19 @@ def dump_state(nproc, cfg, out_file):
 
 def test_checkpoint_of_two_processes_reshards(setup):
     """Written by 2 FSDP processes; loaded by 1 process and by 4 (dp 2 x tp 2): the same model
-    and optimizer state, and the model is the one the writer finished with."""
+    and optimizer state, and the model is the one the writer finished with. In bf16 compute, so the
+    one process is the one-rank cast's plain module (vlmcore.parallel.fsdp.OneRankMixedPrecision;
+    the other way round in tests/test_fsdp_one_rank.py)."""
     tmp_path, snapshot = setup
     out = tmp_path / "reshard"
-    cfg = write_config(tmp_path / "reshard.yaml", snapshot, out, steps=3, checkpoint={"interval": 0})
+    bf16 = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    cfg = write_config(tmp_path / "reshard.yaml", snapshot, out, steps=3, checkpoint={"interval": 0}, precision=bf16)
     train(2, cfg)
     one = dump_state(1, cfg, tmp_path / "one.safetensors")
     assert int(one["train.step"]) == 3 and any(k.endswith("exp_avg_sq") for k in one)
     final = load_dcp(out / "final")
     assert all(torch.equal(one[k], final[k]) for k in final)
-    four_cfg = write_config(tmp_path / "reshard_tp.yaml", snapshot, out, steps=3, parallel={"tp": 2})
+    four_cfg = write_config(tmp_path / "reshard_tp.yaml", snapshot, out, steps=3, parallel={"tp": 2}, precision=bf16)
     four = dump_state(4, four_cfg, tmp_path / "four.safetensors")
     assert four.keys() == one.keys()
     assert all(torch.equal(four[k], one[k]) for k in one)
