@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_session.sh checks              # issue 31 item 3: expert mesh on NCCL, bf16 resume
 #   bash benchmarks/gpu_session.sh fp8                 # issue 43 item 4: FP8 (see its block below)
 #   bash benchmarks/gpu_session.sh eval                # issue 42 item 4: evaluation throughput
+#   bash benchmarks/gpu_session.sh one_rank            # issue 43 item 3: the one-rank cast vs FSDP2's units
 #   bash benchmarks/gpu_session.sh post_training lora  # issue 41 item 7: the 2B's LoRA step vs peft
 #   bash benchmarks/gpu_session.sh post_training cost  # LoRA's optimizer step and checkpoint vs full
 #   bash benchmarks/gpu_session.sh post_training dpo   # the DPO step vs its FLOPs at the SFT rate
@@ -62,6 +63,20 @@ if [ "$family" = fp8 ]; then
     exit 0
 fi
 # --- end FP8 -----------------------------------------------------------------------------------
+# Issue 43 item 3: one GPU's compiled 2B Qwen3-VL step (bare and the real loop, profiled) with the
+# one-rank cast (the default: the weights cast in one copy, no FSDP units) and with FSDP2's units
+# over the one GPU, each beside the memory estimate of its own path (CPU, 2026-11-29: 48.4 and
+# 45.8 GiB; the host-work counts in docs/performance.md).
+if [ "$family" = one_rank ]; then
+    for path in cast fsdp2; do
+        flag=""
+        if [ "$path" = fsdp2 ]; then flag="--one-rank-fsdp2"; fi
+        python benchmarks/train_step.py --preset 2b --family qwen3_vl --compile --skip-transformers \
+            --memory-estimate --profile $flag --out "$out/one_rank_$path"
+        (cd "$out/one_rank_$path" && tar czf "profiles.tar.gz" profile_* && rm -r profile_*)
+    done
+    exit 0
+fi
 if [ "$family" = post_training ]; then
     exec python benchmarks/post_training.py --preset 2b --compile --part "${2:-lora}" --out "$out"
 fi

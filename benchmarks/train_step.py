@@ -243,7 +243,11 @@ def bench_loop(cfg, device, args, seq_len: int, image_side: int, family: str) ->
         "loss_chunk_tokens": cfg.loss_chunk_tokens,
         "max_grad_norm": cfg.max_grad_norm,
         "optimizer": {"lr": cfg.optimizer.lr},
-        "parallel": {"compile": args.compile, "activation_checkpointing": args.activation_checkpointing},
+        "parallel": {
+            "compile": args.compile,
+            "activation_checkpointing": args.activation_checkpointing,
+            "one_rank_cast": not args.one_rank_fsdp2,
+        },
         "precision": {"param_dtype": cfg.precision.param_dtype},
         "data": {
             "kind": "random",
@@ -323,6 +327,7 @@ def train_config(args, path: Path, output_dir: Path, device: torch.device):
     cfg = TrainConfig(model_path=str(path), output_dir=str(output_dir))
     cfg.parallel.compile = args.compile
     cfg.parallel.activation_checkpointing = args.activation_checkpointing
+    cfg.parallel.one_rank_cast = not args.one_rank_fsdp2
     cfg.precision.param_dtype = "bfloat16" if device.type == "cuda" else "float32"
     cfg.optimizer.lr = 1e-4
     cfg.loss_chunk_tokens = 2048
@@ -454,6 +459,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--activation-checkpointing", default="none", choices=("none", "selective", "full"))
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument(
+        "--one-rank-fsdp2",
+        action="store_true",
+        help="FSDP2's units over the one GPU (parallel.one_rank_cast: false) instead of the one-rank "
+        "cast, for the two side by side (issue 43 item 3)",
+    )
     parser.add_argument("--skip-loop", action="store_true", help="no `vlmcore train` run")
     parser.add_argument("--memory-estimate", action="store_true", help="also `vlmcore memory`'s estimate")
     parser.add_argument(
@@ -495,6 +506,8 @@ def main() -> int:
     else:
         runs = [(args.family, args.compile)]
         tag = f"{'cuda' if bf16 else 'cpu'}_{args.preset}_{args.family}{'_compile' if args.compile else ''}"
+    if args.one_rank_fsdp2:
+        tag += "_one_rank_fsdp2"
     args.out.mkdir(parents=True, exist_ok=True)
     result_file = args.out / f"train_step_{tag}.json"
     header = {"device": name, "preset": args.preset, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
