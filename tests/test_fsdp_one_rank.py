@@ -36,24 +36,29 @@ def one_rank_run(config: Path, fsdp2: bool):
     return run
 
 
-def train_steps(config: Path, fsdp2: bool, steps: int) -> tuple[list[float], list[float], dict]:
-    """`steps` optimizer steps of 2 micro-batches each on one rank: (losses, gradient norms, the
-    weights after them, unsharded), and the model's kind checked on the way."""
+def random_batches(run, image_fraction: float, grad_accum_steps: int):
+    """Random rows of 64 tokens in 2 segments for `run`'s model, one rank's."""
     from vlmcore.train.random_data import RandomBatches
 
-    run = one_rank_run(config, fsdp2)
-    data = RandomBatches(
+    return RandomBatches(
         run.model.config,
         seq_len=64,
         segments=2,
-        image_fraction=0.5,  # micro-batches with and without images (the vision tower's dummy run)
+        image_fraction=image_fraction,
         micro_batch_size=1,
         dp_rank=0,
         dp_world=1,
-        grad_accum_steps=2,
+        grad_accum_steps=grad_accum_steps,
         seed=0,
     )
-    batches = iter(data)
+
+
+def train_steps(config: Path, fsdp2: bool, steps: int) -> tuple[list[float], list[float], dict]:
+    """`steps` optimizer steps of 2 micro-batches each on one rank: (losses, gradient norms, the
+    weights after them, unsharded), and the model's kind checked on the way."""
+    run = one_rank_run(config, fsdp2)
+    # Micro-batches with and without images (the vision tower's dummy run).
+    batches = iter(random_batches(run, image_fraction=0.5, grad_accum_steps=2))
     losses = []
     norms = []
     for _ in range(steps):
@@ -101,7 +106,6 @@ def test_a_forward_without_gradients_before_a_backward_leaves_it_alone(tmp_path,
     runs on the compute copies and leaves them held: the backward, whose checkpointed blocks
     recompute their forward, gives the gradients it gives without it; after it the modules hold
     the fp32 weights, with fp32 gradients."""
-    from vlmcore.train.random_data import RandomBatches
     from vlmcore.train.step import forward_hidden
 
     snapshot = tiny_snapshot("qwen3_vl", tmp_path / "model")
@@ -110,18 +114,7 @@ def test_a_forward_without_gradients_before_a_backward_leaves_it_alone(tmp_path,
         tmp_path / "c.yaml", snapshot, tmp_path / "out", precision=bf16, parallel={"activation_checkpointing": "full"}
     )
     run = one_rank_run(config, fsdp2=False)
-    data = RandomBatches(
-        run.model.config,
-        seq_len=64,
-        segments=2,
-        image_fraction=1.0,
-        micro_batch_size=1,
-        dp_rank=0,
-        dp_world=1,
-        grad_accum_steps=1,
-        seed=0,
-    )
-    batch = next(iter(data))
+    batch = next(iter(random_batches(run, image_fraction=1.0, grad_accum_steps=1)))
     grads = []
     for forward_between in (False, True):
         hidden = forward_hidden(run.model, batch)
@@ -143,7 +136,6 @@ def test_a_frozen_model_forwards_as_fsdp2_on_one_rank(tmp_path, one_process_grou
     """A model that never trains (a DPO reference copy), forward after forward without gradients:
     the hidden states FSDP2's one-rank path gives, bit for bit, with its weights in fp32 between
     forwards (its compute copies are made for each forward)."""
-    from vlmcore.train.random_data import RandomBatches
     from vlmcore.train.step import forward_hidden
 
     snapshot = tiny_snapshot("qwen3_vl", tmp_path / "model")
@@ -154,18 +146,7 @@ def test_a_frozen_model_forwards_as_fsdp2_on_one_rank(tmp_path, one_process_grou
         for weight in run.model.parameters():
             weight.requires_grad_(False)
         run.model.eval()
-        data = RandomBatches(
-            run.model.config,
-            seq_len=64,
-            segments=2,
-            image_fraction=0.5,
-            micro_batch_size=1,
-            dp_rank=0,
-            dp_world=1,
-            grad_accum_steps=1,
-            seed=0,
-        )
-        batches = iter(data)
+        batches = iter(random_batches(run, image_fraction=0.5, grad_accum_steps=1))
         with torch.no_grad():
             outputs[fsdp2] = [forward_hidden(run.model, next(batches)) for _ in range(3)]
         if not fsdp2:
