@@ -159,6 +159,9 @@ def test_compiled_blocks_keep_what_aot_autograd_saves(configs):
         configs["qwen3"], [bf16, 1, 96, 2, True], [compiled, 1, 96, 2, True], [compiled, 1, 96, 2, False]
     )
     assert fake["compile"] and not eager["compile"]
+    from vlmcore.train.memory import format_table
+
+    assert "compute, compiled blocks" in format_table(fake) and "compute, eager" in format_table(eager)
     assert fake["peak_bytes_by_kind"] == real["peak_bytes_by_kind"]
     assert fake["peak_bytes_by_kind"]["Activation"] < 0.85 * eager["peak_bytes_by_kind"]["Activation"]
     for kind in ("Sharded Param", "OptState", "Inputs"):

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from transformers import PretrainedConfig
 
 from vlmcore.config import ConfigError, TrainConfig
@@ -146,10 +147,14 @@ def build_reference(run: Run, load: bool = True) -> FrozenReference:
     with the weights the stage starts from (on a resume too: the reference never trains), frozen.
     Without `load`, random init (the memory estimate's fake run)."""
     cfg = run.cfg
-    model = build_model(cfg.model_path, device="meta")
-    for parameter in model.parameters():
-        parameter.requires_grad_(False)
-    parallelize(model, cfg, run.layout, run.meshes, run.rank)
+    # Built on the meta device outside any fake mode, as the policy is (`build_meta_run`): the memory
+    # estimate calls this under its fake mode, where a meta weight would be a fake tensor that the
+    # fake mode holds a weak reference to, and `to_empty` could not swap it for its replacement.
+    with unset_fake_temporarily():
+        model = build_model(cfg.model_path, device="meta")
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
+        parallelize(model, cfg, run.layout, run.meshes, run.rank)
     model.to_empty(device=run.device)
     with torch.no_grad():
         model.init_weights()

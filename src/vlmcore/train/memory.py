@@ -542,7 +542,8 @@ def format_table(result: dict) -> str:
     lines = [
         f"peak memory per device, rank {result['rank']} of {result['world_size']} ({mesh}), "
         f"{result['micro_batch_size']} x {result['seq_len']} tokens, {image}, "
-        f"activation checkpointing {result['activation_checkpointing']}, {result['param_dtype']} compute, eager"
+        f"activation checkpointing {result['activation_checkpointing']}, {result['param_dtype']} compute, "
+        f"{'compiled blocks' if result.get('compile') else 'eager'}"
     ]
     modules = result.get("modules") or {"": result}
     width = 18 if "modules" in result else 10
