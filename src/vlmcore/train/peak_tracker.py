@@ -69,12 +69,12 @@ class PlainPeakTracker(PeakTracker):
         self.frozen = frozen
         self.in_sharding_propagation = 0
         self.cast = one_rank_cast_of(mod)
-        self.new_tensors_are: _RefType | None = None  # the kind of what the ops make now, if known
+        self.casting_grads = False  # in the cast's end of backward, whose new tensors are gradients
         self.handles = []
         self.hooked_copies: set[int] = set()
 
     def _track(self, reftype: _RefType, t: torch.Tensor) -> None:
-        super()._track(self.new_tensors_are or reftype, t)
+        super()._track(_FSDPRefType.SHARDED_GRAD if self.casting_grads else reftype, t)
 
     def _register_module_and_optimizer_hooks(self) -> None:
         super()._register_module_and_optimizer_hooks()
@@ -93,11 +93,11 @@ class PlainPeakTracker(PeakTracker):
         cast_grads = self.cast._after_backward
 
         def after_backward() -> None:
-            self.new_tensors_are = _FSDPRefType.SHARDED_GRAD
+            self.casting_grads = True
             try:
                 cast_grads()
             finally:
-                self.new_tensors_are = None
+                self.casting_grads = False
 
         self.cast._after_backward = after_backward
 
