@@ -8,8 +8,9 @@ same AdamW, one device; and vlmcore's real training loop (`vlmcore train` on ran
     python benchmarks/train_step.py --preset tiny --family qwen3_vl_moe   # mixture of experts, CPU
     python benchmarks/train_step.py --preset 30b-a3b --all   # Qwen3-VL-30B-A3B's shape, 4 layers, one GPU
 
-vlmcore runs its real step (`vlmcore.train.step`: on GPU FSDP2 over one rank with the bf16
-mixed-precision policy, on CPU in fp32 a plain module; chunked cross-entropy, gradient clipping
+vlmcore runs its real step (`vlmcore.train.step`: on GPU over one rank the bf16 compute copies of
+`vlmcore.parallel.fsdp.OneRankMixedPrecision`, or FSDP2's units with `--one-rank-fsdp2`; on CPU
+in fp32 a plain module; chunked cross-entropy, gradient clipping
 at norm 1, AdamW, one host read); transformers runs `model(**batch, labels=...)` +
 `loss.backward()` + clipping at norm 1 (HF Trainer's default) + the same AdamW (fused, CPU
 included), in bf16 autocast over fp32 weights on GPU. The real loop runs
@@ -18,8 +19,8 @@ Prints a table and writes benchmarks/results/train_step_<device>_<preset>_<famil
 (`--all`: train_step_<device>_<preset>_all[_<family>].json, one row per case, for the next run to
 compare). `--all` prints and writes each case as it finishes, compiled cases first, so a run cut
 short keeps what it measured ("complete": false); `--all --family F` runs one family's part, to
-split the table over shorter runs. One snapshot per family; `vlmcore memory`'s estimate runs on
-the CPU beside the GPU cases. On a GPU machine: `pip install --no-deps -e .` over its CUDA torch
+split the table over shorter runs. One snapshot per family; `vlmcore memory`'s estimate of each
+case (compiled or eager, as the case) runs on the CPU beside the GPU cases, one at a time. On a GPU machine: `pip install --no-deps -e .` over its CUDA torch
 (docs/performance.md).
 """
 
@@ -334,6 +335,11 @@ def train_config(args, path: Path, output_dir: Path, device: torch.device):
     return cfg
 
 
+def case_args(args: argparse.Namespace, compiled: bool) -> argparse.Namespace:
+    """The arguments of one case of the table: the command's, with its compile setting."""
+    return argparse.Namespace(**dict(vars(args), compile=compiled))
+
+
 def estimate_peak_gib(args, family: str, path: Path, device_type: str) -> float | None:
     """`vlmcore memory`'s estimate of the bare step's peak (its blocks compiled with --compile). The MoE
     estimate is of the experts' bf16 grouped GEMM: none for an fp32 (CPU) MoE run."""
@@ -514,17 +520,22 @@ def main() -> int:
 
     cases = []
     spawn = multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(mp_context=spawn) as pool:
+    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
         snapshots = {}
         for family in dict.fromkeys(family for family, _ in runs):  # one snapshot per family, in order
             snapshots[family] = Path(tmp) / family / "model"
             write_snapshot(family, PRESETS[args.preset], snapshots[family])
-        # The estimate runs on the CPU: beside the GPU cases, in a process of its own; on a CPU
-        # run before them, so that it does not share the cores the step is timed on.
+        # The estimates run on the CPU: beside the GPU cases, one at a time in a process of their
+        # own; on a CPU run before them, so that they do not share the cores the step is timed on.
+        # One per case, each with its own copy of the arguments: the compiled estimate differs
+        # from the eager one, and the loop below sets args.compile while the pool may still be
+        # reading them.
         estimates = (
             {
-                family: pool.submit(estimate_peak_gib, args, family, path, device.type)
-                for family, path in snapshots.items()
+                (family, compiled): pool.submit(
+                    estimate_peak_gib, case_args(args, compiled), family, snapshots[family], device.type
+                )
+                for family, compiled in runs
             }
             if args.memory_estimate
             else {}
@@ -532,17 +543,17 @@ def main() -> int:
         if not bf16:
             wait(estimates.values())
         for family, compiled in runs:
-            args.compile = compiled
-            cases.append(run_case(args, family, snapshots[family], device))
+            cases.append(run_case(case_args(args, compiled), family, snapshots[family], device))
             print_rows(cases[-1:], name, args.preset)
             print(f"({cases[-1]['wall_s']:.0f} s)", flush=True)
             # After every case, so that a run stopped part way keeps what it measured.
             result_file.write_text(json.dumps(dict(header, complete=False, cases=cases), indent=2))
         for case in cases:
-            if case["family"] not in estimates:
+            key = (case["family"], case["compile"])
+            if key not in estimates:
                 continue
             try:
-                estimate = estimates[case["family"]].result()
+                estimate = estimates[key].result()
             except Exception as e:  # the measured figures stand without it
                 print(f"memory estimate of {case['family']} failed: {e!r}", file=sys.stderr)
                 estimate = None

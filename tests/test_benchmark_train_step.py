@@ -14,8 +14,8 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_benchmark_prints_the_table_and_writes_json(tmp_path):
     """`--all --family qwen3_vl`: that family's part of the GPU table, compiled first, then eager;
-    each case printed and written as it finishes, the memory estimate (from its own process)
-    beside both; `--profile`: two bare steps and two of the loop traced, a summary beside each."""
+    each case printed and written as it finishes, each with its own memory estimate (from a
+    process of their own): the compiled case's models what compile saves; `--profile`: two bare steps and two of the loop traced, a summary beside each."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -51,6 +51,8 @@ def test_benchmark_prints_the_table_and_writes_json(tmp_path):
         assert set(case["results"]) == {"vlmcore", "transformers", "vlmcore train"}
         assert case["results"]["vlmcore"]["estimated_peak_gib"] > 0
         assert all(r["step_s"] > 0 and r["tokens_per_s"] > 0 for r in case["results"].values())
+    compiled_estimate, eager_estimate = (c["results"]["vlmcore"]["estimated_peak_gib"] for c in written["cases"])
+    assert compiled_estimate < eager_estimate
     assert written["cases"][0]["flops_per_step"] == written["cases"][1]["flops_per_step"]  # the same batch
     for kind, steps in (("bare", 2), ("loop", 1)):  # the loop traces the --steps 1 after its warmup
         for case in ("qwen3_vl_compile", "qwen3_vl"):
