@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_session.sh qwen3_vl            # issue 15: the 2B Qwen3-VL part of the table
 #   bash benchmarks/gpu_session.sh qwen3               # issue 15: the 2B Qwen3 part
 #   bash benchmarks/gpu_session.sh qwen3_vl_moe 30b-a3b   # issue 19: Qwen3-VL-30B-A3B's shape, 4 layers
-#   bash benchmarks/gpu_session.sh checks              # issue 31 item 3: expert mesh on NCCL, bf16 resume
+#   bash benchmarks/gpu_session.sh checks              # issue 31 item 3: expert mesh on NCCL, bf16 resume;
+#                                                      # issue 43 item 5: the experts' group padding
 #   bash benchmarks/gpu_session.sh fp8                 # issue 43 item 4: FP8 (see its block below)
 #   bash benchmarks/gpu_session.sh eval                # issue 42 item 4: evaluation throughput
 #   bash benchmarks/gpu_session.sh one_rank            # issue 43 item 3: the one-rank cast vs FSDP2's units

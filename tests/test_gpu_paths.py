@@ -11,9 +11,12 @@
   kernel needs, in bf16), never the per-expert loop, which reads the token counts.
 - No graph break: each decoder block compiles to one graph with attention (and the MoE block's
   grouped GEMMs) inside it.
+- The GPU check of the experts' group padding (benchmarks/grouped_mm_alignment.py) runs.
 """
 
 import inspect
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -613,3 +616,28 @@ def test_the_data_loader_pins_every_tensor_of_a_batch(monkeypatch):
     ]
     assert all(any(t is p for p in pinned) for t in expected)
     assert type(out) is type(batch) and torch.equal(out.images.pixel_values, batch.images.pixel_values)
+
+
+def test_grouped_mm_alignment_check_runs_both_paths():
+    """benchmarks/grouped_mm_alignment.py, the GPU check of whether the experts' groups still need
+    padding to 8 rows, on CPU at its tiny shape (bf16, eager and compiled): both paths run on the
+    same routing, which has groups that are not multiples of 8 and an empty expert, and are
+    compared with the fp32 per-expert loop. On CPU the kernel takes unaligned groups, and the
+    unpadded path gives the padded one's results bit for bit."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from grouped_mm_alignment import measure
+
+    result = measure("tiny", torch.device("cpu"), compile_too=True, steps=1)
+    assert result["counts_not_multiple_of_align"] > 0 and result["empty_experts"] == 1
+    assert [(c["path"], c["compiled"]) for c in result["cases"]] == [
+        ("padded", False),
+        ("unpadded", False),
+        ("padded", True),
+        ("unpadded", True),
+    ]
+    for case in result["cases"]:
+        assert case["runs"], case.get("traceback")
+        assert 0 < case["max_error"] < 2e-2, case["errors"]
+        assert case["ms"] > 0
+        if case["path"] == "unpadded":
+            assert case["bit_equal_to_padded"] and case["usable"]
