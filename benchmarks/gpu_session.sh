@@ -2,6 +2,8 @@
 # One GPU session's measurements, ready to run on a lent machine that has a CUDA torch and
 # transformers but no network: vlmcore runs from src/, nothing is installed.
 #
+#   bash benchmarks/gpu_session.sh first               # issue 43 item 7's headline figures in one command:
+#                                                      # run this first when a session is lent 15 minutes
 #   bash benchmarks/gpu_session.sh qwen3_vl            # issue 15: the 2B Qwen3-VL part of the table
 #   bash benchmarks/gpu_session.sh qwen3               # issue 15: the 2B Qwen3 part
 #   bash benchmarks/gpu_session.sh qwen3_vl_moe 30b-a3b   # issue 19: Qwen3-VL-30B-A3B's shape, 4 layers
@@ -42,6 +44,32 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 python -c "import transformers; print('transformers:', transformers.__version__)"
 python -m vlmcore.cli kernels
 out=${OUT:-benchmarks/results}
+# Issue 43 item 7 in one command of about 7 minutes (a session's device time is 15 minutes, the
+# machine's start included): the compiled bare step and real loop of the 2B Qwen3-VL (profiled)
+# and Qwen3, each beside its memory estimate; the grouped GEMMs' group padding at the 30B-A3B
+# layer; the 30B-A3B shape's compiled step and loop. No transformers, no eager rows (the
+# per-family commands below have them). Each part has its own time limit, so that one that
+# hangs leaves the rest their time; each writes its results under $OUT as it finishes.
+if [ "$family" = first ]; then
+    status=0
+    part() {  # part SECONDS NAME COMMAND...: runs the command under its time limit, notes its status
+        local limit=$1 name=$2
+        shift 2
+        echo "=== $name (limit ${limit} s) ==="
+        timeout --kill-after=10 "$limit" "$@" || { echo "=== $name: exit $? ==="; status=1; }
+    }
+    part 150 qwen3_vl python benchmarks/train_step.py --preset 2b --family qwen3_vl --compile \
+        --skip-transformers --memory-estimate --profile --out "$out/first_qwen3_vl"
+    part 120 qwen3 python benchmarks/train_step.py --preset 2b --family qwen3 --compile \
+        --skip-transformers --memory-estimate --out "$out/first_qwen3"
+    part 60 grouped_mm_alignment python benchmarks/grouped_mm_alignment.py --out "$out/first_grouped_mm"
+    part 90 qwen3_vl_moe python benchmarks/train_step.py --preset 30b-a3b --family qwen3_vl_moe --compile \
+        --skip-transformers --memory-estimate --out "$out/first_30b_a3b"
+    if compgen -G "$out/first_qwen3_vl/profile_*" > /dev/null; then
+        (cd "$out/first_qwen3_vl" && tar czf profiles.tar.gz profile_* && rm -r profile_*)
+    fi
+    exit $status
+fi
 if [ "$family" = checks ]; then
     exec python benchmarks/gpu_checks.py --out "$out"
 fi

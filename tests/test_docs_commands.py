@@ -399,8 +399,46 @@ def config_comment_commands(path: Path) -> list[Command]:
     return commands
 
 
+# The GPU session script: a lent GPU has 15 minutes, so a wrong flag or value in one of its
+# commands costs a session. Its shell variables take the values of a plain run.
+SESSION_SCRIPT = REPO / "benchmarks" / "gpu_session.sh"
+SESSION_VARIABLES = {
+    '"$out/': '"results/',
+    '"$out"': "results",
+    '"$preset"': "2b",
+    '"$family"': "qwen3_vl",
+    '"${2:-lora}"': "lora",
+    '"$recipe"': "none",
+    "$flag": "",
+}
+
+
+def session_script_commands(path: Path) -> list[Command]:
+    """The `python benchmarks/X.py` commands of the GPU session script, continuations joined,
+    `exec` and the `part SECONDS NAME` prefix left out."""
+    name = path.relative_to(REPO).as_posix()
+    commands = []
+    lines = path.read_text().splitlines()
+    number = 0
+    while number < len(lines):
+        start = number
+        text = lines[number].strip()
+        while text.endswith("\\"):
+            number += 1
+            text = text[:-1] + lines[number].strip()
+        number += 1
+        text = re.sub(r"^(exec |part \d+ \S+ )", "", text)
+        if not text.startswith("python benchmarks/"):
+            continue
+        for variable, value in SESSION_VARIABLES.items():
+            text = text.replace(variable, value)
+        commands += [Command(f"{name}:{start + 1}", text, tuple(w)) for w in shell_words(text)]
+    return commands
+
+
 def all_commands() -> list[Command]:
     commands = [c for path in DOCS for c in doc_commands(path)]
+    commands += session_script_commands(SESSION_SCRIPT)
     return commands + [c for path in CONFIG_COMMENTS for c in config_comment_commands(path)]
 
 
@@ -478,6 +516,43 @@ def script_help(script: Path) -> str:
     return out.getvalue()
 
 
+class _Parsed(Exception):
+    """Raised by the script's parse_args once it has parsed: the script's work is not run."""
+
+
+def script_parse_error(script: Path, arguments: list[str]) -> str | None:
+    """Whether `python SCRIPT ARGUMENTS` parses with the script's own parser (its choices and
+    types included): None, or argparse's error message. In-process, as script_help."""
+    path = list(sys.path)
+    environ = dict(os.environ)
+    modules = set(sys.modules)
+    parse_args = argparse.ArgumentParser.parse_args
+
+    def parse_and_stop(parser, args=None, namespace=None):
+        parse_args(parser, args, namespace)
+        raise _Parsed
+
+    errors = io.StringIO()
+    sys.path.insert(0, str(script.parent))
+    argparse.ArgumentParser.parse_args = parse_and_stop
+    try:
+        with argv_and_stdout([str(script), *arguments]), contextlib.redirect_stderr(errors):
+            runpy.run_path(str(script), run_name="__main__")
+    except _Parsed:
+        return None
+    except SystemExit:
+        return errors.getvalue().strip().splitlines()[-1] if errors.getvalue().strip() else "exited"
+    finally:
+        argparse.ArgumentParser.parse_args = parse_args
+        sys.path[:] = path
+        os.environ.clear()
+        os.environ.update(environ)
+        for name in set(sys.modules) - modules:
+            if Path(getattr(sys.modules[name], "__file__", None) or "/").parent == script.parent:
+                del sys.modules[name]
+    return "the script ran without parsing its arguments"
+
+
 def gives_required_arguments(words: list[str]) -> bool:
     """Whether `vlmcore COMMAND ...` gives every argument its command requires, as the command's
     parser reads them, its value checks left out (the files the docs' commands name exist only
@@ -547,6 +622,9 @@ def check_python(command: Command, words: list[str]):
         script = REPO / words[1]
         assert script.is_file(), f"{command.where}: `{command.text}`: no script {words[1]}"
         check_flags(command, words[2:], script_help(script))
+        if command.where.startswith(SESSION_SCRIPT.relative_to(REPO).as_posix()):
+            error = script_parse_error(script, words[2:])
+            assert error is None, f"{command.where}: `{command.text}`: {error}"
 
 
 def check_torchrun(command: Command, words: list[str]):
@@ -627,7 +705,7 @@ COMMANDS = all_commands()
 
 def test_the_docs_give_commands():
     where = {c.where.split(":")[0] for c in COMMANDS}
-    assert {"README.md", "docs/hpc.md", "docs/video.md", "config/demo-video.yaml"} <= where
+    assert {"README.md", "docs/hpc.md", "docs/video.md", "config/demo-video.yaml", "benchmarks/gpu_session.sh"} <= where
     assert sum(c.words[0] == "snakemake" for c in COMMANDS) > 20
 
 
