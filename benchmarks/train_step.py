@@ -250,6 +250,9 @@ def bench_loop(cfg, device, args, seq_len: int, image_side: int, family: str) ->
             "one_rank_cast": not args.one_rank_fsdp2,
         },
         "precision": {"param_dtype": cfg.precision.param_dtype},
+        # The random rows are made by loader workers and pinned, as the packed loader's are: the
+        # loop's data wait is then the loader's, not the time to draw random pixels.
+        "num_workers": 2,
         "data": {
             "kind": "random",
             "seq_len": seq_len,

@@ -232,6 +232,7 @@ def build_data(
             video_fraction=cfg.data.video_fraction,
             video_frames=cfg.data.video_frames,
             pairs=cfg.objective == "dpo",
+            num_workers=cfg.num_workers,
         )
     from vlmcore.data.load.loader import build_loader
 
