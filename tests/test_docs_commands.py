@@ -493,19 +493,18 @@ def vlmcore_help(subcommand: str) -> str:
     return out.getvalue()
 
 
-@functools.cache
-def script_help(script: Path) -> str:
-    """`python SCRIPT --help`, in-process: torch is imported once for all of them. The script's
-    folder is on the path, as `python benchmarks/X.py` puts it (the benchmarks import their
-    neighbours); what a script changes at import (the path, the environment, its neighbours'
-    modules) is undone, for the tests that run in this process after this one."""
+@contextlib.contextmanager
+def script_in_process(script: Path):
+    """Runs a script in this process as `python benchmarks/X.py` would: its folder on the path
+    (the benchmarks import their neighbours). What it changes at import (the path, the
+    environment, its neighbours' modules) is undone, for the tests that run in this process
+    after this one."""
     path = list(sys.path)
     environ = dict(os.environ)
     modules = set(sys.modules)
     sys.path.insert(0, str(script.parent))
     try:
-        with argv_and_stdout([str(script), "--help"]) as out, contextlib.suppress(SystemExit):
-            runpy.run_path(str(script), run_name="__main__")
+        yield
     finally:
         sys.path[:] = path
         os.environ.clear()
@@ -513,6 +512,13 @@ def script_help(script: Path) -> str:
         for name in set(sys.modules) - modules:
             if Path(getattr(sys.modules[name], "__file__", None) or "/").parent == script.parent:
                 del sys.modules[name]
+
+
+@functools.cache
+def script_help(script: Path) -> str:
+    """`python SCRIPT --help`, in-process: torch is imported once for all of them."""
+    with script_in_process(script), argv_and_stdout([str(script), "--help"]) as out, contextlib.suppress(SystemExit):
+        runpy.run_path(str(script), run_name="__main__")
     return out.getvalue()
 
 
@@ -522,10 +528,8 @@ class _Parsed(Exception):
 
 def script_parse_error(script: Path, arguments: list[str]) -> str | None:
     """Whether `python SCRIPT ARGUMENTS` parses with the script's own parser (its choices and
-    types included): None, or argparse's error message. In-process, as script_help."""
-    path = list(sys.path)
-    environ = dict(os.environ)
-    modules = set(sys.modules)
+    types included): None, or argparse's error message. In-process, as script_help; the
+    script stops once its arguments are parsed."""
     parse_args = argparse.ArgumentParser.parse_args
 
     def parse_and_stop(parser, args=None, namespace=None):
@@ -533,10 +537,9 @@ def script_parse_error(script: Path, arguments: list[str]) -> str | None:
         raise _Parsed
 
     errors = io.StringIO()
-    sys.path.insert(0, str(script.parent))
     argparse.ArgumentParser.parse_args = parse_and_stop
     try:
-        with argv_and_stdout([str(script), *arguments]), contextlib.redirect_stderr(errors):
+        with script_in_process(script), argv_and_stdout([str(script), *arguments]), contextlib.redirect_stderr(errors):
             runpy.run_path(str(script), run_name="__main__")
     except _Parsed:
         return None
@@ -544,12 +547,6 @@ def script_parse_error(script: Path, arguments: list[str]) -> str | None:
         return errors.getvalue().strip().splitlines()[-1] if errors.getvalue().strip() else "exited"
     finally:
         argparse.ArgumentParser.parse_args = parse_args
-        sys.path[:] = path
-        os.environ.clear()
-        os.environ.update(environ)
-        for name in set(sys.modules) - modules:
-            if Path(getattr(sys.modules[name], "__file__", None) or "/").parent == script.parent:
-                del sys.modules[name]
     return "the script ran without parsing its arguments"
 
 

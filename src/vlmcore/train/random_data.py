@@ -5,9 +5,9 @@ depends only on j and the seed, and the rows of each step are taken as the packe
 them (`vlmcore.data.load.order.rows_of`): every layout with the same rows per step sees the same
 global batch at every step, which is what the exactness and resume tests compare.
 
-They come as the packed loader's do: from torch's DataLoader, made by `num_workers` worker
-processes (worker w of W the micro-batches congruent to w, so the count does not change the
-stream) and pinned on a GPU machine. Made in the training process instead, a GPU loop's "data
+They come as the packed loader's do (`vlmcore.data.load.stream`): from torch's DataLoader, made
+by `num_workers` worker processes in an order that does not depend on their count, and pinned on
+a GPU machine. Made in the training process instead, a GPU loop's "data
 wait" was the time to draw a Qwen3-VL row's random pixels (3.5% of the 2B step on an H200), and
 their copy to the GPU was from pageable memory: neither is what the packed loader costs.
 """
@@ -20,6 +20,7 @@ from transformers import PretrainedConfig
 from vlmcore.data import IGNORE_INDEX
 from vlmcore.data.load.batch import Batch, Images
 from vlmcore.data.load.order import rows_of
+from vlmcore.data.load.stream import micro_batch_loader
 
 
 class RandomBatches:
@@ -88,16 +89,7 @@ class RandomBatches:
         return self.rows(range(self.first_row + rows.start, self.first_row + rows.stop))
 
     def __iter__(self) -> Iterator[Batch]:
-        loader = torch.utils.data.DataLoader(
-            _MicroBatches(self, self.consumed),
-            batch_size=None,
-            num_workers=self.num_workers,
-            collate_fn=_as_is,
-            pin_memory=torch.cuda.is_available(),
-            # Its own generator: the workers' base seed is not drawn from torch's global one.
-            generator=torch.Generator().manual_seed(self.seed),
-        )
-        for batch in loader:
+        for batch in micro_batch_loader(self.micro_batch, self.consumed, self.num_workers, self.seed):
             self.consumed += 1
             yield batch
 
@@ -214,26 +206,3 @@ class RandomBatches:
         ids[start + 1 : start + span - 1] = self.config.image_token_id
         ids[start + span - 1] = self.config.vision_end_token_id
         return [1, self.image_side * merge, self.image_side * merge]
-
-
-class _MicroBatches(torch.utils.data.IterableDataset):
-    """Micro-batches `start`, `start + 1`, ... of a `RandomBatches`; loader worker w of W makes every Wth."""
-
-    def __init__(self, data: RandomBatches, start: int) -> None:
-        self.data = data
-        self.start = start
-
-    def __iter__(self) -> Iterator[Batch]:
-        info = torch.utils.data.get_worker_info()
-        m = self.start
-        stride = 1
-        if info is not None:
-            m += info.id
-            stride = info.num_workers
-        while True:
-            yield self.data.micro_batch(m)
-            m += stride
-
-
-def _as_is(batch: object) -> object:
-    return batch

@@ -17,12 +17,12 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
 import yaml
 
 from vlmcore.data.load.batch import Batch
 from vlmcore.data.load.order import RowOrder, rows_of
 from vlmcore.data.load.rows import PackedRow, PackedTaskEncoder
+from vlmcore.data.load.stream import micro_batch_loader
 from vlmcore.data.pack.format import PACK_CONFIG_FILE, PACK_MODEL_DIR, PackConfig
 from vlmcore.data.shards import IndexedShards
 
@@ -75,8 +75,8 @@ class RowLoader:
     of micro-batches taken; under another layout with the same global batch (rows per step) it
     is found again from the rows consumed (`seek`), at no cost but the index reads of the rows.
 
-    Loader workers take micro-batches in turn (worker w the ones congruent to w), and torch's
-    DataLoader hands them out in that order, so the worker count does not change the stream."""
+    Loader workers take micro-batches in turn (`vlmcore.data.load.stream`), so the worker count
+    does not change the stream."""
 
     anchor = None  # where finding a row starts, for a stream whose rows are found by walking it (online packing)
 
@@ -129,15 +129,13 @@ class RowLoader:
         crude = self.datasets[dataset].read(index)
         return self.task_encoder.encode_sample(self.task_encoder.cook(crude))
 
+    def micro_batch_and_anchor(self, m: int) -> tuple[Batch, object]:
+        """Micro-batch `m` and where finding its rows got to (a loader worker's walk over the stream)."""
+        batch = self.micro_batch(m)
+        return batch, self.anchor
+
     def __iter__(self) -> Iterator[Batch]:
-        stream = _MicroBatches(self, self.micro_batches)
-        loader = torch.utils.data.DataLoader(
-            stream,
-            batch_size=None,
-            num_workers=self.num_workers,
-            collate_fn=_as_is,
-            pin_memory=torch.cuda.is_available(),
-        )
+        loader = micro_batch_loader(self.micro_batch_and_anchor, self.micro_batches, self.num_workers, self.order.seed)
         for batch, anchor in loader:
             self.micro_batches += 1
             self.anchor = anchor  # where a loader worker's walk over the stream got to
@@ -163,29 +161,6 @@ class RowLoader:
                 f"the saved position is in steps of {other} rows, this loader's are {self.global_batch_rows}"
             )
         self.seek(state["rows"])
-
-
-class _MicroBatches(torch.utils.data.IterableDataset):
-    """Micro-batches `start`, `start + 1`, ... of a `RowLoader`; loader worker w of W makes every Wth."""
-
-    def __init__(self, loader: RowLoader, start: int) -> None:
-        self.loader = loader
-        self.start = start
-
-    def __iter__(self) -> Iterator[tuple[Batch, object]]:
-        info = torch.utils.data.get_worker_info()
-        m = self.start
-        stride = 1
-        if info is not None:
-            m += info.id
-            stride = info.num_workers
-        while True:
-            yield self.loader.micro_batch(m), self.loader.anchor
-            m += stride
-
-
-def _as_is(batch: object) -> object:
-    return batch
 
 
 def build_loader(
