@@ -7,9 +7,9 @@ global batch at every step, which is what the exactness and resume tests compare
 
 They come as the packed loader's do (`vlmcore.data.load.stream`): from torch's DataLoader, made
 by `num_workers` worker processes in an order that does not depend on their count, and pinned on
-a GPU machine. Made in the training process instead, a GPU loop's "data
-wait" was the time to draw a Qwen3-VL row's random pixels (3.5% of the 2B step on an H200), and
-their copy to the GPU was from pageable memory: neither is what the packed loader costs.
+a GPU machine. Made in the training process instead, a GPU loop's "data wait" was the time to
+draw a row (its tokens, its image's patches, its M-RoPE positions: 3.5% of the 2B Qwen3-VL step
+on an H200), which is not what the packed loader costs.
 """
 
 from collections.abc import Iterator
