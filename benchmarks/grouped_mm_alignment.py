@@ -14,6 +14,7 @@ is what this measures, on the same rows, routing and weights:
 - `padded`: vlmcore's path, as the model runs it.
 - `unpadded`: the same two grouped GEMMs and SwiGLU with the offsets at the raw counts: no buffer,
   no index_copy, no index_select.
+- the reference: vlmcore's per-expert loop (`_loop_forward`, the CPU path) in fp32.
 
 The routing is random top-k over the experts with one expert left empty, so most groups are not
 multiples of 8. Each path runs forward and backward (an upstream gradient drawn once), eager and,
@@ -37,9 +38,8 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from vlmcore.models.moe import GROUP_ALIGN, _grouped_forward
+from vlmcore.models.moe import GROUP_ALIGN, _grouped_forward, _loop_forward, _swiglu
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,25 +51,11 @@ SHAPES = {
 }
 
 
-def swiglu(h: torch.Tensor) -> torch.Tensor:
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 def unpadded_forward(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """The two grouped GEMMs over the rows as they are: each group ends at the running count."""
     offsets = counts.cumsum(0).to(torch.int32)
-    h = swiglu(torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offsets))
+    h = _swiglu(torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offsets))
     return torch._grouped_mm(h, down.transpose(-2, -1), offs=offsets)
-
-
-def loop_forward(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """The reference: one matmul per expert over its rows."""
-    out = [
-        swiglu(rows @ w1.t()) @ w2.t()
-        for rows, w1, w2 in zip(x.split(counts.tolist()), gate_up.unbind(0), down.unbind(0))
-    ]
-    return torch.cat(out)
 
 
 def routed_counts(shape: dict, generator: torch.Generator) -> torch.Tensor:
@@ -126,13 +112,14 @@ def measure(shape_name: str, device: torch.device, compile_too: bool, steps: int
     bf16_inputs = {k: v.to(device, torch.bfloat16) for k, v in inputs.items()}
     # The reference multiplies the same bf16 values in fp32: the errors are the paths' own.
     reference = forward_backward(
-        loop_forward, {**{k: v.float() for k, v in bf16_inputs.items()}, "counts": counts}, upstream.float()
+        _loop_forward, {**{k: v.float() for k, v in bf16_inputs.items()}, "counts": counts}, upstream.float()
     )
     bf16_inputs["counts"] = counts.to(device)
 
     paths = {"padded": _grouped_forward, "unpadded": unpadded_forward}
     variants = [(name, False) for name in paths] + ([(name, True) for name in paths] if compile_too else [])
     cases = []
+    padded_results = {}  # compiled -> the padded path's results, which the unpadded one's are compared with
     for name, compiled in variants:
         forward = torch.compile(paths[name], fullgraph=True) if compiled else paths[name]
         case = {"path": name, "compiled": compiled}
@@ -146,13 +133,10 @@ def measure(shape_name: str, device: torch.device, compile_too: bool, steps: int
                 ms=time_ms(forward, bf16_inputs, upstream, steps, device),
             )
             case["bit_equal_to_padded"] = None
-            if name == "unpadded":
-                padded_results = forward_backward(
-                    torch.compile(_grouped_forward, fullgraph=True) if compiled else _grouped_forward,
-                    bf16_inputs,
-                    upstream,
-                )
-                case["bit_equal_to_padded"] = all(torch.equal(a, b) for a, b in zip(results, padded_results))
+            if name == "padded":
+                padded_results[compiled] = results
+            elif compiled in padded_results:
+                case["bit_equal_to_padded"] = all(torch.equal(a, b) for a, b in zip(results, padded_results[compiled]))
         except Exception as error:  # refused by the kernel: a finding, not a failure of the command
             case.update(
                 runs=False, error=f"{type(error).__name__}: {error}"[:2000], traceback=traceback.format_exc()[-3000:]

@@ -10,18 +10,18 @@ same AdamW, one device; and vlmcore's real training loop (`vlmcore train` on ran
 
 vlmcore runs its real step (`vlmcore.train.step`: on GPU over one rank the bf16 compute copies of
 `vlmcore.parallel.fsdp.OneRankMixedPrecision`, or FSDP2's units with `--one-rank-fsdp2`; on CPU
-in fp32 a plain module; chunked cross-entropy, gradient clipping
-at norm 1, AdamW, one host read); transformers runs `model(**batch, labels=...)` +
-`loss.backward()` + clipping at norm 1 (HF Trainer's default) + the same AdamW (fused, CPU
-included), in bf16 autocast over fp32 weights on GPU. The real loop runs
+in fp32 a plain module; chunked cross-entropy, gradient clipping at norm 1, AdamW, one host
+read); transformers runs `model(**batch, labels=...)` + `loss.backward()` + clipping at norm 1
+(HF Trainer's default) + the same AdamW (fused, CPU included), in bf16 autocast over fp32
+weights on GPU. The real loop runs
 `vlmcore train` for warmup + steps steps and takes the median step time of its metrics.jsonl.
 Prints a table and writes benchmarks/results/train_step_<device>_<preset>_<family>.json
 (`--all`: train_step_<device>_<preset>_all[_<family>].json, one row per case, for the next run to
 compare). `--all` prints and writes each case as it finishes, compiled cases first, so a run cut
 short keeps what it measured ("complete": false); `--all --family F` runs one family's part, to
 split the table over shorter runs. One snapshot per family; `vlmcore memory`'s estimate of each
-case (compiled or eager, as the case) runs on the CPU beside the GPU cases, one at a time. On a GPU machine: `pip install --no-deps -e .` over its CUDA torch
-(docs/performance.md).
+case (compiled or eager, as the case) runs on the CPU beside the GPU cases, one at a time. On a
+GPU machine: `pip install --no-deps -e .` over its CUDA torch (docs/performance.md).
 """
 
 import argparse

@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 def test_benchmark_prints_the_table_and_writes_json(tmp_path):
     """`--all --family qwen3_vl`: that family's part of the GPU table, compiled first, then eager;
     each case printed and written as it finishes, each with its own memory estimate (from a
-    process of their own): the compiled case's models what compile saves; `--profile`: two bare steps and two of the loop traced, a summary beside each."""
+    process of their own): the compiled case's models what compile saves; `--profile`: two bare
+    steps and two of the loop traced, a summary beside each."""
     proc = subprocess.run(
         [
             sys.executable,
