@@ -327,3 +327,28 @@ def test_bad_inputs_fail_with_the_file_and_line(tmp_path, vqa_run):
         evaluate(model_dir, ["demo_vqa"], tmp_path / "eval", vqa_data=bad)
     with pytest.raises(ValueError, match="no config.json"):
         evaluate(tmp_path, ["demo_vqa"], tmp_path / "eval", vqa_data=bad)
+
+
+def test_bad_tasks_and_models_fail_before_the_model_loads(tmp_path, vqa_run):
+    """An unknown task name, a text-only model asked image questions, and a vision-language export
+    without its image processor: each refused, naming the task or the file, before any weight is
+    read (the weights here are not even valid safetensors)."""
+    root, model_dir, _ = vqa_run
+    vqa = root / "raw" / "eval.jsonl"
+    with pytest.raises(ValueError, match=r"--tasks: no task no_such_task; vlmcore's are demo_vqa.*mmmu_val"):
+        evaluate(model_dir, ["demo_vqa", "no_such_task"], tmp_path / "eval", vqa_data=vqa)
+
+    text_only = tmp_path / "text_only"
+    text_only.mkdir()
+    config = json.loads((model_dir / "config.json").read_text())
+    (text_only / "config.json").write_text(json.dumps({**config["text_config"], "model_type": "qwen3"}))
+    (text_only / "model.safetensors").write_text("not weights")
+    with pytest.raises(ValueError, match=r"text_only: a text-only model .* questions of demo_vqa"):
+        evaluate(text_only, ["demo_vqa"], tmp_path / "eval", vqa_data=vqa)
+
+    no_processor = tmp_path / "no_processor"
+    no_processor.mkdir()
+    (no_processor / "config.json").write_text(json.dumps(config))
+    (no_processor / "model.safetensors").write_text("not weights")
+    with pytest.raises(ValueError, match=r"no_processor: no preprocessor_config.json, .* demo_vqa"):
+        evaluate(no_processor, ["demo_vqa"], tmp_path / "eval", vqa_data=vqa)

@@ -113,6 +113,29 @@ def task_manager_for(tasks: list[str], include_path: Sequence[str | Path], metad
     return TaskManager(include_path=paths, metadata=metadata)
 
 
+def check_tasks(tasks: list[str], task_manager: TaskManager, model_dir: Path, vision_language: bool) -> None:
+    """Before the model loads: every task is one lm-eval knows (ours or its own), and the tasks that
+    ask about images or videos (the demo's and the public benchmarks) have a vision-language model
+    with its image processor to answer them; raises ValueError naming the task or the file."""
+    unknown = [task for task in tasks if task not in task_manager.all_tasks]
+    if unknown:
+        raise ValueError(
+            f"--tasks: no task {', '.join(unknown)}; vlmcore's are {', '.join(DEMO_TASKS)} and the benchmarks "
+            f"{', '.join(BENCHMARKS)}, the others lm-eval's own (`lm-eval ls tasks` lists them)"
+        )
+    with_media = [task for task in tasks if task in DEMO_TASKS or task in BENCHMARKS]
+    if with_media and not vision_language:
+        raise ValueError(
+            f"{model_dir}: a text-only model (no vision_config in config.json) cannot answer the image or "
+            f"video questions of {', '.join(with_media)}"
+        )
+    if with_media and not (model_dir / "preprocessor_config.json").is_file():
+        raise ValueError(
+            f"{model_dir}: no preprocessor_config.json, the image processor that {', '.join(with_media)} "
+            "need (`vlmcore export` writes it beside the weights)"
+        )
+
+
 def evaluate(
     model_dir: str | Path,
     tasks: list[str],
@@ -148,6 +171,7 @@ def evaluate(
     if benchmark_data:
         metadata["benchmark_data"] = str(Path(benchmark_data).resolve())
     task_manager = task_manager_for(tasks, [BUNDLED_TASKS, *include_path], metadata)
+    check_tasks(tasks, task_manager, model_dir, model == "vlmcore-vlm")
     model_args = {"pretrained": str(model_dir), "dtype": dtype}
     if model == "vlmcore-vlm":
         model_args["video_workers"] = video_workers
