@@ -282,6 +282,17 @@ def run(args: argparse.Namespace) -> int:
         benchmark_data=args.benchmark_data,
         video_workers=args.video_workers,
     )
+    end_data_parallel()
     if result:
         print(results_table(result).to_string(index=False))
     return 0
+
+
+def end_data_parallel() -> None:
+    """Under torchrun: every process waits for the others (the first writes the results), then the
+    process group (accelerate's, gloo or NCCL) is destroyed before the interpreter exits. Left to
+    exit, a process could abort in gloo's teardown ("terminate called without an active exception",
+    1 run in 6 on CPU), and torchrun then stops the first process, perhaps before it has written."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
