@@ -329,7 +329,7 @@ def test_bad_inputs_fail_with_the_file_and_line(tmp_path, vqa_run):
         evaluate(tmp_path, ["demo_vqa"], tmp_path / "eval", vqa_data=bad)
 
 
-def test_bad_tasks_and_models_fail_before_the_model_loads(tmp_path, vqa_run):
+def test_bad_tasks_and_models_fail_before_the_model_loads(tmp_path, vqa_run, capsys):
     """An unknown task name, a text-only model asked image questions, and a vision-language export
     without its image processor: each refused, naming the task or the file, before any weight is
     read (the weights here are not even valid safetensors)."""
@@ -352,3 +352,17 @@ def test_bad_tasks_and_models_fail_before_the_model_loads(tmp_path, vqa_run):
     (no_processor / "model.safetensors").write_text("not weights")
     with pytest.raises(ValueError, match=r"no_processor: no preprocessor_config.json, .* demo_vqa"):
         evaluate(no_processor, ["demo_vqa"], tmp_path / "eval", vqa_data=vqa)
+
+    # The command line prints each refusal as one line, with the usage exit code, not a traceback.
+    capsys.readouterr()
+    for model, tasks, expected in (
+        (model_dir, "demo_vqa,no_such_task", "--tasks: no task no_such_task"),
+        (text_only, "demo_vqa", "a text-only model"),
+        (no_processor, "demo_vqa", "no preprocessor_config.json"),
+        (model_dir, "chartqa", "task chartqa reads staged data: give --benchmark-data DIR"),
+    ):
+        argv = ["eval", "--model", str(model), "--tasks", tasks, "--vqa-data", str(vqa), "--out", str(tmp_path / "cli")]
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("vlmcore eval: error: ") and expected in err and "\n" not in err, err
+    assert not (tmp_path / "cli").exists()

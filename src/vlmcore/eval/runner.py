@@ -51,10 +51,16 @@ BUNDLED_TASKS = Path(__file__).parent / "tasks"
 DEMO_TASKS = ("demo_vqa", "demo_vqa_gen", "demo_preference", "demo_video_qa", "demo_video_qa_shuffled")
 
 
+class EvalSetupError(ValueError):
+    """A model directory, task list or staged benchmark that cannot be evaluated, found before the
+    model loads: `vlmcore eval` prints it as one line naming the task or file (exit code 2), not as
+    a traceback."""
+
+
 def is_vision_language(model_dir: str | Path) -> bool:
     config_path = Path(model_dir) / "config.json"
     if not config_path.is_file():
-        raise ValueError(f"{model_dir}: no config.json; not an HF model directory")
+        raise EvalSetupError(f"{model_dir}: no config.json; not an HF model directory")
     return "vision_config" in json.loads(config_path.read_text())
 
 
@@ -116,21 +122,21 @@ def task_manager_for(tasks: list[str], include_path: Sequence[str | Path], metad
 def check_tasks(tasks: list[str], task_manager: TaskManager, model_dir: Path, vision_language: bool) -> None:
     """Before the model loads: every task is one lm-eval knows (ours or its own), and the tasks that
     ask about images or videos (the demo's and the public benchmarks) have a vision-language model
-    with its image processor to answer them; raises ValueError naming the task or the file."""
+    with its image processor to answer them; raises EvalSetupError naming the task or the file."""
     unknown = [task for task in tasks if task not in task_manager.all_tasks]
     if unknown:
-        raise ValueError(
+        raise EvalSetupError(
             f"--tasks: no task {', '.join(unknown)}; vlmcore's are {', '.join(DEMO_TASKS)} and the benchmarks "
             f"{', '.join(BENCHMARKS)}, the others lm-eval's own (`lm-eval ls tasks` lists them)"
         )
     with_media = [task for task in tasks if task in DEMO_TASKS or task in BENCHMARKS]
     if with_media and not vision_language:
-        raise ValueError(
+        raise EvalSetupError(
             f"{model_dir}: a text-only model (no vision_config in config.json) cannot answer the image or "
             f"video questions of {', '.join(with_media)}"
         )
     if with_media and not (model_dir / "preprocessor_config.json").is_file():
-        raise ValueError(
+        raise EvalSetupError(
             f"{model_dir}: no preprocessor_config.json, the image processor that {', '.join(with_media)} "
             "need (`vlmcore export` writes it beside the weights)"
         )
@@ -158,13 +164,16 @@ def evaluate(
     out = Path(out)
     model = "vlmcore-vlm" if is_vision_language(model_dir) else "hf"
     if set(DEMO_TASKS) & set(tasks) and vqa_data is None:
-        raise ValueError(
+        raise EvalSetupError(
             f"tasks {', '.join(DEMO_TASKS)} need --vqa-data (the raw/eval.jsonl written by `vlmcore synth`)"
         )
     # Offline by construction: a public benchmark's staged copy is checked before the model loads
     # (under torchrun, its checksums by the first process only: every process reads the same files).
     rank = int(os.environ.get("RANK", "0"))
-    check_staged(tasks, benchmark_data, checksums=rank == 0)
+    try:
+        check_staged(tasks, benchmark_data, checksums=rank == 0)
+    except ValueError as error:
+        raise EvalSetupError(str(error)) from error
     # Task metadata reaches the bundled tasks' loaders (demo_vqa reads `vqa_data`, a public
     # benchmark `benchmark_data`/<task>).
     metadata = {"vqa_data": str(Path(vqa_data).resolve())} if vqa_data else {}
@@ -267,21 +276,24 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--vqa-data: required by the tasks {', '.join(DEMO_TASKS)} (raw/eval.jsonl of `vlmcore synth`)"
         )
-    result = evaluate(
-        args.model,
-        tasks,
-        args.out,
-        vqa_data=args.vqa_data,
-        limit=args.limit,
-        batch_size=args.batch_size,
-        device=args.device,
-        dtype=args.dtype,
-        include_path=args.include_path,
-        apply_chat_template=args.apply_chat_template,
-        num_fewshot=args.num_fewshot,
-        benchmark_data=args.benchmark_data,
-        video_workers=args.video_workers,
-    )
+    try:
+        result = evaluate(
+            args.model,
+            tasks,
+            args.out,
+            vqa_data=args.vqa_data,
+            limit=args.limit,
+            batch_size=args.batch_size,
+            device=args.device,
+            dtype=args.dtype,
+            include_path=args.include_path,
+            apply_chat_template=args.apply_chat_template,
+            num_fewshot=args.num_fewshot,
+            benchmark_data=args.benchmark_data,
+            video_workers=args.video_workers,
+        )
+    except EvalSetupError as error:
+        raise UsageError(str(error)) from error
     end_data_parallel()
     if result:
         print(results_table(result).to_string(index=False))
