@@ -538,10 +538,13 @@ def test_blocks_with_a_graph_break_compile_under_activation_checkpointing(checkp
         torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-5, msg=name)
 
 
-def test_compiled_blocks_take_a_new_longest_segment_without_compiling_again(restore_kernels):
+@pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
+def test_compiled_blocks_take_a_new_longest_segment_without_compiling_again(checkpointing, restore_kernels):
     """max_seqlen, a host integer for the varlen kernel, changes with every packed batch: the
     blocks compiled it as a constant, then again as a symbol at the second batch (every block
-    kind compiled twice, at the start of every job). Now it is symbolic from the first compile."""
+    kind compiled twice, at the start of every job). Now it is symbolic from the first compile,
+    checkpointed blocks too, whose checkpoint wrapper's code takes it as `kwargs['max_seqlen']`."""
+    from vlmcore.parallel.ac import apply_ac
     from vlmcore.parallel.compile import apply_compile
     from vlmcore.train.random_data import RandomBatches
 
@@ -551,7 +554,8 @@ def test_compiled_blocks_take_a_new_longest_segment_without_compiling_again(rest
     torch.manual_seed(0)
     model = build_model(config, device="cpu")
     model.init_weights()
-    apply_compile(model.decoder_layers())
+    apply_ac(model.decoder_layers(), checkpointing)
+    apply_compile(model.decoder_layers(), checkpointing)
     data = RandomBatches(
         config,
         seq_len=64,

@@ -26,7 +26,9 @@ from torch import nn
 from vlmcore.models.moe import moe_blocks
 from vlmcore.models.parts import breaks_graph
 
-DYNAMIC_MAX_SEQLEN = "L['max_seqlen']"
+# The block's own argument, and the same under activation checkpointing, where the code compiled
+# is the checkpoint wrapper's `forward(*args, **kwargs)`.
+DYNAMIC_MAX_SEQLEN = ("L['max_seqlen']", "L['kwargs']['max_seqlen']")
 
 
 def apply_compile(
@@ -43,8 +45,9 @@ def apply_compile(
     # batch: symbolic from the first compile, not specialised to the first batch's value and
     # compiled again for the second.
     sources = getattr(torch.compiler.config, "dynamic_sources", None)  # None: a torch without it
-    if sources is not None and DYNAMIC_MAX_SEQLEN not in sources.split(","):
-        torch.compiler.config.dynamic_sources = ",".join(filter(None, [sources, DYNAMIC_MAX_SEQLEN]))
+    if sources is not None:
+        missing = [source for source in DYNAMIC_MAX_SEQLEN if source not in sources.split(",")]
+        torch.compiler.config.dynamic_sources = ",".join(filter(None, [sources, *missing]))
     for block in blocks.children():
         if whole_graphs_only and breaks_graph(block):
             continue

@@ -410,7 +410,12 @@ def _compile_blocks(model: nn.Module, checkpointing: str) -> None:
     (benchmarks/compiled_activations.py: the norms' scaling, SiLU and RoPE are recomputed).
     Blocks with a graph break stay eager, an upper bound: Gated DeltaNet layers, and MoE blocks
     under expert parallelism, whose dispatch reads the all-to-all's split sizes on the host, which
-    fake tensors do not hold."""
+    fake tensors do not hold.
+    Dynamo's compiled code is dropped first: the blocks of every model share their checkpoint
+    wrapper's code, whose cache keeps 8 graphs (a LoRA stage alone compiles 3, DPO's reference
+    forward 2 more), so a process estimating several stages (benchmarks/memory_recipes.py) would
+    run the later ones' blocks eagerly, past the limit, not as their own process compiles them."""
+    torch._dynamo.reset()
     stacks = [model.decoder_layers()]
     if model.vision_tower() is not None:
         stacks.append(model.vision_layers())
