@@ -539,37 +539,49 @@ def test_blocks_with_a_graph_break_compile_under_activation_checkpointing(checkp
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
-def test_compiled_blocks_take_a_new_longest_segment_without_compiling_again(checkpointing, restore_kernels):
-    """max_seqlen, a host integer for the varlen kernel, changes with every packed batch: the
-    blocks compiled it as a constant, then again as a symbol at the second batch (every block
-    kind compiled twice, at the start of every job). Now it is symbolic from the first compile,
-    checkpointed blocks too, whose checkpoint wrapper's code takes it as `kwargs['max_seqlen']`."""
+def test_compiled_blocks_take_a_new_batch_shape_without_compiling_again(checkpointing, restore_kernels):
+    """What changes from one packed batch to the next: the longest segment (max_seqlen, a host
+    integer for the varlen kernel), the number of segments (cu_seqlens), and the vision tower's
+    images and patches. The blocks compiled the first batch's values as constants, then every
+    block kind again as symbols at the first batch that differed, at the start of every job. Now
+    the first compile is the only one (the models mark those sizes, `varies_by_batch`; compile.py
+    max_seqlen), checkpointed blocks too, whose compiled code is the checkpoint wrapper's."""
+    from torch._dynamo.utils import counters
+
     from vlmcore.parallel.ac import apply_ac
     from vlmcore.parallel.compile import apply_compile
     from vlmcore.train.random_data import RandomBatches
 
     torch._dynamo.reset()
+    counters.clear()
     set_varlen_kernel(varlen_attn_torch_2_12, force=True)
-    config = tiny_config("qwen3")
+    config = tiny_config("qwen3_vl")
     torch.manual_seed(0)
     model = build_model(config, device="cpu")
     model.init_weights()
-    apply_ac(model.decoder_layers(), checkpointing)
-    apply_compile(model.decoder_layers(), checkpointing)
-    data = RandomBatches(
-        config,
-        seq_len=64,
-        segments=3,
-        image_fraction=0.0,
-        micro_batch_size=2,
-        dp_rank=0,
-        dp_world=1,
-        grad_accum_steps=1,
-        seed=0,
-    )
-    batches = [data.batch(i).to(torch.device("cpu")) for i in range(3)]
+    for stack in (model.decoder_layers(), model.vision_layers()):
+        apply_ac(stack, checkpointing)
+        apply_compile(stack, checkpointing)
+    batches = []
+    for seed, (segments, image_side) in enumerate([(3, 2), (2, 3), (4, 2), (3, 4)]):
+        data = RandomBatches(
+            config,
+            seq_len=96,
+            segments=segments,
+            image_fraction=1.0,
+            micro_batch_size=2,
+            dp_rank=0,
+            dp_world=1,
+            grad_accum_steps=1,
+            seed=seed,
+            image_side=image_side,
+        )
+        batches.append(data.batch(0).to(torch.device("cpu")))
     assert len({b.max_seqlen for b in batches}) > 1
+    assert len({b.cu_seqlens.numel() for b in batches}) > 1
+    assert len({b.images.pixel_values.shape[0] for b in batches}) > 1
     _forward_backward(model, batches[0])
+    assert counters["stats"]["unique_graphs"] == 2  # one graph a block kind: the vision and the decoder blocks
     with torch._dynamo.config.patch(error_on_recompile=True):
         for batch in batches[1:]:
             model.zero_grad()

@@ -2,7 +2,7 @@
 
 Parallelism, freezing, parameter groups and the train step act on the parts these accessors
 name, never on module paths; `breaks_graph` is how a block says that torch.compile cannot trace it
-whole (parallel/compile.py).
+whole, and `varies_by_batch` which sizes of its inputs change from batch to batch (parallel/compile.py).
 """
 
 from dataclasses import dataclass
@@ -82,3 +82,12 @@ def breaks_graph(block: nn.Module) -> bool:
     """Whether dynamo must break the graph of `block`: one of its modules says so (a Gated DeltaNet
     mixer, whose fla kernel runs eagerly; an MoE block whose dispatch reads the host)."""
     return any(getattr(m, "breaks_graph", False) for m in block.modules())
+
+
+def varies_by_batch(tensor: torch.Tensor | None, dim: int = 0) -> None:
+    """Says that `tensor`'s size at `dim` changes from batch to batch (a packed row's segment
+    bounds, the vision tower's patches), for the blocks it goes into: compiled, they take it as a
+    symbol from their first compile. Unmarked, dynamo makes the first batch's size a constant, and
+    compiles every block kind again at the first batch of another size. Nothing changes in eager."""
+    if tensor is not None and not torch.compiler.is_compiling():
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)

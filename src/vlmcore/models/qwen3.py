@@ -15,7 +15,7 @@ from .attention import attention
 from .layers import GridThw, RMSNorm, VisualTokens, apply_rotary, head_dim_of, rope_cos_sin, rope_inv_freq
 from .linear_attention import token_segments
 from .moe import feed_forward
-from .parts import ModelOutput, TextModelParts
+from .parts import ModelOutput, TextModelParts, varies_by_batch
 
 
 def check_text_config(config: PretrainedConfig, where: str) -> None:
@@ -138,6 +138,7 @@ class Qwen3TextModel(nn.Module):
         deepstack: Sequence[torch.Tensor] = (),
     ) -> torch.Tensor:
         cos, sin = self.rotary(position_ids, h.dtype)
+        varies_by_batch(cu_seqlens)  # rows hold more or fewer segments
         full_shape, dtype = h.shape, h.dtype
         h = self.split_sequence(h)
         for i, layer in enumerate(self.layers):

@@ -28,6 +28,7 @@ from transformers import PretrainedConfig
 from .layers import RMSNorm, VisualTokens, ZeroCenteredRMSNorm, head_dim_of, mrope_cos_sin, rope_inv_freq
 from .linear_attention import causal_depthwise_conv, gated_delta_rule, host_segments, row_segments
 from .moe import feed_forward
+from .parts import varies_by_batch
 from .qwen3 import Attention, Qwen3ForCausalLM, Qwen3TextModel
 from .qwen3_vl import Qwen3VLForConditionalGeneration
 
@@ -190,6 +191,8 @@ class Qwen3_5TextModel(Qwen3TextModel):
         """`visual` and `deepstack` are not used: Qwen3.5 has no DeepStack."""
         cos, sin = self.rotary(position_ids, h.dtype)
         bounds = host_segments(cu_seqlens, h)
+        varies_by_batch(cu_seqlens)  # rows hold more or fewer segments
+        varies_by_batch(bounds)
         h = self.split_sequence(h)
         for layer in self.layers:
             h = layer(h, cos, sin, cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_cpu=bounds)

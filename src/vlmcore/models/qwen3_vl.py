@@ -19,7 +19,7 @@ from transformers import PretrainedConfig
 
 from .attention import attention
 from .layers import GridThw, VisualTokens, apply_rotary, grid_list, head_dim_of, mrope_cos_sin, rope_inv_freq
-from .parts import ModelOutput, VisionLanguageParts
+from .parts import ModelOutput, VisionLanguageParts, varies_by_batch
 from .qwen3 import Qwen3TextModel
 
 DEFAULT_MROPE_SECTION = [24, 20, 20]  # transformers' value when the config has none
@@ -180,9 +180,14 @@ class VisionModel(nn.Module):
         x = x + self.position_embeddings(grids).to(x.dtype)
         cos, sin = self.rotary(grids, x.device)
         cu_seqlens = F.pad(torch.tensor(lengths, device=x.device).cumsum(0, dtype=torch.int32), (1, 0))
+        # Batches hold more or fewer images, of other sizes: the blocks' patches and images vary.
+        varies_by_batch(x)
+        varies_by_batch(cos, dim=1)
+        varies_by_batch(sin, dim=1)
+        varies_by_batch(cu_seqlens)
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, cu_seqlens, max(lengths))
+            x = block(x, cos, sin, cu_seqlens, max_seqlen=max(lengths))
             if i in self.deepstack_visual_indexes:
                 deepstack.append(self.deepstack_merger_list[self.deepstack_visual_indexes.index(i)](x))
         return self.merger(x), deepstack
