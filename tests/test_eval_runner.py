@@ -6,6 +6,7 @@ with its image. A local text task runs through lm-eval's `hf` model on a tiny Qw
 """
 
 import json
+import re
 import zlib
 
 import pandas as pd
@@ -24,7 +25,7 @@ from vlmcore.data.media.video import decode_frames, normalize_video_patches, pro
 from vlmcore.data.synthetic import video as synthetic_video
 from vlmcore.data.synthetic.image import generate
 from vlmcore.eval.results import gather, results_table
-from vlmcore.eval.runner import BUNDLED_TASKS, evaluate, task_manager_for
+from vlmcore.eval.runner import BUNDLED_TASKS, EvalSetupError, evaluate, task_manager_for
 from vlmcore.eval.vlm import VideoClip
 
 pytestmark = pytest.mark.slow
@@ -330,39 +331,36 @@ def test_bad_inputs_fail_with_the_file_and_line(tmp_path, vqa_run):
 
 
 def test_bad_tasks_and_models_fail_before_the_model_loads(tmp_path, vqa_run, capsys):
-    """An unknown task name, a text-only model asked image questions, and a vision-language export
-    without its image processor: each refused, naming the task or the file, before any weight is
-    read (the weights here are not even valid safetensors)."""
+    """An unknown task name, a text-only model asked image questions, a vision-language export
+    without its image processor, and a benchmark without its staged data: each refused, naming
+    the task or the file, before any weight is read (the weights here are not even valid
+    safetensors). `vlmcore eval` prints the refusal as one line with the usage exit code, not as a
+    traceback, and writes nothing; `evaluate` raises it as an EvalSetupError, a ValueError."""
     root, model_dir, _ = vqa_run
     vqa = root / "raw" / "eval.jsonl"
-    with pytest.raises(ValueError, match=r"--tasks: no task no_such_task; vlmcore's are demo_vqa.*mmmu_val"):
-        evaluate(model_dir, ["demo_vqa", "no_such_task"], tmp_path / "eval", vqa_data=vqa)
-
+    config = json.loads((model_dir / "config.json").read_text())
     text_only = tmp_path / "text_only"
     text_only.mkdir()
-    config = json.loads((model_dir / "config.json").read_text())
     (text_only / "config.json").write_text(json.dumps({**config["text_config"], "model_type": "qwen3"}))
     (text_only / "model.safetensors").write_text("not weights")
-    with pytest.raises(ValueError, match=r"text_only: a text-only model .* questions of demo_vqa"):
-        evaluate(text_only, ["demo_vqa"], tmp_path / "eval", vqa_data=vqa)
-
     no_processor = tmp_path / "no_processor"
     no_processor.mkdir()
     (no_processor / "config.json").write_text(json.dumps(config))
     (no_processor / "model.safetensors").write_text("not weights")
-    with pytest.raises(ValueError, match=r"no_processor: no preprocessor_config.json, .* demo_vqa"):
-        evaluate(no_processor, ["demo_vqa"], tmp_path / "eval", vqa_data=vqa)
 
-    # The command line prints each refusal as one line, with the usage exit code, not a traceback.
     capsys.readouterr()
     for model, tasks, expected in (
-        (model_dir, "demo_vqa,no_such_task", "--tasks: no task no_such_task"),
-        (text_only, "demo_vqa", "a text-only model"),
-        (no_processor, "demo_vqa", "no preprocessor_config.json"),
-        (model_dir, "chartqa", "task chartqa reads staged data: give --benchmark-data DIR"),
+        (model_dir, "demo_vqa,no_such_task", r"--tasks: no task no_such_task; vlmcore's are demo_vqa.*mmmu_val"),
+        (text_only, "demo_vqa", r"text_only: a text-only model .* questions of demo_vqa"),
+        (no_processor, "demo_vqa", r"no_processor: no preprocessor_config.json, .* demo_vqa"),
+        (model_dir, "chartqa", r"task chartqa reads staged data: give --benchmark-data DIR"),
     ):
         argv = ["eval", "--model", str(model), "--tasks", tasks, "--vqa-data", str(vqa), "--out", str(tmp_path / "cli")]
         assert cli.main(argv) == 2
         err = capsys.readouterr().err.strip()
-        assert err.startswith("vlmcore eval: error: ") and expected in err and "\n" not in err, err
+        assert err.startswith("vlmcore eval: error: ") and "\n" not in err, err
+        assert re.search(expected, err), err
     assert not (tmp_path / "cli").exists()
+    with pytest.raises(EvalSetupError, match="a text-only model"):
+        evaluate(text_only, ["demo_vqa"], tmp_path / "eval", vqa_data=vqa)
+    assert issubclass(EvalSetupError, ValueError)
