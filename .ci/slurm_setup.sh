@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A two-node SLURM on this one machine for the SLURM tests (tests/test_slurm_{real,demo}.py).
+# A two-node SLURM on this one machine for the SLURM tests (tests/slurm/test_slurm_{real,demo}.py).
 # Both nodes (vlmci1, vlmci2) are slurmd daemons on localhost, so a 2-node job runs the real
 # multi-node path: `srun` one task per node + torchrun rendezvous. Idempotent; needs root.
 #   .ci/slurm_setup.sh          install (apt-get), configure, start, wait until idle

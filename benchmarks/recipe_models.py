@@ -1,7 +1,7 @@
 """The architectures of the models the shipped recipes (config/experiments/*.yaml) train, by
 repo_id: the architecture fields of each model's published config.json, as transformers
 configs (no weights). For checks that need the real shapes without the hub:
-benchmarks/memory_recipes.py and tests/test_recipe_models.py.
+benchmarks/memory_recipes.py and tests/workflow/test_recipe_models.py.
 """
 
 

@@ -1,4 +1,4 @@
-"""Builders shared by the tests/test_data_*.py files: tiny model snapshots without weights."""
+"""Builders shared by the tests/data/test_data_*.py files: tiny model snapshots without weights."""
 
 import base64
 import importlib.util

@@ -1,4 +1,4 @@
-"""What the real-SLURM tests share (tests/test_slurm_real.py, tests/test_slurm_demo.py): the check
+"""What the real-SLURM tests share (tests/slurm/test_slurm_real.py, tests/slurm/test_slurm_demo.py): the check
 that a SLURM with two usable nodes is up (.ci/slurm_setup.sh), the experiment config, Snakemake
 through the `slurm-ci` profile and the jobs SLURM ran."""
 

@@ -5,8 +5,8 @@
 # 1. Two pytest-xdist workers take whole test files (a file's module-scoped fixtures, such as the
 #    demo pipeline run, are made once), the longest files first (tests/conftest.py), one thread
 #    each: most tests are one process, so the second worker keeps the second core busy. The video
-#    demo through SLURM (tests/test_slurm_demo.py) is one of these files.
-# 2. Then, alone on a quiet machine, tests/test_slurm_real.py: its time-limit test sizes its run
+#    demo through SLURM (tests/slurm/test_slurm_demo.py) is one of these files.
+# 2. Then, alone on a quiet machine, tests/slurm/test_slurm_real.py: its time-limit test sizes its run
 #    from the step time it measures, which a load that changes under it would make wrong. (A third
 #    process beside the workers was tried: on 2 cores it slowed them more than it saved.)
 #
@@ -26,9 +26,9 @@ export OMP_NUM_THREADS=1
 # pytest's exit code, with "no tests collected" (all deselected, say by -m "not slow") as a pass.
 pytest_rc() { local rc=$1; [ "$rc" -eq 5 ] && rc=0; return "$rc"; }
 
-python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=40 --ignore=tests/test_slurm_real.py "$@" tests
+python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=40 --ignore=tests/slurm/test_slurm_real.py "$@" tests
 status=$?
-echo "== tests/test_slurm_real.py, alone:"
-python -m pytest -q --durations=5 "$@" tests/test_slurm_real.py
+echo "== tests/slurm/test_slurm_real.py, alone:"
+python -m pytest -q --durations=5 "$@" tests/slurm/test_slurm_real.py
 pytest_rc $? || status=$?
 exit "$status"

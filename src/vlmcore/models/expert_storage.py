@@ -27,7 +27,7 @@ Qwen3-VL-MoE snapshots come in both fused formats, under the same names:
     `Transpose(1, 2, check_dims=True)`, which transposes only a tensor whose shape differs from the
     parameter's. On save its reverse compares the in-memory tensor with the parameter, so it never
     transposes: transformers 5's `save_pretrained` writes qwen3_vl_moe experts fused as in memory
-    (checked in tests/test_models_qwen3_vl_moe.py).
+    (checked in tests/models/test_models_qwen3_vl_moe.py).
   So for the fused families the shapes decide (the family's format first): never ambiguous, as
   gate_up is square only when 2I = H and down only when I = H.
 
@@ -43,7 +43,7 @@ Qwen3.5-MoE snapshots come in two formats, told apart by the tensor names:
     ("qwen3_5_moe_text") gets qwen2_moe's per-expert merge (conversion_mapping.py), scoped to
     `model.language_model`: it loads both formats, and its `save_pretrained` writes per-expert
     tensors for both Qwen3_5MoeForConditionalGeneration and Qwen3_5MoeForCausalLM (checked with
-    transformers 5 in tests/test_models_qwen3_5_moe.py).
+    transformers 5 in tests/models/test_models_qwen3_5_moe.py).
 Without a source snapshot, Qwen3.5-MoE writes the released (fused) format and its text-only
 variant what transformers writes (per expert).
 """

@@ -87,7 +87,7 @@ class OneRankMixedPrecision:
     `GRAD_CAST_CHUNKS` multi-tensor copies (and, over several micro-batches, added to those
     already there in the weights' dtype). The arithmetic is FSDP2's: the same casts of weights,
     inputs and gradients, gradients accumulated in the weights' dtype (here `reduce_dtype`, which
-    FSDP2 reduces in), so the same losses and gradients bit for bit (tests/test_fsdp_one_rank.py).
+    FSDP2 reduces in), so the same losses and gradients bit for bit (tests/parallel/test_parallel_fsdp_one_rank.py).
     Between forward and backward the modules hold the compute copies; otherwise the weights
     themselves, so the optimizer, the checkpoint and `model.parameters()` see the weights."""
 

@@ -6,7 +6,7 @@ rule is the same, quirks included: MMMU's (its parse_multi_choice_response and
 parse_open_response, which pick a random letter when the text names no option), MMBench's
 "can infer" checks, the ranked letter extraction that lmms-eval uses for Video-MME and MMBench
 (answer formats ranked: a leading letter, a trailing letter, "the answer is X", "(X)", "X.", ...)
-and MVBench's punctuation-stripping comparison. tests/test_eval_benchmarks_scoring.py checks
+and MVBench's punctuation-stripping comparison. tests/eval/test_eval_benchmarks_scoring.py checks
 every function here against lmms-eval 0.7.3's on the same texts.
 """
 

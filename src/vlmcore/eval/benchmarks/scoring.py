@@ -1,5 +1,5 @@
 """Scores of the public benchmarks from the model's answers, by each benchmark's official rule as
-lmms-eval 0.7.3 implements it (tests/test_eval_benchmarks_scoring.py feeds the same answers to
+lmms-eval 0.7.3 implements it (tests/eval/test_eval_benchmarks_scoring.py feeds the same answers to
 both and checks that the scores are identical).
 
 Per benchmark, `<name>_record(doc, response)` reads one answer (the response stripped, as

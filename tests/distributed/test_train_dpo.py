@@ -1,0 +1,198 @@
+"""`objective: dpo` in `vlmcore train`: the pair metrics in metrics.jsonl, the frozen reference,
+an exact resume, a 2-rank FSDP2 run equal to one process, and bad settings refused by key.
+
+Tiny Qwen3-VL on deterministic random packed rows whose consecutive segments are the pairs
+(`data.kind: random`, images on some rows only, so ranks mix text-only and image batches).
+"""
+
+import math
+
+import pytest
+import torch
+import yaml
+from _train_helpers import load_dcp, read_metrics, tiny_snapshot, train, train_cases, write_config
+
+from vlmcore.config import ConfigError, from_dict
+
+STEPS = 4
+DPO_METRICS = ("dpo_loss", "dpo_chosen_reward", "dpo_rejected_reward", "dpo_margin", "dpo_accuracy")
+
+
+def dpo_config(tmp_path, snapshot, name, **overrides):
+    settings = dict(
+        steps=STEPS,
+        grad_accum_steps=2,
+        objective="dpo",
+        dpo={"beta": 0.5, "label_smoothing": 0.1},
+        optimizer={"lr": 1.0e-2, "weight_decay": 0.0},
+        data={"kind": "random", "seq_len": 48, "segments": 4, "image_fraction": 0.5},
+        checkpoint={"enabled": False},
+    )
+    settings.update(overrides)
+    return write_config(tmp_path / f"{name}.yaml", snapshot, tmp_path / name, **settings)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("dpo_train")
+    snapshot = tiny_snapshot("qwen3_vl", tmp_path / "model")
+    train(1, dpo_config(tmp_path, snapshot, "one", checkpoint={"interval": 2, "keep": 3}))
+    return tmp_path, snapshot
+
+
+@pytest.mark.slow
+def test_dpo_metrics_start_at_the_reference_and_move(one_process):
+    tmp_path, _ = one_process
+    metrics = read_metrics(tmp_path / "one")
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    for m in metrics:
+        assert all(math.isfinite(m[key]) for key in DPO_METRICS)
+        assert m["loss"] == m["dpo_loss"]
+        assert m["dpo_margin"] == pytest.approx(m["dpo_chosen_reward"] - m["dpo_rejected_reward"])
+    first = metrics[0]
+    # The reference is the policy's starting weights: on the first step every log-ratio is 0.
+    assert first["dpo_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert first["dpo_chosen_reward"] == pytest.approx(0, abs=1e-6)
+    assert first["dpo_rejected_reward"] == pytest.approx(0, abs=1e-6)
+    assert first["dpo_accuracy"] == 0
+    # Then the policy has moved and the reference has not: the log-ratios are no longer 0. (The
+    # random pairs carry no preference to learn; the demo's do: config/demo-dpo.yaml.)
+    for m in metrics[1:]:
+        assert abs(m["dpo_chosen_reward"]) > 1e-3 and abs(m["dpo_loss"] - math.log(2)) > 1e-4
+
+
+@pytest.mark.slow
+def test_report_tabulates_and_plots_the_dpo_run(one_process):
+    """`vlmcore report` on the real run's metrics.jsonl: the DPO table's row holds the means of its
+    last steps (all 4 here) and the DPO plot is written and linked."""
+    from test_report_dpo import dpo_table
+
+    from vlmcore.report.scaling import write_report
+
+    tmp_path, _ = one_process
+    md = write_report(tmp_path / "report", train={"one": tmp_path / "one" / "metrics.jsonl"}).read_text()
+    metrics = read_metrics(tmp_path / "one")
+    steps, *values = dpo_table(md)["one"]
+    assert int(steps) == STEPS
+    for key, value in zip(DPO_METRICS, values, strict=True):
+        assert float(value) == pytest.approx(sum(m[key] for m in metrics) / len(metrics), abs=1e-3), key
+    assert "](plots/dpo_one.png)" in md and (tmp_path / "report" / "plots" / "dpo_one.png").is_file()
+
+
+@pytest.mark.slow
+def test_dpo_resume_and_two_ranks_equal_one_process(one_process):
+    tmp_path, snapshot = one_process
+    # Resumed: stopped after step 2 (its checkpoint kept), then trained on to the end.
+    resumed = dpo_config(tmp_path, snapshot, "resumed", steps=2, checkpoint={"interval": 2, "keep": 3})
+    two_ranks = dpo_config(tmp_path, snapshot, "fsdp2", grad_accum_steps=1)
+    train_cases(1, [resumed])
+    settings = yaml.safe_load(resumed.read_text())
+    resumed.write_text(yaml.safe_dump(settings | {"steps": STEPS}))
+    (tmp_path / "resumed" / "done").unlink()
+    train_cases(1, [resumed])
+    train_cases(2, [two_ranks])
+    reference = read_metrics(tmp_path / "one")
+    reference_weights = load_dcp(tmp_path / "one" / "final")
+    for name in ("resumed", "fsdp2"):
+        metrics = read_metrics(tmp_path / name)
+        assert [m["step"] for m in metrics][-2:] == [STEPS - 1, STEPS]
+        by_step = {m["step"]: m for m in metrics}
+        for m in reference:
+            for key in (*DPO_METRICS, "grad_norm"):
+                assert by_step[m["step"]][key] == pytest.approx(m[key], rel=1e-4, abs=1e-6), (name, m["step"], key)
+        weights = load_dcp(tmp_path / name / "final")
+        # atol 1e-5, 10x under tests/distributed/test_parallel_exactness.py's: 4 AdamW steps at lr 1e-2 after a
+        # gradient norm that 2 ranks sum from their shards' norms (a float32 rounding apart from one
+        # process's) leave weights about 4e-6 apart.
+        for key, value in reference_weights.items():
+            torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=1e-5, msg=f"{name} {key}")
+
+
+@pytest.mark.slow
+def test_lora_dpo_reference_with_adapters_off_equals_a_frozen_copy(one_process):
+    """A LoRA DPO stage's reference can be the policy with its adapters off: the same weights as
+    a frozen copy of the stage's start, without a second model. On 2 FSDP2 ranks (the reference's
+    forward runs through the policy's sharded model, outside its backward) both references give
+    the same metrics and adapters, and the first step starts at the reference (loss log 2)."""
+    tmp_path, snapshot = one_process
+    lora = {"rank": 4, "alpha": 8.0, "targets": ["*.self_attn.[qkvo]_proj", "*.mlp.*_proj"]}
+    configs = [
+        dpo_config(tmp_path, snapshot, f"lora-{reference}", lora=lora, dpo={"reference": reference})
+        for reference in ("copy", "adapters_off")
+    ]
+    train_cases(2, configs)
+    copy = read_metrics(tmp_path / "lora-copy")
+    adapters_off = read_metrics(tmp_path / "lora-adapters_off")
+    assert [m["step"] for m in adapters_off] == list(range(1, STEPS + 1))
+    assert adapters_off[0]["dpo_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert abs(adapters_off[-1]["dpo_loss"] - math.log(2)) > 1e-4  # the adapters moved the policy
+    for expected, got in zip(copy, adapters_off):
+        for key in (*DPO_METRICS, "grad_norm"):
+            assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), (got["step"], key)
+    copy_weights = load_dcp(tmp_path / "lora-copy" / "final")
+    for key, value in load_dcp(tmp_path / "lora-adapters_off" / "final").items():
+        torch.testing.assert_close(value, copy_weights[key], rtol=1e-5, atol=1e-7, msg=key)
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        ({"dpo": {"beta": 0.0}}, "dpo.beta"),
+        ({"dpo": {"label_smoothing": 0.5}}, "dpo.label_smoothing"),
+        ({"data": {"kind": "random", "segments": 3}}, "data.segments"),
+        ({"parallel": {"tp": 2}}, "parallel.tp"),
+        ({"parallel": {"cp": 2}}, "parallel.cp"),
+        ({"dpo": {"reference": "adapters_off"}}, "dpo.reference"),
+    ],
+)
+def test_bad_dpo_settings_are_refused_by_key(overrides, key):
+    data = {"model_path": "m", "output_dir": "o", "objective": "dpo", "data": {"kind": "random"}}
+    for section, value in overrides.items():
+        data[section] = {**data.get(section, {}), **value}
+    with pytest.raises(ConfigError) as error:
+        from_dict(data)
+    assert error.value.key == key and str(error.value).startswith(key)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_vl_moe", "qwen3_5_moe"])
+def test_dpo_on_a_mixture_of_experts_model_is_refused_before_any_work(kind):
+    """The checks of the run (the workflow's parse, `vlmcore memory`, the start of `vlmcore train`)
+    refuse DPO on an MoE model from its config alone, by key; the dense family passes them."""
+    from _train_helpers import hf_config
+
+    from vlmcore.parallel.checks import check_run
+
+    cfg = from_dict({"model_path": "m", "output_dir": "o", "objective": "dpo", "data": {"kind": "random"}})
+    with pytest.raises(ConfigError) as error:
+        check_run(cfg, 1, hf_config(kind))
+    assert error.value.key == "objective"
+    assert str(error.value) == "objective: dpo is not available for mixture-of-experts models yet"
+    check_run(cfg, 1, hf_config("qwen3_vl"))
+
+
+@pytest.mark.slow
+def test_dpo_without_pairs_is_refused(tmp_path):
+    """Packed data without preference pairs: refused by key before the run starts."""
+    from _data_helpers import make_demo_model_dir
+
+    from vlmcore.data.pack.dataset import pack
+    from vlmcore.data.prepare.dataset import prepare
+    from vlmcore.data.synthetic.image import generate
+
+    model = make_demo_model_dir(tmp_path / "model")
+    generate(tmp_path / "raw", num_train=4, num_eval=1, seed=0)
+    prepare([tmp_path / "raw" / "conversations.jsonl"], tmp_path / "data")
+    pack(tmp_path / "data", model, tmp_path / "packed", seq_len=256, max_patches=512)
+    config = write_config(
+        tmp_path / "run.yaml",
+        model,
+        tmp_path / "run",
+        steps=1,
+        objective="dpo",
+        data_path=str(tmp_path / "packed"),
+        data={"kind": "packed"},
+    )
+    proc = train(1, config, check=False)
+    assert proc.returncode == 2  # refused with the config, before any work
+    assert "data_path: objective is dpo" in proc.stderr and "no preference pairs" in proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,80 @@
+"""Checkpoints are resumed only by the run they belong to; other runs are moved aside, not lost."""
+
+from vlmcore.config import load_config, save_config
+from vlmcore.train.run_dir import archive_stale_run, mark_done, mark_unfinished, stale_run_reason
+
+
+def cfg_with(overrides):
+    return load_config(None, ["model_path=m", "output_dir=o", "data_path=d", *overrides])
+
+
+def write_run(out, cfg, step):
+    (out / "checkpoints" / f"step_{step}").mkdir(parents=True)
+    (out / "checkpoints" / "latest").write_text(f"step_{step}\n")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "wandb").mkdir()
+    (out / "wandb_run_id").write_text("abc12345")
+    (out / "train.log").write_text("== vlmcore train_stage attempt ...\n")
+    save_config(cfg, out / "config.yaml")
+
+
+def test_interrupted_run_with_the_same_settings_resumes(tmp_path):
+    cfg = cfg_with(["steps=100"])
+    write_run(tmp_path, cfg, 50)
+    assert stale_run_reason(tmp_path, cfg) is None
+    longer = cfg_with(["steps=200", "checkpoint.interval=10"])
+    assert stale_run_reason(tmp_path, longer) is None
+    assert archive_stale_run(tmp_path, longer) is None and (tmp_path / "checkpoints/step_50").is_dir()
+
+
+def test_another_layout_of_the_same_run_resumes(tmp_path):
+    """The next job of a stage may get another number of GPUs: layout settings are not a new run
+    (the data stream follows the global batch, tests/distributed/test_train_elastic.py)."""
+    write_run(tmp_path, cfg_with(["steps=100"]), 50)
+    other = cfg_with(
+        [
+            "steps=100",
+            "parallel.tp=2",
+            "micro_batch_size=2",
+            "grad_accum_steps=4",
+            "allow_global_batch_change=true",
+            "parallel.compile=true",
+        ]
+    )
+    assert stale_run_reason(tmp_path, other) is None
+
+
+def test_finished_run_is_not_resumed_by_a_forced_rerun(tmp_path):
+    cfg = cfg_with(["steps=60"])
+    write_run(tmp_path, cfg, 60)
+    reason = archive_stale_run(tmp_path, cfg)
+    assert "already reached step 60" in reason
+    assert not (tmp_path / "checkpoints").exists()
+    assert (tmp_path / "previous/checkpoints/step_60").is_dir() and (tmp_path / "previous/metrics.jsonl").is_file()
+    # the next run gets a W&B run of its own; the workflow's log of all attempts stays in place
+    assert not (tmp_path / "wandb_run_id").exists() and (tmp_path / "previous/wandb_run_id").is_file()
+    assert (tmp_path / "previous/wandb").is_dir() and (tmp_path / "train.log").is_file()
+
+
+def test_changed_settings_start_a_new_run_and_name_what_changed(tmp_path):
+    write_run(tmp_path, cfg_with(["steps=100"]), 50)
+    changed = cfg_with(["steps=100", "optimizer.lr=0.5", "seed=3"])
+    reason = stale_run_reason(tmp_path, changed)
+    assert "optimizer" in reason and "seed" in reason
+    archive_stale_run(tmp_path, changed)
+    # a second archive replaces the first: only the latest earlier run is kept
+    write_run(tmp_path, changed, 70)
+    archive_stale_run(tmp_path, cfg_with(["steps=100", "seed=4"]))
+    assert (tmp_path / "previous/checkpoints/step_70").is_dir()
+    assert not (tmp_path / "previous/checkpoints/step_50").exists()
+
+
+def test_run_that_crashed_after_its_last_checkpoint_is_finished_not_redone(tmp_path):
+    cfg = cfg_with(["steps=60"])
+    write_run(tmp_path, cfg, 60)
+    mark_unfinished(tmp_path)  # the run never got to write done
+    assert stale_run_reason(tmp_path, cfg) is None
+    # ... unless it is asked to stop before the step it reached
+    assert "already reached step 60 of 50" in stale_run_reason(tmp_path, cfg_with(["steps=50"]))
+    mark_done(tmp_path)
+    assert (tmp_path / "done").is_file() and "already reached step 60" in stale_run_reason(tmp_path, cfg)
