@@ -14,7 +14,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # retry resumes; SLURM sends SIGUSR1 before the time limit (--signal in train.smk). torchrun takes
 # the list from PET_SIGNALS_TO_HANDLE (its --signals-to-handle, whose default, without SIGUSR1,
 # overwrites TORCHELASTIC_SIGNALS_TO_HANDLE): without it SIGUSR1 kills torchrun at once and SLURM
-# then ends the trainers before their checkpoint is written (tests/test_faults.py).
+# then ends the trainers before their checkpoint is written (tests/distributed/test_train_faults.py).
 export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
 export TORCHELASTIC_SIGNALS_TO_HANDLE=$PET_SIGNALS_TO_HANDLE
 entry=(-m vlmcore.cli)

@@ -99,7 +99,13 @@ def train(cfg: TrainConfig) -> int:
     device = device_for_rank()
     init_distributed(device)
     try:
-        return _train(cfg, out, device, stop)
+        status = _train(cfg, out, device, stop)
+        # Every rank waits for the others before the group goes: a rank that destroyed its group
+        # and exited while a peer was still in its last collective could abort in gloo's teardown
+        # ("terminate called without an active exception"), and torchrun then fails the job. On
+        # the success path only: a rank that raised must not wait for peers that never arrive.
+        dist.barrier()
+        return status
     finally:
         dist.destroy_process_group()
 
