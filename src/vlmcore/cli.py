@@ -100,4 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m vlmcore.cli` (torchrun starts the commands so) runs this file as the module
+    # __main__, and a command's `from vlmcore.cli import UsageError` imports it again as
+    # vlmcore.cli: the main of that module is the one that catches the class the commands raise.
+    from vlmcore.cli import main as imported_main
+
+    sys.exit(imported_main())

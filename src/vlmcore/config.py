@@ -318,11 +318,51 @@ class TrainConfig:
     dpo: DPOConfig = field(default_factory=DPOConfig)
 
 
-# A check between keys, or a warning: (dotted key, what is allowed or why it is suspicious, check(value, config)).
-Rule = tuple[str, str, Callable[[Any, TrainConfig], bool]]
+def _always(cfg: TrainConfig) -> bool:
+    return True
 
 
-def _each_lr(text: str, suspicious: Callable[[float], bool]) -> list[Rule]:
+@dataclass(frozen=True)
+class Rule:
+    """A rule between keys, read as its sentence: `key` `message` (`data.segments must be even when
+    objective is dpo and ...`). When `when(config)` holds, the key's value must pass `must(value,
+    config)`; else `validate` refuses it with the message. The key and the message are the rule's
+    line in docs/config.md."""
+
+    key: str
+    message: str
+    must: Callable[[Any, TrainConfig], bool]
+    when: Callable[[TrainConfig], bool] = _always
+
+    def broken_by(self, cfg: TrainConfig) -> bool:
+        return self.when(cfg) and not self.must(_value(cfg, self.key), cfg)
+
+
+def _lora_stage(cfg: TrainConfig) -> bool:
+    return cfg.lora.rank > 0
+
+
+def _dpo_stage(cfg: TrainConfig) -> bool:
+    return cfg.objective == "dpo"
+
+
+def _ddp(cfg: TrainConfig) -> bool:
+    return cfg.parallel.mode == "ddp"
+
+
+def _random_data(cfg: TrainConfig) -> bool:
+    return cfg.data.kind == "random"
+
+
+def _unit_is(unit: str) -> Callable[[TrainConfig], bool]:
+    return lambda c: c.schedule.unit == unit
+
+
+# A legal setting that is probably a mistake: (dotted key, why it is suspicious, suspicious(value, config)).
+Suspicion = tuple[str, str, Callable[[Any, TrainConfig], bool]]
+
+
+def _each_lr(text: str, suspicious: Callable[[float], bool]) -> list[Suspicion]:
     return [
         (f"optimizer.{k}", text, lambda v, c: v is not None and suspicious(v))
         for k in ("lr", "vision_lr", "projector_lr")
@@ -332,41 +372,46 @@ def _each_lr(text: str, suspicious: Callable[[float], bool]) -> list[Rule]:
 def _module_rules(module: str) -> list[Rule]:
     key = f"parallel.modules.{module}"
     return [
-        (
+        Rule(
             f"{key}.ranks",
             "must be all or [start, end) with 0 <= start < end",
-            lambda v, c: v == "all" or (len(v) == 2 and 0 <= v[0] < v[1]),
+            must=lambda ranks, c: ranks == "all" or (len(ranks) == 2 and 0 <= ranks[0] < ranks[1]),
         ),
-        (
+        Rule(
             f"{key}.dp_shard",
             "must be 1, -1 or null when parallel.mode is ddp",
-            lambda v, c: c.parallel.mode != "ddp" or v in (1, -1, None),
+            when=_ddp,
+            must=lambda dp_shard, c: dp_shard in (1, -1, None),
         ),
     ]
 
 
 def _lora_rules() -> list[Rule]:
     return [
-        (
+        Rule(
             "trainable",
             "must be [] when lora.rank > 0 (with LoRA only the adapters train; lora.targets chooses them)",
-            lambda v, c: c.lora.rank == 0 or not v,
+            when=_lora_stage,
+            must=lambda trainable, c: not trainable,
         ),
-        (
+        Rule(
             "lora.targets",
             "must hold a pattern when lora.rank > 0 and lora.experts is false (else nothing would train)",
-            lambda v, c: c.lora.rank == 0 or c.lora.experts or bool(v),
+            when=lambda c: _lora_stage(c) and not c.lora.experts,
+            must=lambda targets, c: bool(targets),
         ),
-        (
+        Rule(
             "lora.targets",
             "must not match lm_head (the training loss multiplies lm_head.weight chunk by chunk without calling "
             "the layer, so an adapter there would never train)",
-            lambda v, c: c.lora.rank == 0 or not any(fnmatch.fnmatchcase("lm_head", pattern) for pattern in v),
+            when=_lora_stage,
+            must=lambda targets, c: not any(fnmatch.fnmatchcase("lm_head", pattern) for pattern in targets),
         ),
-        (
+        Rule(
             "precision.fp8.recipe",
             "must be none when lora.rank > 0 (the adapted layers would lose their adapters to torchao's swap)",
-            lambda v, c: c.lora.rank == 0 or v == "none",
+            when=_lora_stage,
+            must=lambda recipe, c: recipe == "none",
         ),
     ]
 
@@ -374,88 +419,106 @@ def _lora_rules() -> list[Rule]:
 def _dpo_rules() -> list[Rule]:
     """What a DPO stage needs: whole pairs on each rank (no cut of the rows) and pairs in random data."""
     return [
-        (
+        Rule(
             "data.segments",
             "must be even when objective is dpo and data.kind is random (consecutive segments are the pairs)",
-            lambda v, c: c.objective != "dpo" or c.data.kind != "random" or v % 2 == 0,
+            when=lambda c: _dpo_stage(c) and _random_data(c),
+            must=lambda segments, c: segments % 2 == 0,
         ),
-        (
+        Rule(
             "dpo.reference",
             "must be copy unless lora.rank > 0 (adapters_off is the base of a LoRA stage)",
-            lambda v, c: v == "copy" or c.lora.rank > 0,
+            when=lambda c: not _lora_stage(c),
+            must=lambda reference, c: reference == "copy",
         ),
-        (
+        Rule(
             "parallel.tp",
             "must be 1 when objective is dpo (a pair's log-probabilities need the whole vocabulary on each rank)",
-            lambda v, c: c.objective != "dpo" or v == 1,
+            when=_dpo_stage,
+            must=lambda tp, c: tp == 1,
         ),
-        (
+        Rule(
             "parallel.cp",
             "must be 1 when objective is dpo (a pair's log-probabilities need whole rows on each rank)",
-            lambda v, c: c.objective != "dpo" or v == 1,
+            when=_dpo_stage,
+            must=lambda cp, c: cp == 1,
         ),
-        (
+        Rule(
             "parallel.modules.vision.ranks",
             "must be all when objective is dpo (no disjoint module layouts)",
-            lambda v, c: c.objective != "dpo" or v == "all",
+            when=_dpo_stage,
+            must=lambda ranks, c: ranks == "all",
         ),
     ]
 
 
-# Rules between keys, checked after each key's own type and range: (key, what is allowed, ok(value, config)).
+def _tokens_per_segment(cfg: TrainConfig) -> int:
+    return cfg.data.seq_len // cfg.data.segments
+
+
+# Rules between keys, checked in this order after each key's own type and range.
 RULES = [
-    ("model_path", "is required", lambda v, c: v != ""),
-    ("output_dir", "is required", lambda v, c: v != ""),
-    ("data_path", "is required unless data.kind is random", lambda v, c: bool(v) or c.data.kind == "random"),
-    (
+    Rule("model_path", "is required", must=lambda path, c: path != ""),
+    Rule("output_dir", "is required", must=lambda path, c: path != ""),
+    Rule(
+        "data_path",
+        "is required unless data.kind is random",
+        when=lambda c: not _random_data(c),
+        must=lambda path, c: bool(path),
+    ),
+    Rule(
         "schedule.warmup_steps",
         "must be <= steps when schedule.unit is steps (no warmup longer than the run)",
-        lambda v, c: c.schedule.unit != "steps" or v <= c.steps,
+        when=_unit_is("steps"),
+        must=lambda warmup, c: warmup <= c.steps,
     ),
-    (
+    Rule(
         "schedule.total_samples",
         "is required when schedule.unit is samples",
-        lambda v, c: c.schedule.unit != "samples" or v is not None,
+        when=_unit_is("samples"),
+        must=lambda total, c: total is not None,
     ),
-    (
+    Rule(
         "schedule.warmup_samples",
         "must be <= schedule.total_samples when schedule.unit is samples",
-        lambda v, c: c.schedule.unit != "samples" or v <= c.schedule.total_samples,
+        when=_unit_is("samples"),
+        must=lambda warmup, c: warmup <= c.schedule.total_samples,
     ),
-    ("metrics.profile_steps", "must be steps the run reaches (<= steps)", lambda v, c: all(s <= c.steps for s in v)),
-    (
+    Rule(
+        "metrics.profile_steps",
+        "must be steps the run reaches (<= steps)",
+        must=lambda steps, c: all(s <= c.steps for s in steps),
+    ),
+    Rule(
         "parallel.dp_shard",
         "must be 1 or -1 when parallel.mode is ddp",
-        lambda v, c: c.parallel.mode != "ddp" or v in (1, -1),
+        when=_ddp,
+        must=lambda dp_shard, c: dp_shard in (1, -1),
     ),
     *_module_rules("vision"),
     *_module_rules("language"),
-    (
+    Rule(
         "parallel.modules.language.ranks",
         "must be all when parallel.modules.vision.ranks is all and a range when it "
         "is a range (every module on every rank, or each on its own ranks)",
-        lambda v, c: (v == "all") == (c.parallel.modules.vision.ranks == "all"),
+        must=lambda ranks, c: (ranks == "all") == (c.parallel.modules.vision.ranks == "all"),
     ),
     *_lora_rules(),
-    ("data.segments", "must be <= data.seq_len / 2", lambda v, c: v <= c.data.seq_len // 2),
+    Rule("data.segments", "must be <= data.seq_len / 2", must=lambda segments, c: segments <= c.data.seq_len // 2),
     *_dpo_rules(),
-    (
+    Rule(
         "data.image_side",
         "must leave room for an image (image_side**2 + 4 tokens) in data.seq_len / data.segments "
         "when data.kind is random and data.image_fraction > 0",
-        lambda v, c: (
-            c.data.kind != "random" or c.data.image_fraction == 0 or v**2 + 4 <= c.data.seq_len // c.data.segments
-        ),
+        when=lambda c: _random_data(c) and c.data.image_fraction > 0,
+        must=lambda side, c: side**2 + 4 <= _tokens_per_segment(c),
     ),
-    (
+    Rule(
         "data.video_frames",
         "must leave room for a video (video_frames * (image_side**2 + 5) + 2 tokens) in "
         "data.seq_len / data.segments when data.kind is random and data.video_fraction > 0",
-        lambda v, c: (
-            c.data.kind != "random"
-            or c.data.video_fraction == 0
-            or v * (c.data.image_side**2 + 5) + 2 <= c.data.seq_len // c.data.segments
-        ),
+        when=lambda c: _random_data(c) and c.data.video_fraction > 0,
+        must=lambda frames, c: frames * (c.data.image_side**2 + 5) + 2 <= _tokens_per_segment(c),
     ),
 ]
 # Legal settings that are probably mistakes: (key, why, suspicious(value, config)).
@@ -645,10 +708,9 @@ def validate(cfg: TrainConfig) -> None:
             number = "a finite number " if values and isinstance(values[0], float) else ""
             shown = values if each else value
             raise ConfigError(f"{name}: {each}must be {number}{range_text(f.metadata)}, got {shown}", name)
-    for name, allowed, ok in RULES:
-        value = _value(cfg, name)
-        if not ok(value, cfg):
-            raise ConfigError(f"{name}: {allowed}, got {value!r}", name)
+    for rule in RULES:
+        if rule.broken_by(cfg):
+            raise ConfigError(f"{rule.key}: {rule.message}, got {_value(cfg, rule.key)!r}", rule.key)
 
 
 def _need(ok: bool, key: str, message: str) -> None:

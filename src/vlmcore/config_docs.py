@@ -66,7 +66,7 @@ def train_table() -> str:
         allowed = " ".join(t for t in (_type_text(tp) + each, config.range_text(f.metadata)) if t)
         lines.append(f"| `{name}` | {_cell(allowed)} | {_default(default)} | {_cell(f.metadata['doc'])} |")
     lines += ["", "Refused as well (rules between keys):", ""]
-    lines += [f"- `{name}` {_cell(allowed)}" for name, allowed, _ in config.RULES]
+    lines += [f"- `{rule.key}` {_cell(rule.message)}" for rule in config.RULES]
     lines += ["", "Accepted with a warning (legal, but probably a mistake):", ""]
     lines += [f"- `{name}` {_cell(why)}" for name, why, _ in config.WARNINGS]
     return "\n".join(lines) + "\n"

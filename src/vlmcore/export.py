@@ -18,6 +18,7 @@ import os
 import shutil
 import time
 from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,6 +46,11 @@ VIDEO_PROCESSOR_CONFIG = "video_preprocessor_config.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class ExportError(ValueError):
+    """A checkpoint, snapshot or provenance input that cannot be exported together, found before
+    anything is written: `vlmcore export` prints it as one line naming the file (exit code 2)."""
+
+
 def load_final_state_dict(checkpoint_dir: str | Path, model_dir: str | Path | None = None) -> dict[str, torch.Tensor]:
     """The weights of a `final/` DCP checkpoint as {hf name: tensor}, in one process.
 
@@ -54,17 +60,17 @@ def load_final_state_dict(checkpoint_dir: str | Path, model_dir: str | Path | No
     """
     checkpoint_dir = Path(checkpoint_dir)
     if not (checkpoint_dir / ".metadata").is_file():
-        raise ValueError(f"{checkpoint_dir}: not a torch.distributed.checkpoint directory (no .metadata)")
+        raise ExportError(f"{checkpoint_dir}: not a torch.distributed.checkpoint directory (no .metadata)")
     metadata = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata()
     state = {}
     for key, item in metadata.state_dict_metadata.items():
         if not key.startswith("model."):
             continue
         if not hasattr(item, "size"):
-            raise ValueError(f"{checkpoint_dir}: entry {key} is not a tensor")
+            raise ExportError(f"{checkpoint_dir}: entry {key} is not a tensor")
         state[key] = torch.empty(item.size, dtype=item.properties.dtype)
     if not state:
-        raise ValueError(f"{checkpoint_dir}: no `model.*` tensors in the checkpoint")
+        raise ExportError(f"{checkpoint_dir}: no `model.*` tensors in the checkpoint")
     dcp.load(state, checkpoint_id=str(checkpoint_dir), no_dist=True)
     weights = {key.removeprefix("model."): tensor for key, tensor in state.items()}
     if model_dir is not None:
@@ -94,11 +100,26 @@ def check_against_snapshot(
         if tuple(weights[k].shape) != expected[k][0]
     ]
     if missing or unexpected or wrong_shape:
-        raise ValueError(
+        raise ExportError(
             f"checkpoint {checkpoint_dir} does not match snapshot {model_dir}: "
             f"{len(missing)} missing {missing[:5]}, {len(unexpected)} unexpected {unexpected[:5]}, "
             f"{len(wrong_shape)} of another shape {wrong_shape[:5]}"
         )
+
+
+def snapshot_tensors(model_dir: Path) -> dict[str, tuple]:
+    """The snapshot's tensors (name -> shape, dtype, file), checked to be an HF snapshot that
+    vlmcore reads: a config.json of a known family and safetensors weights."""
+    if not (model_dir / "config.json").is_file():
+        raise ExportError(f"--model {model_dir}: no config.json; not an HF snapshot")
+    try:
+        family(model_dir)
+    except ValueError as error:
+        raise ExportError(f"--model {model_dir}: {error}") from None
+    try:
+        return snapshot_tensor_info(model_dir)
+    except FileNotFoundError as error:
+        raise ExportError(f"--model {error}") from None
 
 
 def untrained_tensors(model_dir: str | Path, names: Collection[str]) -> dict[str, torch.Tensor]:
@@ -115,7 +136,7 @@ def data_fingerprint(stats_paths: Iterable[str | Path]) -> dict:
     datasets = {}
     for path in map(Path, stats_paths):
         if not path.is_file():
-            raise ValueError(f"--data-stats {path}: no such file")
+            raise ExportError(f"--data-stats {path}: no such file")
         stats = json.loads(path.read_text())
         scalars = {k: v for k, v in stats.items() if isinstance(v, (str, int, float, bool))}
         datasets[path.parent.name] = {"path": str(path), "sha256": sha256_of(path), **scalars}
@@ -139,7 +160,7 @@ def build_provenance(
     stages = {}
     for path in map(Path, stage_configs):
         if not path.is_file():
-            raise ValueError(f"--stage-config {path}: no such file")
+            raise ExportError(f"--stage-config {path}: no such file")
         stages[path.parent.name] = yaml.safe_load(path.read_text())
     return {
         "source": source,
@@ -178,7 +199,7 @@ def export_hf(
     """
     model_dir = Path(model_dir)
     out = Path(out)
-    expected = snapshot_tensor_info(model_dir)
+    expected = snapshot_tensors(model_dir)
     weights = load_final_state_dict(checkpoint_dir, model_dir)
     carried = untrained_tensors(model_dir, set(expected) - set(weights))
     weights.update(carried)
@@ -222,31 +243,47 @@ def read_adapters(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
         if key.startswith("adapters.")
     }
     if not state:
-        raise ValueError(
+        raise ExportError(
             f"{checkpoint_dir}: no LoRA adapters (`adapters.*`): not the final/ of a stage with lora.rank > 0"
         )
     dcp.load(state, checkpoint_id=str(checkpoint_dir), no_dist=True)
     return {key.removeprefix("adapters."): tensor for key, tensor in state.items()}
 
 
-def export_peft_adapter(checkpoint_dir: str | Path, model_dir: str | Path, out: str | Path) -> Path:
-    """Writes a peft adapter directory (adapter_config.json + adapter_model.safetensors) of a LoRA
-    stage's `final/`, which `peft.PeftModel.from_pretrained` loads onto the transformers model of
-    `model_dir`'s snapshot (the base the stage trained on, before its adapters): the linear layers'
-    adapters as `target_modules`, the experts' as `target_parameters`, the rank, alpha and dropout
-    from the stage's config in final/meta.json."""
+@dataclass
+class PeftAdapter:
+    """A peft adapter directory's contents: adapter_config.json and adapter_model.safetensors."""
+
+    config: dict
+    tensors: dict[str, torch.Tensor]
+
+    def write(self, out: str | Path) -> Path:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(self.tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
+        (out / "adapter_config.json").write_text(json.dumps(self.config, indent=2) + "\n")
+        return out
+
+
+def peft_adapter(checkpoint_dir: str | Path, model_dir: str | Path, base: str | Path | None = None) -> PeftAdapter:
+    """The peft adapter of a LoRA stage's `final/`, which `peft.PeftModel.from_pretrained` loads
+    onto the transformers model of the weights the stage's adapters were trained on: `model_dir`'s
+    snapshot, or for a stage that started from an earlier one (`init_from`) that stage's export,
+    `base` (its provenance.json names the checkpoint init_from names). The linear layers' adapters
+    are its `target_modules`, the experts' its `target_parameters`; the rank, alpha and dropout
+    come from the stage's config in final/meta.json. Raises ExportError before anything is written."""
     checkpoint_dir = Path(checkpoint_dir)
-    out = Path(out)
     adapters = read_adapters(checkpoint_dir)
     meta_path = checkpoint_dir / "meta.json"
     if not meta_path.is_file():
-        raise ValueError(f"{checkpoint_dir}: no meta.json, which holds the stage's lora settings")
-    lora = json.loads(meta_path.read_text())["stage_config"]["lora"]
+        raise ExportError(f"{checkpoint_dir}: no meta.json, which holds the stage's lora settings")
+    stage_config = json.loads(meta_path.read_text())["stage_config"]
+    lora = stage_config["lora"]
     linears = sorted({name.rpartition(".")[0] for name in adapters if name.endswith(".lora_A")})
     expert_weights = sorted({name.removesuffix("_lora_A") for name in adapters if name.endswith("_lora_A")})
     config = {
         "peft_type": "LORA",
-        "base_model_name_or_path": str(model_dir),
+        "base_model_name_or_path": str(adapter_base(checkpoint_dir, stage_config.get("init_from"), model_dir, base)),
         "r": lora["rank"],
         "lora_alpha": lora["alpha"],
         "lora_dropout": lora["dropout"],
@@ -258,11 +295,44 @@ def export_peft_adapter(checkpoint_dir: str | Path, model_dir: str | Path, out: 
         "use_dora": False,
         "init_lora_weights": True,
     }
-    out.mkdir(parents=True, exist_ok=True)
     tensors = {name: tensor.contiguous() for name, tensor in peft_state_dict(adapters).items()}
-    save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
-    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out
+    return PeftAdapter(config, tensors)
+
+
+def adapter_base(
+    checkpoint_dir: Path, init_from: str | None, model_dir: str | Path, base: str | Path | None
+) -> str | Path:
+    """The weights a LoRA stage's adapters were trained on: the snapshot `model_dir` for a stage
+    that started from it; for one that started from an earlier stage's final/ (`init_from`), the
+    export `base` of that checkpoint, checked by the checkpoint its provenance.json names."""
+    if not init_from:
+        if base is not None:
+            raise ExportError(
+                f"--peft-base: {checkpoint_dir} is of a stage that started from --model's weights (no init_from); "
+                "its adapters' base is --model"
+            )
+        return model_dir
+    if base is None:
+        raise ExportError(
+            f"--peft-base: {checkpoint_dir} is of a stage that started from {init_from} (init_from), not from "
+            "--model's weights: give the export of that stage (its hf/<stage>), the base its adapters were trained on"
+        )
+    provenance_path = Path(base) / PROVENANCE
+    if not provenance_path.is_file():
+        raise ExportError(f"--peft-base: {base} has no {PROVENANCE}; not a `vlmcore export` directory")
+    exported = json.loads(provenance_path.read_text())["checkpoint"]["path"]
+    if exported != init_from and Path(exported).resolve() != Path(init_from).resolve():
+        raise ExportError(
+            f"--peft-base: {base} is the export of {exported}, but the stage started from {init_from} (init_from)"
+        )
+    return base
+
+
+def export_peft_adapter(
+    checkpoint_dir: str | Path, model_dir: str | Path, out: str | Path, base: str | Path | None = None
+) -> Path:
+    """Writes the peft adapter directory (`peft_adapter`) of a LoRA stage's `final/` to `out`."""
+    return peft_adapter(checkpoint_dir, model_dir, base).write(out)
 
 
 def shard_size(text: str) -> str:
@@ -317,6 +387,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "model; DIR may be inside it)",
     )
     parser.add_argument(
+        "--peft-base",
+        metavar="DIR",
+        help="with --peft-adapter, for a stage that started from an earlier stage (init_from): that stage's "
+        "export, the base the adapters were trained on, named as the adapter's base_model_name_or_path "
+        "(default: --model, the base of a stage that started from the snapshot)",
+    )
+    parser.add_argument(
         "--packed-data",
         type=existing_dir,
         help="packed/<dataset> of the last stage: the video sampling it was packed with goes into the export",
@@ -324,22 +401,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from vlmcore.cli import UsageError
+
+    if args.peft_base and not args.peft_adapter:
+        raise UsageError("--peft-base: only with --peft-adapter")
     dtype = DTYPES[args.dtype] if args.dtype else None
-    out = export_hf(
-        args.checkpoint,
-        args.model,
-        args.out,
-        args.stage_config,
-        args.data_stats,
-        args.max_shard_size,
-        dtype,
-        args.packed_data,
-    )
+    try:
+        # The adapter is read and checked first, so that a stage without LoRA or a wrong base is refused
+        # before the merged model is written; it is written after it: --out is replaced as a whole, and the
+        # adapter directory may be inside it (the workflow's hf/<stage>/peft_adapter).
+        adapter = peft_adapter(args.checkpoint, args.model, args.peft_base) if args.peft_adapter else None
+        out = export_hf(
+            args.checkpoint,
+            args.model,
+            args.out,
+            args.stage_config,
+            args.data_stats,
+            args.max_shard_size,
+            dtype,
+            args.packed_data,
+        )
+    except ExportError as error:
+        raise UsageError(str(error)) from error
     files = sorted(p.name for p in out.iterdir())
     print(f"exported {args.checkpoint} -> {out}: {', '.join(files)}")
-    # After the merged model: --out is replaced as a whole, and the adapter directory may be inside it
-    # (the workflow's hf/<stage>/peft_adapter).
-    if args.peft_adapter:
-        adapter = export_peft_adapter(args.checkpoint, args.model, args.peft_adapter)
-        print(f"exported the LoRA adapters of {args.checkpoint} -> {adapter} (peft adapter directory)")
+    if adapter is not None:
+        written = adapter.write(args.peft_adapter)
+        print(f"exported the LoRA adapters of {args.checkpoint} -> {written} (peft adapter directory)")
     return 0

@@ -265,17 +265,39 @@ class Experiment:
     def eval_tasks(self) -> list[str]:
         return list(self.config["eval"]["tasks"])
 
+    def lineage(self, stage: str) -> list[str]:
+        """The stages whose weights `stage` continues, first to last: its init_from, that stage's
+        init_from, and so on, then `stage` itself (not the stages listed before it: the LoRA demo's
+        stage3 starts from stage1, beside stage2)."""
+        chain = [stage]
+        while init_from := self.config["train"]["stages"][chain[0]].get("init_from"):
+            chain.insert(0, init_from)
+        return chain
+
     def export_provenance(self, stage: str) -> dict:
-        """What `vlmcore export` of `stage` records: the configs of the stages up to it, the
+        """What `vlmcore export` of `stage` records: the configs of the stages of its lineage, the
         statistics of their packed datasets, and the packed dataset of `stage` itself (its video
         sampling goes into the export)."""
-        chain = self.stages[: self.stages.index(stage) + 1]
+        chain = self.lineage(stage)
         datasets = list(dict.fromkeys(self.config["train"]["stages"][s]["dataset"] for s in chain))
         return {
             "stage_configs": [self.path("train", s, "config.yaml") for s in chain],
             "data_stats": [self.path("packed", d, "stats.json") for d in datasets],
             "packed": self.path("packed", self.config["train"]["stages"][stage]["dataset"]),
         }
+
+    def export_inputs(self, stage: str) -> dict:
+        """What the export of `stage` reads: the done marker of every stage of its lineage (their
+        train/<stage>/config.yaml are its provenance), the snapshot, and for a LoRA stage that started
+        from an earlier stage that stage's export, the base its peft adapter names."""
+        inputs = {
+            "done": [self.path("train", s, "done") for s in self.lineage(stage)],
+            "model": self.path("model", "manifest.json"),
+        }
+        base = self.peft_base(stage)
+        if base:
+            inputs["peft_base"] = base
+        return inputs
 
     def peft_adapter(self, stage: str) -> str | None:
         """Where the export of a LoRA stage (`lora.rank` > 0) writes its adapters as a peft adapter
@@ -286,10 +308,22 @@ class Experiment:
             return None
         return self.path("hf", stage, "peft_adapter")
 
+    def peft_base(self, stage: str) -> str | None:
+        """The weights a LoRA stage's adapters were trained on, where they are not the snapshot's:
+        the export of the stage it started from (init_from), hf/<that stage>. None for a stage
+        without LoRA or one that started from the snapshot."""
+        init_from = self.config["train"]["stages"][stage].get("init_from")
+        if not self.peft_adapter(stage) or not init_from:
+            return None
+        return self.path("hf", init_from)
+
     def export_adapter_args(self, stage: str) -> str:
-        """The `vlmcore export` arguments that write `peft_adapter(stage)` (none without LoRA)."""
+        """The `vlmcore export` arguments that write `peft_adapter(stage)` on its base (none without LoRA)."""
         adapter = self.peft_adapter(stage)
-        return f"--peft-adapter {shlex.quote(adapter)}" if adapter else ""
+        if not adapter:
+            return ""
+        base = self.peft_base(stage)
+        return f"--peft-adapter {shlex.quote(adapter)}" + (f" --peft-base {shlex.quote(base)}" if base else "")
 
     def eval_inputs(self, stage: str, task: str, benchmarks: Collection[str]) -> dict:
         """The evaluation of `task` on the export of `stage`: the export, the demo's held-out file

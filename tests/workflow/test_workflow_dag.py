@@ -349,3 +349,21 @@ def test_a_lora_stage_is_exported_with_its_peft_adapter(tmp_path):
     assert "--out results/demo/hf/stage2 " in stage2
     assert " --peft-adapter results/demo/hf/stage2/peft_adapter " in stage2
     assert "--out results/demo/hf/stage1 " in stage1 and "--peft-adapter" not in stage1
+
+
+def test_a_stage_started_from_an_earlier_one_is_exported_with_its_lineage(tmp_path):
+    """config/demo-lora.yaml's stage3 starts from stage1, beside stage2: its export records (and
+    waits for) stage1 and stage3 only, never stage2, and names stage1's export as its peft
+    adapter's base, which the export job declares as an input: planning hf/stage3 alone trains
+    stage1 and stage3, and exports stage1 first."""
+    overlay = yaml.safe_load((REPO / "config/demo-lora.yaml").read_text())
+    stdout = plan_demo(tmp_path, "--forceall", "results/demo-lora/hf/stage3", overlay=overlay).stdout
+    stats = job_stats(stdout)
+    assert (stats["train_stage"], stats["export_hf"]) == (2, 2)
+    assert "train/stage2" not in stdout
+    exports = [line for line in stdout.splitlines() if "vlmcore export " in line]
+    assert "--out results/demo-lora/hf/stage1 " in exports[0]
+    stage3 = exports[1]
+    r = "results/demo-lora"
+    assert f"--stage-config {r}/train/stage1/config.yaml --stage-config {r}/train/stage3/config.yaml " in stage3
+    assert f"--peft-adapter {r}/hf/stage3/peft_adapter --peft-base {r}/hf/stage1 " in stage3

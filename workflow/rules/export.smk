@@ -1,9 +1,10 @@
 rule export_hf:
     # Every exported stage (export.stage and the stages before it) gets its own directory; a LoRA
-    # stage's export also holds its adapters as a peft adapter directory, hf/<stage>/peft_adapter.
+    # stage's export also holds its adapters as a peft adapter directory, hf/<stage>/peft_adapter,
+    # whose base is the export of the stage it started from. The provenance is the stage's lineage
+    # (init_from after init_from): the inputs are its stages' done markers.
     input:
-        done=f"{R}/train/{{stage}}/done",
-        model=f"{R}/model/manifest.json",
+        unpack(lambda wc: EXP.export_inputs(wc.stage)),
     output:
         directory(f"{R}/hf/{{stage}}"),
     params:

@@ -41,10 +41,11 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from lm_eval.utils import handle_non_serializable  # noqa: E402
 
 from vlmcore.eval import vlm  # noqa: E402  (registers `vlmcore-vlm`)
+from vlmcore.eval.benchmarks.data import BadBenchmarkData  # noqa: E402
 from vlmcore.eval.benchmarks.registry import BENCHMARKS  # noqa: E402
 from vlmcore.eval.benchmarks.tasks import breakdown as benchmark_breakdown  # noqa: E402
 from vlmcore.eval.results import results_table  # noqa: E402
-from vlmcore.eval.staging import check_staged  # noqa: E402
+from vlmcore.eval.staging import StagingError, check_staged  # noqa: E402
 
 BUNDLED_TASKS = Path(__file__).parent / "tasks"
 # The bundled tasks that read the demo's held-out file (`--vqa-data`).
@@ -142,6 +143,23 @@ def check_tasks(tasks: list[str], task_manager: TaskManager, model_dir: Path, vi
         )
 
 
+def with_benchmarks_loaded(tasks: list[str], task_manager: TaskManager) -> list:
+    """`tasks` with each public benchmark's lm-eval task built, its staged questions read, before
+    the model loads (lm-eval builds the tasks after it): a table without a field the benchmark
+    reads, or a question whose video is not there, is refused as an EvalSetupError. lm-eval takes
+    the built tasks as they are."""
+    loaded = []
+    for task in tasks:
+        if task not in BENCHMARKS:
+            loaded.append(task)
+            continue
+        try:
+            loaded.extend(task_manager.load([task])["tasks"].values())
+        except BadBenchmarkData as error:
+            raise EvalSetupError(str(error)) from error
+    return loaded
+
+
 def evaluate(
     model_dir: str | Path,
     tasks: list[str],
@@ -172,7 +190,7 @@ def evaluate(
     rank = int(os.environ.get("RANK", "0"))
     try:
         check_staged(tasks, benchmark_data, checksums=rank == 0)
-    except ValueError as error:
+    except StagingError as error:
         raise EvalSetupError(str(error)) from error
     # Task metadata reaches the bundled tasks' loaders (demo_vqa reads `vqa_data`, a public
     # benchmark `benchmark_data`/<task>).
@@ -181,6 +199,7 @@ def evaluate(
         metadata["benchmark_data"] = str(Path(benchmark_data).resolve())
     task_manager = task_manager_for(tasks, [BUNDLED_TASKS, *include_path], metadata)
     check_tasks(tasks, task_manager, model_dir, model == "vlmcore-vlm")
+    to_run = with_benchmarks_loaded(tasks, task_manager)
     model_args = {"pretrained": str(model_dir), "dtype": dtype}
     if model == "vlmcore-vlm":
         model_args["video_workers"] = video_workers
@@ -188,7 +207,7 @@ def evaluate(
     result = lm_eval.simple_evaluate(
         model=model,
         model_args=model_args,
-        tasks=tasks,
+        tasks=to_run,
         num_fewshot=num_fewshot,
         batch_size=batch_size,
         device=device,

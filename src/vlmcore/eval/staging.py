@@ -29,6 +29,11 @@ from vlmcore.eval.benchmarks.registry import BENCHMARKS, Benchmark
 STAGING_RULE = "download_benchmark"
 
 
+class StagingError(ValueError):
+    """A staged copy that is absent, damaged or of another benchmark, or a repository that does not
+    hold what the registry names: `vlmcore stage-benchmark` prints it as one line (exit code 2)."""
+
+
 def benchmark_record(name: str) -> Benchmark:
     if name not in BENCHMARKS:
         raise ValueError(f"{name!r} is not a staged benchmark (known: {', '.join(BENCHMARKS)})")
@@ -62,7 +67,7 @@ def split_paths(data_files: str | list | dict) -> dict[str, list[str]]:
 
 def data_patterns(benchmark: Benchmark, readme: str) -> list[str]:
     """The repository files of the benchmark's configs and split, as glob patterns, from the
-    dataset card; raises ValueError naming a config or split the card does not have."""
+    dataset card; raises StagingError naming a config or split the card does not have."""
     configs = {c["config_name"]: c for c in readme_configs(readme)}
     if not configs:
         # No configs in the card: the hub's default layout, data files named after their split.
@@ -71,14 +76,14 @@ def data_patterns(benchmark: Benchmark, readme: str) -> list[str]:
     wanted = benchmark.configs or (default or ("default" if "default" in configs else next(iter(configs))),)
     unknown = [name for name in wanted if name not in configs]
     if unknown:
-        raise ValueError(
+        raise StagingError(
             f"{benchmark.name}: configs {unknown} are not in {benchmark.hf_repo} (it has {', '.join(configs)})"
         )
     patterns = []
     for name in wanted:
         splits = split_paths(configs[name].get("data_files", []))
         if benchmark.split not in splits:
-            raise ValueError(
+            raise StagingError(
                 f"{benchmark.name}: config {name!r} of {benchmark.hf_repo} has no split {benchmark.split!r} "
                 f"(it has {', '.join(splits) or 'none'})"
             )
@@ -98,14 +103,14 @@ def stage_snapshot(
     snapshot: str | Path, out: str | Path, benchmark: Benchmark, revision: str, patterns: list[str]
 ) -> dict:
     """Links the files of a downloaded repository snapshot that `patterns` select into `out` and
-    writes its manifest; raises ValueError naming a pattern that selects nothing (the registry and
+    writes its manifest; raises StagingError naming a pattern that selects nothing (the registry and
     the repository disagree)."""
     snapshot = Path(snapshot)
     out = Path(out)
     files = snapshot_files(snapshot)
     unmatched = [p for p in patterns if not any(fnmatch.fnmatch(str(rel), p) for rel in files)]
     if unmatched:
-        raise ValueError(
+        raise StagingError(
             f"{benchmark.name}: no file of {benchmark.hf_repo}@{revision} matches {unmatched} "
             "(vlmcore/eval/benchmarks/registry.py and the repository disagree)"
         )
@@ -140,8 +145,19 @@ def download_benchmark(
     return stage_snapshot(snapshot, out, benchmark, commit, patterns)
 
 
+def read_manifest(path: Path, name: str, how: str) -> dict:
+    """A staged benchmark's manifest.json, checked to be one (a mapping with its `files`)."""
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as error:
+        raise StagingError(f"benchmark {name}: {path} is not valid JSON ({error}); {how}") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise StagingError(f"benchmark {name}: {path} is not a staging manifest (no `files` mapping); {how}")
+    return manifest
+
+
 def verify_benchmark(directory: str | Path, name: str, checksums: bool = True) -> dict:
-    """Checks a staged benchmark against its manifest; raises ValueError naming the benchmark,
+    """Checks a staged benchmark against its manifest; raises StagingError naming the benchmark,
     every problem, and what stages it."""
     directory = Path(directory)
     manifest_path = directory / MANIFEST
@@ -150,15 +166,15 @@ def verify_benchmark(directory: str | Path, name: str, checksums: bool = True) -
         f"or `vlmcore stage-benchmark {name} --out {directory}`"
     )
     if not manifest_path.is_file():
-        raise ValueError(f"benchmark {name}: no staged data at {directory} (no {MANIFEST}); {how}")
-    manifest = json.loads(manifest_path.read_text())
+        raise StagingError(f"benchmark {name}: no staged data at {directory} (no {MANIFEST}); {how}")
+    manifest = read_manifest(manifest_path, name, how)
     problems = []
     if manifest.get("benchmark") != name:
         problems.append(f"{MANIFEST} is of benchmark {manifest.get('benchmark')!r}")
     problems += file_problems(directory, manifest, checksums)
     if problems:
-        raise ValueError(
-            f"benchmark {name}: the staged data at {directory} failed verification ({how}):\n  " + "\n  ".join(problems)
+        raise StagingError(
+            f"benchmark {name}: the staged data at {directory} failed verification ({how}): " + "; ".join(problems)
         )
     return manifest
 
@@ -177,12 +193,12 @@ def use_staged_benchmark(staged: str | Path, out: str | Path, name: str) -> dict
 def check_staged(tasks: list[str], benchmark_data: str | Path | None, checksums: bool = True) -> None:
     """Before evaluation loads a model: every public benchmark among `tasks` is staged under
     `benchmark_data`/<task> and matches its manifest (files and sizes, and with `checksums` their
-    sha256); raises ValueError naming the task."""
+    sha256); raises StagingError naming the task."""
     for task in tasks:
         if task not in BENCHMARKS:
             continue
         if benchmark_data is None:
-            raise ValueError(
+            raise StagingError(
                 f"task {task} reads staged data: give --benchmark-data DIR, the directory holding {task}/ "
                 f"(staged by the `{STAGING_RULE}` rule or `vlmcore stage-benchmark {task} --out DIR/{task}`)"
             )
@@ -213,18 +229,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from vlmcore.cli import UsageError
 
+    if not args.verify and not args.out:
+        raise UsageError("--out is required unless --verify")
+    try:
+        if args.verify:
+            manifest = verify_benchmark(args.verify, args.benchmark)
+        elif args.staged:
+            manifest = use_staged_benchmark(args.staged, args.out, args.benchmark)
+        else:
+            manifest = download_benchmark(args.benchmark, args.out, revision=args.revision, cache_dir=args.cache_dir)
+    except StagingError as error:
+        raise UsageError(str(error)) from error
     if args.verify:
-        manifest = verify_benchmark(args.verify, args.benchmark)
         print(
             f"{args.verify}: {len(manifest['files'])} files match the manifest ({manifest['repo_id']}@{manifest['revision']})"
         )
         return 0
-    if not args.out:
-        raise UsageError("--out is required unless --verify")
-    if args.staged:
-        manifest = use_staged_benchmark(args.staged, args.out, args.benchmark)
-    else:
-        manifest = download_benchmark(args.benchmark, args.out, revision=args.revision, cache_dir=args.cache_dir)
     print(
         f"{args.out}: {args.benchmark} from {manifest['repo_id']}@{manifest['revision']}, {len(manifest['files'])} files"
     )

@@ -103,6 +103,13 @@ def check_model(cfg: TrainConfig, layout: RunLayout, config: ModelConfig) -> Non
     if cfg.objective == "dpo" and model.experts:
         # The DPO step has no load-balancing loss for the router yet: refused here, before any model is built.
         raise ConfigError("objective: dpo is not available for mixture-of-experts models yet", "objective")
+    if cfg.lora.rank > 0 and not cfg.lora.targets and not model.experts:
+        # lora.experts (default true) adapts routed experts only; without targets a dense model gets no adapter.
+        raise ConfigError(
+            f"lora.targets: must hold a pattern on the {config.model_type} model, which has no routed experts "
+            "for lora.experts to adapt (else nothing would train)",
+            "lora.targets",
+        )
     check_ep(config, layout.language.dims.ep)
     if layout.language.dims.cp > 1:
         check_cp_model(config, model, layout.language.dims.cp, layout.language.dims.tp)

@@ -12,7 +12,8 @@ same media. `vlmcore pack` makes it two segments of one pack, never apart.
 
 Bad pairs are counted by reason: `preference_missing_side` (a side absent, empty or without an
 answer), `preference_different_prompts`, `preference_different_media` (per-side media that
-differ, or media tags in one side's answer).
+differ, or media tags in one side's answer), `preference_identical_answers` (the chosen answer
+is the rejected one: the pair can teach nothing).
 """
 
 from vlmcore.data.prepare.samples import (
@@ -69,6 +70,12 @@ def check_side_media(row: dict) -> None:
             raise BadSample("preference_different_media", f"chosen_{kind} != rejected_{kind}")
 
 
+def answer_texts(answer: list[dict]) -> list[str]:
+    """An answer's turns as the text trained on, for comparing the two sides (surrounding whitespace
+    aside)."""
+    return [turn["content"].strip() for turn in answer]
+
+
 def preference_messages(row: dict, num_images: int, num_videos: int) -> tuple[dict, list[str]]:
     """The stored preference sample (module docstring) and the repairs made; raises BadSample."""
     check_side_media(row)
@@ -82,6 +89,9 @@ def preference_messages(row: dict, num_images: int, num_videos: int) -> tuple[di
         answers[side] = answer
     if prompts["chosen"] != prompts["rejected"]:
         raise BadSample("preference_different_prompts", "the chosen and rejected sides' prompts differ")
+    if answer_texts(answers["chosen"]) == answer_texts(answers["rejected"]):
+        # Both sides' log-probabilities would be the same: the pair's loss is log 2 and its gradient 0.
+        raise BadSample("preference_identical_answers", "the chosen and rejected answers are the same")
     for side in SIDES:
         if any("<image>" in turn["content"] or "<video>" in turn["content"] for turn in answers[side]):
             raise BadSample("preference_different_media", f"a media tag in the {side} answer")

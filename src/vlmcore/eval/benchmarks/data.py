@@ -23,7 +23,13 @@ from vlmcore.eval.benchmarks.registry import BENCHMARKS, Benchmark
 TABLE_SUFFIXES = (".parquet", ".json", ".jsonl")
 
 
-class MissingBenchmarkData(ValueError):
+class BadBenchmarkData(ValueError):
+    """A benchmark's staged data that cannot be evaluated (absent, incomplete, or not the
+    benchmark's: a table without a field it reads): `vlmcore eval` prints it as one line, before
+    the model loads."""
+
+
+class MissingBenchmarkData(BadBenchmarkData):
     """A benchmark's staged data is absent or incomplete."""
 
 
@@ -84,7 +90,7 @@ def read_table(path: Path) -> datasets.Dataset:
     else:
         rows = json.loads(text)
     if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
-        raise ValueError(f"{path}: expected a list of question objects")
+        raise BadBenchmarkData(f"{path}: expected a list of question objects")
     return datasets.Dataset(pa.Table.from_pylist(rows))
 
 
@@ -97,7 +103,7 @@ def read_questions(directory: Path, benchmark: Benchmark, config: str | None = N
 def check_fields(rows: datasets.Dataset, fields: tuple[str, ...], task: str, where: Path) -> None:
     missing = [name for name in fields if name not in rows.column_names]
     if missing:
-        raise ValueError(
+        raise BadBenchmarkData(
             f"{task}: the questions under {where} have no field {', '.join(missing)} "
             f"(they have {', '.join(rows.column_names)}); is this the {BENCHMARKS[task].hf_repo} data?"
         )

@@ -19,6 +19,7 @@ from PIL import Image
 from vlmcore.data.media.video import probe
 from vlmcore.data.quality import BadSample
 from vlmcore.eval.benchmarks.data import (
+    BadBenchmarkData,
     MediaFile,
     MissingBenchmarkData,
     check_fields,
@@ -101,7 +102,7 @@ def videomme_media(rows: datasets.Dataset, directory: Path, task: str) -> datase
     subtitles = []
     for row in rows:
         if row["duration"] not in VIDEOMME_DURATIONS:
-            raise ValueError(
+            raise BadBenchmarkData(
                 f"{task}: question {row['question_id']}: duration {row['duration']!r} not in {VIDEOMME_DURATIONS}"
             )
         found = [find_media(directory, row["videoID"] + extension) for extension in VIDEO_EXTENSIONS]
@@ -132,7 +133,9 @@ def mvbench_questions(directory: Path) -> datasets.Dataset:
         media = []
         for number, row in enumerate(rows):
             if row["answer"] not in row["candidates"]:
-                raise ValueError(f"mvbench: {task} question {number}: answer {row['answer']!r} is not a candidate")
+                raise BadBenchmarkData(
+                    f"mvbench: {task} question {number}: answer {row['answer']!r} is not a candidate"
+                )
             question = f"{task} {number}"
             media.append(require_media(directory, "mvbench", question, row["video"], MVBENCH_VIDEO_FOLDERS[task]))
         rows = rows.add_column("task", [task] * len(rows))
@@ -155,7 +158,7 @@ def load(benchmark_data: str | None = None, task: str = "", **_metadata: object)
     if task.startswith("videomme"):
         rows = videomme_media(rows, directory, task)
     if len(rows) == 0:
-        raise ValueError(f"{task}: no questions under {directory}")
+        raise BadBenchmarkData(f"{task}: no questions under {directory}")
     return datasets.DatasetDict({"test": rows})
 
 
