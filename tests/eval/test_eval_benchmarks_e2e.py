@@ -3,7 +3,7 @@ questions written locally in each benchmark's exact format (its hub repository's
 tables with the `datasets` image feature, MVBench's JSON files, videos inside zip archives,
 Video-MME's subtitles), run through `vlmcore eval` on a tiny exported Qwen3-VL in one call for
 all seven tasks. The results must carry each benchmark's metric and breakdowns, and every logged
-answer must score as vlmcore.eval.benchmarks.scoring scores it, so a change in a loader, a prompt
+answer must score as its benchmark's record (vlmcore/eval/benchmarks/<task>.py) scores it, so a change in a loader, a prompt
 or a scorer fails here.
 """
 
@@ -19,10 +19,11 @@ from PIL import Image
 
 from vlmcore import cli
 from vlmcore.data.media.video import encode_clip, probe
-from vlmcore.eval.benchmarks import scoring
+from vlmcore.eval.benchmarks import mvbench
 from vlmcore.eval.benchmarks.data import MissingBenchmarkData
 from vlmcore.eval.benchmarks.registry import BENCHMARKS
-from vlmcore.eval.benchmarks.tasks import load, subtitles_at_frames
+from vlmcore.eval.benchmarks.tasks import load
+from vlmcore.eval.benchmarks.videomme_w_subtitle import subtitles_at_frames
 
 TASKS = ["mmmu_val", "chartqa", "docvqa_val", "mmbench_en_dev", "videomme", "videomme_w_subtitle", "mvbench"]
 # Video-MME's duration buckets: short under 2 minutes, medium 4-15, long 30-60 (seconds here, at 1 fps).
@@ -300,7 +301,7 @@ def test_every_registered_benchmark_has_a_task_definition_with_its_metric():
         assert config["task"] == name
         assert config["dataset_kwargs"] == {"task": name}
         assert config["metric_list"][0]["metric"] == benchmark.metric
-        assert name in scoring.SCORERS
+        assert callable(benchmark.record) and callable(benchmark.scores)
     assert sorted(BENCHMARKS) == sorted(TASKS)
 
 
@@ -351,7 +352,7 @@ def test_logged_answers_score_as_our_scoring_and_prompts_are_the_benchmarks(benc
     for task in TASKS:
         lines = (benchmark_run / f"samples_{task}.jsonl").read_text().splitlines()
         samples = [json.loads(line) for line in lines]
-        record_of, scores = scoring.SCORERS[task]
+        record_of, scores = BENCHMARKS[task].record, BENCHMARKS[task].scores
         metric = BENCHMARKS[task].metric
         records = []
         for sample in samples:
@@ -426,9 +427,9 @@ def test_the_tiny_models_answers_score_as_lmms_eval_scores_them(benchmark_run):
         per_task.setdefault(doc["task"], []).append(mvbench_process_results(doc, [answer])["mvbench_accuracy"])
     task_scores = [mvbench_aggregate_results(records) for records in per_task.values()]
     assert ours("mvbench") == pytest.approx(sum(task_scores) / len(task_scores))
-    for task, (score, _) in scoring.mvbench_scores(
-        [scoring.mvbench_record(doc, answer) for doc, answer in answers_of("mvbench")]
-    )["breakdown"].items():
+    for task, (score, _) in mvbench.scores([mvbench.record(doc, answer) for doc, answer in answers_of("mvbench")])[
+        "breakdown"
+    ].items():
         assert result["breakdown"]["mvbench"][task]["value"] == score
 
 

@@ -20,7 +20,7 @@ from lmms_eval.tasks.mvbench import utils as mvbench_reference
 from lmms_eval.tasks.videomme import utils as videomme_reference
 from loguru import logger
 
-from vlmcore.eval.benchmarks import answers, scoring
+from vlmcore.eval.benchmarks import answers, chartqa, docvqa_val, mmbench_en_dev, mmmu_val, mvbench, videomme
 
 LETTER_ANSWERS = [
     "B",
@@ -114,7 +114,7 @@ def test_mmmu_scores_equal_reference(capsys):
             random.seed(seed)
             theirs.append(mmmu_reference.mmmu_process_results(doc, [response.strip()])["mmmu_acc"])
             random.seed(seed)
-            ours.append(scoring.mmmu_record(doc, response))
+            ours.append(mmmu_val.record(doc, response))
         for mine, reference in zip(ours, theirs):
             assert mine["parsed"] == reference["parsed_pred"][0] or set(mine["parsed"]) == set(
                 reference["parsed_pred"][0]
@@ -122,9 +122,9 @@ def test_mmmu_scores_equal_reference(capsys):
         capsys.readouterr()
         overall = mmmu_reference.mmmu_aggregate_results(theirs)
         printed = eval(capsys.readouterr().out.strip().splitlines()[-1])  # noqa: S307 (the reference prints a dict literal)
-        result = scoring.mmmu_scores(ours)
+        result = mmmu_val.scores(ours)
         assert result["score"] == overall
-        for discipline, subjects in scoring.MMMU_DISCIPLINES.items():
+        for discipline, subjects in mmmu_val.DISCIPLINES.items():
             if any(f"subject/{s}" in result["breakdown"] for s in subjects):
                 reference = printed[f"Overall-{discipline}"]
                 assert result["breakdown"][f"discipline/{discipline}"] == (reference["acc"], reference["num"])
@@ -158,10 +158,10 @@ def test_chartqa_scores_equal_reference():
     ours = []
     theirs = []
     for doc, (response, _) in zip(docs, CHART_CASES):
-        ours.append(scoring.chartqa_record(doc, response))
+        ours.append(chartqa.record(doc, response))
         theirs.append(chartqa_reference.chartqa_process_results(doc, [response.strip()]))
     assert ours == theirs
-    result = scoring.chartqa_scores(ours)
+    result = chartqa.scores(ours)
     assert result["score"] == sum(r["relaxed_overall"] for r in theirs) / len(theirs)
     human = [r["relaxed_human_split"] for r in theirs if "relaxed_human_split" in r]
     augmented = [r["relaxed_augmented_split"] for r in theirs if "relaxed_augmented_split" in r]
@@ -187,10 +187,10 @@ DOC_CASES = [
 def test_docvqa_anls_equals_reference():
     values = []
     for answers_, response in DOC_CASES:
-        ours = scoring.docvqa_record({"answers": answers_}, response)["anls"]
+        ours = docvqa_val.record({"answers": answers_}, response)["anls"]
         assert ours == reference_anls(references=answers_, predictions=[response.strip()])["anls"], (answers_, response)
         values.append(ours)
-    assert 0 < scoring.docvqa_scores([{"anls": v} for v in values])["score"] < 1
+    assert 0 < docvqa_val.scores([{"anls": v} for v in values])["score"] < 1
 
 
 def mmbench_docs() -> list[dict]:
@@ -208,7 +208,7 @@ def mmbench_docs() -> list[dict]:
             letter = "ABCD"[rotated.index(options["ABCD".index(answer)])]
             rows.append(
                 {
-                    "index": index + shift * scoring.MMBENCH_CIRCULAR,
+                    "index": index + shift * mmbench_en_dev.CIRCULAR,
                     "question": f"question {index}?",
                     "hint": None,
                     "answer": letter,
@@ -246,7 +246,7 @@ def test_mmbench_scores_equal_reference():
             en_utils.mmbench_process_results(doc, [r.strip()])["gpt_eval_score"] for doc, r in zip(docs, responses)
         ]
         overall, category, l2_category = evaluator.eval_result(theirs, eval_method="static")
-        ours = scoring.mmbench_scores([scoring.mmbench_record(doc, r) for doc, r in zip(docs, responses)])
+        ours = mmbench_en_dev.scores([mmbench_en_dev.record(doc, r) for doc, r in zip(docs, responses)])
         assert ours["score"] == overall * 100, trial
         for name, value in category.items():
             assert ours["breakdown"][f"category/{name}"][0] == 100 * value
@@ -286,10 +286,10 @@ def test_videomme_scores_and_breakdowns_equal_reference():
                 videomme_reference.videomme_process_results(d, [r.strip()])["videomme_perception_score"]
                 for d, r in zip(docs, responses)
             ]
-            ours = [scoring.videomme_record(d, r) for d, r in zip(docs, responses)]
+            ours = [videomme.record(d, r) for d, r in zip(docs, responses)]
             lines.clear()
             overall = videomme_reference.videomme_aggregate_results(theirs)
-            result = scoring.videomme_scores(ours)
+            result = videomme.scores(ours)
             assert result["score"] == overall
             logged = {}
             for line in lines:
@@ -317,8 +317,8 @@ def test_mvbench_scores_equal_reference():
         for i in range(10)
     ]
     responses = ["(A) walking", "B", "c", "(B) right.", "", "A.", "Option C", "running", "b. right", "(a)"]
-    ours = [scoring.mvbench_record(doc, r) for doc, r in zip(docs, responses)]
-    result = scoring.mvbench_scores(ours)
+    ours = [mvbench.record(doc, r) for doc, r in zip(docs, responses)]
+    result = mvbench.scores(ours)
     reference_scores = []
     for task in tasks:
         rows = [

@@ -19,7 +19,7 @@ from _export_helpers import tiny_snapshot
 from vlmcore.data.media.video import probe
 from vlmcore.data.synthetic import video as synthetic_video
 from vlmcore.eval.benchmarks.registry import BENCHMARKS
-from vlmcore.eval.benchmarks.tasks import subtitles_at_frames
+from vlmcore.eval.benchmarks.videomme_w_subtitle import subtitles_at_frames
 from vlmcore.eval.runner import evaluate
 from vlmcore.eval.staging import stage_snapshot
 

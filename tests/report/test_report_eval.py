@@ -92,3 +92,19 @@ def test_report_shows_each_task_per_stage_with_chance_and_published(stages, publ
     assert pd.read_csv(out / "eval.csv")["run"].unique().tolist() == ["stage1", "stage2"]
     with Image.open(out / "plots/eval_summary.png") as image:
         assert image.format == "PNG" and image.width >= 800 and image.height >= 500
+
+
+def test_a_benchmarks_main_score_is_its_records_headline_metric_on_a_0_to_1_scale(tmp_path):
+    """Video-MME's results as `vlmcore eval` writes them (lmms-eval's percentages, another score
+    beside the headline): the report shows videomme_perception_score, divided by its record's scale."""
+    durations = {"duration/short": {"metric": "videomme_perception_score", "value": 70.0, "chance": None, "n": 900}}
+    metrics = {"videomme_perception_score": 60.0, "exact_match": 0.1}
+    write_results(tmp_path / "eval/stage1/videomme", "videomme", metrics, 2700, breakdown=durations)
+    table = gather_runs({"stage1": tmp_path / "eval/stage1"})
+    rows = table.set_index(["task", "subset", "metric"])
+    assert rows.loc[("videomme", "", "videomme_perception_score"), "value"] == pytest.approx(60.0)  # eval.csv: as given
+    assert rows.loc[("videomme", "", "videomme_perception_score"), "chance"] == pytest.approx(0.25)
+    scores = scores_by_run(table).set_index(["task", "subset"])
+    assert scores.loc[("videomme", ""), "metric"] == "videomme_perception_score"
+    assert scores.loc[("videomme", ""), "stage1"] == pytest.approx(0.6)
+    assert scores.loc[("videomme", "duration/short"), "stage1"] == pytest.approx(0.7)

@@ -15,6 +15,10 @@ from vlmcore.download import write_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "config" / "experiments").glob("*.yaml"))
+# What a recipe evaluates follows what it trains: the recipes that pack videos the video
+# benchmarks, the others (all with a vision-language model) the image benchmarks.
+VIDEO_BENCHMARKS = ["videomme", "videomme_w_subtitle", "mvbench"]
+IMAGE_BENCHMARKS = ["mmmu_val", "chartqa", "docvqa_val", "mmbench_en_dev"]
 CLUSTER_ENV = {"VLMCORE_ACCOUNT": "ehpc01", "VLMCORE_QOS_ACC": "acc_ehpc", "VLMCORE_QOS_GPP": "gp_ehpc"}
 
 pytestmark = pytest.mark.workflow
@@ -98,15 +102,21 @@ def test_recipe_dry_runs_and_places_rules(tmp_path, recipe):
     from vlmcore.eval.benchmarks.registry import BENCHMARKS
 
     tasks = config["eval"]["tasks"]
+    assert tasks == (VIDEO_BENCHMARKS if "video" in config["pack"] else IMAGE_BENCHMARKS)
     assert len(jobs["evaluate"]) == len(config["train"]["stages"]) * len(tasks)
     staged = [task for task in tasks if task in BENCHMARKS]
     assert len(jobs["download_benchmark"]) == len(staged)
+    root = f"results/{config['experiment']}"
     for task in staged:
         source = f"--staged staged/benchmarks/{task}" if cluster == "mn5" else ""
-        assert (
-            f"vlmcore stage-benchmark {task} {source} --out results/{config['experiment']}/benchmarks/{task} "
-            in proc.stdout
-        )
+        assert f"vlmcore stage-benchmark {task} {source} --out {root}/benchmarks/{task} " in proc.stdout
+        for stage in config["train"]["stages"]:
+            # the evaluation of every exported stage on the task, reading the staged copy
+            assert re.search(
+                rf"eval --model {root}/hf/{stage} --tasks {task} --out {root}/eval/{stage}/{task} .*"
+                rf"--benchmark-data {root}/benchmarks ",
+                proc.stdout,
+            ), (stage, task)
     # the measure pass of each dataset that is packed, scattered over pack.measure_jobs CPU jobs
     assert len(jobs["pack_measure"]) == config["pack"]["measure_jobs"] * len(jobs["pack_data"])
     if cluster == "mn5":
@@ -217,7 +227,8 @@ def test_staged_benchmark_is_verified_on_the_login_node(tmp_path):
     hub = tmp_path / "hub"
     (hub / "data").mkdir(parents=True)
     pd.DataFrame({"question": ["q"], "answer": ["a"]}).to_parquet(hub / "data/test-00000-of-00001.parquet")
-    for task in ("mmmu_val", "chartqa"):
+    tasks = config["eval"]["tasks"]
+    for task in tasks:
         stage_snapshot(hub, tmp_path / "staged/benchmarks" / task, BENCHMARKS[task], "c0ffee", ["data/*"])
     fakes = tmp_path / "fake_bin"
     fakes.mkdir()
@@ -230,7 +241,7 @@ def test_staged_benchmark_is_verified_on_the_login_node(tmp_path):
     args = ["--retries", "0", "--slurm-init-seconds-before-status-checks", "1"]
     proc = snakemake(tmp_path, "mn5", recipe, "benchmarks", *args, path_prefix=fakes)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for task in ("mmmu_val", "chartqa"):
+    for task in tasks:
         staged = root / "benchmarks" / task / "data/test-00000-of-00001.parquet"
         assert staged.resolve() == (hub / "data/test-00000-of-00001.parquet").resolve()
     assert "must not be called" not in proc.stderr

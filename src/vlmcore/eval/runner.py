@@ -43,7 +43,6 @@ from lm_eval.utils import handle_non_serializable  # noqa: E402
 from vlmcore.eval import vlm  # noqa: E402  (registers `vlmcore-vlm`)
 from vlmcore.eval.benchmarks.data import BadBenchmarkData  # noqa: E402
 from vlmcore.eval.benchmarks.registry import BENCHMARKS  # noqa: E402
-from vlmcore.eval.benchmarks.tasks import breakdown as benchmark_breakdown  # noqa: E402
 from vlmcore.eval.results import results_table  # noqa: E402
 from vlmcore.eval.staging import StagingError, check_staged  # noqa: E402
 
@@ -65,19 +64,30 @@ def is_vision_language(model_dir: str | Path) -> bool:
     return "vision_config" in json.loads(config_path.read_text())
 
 
-def chance_and_breakdown(samples: list[dict]) -> tuple[float | None, dict]:
+def chance(samples: list[dict]) -> float | None:
     """Chance accuracy of the evaluated docs of a multiple-choice task (mean 1/#choices; None for
-    other tasks) and, when docs have a `kind`, the per-sample score (acc or exact_match) per kind."""
+    other tasks)."""
+    if not samples or "acc" not in samples[0]:
+        return None
+    return sum(1.0 / len(sample["arguments"]) for sample in samples) / len(samples)
+
+
+def breakdown(task: str, samples: list[dict]) -> dict:
+    """A task's scores per subset, {subset: {metric, value, chance, n}}: a public benchmark's own
+    breakdowns (its record's scores of the logged answers), else, when docs have a `kind`, the
+    per-sample score (acc or exact_match) per kind."""
+    if task in BENCHMARKS:
+        return BENCHMARKS[task].breakdown(samples)
     if not samples:
-        return None, {}
+        return {}
     metric = next((m for m in ("acc", "exact_match") if m in samples[0]), None)
-    chances = [1.0 / len(s["arguments"]) if metric == "acc" else None for s in samples]
     by_kind = {}
-    for sample, chance in zip(samples, chances):
+    for sample in samples:
         kind = sample["doc"].get("kind") if isinstance(sample["doc"], dict) else None
         if kind and metric:
-            by_kind.setdefault(kind, []).append((sample[metric], chance))
-    breakdown = {
+            sample_chance = 1.0 / len(sample["arguments"]) if metric == "acc" else None
+            by_kind.setdefault(kind, []).append((sample[metric], sample_chance))
+    return {
         kind: {
             "metric": metric,
             "value": sum(v for v, _ in rows) / len(rows),
@@ -86,8 +96,6 @@ def chance_and_breakdown(samples: list[dict]) -> tuple[float | None, dict]:
         }
         for kind, rows in sorted(by_kind.items())
     }
-    chance = sum(chances) / len(chances) if metric == "acc" else None
-    return chance, breakdown
 
 
 def undecodable_videos() -> list[dict]:
@@ -224,12 +232,11 @@ def evaluate(
     result["lm_eval_model"] = model
     result["undecodable_videos"] = count_by_task_and_reason(undecodable)
     result["undecodable_video_samples"] = undecodable
-    figures = {task: chance_and_breakdown(task_samples) for task, task_samples in samples.items()}
-    result["chance"] = {task: chance for task, (chance, _) in figures.items() if chance is not None}
-    result["breakdown"] = {task: breakdown for task, (_, breakdown) in figures.items() if breakdown}
-    for task, task_samples in samples.items():
-        if task in BENCHMARKS:
-            result["breakdown"][task] = benchmark_breakdown(task, task_samples)
+    chances = {task: chance(task_samples) for task, task_samples in samples.items()}
+    result["chance"] = {task: level for task, level in chances.items() if level is not None}
+    subsets = {task: breakdown(task, task_samples) for task, task_samples in samples.items()}
+    # A public benchmark's breakdown is written even when it has no subsets (DocVQA).
+    result["breakdown"] = {task: found for task, found in subsets.items() if found or task in BENCHMARKS}
 
     out.mkdir(parents=True, exist_ok=True)
     for task, task_samples in samples.items():

@@ -112,7 +112,7 @@ def stage_snapshot(
     if unmatched:
         raise StagingError(
             f"{benchmark.name}: no file of {benchmark.hf_repo}@{revision} matches {unmatched} "
-            "(vlmcore/eval/benchmarks/registry.py and the repository disagree)"
+            f"(vlmcore/eval/benchmarks/{benchmark.name}.py and the repository disagree)"
         )
     selected = [rel for rel in files if any(fnmatch.fnmatch(str(rel), p) for p in patterns)]
     tmp = out.with_name(out.name + ".tmp")

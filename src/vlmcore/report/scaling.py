@@ -249,7 +249,7 @@ def eval_section(evals: Mapping[str, str | Path], out: Path) -> list[str]:
         "",
         f"Each task's main score per run ({', '.join(runs)}), over all its samples (subset blank) and per "
         "subset, on a 0..1 scale; chance is the level of guessing, published the reference model's score "
-        "where one is known (vlmcore/eval/benchmarks/registry.py). Every metric, with its standard error "
+        "where one is known (its record, vlmcore/eval/benchmarks/<task>.py). Every metric, with its standard error "
         "and sample count, is in eval.csv.",
         "",
         markdown_table(scores.to_dict("records"), columns),

@@ -5,7 +5,12 @@ repository's parquet or JSON files and its media archives); `vlmcore eval --benc
 points here. Nothing is converted or unpacked: the question tables are read with pyarrow (the
 `datasets` features in their metadata decode the images), and the videos are read straight out
 of the zip archives they ship in.
+
+`datasets` and pyarrow are imported where a table is read: the benchmark modules import this
+one, and the workflow's planning reads their records without reading any table.
 """
+
+from __future__ import annotations
 
 import functools
 import json
@@ -13,12 +18,12 @@ import re
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
-import pyarrow as pa
-import pyarrow.parquet as pq
+if TYPE_CHECKING:
+    import datasets
 
-from vlmcore.eval.benchmarks.registry import BENCHMARKS, Benchmark
+    from vlmcore.eval.benchmarks.benchmark import Benchmark
 
 TABLE_SUFFIXES = (".parquet", ".json", ".jsonl")
 
@@ -33,8 +38,9 @@ class MissingBenchmarkData(BadBenchmarkData):
     """A benchmark's staged data is absent or incomplete."""
 
 
-def staged_dir(benchmark_data: str | Path | None, task: str) -> Path:
+def staged_dir(benchmark_data: str | Path | None, benchmark: Benchmark) -> Path:
     """`<benchmark data>/<task>`, checked to exist."""
+    task = benchmark.name
     if not benchmark_data:
         raise MissingBenchmarkData(
             f"{task}: no benchmark data directory; pass `vlmcore eval --benchmark-data DIR` "
@@ -44,7 +50,7 @@ def staged_dir(benchmark_data: str | Path | None, task: str) -> Path:
     if not directory.is_dir():
         raise MissingBenchmarkData(
             f"{task}: {directory} does not exist; stage the benchmark on the login node first "
-            f"(the staging rule downloads {BENCHMARKS[task].hf_repo} there)"
+            f"(the staging rule downloads {benchmark.hf_repo} there)"
         )
     return directory
 
@@ -82,6 +88,10 @@ def table_files(directory: Path, benchmark: Benchmark, config: str | None) -> li
 
 def read_table(path: Path) -> datasets.Dataset:
     """One question file: parquet with its `datasets` features (images decode to PIL), or JSON rows."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     if path.suffix == ".parquet":
         return datasets.Dataset(pq.read_table(path))
     text = path.read_text()
@@ -97,16 +107,30 @@ def read_table(path: Path) -> datasets.Dataset:
 def read_questions(directory: Path, benchmark: Benchmark, config: str | None = None) -> datasets.Dataset:
     """All questions of the benchmark's split (of one config when given)."""
     tables = [read_table(path) for path in table_files(directory, benchmark, config)]
+    return concatenate(tables)
+
+
+def concatenate(tables: list[datasets.Dataset]) -> datasets.Dataset:
+    import datasets
+
     return tables[0] if len(tables) == 1 else datasets.concatenate_datasets(tables)
 
 
-def check_fields(rows: datasets.Dataset, fields: tuple[str, ...], task: str, where: Path) -> None:
-    missing = [name for name in fields if name not in rows.column_names]
+def check_fields(rows: datasets.Dataset, benchmark: Benchmark, where: Path) -> None:
+    """Raises BadBenchmarkData naming the task and the fields its questions under `where` lack."""
+    missing = [name for name in benchmark.fields if name not in rows.column_names]
     if missing:
         raise BadBenchmarkData(
-            f"{task}: the questions under {where} have no field {', '.join(missing)} "
-            f"(they have {', '.join(rows.column_names)}); is this the {BENCHMARKS[task].hf_repo} data?"
+            f"{benchmark.name}: the questions under {where} have no field {', '.join(missing)} "
+            f"(they have {', '.join(rows.column_names)}); is this the {benchmark.hf_repo} data?"
         )
+
+
+def read_split(directory: Path, benchmark: Benchmark) -> datasets.Dataset:
+    """A benchmark's questions: the table of its split (of its first config), its fields checked."""
+    rows = read_questions(directory, benchmark, benchmark.configs[0] if benchmark.configs else None)
+    check_fields(rows, benchmark, directory)
+    return rows
 
 
 @dataclass(frozen=True)

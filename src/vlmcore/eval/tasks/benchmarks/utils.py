@@ -1,27 +1,9 @@
-"""The public benchmarks' lm-eval functions: defined in vlmcore.eval.benchmarks.tasks."""
+"""The public benchmarks' lm-eval functions, named in the YAML files beside this one as
+`utils.<task>__<function>` (`utils.mmmu_val__doc_to_text`): each is the one of the benchmark's
+record (vlmcore/eval/benchmarks/<task>.py), found through the registry."""
 
-from vlmcore.eval.benchmarks.tasks import (  # noqa: F401 (named by the YAML files beside this one)
-    chartqa_doc_to_text,
-    chartqa_process_results,
-    docvqa_doc_to_text,
-    docvqa_process_results,
-    image_doc_to_image,
-    load,
-    mmbench_aggregate,
-    mmbench_doc_to_text,
-    mmbench_process_results,
-    mmmu_aggregate,
-    mmmu_doc_to_image,
-    mmmu_doc_to_text,
-    mmmu_process_results,
-    mvbench_aggregate,
-    mvbench_doc_to_text,
-    mvbench_doc_to_video,
-    mvbench_process_results,
-    videomme_aggregate,
-    videomme_doc_to_video,
-    videomme_process_results,
-    videomme_question,
-    videomme_subtitle_doc_to_text,
-    videomme_subtitle_doc_to_video,
-)
+from vlmcore.eval.benchmarks.tasks import lm_eval_function, load  # noqa: F401 (load: the YAMLs' custom_dataset)
+
+
+def __getattr__(name: str):
+    return lm_eval_function(name)
