@@ -9,10 +9,9 @@ from _slurm_helpers import require_slurm
 # which keeps this order instead of xdist's default of the files with most tests first) neither
 # worker is left running one of them alone at the end.
 LONGEST_FIRST = (
-    "test_pipeline_demo.py",  # the demo pipeline run, then reruns on it
+    "test_pipeline_demo.py",  # the demo pipeline run, its reruns, then the DPO demo on it
     "test_parallel_exactness.py",
     "test_slurm_demo.py",  # the video demo through SLURM
-    "test_pipeline_dpo_demo.py",  # the DPO demo pipeline run
     "test_parallel_moe.py",
     "test_parallel_cp.py",
     "test_recipe_models.py",

@@ -87,13 +87,18 @@ def _synthetic_data_problems(config: dict) -> list[str]:
         "image": ("demo_vqa", "demo_vqa_gen", "demo_preference"),
         "video": ("demo_video_qa", "demo_video_qa_shuffled"),
     }
-    for kind, tasks in demo_tasks.items():
-        for task in set(tasks) & set(config.get("eval", {}).get("tasks", [])):
-            if synthetic and synthetic.get("kind") != kind:
-                problems.append(
-                    f"eval.tasks: {task} asks questions of the {kind} demo data, but "
-                    f"data.synthetic.kind is {synthetic['kind']!r}"
-                )
+    task_lists = {"eval.tasks": config.get("eval", {}).get("tasks", [])}
+    for name, stage in config["train"]["stages"].items():
+        if "eval_tasks" in stage:
+            task_lists[f"train.stages.{name}.eval_tasks"] = stage["eval_tasks"]
+    for key, asked in task_lists.items():
+        for kind, tasks in demo_tasks.items():
+            for task in sorted(set(tasks) & set(asked)):
+                if synthetic and synthetic.get("kind") != kind:
+                    problems.append(
+                        f"{key}: {task} asks questions of the {kind} demo data, but "
+                        f"data.synthetic.kind is {synthetic['kind']!r}"
+                    )
     return problems
 
 
@@ -263,7 +268,12 @@ class Experiment:
 
     @property
     def eval_tasks(self) -> list[str]:
-        return list(self.config["eval"]["tasks"])
+        """Every task some exported stage is evaluated on (eval.tasks and the stages' own lists)."""
+        return list(dict.fromkeys(task for stage in self.exported_stages for task in self.stage_eval_tasks(stage)))
+
+    def stage_eval_tasks(self, stage: str) -> list[str]:
+        """The tasks `stage`'s export is evaluated on: its own `eval_tasks`, else eval.tasks."""
+        return list(self.config["train"]["stages"][stage].get("eval_tasks", self.config["eval"]["tasks"]))
 
     def lineage(self, stage: str) -> list[str]:
         """The stages whose weights `stage` continues, first to last: its init_from, that stage's
@@ -356,7 +366,9 @@ class Experiment:
     def eval_results(self) -> list[str]:
         """One results.json per exported stage and task: adding a task adds only its jobs."""
         return [
-            self.path("eval", stage, task, "results.json") for stage in self.exported_stages for task in self.eval_tasks
+            self.path("eval", stage, task, "results.json")
+            for stage in self.exported_stages
+            for task in self.stage_eval_tasks(stage)
         ]
 
     def model_config(self) -> dict | None:
@@ -397,7 +409,7 @@ class Experiment:
         settings = deep_merge(train.get("common", {}), train["stages"][stage])
         dataset = settings.pop("dataset")
         init_from = settings.pop("init_from", None)
-        for launch_key in ("nodes", "runtime_minutes"):
+        for launch_key in ("nodes", "runtime_minutes", "eval_tasks"):
             settings.pop(launch_key, None)
         settings.update(
             model_path=self.path("model"),

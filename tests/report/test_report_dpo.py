@@ -3,7 +3,7 @@ their final values (means of the last steps).
 
 The metrics file is written by the training loop's own writer (`step_record` and `MetricsLogger`)
 from real DPO pair losses (`vlmcore.train.dpo`), so the report reads the fields training logs.
-tests/distributed/test_train_dpo.py and tests/workflow/test_pipeline_dpo_demo.py check the section on real runs.
+tests/distributed/test_train_dpo.py and tests/workflow/test_pipeline_demo.py (the DPO demo) check the section on real runs.
 """
 
 import math

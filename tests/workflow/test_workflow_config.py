@@ -78,6 +78,23 @@ def test_stage_configs_chain_stages_and_fill_paths():
     assert scaling["init_from"] is None and scaling["checkpoint"]["enabled"] is False
 
 
+def test_a_stage_is_evaluated_on_its_own_tasks_or_eval_tasks():
+    """A stage's `eval_tasks` replaces eval.tasks for that stage's export (a workflow key: its
+    vlmcore train config does not get it); the other stages keep eval.tasks."""
+    config = demo_config()
+    config["train"]["stages"]["stage2"]["eval_tasks"] = ["demo_preference", "demo_vqa_gen"]
+    exp = Experiment(validate_config(config, SCHEMA))
+    assert exp.stage_eval_tasks("stage1") == ["demo_vqa"]
+    assert exp.stage_eval_tasks("stage2") == ["demo_preference", "demo_vqa_gen"]
+    assert exp.eval_tasks == ["demo_vqa", "demo_preference", "demo_vqa_gen"]
+    assert exp.eval_results() == [
+        "results/demo/eval/stage1/demo_vqa/results.json",
+        "results/demo/eval/stage2/demo_preference/results.json",
+        "results/demo/eval/stage2/demo_vqa_gen/results.json",
+    ]
+    assert "eval_tasks" not in exp.stage_config("stage2")
+
+
 def test_snakemake_rejects_an_invalid_value_before_running_anything(tmp_path):
     proc = subprocess.run(
         [
@@ -227,6 +244,7 @@ def without(section, key):
         (lambda c: c["data"]["synthetic"].update(kind="movie"), "data.synthetic.kind"),
         # the demo's questions against its generated data
         (workflow("eval", tasks=["demo_video_qa"]), "eval.tasks"),
+        (stage("stage2", eval_tasks=["demo_video_qa"]), "train.stages.stage2.eval_tasks"),
         (lambda c: c["data"]["synthetic"].update(kind="video"), "eval.tasks"),
         # the stages' vlmcore train settings, by TrainConfig's rules and the stage's ranks
         (common(parallel={"tp": 3}), "train.common.parallel"),

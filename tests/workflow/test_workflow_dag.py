@@ -154,9 +154,10 @@ def test_video_demo_plans_the_demo_on_generated_clips(tmp_path):
     assert video == demo
 
 
-def test_dpo_demo_plans_sft_then_dpo_on_generated_pairs(tmp_path):
-    """config/demo-dpo.yaml: the synthetic data with its preference pairs, prepared as a preference
-    source; stage2 a DPO stage from stage1's weights; both stages evaluated on the held-out pairs."""
+def test_dpo_demo_adds_a_dpo_stage_to_the_demo(tmp_path):
+    """config/demo-dpo.yaml, merged into the demo: the demo's DAG and outputs, plus the synthetic
+    preference pairs prepared as a preference source and a `dpo` stage from stage1's weights; stage1
+    (before DPO) and dpo (after) evaluated on the held-out pairs, the other evaluations the demo's."""
     proc = snakemake(
         "-n",
         "-p",
@@ -165,6 +166,7 @@ def test_dpo_demo_plans_sft_then_dpo_on_generated_pairs(tmp_path):
         "--snakefile",
         str(REPO / "Snakefile"),
         "--configfile",
+        str(REPO / "config" / "config.yaml"),
         str(REPO / "config" / "demo-dpo.yaml"),
         "--directory",
         str(tmp_path),
@@ -172,14 +174,20 @@ def test_dpo_demo_plans_sft_then_dpo_on_generated_pairs(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     stdout = proc.stdout
-    assert "vlmcore synth --kind image --out results/demo-dpo/raw" in stdout
-    assert "--source preference:results/demo-dpo/raw/preference.jsonl" in stdout
-    for stage in ("stage1", "stage2"):
-        assert f"--model results/demo-dpo/hf/{stage} --tasks demo_preference " in stdout
+    assert "vlmcore synth --kind image --out results/demo/raw" in stdout
+    assert "--source preference:results/demo/raw/preference.jsonl" in stdout
+    for stage, task in [("stage1", "demo_vqa"), ("stage1", "demo_preference"), ("stage2", "demo_vqa")]:
+        assert f"--model results/demo/hf/{stage} --tasks {task} " in stdout
+    assert "--model results/demo/hf/dpo --tasks demo_preference " in stdout
+    assert "--model results/demo/hf/dpo --tasks demo_vqa " not in stdout
+    assert "--model results/demo/hf/stage2 --tasks demo_preference " not in stdout
     stats = job_stats(stdout)
-    assert stats["train_stage"] == 2 and stats["prepare_data"] == 2 and stats["evaluate"] == 2, stats
-    stage2 = yaml.safe_load((REPO / "config" / "demo-dpo.yaml").read_text())["train"]["stages"]["stage2"]
-    assert stage2["objective"] == "dpo" and stage2["init_from"] == "stage1" and stage2["dataset"] == "preference"
+    stats.pop("train_all", None)
+    more = {"prepare_data": 1, "pack_measure": 2, "pack_plan": 1, "pack_write": 2, "pack_data": 1}
+    more.update(train_stage=1, export_hf=1, evaluate=2)
+    assert stats == {rule: count + more.get(rule, 0) for rule, count in DEMO_JOBS.items()}, stats
+    dpo = yaml.safe_load((REPO / "config" / "demo-dpo.yaml").read_text())["train"]["stages"]["dpo"]
+    assert dpo["objective"] == "dpo" and dpo["init_from"] == "stage1" and dpo["dataset"] == "preference"
 
 
 # A corpus of 100M samples (10,000 input shards of 10,000), on top of a cluster recipe: the measure
