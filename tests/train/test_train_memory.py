@@ -320,3 +320,32 @@ def test_chunked_loss_never_holds_the_full_logits(tmp_path):
     )
     assert whole["peak_bytes"] - chunked["peak_bytes"] > 0.9 * logits * 7 / 8
     assert logits < whole["peak_bytes_by_kind"]["Activation"] < 1.5 * logits  # the logits, once
+
+
+def test_offload_moves_the_states_to_host_memory_and_bf16_moments_halve_them(configs):
+    """`parallel.offload`: the weights' shards, their gradients and AdamW's state leave the device's
+    peak for the host memory line; `optimizer.moments_dtype: bfloat16`: 4 bytes of state a weight."""
+    from vlmcore.models import build_model
+
+    n_all = sum(
+        p.numel() for p in build_model(str(configs["qwen3_vl"].parent / "qwen3_vl"), device="meta").parameters()
+    )
+    offload = ["parallel.offload=true", "parallel.one_rank_cast=false"]
+    fake, real, fsdp4, offload4, moments = estimates(
+        configs["qwen3_vl"],
+        [offload, 1, 96, 2, True],
+        [offload, 1, 96, 2, False],
+        [[], 4, 96, 2, True],
+        [offload, 4, 96, 2, True],
+        [["optimizer.moments_dtype=bfloat16"], 4, 96, 2, True],
+    )
+    assert fake["peak_bytes_by_kind"] == real["peak_bytes_by_kind"] and fake["host_bytes"] == real["host_bytes"]
+    kinds, host = fsdp4["peak_bytes_by_kind"], offload4["host_bytes_by_kind"]
+    assert fsdp4["host_bytes"] == 0 and not offload4["peak_bytes_by_kind"].get("OptState")
+    assert host["Sharded Param"] == kinds["Sharded Param"] and host["OptState"] == kinds["OptState"]
+    assert host["Sharded Grad"] >= kinds.get("Sharded Grad", 0)  # every gradient, at the end of backward
+    moved = kinds["Sharded Param"] + kinds.get("Sharded Grad", 0) + kinds["OptState"]
+    assert offload4["peak_bytes"] == fsdp4["peak_bytes"] - moved
+    # Two bf16 moments a weight, a quarter of the weights on each of 4 ranks (dim 0 padded).
+    assert 4 * n_all / 4 <= moments["peak_bytes_by_kind"]["OptState"] < 4 * n_all / 4 * 1.05
+    assert moments["peak_bytes_by_kind"]["OptState"] < kinds["OptState"] * 0.55

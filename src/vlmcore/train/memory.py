@@ -322,6 +322,10 @@ def estimate_memory(
         "rank": ranks[role],
         "peak_bytes": peaks[role]["Total"],
         "peak_bytes_by_kind": _kinds(peaks[role]),
+        "offload": cfg.parallel.offload,
+        "moments_dtype": cfg.optimizer.moments_dtype,
+        "host_bytes": sum(_host_kinds(peaks[role]).values()),
+        "host_bytes_by_kind": _host_kinds(peaks[role]),
     }
     if layout.disjoint:
         result["modules"] = {
@@ -337,7 +341,11 @@ def estimate_memory(
 
 
 def _kinds(peak: dict) -> dict:
-    return {kind: n for kind, n in peak.items() if kind != "Total"}
+    return {kind: n for kind, n in peak.items() if kind != "Total" and not kind.startswith(HOST)}
+
+
+def _host_kinds(peak: dict) -> dict:
+    return {kind.removeprefix(HOST): n for kind, n in peak.items() if kind.startswith(HOST)}
 
 
 def _estimate_rank(
@@ -466,7 +474,36 @@ def _peak_of_a_later_step(run: Run, micro: list, label_tokens: float) -> dict[st
         run.step(micro, label_tokens, set_lr=lambda optimizer: None)
     hook.remove()
     peak = tracker.get_tracker_snapshot("peak")[run.device]
-    return {str(getattr(kind, "value", kind)): int(n) for kind, n in peak.items()}
+    return host_held(run, {str(getattr(kind, "value", kind)): int(n) for kind, n in peak.items()})
+
+
+# The kinds `parallel.offload` keeps in host memory, and the prefix of their host entries in a peak.
+OFFLOADED = ("Sharded Param", "Sharded Grad", "OptState")
+HOST = "host:"
+
+
+def host_held(run: Run, peak: dict[str, int]) -> dict[str, int]:
+    """The peak of the device, with the host memory's tensors beside it under `HOST` kinds. With
+    `parallel.offload` the weights' shards, their gradients and the optimizer state are in host
+    memory (the fake run holds them on its one device): they leave the device's peak, and the host
+    holds the shards, the optimizer state and every trainable weight's gradient (all of them are
+    there at the end of backward). The shard and gradient of the unit in transit (one block's) stay
+    uncounted on the device."""
+    if not run.cfg.parallel.offload:
+        return peak
+    peak = dict(peak)
+    for kind in OFFLOADED:
+        peak["Total"] -= peak.get(kind, 0)
+        held = peak.pop(kind, 0)
+        if kind == "Sharded Grad":
+            held = sum(_local_bytes(p) for p in run.step.trainable)
+        peak[HOST + kind] = held
+    return peak
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = getattr(tensor, "_local_tensor", tensor)
+    return local.numel() * local.element_size()
 
 
 @contextmanager
@@ -560,6 +597,11 @@ def format_table(result: dict) -> str:
             + "".join(f"{m['peak_bytes_by_kind'].get(kind, 0) / scale:>{width}.2f}" for m in modules.values())
         )
     lines.append(f"{'total':<16}" + "".join(f"{m['peak_bytes'] / scale:>{width}.2f}" for m in modules.values()))
+    host = result.get("host_bytes_by_kind") or {}
+    lines.append(
+        f"{'host memory':<16}{result.get('host_bytes', 0) / scale:>{width}.2f}"
+        + (" (" + ", ".join(f"{k} {n / scale:.2f}" for k, n in host.items()) + ")" if host else "")
+    )
     if "modules" in result:
         lines.append(
             "modules: "

@@ -152,7 +152,13 @@ class LocalShardAdamW(torch.optim.AdamW):
                 continue
             on_device = group["capturable"] or group["fused"]
             self.state[p] = {
-                "step": torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu"),
+                # As torch makes it: a host step count unless fused or capturable (`torch.tensor`,
+                # whose value a fake tensor keeps: the memory estimate's AdamW reads it).
+                "step": (
+                    torch.zeros((), dtype=torch.float32, device=p.device)
+                    if on_device
+                    else torch.tensor(0.0, dtype=torch.float32, device="cpu")
+                ),
                 "exp_avg": torch.zeros_like(p, dtype=self.moments_dtype),
                 "exp_avg_sq": torch.zeros_like(p, dtype=self.moments_dtype),
             }
