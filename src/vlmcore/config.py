@@ -194,6 +194,12 @@ class CheckpointConfig:
     interval: int = setting(50, "steps between checkpoints; 0 = only at the end and on a signal", ge=0)
     keep: int = setting(2, "checkpoints kept; older ones are deleted", ge=1)
     async_save: bool = setting(False, "save in the background while training goes on")  # YAML key `async`
+    async_mode: Literal["process", "thread"] = setting(
+        "process",
+        "with async: who writes while training goes on; process = DCP's process-based checkpointer (a "
+        "writer process per rank, fed from a host copy made before the save returns: pinned on a GPU, the "
+        "checkpoint's size per rank in host memory, counted by vlmcore memory); thread = a thread of the trainer",
+    )
 
 
 @dataclass
