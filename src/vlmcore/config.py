@@ -64,6 +64,11 @@ class OptimizerConfig:
     weight_decay: float = setting(0.01, "AdamW decoupled weight decay (not on norms, biases, embeddings)", ge=0)
     betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas (first and second moment)", ge=0, lt=1)
     eps: float = setting(1.0e-8, "AdamW epsilon", gt=0)
+    moments_dtype: Literal["float32", "bfloat16"] = setting(
+        "float32",
+        "dtype of AdamW's two moments: float32 (the weights' dtype, 8 bytes a weight) or bfloat16 (4 bytes a "
+        "weight; each step computes in float32 and rounds them back; docs/performance.md for its drift)",
+    )
 
 
 @dataclass
@@ -138,6 +143,12 @@ class ParallelConfig:
         "backward (2 bytes a weight more at the peak, counted by vlmcore memory; one launch "
         "instead of two per weight); false: FSDP2 units, one block's copy at a time",
     )
+    offload: bool = setting(
+        False,
+        "keep the weights' shards, their gradients and the optimizer state in host memory (FSDP2's "
+        "CPUOffloadPolicy, pinned on a GPU): each unit's shard is copied to the device for its all-gather "
+        "and its gradient back, and AdamW steps on the CPU; needs FSDP2 units (one rank: one_rank_cast false)",
+    )
     activation_checkpointing: Literal["none", "selective", "full"] = setting(
         "none", "recompute activations in backward: selective (the cheap ops) or full (every block)"
     )
@@ -183,6 +194,12 @@ class CheckpointConfig:
     interval: int = setting(50, "steps between checkpoints; 0 = only at the end and on a signal", ge=0)
     keep: int = setting(2, "checkpoints kept; older ones are deleted", ge=1)
     async_save: bool = setting(False, "save in the background while training goes on")  # YAML key `async`
+    async_mode: Literal["process", "thread"] = setting(
+        "process",
+        "with async: who writes while training goes on; process = DCP's process-based checkpointer (a "
+        "writer process per rank, fed from a host copy made before the save returns: pinned on a GPU, the "
+        "checkpoint's size per rank in host memory, counted by vlmcore memory); thread = a thread of the trainer",
+    )
 
 
 @dataclass

@@ -269,7 +269,7 @@ def test_zero_learning_rate_is_accepted_with_a_warning(run_dir, monkeypatch, cap
             "schedule.warmup_steps: must be <= steps when schedule.unit is steps "
             "(no warmup longer than the run), got 300",
         ),
-        ("checkpoint.asynk=true", "checkpoint.asynk: unknown key (known: async, enabled, interval, keep)"),
+        ("checkpoint.asynk=true", "checkpoint.asynk: unknown key (known: async, async_mode, enabled, interval, keep)"),
     ],
 )
 def test_refusals_say_what_is_allowed(workflow_config, override, message):

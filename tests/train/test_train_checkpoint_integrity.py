@@ -34,16 +34,19 @@ def flip_byte(path, offset):
         f.write(bytes([byte ^ 0xFF]))
 
 
-@pytest.mark.parametrize("async_save", [False, True])
-def test_changed_bytes_are_found_by_the_manifest_and_skipped(tmp_path, one_process_group, async_save):
+@pytest.mark.parametrize(("async_save", "async_mode"), [(False, "process"), (True, "thread"), (True, "process")])
+def test_changed_bytes_are_found_by_the_manifest_and_skipped(tmp_path, one_process_group, async_save, async_mode):
     model = torch.nn.Linear(32, 32)
     optimizer = torch.optim.AdamW(model.parameters())
-    checkpointer = Checkpointer(tmp_path, keep=2, async_save=async_save)
+    checkpointer = Checkpointer(tmp_path, keep=2, async_save=async_save, async_mode=async_mode)
     for step in (1, 2):
         model(torch.randn(2, 32)).sum().backward()
         optimizer.step()
         checkpointer.save(step, model, optimizer, {"step": step}, {"seen": torch.tensor(step)})
-    checkpointer.wait()
+    checkpointer.close()
+    # Each save's times: training held up, and written in the background (async only).
+    assert [t["step"] for t in checkpointer.timings] == [1, 2]
+    assert all(t["blocking_s"] > 0 and (t["background_s"] > 0) == async_save for t in checkpointer.timings)
     latest = tmp_path / "checkpoints" / "step_2"
     assert sorted(p.name for p in latest.iterdir()) == [".metadata", "__0_0.distcp", MANIFEST]
     assert checkpoint_problem(latest, (0, 1)) is None and checkpointer.latest() == latest

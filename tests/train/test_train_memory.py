@@ -320,3 +320,40 @@ def test_chunked_loss_never_holds_the_full_logits(tmp_path):
     )
     assert whole["peak_bytes"] - chunked["peak_bytes"] > 0.9 * logits * 7 / 8
     assert logits < whole["peak_bytes_by_kind"]["Activation"] < 1.5 * logits  # the logits, once
+
+
+def test_offload_moves_the_states_to_host_memory_and_bf16_moments_halve_them(configs):
+    """`parallel.offload`: the weights' shards, their gradients and AdamW's state leave the device's
+    peak for the host memory line; `optimizer.moments_dtype: bfloat16`: 4 bytes of state a weight."""
+    from vlmcore.models import build_model
+
+    n_all = sum(
+        p.numel() for p in build_model(str(configs["qwen3_vl"].parent / "qwen3_vl"), device="meta").parameters()
+    )
+    offload = ["parallel.offload=true", "parallel.one_rank_cast=false"]
+    fake, real, fsdp4, offload4, moments, staged = estimates(
+        configs["qwen3_vl"],
+        [offload, 1, 96, 2, True],
+        [offload, 1, 96, 2, False],
+        [[], 4, 96, 2, True],
+        [offload, 4, 96, 2, True],
+        [["optimizer.moments_dtype=bfloat16"], 4, 96, 2, True],
+        [["checkpoint.async=true"], 4, 96, 2, True],
+    )
+    # An async checkpoint's host copy: the rank's weights and optimizer state, beside the device's peak.
+    kinds = fsdp4["peak_bytes_by_kind"]
+    assert staged["host_bytes_by_kind"] == {"Checkpoint staging": kinds["Sharded Param"] + kinds["OptState"]}
+    assert staged["peak_bytes"] == fsdp4["peak_bytes"]
+    assert fake["peak_bytes_by_kind"] == real["peak_bytes_by_kind"] and fake["host_bytes"] == real["host_bytes"]
+    # The states leave the device: what it holds at its fullest is at most the peak without them.
+    states = kinds["Sharded Param"] + kinds["OptState"]
+    assert fsdp4["host_bytes"] == 0 and not offload4["peak_bytes_by_kind"].get("OptState")
+    assert 0 < offload4["peak_bytes"] <= fsdp4["peak_bytes"] - states
+    assert offload4["peak_bytes_by_kind"]["Activation"] == kinds["Activation"]
+    # The host holds the shards, the optimizer state and at the end of backward every gradient (the
+    # fake run counts a unit's reduce-scatter output there as well, below another set of gradients).
+    offloaded = offload4["host_bytes_by_kind"]["Offloaded states"]
+    assert states + kinds["Sharded Param"] * 0.9 <= offloaded <= states + kinds["Sharded Param"] * 2
+    # Two bf16 moments a weight, a quarter of the weights on each of 4 ranks (dim 0 padded).
+    assert 4 * n_all / 4 <= moments["peak_bytes_by_kind"]["OptState"] < 4 * n_all / 4 * 1.05
+    assert moments["peak_bytes_by_kind"]["OptState"] < kinds["OptState"] * 0.55

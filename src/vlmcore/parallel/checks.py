@@ -35,6 +35,7 @@ def check_run(cfg: TrainConfig, world_size: int, model_config: ModelConfig | dic
                 f"tensor parallelism are not implemented yet; use tp 1",
                 f"parallel.modules.{module}.tp",
             )
+    check_offload(cfg, layout)
     cp = layout.language.dims.cp
     if cp > 1 and cfg.data.kind == "random" and cfg.data.seq_len % cp:
         raise ConfigError(
@@ -43,6 +44,25 @@ def check_run(cfg: TrainConfig, world_size: int, model_config: ModelConfig | dic
     if model_config is not None:
         check_model(cfg, layout, as_config(model_config))
     return layout
+
+
+def check_offload(cfg: TrainConfig, layout: RunLayout) -> None:
+    """`parallel.offload` is FSDP2's CPUOffloadPolicy: it needs FSDP2's units, which the one-rank cast
+    replaces, and is applied to colocated modules only (disjoint layouts shard each module alone)."""
+    if not cfg.parallel.offload:
+        return
+    if layout.world_size == 1 and cfg.parallel.one_rank_cast:
+        raise ConfigError(
+            "parallel.offload: on one rank it needs FSDP2's units, which parallel.one_rank_cast: true "
+            "replaces; set parallel.one_rank_cast: false",
+            "parallel.offload",
+        )
+    if layout.disjoint:
+        raise ConfigError(
+            "parallel.offload: not applied under disjoint module layouts (parallel.modules.*.ranks); "
+            "use colocated modules or offload: false",
+            "parallel.offload",
+        )
 
 
 def grad_accum_steps(cfg: TrainConfig, layout: RunLayout) -> int:

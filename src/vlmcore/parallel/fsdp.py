@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.profiler import record_function
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -37,14 +37,17 @@ def apply_fsdp(
     precision: PrecisionConfig,
     expert_mesh: DeviceMesh | None = None,
     one_rank_cast: bool = True,
+    offload: bool = False,
 ) -> None:
     """`vision_mesh`: the vision tower's own data-parallel mesh (vlmcore.parallel.bridge);
     `expert_mesh`: the experts' under expert parallelism; `one_rank_cast` (`parallel.one_rank_cast`):
-    on one rank with a cast, `OneRankMixedPrecision` instead of FSDP2 units."""
+    on one rank with a cast, `OneRankMixedPrecision` instead of FSDP2 units; `offload`
+    (`parallel.offload`): every unit's shards, gradients and so the optimizer state in host memory,
+    FSDP2 units on one rank too (the run materializes the model on the CPU: `Run.materialize`)."""
     param_dtype = getattr(torch, precision.param_dtype)
     reduce_dtype = getattr(torch, precision.reduce_dtype)
     weight_dtypes = {p.dtype for p in model.parameters()}
-    if dist.get_world_size() == 1:
+    if dist.get_world_size() == 1 and not offload:
         if weight_dtypes == {param_dtype} and param_dtype == reduce_dtype:
             return
         # FSDP2 reduces the gradients in reduce_dtype and gives them back in the weights' dtype:
@@ -57,19 +60,21 @@ def apply_fsdp(
             OneRankMixedPrecision(model, units, param_dtype)
             return
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # Pinned host memory where there is a GPU to copy to and from without a staging copy.
+    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     for block in blocks:
         if expert_mesh is not None:
             for moe in moe_blocks(block):
-                fully_shard(moe.experts, mesh=expert_mesh, mp_policy=mp_policy)
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+                fully_shard(moe.experts, mesh=expert_mesh, mp_policy=mp_policy, offload_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, offload_policy=policy)
     if vision is not None:
         # Kept unsharded from forward to backward: no all-gather during backward, whose position
         # would differ between ranks with and without images (DeepStack feeds several layers);
         # the reduce-scatter then runs at the end of backward, in the same order on every rank.
-        fully_shard(vision, mesh=vision_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+        fully_shard(vision, mesh=vision_mesh, mp_policy=mp_policy, reshard_after_forward=False, offload_policy=policy)
     # The root keeps embed_tokens and lm_head together (they may be tied) and, being the root,
     # stays unsharded from forward to backward, so the loss can use lm_head.weight directly.
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # The loss is already divided by the global number of label tokens: reduce by SUM.

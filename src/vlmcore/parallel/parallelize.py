@@ -57,5 +57,6 @@ def parallelize(model: nn.Module, cfg: TrainConfig, layout: RunLayout, meshes: M
         cfg.precision,
         expert_mesh=meshes.expert_dp() if dims.ep > 1 else None,
         one_rank_cast=cfg.parallel.one_rank_cast,
+        offload=cfg.parallel.offload,
     )
     return partial

@@ -76,9 +76,7 @@ class Run:
     def materialize(self, load: bool = True) -> None:
         """This rank's shards on the device, random init; with `load`, the LoRA adapters' initial
         values and the previous stage's final/ or else the snapshot's safetensors."""
-        self.model.to_empty(device=self.device)
-        with torch.no_grad():
-            self.model.init_weights()
+        materialize(self.model, self.device, self.cfg.parallel.offload)
         if not load:
             return
         init_adapters(self.model, self.cfg.seed)
@@ -132,6 +130,20 @@ class Run:
         return source(self.layout.data.data_rank(self.rank), self.layout.data.dims.dp)
 
 
+def materialize(model: nn.Module, device: torch.device, offload: bool) -> None:
+    """The meta model's shards made on `device`, random init. With `offload` (`parallel.offload`) the
+    weights are made in host memory, where FSDP2's CPUOffloadPolicy keeps them, and the buffers
+    (rotary frequencies) go to `device`, where the forward runs."""
+    model.to_empty(device="cpu" if offload else device)
+    with torch.no_grad():
+        model.init_weights()
+        if offload:
+            for module in model.modules():
+                for name, buffer in module._buffers.items():
+                    if buffer is not None:
+                        module._buffers[name] = buffer.to(device)
+
+
 def load_start_weights(model: nn.Module, cfg: TrainConfig, rank: int) -> None:
     """The weights the stage starts from: the previous stage's final/, or else the snapshot's safetensors."""
     if cfg.init_from:
@@ -155,9 +167,7 @@ def build_reference(run: Run, load: bool = True) -> FrozenReference:
         for parameter in model.parameters():
             parameter.requires_grad_(False)
         parallelize(model, cfg, run.layout, run.meshes, run.rank)
-    model.to_empty(device=run.device)
-    with torch.no_grad():
-        model.init_weights()
+    materialize(model, run.device, cfg.parallel.offload)
     if load:
         load_start_weights(model, cfg, run.rank)
     vision_dummy = VisionDummy(model) if model.vision_tower() is not None else None

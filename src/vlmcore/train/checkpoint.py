@@ -22,7 +22,9 @@ import dataclasses
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
@@ -32,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -39,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from vlmcore.config import TrainConfig
 from vlmcore.hashing import sha256_of
@@ -135,13 +139,48 @@ def save_failure(tmp: Path, error: Exception) -> str:
     )
 
 
+@dataclasses.dataclass
+class PendingSave:
+    """An async save in flight: `background` finishes DCP's write and hashes this rank's files."""
+
+    step: int
+    tmp: Path
+    final: Path
+    blocking_s: float  # how long `save` held training up
+    background: Future  # -> (digests, seconds from `save`'s return to the files hashed)
+
+
 class Checkpointer:
-    def __init__(self, output_dir: str | Path, keep: int, async_save: bool = False) -> None:
+    """Saves and loads the run's checkpoints. With `async_save` a save blocks training only while
+    it waits for the save before it and copies the state into host memory (the stager: pinned where
+    there is a GPU, shared with the writer process, reused from save to save); DCP writes the copy
+    in the background, in a process of its own per rank (`async_mode` process, DCP's process-based
+    checkpointer: no GIL shared with the training loop) or a thread (`thread`), and each rank hashes
+    the files it wrote there too. The next save (or the end of the run) publishes it: manifest,
+    rename, `latest`."""
+
+    def __init__(
+        self, output_dir: str | Path, keep: int, async_save: bool = False, async_mode: str = "process"
+    ) -> None:
         self.dir = Path(output_dir) / "checkpoints"
         self.keep = keep
         self.async_save = async_save
-        self._pending = None  # (future, tmp dir, final dir) of an async save
+        self.async_mode = async_mode
+        self._pending: PendingSave | None = None
         self._async_group = dist.new_group(backend="gloo") if async_save else None
+        self._stager = None
+        self._hasher = None
+        if async_save:
+            cuda = torch.cuda.is_available()
+            options = StagingOptions(
+                use_pinned_memory=cuda,
+                use_shared_memory=async_mode == "process",
+                use_async_staging=False,  # the copy is made before `save` returns: training may change the weights
+                use_non_blocking_copy=False,
+            )
+            self._stager = DefaultStager(options)
+            self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-hash")
+        self.timings: list[dict] = []  # each published save's, for the metrics (`take_timings`)
         if _is_rank0():
             self.dir.mkdir(parents=True, exist_ok=True)
             for stale in self.dir.glob("step_*.tmp"):
@@ -169,6 +208,7 @@ class Checkpointer:
     ) -> None:
         """train_state: replicated values (step, samples, tokens, ...); rank_state: this rank's
         own values, stored under `rank<r>` keys (loader position, RNG)."""
+        start = time.perf_counter()
         self.wait()
         model_sd, optim_sd = get_state_dict(model, optimizer, options=state_dict_options(model))
         model_sd = checkpointed_model_state(model, model_sd)
@@ -179,31 +219,94 @@ class Checkpointer:
             "ranks": {f"rank{dist.get_rank()}": rank_state},
         }
         final, tmp = self.dir / f"step_{step}", self.dir / f"step_{step}.tmp"
-        if self.async_save:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group)
-            self._pending = (future, tmp, final)
-        else:
+        if not self.async_save:
             self._complete(lambda: dcp.save(state, checkpoint_id=str(tmp)), tmp, final)
+            self._record(step, time.perf_counter() - start, 0.0)
+            return
+        kind = AsyncCheckpointerType.PROCESS if self.async_mode == "process" else AsyncCheckpointerType.THREAD
+        try:
+            written = dcp.async_save(
+                state,
+                checkpoint_id=str(tmp),
+                process_group=self._async_group,
+                async_checkpointer_type=kind,
+                async_stager=self._stager,
+            )
+        except (Exception, CheckpointException) as e:
+            raise CheckpointError(save_failure(tmp, e)) from e
+        returned = time.perf_counter()
+
+        def finish_in_background() -> tuple[dict, float]:
+            written.result()
+            return file_digests(tmp), time.perf_counter() - returned
+
+        background = self._hasher.submit(finish_in_background)
+        self._pending = PendingSave(step, tmp, final, returned - start, background)
+
+    def save_running(self) -> bool:
+        """Whether an async save is still being written."""
+        return self._pending is not None and not self._pending.background.done()
 
     def wait(self) -> None:
-        """Finishes an async save in flight (rename + latest)."""
+        """Finishes an async save in flight (manifest, rename, latest)."""
         if self._pending is None:
             return
-        future, tmp, final = self._pending
+        pending = self._pending
         self._pending = None
-        self._complete(future.result, tmp, final)
+        background_s = 0.0
+
+        def write() -> dict:
+            nonlocal background_s
+            digests, background_s = pending.background.result()
+            return digests
+
+        self._complete(write, pending.tmp, pending.final)
+        self._record(pending.step, pending.blocking_s, background_s)
+
+    def close(self) -> None:
+        """Publishes a save in flight and frees the stager's host copy."""
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._hasher.shutdown()
+
+    def _record(self, step: int, blocking_s: float, background_s: float) -> None:
+        timing = {"step": step, "blocking_s": round(blocking_s, 4), "background_s": round(background_s, 4)}
+        self.timings.append(timing)
+        if _is_rank0():
+            print(
+                f"checkpoint step_{step}: training blocked {blocking_s:.2f} s"
+                + (f", written in the background in {background_s:.2f} s" if self.async_save else ""),
+                flush=True,
+            )
+
+    def take_timings(self) -> dict:
+        """The metrics of the saves published since the last call (the latest, if several):
+        `checkpoint_step`, `checkpoint_blocking_s` (training held up), `checkpoint_background_s`
+        (written while training went on); {} if none."""
+        if not self.timings:
+            return {}
+        timing = self.timings[-1]
+        self.timings.clear()
+        return {
+            "checkpoint_step": timing["step"],
+            "checkpoint_blocking_s": timing["blocking_s"],
+            "checkpoint_background_s": timing["background_s"],
+        }
 
     def _complete(self, write: Callable[[], object], tmp: Path, final: Path) -> None:
-        """`write` (the DCP save), then the publish; a failure says where and how much room is left."""
+        """`write` (the DCP save; async: its result, this rank's digests), then the publish; a
+        failure says where and how much room is left."""
         try:
-            write()
-            self._publish(tmp, final)
+            digests = write()
+            self._publish(tmp, final, digests if isinstance(digests, dict) else None)
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             raise CheckpointError(save_failure(tmp, e)) from e
 
-    def _publish(self, tmp: Path, final: Path) -> None:
+    def _publish(self, tmp: Path, final: Path, own_digests: dict | None = None) -> None:
         digests = [None] * dist.get_world_size()
-        dist.all_gather_object(digests, file_digests(tmp))  # also waits for every rank's save
+        own = own_digests if own_digests is not None else file_digests(tmp)
+        dist.all_gather_object(digests, own)  # also waits for every rank's save
         if _is_rank0():
             manifest = {name: entry for part in digests for name, entry in part.items()}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
@@ -319,7 +422,10 @@ def resume_latest(
     checkpoint if there is one. `split`: how this run splits the global batch over ranks and
     micro-batches."""
     state = TrainState(split)
-    checkpointer = Checkpointer(out, cfg.checkpoint.keep, cfg.checkpoint.async_save) if cfg.checkpoint.enabled else None
+    checkpoint = cfg.checkpoint
+    checkpointer = (
+        Checkpointer(out, checkpoint.keep, checkpoint.async_save, checkpoint.async_mode) if checkpoint.enabled else None
+    )
     latest = checkpointer.latest() if checkpointer else None
     if latest is not None:
         resume(checkpointer, latest, model, optimizer, data, state, cfg.allow_global_batch_change)

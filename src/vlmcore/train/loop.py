@@ -227,8 +227,16 @@ class Trainer:
         times = StepTimes(step=time.perf_counter() - start, data_wait=data_wait)
         lr = self.cfg.optimizer.lr * factor
         record = step_record(state, result, counts, lr, times, self.hardware, self.layout.data.dims.tp)
-        self.logger.log(record | (self.timer.read() if self.timer else {}))
+        self.logger.log(record | (self.timer.read() if self.timer else {}) | self._checkpoint_metrics())
         self.profiler.step_ended(state.step)
+
+    def _checkpoint_metrics(self) -> dict:
+        """`checkpoint_in_background` on a step that ran while a save was written, and each save's
+        blocking and background times on the first step after it was published."""
+        if self.checkpointer is None:
+            return {}
+        running = {"checkpoint_in_background": True} if self.checkpointer.save_running() else {}
+        return running | self.checkpointer.take_timings()
 
     def _global_counts(self, host_micro: list) -> dict:
         """The global batch's counts (`global_counts`); a batch without label tokens is refused."""
@@ -308,7 +316,7 @@ class Trainer:
     def _close(self) -> None:
         """Waits for a checkpoint still being written and closes the metrics' sinks."""
         if self.checkpointer is not None:
-            self.checkpointer.wait()
+            self.checkpointer.close()
         if self.logger is not None:
             self.logger.close()
 

@@ -322,6 +322,10 @@ def estimate_memory(
         "rank": ranks[role],
         "peak_bytes": peaks[role]["Total"],
         "peak_bytes_by_kind": _kinds(peaks[role]),
+        "offload": cfg.parallel.offload,
+        "moments_dtype": cfg.optimizer.moments_dtype,
+        "host_bytes": sum(_host_kinds(peaks[role]).values()),
+        "host_bytes_by_kind": _host_kinds(peaks[role]),
     }
     if layout.disjoint:
         result["modules"] = {
@@ -337,7 +341,11 @@ def estimate_memory(
 
 
 def _kinds(peak: dict) -> dict:
-    return {kind: n for kind, n in peak.items() if kind != "Total"}
+    return {kind: n for kind, n in peak.items() if kind != "Total" and not kind.startswith(HOST)}
+
+
+def _host_kinds(peak: dict) -> dict:
+    return {kind.removeprefix(HOST): n for kind, n in peak.items() if kind.startswith(HOST)}
 
 
 def _estimate_rank(
@@ -452,6 +460,7 @@ def _peak_of_a_later_step(run: Run, micro: list, label_tokens: float) -> dict[st
     # An encoder rank's FSDP root is its vision tower.
     root = run.model.vision_tower() if run.role == "vision" else run.model
     tracker = _peak_tracker(root, run.optimizer, frozen)
+    tracker.host_kinds = OFFLOADED if run.cfg.parallel.offload else ()
     # The micro-batches are on the device for the whole step. Their tensors go to the tracker one by
     # one: it looks for tensors with torch's pytree, which does not look into a Batch, and would
     # count a batch tensor only from the first op that returns a view of it (as an activation), and
@@ -466,7 +475,46 @@ def _peak_of_a_later_step(run: Run, micro: list, label_tokens: float) -> dict[st
         run.step(micro, label_tokens, set_lr=lambda optimizer: None)
     hook.remove()
     peak = tracker.get_tracker_snapshot("peak")[run.device]
-    return {str(getattr(kind, "value", kind)): int(n) for kind, n in peak.items()}
+    peak = {str(getattr(kind, "value", kind)): int(n) for kind, n in peak.items()}
+    return host_held(run, peak, tracker.host_peak)
+
+
+# The kinds `parallel.offload` keeps in host memory, and the prefix of their host entries in a peak.
+OFFLOADED = ("Sharded Param", "Sharded Grad", "OptState")
+HOST = "host:"
+
+
+def host_held(run: Run, peak: dict[str, int], offloaded_peak: int) -> dict[str, int]:
+    """The peak of the device, with the host memory's tensors beside it under `HOST` kinds. With
+    `parallel.offload` the weights' shards, their gradients and the optimizer state are in host
+    memory (the fake run holds them on its one device; the tracker keeps the device's peak without
+    them, and their own peak, `offloaded_peak`). The shard and gradient of the unit in transit (one
+    block's) are not counted on the device. With `checkpoint.async`, the host copy of the
+    checkpoint (`_staged_bytes`)."""
+    peak = dict(peak)
+    if run.cfg.checkpoint.enabled and run.cfg.checkpoint.async_save:
+        peak[HOST + "Checkpoint staging"] = _staged_bytes(run)
+    if not run.cfg.parallel.offload:
+        return peak
+    for kind in OFFLOADED:
+        peak["Total"] -= peak.pop(kind, 0)
+    peak[HOST + "Offloaded states"] = offloaded_peak
+    return peak
+
+
+def _staged_bytes(run: Run) -> int:
+    """The host copy an async checkpoint is written from (`checkpoint.async`, kept from save to save):
+    this rank's shards of the weights it saves (with LoRA, the adapters) and the optimizer state."""
+    from vlmcore.models.lora import has_adapters
+
+    weights = run.step.trainable if has_adapters(run.model) else list(run.model.parameters())
+    state = [t for s in run.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return sum(_local_bytes(t) for t in [*weights, *state])
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = getattr(tensor, "_local_tensor", tensor)
+    return local.numel() * local.element_size()
 
 
 @contextmanager
@@ -560,6 +608,11 @@ def format_table(result: dict) -> str:
             + "".join(f"{m['peak_bytes_by_kind'].get(kind, 0) / scale:>{width}.2f}" for m in modules.values())
         )
     lines.append(f"{'total':<16}" + "".join(f"{m['peak_bytes'] / scale:>{width}.2f}" for m in modules.values()))
+    host = result.get("host_bytes_by_kind") or {}
+    lines.append(
+        f"{'host memory':<16}{result.get('host_bytes', 0) / scale:>{width}.2f}"
+        + (" (" + ", ".join(f"{k} {n / scale:.2f}" for k, n in host.items()) + ")" if host else "")
+    )
     if "modules" in result:
         lines.append(
             "modules: "

@@ -1,5 +1,6 @@
 """Stage freezing, AdamW parameter groups and learning-rate schedules."""
 
+import dataclasses
 import fnmatch
 import math
 
@@ -9,6 +10,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
 from vlmcore.config import ConfigError, OptimizerConfig, ScheduleConfig, TrainConfig
+from vlmcore.parallel.fsdp import split_by_size
 
 # Wrappers that AC and compile put into parameter names.
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -89,13 +91,23 @@ class LocalShardAdamW(torch.optim.AdamW):
     parameter tensors (20 ms a step for the 2B model on an H200, docs/performance.md). The update is
     elementwise, so each shard can be updated alone: the same functional AdamW over the local
     tensors computes the same values. The state is the one torch makes (moments shaped and placed
-    like their parameters), so checkpoints (DCP) save and reshard it as they do torch's."""
+    like their parameters), so checkpoints (DCP) save and reshard it as they do torch's.
+
+    `moments_dtype` (`optimizer.moments_dtype`) other than the weights' keeps the two moments in it
+    (bfloat16: 4 bytes a weight instead of 8). torch's kernels and torchao's AdamW take moments in
+    the weights' dtype only, so each step runs torch's AdamW on float32 copies of the moments, a
+    `MOMENT_CHUNKS`th of them at a time, and rounds the updated moments back (to nearest)."""
+
+    def __init__(self, params: list[dict], moments_dtype: torch.dtype | None = None, **defaults: object) -> None:
+        super().__init__(params, **defaults)
+        self.moments_dtype = moments_dtype
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
         if closure is not None:
             raise ValueError("LocalShardAdamW.step takes no closure")
         for group in self.param_groups:
+            self._init_moments(group)
             params = []
             grads = []
             exp_avgs = []
@@ -103,30 +115,97 @@ class LocalShardAdamW(torch.optim.AdamW):
             max_exp_avg_sqs = []
             state_steps = []
             has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)
-            beta1, beta2 = group["betas"]
-            adam(
-                local_tensors(params),
-                local_tensors(grads),
-                local_tensors(exp_avgs),
-                local_tensors(exp_avg_sqs),
-                local_tensors(max_exp_avg_sqs),
-                local_tensors(state_steps),
-                amsgrad=group["amsgrad"],
-                has_complex=has_complex,
-                beta1=beta1,
-                beta2=beta2,
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                maximize=group["maximize"],
-                foreach=group["foreach"],
-                capturable=group["capturable"],
-                differentiable=group["differentiable"],
-                fused=group["fused"],
-                grad_scale=None,
-                found_inf=None,
-                decoupled_weight_decay=group["decoupled_weight_decay"],
+            lists = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)
+            tensors = AdamTensors(*(local_tensors(t) for t in lists))
+            if not params or exp_avgs[0].dtype == params[0].dtype:
+                self._adam(group, has_complex, tensors)
+            else:
+                self._adam_in_float32(group, has_complex, tensors)
+
+    def _adam_in_float32(self, group: dict, has_complex: bool, tensors: "AdamTensors") -> None:
+        """AdamW on float32 copies of moments held in a lower dtype, in `MOMENT_CHUNKS` runs."""
+        sizes = [p.numel() for p in tensors.params]
+        for run in split_by_size(list(range(len(sizes))), sizes, MOMENT_CHUNKS):
+            low_avgs = [tensors.exp_avgs[i] for i in run]
+            low_sqs = [tensors.exp_avg_sqs[i] for i in run]
+            dtype = tensors.params[run[0]].dtype
+            chunk = AdamTensors(
+                params=[tensors.params[i] for i in run],
+                grads=[tensors.grads[i] for i in run],
+                exp_avgs=[m.to(dtype) for m in low_avgs],
+                exp_avg_sqs=[m.to(dtype) for m in low_sqs],
+                max_exp_avg_sqs=[],
+                steps=[tensors.steps[i] for i in run],
             )
+            self._adam(group, has_complex, chunk)
+            torch._foreach_copy_(low_avgs, chunk.exp_avgs)
+            torch._foreach_copy_(low_sqs, chunk.exp_avg_sqs)
+
+    def _init_moments(self, group: dict) -> None:
+        """The state of each parameter stepped for the first time, made as torch's `_init_group` makes
+        it, the moments in `moments_dtype` (made here, before torch would make them in the weights'
+        dtype: no second copy of them at the first step)."""
+        if self.moments_dtype is None or group["amsgrad"]:
+            return
+        for p in group["params"]:
+            if p.grad is None or self.state[p] or p.dtype == self.moments_dtype:
+                continue
+            on_device = group["capturable"] or group["fused"]
+            self.state[p] = {
+                # As torch makes it: a host step count unless fused or capturable (`torch.tensor`,
+                # whose value a fake tensor keeps: the memory estimate's AdamW reads it).
+                "step": (
+                    torch.zeros((), dtype=torch.float32, device=p.device)
+                    if on_device
+                    else torch.tensor(0.0, dtype=torch.float32, device="cpu")
+                ),
+                "exp_avg": torch.zeros_like(p, dtype=self.moments_dtype),
+                "exp_avg_sq": torch.zeros_like(p, dtype=self.moments_dtype),
+            }
+
+    def _adam(self, group: dict, has_complex: bool, tensors: "AdamTensors") -> None:
+        """torch's functional AdamW with the group's settings over local tensors."""
+        beta1, beta2 = group["betas"]
+        adam(
+            tensors.params,
+            tensors.grads,
+            tensors.exp_avgs,
+            tensors.exp_avg_sqs,
+            tensors.max_exp_avg_sqs,
+            tensors.steps,
+            amsgrad=group["amsgrad"],
+            has_complex=has_complex,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+            foreach=group["foreach"],
+            capturable=group["capturable"],
+            differentiable=group["differentiable"],
+            fused=group["fused"],
+            grad_scale=None,
+            found_inf=None,
+            decoupled_weight_decay=group["decoupled_weight_decay"],
+        )
+
+
+@dataclasses.dataclass
+class AdamTensors:
+    """The local tensors of one AdamW call, as torch's `adam` takes them."""
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+    max_exp_avg_sqs: list[torch.Tensor]
+    steps: list[torch.Tensor]
+
+
+# Moments kept in a lower dtype are updated in this many runs of about equal size: the float32
+# copies of an eighth of them exist at a time (1 byte a weight more at the optimizer step).
+MOMENT_CHUNKS = 8
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -134,6 +213,7 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
     step, so the tests run the optimizer that the GPU runs), over the local shards."""
     return LocalShardAdamW(
         param_groups(model, cfg),
+        moments_dtype=getattr(torch, cfg.moments_dtype),
         lr=cfg.lr,
         betas=tuple(cfg.betas),
         eps=cfg.eps,

@@ -21,6 +21,8 @@ class PeakTracker(FSDPMemTracker):
         super().__init__(mod, optm)
         self.frozen = frozen
         self.in_sharding_propagation = 0  # depth of DTensor's sharding propagation calls
+        self.host_kinds: tuple[str, ...] = ()  # kinds held in host memory (parallel.offload), not on the device
+        self.host_peak = 0  # the most bytes of those kinds at any time
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -44,9 +46,12 @@ class PeakTracker(FSDPMemTracker):
                 self._update_and_maybe_create_winfos(buffer, _MemRefType.BUFFER)
 
     def _update_peak_stats(self, peak_state: _State) -> None:
+        """The peak of the device: the kinds in `host_kinds` (offloaded) left out, their own peak kept apart."""
         for dev, snap in self._curr_mem_snap.items():
-            if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
-                self._peak_mem[dev] = snap[_TOTAL_KEY]
+            host = sum(n for kind, n in snap.items() if getattr(kind, "value", kind) in self.host_kinds)
+            self.host_peak = max(self.host_peak, host)
+            if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY] - host:
+                self._peak_mem[dev] = snap[_TOTAL_KEY] - host
                 self._peak_mem_snap[dev] = dict(snap)
 
 
@@ -68,6 +73,8 @@ class PlainPeakTracker(PeakTracker):
         self._ref_class = _FSDPRefType
         self.frozen = frozen
         self.in_sharding_propagation = 0
+        self.host_kinds = ()
+        self.host_peak = 0
         self.cast = one_rank_cast_of(mod)
         self.casting_grads = False  # in the cast's end of backward, whose new tensors are gradients
         self.handles = []
