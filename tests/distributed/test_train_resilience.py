@@ -101,11 +101,13 @@ def test_the_slow_rank_is_named_with_its_host_in_the_metrics_and_the_log(hung_th
 
 def test_the_report_plots_each_ranks_step_time_and_names_the_straggler(hung_then_restarted, tmp_path):
     _, out = hung_then_restarted
-    report = write_report(tmp_path / "report", train={"stage1": out / "metrics.jsonl"}).read_text()
+    # The same run as a training stage and as a scaling point of this experiment.
+    metrics = out / "metrics.jsonl"
+    report = write_report(tmp_path / "report", scaling={"ws2": metrics}, train={"stage1": metrics}).read_text()
     gathers = STEPS // INTERVAL
-    assert (
-        f"Stage `stage1`: stragglers named: rank 1 on {socket.gethostname()}: {gathers} of {gathers} gathers" in report
-    )
-    assert "![Stage stage1: per-rank step time](plots/rank_times_stage1.png)" in report
-    with Image.open(tmp_path / "report" / "plots" / "rank_times_stage1.png") as image:
-        assert image.width > 500 and image.height > 300
+    host = socket.gethostname()
+    for run in ("scaling_ws2", "stage1"):
+        assert f"`{run}`: stragglers named: rank 1 on {host}: {gathers} of {gathers} gathers" in report, report
+        assert f"![{run}: per-rank step time](plots/rank_times_{run}.png)" in report
+        with Image.open(tmp_path / "report" / "plots" / f"rank_times_{run}.png") as image:
+            assert image.width > 500 and image.height > 300

@@ -298,7 +298,7 @@ def plot_dpo_curves(stage: str, metrics: pd.DataFrame, path: Path) -> Path:
 RANK_LINES = 16
 
 
-def plot_rank_times(stage: str, metrics: pd.DataFrame, path: Path) -> Path:
+def plot_rank_times(run: str, metrics: pd.DataFrame, path: Path) -> Path:
     """Each rank's busy time a step (metrics.jsonl's `rank_busy_s`, gathered every
     resilience.straggler_interval steps: its step time less its wait for the others), with the
     stragglers the run named marked."""
@@ -329,5 +329,5 @@ def plot_rank_times(stage: str, metrics: pd.DataFrame, path: Path) -> Path:
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
-    fig.suptitle(f"Stage {stage}: per-rank step time")
+    fig.suptitle(f"{run}: per-rank step time")
     return _save(fig, path)

@@ -13,8 +13,8 @@ Output directory:
   layouts.csv            predicted step time of each per-module layout, per training stage with
                          module times (vlmcore.report.layouts)
   plots/*.png            scaling_throughput, scaling_efficiency, scaling_flops, scaling_memory,
-                         training_curves, dpo_<stage> (each DPO stage), rank_times_<stage> (each
-                         stage that gathered per-rank step times), eval_summary
+                         training_curves, dpo_<stage> (each DPO stage), rank_times_<run> (each
+                         stage or scaling run that gathered per-rank step times), eval_summary
   SCALABILITY.md         tables, plots, hardware and the exact settings of every run
 """
 
@@ -191,8 +191,8 @@ def dpo_section(stages: dict[str, pd.DataFrame], out: Path) -> list[str]:
 
 
 def ranks_section(stages: dict[str, pd.DataFrame], out: Path) -> list[str]:
-    """Plots each stage's per-rank busy times (plots/rank_times_<stage>.png, stages that gathered
-    them); returns the markdown: the plots and the stragglers named, by rank and host."""
+    """Plots each run's per-rank busy times (plots/rank_times_<run>.png, the stages and scaling runs
+    that gathered them); returns the markdown: the plots and the stragglers named, by rank and host."""
     gathered = {stage: m for stage, m in stages.items() if "rank_busy_s" in m}
     if not gathered:
         return []
@@ -216,10 +216,10 @@ def ranks_section(stages: dict[str, pd.DataFrame], out: Path) -> list[str]:
                 f"rank {rank} on {host}: {len(over)} of {gathers} gathers, +{100 * max(over):.0f}% at most"
                 for (rank, host), over in sorted(by_rank.items())
             )
-            md += [f"Stage `{stage}`: stragglers named: {listed}.", ""]
+            md += [f"`{stage}`: stragglers named: {listed}.", ""]
         else:
-            md += [f"Stage `{stage}`: no straggler in {gathers} gathers.", ""]
-        md += [f"![Stage {stage}: per-rank step time](plots/rank_times_{stage}.png)", ""]
+            md += [f"`{stage}`: no straggler in {gathers} gathers.", ""]
+        md += [f"![{stage}: per-rank step time](plots/rank_times_{stage}.png)", ""]
     return md
 
 
@@ -377,13 +377,16 @@ def write_report(
             "",
         ]
         md += dpo_section(stages, out)
-        md += ranks_section(stages, out)
         layout_md, layout_rows = layout_section(
             {stage: (m, settings_of(train[stage])) for stage, m in stages.items()}, warmup_steps, cluster
         )
         if layout_rows:
             pd.DataFrame(layout_rows).to_csv(out / "layouts.csv", index=False)
         md += layout_md
+
+    # Per-rank step times of the scaling runs (this experiment's) and of the stages.
+    runs = {f"scaling_{label}": read_metrics(path) for label, path in scaling.items()}
+    md += ranks_section(runs | {stage: read_metrics(path) for stage, path in train.items()}, out)
 
     if evals:
         md += eval_section(evals, out)
