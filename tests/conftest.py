@@ -19,6 +19,8 @@ LONGEST_FIRST = (
     "test_train_lora.py",
     "test_train_elastic.py",
     "test_train_faults.py",
+    "test_slurm_restart.py",  # a 2-node SLURM job with a restart, then the reference run
+    "test_train_resilience.py",
     "test_slurm_fake.py",
     "test_benchmark_train_step.py",
     "test_benchmark_cp_step.py",

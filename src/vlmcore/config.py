@@ -203,6 +203,37 @@ class CheckpointConfig:
 
 
 @dataclass
+class ResilienceConfig:
+    """Riding out faults inside one allocation (docs/hpc.md section 6)."""
+
+    max_restarts: int = setting(
+        2,
+        "restarts of the stage's ranks inside one job after a rank dies or a collective fails "
+        "(torchrun --max-restarts, each resuming from the latest checkpoint); once spent, the job fails "
+        "and Snakemake's retry resubmits it",
+        ge=0,
+    )
+    collective_timeout_s: float = setting(
+        600.0,
+        "seconds a collective may wait for its peers before it fails (the process group's timeout); "
+        "must exceed a step, checked at each straggler gather",
+        gt=0,
+    )
+    flight_recorder_entries: int = setting(
+        2000,
+        "last collectives each rank records (torch's Flight Recorder), dumped into "
+        "flight_recorder/ on a failed collective; 0 = off",
+        ge=0,
+    )
+    straggler_interval: int = setting(
+        10, "steps between gathers of every rank's step time (one small all_gather); 0 = never", ge=0
+    )
+    straggler_margin: float = setting(
+        0.2, "a rank busier than the median rank by more than this share of it is named a straggler", gt=0
+    )
+
+
+@dataclass
 class MetricsConfig:
     tensorboard: bool = setting(True, "write TensorBoard event files in output_dir")
     wandb: bool = setting(False, "log to Weights & Biases, always offline")
@@ -324,6 +355,7 @@ class TrainConfig:
     num_workers: int = setting(0, "data-loader worker processes per rank", ge=0)
     deterministic: bool = setting(False, "deterministic torch algorithms (slower)")
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     data: DataConfig = field(default_factory=DataConfig)
     loss_chunk_tokens: int = setting(1024, "tokens per cross-entropy chunk (bounds the logits in memory)", ge=1)
     max_nonfinite_steps: int = setting(5, "consecutive skipped (non-finite) steps before the run saves and stops", ge=1)

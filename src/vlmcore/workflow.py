@@ -426,6 +426,11 @@ class Experiment:
         """Minutes of one training job of `stage`; a longer stage continues in the retry."""
         return self.config["train"]["stages"][stage].get("runtime_minutes", self.config["train"]["runtime_minutes"])
 
+    def stage_restarts(self, stage: str) -> int:
+        """Restarts of a stage's ranks inside one job (resilience.max_restarts; torchrun --max-restarts)."""
+        resilience = self.stage_config(stage).get("resilience", {})
+        return resilience.get("max_restarts", train_config.ResilienceConfig().max_restarts)
+
     def stage_ranks(self, stage: str) -> int:
         return self.stage_nodes(stage) * self.config["train"]["nproc_per_node"]
 

@@ -200,6 +200,9 @@ BAD_VALUES = [
     ("trainable=[1]", "trainable[0]"),
     ("model_path=''", "model_path"),
     ("data_path=''", "data_path"),
+    ("resilience.max_restarts=-1", "resilience.max_restarts"),
+    ("resilience.collective_timeout_s=0", "resilience.collective_timeout_s"),
+    ("resilience.straggler_margin=0", "resilience.straggler_margin"),
 ]
 
 

@@ -158,6 +158,8 @@ def test_four_node_training_stage(tmp_path, cluster, account_qos, cpus_per_task,
             f"is_host={int(rank == 0)}",
             "--shutdown-timeout",
             "300",
+            "--max-restarts",  # resilience.max_restarts' default: restarts inside the job
+            "2",
             *entry,
             "train",
             stage_config,

@@ -20,6 +20,7 @@ rule train_stage:
         launcher=LAUNCHER,
         nodes=lambda wc: EXP.stage_nodes(wc.stage),
         nproc=config["train"]["nproc_per_node"],
+        restarts=lambda wc: EXP.stage_restarts(wc.stage),
     log:
         f"{R}/logs/train_stage/{{stage}}.log",
     threads: config["train"]["nproc_per_node"]
@@ -36,11 +37,15 @@ rule train_stage:
     # Snakemake empties {log} before every attempt; train/<stage>/train.log keeps the output of
     # all of them (a cut allocation or a node failure stays readable after the retry). tee
     # ignores INT/TERM so that it outlives the trainers saving their checkpoint on SIGTERM.
+    # A stage whose trainers wrote `done` is finished even if torchrun then failed: the time
+    # limit's signal can reach torchrun after the trainers wrote done, while they exit, and
+    # Snakemake would delete final/ and done of a failed job.
     shell:
         "set -o pipefail; mkdir -p {params.dir} && printf '%s\\n' {params.settings} > {params.dir}/stage_config.yaml"
         " && echo \"== vlmcore train_stage attempt $(date -Is), SLURM job ${{SLURM_JOB_ID:-none}} ==\" >> {params.dir}/train.log"
-        " && bash {params.launcher} {params.nodes} {params.nproc} {params.dir}/stage_config.yaml 2>&1"
+        " && VLMCORE_MAX_RESTARTS={params.restarts} bash {params.launcher} {params.nodes} {params.nproc} {params.dir}/stage_config.yaml 2>&1"
         " | (trap '' INT TERM; tee -a {params.dir}/train.log) >> {log}"
+        " || test -f {output.done}"
 
 
 rule scaling_run:

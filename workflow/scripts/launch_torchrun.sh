@@ -18,9 +18,17 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
 export TORCHELASTIC_SIGNALS_TO_HANDLE=$PET_SIGNALS_TO_HANDLE
 entry=(-m vlmcore.cli)
+# Restarts of the worker group inside this job before it fails (resilience.max_restarts, passed by
+# train.smk): a dead trainer or a failed collective restarts the ranks of every node (the c10d
+# rendezvous brings the other nodes' groups along) and they resume from the latest checkpoint.
+restarts=(--max-restarts "${VLMCORE_MAX_RESTARTS:-0}")
+# The trainers' process group gets a store of its own each start (rank 0 hosts it), not the
+# rendezvous store shared across restarts, whose keys of the failed start (a peer's old address)
+# make the restarted ranks connect to ports nobody listens on (pytorch/pytorch#135712, #167288).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
 if [[ -z "${SLURM_JOB_ID:-}" ]]; then
-    exec torchrun --standalone --nnodes 1 --nproc-per-node "$nproc" "${entry[@]}" train "$config" "$@"
+    exec torchrun --standalone --nnodes 1 --nproc-per-node "$nproc" "${restarts[@]}" "${entry[@]}" train "$config" "$@"
 fi
 
 : "${VLMCORE_CLUSTER:?set VLMCORE_CLUSTER to the name of a file in $here/env (e.g. mn5, jupiter)}"
@@ -39,5 +47,5 @@ port=$((20000 + SLURM_JOB_ID % 20000))
 exec torchrun --nnodes "$nodes" --node-rank "$SLURM_NODEID" --nproc-per-node "$nproc" \
     --rdzv-backend c10d --rdzv-endpoint "$master:$port" --rdzv-id "$SLURM_JOB_ID" \
     --rdzv-conf "is_host=$((SLURM_NODEID == 0 ? 1 : 0))" \
-    --shutdown-timeout "${VLMCORE_SHUTDOWN_TIMEOUT:-300}" \
+    --shutdown-timeout "${VLMCORE_SHUTDOWN_TIMEOUT:-300}" "${restarts[@]}" \
     "${entry[@]}" train "$config" "$@"

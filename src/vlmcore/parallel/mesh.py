@@ -1,6 +1,7 @@
 """The process group, and the device meshes of a run layout (vlmcore.parallel.layout)."""
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -17,14 +18,15 @@ def device_for_rank() -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: torch.device) -> None:
+def init_distributed(device: torch.device, timeout: timedelta | None = None) -> None:
     """Joins the torchrun process group, or makes a one-process group when not under torchrun,
-    so the rest of the engine (FSDP2, DCP) runs the same code either way."""
+    so the rest of the engine (FSDP2, DCP) runs the same code either way. `timeout`: how long a
+    collective waits for its peers (None: torch's default)."""
     if dist.is_initialized():
         return
     backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 

@@ -292,3 +292,42 @@ def plot_dpo_curves(stage: str, metrics: pd.DataFrame, path: Path) -> Path:
         ax.set_xlabel("Optimizer step")
     fig.suptitle(f"DPO stage {stage}: training pairs")
     return _save(fig, path)
+
+
+# Up to this many ranks get a line each in the per-rank plot; more are drawn as their median and range.
+RANK_LINES = 16
+
+
+def plot_rank_times(run: str, metrics: pd.DataFrame, path: Path) -> Path:
+    """Each rank's busy time a step (metrics.jsonl's `rank_busy_s`, gathered every
+    resilience.straggler_interval steps: its step time less its wait for the others), with the
+    stragglers the run named marked."""
+    rows = metrics.dropna(subset=["rank_busy_s"])
+    steps = rows["step"].to_numpy()
+    busy = np.array(rows["rank_busy_s"].tolist(), dtype=float)  # (gathers, ranks)
+    fig = Figure(figsize=(9, 4.5))
+    ax = fig.add_subplot()
+    if busy.shape[1] <= RANK_LINES:
+        for rank in range(busy.shape[1]):
+            ax.plot(steps, busy[:, rank], "o-", markersize=3, linewidth=1.2, label=f"rank {rank}")
+    else:
+        ax.fill_between(steps, busy.min(axis=1), busy.max(axis=1), color="tab:blue", alpha=0.2, label="all ranks")
+        ax.plot(steps, np.median(busy, axis=1), color="tab:blue", linewidth=2, label="median rank")
+    named = [(step, s) for step, found in zip(steps, rows.get("stragglers", [])) for s in found or []]
+    if named:
+        ax.scatter(
+            [step for step, _ in named],
+            [s["busy_s"] for _, s in named],
+            marker="x",
+            s=60,
+            color="black",
+            zorder=3,
+            label="named a straggler",
+        )
+    ax.set_xlabel("Optimizer step (mean over the steps since the last gather)")
+    ax.set_ylabel("Busy time a step (s)")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.suptitle(f"{run}: per-rank step time")
+    return _save(fig, path)

@@ -13,7 +13,8 @@ Output directory:
   layouts.csv            predicted step time of each per-module layout, per training stage with
                          module times (vlmcore.report.layouts)
   plots/*.png            scaling_throughput, scaling_efficiency, scaling_flops, scaling_memory,
-                         training_curves, dpo_<stage> (each DPO stage), eval_summary
+                         training_curves, dpo_<stage> (each DPO stage), rank_times_<run> (each
+                         stage or scaling run that gathered per-rank step times), eval_summary
   SCALABILITY.md         tables, plots, hardware and the exact settings of every run
 """
 
@@ -189,6 +190,39 @@ def dpo_section(stages: dict[str, pd.DataFrame], out: Path) -> list[str]:
     return md
 
 
+def ranks_section(stages: dict[str, pd.DataFrame], out: Path) -> list[str]:
+    """Plots each run's per-rank busy times (plots/rank_times_<run>.png, the stages and scaling runs
+    that gathered them); returns the markdown: the plots and the stragglers named, by rank and host."""
+    gathered = {stage: m for stage, m in stages.items() if "rank_busy_s" in m}
+    if not gathered:
+        return []
+    md = [
+        "## Ranks",
+        "",
+        "Every rank's busy time a step (its step time less its wait for the other ranks at the step's start), "
+        "gathered every `resilience.straggler_interval` steps; a rank busier than the median rank by more than "
+        "`resilience.straggler_margin` is named a straggler (docs/hpc.md section 6).",
+        "",
+    ]
+    for stage, metrics in gathered.items():
+        plots.plot_rank_times(stage, metrics, out / f"plots/rank_times_{stage}.png")
+        named = [s for found in metrics.get("stragglers", pd.Series(dtype=object)).dropna() for s in found]
+        by_rank = {}
+        for s in named:
+            by_rank.setdefault((s["rank"], s["host"]), []).append(s["over_median"])
+        gathers = int(metrics["rank_busy_s"].notna().sum())
+        if by_rank:
+            listed = "; ".join(
+                f"rank {rank} on {host}: {len(over)} of {gathers} gathers, +{100 * max(over):.0f}% at most"
+                for (rank, host), over in sorted(by_rank.items())
+            )
+            md += [f"`{stage}`: stragglers named: {listed}.", ""]
+        else:
+            md += [f"`{stage}`: no straggler in {gathers} gathers.", ""]
+        md += [f"![{stage}: per-rank step time](plots/rank_times_{stage}.png)", ""]
+    return md
+
+
 def layout_section(stages: dict, warmup_steps: int, cluster: Cluster) -> tuple[list[str], list[dict]]:
     """Markdown and layouts.csv rows: for each stage with module times, the candidate layouts at
     its world size, fastest first (vlmcore.report.layouts)."""
@@ -349,6 +383,10 @@ def write_report(
         if layout_rows:
             pd.DataFrame(layout_rows).to_csv(out / "layouts.csv", index=False)
         md += layout_md
+
+    # Per-rank step times of the scaling runs (this experiment's) and of the stages.
+    runs = {f"scaling_{label}": read_metrics(path) for label, path in scaling.items()}
+    md += ranks_section(runs | {stage: read_metrics(path) for stage, path in train.items()}, out)
 
     if evals:
         md += eval_section(evals, out)

@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ from vlmcore.train.metrics_log import Hardware, MetricsLogger, StepTimes, global
 from vlmcore.train.module_timer import ModuleTimer
 from vlmcore.train.optim import lr_factor, schedule_total, set_lr
 from vlmcore.train.profiling import StepProfiler
+from vlmcore.train.resilience import FaultInjection, FlightRecorder, StragglerWatch, announce_restart
 from vlmcore.train.run_dir import mark_done, prepare_output_dir
 from vlmcore.train.step import to_device
 
@@ -97,7 +99,11 @@ def train(cfg: TrainConfig) -> int:
     # action would kill the trainer there.
     stop = _StopSignal()
     device = device_for_rank()
-    init_distributed(device)
+    recorder = FlightRecorder(cfg.resilience, out)
+    recorder.configure()
+    init_distributed(device, timeout=timedelta(seconds=cfg.resilience.collective_timeout_s))
+    announce_restart(cfg.resilience)
+    recorder.start()
     try:
         status = _train(cfg, out, device, stop)
         # Every rank waits for the others before the group goes: a rank that destroyed its group
@@ -106,7 +112,12 @@ def train(cfg: TrainConfig) -> int:
         # the success path only: a rank that raised must not wait for peers that never arrive.
         dist.barrier()
         return status
+    except RuntimeError as e:
+        if not isinstance(e, (TrainingError, CheckpointError)):  # a failed or timed-out collective
+            recorder.failed(e)
+        raise
     finally:
+        recorder.close()
         dist.destroy_process_group()
 
 
@@ -177,6 +188,7 @@ class Trainer:
         self.checkpointer, self.state = resume_latest(cfg, out, split, self.run.model, self.run.optimizer, self.data)
         self.logger = None  # opened with the first step: a signal during start-up leaves the metrics as they are
         self.nonfinite_in_a_row = 0
+        self.faults = FaultInjection(self.rank, lambda: self.stop.signum != 0)  # tests only
 
     def train(self) -> Ending:
         """Steps until the last one, or until a reason to stop."""
@@ -202,6 +214,7 @@ class Trainer:
         self.hardware = Hardware(self.device, peak_tflops(self.device, metrics.peak_tflops))
         self.batches = iter(self.data)
         self.profiler = StepProfiler(metrics.profile_steps, self.out / "profile", self.rank, self.device)
+        self.stragglers = StragglerWatch(cfg.resilience)
 
     def train_step(self) -> None:
         """One optimizer step over the next global batch, counted and logged."""
@@ -209,9 +222,12 @@ class Trainer:
         state = self.state
         self.profiler.step_starts(state.step + 1)
         start = time.perf_counter()
+        self.faults.before_step(state.step + 1)
         host_micro = [next(self.batches) for _ in range(self.layout.grad_accum_steps)]
         data_wait = time.perf_counter() - start
+        counts_start = time.perf_counter()
         counts = self._global_counts(host_micro)
+        peers_wait = time.perf_counter() - counts_start  # mostly the wait for the last rank to arrive
         factor = self._lr_factor(counts)
         if run.bridge is not None:  # an encoder rank gets the image batches of its rows
             host_micro = run.bridge.plan_step(host_micro)
@@ -227,6 +243,7 @@ class Trainer:
         times = StepTimes(step=time.perf_counter() - start, data_wait=data_wait)
         lr = self.cfg.optimizer.lr * factor
         record = step_record(state, result, counts, lr, times, self.hardware, self.layout.data.dims.tp)
+        record |= self.stragglers.after_step(state.step, times.step, peers_wait)
         self.logger.log(record | (self.timer.read() if self.timer else {}) | self._checkpoint_metrics())
         self.profiler.step_ended(state.step)
 
