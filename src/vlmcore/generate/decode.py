@@ -14,6 +14,7 @@ largest position of its prompt for M-RoPE models (transformers' rope deltas: a g
 three axes are equal), its length for text models. Rows that stop leave the batch.
 """
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -276,8 +277,6 @@ def check_cache_fits(
 
 def tensor_parallel_degree(model: nn.Module) -> int:
     """How many ranks share the attention heads (1 unless parallelize applied tensor parallelism)."""
-    from torch.distributed.tensor import DTensor
-
     for param in model.text_model().layers.parameters():
         if isinstance(param, DTensor):
             mesh = param.device_mesh
@@ -290,6 +289,4 @@ def free_memory(device: torch.device) -> int:
     """Bytes free on the device (the host's available memory for the CPU)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    import os
-
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
