@@ -72,6 +72,7 @@ COMMANDS = {
     "export": ("vlmcore.export", "training checkpoint -> Hugging Face directory"),
     "stage-benchmark": ("vlmcore.eval.staging", "stage a public benchmark's data for offline evaluation"),
     "eval": ("vlmcore.eval.runner", "lm-eval on an exported directory"),
+    "generate": ("vlmcore.generate.command", "an answer from an export or a stage's final weights, on stdout"),
     "report": ("vlmcore.report.scaling", "scaling CSV, plots and SCALABILITY.md"),
 }
 

@@ -23,9 +23,11 @@ LAYERS = [
     ("vlmcore.data.pack",),
     ("vlmcore.data.load",),
     ("vlmcore.parallel",),
+    ("vlmcore.generate",),  # below train: online RL rolls out through it
     ("vlmcore.train",),
     (
         "vlmcore.download",
+        "vlmcore.generate.command",
         "vlmcore.export",
         "vlmcore.eval",
         "vlmcore.report",

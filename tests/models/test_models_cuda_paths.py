@@ -138,14 +138,20 @@ def fla_chunk_gated_delta_rule(
     cp_context=None,
     **kwargs,
 ):
-    """fla 0.6.0's signature; (B=1, T, H, D) tensors, returns (out, final_state)."""
+    """fla 0.6.0's signature; (B=1, T, H, D) tensors, returns (out, final_state): final_state
+    (N_segments, H, Dk, Dv) with output_final_state, else None."""
     assert q.dim() == 4 and q.shape[0] == 1, "fla takes (1, T, H, D) for packed sequences"
     assert g.dtype == torch.float32 and cu_seqlens.dtype == torch.long
     assert scale is None and initial_state is None
     if cu_seqlens_cpu is not None:
         assert cu_seqlens_cpu.device.type == "cpu" and cu_seqlens_cpu.dtype == torch.long
-    out = chunk_gated_delta_rule(q[0], k[0], v[0], g[0], beta[0], cu_seqlens, use_qk_l2norm_in_kernel)
-    return out[None], None
+    if not output_final_state:
+        out = chunk_gated_delta_rule(q[0], k[0], v[0], g[0], beta[0], cu_seqlens, use_qk_l2norm_in_kernel)
+        return out[None], None
+    out, state = chunk_gated_delta_rule(
+        q[0], k[0], v[0], g[0], beta[0], cu_seqlens, use_qk_l2norm_in_kernel, final_state=True
+    )
+    return out[None], state.to(q.dtype)  # fla's state is in the inputs' dtype
 
 
 @pytest.fixture
@@ -257,6 +263,26 @@ def test_fla_adapter_matches_the_reference_rule(restore_kernels):
     set_gdn_kernel(fla_chunk_gated_delta_rule, force=True)
     torch.testing.assert_close(
         linear_attention.gated_delta_rule(q, k, v, g, beta, cu, cu_seqlens_cpu=cu.cpu()), expected, atol=1e-4, rtol=1e-4
+    )
+
+
+def test_generation_through_the_fla_calling_path_matches_the_cpu_path(restore_kernels):
+    """A generation's prefill asks fla for each segment's final state (output_final_state) and
+    decodes on from it: Qwen3.5's greedy tokens and log-probabilities through the fla stand-in
+    equal the CPU path's."""
+    from vlmcore.generate import Prompt, SamplingSettings, generate
+
+    torch.manual_seed(0)
+    model = build_model(tiny_config("qwen3_5"), device="cpu")
+    model.init_weights()
+    prompts = [Prompt(torch.randint(0, 100, (n,))) for n in (9, 70, 3)]  # 70: two chunks of 64
+    settings = SamplingSettings(max_new_tokens=4, temperature=1.0, seed=3)
+    expected = generate(model, prompts, settings)
+    set_gdn_kernel(fla_chunk_gated_delta_rule, force=True)
+    got = generate(model, prompts, settings)
+    assert [g.tokens for g in got] == [g.tokens for g in expected]
+    torch.testing.assert_close(
+        torch.tensor([g.log_probs for g in got]), torch.tensor([g.log_probs for g in expected]), atol=1e-5, rtol=0
     )
 
 

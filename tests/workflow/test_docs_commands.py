@@ -246,6 +246,11 @@ RUN_ON_DEMO = {
 
 # vlmcore commands checked only against their --help, and why they cannot run here.
 HELP_ONLY = {
+    "vlmcore generate --model results/demo/hf/stage2 --prompt What is in the picture? --image photo.png "
+    "--max-new-tokens 32": (
+        "a reader's image on the demo's export; tests/generate/test_generate_command.py runs the command on the "
+        "tiny demo model with an image, a video and a stage's final/ weights"
+    ),
     "vlmcore download --repo-id Qwen/Qwen3-VL-8B-Instruct --revision 0c351dd01ed87e9c1b53cbc748cba10e6187ff3b "
     "--out Qwen3-VL-8B-Instruct": "downloads the 8B model from the Hugging Face Hub: the network and 17 GB",
     "vlmcore download --verify staged/models/Qwen3-VL-8B-Instruct --revision 0c351dd01ed87e9c1b53cbc748cba10e6187ff3b": (

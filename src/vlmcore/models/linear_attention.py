@@ -96,10 +96,13 @@ def chunk_gated_delta_rule(
     use_qk_l2norm: bool = True,
     chunk_size: int = CHUNK_SIZE,
     bound_chunks: bool | None = None,
-) -> torch.Tensor:
+    final_state: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Gated delta rule by chunks: exact within a chunk by a triangular solve, a scan across chunks.
 
-    q, k (T, H, Dk), v (T, H, Dv), g and beta (T, H) -> (T, H, Dv) in v's dtype.
+    q, k (T, H, Dk), v (T, H, Dv), g and beta (T, H) -> (T, H, Dv) in v's dtype; with
+    `final_state` also each segment's state after its last token, (N_segments, H, Dk, Dv) in fp32
+    (generation goes on from it: vlmcore.generate).
     Every segment is laid out on whole chunks (zero padding after its end, which neither decays
     nor writes the state), so a chunk never mixes two segments and the scan resets the state at
     the first chunk of each segment.
@@ -150,7 +153,7 @@ def chunk_gated_delta_rule(
     chunk_decay = decay[..., -1].exp()[..., None, None]  # (H, N, 1, 1)
 
     state = q.new_zeros(n_heads, q.shape[-1], head_v_dim)
-    out = []
+    out, states = [], []
     # Per-chunk views by unbind: its backward is one stack, where indexing chunk n would give
     # every chunk's gradient a full-size zero tensor of its own.
     per_chunk = zip(
@@ -167,8 +170,14 @@ def chunk_gated_delta_rule(
         u_n = u_n - w_n @ state
         out.append(q_n @ state + intra_n @ u_n)
         state = state * decay_n + k_n @ u_n
+        if final_state:
+            states.append(state)
     out = torch.stack(out, dim=1).permute(1, 2, 0, 3).reshape(n_chunks * chunk_size, n_heads, head_v_dim)
-    return out[dest].to(out_dtype)
+    out = out[dest].to(out_dtype)
+    if not final_state:
+        return out
+    # A segment's state is the one after its last chunk (the padding after its end changes nothing).
+    return out, torch.stack(states)[first_chunk + seg_chunks - 1]
 
 
 def recurrent_gated_delta_rule(
@@ -196,6 +205,51 @@ def recurrent_gated_delta_rule(
     return torch.stack(out).to(out_dtype)
 
 
+def gated_delta_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of B sequences through the gated delta rule (decoding): q, k (B, H, Dk),
+    v (B, H, Dv), g and beta (B, H), state (B, H, Dk, Dv) in fp32 -> (out (B, H, Dv) in v's dtype,
+    the new state). The same update as `recurrent_gated_delta_rule`, batched over sequences."""
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, use_qk_l2norm)
+    state = state * g.exp()[..., None, None]
+    delta = beta[..., None] * (v - torch.einsum("bhk,bhkv->bhv", k, state))
+    state = state + k[..., :, None] * delta[..., None, :]
+    return torch.einsum("bhk,bhkv->bhv", q, state).to(out_dtype), state
+
+
+def conv_window(x: torch.Tensor, cu_seqlens: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Each segment's last kernel - 1 inputs of the causal convolution, (N_segments, kernel - 1, C),
+    zeros before a segment's start (what `causal_depthwise_conv` sees there): a decoding step's
+    convolution goes on from them."""
+    cu = cu_seqlens.long()
+    offsets = torch.arange(1 - kernel, 0, device=x.device)  # kernel - 1 tokens before each end
+    index = cu[1:, None] + offsets  # (N, K - 1)
+    inside = index >= cu[:-1, None]
+    return x[index.clamp(min=0)] * inside[..., None]
+
+
+def conv_step(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of B sequences through the causal convolution: x (B, C), window (B, K - 1, C)
+    of the inputs before it, weight (C, 1, K) -> (SiLU of the convolution (B, C), the new window).
+    Accumulated in the order and precision of `causal_depthwise_conv`."""
+    kernel = weight.shape[-1]
+    w = weight[:, 0].float()
+    x = x.to(weight.dtype)
+    taps = torch.cat([window.to(weight.dtype), x[:, None]], dim=1).float()  # (B, K, C): oldest first
+    out = taps[:, kernel - 1] * w[:, kernel - 1]
+    for shift in range(1, kernel):
+        out = out + taps[:, kernel - 1 - shift] * w[:, kernel - 1 - shift]
+    return F.silu(out.to(weight.dtype)), taps[:, 1:].to(window.dtype)
+
+
 def adapt_fla_kernel(kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Callable[..., torch.Tensor]:
     """A call `(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, cu_seqlens_cpu) -> out` on (T, H, D)
     tensors for fla's `chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
@@ -220,11 +274,14 @@ def adapt_fla_kernel(kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -
         cu_seqlens: torch.Tensor,
         use_qk_l2norm: bool,
         cu_seqlens_cpu: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        final_state: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         extra = {}
         if takes_host_bounds and cu_seqlens_cpu is not None:
             extra["cu_seqlens_cpu"] = cu_seqlens_cpu.long()
-        out, _ = kernel(
+        if final_state:
+            extra["output_final_state"] = True
+        out, state = kernel(
             q[None],
             k[None],
             v[None],
@@ -234,7 +291,7 @@ def adapt_fla_kernel(kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -
             use_qk_l2norm_in_kernel=use_qk_l2norm,
             **extra,
         )
-        return out[0]
+        return (out[0], state.float()) if final_state else out[0]
 
     return call
 
@@ -260,8 +317,10 @@ def gated_delta_rule(
     cu_seqlens: torch.Tensor,
     use_qk_l2norm: bool = True,
     cu_seqlens_cpu: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The gated delta rule with the fastest kernel available: fla on CUDA, else the torch chunked one."""
+    final_state: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule with the fastest kernel available: fla on CUDA, else the torch chunked one.
+    `final_state`: also each segment's last state (a generation's prefill)."""
     if FLA.runs_on(q):
-        return FLA.call(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, cu_seqlens_cpu)
-    return chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
+        return FLA.call(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, cu_seqlens_cpu, final_state)
+    return chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, final_state=final_state)

@@ -6,6 +6,7 @@ whole, and `varies_by_batch` which sizes of its inputs change from batch to batc
 """
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -19,6 +20,25 @@ class ModelOutput:
 
     logits: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
+
+
+class LayerCache(Protocol):
+    """One decoder layer's part of a generation cache (vlmcore.generate.cache), as the layers use it.
+
+    `decoding` False: a prefill runs the training forward on packed prompts (one per segment of
+    `cu_seqlens`) and leaves each prompt's state here: an attention layer calls
+    `store(k, v, cu_seqlens)`; a Gated DeltaNet layer sets `conv_window` (the last inputs of its
+    convolution) and `recurrent_state`. `decoding` True: one new token per row; an attention layer
+    calls `attend(q, k, v)` (appends k and v, attends over the row's cache), a Gated DeltaNet layer
+    steps its `conv_window` and `recurrent_state`."""
+
+    decoding: bool
+
+
+class ModelCache(Protocol):
+    """A generation cache of the whole decoder: `layer(i)` is decoder layer i's part."""
+
+    def layer(self, index: int) -> LayerCache: ...
 
 
 class TextModelParts:

@@ -15,7 +15,7 @@ from .attention import attention
 from .layers import GridThw, RMSNorm, VisualTokens, apply_rotary, head_dim_of, rope_cos_sin, rope_inv_freq
 from .linear_attention import token_segments
 from .moe import feed_forward
-from .parts import ModelOutput, TextModelParts, varies_by_batch
+from .parts import LayerCache, ModelCache, ModelOutput, TextModelParts, varies_by_batch
 
 
 def check_text_config(config: PretrainedConfig, where: str) -> None:
@@ -52,6 +52,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         cu_seqlens: torch.Tensor | None,
         max_seqlen: int | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of whole heads.
@@ -62,10 +63,14 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(batch, seq_len, -1, self.head_dim))
         v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.context_parallel is None:
+        if cache is not None and cache.decoding:  # one new token per row, over the cached keys and values
+            out = cache.attend(q, k, v)
+        elif self.context_parallel is None:
             out = attention(q, k, v, cu_seqlens, max_seqlen, causal=True)
         else:
             out = self.context_parallel(attention, q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, causal=True)
+        if cache is not None and not cache.decoding:  # a prefill: keep each prompt's keys and values
+            cache.store(k, v, cu_seqlens)
         if self.gated:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(batch, seq_len, -1))
@@ -86,8 +91,9 @@ class Qwen3DecoderLayer(nn.Module):
         sin: torch.Tensor,
         cu_seqlens: torch.Tensor | None,
         max_seqlen: int | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen=max_seqlen)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen=max_seqlen, cache=cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -136,13 +142,18 @@ class Qwen3TextModel(nn.Module):
         max_seqlen: int | None = None,
         visual: VisualTokens | None = None,
         deepstack: Sequence[torch.Tensor] = (),
+        cache: ModelCache | None = None,
     ) -> torch.Tensor:
+        """`cache`: generation's (vlmcore.generate): a prefill fills it, a decoding step reads and extends it."""
         cos, sin = self.rotary(position_ids, h.dtype)
         varies_by_batch(cu_seqlens)  # rows hold more or fewer segments
         full_shape, dtype = h.shape, h.dtype
         h = self.split_sequence(h)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cu_seqlens, max_seqlen=max_seqlen)
+            if cache is None:
+                h = layer(h, cos, sin, cu_seqlens, max_seqlen=max_seqlen)
+            else:
+                h = layer(h, cos, sin, cu_seqlens, max_seqlen=max_seqlen, cache=cache.layer(i))
             if i < len(deepstack):
                 features = torch.zeros(full_shape, dtype=dtype, device=h.device)
                 h = h + self.split_sequence(visual.scatter(features, deepstack[i], check=False))
@@ -172,10 +183,11 @@ class Qwen3ForCausalLM(TextModelParts, nn.Module):
         return_hidden: bool = False,
         pixel_values_videos: torch.Tensor | None = None,
         video_grid_thw: GridThw | None = None,
+        cache: ModelCache | None = None,
     ) -> ModelOutput:
         if pixel_values is not None or pixel_values_videos is not None:
             raise ValueError(f"{self.name} is a text model: pixel_values and pixel_values_videos must be None")
         if position_ids is None:
             position_ids = text_position_ids(input_ids, cu_seqlens)
-        h = self.model(self.model.embed_tokens(input_ids), position_ids, cu_seqlens, max_seqlen)
+        h = self.model(self.model.embed_tokens(input_ids), position_ids, cu_seqlens, max_seqlen, cache=cache)
         return self.output(h, return_hidden)

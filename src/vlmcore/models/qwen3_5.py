@@ -26,9 +26,17 @@ from torch.distributed.tensor import DTensor, Partial
 from transformers import PretrainedConfig
 
 from .layers import RMSNorm, VisualTokens, ZeroCenteredRMSNorm, head_dim_of, mrope_cos_sin, rope_inv_freq
-from .linear_attention import causal_depthwise_conv, gated_delta_rule, host_segments, row_segments
+from .linear_attention import (
+    causal_depthwise_conv,
+    conv_step,
+    conv_window,
+    gated_delta_rule,
+    gated_delta_step,
+    host_segments,
+    row_segments,
+)
 from .moe import feed_forward
-from .parts import varies_by_batch
+from .parts import LayerCache, ModelCache, varies_by_batch
 from .qwen3 import Attention, Qwen3ForCausalLM, Qwen3TextModel
 from .qwen3_vl import Qwen3VLForConditionalGeneration
 
@@ -73,9 +81,16 @@ class GatedDeltaNet(nn.Module):
             self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log())
 
     def forward(
-        self, x: torch.Tensor, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        cu_seqlens_cpu: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
+        """`cache` (generation): a prefill leaves each segment's convolution window and state in it; a
+        decoding step (one token per row) goes on from them."""
         batch, seq_len, _ = x.shape
+        decoding = cache is not None and cache.decoding
         # Under context parallelism x is this rank's chunk of the rows; the recurrence and the
         # convolution run on whole rows for a share of the heads (vlmcore.parallel.cp).
         cp = self.context_parallel
@@ -104,7 +119,13 @@ class GatedDeltaNet(nn.Module):
             gates = torch.stack([beta.float(), g], dim=-1).view(batch, seq_len, -1)  # head h: channels 2h, 2h + 1
             gates = cp.channels_to_rows(gates, [gates.shape[-1]]).flatten(0, 1).unflatten(-1, (-1, 2))
             beta, g = gates[..., 0].to(beta.dtype), gates[..., 1]
-        qkv = causal_depthwise_conv(mixed, conv_weight, cu_seqlens).to(x.dtype)
+        if decoding:
+            qkv, cache.conv_window = conv_step(mixed, cache.conv_window, conv_weight)
+        else:
+            qkv = causal_depthwise_conv(mixed, conv_weight, cu_seqlens)
+            if cache is not None:
+                cache.conv_window = conv_window(mixed, cu_seqlens, conv_weight.shape[-1])
+        qkv = qkv.to(x.dtype)
         q, k, v = qkv.split(sizes, dim=-1)
         q, k = q.unflatten(-1, (-1, self.k_dim)), k.unflatten(-1, (-1, self.k_dim))
         v = v.unflatten(-1, (-1, self.v_dim))
@@ -114,7 +135,14 @@ class GatedDeltaNet(nn.Module):
         # z before the kernel: under torch.compile the kernel is a graph break, and a DTensor view
         # (x) live across it cannot be rebuilt after it.
         z = self.in_proj_z(x).unflatten(-1, (-1, self.v_dim))
-        out = gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+        if decoding:
+            out, cache.recurrent_state = gated_delta_step(q, k, v, g, beta, cache.recurrent_state)
+        elif cache is not None:
+            out, cache.recurrent_state = gated_delta_rule(
+                q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, final_state=True
+            )
+        else:
+            out = gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
         if cp is not None:
             out = cp.heads_to_chunk(out.view(batch, length, -1, self.v_dim)).flatten(0, 1)
         out = self.norm(out, z)
@@ -150,12 +178,13 @@ class Qwen3_5DecoderLayer(nn.Module):
         cu_seqlens: torch.Tensor | None,
         max_seqlen: int | None = None,
         cu_seqlens_cpu: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
-            x = x + self.linear_attn(h, cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+            x = x + self.linear_attn(h, cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cache=cache)
         else:
-            x = x + self.self_attn(h, cos, sin, cu_seqlens, max_seqlen=max_seqlen)
+            x = x + self.self_attn(h, cos, sin, cu_seqlens, max_seqlen=max_seqlen, cache=cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -187,15 +216,19 @@ class Qwen3_5TextModel(Qwen3TextModel):
         max_seqlen: int | None = None,
         visual: VisualTokens | None = None,
         deepstack: Sequence[torch.Tensor] = (),
+        cache: ModelCache | None = None,
     ) -> torch.Tensor:
-        """`visual` and `deepstack` are not used: Qwen3.5 has no DeepStack."""
+        """`visual` and `deepstack` are not used: Qwen3.5 has no DeepStack. `cache`: generation's."""
         cos, sin = self.rotary(position_ids, h.dtype)
         bounds = host_segments(cu_seqlens, h)
         varies_by_batch(cu_seqlens)  # rows hold more or fewer segments
         varies_by_batch(bounds)
         h = self.split_sequence(h)
-        for layer in self.layers:
-            h = layer(h, cos, sin, cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_cpu=bounds)
+        for i, layer in enumerate(self.layers):
+            if cache is None:
+                h = layer(h, cos, sin, cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_cpu=bounds)
+            else:
+                h = layer(h, cos, sin, cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_cpu=bounds, cache=cache.layer(i))
         return self.norm(h)
 
 

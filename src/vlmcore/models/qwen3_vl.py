@@ -19,7 +19,7 @@ from transformers import PretrainedConfig
 
 from .attention import attention
 from .layers import GridThw, VisualTokens, apply_rotary, grid_list, head_dim_of, mrope_cos_sin, rope_inv_freq
-from .parts import ModelOutput, VisionLanguageParts, varies_by_batch
+from .parts import ModelCache, ModelOutput, VisionLanguageParts, varies_by_batch
 from .qwen3 import Qwen3TextModel
 
 DEFAULT_MROPE_SECTION = [24, 20, 20]  # transformers' value when the config has none
@@ -342,10 +342,12 @@ class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
         video_grid_thw: GridThw | None = None,
         visual_selection: Sequence[torch.Tensor] | None = None,
         vision_embeds: VisionEmbeds | None = None,
+        cache: ModelCache | None = None,
     ) -> ModelOutput:
         """`visual_selection`: under context parallelism (vlmcore.parallel.cp) input_ids is a chunk
         of the rows and this says which features of the images and videos go to it.
-        `vision_embeds`: the tower's output from other ranks (`embed`)."""
+        `vision_embeds`: the tower's output from other ranks (`embed`). `cache`: generation's
+        (vlmcore.generate), which gives the positions of the tokens it decodes."""
         h, visual, deepstack = self.embed(
             input_ids,
             pixel_values,
@@ -357,5 +359,5 @@ class Qwen3VLForConditionalGeneration(VisionLanguageParts, nn.Module):
         )
         if position_ids is None:
             position_ids = self.position_ids(input_ids, image_grid_thw, cu_seqlens, video_grid_thw)
-        h = self.model.language_model(h, position_ids, cu_seqlens, max_seqlen, visual, deepstack)
+        h = self.model.language_model(h, position_ids, cu_seqlens, max_seqlen, visual, deepstack, cache=cache)
         return self.output(h, return_hidden)

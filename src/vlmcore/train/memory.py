@@ -88,6 +88,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="memory of one GPU: exit 1, saying what to change, "
         f"if the estimate does not fit in it with {HEADROOM * 100:.0f}%% kept free",  # %%: argparse formats help
     )
+    parser.add_argument(
+        "--generation-rows",
+        type=positive_int,
+        help="also the generation cache (vlmcore.generate: KV cache, Gated DeltaNet state) of this many rows "
+        "(prompts x samples) on one rank of the stage's tensor parallelism",
+    )
+    parser.add_argument(
+        "--generation-tokens",
+        type=positive_int,
+        help="tokens each generation row holds, its prompt and max_new_tokens (default: the row length)",
+    )
     parser.add_argument("--json", type=Path, help="also write the estimate here")
 
 
@@ -106,6 +117,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(format_table(result))
+    if args.generation_rows:
+        result["generation_cache"] = generation_cache(cfg, args.generation_rows, args.generation_tokens or result)
+        g = result["generation_cache"]
+        print(
+            f"generation cache: {g['bytes'] / 2**30:.2f} GiB per rank for {g['rows']} rows of {g['tokens']} tokens "
+            f"(tp {g['tp']}, {g['dtype']})"
+        )
     problem = None
     if args.gpu_memory_gib:
         problem = check_fit(result, args.gpu_memory_gib)
@@ -119,6 +137,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {args.config}: {problem}", file=sys.stderr)
         return 1
     return 0
+
+
+def generation_cache(cfg: TrainConfig, rows: int, tokens: int | dict) -> dict:
+    """The bytes of a generation cache of `rows` rows of `tokens` tokens (a dict: the estimate's
+    row length) on one rank: vlmcore.generate.cache.cache_bytes in the stage's compute dtype."""
+    from vlmcore.generate.cache import cache_bytes
+    from vlmcore.models import load_hf_config
+
+    if isinstance(tokens, dict):
+        tokens = tokens["seq_len"]
+    text_config = load_hf_config(cfg.model_path).get_text_config()
+    dtype = getattr(torch, cfg.precision.param_dtype)
+    total = cache_bytes(text_config, rows, tokens, dtype, tp=cfg.parallel.tp)
+    return dict(rows=rows, tokens=tokens, tp=cfg.parallel.tp, dtype=cfg.precision.param_dtype, bytes=total)
 
 
 def estimate_stage(

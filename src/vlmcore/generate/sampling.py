@@ -1,0 +1,97 @@
+"""Choosing the next token: greedy, or a draw from the temperature-scaled distribution, cut to its
+top-k tokens and its top-p mass, from a seeded generator.
+
+`next_tokens` returns each chosen token's log-probability under the distribution it was drawn
+from: the one after the temperature, the blocked tokens and the top-k / top-p cut (renormalised);
+for greedy decoding, the model's distribution at temperature 1.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class GenerationError(ValueError):
+    """A request refused before any work: it names the prompt or the setting."""
+
+
+@dataclass
+class SamplingSettings:
+    """How each token is chosen. temperature 0: greedy (top_p, top_k and seed unused)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0  # keep the most likely tokens whose probabilities sum to at least top_p
+    top_k: int = 0  # keep the k most likely tokens; 0: all
+    n: int = 1  # samples per prompt, sharing the prompt's prefill
+    seed: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)  # the model's eos tokens are added by `generate`
+    stop_strings: list[str] = field(default_factory=list)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+SETTINGS = tuple(SamplingSettings.__dataclass_fields__)
+
+
+def sampling_settings(**given: object) -> SamplingSettings:
+    """SamplingSettings from keyword values, each checked by name (the refusal names the setting)."""
+    unknown = sorted(set(given) - set(SETTINGS))
+    if unknown:
+        raise GenerationError(f"unknown sampling setting(s) {unknown}; known: {list(SETTINGS)}")
+    settings = SamplingSettings(**given)
+    check_settings(settings)
+    return settings
+
+
+def check_settings(s: SamplingSettings) -> None:
+    checks = [
+        ("max_new_tokens", isinstance(s.max_new_tokens, int) and s.max_new_tokens >= 1, "an int >= 1"),
+        ("temperature", s.temperature >= 0, ">= 0 (0: greedy)"),
+        ("top_p", 0 < s.top_p <= 1, "in (0, 1]"),
+        ("top_k", isinstance(s.top_k, int) and s.top_k >= 0, "an int >= 0 (0: all tokens)"),
+        ("n", isinstance(s.n, int) and s.n >= 1, "an int >= 1"),
+        ("n", s.n == 1 or not s.greedy, "1 with greedy decoding (temperature 0): its samples would be equal"),
+    ]
+    for name, ok, what in checks:
+        if not ok:
+            raise GenerationError(f"sampling setting {name}={getattr(s, name)!r} must be {what}")
+
+
+def sampling_log_probs(logits: torch.Tensor, settings: SamplingSettings, blocked: torch.Tensor | None) -> torch.Tensor:
+    """(rows, V) logits -> the log-probabilities of the distribution the next token is drawn from (fp32)."""
+    logits = logits.float()
+    if blocked is not None:
+        logits = logits.masked_fill(blocked, float("-inf"))
+    if settings.greedy:
+        return logits.log_softmax(-1)
+    logits = logits / settings.temperature
+    if settings.top_k and settings.top_k < logits.shape[-1]:
+        kth = logits.topk(settings.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if settings.top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs  # of the tokens more likely than each one
+        drop_sorted = mass_before >= settings.top_p  # the most likely token is always kept
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # back to vocabulary order
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.log_softmax(-1)
+
+
+def next_tokens(
+    logits: torch.Tensor,
+    settings: SamplingSettings,
+    generator: torch.Generator | None,
+    blocked: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, V) logits -> (tokens (rows,), their log-probabilities (rows,)). `blocked` (V,) bool:
+    tokens never chosen (the media placeholders)."""
+    log_probs = sampling_log_probs(logits, settings, blocked)
+    if settings.greedy:
+        tokens = log_probs.argmax(-1)
+    else:
+        tokens = torch.multinomial(log_probs.exp(), 1, generator=generator)[:, 0]
+    return tokens, log_probs.gather(-1, tokens[:, None])[:, 0]

@@ -1,0 +1,147 @@
+"""vlmcore.generate on the model as parallelize leaves it, on 2 gloo processes, against one
+process: FSDP2 with its weights gathered once for the rollout (the rollout strategy,
+generate/parallel.py) and per layer as in training, tensor parallelism 2 with and without
+sequence parallelism; Qwen3-VL with images and a video, Qwen3.5 (Gated DeltaNet), Qwen3 with tied
+embeddings (the output layer on the embedding's vocabulary shards under TP). Greedy tokens
+equal, sampled tokens equal and their log-probabilities to 1e-5. One torchrun launch for all
+cases; run by pytest, this file launches itself under torchrun."""
+
+import json
+import subprocess
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("qwen3_vl", "qwen3_5", "qwen3")
+STRATEGIES = ("fsdp-gathered", "fsdp-per-layer", "tp", "tp-sequence-parallel")
+PROMPTS = [
+    [("text", 3), ("image", (1, 4, 4)), ("text", 2)],
+    [("text", 6)],
+    [("text", 2), ("video", (2, 4, 2)), ("text", 3)],
+]
+
+
+def parallel_model(path, strategy):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from vlmcore.config import PrecisionConfig
+    from vlmcore.models import build_model, load_hf_weights
+    from vlmcore.parallel.fsdp import apply_fsdp
+    from vlmcore.parallel.tp import apply_tp
+
+    model = build_model(path, device="meta")
+    if strategy.startswith("fsdp"):
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+        apply_fsdp(model, list(model.decoder_layers()), model.vision_tower(), mesh, mesh, PrecisionConfig())
+    else:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+        apply_tp(model, mesh, sequence_parallel=strategy == "tp-sequence-parallel")
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()
+    load_hf_weights(model, path)
+    return model.eval()
+
+
+class count_all_gathers:  # noqa: N801 (a context manager, named as one)
+    """Counts FSDP2's all-gathers (torch.distributed.all_gather_single, looked up at each call)."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self.count, self.original = 0, dist.all_gather_single
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return self.original(*args, **kwargs)
+
+        dist.all_gather_single = counted
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        dist.all_gather_single = self.original
+
+
+def worker(root: Path) -> None:
+    import torch.distributed as dist
+    from _models_helpers import mm_sample
+
+    from vlmcore.generate import Prompt, SamplingSettings, generate
+    from vlmcore.generate.parallel import fsdp_modules, gathered_weights
+    from vlmcore.models import from_pretrained
+    from vlmcore.parallel.mesh import init_distributed
+
+    init_distributed(torch.device("cpu"))
+    greedy = SamplingSettings(max_new_tokens=6)
+    sampled = SamplingSettings(max_new_tokens=6, temperature=0.8, top_k=30, n=2, seed=5)
+    report = {}
+    for kind in FAMILIES:
+        path = root / kind
+        generator = torch.Generator().manual_seed(1)
+        specs = PROMPTS if kind != "qwen3" else [[("text", n)] for n in (5, 9, 2)]
+        prompts = [Prompt(*mm_sample(items, generator)) for items in specs]
+        reference = from_pretrained(path, dtype=torch.float32, device="cpu").eval()
+        expected = {name: generate(reference, prompts, s) for name, s in (("greedy", greedy), ("sampled", sampled))}
+        for strategy in STRATEGIES:
+            model = parallel_model(path, strategy)
+            rollout = gathered_weights(model) if strategy == "fsdp-gathered" else nullcontext()
+            gathers = count_all_gathers()
+            with gathers, rollout:
+                got = {name: generate(model, prompts, s) for name, s in (("greedy", greedy), ("sampled", sampled))}
+            case = {"all_gathers": gathers.count, "fsdp_units": len(fsdp_modules(model))}
+            case["blocks"] = len(model.decoder_layers())
+            for name in got:
+                case[f"{name}_equal"] = [g.tokens for g in got[name]] == [g.tokens for g in expected[name]]
+                case[f"{name}_log_prob_diff"] = max(
+                    abs(a - b)
+                    for g, e in zip(got[name], expected[name])
+                    for a, b in zip(g.log_probs, e.log_probs, strict=True)
+                )
+            if strategy == "fsdp-gathered":  # resharded after the rollout, as training needs it
+                case["resharded"] = all(type(p).__name__ == "DTensor" for p in model.decoder_layers()[0].parameters())
+            report[f"{kind}-{strategy}-rank{dist.get_rank()}"] = case
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, report)
+    if dist.get_rank() == 0:
+        (root / "report.json").write_text(json.dumps({k: v for r in out for k, v in r.items()}))
+    dist.destroy_process_group()
+
+
+def test_generation_on_fsdp2_and_tp_equals_one_process(tmp_path):
+    from _models_helpers import qwen3_5_config, qwen3_config, qwen3_vl_config
+    from _train_helpers import env
+    from transformers import Qwen3_5ForConditionalGeneration, Qwen3ForCausalLM, Qwen3VLForConditionalGeneration
+
+    for kind, hf_class, config in [
+        ("qwen3_vl", Qwen3VLForConditionalGeneration, qwen3_vl_config()),
+        ("qwen3_5", Qwen3_5ForConditionalGeneration, qwen3_5_config()),
+        ("qwen3", Qwen3ForCausalLM, qwen3_config(tied=True)),
+    ]:
+        torch.manual_seed(0)
+        hf_class(config).save_pretrained(tmp_path / kind)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env())
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert len(report) == len(FAMILIES) * len(STRATEGIES) * 2
+    for case, r in report.items():
+        assert r["greedy_equal"] and r["sampled_equal"], (case, r)
+        assert r["greedy_log_prob_diff"] < 1e-5 and r["sampled_log_prob_diff"] < 1e-5, (case, r)
+        assert r.get("resharded", True), case
+        # The rollout strategy gathers each FSDP2 unit once for both generations. Per layer, each
+        # decoder block is gathered again at every forward, 6 per generation (the prefill and 5
+        # steps); the root and the vision tower stay unsharded after their first.
+        if "fsdp-gathered" in case:
+            assert r["all_gathers"] == r["fsdp_units"], (case, r)
+        elif "fsdp-per-layer" in case:
+            assert r["all_gathers"] == 2 * 6 * r["blocks"] + r["fsdp_units"] - r["blocks"], (case, r)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    worker(Path(sys.argv[1]))
