@@ -30,7 +30,8 @@ from vlmcore.parallel.layout import RunLayout
 from vlmcore.parallel.mesh import Meshes
 from vlmcore.parallel.parallelize import parallelize
 from vlmcore.train.checkpoint import ResumableData, load_model_weights
-from vlmcore.train.dpo import AdaptersOffReference, DPOObjective, FrozenReference, Reference
+from vlmcore.train.dpo import AdaptersOffReference, Context, DPOObjective, FrozenReference, Reference
+from vlmcore.train.objective import CrossEntropy
 from vlmcore.train.optim import build_optimizer, freeze
 from vlmcore.train.step import Step, VisionDummy, build_step
 
@@ -97,9 +98,10 @@ class Run:
             tp_group,
             self.cfg.loss_chunk_tokens,
             self.cfg.max_grad_norm,
-            compiled_loss=self.cfg.parallel.compile,
             bridge=self.bridge,
             cp_group=cp_group,
+            # The ranks of a data-parallel rank's rows, whose loss sums are the same (tp) or its parts (cp).
+            objective=CrossEntropy(self.cfg.loss_chunk_tokens, self.cfg.parallel.compile, self.layout.data.dims.tp),
         )
 
     @property
@@ -142,7 +144,7 @@ def load_start_weights(model: nn.Module, cfg: TrainConfig, rank: int) -> None:
         print(f"{cfg.model_path}: no safetensors, training from random init")
 
 
-def build_reference(run: Run, load: bool = True) -> FrozenReference:
+def build_reference(run: Run, load: bool = True, context: Context | None = None) -> FrozenReference:
     """The DPO reference (`dpo.reference: copy`): the model built again, parallelized as the policy,
     with the weights the stage starts from (on a resume too: the reference never trains), frozen.
     Without `load`, random init (the memory estimate's fake run)."""
@@ -161,7 +163,7 @@ def build_reference(run: Run, load: bool = True) -> FrozenReference:
     if load:
         load_start_weights(model, cfg, run.rank)
     vision_dummy = VisionDummy(model) if model.vision_tower() is not None else None
-    return FrozenReference(model, cfg.loss_chunk_tokens, vision_dummy)
+    return FrozenReference(model, cfg.loss_chunk_tokens, vision_dummy, context)
 
 
 def build_meta_run(cfg: TrainConfig, layout: RunLayout, device: torch.device, rank: int) -> Run:
@@ -194,21 +196,48 @@ def build_run(cfg: TrainConfig, layout: RunLayout, device: torch.device) -> Run:
     run = build_meta_run(cfg, layout, device, dist.get_rank())
     run.materialize(load=True)
     run.make_step()
-    if cfg.objective == "dpo":
-        use_dpo(run)
+    use_objective(run)
     return run
 
 
-def use_dpo(run: Run, load: bool = True) -> None:
+def pairs_in_rows(cfg: TrainConfig) -> bool:
+    """Whether the stage's rows hold preference pairs (random data: consecutive segments)."""
+    return cfg.objective == "dpo"
+
+
+def use_objective(run: Run, load: bool = True) -> list[nn.Module]:
+    """The run's step gets the stage's objective (`objective`; `make_step`'s is SFT's). Returns the
+    models it holds beside the policy (the memory estimate counts their weights): DPO's reference
+    copy, else none. `load`: the reference's weights (see `build_reference`)."""
+    if run.cfg.objective == "dpo":
+        reference = use_dpo(run, load)
+        return [] if reference.model is run.model else [reference.model]
+    return []
+
+
+def use_dpo(run: Run, load: bool = True) -> "Reference":
     """The run's step trains on preference pairs against a frozen reference (vlmcore.train.dpo): a
     copy of the starting weights (`load`: see `build_reference`), or the policy itself with its
-    LoRA adapters off."""
-    dpo = run.cfg.dpo
-    if dpo.reference == "adapters_off":
-        reference: Reference = AdaptersOffReference(run.model, run.cfg.loss_chunk_tokens, run.step.vision_dummy)
+    LoRA adapters off. Returns the reference."""
+    cfg = run.cfg
+    dims = run.layout.data.dims
+    context = None
+    if run.context is not None:  # context parallelism: a sequence's log-probability over its chunks
+        context = Context(run.context["cp_rank"], run.context["cp"], run.meshes.cp().get_group())
+    if cfg.dpo.reference == "adapters_off":
+        reference: Reference = AdaptersOffReference(run.model, cfg.loss_chunk_tokens, run.step.vision_dummy, context)
     else:
-        reference = build_reference(run, load)
-    run.step.objective = DPOObjective(reference, dpo.beta, dpo.label_smoothing, run.cfg.loss_chunk_tokens)
+        reference = build_reference(run, load, context)
+    run.step.objective = DPOObjective(
+        reference,
+        cfg.dpo.beta,
+        cfg.dpo.label_smoothing,
+        cfg.loss_chunk_tokens,
+        cfg.parallel.compile,
+        peers=dims.tp * dims.cp,
+        context=context,
+    )
+    return reference
 
 
 def build_data(
@@ -231,7 +260,7 @@ def build_data(
             image_side=cfg.data.image_side,
             video_fraction=cfg.data.video_fraction,
             video_frames=cfg.data.video_frames,
-            pairs=cfg.objective == "dpo",
+            pairs=pairs_in_rows(cfg),
             num_workers=cfg.num_workers,
         )
     from vlmcore.data.load.loader import build_loader
