@@ -372,7 +372,7 @@ def _lora_rules() -> list[Rule]:
 
 
 def _dpo_rules() -> list[Rule]:
-    """What a DPO stage needs: whole pairs on each rank (no cut of the rows) and pairs in random data."""
+    """What a DPO stage needs: pairs in random data, and a reference it can have."""
     return [
         (
             "data.segments",
@@ -383,21 +383,6 @@ def _dpo_rules() -> list[Rule]:
             "dpo.reference",
             "must be copy unless lora.rank > 0 (adapters_off is the base of a LoRA stage)",
             lambda v, c: v == "copy" or c.lora.rank > 0,
-        ),
-        (
-            "parallel.tp",
-            "must be 1 when objective is dpo (a pair's log-probabilities need the whole vocabulary on each rank)",
-            lambda v, c: c.objective != "dpo" or v == 1,
-        ),
-        (
-            "parallel.cp",
-            "must be 1 when objective is dpo (a pair's log-probabilities need whole rows on each rank)",
-            lambda v, c: c.objective != "dpo" or v == 1,
-        ),
-        (
-            "parallel.modules.vision.ranks",
-            "must be all when objective is dpo (no disjoint module layouts)",
-            lambda v, c: c.objective != "dpo" or v == "all",
         ),
     ]
 

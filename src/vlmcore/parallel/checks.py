@@ -100,9 +100,6 @@ def check_model(cfg: TrainConfig, layout: RunLayout, config: ModelConfig) -> Non
             "supported yet (use colocated layouts)",
             "parallel.modules.vision.ranks",
         )
-    if cfg.objective == "dpo" and model.experts:
-        # The DPO step has no load-balancing loss for the router yet: refused here, before any model is built.
-        raise ConfigError("objective: dpo is not available for mixture-of-experts models yet", "objective")
     check_ep(config, layout.language.dims.ep)
     if layout.language.dims.cp > 1:
         check_cp_model(config, model, layout.language.dims.cp, layout.language.dims.tp)

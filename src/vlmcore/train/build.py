@@ -24,7 +24,7 @@ from transformers import PretrainedConfig
 from vlmcore.config import ConfigError, TrainConfig
 from vlmcore.families import family
 from vlmcore.models import build_model, load_hf_weights, use_backends
-from vlmcore.models.lora import add_adapters, init_adapters
+from vlmcore.models.lora import adapters_disabled, add_adapters, init_adapters
 from vlmcore.parallel.disjoint import DisjointBridge
 from vlmcore.parallel.layout import RunLayout
 from vlmcore.parallel.mesh import Meshes
@@ -154,15 +154,17 @@ def build_reference(run: Run, load: bool = True, context: Context | None = None)
     # fake mode holds a weak reference to, and `to_empty` could not swap it for its replacement.
     with unset_fake_temporarily():
         model = build_model(cfg.model_path, device="meta")
+        parallelize(model, cfg, run.layout, run.meshes, run.rank)
+        # Frozen once parallelized: under disjoint layouts a rank's module must have weights that train.
         for parameter in model.parameters():
             parameter.requires_grad_(False)
-        parallelize(model, cfg, run.layout, run.meshes, run.rank)
     model.to_empty(device=run.device)
     with torch.no_grad():
         model.init_weights()
     if load:
         load_start_weights(model, cfg, run.rank)
-    vision_dummy = VisionDummy(model) if model.vision_tower() is not None else None
+    # Under disjoint layouts the encoder ranks run the tower (`reference_tower`), no rank needs a dummy.
+    vision_dummy = VisionDummy(model) if model.vision_tower() is not None and run.bridge is None else None
     return FrozenReference(model, cfg.loss_chunk_tokens, vision_dummy, context)
 
 
@@ -228,6 +230,8 @@ def use_dpo(run: Run, load: bool = True) -> "Reference":
         reference: Reference = AdaptersOffReference(run.model, cfg.loss_chunk_tokens, run.step.vision_dummy, context)
     else:
         reference = build_reference(run, load, context)
+    if run.role == "vision":  # disjoint layouts: an encoder rank runs the reference's tower, the bridge sends it
+        run.bridge.reference_tower = reference_tower(reference)
     run.step.objective = DPOObjective(
         reference,
         cfg.dpo.beta,
@@ -238,6 +242,20 @@ def use_dpo(run: Run, load: bool = True) -> "Reference":
         context=context,
     )
     return reference
+
+
+def reference_tower(reference: FrozenReference) -> Callable:
+    """The reference's vision tower as a call (pixels, grids) -> (embeds, deepstack): its own
+    model's, or the policy's with the adapters off."""
+    tower = reference.model.vision_tower()
+    if not isinstance(reference, AdaptersOffReference):
+        return tower
+
+    def adapters_off(pixels: torch.Tensor, grids: list) -> tuple:
+        with adapters_disabled(reference.model):
+            return tower(pixels, grids)
+
+    return adapters_off
 
 
 def build_data(

@@ -18,6 +18,7 @@ a batch without gradients: here a frozen copy of the policy at the stage's start
 same model with its adapters switched off fits the same slot.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,6 +29,7 @@ from torch import nn
 
 from vlmcore.data.load.batch import Batch
 from vlmcore.models.lora import adapters_disabled
+from vlmcore.models.qwen3_vl import VisionEmbeds
 from vlmcore.train.loss import chunked_token_logps
 from vlmcore.train.step import VisionDummy, forward_hidden
 
@@ -73,19 +75,25 @@ def segment_logps(
 
 
 def model_segment_logps(
-    model: nn.Module, batch: Batch, chunk_tokens: int = 1024, context: Context | None = None
+    model: nn.Module,
+    batch: Batch,
+    chunk_tokens: int = 1024,
+    context: Context | None = None,
+    received: VisionEmbeds | None = None,
 ) -> torch.Tensor:
     """The model's per-segment log-probabilities of a device batch (`segment_logps`; under context
-    parallelism this rank's chunk's part)."""
-    hidden = forward_hidden(model, batch)
+    parallelism this rank's chunk's part). `received`: a language rank's image embeddings under
+    disjoint layouts."""
+    hidden = forward_hidden(model, batch, received)
     return segment_logps(hidden, model.lm_head.weight, batch.labels, batch.cu_seqlens, chunk_tokens, context)
 
 
 class Reference(Protocol):
     """What DPO needs of its reference policy."""
 
-    def logps(self, batch: Batch) -> torch.Tensor:
-        """(segments,) log-probabilities of the device batch's segments, without gradients."""
+    def logps(self, batch: Batch, embeds: Callable[[], VisionEmbeds] | None = None) -> torch.Tensor:
+        """(segments,) log-probabilities of the device batch's segments, without gradients.
+        `embeds`: under disjoint layouts, receives the reference tower's image embeddings."""
         ...
 
 
@@ -110,10 +118,11 @@ class FrozenReference:
         self.context = context
 
     @torch.no_grad()
-    def logps(self, batch: Batch) -> torch.Tensor:
+    def logps(self, batch: Batch, embeds: Callable[[], VisionEmbeds] | None = None) -> torch.Tensor:
         if self.vision_dummy is not None:
             self.vision_dummy.active = not batch.has_visual
-        logps = model_segment_logps(self.model, batch, self.chunk_tokens, self.context)
+        received = embeds() if embeds is not None else None
+        logps = model_segment_logps(self.model, batch, self.chunk_tokens, self.context, received)
         if self.context is not None:  # the whole sequences': their chunks' parts summed
             dist.all_reduce(logps, group=self.context.group)
         return logps
@@ -138,9 +147,9 @@ class AdaptersOffReference(FrozenReference):
         self.vision_dummy = vision_dummy
         self.context = context
 
-    def logps(self, batch: Batch) -> torch.Tensor:
+    def logps(self, batch: Batch, embeds: Callable[[], VisionEmbeds] | None = None) -> torch.Tensor:
         with adapters_disabled(self.model):
-            return super().logps(batch)
+            return super().logps(batch, embeds)
 
 
 @dataclass
@@ -219,10 +228,10 @@ class DPOObjective:
     count = "pairs"
     sums = PAIR_SUMS
 
-    def prepare(self, batch: Batch) -> torch.Tensor:
+    def prepare(self, batch: Batch, reference_embeds: Callable[[], VisionEmbeds] | None) -> torch.Tensor:
         if batch.pairs is None:
             raise ValueError(f"objective dpo: a batch without preference pairs (rows {batch.row_keys})")
-        return self.reference.logps(batch)
+        return self.reference.logps(batch, reference_embeds)
 
     def loss(
         self, hidden: torch.Tensor, head: torch.Tensor, batch: Batch, reference_logps: torch.Tensor

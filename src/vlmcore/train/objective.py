@@ -9,7 +9,7 @@ clipping, the one all-reduce and host read, the optimizer. An objective owns wha
 - `count`: the global count its summed loss is divided by (a key of
   `vlmcore.train.metrics_log.global_counts`: `label_tokens` for SFT, `pairs` for DPO), counted
   on the host before the step, so that any split of a global batch gives the same gradients;
-- `prepare(batch)`: what it needs of a micro-batch before the policy's forward, without gradients
+- `prepare(batch, reference_embeds)`: what it needs of a micro-batch before the policy's forward, without gradients
   (DPO: the reference's log-probabilities; an RL objective: the sampling policy's and the
   reference's); the step runs it outside the MoE routing statistics;
 - `loss(hidden, head, batch, prepared)`: from the policy's final hidden states, through the LM
@@ -23,12 +23,14 @@ need: how many ranks hold the same rows (tensor-parallel peers, and for a per-se
 the context-parallel ones) and, under context parallelism, how to add a sequence's parts.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from vlmcore.data.load.batch import Batch
+from vlmcore.models.qwen3_vl import VisionEmbeds
 from vlmcore.train.loss import chunked_cross_entropy
 
 
@@ -38,8 +40,11 @@ class Objective(Protocol):
     count: str  # the global count that divides the loss sum: a `global_counts` key
     sums: tuple[str, ...]  # names of what `loss` returns besides the loss, the loss's sum first
 
-    def prepare(self, batch: Batch) -> Any:
-        """What the loss needs of the device micro-batch before the policy's forward (no gradients)."""
+    def prepare(self, batch: Batch, reference_embeds: Callable[[], VisionEmbeds] | None) -> Any:
+        """What the loss needs of the device micro-batch before the policy's forward (no gradients).
+        `reference_embeds`: on a language rank of disjoint layouts, receives the micro-batch's image
+        embeddings of the reference's tower (`DisjointBridge.reference_tower`), for an objective
+        that runs a reference; None otherwise."""
         ...
 
     def loss(
@@ -64,7 +69,7 @@ class CrossEntropy:
     count = "label_tokens"
     sums = ("loss",)
 
-    def prepare(self, batch: Batch) -> None:
+    def prepare(self, batch: Batch, reference_embeds: Callable[[], VisionEmbeds] | None) -> None:
         return None
 
     def loss(

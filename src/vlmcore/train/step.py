@@ -14,6 +14,7 @@ longest packed segment, the image grids, the label count) is taken from the batc
 still on the host (`Batch.to`), and losses and norms stay on the device until the one read.
 """
 
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Callable
@@ -178,9 +179,11 @@ def forward_backward(
         if isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(i == len(micro) - 1)  # reduce once, after the last
         # What the objective needs before the policy's forward (DPO: the reference's log-probabilities),
-        # kept out of the routing statistics of the policy's MoE blocks.
+        # kept out of the routing statistics of the policy's MoE blocks; under disjoint layouts a
+        # reference's image embeddings come from the encoder ranks before the policy's.
+        reference_embeds = functools.partial(bridge.receive, i) if bridge is not None else None
         with moe.routing.not_kept() if moe is not None else nullcontext():
-            prepared = objective.prepare(batch)
+            prepared = objective.prepare(batch, reference_embeds)
         if vision_dummy is not None:
             vision_dummy.active = not batch.has_visual
         received = bridge.receive(i) if bridge is not None else None
