@@ -466,7 +466,7 @@ def _lora_rules() -> list[Rule]:
 
 
 def _dpo_rules() -> list[Rule]:
-    """What a DPO stage needs: whole pairs on each rank (no cut of the rows) and pairs in random data."""
+    """What a DPO stage needs: pairs in random data, and a reference it can have."""
     return [
         Rule(
             "data.segments",
@@ -479,24 +479,6 @@ def _dpo_rules() -> list[Rule]:
             "must be copy unless lora.rank > 0 (adapters_off is the base of a LoRA stage)",
             when=lambda c: not _lora_stage(c),
             must=lambda reference, c: reference == "copy",
-        ),
-        Rule(
-            "parallel.tp",
-            "must be 1 when objective is dpo (a pair's log-probabilities need the whole vocabulary on each rank)",
-            when=_dpo_stage,
-            must=lambda tp, c: tp == 1,
-        ),
-        Rule(
-            "parallel.cp",
-            "must be 1 when objective is dpo (a pair's log-probabilities need whole rows on each rank)",
-            when=_dpo_stage,
-            must=lambda cp, c: cp == 1,
-        ),
-        Rule(
-            "parallel.modules.vision.ranks",
-            "must be all when objective is dpo (no disjoint module layouts)",
-            when=_dpo_stage,
-            must=lambda ranks, c: ranks == "all",
         ),
     ]
 

@@ -17,8 +17,9 @@ from PIL import Image
 from vlmcore.parallel.layout import BatchSplit
 from vlmcore.report.scaling import DPO_FINAL_STEPS, write_report
 from vlmcore.report.tables import read_metrics
-from vlmcore.train.dpo import PAIR_SUMS, pair_losses
+from vlmcore.train.dpo import PAIR_SUMS, DPOObjective, pair_losses
 from vlmcore.train.metrics_log import Hardware, MetricsLogger, StepTimes, step_record
+from vlmcore.train.objective import CrossEntropy
 from vlmcore.train.state import TrainState
 from vlmcore.train.step import StepResult
 
@@ -35,13 +36,14 @@ def write_dpo_metrics(output_dir: Path, steps: int, sft: bool = False) -> Path:
     generator = torch.Generator().manual_seed(0)
     reference = torch.randn(2 * PAIRS, generator=generator, dtype=torch.float64)
     pairs = torch.arange(2 * PAIRS).view(PAIRS, 2)
+    # The loop's objectives, whose metrics the records hold (an SFT stage's loss: its sum over its tokens).
+    objective = CrossEntropy() if sft else DPOObjective(reference=None, beta=0.1, label_smoothing=0.0)
     for step in range(steps):
         shift = torch.randn(2 * PAIRS, generator=generator, dtype=torch.float64) * step
         losses = pair_losses(reference + shift, reference, pairs, beta=0.1)
         sums = [losses.losses.sum(), losses.chosen_rewards.sum(), losses.rejected_rewards.sum(), losses.correct.sum()]
         assert len(sums) == len(PAIR_SUMS)
-        objective_sums = None if sft else [float(value) for value in sums]
-        result = StepResult(float(sums[0]), 1.0, True, None, objective_sums)
+        result = StepResult(float(sums[0]), 1.0, True, None, [float(value) for value in sums])
         counts = {
             "label_tokens": 100.0,
             "samples": 2.0 * PAIRS,
@@ -53,7 +55,9 @@ def write_dpo_metrics(output_dir: Path, steps: int, sft: bool = False) -> Path:
         }
         state.count_step(True, int(counts["samples"]), int(counts["tokens"]))
         logger.log(
-            step_record(state, result, counts, 1e-3, StepTimes(0.5, 0.0), Hardware(torch.device("cpu"), None), 1)
+            step_record(
+                state, result, counts, 1e-3, StepTimes(0.5, 0.0), Hardware(torch.device("cpu"), None), objective
+            )
         )
     return output_dir / "metrics.jsonl"
 

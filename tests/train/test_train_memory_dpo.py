@@ -58,3 +58,40 @@ def test_the_copy_reference_adds_its_weights_and_adapters_off_adds_none(tmp_path
     assert kind(adapters_off, "Sharded Param") == kind(lora_sft, "Sharded Param")
     assert kind(adapters_off, "OptState") == kind(lora_sft, "OptState")
     assert abs(adapters_off["peak_bytes"] - lora_sft["peak_bytes"]) < reference_weights / 10
+
+
+def test_dpo_is_estimated_under_tensor_context_and_expert_parallelism(tmp_path):
+    """DPO's layouts in the estimate: under tp 2, cp 2 (dense Qwen3-VL) and ep 2 (Qwen3-VL-MoE) on
+    2 ranks the copy reference adds its weights, sharded over the 2 ranks as the policy's are,
+    neither gradients nor optimizer state, and its forward's activations."""
+    from vlmcore.models import build_model
+
+    kinds = {}
+    for kind in ("qwen3_vl", "qwen3_vl_moe"):
+        snapshot = tiny_snapshot(kind, tmp_path / kind)
+        config = write_config(
+            tmp_path / f"{kind}.yaml", snapshot, tmp_path / "out", data={"kind": "random", "seq_len": 96, "segments": 2}
+        )
+        model = build_model(str(snapshot), device="meta")
+        kinds[kind] = config, 4 * sum(p.numel() for p in model.parameters())  # fp32
+    # The MoE estimate follows the GPU's grouped GEMM, in bf16.
+    bf16 = "precision.param_dtype=bfloat16"
+    cases = [
+        ("qwen3_vl", ["parallel.tp=2"]),
+        ("qwen3_vl", ["parallel.cp=2"]),
+        ("qwen3_vl_moe", ["parallel.ep=2", bf16]),
+    ]
+    for kind, parallel in cases:
+        config, reference_weights = kinds[kind]
+        sft, dpo = estimates(config, [parallel, 2, 96, 2, True], [[*parallel, "objective=dpo"], 2, 96, 2, True])
+
+        def kind_of(result: dict, name: str) -> int:
+            return result["peak_bytes_by_kind"].get(name, 0)
+
+        # The reference's shards are the policy's: its weights on a rank are the policy's, about half of all.
+        added = kind_of(dpo, "Sharded Param") - kind_of(sft, "Sharded Param")
+        assert added == kind_of(sft, "Sharded Param"), parallel
+        assert reference_weights / 2 <= added < reference_weights, parallel
+        assert kind_of(dpo, "OptState") == kind_of(sft, "OptState"), parallel
+        assert kind_of(dpo, "Sharded Grad") == kind_of(sft, "Sharded Grad"), parallel
+        assert sft["peak_bytes"] < dpo["peak_bytes"] <= sft["peak_bytes"] + 2 * reference_weights, parallel

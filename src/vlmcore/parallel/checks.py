@@ -120,9 +120,6 @@ def check_model(cfg: TrainConfig, layout: RunLayout, config: ModelConfig) -> Non
             "supported yet (use colocated layouts)",
             "parallel.modules.vision.ranks",
         )
-    if cfg.objective == "dpo" and model.experts:
-        # The DPO step has no load-balancing loss for the router yet: refused here, before any model is built.
-        raise ConfigError("objective: dpo is not available for mixture-of-experts models yet", "objective")
     if cfg.lora.rank > 0 and not cfg.lora.targets and not model.experts:
         # lora.experts (default true) adapts routed experts only; without targets a dense model gets no adapter.
         raise ConfigError(

@@ -188,6 +188,9 @@ class DisjointBridge:
         self.dtype = dtype
         self.device = device
         self.plans: list[ExchangePlan] = []  # the step's, one per micro-batch
+        # DPO's reference tower on an encoder rank (`vlmcore.train.build.use_dpo`): (pixels, grids)
+        # -> (embeds, deepstack), run before the policy's tower on each micro-batch.
+        self.reference_tower: Callable | None = None
 
     def encoder_rows(self) -> range:
         i = self.rank - self.vision_ranks.start
@@ -261,7 +264,8 @@ class DisjointBridge:
         of its rows of each micro-batch (in one pass, images first, as the model does), sends the
         embeddings to the language ranks and backpropagates the gradients they send back. Without
         either it runs a tiny zero image and sends none of it, so the tower's collectives match its
-        other ranks'. Returns a zero loss sum (the language ranks have it)."""
+        other ranks'. With a `reference_tower` (DPO) the reference's embeddings go first, without
+        gradients, in an exchange of their own. Returns a zero loss sum (the language ranks have it)."""
         vision = model.vision_tower()
         device = next(model.parameters()).device
         for i, batch in enumerate(inputs):
@@ -272,12 +276,20 @@ class DisjointBridge:
                 else [x for x in (batch.images, batch.videos) if x is not None]
             )
             pixels = torch.cat([x.pixel_values for x in kinds]) if len(kinds) > 1 else kinds[0].pixel_values
-            embeds, deepstack = vision(pixels, [g for x in kinds for g in x.grids()])
-            sent = torch.cat([embeds, *deepstack], dim=1)
-            sent = self._by_destination(sent, self.plans[i].by_kind) if batch is not None else sent[:0]
-            received = self.exchange(i, sent)
+            grids = [g for x in kinds for g in x.grids()]
+            if self.reference_tower is not None:
+                with torch.no_grad():
+                    self.exchange(i, self._sent(i, batch, *self.reference_tower(pixels, grids)))
+            received = self.exchange(i, self._sent(i, batch, *vision(pixels, grids)))
             received.sum().backward()  # nothing arrives on an encoder rank; its backward brings `sent`'s gradient
         return torch.zeros((), dtype=torch.float64, device=device)
+
+    def _sent(
+        self, i: int, batch: EncoderInputs | None, embeds: torch.Tensor, deepstack: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """What an encoder rank sends of micro-batch i's tower output (nothing for a zero image)."""
+        sent = torch.cat([embeds, *deepstack], dim=1)
+        return self._by_destination(sent, self.plans[i].by_kind) if batch is not None else sent[:0]
 
     def _by_destination(self, rows: torch.Tensor, sizes: dict) -> torch.Tensor:
         """The tower's output (all images, then all videos, each by language data-parallel rank) as

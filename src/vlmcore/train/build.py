@@ -24,13 +24,14 @@ from transformers import PretrainedConfig
 from vlmcore.config import ConfigError, TrainConfig
 from vlmcore.families import family
 from vlmcore.models import build_model, load_hf_weights, use_backends
-from vlmcore.models.lora import add_adapters, init_adapters
+from vlmcore.models.lora import adapters_disabled, add_adapters, init_adapters
 from vlmcore.parallel.disjoint import DisjointBridge
 from vlmcore.parallel.layout import RunLayout
 from vlmcore.parallel.mesh import Meshes
 from vlmcore.parallel.parallelize import parallelize
 from vlmcore.train.checkpoint import ResumableData, load_model_weights
-from vlmcore.train.dpo import AdaptersOffReference, DPOObjective, FrozenReference, Reference
+from vlmcore.train.dpo import AdaptersOffReference, Context, DPOObjective, FrozenReference, Reference
+from vlmcore.train.objective import CrossEntropy
 from vlmcore.train.optim import build_optimizer, freeze
 from vlmcore.train.step import Step, VisionDummy, build_step
 
@@ -95,9 +96,10 @@ class Run:
             tp_group,
             self.cfg.loss_chunk_tokens,
             self.cfg.max_grad_norm,
-            compiled_loss=self.cfg.parallel.compile,
             bridge=self.bridge,
             cp_group=cp_group,
+            # The ranks of a data-parallel rank's rows, whose loss sums are the same (tp) or its parts (cp).
+            objective=CrossEntropy(self.cfg.loss_chunk_tokens, self.cfg.parallel.compile, self.layout.data.dims.tp),
         )
 
     @property
@@ -154,7 +156,7 @@ def load_start_weights(model: nn.Module, cfg: TrainConfig, rank: int) -> None:
         print(f"{cfg.model_path}: no safetensors, training from random init")
 
 
-def build_reference(run: Run, load: bool = True) -> FrozenReference:
+def build_reference(run: Run, load: bool = True, context: Context | None = None) -> FrozenReference:
     """The DPO reference (`dpo.reference: copy`): the model built again, parallelized as the policy,
     with the weights the stage starts from (on a resume too: the reference never trains), frozen.
     Without `load`, random init (the memory estimate's fake run)."""
@@ -164,14 +166,16 @@ def build_reference(run: Run, load: bool = True) -> FrozenReference:
     # fake mode holds a weak reference to, and `to_empty` could not swap it for its replacement.
     with unset_fake_temporarily():
         model = build_model(cfg.model_path, device="meta")
+        parallelize(model, cfg, run.layout, run.meshes, run.rank)
+        # Frozen once parallelized: under disjoint layouts a rank's module must have weights that train.
         for parameter in model.parameters():
             parameter.requires_grad_(False)
-        parallelize(model, cfg, run.layout, run.meshes, run.rank)
     materialize(model, run.device, cfg.parallel.offload)
     if load:
         load_start_weights(model, cfg, run.rank)
-    vision_dummy = VisionDummy(model) if model.vision_tower() is not None else None
-    return FrozenReference(model, cfg.loss_chunk_tokens, vision_dummy)
+    # Under disjoint layouts the encoder ranks run the tower (`reference_tower`), no rank needs a dummy.
+    vision_dummy = VisionDummy(model) if model.vision_tower() is not None and run.bridge is None else None
+    return FrozenReference(model, cfg.loss_chunk_tokens, vision_dummy, context)
 
 
 def build_meta_run(cfg: TrainConfig, layout: RunLayout, device: torch.device, rank: int) -> Run:
@@ -204,21 +208,64 @@ def build_run(cfg: TrainConfig, layout: RunLayout, device: torch.device) -> Run:
     run = build_meta_run(cfg, layout, device, dist.get_rank())
     run.materialize(load=True)
     run.make_step()
-    if cfg.objective == "dpo":
-        use_dpo(run)
+    use_objective(run)
     return run
 
 
-def use_dpo(run: Run, load: bool = True) -> None:
+def pairs_in_rows(cfg: TrainConfig) -> bool:
+    """Whether the stage's rows hold preference pairs (random data: consecutive segments)."""
+    return cfg.objective == "dpo"
+
+
+def use_objective(run: Run, load: bool = True) -> list[nn.Module]:
+    """The run's step gets the stage's objective (`objective`; `make_step`'s is SFT's). Returns the
+    models it holds beside the policy (the memory estimate counts their weights): DPO's reference
+    copy, else none. `load`: the reference's weights (see `build_reference`)."""
+    if run.cfg.objective == "dpo":
+        reference = use_dpo(run, load)
+        return [] if reference.model is run.model else [reference.model]
+    return []
+
+
+def use_dpo(run: Run, load: bool = True) -> "Reference":
     """The run's step trains on preference pairs against a frozen reference (vlmcore.train.dpo): a
     copy of the starting weights (`load`: see `build_reference`), or the policy itself with its
-    LoRA adapters off."""
-    dpo = run.cfg.dpo
-    if dpo.reference == "adapters_off":
-        reference: Reference = AdaptersOffReference(run.model, run.cfg.loss_chunk_tokens, run.step.vision_dummy)
+    LoRA adapters off. Returns the reference."""
+    cfg = run.cfg
+    dims = run.layout.data.dims
+    context = None
+    if run.context is not None:  # context parallelism: a sequence's log-probability over its chunks
+        context = Context(run.context["cp_rank"], run.context["cp"], run.meshes.cp().get_group())
+    if cfg.dpo.reference == "adapters_off":
+        reference: Reference = AdaptersOffReference(run.model, cfg.loss_chunk_tokens, run.step.vision_dummy, context)
     else:
-        reference = build_reference(run, load)
-    run.step.objective = DPOObjective(reference, dpo.beta, dpo.label_smoothing, run.cfg.loss_chunk_tokens)
+        reference = build_reference(run, load, context)
+    if run.role == "vision":  # disjoint layouts: an encoder rank runs the reference's tower, the bridge sends it
+        run.bridge.reference_tower = reference_tower(reference)
+    run.step.objective = DPOObjective(
+        reference,
+        cfg.dpo.beta,
+        cfg.dpo.label_smoothing,
+        cfg.loss_chunk_tokens,
+        cfg.parallel.compile,
+        peers=dims.tp * dims.cp,
+        context=context,
+    )
+    return reference
+
+
+def reference_tower(reference: FrozenReference) -> Callable:
+    """The reference's vision tower as a call (pixels, grids) -> (embeds, deepstack): its own
+    model's, or the policy's with the adapters off."""
+    tower = reference.model.vision_tower()
+    if not isinstance(reference, AdaptersOffReference):
+        return tower
+
+    def adapters_off(pixels: torch.Tensor, grids: list) -> tuple:
+        with adapters_disabled(reference.model):
+            return tower(pixels, grids)
+
+    return adapters_off
 
 
 def build_data(
@@ -241,7 +288,7 @@ def build_data(
             image_side=cfg.data.image_side,
             video_fraction=cfg.data.video_fraction,
             video_frames=cfg.data.video_frames,
-            pairs=cfg.objective == "dpo",
+            pairs=pairs_in_rows(cfg),
             num_workers=cfg.num_workers,
         )
     from vlmcore.data.load.loader import build_loader

@@ -18,114 +18,82 @@ a batch without gradients: here a frozen copy of the policy at the stage's start
 same model with its adapters switched off fits the same slot.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import FunctionCtx
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Replicate
 
-from vlmcore.data import IGNORE_INDEX
 from vlmcore.data.load.batch import Batch
 from vlmcore.models.lora import adapters_disabled
+from vlmcore.models.qwen3_vl import VisionEmbeds
+from vlmcore.train.loss import chunked_token_logps
 from vlmcore.train.step import VisionDummy, forward_hidden
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """A chunk's logits through the LM head, fp32 at least."""
-    logits = hidden @ weight.t()
-    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+@dataclass
+class Context:
+    """Under context parallelism: this rank's chunk of every row (`Batch.context_chunk`) and the
+    ranks that hold the other chunks, over which a sequence's log-probability is summed."""
 
-
-def _label_logps(logits: torch.Tensor, logsumexp: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The log-probability of each token's label, label logit - log-sum-exp (no log-softmax of the
-    whole vocabulary), 0 where no label."""
-    target = labels.clamp(min=0)[:, None]
-    return (logits.gather(1, target)[:, 0] - logsumexp) * (labels != IGNORE_INDEX)
-
-
-def _chunk_token_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The log-probability of each token's label (fp32 at least), 0 where no label."""
-    logits = _chunk_logits(hidden, weight)
-    return _label_logps(logits, logits.logsumexp(dim=-1), labels)
-
-
-class _ChunkTokenLogps(torch.autograd.Function):
-    """`_chunk_token_logps` with gradients, keeping no (tokens, vocabulary) tensor between forward and
-    backward: the backward computes the chunk's logits again and turns them into their gradient in
-    place, grad * (one-hot(label) - softmax), from the log-sum-exp the forward kept (one pass over
-    the logits, where recomputing the forward under autograd would run the log-softmax again and
-    scatter the label's gradient into a zero tensor of the logits' size)."""
-
-    @staticmethod
-    def forward(ctx: FunctionCtx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = _chunk_logits(hidden, weight)
-        logsumexp = logits.logsumexp(dim=-1)
-        ctx.save_for_backward(hidden, weight, labels, logsumexp)
-        return _label_logps(logits, logsumexp, labels)
-
-    @staticmethod
-    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight, labels, logsumexp = ctx.saved_tensors
-        scale = grad * (labels != IGNORE_INDEX)
-        grad_logits = _chunk_logits(hidden, weight).sub_(logsumexp[:, None]).exp_()  # the softmax
-        grad_logits.mul_(-scale[:, None])
-        grad_logits.scatter_add_(1, labels.clamp(min=0)[:, None], scale[:, None].to(grad_logits.dtype))
-        grad_logits = grad_logits.to(hidden.dtype)
-        grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
-        grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
-        return grad_hidden, grad_weight, None
-
-
-def _local_head_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The LM head's whole weight on this rank; a vocabulary-sharded (tensor-parallel) head is refused."""
-    if not isinstance(weight, DTensor):
-        return weight
-    if any(p != Replicate() for p in weight.placements):
-        raise ValueError(f"DPO: the LM head is sharded ({weight.placements}); DPO needs the whole vocabulary per rank")
-    return weight.to_local()
+    cp_rank: int
+    cp: int
+    group: dist.ProcessGroup
 
 
 def segment_logps(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor, chunk_tokens: int = 1024
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    chunk_tokens: int = 1024,
+    context: Context | None = None,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """(segments,) sums of token log-probabilities over each segment's label tokens, for `hidden`
-    (..., H) through the LM head `weight` (V, H); labels (...) are already shifted. The logits
-    go chunk by chunk; with gradients each chunk's logits are computed again in backward
-    (`_ChunkTokenLogps`), so no chunk's logits outlive it."""
-    weight = _local_head_weight(weight)
-    hidden = hidden.reshape(-1, hidden.shape[-1])
-    labels = labels.reshape(-1).to(hidden.device)
-    parts = []
-    for start in range(0, hidden.shape[0], chunk_tokens):
-        end = min(start + chunk_tokens, hidden.shape[0])
-        if torch.is_grad_enabled():
-            part = _ChunkTokenLogps.apply(hidden[start:end], weight, labels[start:end])
-        else:
-            part = _chunk_token_logps(hidden[start:end], weight, labels[start:end])
-        parts.append(part)
-    token_logps = torch.cat(parts)
-    cu_seqlens = cu_seqlens.to(hidden.device)
-    tokens = torch.arange(hidden.shape[0], device=hidden.device, dtype=cu_seqlens.dtype)
+    (..., H) through the LM head `weight` (V, H) (`vlmcore.train.loss.chunked_token_logps`:
+    chunked, vocabulary-parallel under TP); labels (B, S) are already shifted. Under context
+    parallelism (`context`) the tokens are this rank's chunk of each row, `cu_seqlens` the whole
+    rows', and the sums this chunk's part of each segment's."""
+    token_logps = chunked_token_logps(hidden, weight, labels, chunk_tokens, compiled)
+    length = labels.shape[-1]
+    rows = labels.numel() // length
+    device = token_logps.device
+    cu_seqlens = cu_seqlens.to(device)
+    # Each token's place in the flattened whole rows (its chunk's offset under context parallelism).
+    positions = torch.arange(length, device=device, dtype=cu_seqlens.dtype)
+    if context is not None:
+        positions = positions + context.cp_rank * length
+        length *= context.cp
+    tokens = (torch.arange(rows, device=device, dtype=cu_seqlens.dtype)[:, None] * length + positions).reshape(-1)
     segment = torch.searchsorted(cu_seqlens[1:], tokens, right=True)
-    sums = torch.zeros(len(cu_seqlens) - 1, dtype=token_logps.dtype, device=hidden.device)
+    sums = torch.zeros(len(cu_seqlens) - 1, dtype=token_logps.dtype, device=device)
     return sums.index_add(0, segment, token_logps)
 
 
-def model_segment_logps(model: nn.Module, batch: Batch, chunk_tokens: int = 1024) -> torch.Tensor:
-    """The model's per-segment log-probabilities of a device batch (`segment_logps`)."""
-    hidden = forward_hidden(model, batch)
-    return segment_logps(hidden, model.lm_head.weight, batch.labels, batch.cu_seqlens, chunk_tokens)
+def model_segment_logps(
+    model: nn.Module,
+    batch: Batch,
+    chunk_tokens: int = 1024,
+    context: Context | None = None,
+    received: VisionEmbeds | None = None,
+) -> torch.Tensor:
+    """The model's per-segment log-probabilities of a device batch (`segment_logps`; under context
+    parallelism this rank's chunk's part). `received`: a language rank's image embeddings under
+    disjoint layouts."""
+    hidden = forward_hidden(model, batch, received)
+    return segment_logps(hidden, model.lm_head.weight, batch.labels, batch.cu_seqlens, chunk_tokens, context)
 
 
 class Reference(Protocol):
     """What DPO needs of its reference policy."""
 
-    def logps(self, batch: Batch) -> torch.Tensor:
-        """(segments,) log-probabilities of the device batch's segments, without gradients."""
+    def logps(self, batch: Batch, embeds: Callable[[], VisionEmbeds] | None = None) -> torch.Tensor:
+        """(segments,) log-probabilities of the device batch's segments, without gradients.
+        `embeds`: under disjoint layouts, receives the reference tower's image embeddings."""
         ...
 
 
@@ -133,19 +101,31 @@ class FrozenReference:
     """The reference as a model of its own that never trains (a copy of the policy's weights at
     the stage's start, built and sharded as the policy is)."""
 
-    def __init__(self, model: nn.Module, chunk_tokens: int = 1024, vision_dummy: VisionDummy | None = None) -> None:
-        """`vision_dummy`: the reference's own (a sharded VL model runs its vision tower on every batch)."""
+    def __init__(
+        self,
+        model: nn.Module,
+        chunk_tokens: int = 1024,
+        vision_dummy: VisionDummy | None = None,
+        context: Context | None = None,
+    ) -> None:
+        """`vision_dummy`: the reference's own (a sharded VL model runs its vision tower on every
+        batch); `context`: under context parallelism, this rank's chunk of the rows."""
         for parameter in model.parameters():
             parameter.requires_grad_(False)
         self.model = model.eval()
         self.chunk_tokens = chunk_tokens
         self.vision_dummy = vision_dummy
+        self.context = context
 
     @torch.no_grad()
-    def logps(self, batch: Batch) -> torch.Tensor:
+    def logps(self, batch: Batch, embeds: Callable[[], VisionEmbeds] | None = None) -> torch.Tensor:
         if self.vision_dummy is not None:
             self.vision_dummy.active = not batch.has_visual
-        return model_segment_logps(self.model, batch, self.chunk_tokens)
+        received = embeds() if embeds is not None else None
+        logps = model_segment_logps(self.model, batch, self.chunk_tokens, self.context, received)
+        if self.context is not None:  # the whole sequences': their chunks' parts summed
+            dist.all_reduce(logps, group=self.context.group)
+        return logps
 
 
 class AdaptersOffReference(FrozenReference):
@@ -153,16 +133,23 @@ class AdaptersOffReference(FrozenReference):
     its adapters switched off, which is the stage's frozen starting weights. It holds no second
     copy of the model, so a LoRA DPO stage needs the memory of one model, not two."""
 
-    def __init__(self, model: nn.Module, chunk_tokens: int = 1024, vision_dummy: VisionDummy | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        chunk_tokens: int = 1024,
+        vision_dummy: VisionDummy | None = None,
+        context: Context | None = None,
+    ) -> None:
         """`vision_dummy`: the policy step's own (the reference runs the same model). The model is
         the policy: it is neither frozen nor switched to eval here."""
         self.model = model
         self.chunk_tokens = chunk_tokens
         self.vision_dummy = vision_dummy
+        self.context = context
 
-    def logps(self, batch: Batch) -> torch.Tensor:
+    def logps(self, batch: Batch, embeds: Callable[[], VisionEmbeds] | None = None) -> torch.Tensor:
         with adapters_disabled(self.model):
-            return super().logps(batch)
+            return super().logps(batch, embeds)
 
 
 @dataclass
@@ -226,40 +213,50 @@ PAIR_SUMS = ("loss", "chosen_reward", "rejected_reward", "correct")
 
 @dataclass
 class DPOObjective:
-    """What the train step needs to train on preference pairs (`Step.objective`)."""
+    """DPO as the train step's objective (`vlmcore.train.objective.Objective`): per micro-batch the
+    reference's segment log-probabilities (`prepare`), then the policy's from its hidden states
+    and the pairs' losses, divided by the global number of pairs."""
 
     reference: Reference
     beta: float
     label_smoothing: float
     chunk_tokens: int = 1024
+    compiled: bool = False  # the chunks' softmax gradient as one compiled kernel (whole-vocabulary heads)
+    peers: int = 1  # ranks that hold the same pairs (tensor- and context-parallel ones): their sums count once
+    context: Context | None = None  # context parallelism: this rank's chunk of the rows
 
-    def __call__(
-        self, model: nn.Module, micro: list[Batch], pairs_total: float, vision_dummy: VisionDummy | None
+    count = "pairs"
+    sums = PAIR_SUMS
+
+    def prepare(self, batch: Batch, reference_embeds: Callable[[], VisionEmbeds] | None) -> torch.Tensor:
+        if batch.pairs is None:
+            raise ValueError(f"objective dpo: a batch without preference pairs (rows {batch.row_keys})")
+        return self.reference.logps(batch, reference_embeds)
+
+    def loss(
+        self, hidden: torch.Tensor, head: torch.Tensor, batch: Batch, reference_logps: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Accumulates the gradients of sum(pair losses) / pairs_total over the device micro-batches;
-        returns this rank's sum of pair losses and its `PAIR_SUMS` (on the device)."""
-        sums = None
-        for i, batch in enumerate(micro):
-            if batch.pairs is None:
-                raise ValueError(f"objective dpo: a batch without preference pairs (rows {batch.row_keys})")
-            if isinstance(model, FSDPModule):
-                model.set_requires_gradient_sync(i == len(micro) - 1)  # reduce once, after the last
-            reference_logps = self.reference.logps(batch)
-            if vision_dummy is not None:
-                vision_dummy.active = not batch.has_visual
-            policy_logps = model_segment_logps(model, batch, self.chunk_tokens)
-            pairs = pair_losses(policy_logps, reference_logps, batch.pairs, self.beta, self.label_smoothing)
-            (pairs.losses.sum() / pairs_total).backward()
-            batch_sums = torch.stack(
-                [
-                    pairs.losses.detach().sum(),
-                    pairs.chosen_rewards.sum(),
-                    pairs.rejected_rewards.sum(),
-                    pairs.correct.sum(),
-                ]
-            ).double()
-            sums = batch_sums if sums is None else sums + batch_sums
-        return sums[0], sums
+        policy_logps = segment_logps(
+            hidden, head, batch.labels, batch.cu_seqlens, self.chunk_tokens, self.context, self.compiled
+        )
+        if self.context is not None:
+            # The whole sequences' log-probabilities, the gradient flowing into this chunk's part
+            # only: each context-parallel rank backpropagates the same pair losses through its own
+            # tokens, and the ranks' gradients add up to the whole rows'.
+            whole = policy_logps.detach().clone()
+            dist.all_reduce(whole, group=self.context.group)
+            policy_logps = policy_logps + (whole - policy_logps.detach())
+        pairs = pair_losses(policy_logps, reference_logps, batch.pairs, self.beta, self.label_smoothing)
+        loss_sum = pairs.losses.sum()
+        sums = torch.stack(
+            [loss_sum.detach(), pairs.chosen_rewards.sum(), pairs.rejected_rewards.sum(), pairs.correct.sum()]
+        )
+        return loss_sum, sums.double()
+
+    def metrics(self, sums: list[float], counts: dict) -> dict:
+        """`loss` is the mean pair loss, with `pair_metrics` beside it."""
+        pairs = pair_metrics([value / self.peers for value in sums], counts["pairs"])
+        return {"loss": pairs["dpo_loss"], **pairs}
 
 
 def pair_metrics(sums: list[float], pairs: float) -> dict:

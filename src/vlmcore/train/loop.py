@@ -5,10 +5,10 @@ and the model (vlmcore.parallel.checks); the kernels; the run built (vlmcore.tra
 meta, frozen, parallelized, materialized and loaded, optimizer, step) and its data; resume from the
 latest checkpoint. Then the steps (`Trainer.train`) and one way out (`Trainer.finish`).
 
-The loss of a step is the sum of token losses over all micro-batches and data-parallel ranks
-divided by the global number of label tokens (counted before the forward passes), or with
-`objective: dpo` the sum of pair losses divided by the global number of pairs, and FSDP reduces
-gradients by SUM: any split of the same global batch gives the same gradients.
+The loss of a step is the objective's loss summed over all micro-batches and data-parallel ranks
+divided by its global count (`Objective.count`, counted before the forward passes: label tokens
+for SFT, pairs for DPO), and FSDP reduces gradients by SUM: any split of the same global batch
+gives the same gradients.
 """
 
 import argparse
@@ -233,7 +233,7 @@ class Trainer:
             host_micro = run.bridge.plan_step(host_micro)
         result = run.step(
             [to_device(b, self.device, run.context) for b in host_micro],
-            self._loss_normaliser(counts),
+            counts[run.step.objective.count],
             lambda optimizer: set_lr(optimizer, factor),
         )
         self.nonfinite_in_a_row = 0 if result.applied else self.nonfinite_in_a_row + 1
@@ -242,7 +242,7 @@ class Trainer:
         # so from step to step this follows the GPU without a synchronize of its own.
         times = StepTimes(step=time.perf_counter() - start, data_wait=data_wait)
         lr = self.cfg.optimizer.lr * factor
-        record = step_record(state, result, counts, lr, times, self.hardware, self.layout.data.dims.tp)
+        record = step_record(state, result, counts, lr, times, self.hardware, run.step.objective)
         record |= self.stragglers.after_step(state.step, times.step, peers_wait)
         self.logger.log(record | (self.timer.read() if self.timer else {}) | self._checkpoint_metrics())
         self.profiler.step_ended(state.step)
@@ -256,25 +256,19 @@ class Trainer:
         return running | self.checkpointer.take_timings()
 
     def _global_counts(self, host_micro: list) -> dict:
-        """The global batch's counts (`global_counts`); a batch without label tokens is refused."""
+        """The global batch's counts (`global_counts`); a batch without label tokens, or without what
+        the objective's loss is divided by (DPO: preference pairs), is refused."""
         dims = self.layout.data.dims
         # cp and tp peers hold the same rows; encoder ranks count nothing
         own = [] if self.run.role == "vision" else host_micro
         counts = global_counts(own, self.run.model.config, dims.tp * dims.cp)
-        if counts["label_tokens"] == 0:
-            raise TrainingError(f"step {self.state.step + 1}: the global batch has no label tokens")
-        if self.cfg.objective == "dpo" and counts["pairs"] == 0:
-            raise TrainingError(
-                f"step {self.state.step + 1}: objective dpo but the global batch has no preference pairs "
-                f"(data_path {self.cfg.data_path}: a `preference:` source through vlmcore prepare and pack)"
-            )
+        for count in dict.fromkeys(("label_tokens", self.run.step.objective.count)):
+            if counts[count] == 0:
+                raise TrainingError(
+                    f"step {self.state.step + 1}: objective {self.cfg.objective} but the global batch has no "
+                    f"{count.replace('_', ' ')} (data_path {self.cfg.data_path})"
+                )
         return counts
-
-    def _loss_normaliser(self, counts: dict) -> float:
-        """What the step's summed loss is divided by: the global label tokens, or the global pairs (DPO)."""
-        if self.cfg.objective == "dpo":
-            return counts["pairs"]
-        return counts["label_tokens"]
 
     def _lr_factor(self, counts: dict) -> float:
         """The learning-rate multiplier of the step about to run: the schedule at the progress it

@@ -41,7 +41,7 @@ from vlmcore.models.moe import grouped_mm
 from vlmcore.parallel.checks import check_run
 from vlmcore.parallel.compile import apply_compile
 from vlmcore.parallel.layout import RunLayout
-from vlmcore.train.build import Run, build_meta_run, use_dpo
+from vlmcore.train.build import Run, build_meta_run, pairs_in_rows, use_objective
 from vlmcore.train.random_data import RandomBatches
 from vlmcore.train.step import to_device
 
@@ -163,7 +163,7 @@ def estimate_stage(
     video_frames = video_frames or packed_limits(cfg).get("video_groups", 0)
     seq_len, image_side = batch_shape(cfg, seq_len, image_side, video_frames)
     segments = cfg.data.segments if cfg.data.kind == "random" else 1
-    if cfg.objective == "dpo":  # a DPO row holds pairs: at least one pair, both sides
+    if pairs_in_rows(cfg):  # a row of pairs holds at least one pair, both sides
         segments = max(segments, 2)
     return estimate_memory(cfg, world_size, seq_len, image_side, segments=segments, video_frames=video_frames)
 
@@ -419,12 +419,13 @@ def _estimate_rank(
                     image_side=image_side,
                     video_fraction=1.0 if video_frames else 0.0,
                     video_frames=video_frames or 1,
-                    pairs=cfg.objective == "dpo",
+                    pairs=pairs_in_rows(cfg),
                 )
             )
         )
         micro = [next(batches) for _ in range(micro_batches)]
         own = [] if run.role == "vision" else micro
+        # What the step divides its loss by (the objective's count) scales the gradients, not their memory.
         label_tokens = float(sum(b.label_tokens for b in own)) * layout.data.dims.dp
         if run.bridge is not None:
             micro = run.bridge.plan_step(micro)
@@ -487,8 +488,11 @@ def _peak_of_a_later_step(run: Run, micro: list, label_tokens: float) -> dict[st
     # size, e.g. 2.25 GiB per MoE layer of Qwen3-VL-30B-A3B; no all-gather takes place and the
     # norm's outputs are one scalar per gradient, so this is the fake run's accounting, not memory.
     run.step.norm_foreach = False
-    run.step.compiled_loss = False
-    frozen = _use_dpo_reference(run)
+    # The stage's objective, its reference (if any) of random init: the reference's forward runs in
+    # each step (no gradients: its logits chunks, no saved activations); its weights, sharded as
+    # the policy's, count beside the policy's, without gradients or optimizer state.
+    frozen = use_objective(run, load=False)
+    run.step.objective.compiled = False
     # An encoder rank's FSDP root is its vision tower.
     root = run.model.vision_tower() if run.role == "vision" else run.model
     tracker = _peak_tracker(root, run.optimizer, frozen)
@@ -602,18 +606,6 @@ def _batch_tensors(micro: list[Batch | None]) -> list[torch.Tensor]:
         if batch is not None:  # an encoder rank's micro-batch without an image
             batch.map_tensors(collect)
     return tensors
-
-
-def _use_dpo_reference(run: Run) -> list[nn.Module]:
-    """A DPO stage's step with its reference, random init: its forward runs in each step (no
-    gradients: its logits chunks, no saved activations). Returns the models the tracker must count
-    beside the policy: with `dpo.reference: copy` the reference, whose weights are sharded as the
-    policy's, without gradients or optimizer state; none with `adapters_off` or an SFT stage."""
-    if run.cfg.objective != "dpo":
-        return []
-    use_dpo(run, load=False)
-    reference = run.step.objective.reference.model
-    return [] if reference is run.model else [reference]
 
 
 def format_table(result: dict) -> str:

@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 
 from vlmcore.data.load.batch import Batch
 from vlmcore.models.flops import llm_flops, vision_flops
-from vlmcore.train.dpo import pair_metrics
+from vlmcore.train.objective import Objective
 from vlmcore.train.state import TrainState
 from vlmcore.train.step import StepResult
 
@@ -112,22 +112,18 @@ def step_record(
     lr: float,
     times: StepTimes,
     hardware: Hardware,
-    tp: int,
+    objective: Objective,
 ) -> dict:
-    """One line of metrics.jsonl."""
+    """One line of metrics.jsonl: the objective's metrics (`loss` first) among the step's."""
     world = dist.get_world_size()
     step_time = times.step
     llm_tflops = counts["llm_flops"] / step_time / world / 1e12
     vision_tflops = counts["vision_flops"] / step_time / world / 1e12
     tokens = counts["tokens"]
-    loss = result.loss_sum / tp / counts["label_tokens"]
-    pairs = {}  # DPO: the loss is the mean over pairs, with the rewards, margin and accuracy
-    if result.objective_sums is not None:
-        pairs = pair_metrics(result.objective_sums, counts["pairs"])
-        loss = pairs["dpo_loss"]
+    objective_metrics = objective.metrics(result.sums, counts)
     return {
         "step": state.step,
-        "loss": loss,
+        "loss": objective_metrics.pop("loss"),
         "grad_norm": result.grad_norm,
         "lr": lr,
         "tokens": state.tokens,
@@ -148,7 +144,7 @@ def step_record(
         "skipped_samples": int(counts["skipped_samples"]),
         **({"skipped_samples_by_reason": counts["skipped_samples_by_reason"]} if counts["skipped_samples"] else {}),
         **(result.moe or {}),  # moe_aux_loss, moe_load_imbalance
-        **pairs,
+        **objective_metrics,  # DPO: the rewards, margin and accuracy (vlmcore.train.dpo)
     }
 
 

@@ -14,6 +14,7 @@ longest packed segment, the image grids, the label count) is taken from the batc
 still on the host (`Batch.to`), and losses and norms stay on the device until the one read.
 """
 
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from vlmcore.models.moe import RoutingStats, moe_blocks
 from vlmcore.models.qwen3_vl import VisionEmbeds
 from vlmcore.parallel.disjoint import DisjointBridge
 from vlmcore.parallel.float8 import precompute_scales
-from vlmcore.train.loss import chunked_cross_entropy
+from vlmcore.train.objective import CrossEntropy, Objective
 from vlmcore.train.optim import local_tensors
 
 
@@ -154,32 +155,41 @@ def forward_hidden(model: nn.Module, batch: Batch, received: VisionEmbeds | None
 def forward_backward(
     model: nn.Module,
     micro: list[Batch],
-    label_tokens: float,
+    normaliser: float,
     vision_dummy: "VisionDummy | None",
-    chunk_tokens: int,
+    chunk_tokens: int = 1024,
     compiled_loss: bool = False,
     moe: MoE | None = None,
     bridge: DisjointBridge | None = None,
+    objective: Objective | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Accumulates the gradients of sum(token losses) / label_tokens (+ the MoE load-balancing loss)
-    over the micro-batches (on the device, `Batch.to`); returns this rank's sum of token
-    losses, and for MoE models the sum of the micro-batches' load-balancing losses and the tokens
-    routed to each expert per MoE layer (None otherwise), all on the device.
+    """Accumulates the gradients of the objective's summed loss / `normaliser` (its global count:
+    label tokens for SFT, pairs for DPO) (+ the MoE load-balancing loss) over the device
+    micro-batches (`Batch.to`); returns this rank's `objective.sums` added over the micro-batches,
+    and for MoE models the sum of the micro-batches' load-balancing losses and the tokens routed
+    to each expert per MoE layer (None otherwise), all on the device.
+    `objective`: None is SFT's cross-entropy through `chunk_tokens` chunks (`compiled_loss`).
     `bridge`: a language rank of disjoint layouts receives each micro-batch's image embeddings and
     gives them to the model (`vision_embeds`).
     Under context parallelism the micro-batches are this rank's chunks of the rows (`Step.on_device`)."""
-    loss_sum, aux_sum, routed = None, None, None
+    if objective is None:
+        objective = CrossEntropy(chunk_tokens, compiled_loss)
+    sums, aux_sum, routed = None, None, None
     for i, batch in enumerate(micro):
         if isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(i == len(micro) - 1)  # reduce once, after the last
+        # What the objective needs before the policy's forward (DPO: the reference's log-probabilities),
+        # kept out of the routing statistics of the policy's MoE blocks; under disjoint layouts a
+        # reference's image embeddings come from the encoder ranks before the policy's.
+        reference_embeds = functools.partial(bridge.receive, i) if bridge is not None else None
+        with moe.routing.not_kept() if moe is not None else nullcontext():
+            prepared = objective.prepare(batch, reference_embeds)
         if vision_dummy is not None:
             vision_dummy.active = not batch.has_visual
         received = bridge.receive(i) if bridge is not None else None
         hidden = forward_hidden(model, batch, received)
-        local_sum, _ = chunked_cross_entropy(
-            hidden, model.lm_head.weight, batch.labels, chunk_tokens, compiled=compiled_loss
-        )
-        loss = local_sum / label_tokens
+        local_sum, batch_sums = objective.loss(hidden, model.lm_head.weight, batch, prepared)
+        loss = local_sum / normaliser
         if moe is not None:
             aux, counts = moe.routing.loss()
             moe.routing.clear()
@@ -190,10 +200,9 @@ def forward_backward(
             loss = loss + 0.0 * received.rows.sum()
         with moe.routing.not_kept() if moe is not None else nullcontext():
             loss.backward()
-        local_sum = local_sum.detach().double()
-        loss_sum = local_sum if loss_sum is None else loss_sum + local_sum
+        sums = batch_sums if sums is None else sums + batch_sums
         del hidden
-    return loss_sum, aux_sum, routed
+    return sums, aux_sum, routed
 
 
 def moe_metrics(aux_sum: float, routed: torch.Tensor, micro_batches: int, ranks: int) -> dict:
@@ -206,11 +215,11 @@ def moe_metrics(aux_sum: float, routed: torch.Tensor, micro_batches: int, ranks:
 
 @dataclass
 class StepResult:
-    loss_sum: float  # sum of token losses over all ranks and micro-batches (divide by label tokens)
+    loss_sum: float  # the objective's loss sum over all ranks and micro-batches (SFT: of token losses)
     grad_norm: float  # before clipping
     applied: bool  # False: non-finite loss or norm, the optimizer step was skipped
     moe: dict | None = None  # moe_aux_loss, moe_load_imbalance (MoE models)
-    objective_sums: list[float] | None = None  # the objective's sums over all ranks (DPO: `dpo.PAIR_SUMS`)
+    sums: list[float] | None = None  # the objective's `sums` over all ranks, the loss sum first
 
 
 @dataclass
@@ -223,61 +232,48 @@ class Step:
     partial: list  # parameters whose gradients are partial sums over the TP ranks
     tp_group: dist.ProcessGroup | None
     vision_dummy: "VisionDummy | None"
-    chunk_tokens: int
+    objective: Objective  # what the stage trains for (vlmcore.train.objective)
     max_grad_norm: float
-    compiled_loss: bool = False
     moe: MoE | None = None
     bridge: DisjointBridge | None = None  # disjoint layouts
     norm_foreach: bool | None = None  # the gradient norm's multi-tensor kernel (None: where torch has it)
-    # Another loss than next-token cross-entropy (DPO: vlmcore.train.dpo.DPOObjective): called as
-    # objective(model, micro, normaliser, vision_dummy), it accumulates the gradients and returns
-    # this rank's loss sum and further sums to reduce over the ranks.
-    objective: Callable | None = None
     # After each optimizer step: the float8 weights' scales for FSDP2's float8 all-gather
     # (vlmcore.parallel.float8.precompute_scales; None without).
     float8_scales: Callable[[], None] | None = None
 
-    def __call__(self, micro: list, label_tokens: float, set_lr: Callable[[torch.optim.Optimizer], None]) -> StepResult:
+    def __call__(self, micro: list, normaliser: float, set_lr: Callable[[torch.optim.Optimizer], None]) -> StepResult:
         """One optimizer step over the device micro-batches (an encoder rank of disjoint layouts:
-        the image batches of its rows); `set_lr(optimizer)` sets this step's lr."""
-        objective_sums = None
+        the image batches of its rows); `normaliser`: the global count the objective's loss sum is
+        divided by (`Objective.count`); `set_lr(optimizer)` sets this step's lr."""
+        aux_sum, routed = None, None
         if self.bridge is not None and self.bridge.is_vision:
-            loss_sum = self.bridge.encoder_step(self.model, micro)
-            aux_sum = None
-            routed = None
-        elif self.objective is not None:
-            loss_sum, objective_sums = self.objective(self.model, micro, label_tokens, self.vision_dummy)
-            aux_sum = None
-            routed = None
+            self.bridge.encoder_step(self.model, micro)
+            sums = torch.zeros(len(self.objective.sums), dtype=torch.float64, device=self.bridge.device)
         else:
-            loss_sum, aux_sum, routed = forward_backward(
+            sums, aux_sum, routed = forward_backward(
                 self.model,
                 micro,
-                label_tokens,
+                normaliser,
                 self.vision_dummy,
-                self.chunk_tokens,
-                self.compiled_loss,
-                self.moe,
-                self.bridge,
+                moe=self.moe,
+                bridge=self.bridge,
+                objective=self.objective,
             )
         if self.partial:
             sum_partial_grads(self.partial, self.tp_group)
-        norm = grad_norm(self.trainable, self.norm_foreach).to(loss_sum.device)
+        norm = grad_norm(self.trainable, self.norm_foreach).to(sums.device)
         if self.bridge is not None:
             norm = self.bridge.global_norm(norm)
-        # One all-reduce for the loss and the MoE statistics, one host read for everything.
-        totals = loss_sum.view(1)
-        if objective_sums is not None:
-            totals = torch.cat([totals, objective_sums])
+        # One all-reduce for the objective's sums and the MoE statistics, one host read for everything.
+        totals = sums
         if routed is not None:
             totals = torch.cat([totals, aux_sum.double().view(1), routed.double().flatten()])
         ranks = dist.get_world_size() if dist.is_initialized() else 1
         if ranks > 1:
             dist.all_reduce(totals)
-        norm_value, loss_value, *moe_totals = read_host(norm, totals)
-        if objective_sums is not None:
-            objective_sums = moe_totals[: len(objective_sums)]
-            moe_totals = moe_totals[len(objective_sums) :]
+        norm_value, *values = read_host(norm, totals)
+        objective_sums, moe_totals = values[: len(sums)], values[len(sums) :]
+        loss_value = objective_sums[0]
         moe = None
         if routed is not None:
             routed_total = torch.tensor(moe_totals[1:], dtype=torch.float64).view(routed.shape)
@@ -313,12 +309,15 @@ def build_step(
     compiled_loss: bool = False,
     bridge: DisjointBridge | None = None,
     cp_group: dist.ProcessGroup | None = None,
+    objective: Objective | None = None,
 ) -> Step:
-    """`partial_params`: (module, attribute name) of the TP-partial parameters (`apply_tp`);
-    `cp_group`: this rank's context-parallel peers (None without context parallelism)."""
+    """A step of `objective`, by default SFT's cross-entropy (`vlmcore.train.objective.CrossEntropy`
+    through `chunk_tokens` chunks, `compiled_loss`). `partial_params`: (module,
+    attribute name) of the TP-partial parameters (`apply_tp`); `cp_group`: this rank's
+    context-parallel peers (None without context parallelism)."""
+    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
     moe = None
     if blocks := moe_blocks(model):
-        tp = dist.get_world_size(tp_group) if tp_group is not None else 1
         cp = dist.get_world_size(cp_group) if cp_group is not None else 1
         ranks = dist.get_world_size() if dist.is_initialized() else 1
         coef = getattr(model.config.get_text_config(), "router_aux_loss_coef", 0.0) or 0.0
@@ -333,9 +332,8 @@ def build_step(
         partial,
         tp_group,
         vision_dummy,
-        chunk_tokens,
+        objective or CrossEntropy(chunk_tokens, compiled_loss, tp),
         max_grad_norm,
-        compiled_loss,
         moe,
         bridge,
         float8_scales=precompute_scales(model),
