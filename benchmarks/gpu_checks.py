@@ -31,7 +31,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from _train_helpers import load_dcp, read_metrics, start_train, tiny_snapshot, train, write_config  # noqa: E402
+from helpers import load_dcp, read_metrics, start_train, train, write_config  # noqa: E402
+
+from vlmcore.tiny import tiny_snapshot  # noqa: E402
 
 RESUME_STEPS = 24
 

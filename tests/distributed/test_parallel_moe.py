@@ -15,11 +15,12 @@ import sys
 
 import pytest
 import torch
-from _train_helpers import env, hf_config, load_dcp, read_metrics, tiny_snapshot, train, train_cases, write_config
+from helpers import env, load_dcp, read_metrics, train, train_cases, write_config
 
 from vlmcore.config import ConfigError, ParallelConfig
 from vlmcore.parallel.checks import check_ep, check_tp
 from vlmcore.parallel.layout import resolve_layout
+from vlmcore.tiny import hf_config, tiny_snapshot
 
 STEPS = 6
 GLOBAL_MICRO_BATCHES = 4

@@ -10,9 +10,10 @@ import math
 import pytest
 import torch
 import yaml
-from _train_helpers import load_dcp, read_metrics, tiny_snapshot, train, train_cases, write_config
+from helpers import load_dcp, read_metrics, train, train_cases, write_config
 
 from vlmcore.config import ConfigError, from_dict
+from vlmcore.tiny import tiny_snapshot
 
 STEPS = 4
 DPO_METRICS = ("dpo_loss", "dpo_chosen_reward", "dpo_rejected_reward", "dpo_margin", "dpo_accuracy")
@@ -65,7 +66,7 @@ def test_dpo_metrics_start_at_the_reference_and_move(one_process):
 def test_report_tabulates_and_plots_the_dpo_run(one_process):
     """`vlmcore report` on the real run's metrics.jsonl: the DPO table's row holds the means of its
     last steps (all 4 here) and the DPO plot is written and linked."""
-    from test_report_dpo import dpo_table
+    from helpers import dpo_table
 
     from vlmcore.report.scaling import write_report
 
@@ -158,9 +159,8 @@ def test_bad_dpo_settings_are_refused_by_key(overrides, key):
 def test_dpo_on_a_mixture_of_experts_model_is_refused_before_any_work(kind):
     """The checks of the run (the workflow's parse, `vlmcore memory`, the start of `vlmcore train`)
     refuse DPO on an MoE model from its config alone, by key; the dense family passes them."""
-    from _train_helpers import hf_config
-
     from vlmcore.parallel.checks import check_run
+    from vlmcore.tiny import hf_config
 
     cfg = from_dict({"model_path": "m", "output_dir": "o", "objective": "dpo", "data": {"kind": "random"}})
     with pytest.raises(ConfigError) as error:
@@ -173,7 +173,7 @@ def test_dpo_on_a_mixture_of_experts_model_is_refused_before_any_work(kind):
 @pytest.mark.slow
 def test_dpo_without_pairs_is_refused(tmp_path):
     """Packed data without preference pairs: refused by key before the run starts."""
-    from _data_helpers import make_demo_model_dir
+    from helpers import make_demo_model_dir
 
     from vlmcore.data.pack.dataset import pack
     from vlmcore.data.prepare.dataset import prepare

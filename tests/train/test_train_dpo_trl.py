@@ -16,8 +16,8 @@ import numpy as np
 import torch
 import transformers
 import trl
-from _data_helpers import make_demo_model_dir
 from datasets import Dataset
+from helpers import make_demo_model_dir
 from PIL import Image
 
 from vlmcore.data import IGNORE_INDEX
@@ -26,6 +26,7 @@ from vlmcore.data.media.processor import load_processor
 from vlmcore.data.media.tokenizer import build_demo_tokenizer
 from vlmcore.data.synthetic.image import corpus_texts
 from vlmcore.models import from_pretrained
+from vlmcore.tiny import TOKENIZER_TEXT
 from vlmcore.train.dpo import FrozenReference, model_segment_logps, pair_losses
 
 BETA = 0.3
@@ -223,16 +224,7 @@ def test_qwen3_vl_pair_logps_and_loss_equal_trl(tmp_path):
 def test_qwen3_text_pair_logps_and_loss_equal_trl(tmp_path):
     source = tmp_path / "source"
     tokenizer = build_demo_tokenizer(source, corpus_texts(0), vocab_size=512)
-    config = transformers.Qwen3Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=False,
-    )
+    config = transformers.Qwen3Config(**TOKENIZER_TEXT, tie_word_embeddings=False)
     policy_dir, reference_dir = save_pair_of_models(transformers.Qwen3ForCausalLM, config, tmp_path, source)
     check_against_trl(policy_dir, reference_dir, tokenizer, text_pairs(), tmp_path)
 
@@ -240,7 +232,7 @@ def test_qwen3_text_pair_logps_and_loss_equal_trl(tmp_path):
 def test_qwen3_5_text_pair_logps_and_loss_equal_trl(tmp_path):
     """Qwen3.5's hybrid stack (Gated DeltaNet mixers beside attention): packed, each segment's
     recurrent state starts afresh, as in TRL's one side a row."""
-    from _models_helpers import qwen3_5_text_dict
+    from vlmcore.tiny import qwen3_5_text_dict
 
     source = tmp_path / "source"
     tokenizer = build_demo_tokenizer(source, corpus_texts(0), vocab_size=512)

@@ -75,7 +75,7 @@ def test_dpo_stage_trained_on_pairs(demo: Path) -> None:
 def test_report_shows_the_dpo_stage(demo: Path) -> None:
     """train_all's report has a DPO section: the DPO stage's plot and its row of final values (means
     of the last steps of its metrics.jsonl); the SFT stage has neither."""
-    from test_report_dpo import dpo_table
+    from helpers import dpo_table
 
     from vlmcore.report.scaling import DPO_FINAL_STEPS
 
