@@ -708,10 +708,14 @@ def test_snakemake_commands_dry_run(checkout):
     one child process (this file as a script): most of a dry run's time in a process of its own
     is Snakemake's import."""
     runs = dry_runs()
+    # The child imports tests/helpers.py, as pytest's children of tests/conftest.py's folder do.
+    tests = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=f"{tests}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.run(
         [sys.executable, __file__],
         input=json.dumps([list(argv) for argv in runs]),
         cwd=checkout,
+        env=env,
         capture_output=True,
         text=True,
         timeout=600,
