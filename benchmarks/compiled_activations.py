@@ -33,9 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+from common import PRESETS, REPO, write_results
 
 # The text fields of a decoder layer, read from Qwen3-VL-8B's published architecture for "8b".
 TEXT_FIELDS = (
@@ -87,9 +85,8 @@ def saved_bytes(layer: torch.nn.Module, forward, inputs: tuple[torch.Tensor, ...
 
 
 def preset_of(name: str) -> dict:
-    """train_step.py's preset, or for "8b" Qwen3-VL-8B's language model (benchmarks/recipe_models.py)."""
+    """A benchmark preset (common.py), or for "8b" Qwen3-VL-8B's language model (benchmarks/recipe_models.py)."""
     from recipe_models import MODELS
-    from train_step import PRESETS
 
     if name != "8b":
         return PRESETS[name]
@@ -129,8 +126,6 @@ def measure(preset_name: str, seq_len: int, backend: str) -> dict:
 
 def predictions(result: dict) -> list[dict]:
     """The compiled peak predicted from the eager one, against the H200's, per family measured."""
-    from train_step import PRESETS
-
     if result["preset"] not in PRESETS:
         return []
     preset = PRESETS[result["preset"]]
@@ -193,9 +188,8 @@ def main() -> int:
                 f"| {row['family']} | {row['h200_eager_peak_gib']:.2f} GiB | {row['h200_compiled_peak_gib']:.2f} GiB "
                 f"| {row['estimate_gib']:.2f} GiB | {row['predicted_compiled_peak_gib']:.2f} GiB | {row['error']:+.1%} |"
             )
-    args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"compiled_activations_cpu_{args.preset}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(path, result)
     print(f"wrote {path}")
     return 0
 

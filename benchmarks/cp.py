@@ -13,11 +13,9 @@ benchmarks/results/cp.json.
 """
 
 import argparse
-import json
 import random
-from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from common import RESULTS, write_results
 
 
 def packed_row(length: int, seed: int, mean_doc: int) -> list[int]:
@@ -105,9 +103,8 @@ def main() -> None:
                 f"{length:>10} | {cp:>2} | 1.00, {imbalance['contiguous']:.2f}, {imbalance['head_tail']:.2f} | "
                 f"{sent['ulysses_gb']:.1f}, {sent['ring_gb']:.1f}"
             )
-    RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "cp.json"
-    out.write_text(json.dumps({"model": vars(args), "rows": rows}, indent=2) + "\n")
+    write_results(out, {"model": vars(args), "rows": rows})
     print(f"wrote {out}")
 
 

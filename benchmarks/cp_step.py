@@ -26,7 +26,6 @@ $OUT/cp_step_<device>_<model>[_video].json (benchmarks/results without $OUT), co
 """
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -36,37 +35,32 @@ from pathlib import Path
 
 import torch
 import yaml
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+from common import (
+    PRESETS,
+    REPO,
+    hf_config,
+    print_table,
+    read_metrics,
+    src_env,
+    torchrun,
+    write_results,
+    write_snapshot,
+)
 
 REPO_IDS = {"8b": "Qwen/Qwen3-VL-8B-Instruct", "2b": "Qwen/Qwen3-VL-2B-Instruct"}
 
 
-def write_snapshot(model: str, path: Path) -> None:
-    """config.json and random weights of the model (`tiny`: train_step.py's tiny Qwen3-VL)."""
+def model_snapshot(model: str, path: Path) -> None:
+    """config.json and random bf16 weights of the model (`tiny`: the tiny preset's Qwen3-VL)."""
     if (path / "config.json").is_file():
         return
-    import transformers
-
     if model == "tiny":
-        from train_step import PRESETS, hf_config
-
         config = hf_config("qwen3_vl", PRESETS["tiny"])
     else:
         from recipe_models import MODELS
 
         config = MODELS[REPO_IDS[model]]()
-    with torch.device("meta"):
-        net = transformers.Qwen3VLForConditionalGeneration(config).to(torch.bfloat16)
-    net = net.to_empty(device="cpu")
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in net.parameters():
-            p.normal_(0.0, 0.02, generator=generator)
-    tmp = path.with_name(path.name + ".partial")
-    net.save_pretrained(tmp, max_shard_size="5GB")
-    tmp.rename(path)
+    write_snapshot("qwen3_vl", config, path, on_meta=True, dtype=torch.bfloat16)
 
 
 def data_config(args, seq_len: int) -> dict:
@@ -113,28 +107,15 @@ def run_case(args, model_path: Path, seq_len: int, cp: int, gpu: bool) -> dict:
     (out / "metrics.jsonl").unlink(missing_ok=True)
     config_file = out.with_suffix(".yaml")
     config_file.write_text(yaml.safe_dump(config))
-    env = dict(os.environ, PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    if not gpu:
-        env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={args.nproc}",
-        "-m",
-        "vlmcore.cli",
-        "train",
-        str(config_file),
-    ]
+    cmd = torchrun(args.nproc, "-m", "vlmcore.cli", "train", str(config_file))
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=src_env(cpu=not gpu), check=False)
     case = {"seq_len": seq_len, "cp": cp, "dp_shard": args.nproc // cp, "wall_s": round(time.perf_counter() - start, 1)}
     if proc.returncode:
         if "OutOfMemoryError" in proc.stderr or "CUDA out of memory" in proc.stderr:
             return dict(case, status="out of memory")
         raise RuntimeError(f"vlmcore train at {seq_len} tokens, cp {cp} failed:\n{proc.stderr[-4000:]}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][args.warmup :]
+    rows = read_metrics(out)[args.warmup :]
     return dict(
         case,
         status="ok",
@@ -146,18 +127,23 @@ def run_case(args, model_path: Path, seq_len: int, cp: int, gpu: bool) -> dict:
     )
 
 
-def print_table(cases: list[dict], title: str) -> None:
+def print_cases(cases: list[dict], title: str) -> None:
     print(f"\n{title}")
-    print(f"{'seq_len':>8}{'cp':>4}{'dp_shard':>9}{'step s':>9}{'tokens/s/GPU':>14}{'TFLOP/s/GPU':>13}{'peak GiB':>10}")
+    columns = [
+        ("seq_len", ">8"),
+        ("cp", ">4"),
+        ("dp_shard", ">9"),
+        ("step s", ">9.3f"),
+        ("tokens/s/GPU", ">14,.0f"),
+        ("TFLOP/s/GPU", ">13.1f"),
+        ("peak GiB", ">10.1f"),
+    ]
+    figures = ("step_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "peak_gib")
+    rows = []
     for c in cases:
-        if c["status"] != "ok":
-            print(f"{c['seq_len']:>8}{c['cp']:>4}{c['dp_shard']:>9}  {c['status']}")
-            continue
-        print(
-            f"{c['seq_len']:>8}{c['cp']:>4}{c['dp_shard']:>9}{c['step_s']:>9.3f}{c['tokens_per_s_per_gpu']:>14,.0f}"
-            f"{c['tflops_per_gpu']:>13.1f}{c['peak_gib']:>10.1f}",
-            flush=True,
-        )
+        layout = [c["seq_len"], c["cp"], c["dp_shard"]]
+        rows.append(layout + ([c[key] for key in figures] if c["status"] == "ok" else [f"  {c['status']}"]))
+    print_table(columns, rows)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,7 +209,7 @@ def main() -> int:
         f"full activation checkpointing, {rows}, median of {args.steps} steps after {args.warmup}"
     )
     started = time.perf_counter()
-    write_snapshot(model, cache / "model")
+    model_snapshot(model, cache / "model")
     print(f"model snapshot: {cache / 'model'} ({time.perf_counter() - started:.0f} s)", flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -255,11 +241,11 @@ def main() -> int:
             cases.append(run_case(args, cache / "model", seq_len, cp, gpu))
             if cases[-1]["status"] == "out of memory":
                 out_of_memory[cp] = seq_len
-            print_table(cases[-1:], f"{seq_len} tokens, cp {cp} ({cases[-1]['wall_s']:.0f} s)")
-            result_file.write_text(json.dumps(dict(header, complete=False, cases=cases), indent=2) + "\n")
+            print_cases(cases[-1:], f"{seq_len} tokens, cp {cp} ({cases[-1]['wall_s']:.0f} s)")
+            write_results(result_file, dict(header, complete=False, cases=cases))
     cases.sort(key=lambda c: (c["seq_len"], c["cp"]))
-    print_table(cases, title)
-    result_file.write_text(json.dumps(dict(header, complete=True, cases=cases), indent=2) + "\n")
+    print_cases(cases, title)
+    write_results(result_file, dict(header, complete=True, cases=cases))
     print(f"wrote {result_file}")
     return 0
 

@@ -61,11 +61,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import RESULTS, write_results
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from vlmcore.data.pack.bin_packing import best_fit_decreasing  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 PATCH_DIM = 3 * 2 * 16 * 16
 
 
@@ -803,46 +804,43 @@ def main() -> None:
     parser.add_argument("--video-rows", type=int, default=3, help="rows timed per clip and worker count (--part video)")
     parser.add_argument("--rows", type=int, default=16, help="8,192-token rows timed per image mix and worker count")
     args = parser.parse_args()
-    RESULTS.mkdir(exist_ok=True)
     if args.part in ("packing", "all"):
         rows = bench_packing(args.samples, seq_len=8192, max_patches=3 * 8192, buffer_size=1000)
         print_table(rows)
-        (RESULTS / "data_packing.json").write_text(json.dumps(rows, indent=2) + "\n")
+        write_results(RESULTS / "data_packing.json", rows)
     if args.part in ("bfd-scaling", "all"):
         rows = bench_bfd_scaling([100000, 400000, 1600000], seq_len=8192, max_patches=3 * 8192)
         print_table(rows)
-        (RESULTS / "data_bfd_scaling.json").write_text(json.dumps(rows, indent=2) + "\n")
+        write_results(RESULTS / "data_bfd_scaling.json", rows)
     if args.part == "pack-split":  # minutes: not part of "all"
         rows = [
             r for n in args.pack_samples for r in bench_pack_split(n, args.write_jobs, seq_len=1024, max_patches=4096)
         ]
-        (RESULTS / f"data_pack_split_{'_'.join(str(n) for n in args.pack_samples)}.json").write_text(
-            json.dumps(rows, indent=2) + "\n"
-        )
+        write_results(RESULTS / f"data_pack_split_{'_'.join(str(n) for n in args.pack_samples)}.json", rows)
     if args.part == "pack":  # minutes: not part of "all"
         rows = bench_pack(args.pack_samples, args.workers, seq_len=1024, max_patches=4096, cores=args.cores)
         name = "_".join(str(n) for n in args.pack_samples)
-        (RESULTS / f"data_pack_{name}.json").write_text(json.dumps(rows, indent=2) + "\n")
+        write_results(RESULTS / f"data_pack_{name}.json", rows)
     if args.part == "resume":  # minutes (the pack): not part of "all"
         rows = bench_resume(args.pack_samples[-1], seq_len=1024, max_patches=4096)
-        (RESULTS / f"data_resume_{args.pack_samples[-1]}.json").write_text(json.dumps(rows, indent=2) + "\n")
+        write_results(RESULTS / f"data_resume_{args.pack_samples[-1]}.json", rows)
     if args.part == "video":  # minutes (clips are encoded first): not part of "all"
         rows = bench_video(VIDEO_CLIPS, worker_counts=[0, 2], rows=args.video_rows)
         print_table(rows)
-        (RESULTS / "data_video.json").write_text(json.dumps(rows, indent=2) + "\n")
+        write_results(RESULTS / "data_video.json", rows)
     if args.part in ("online", "all"):
         rows = bench_online(512, buffer_size=128, dp_worlds=[1, 8, 64], workers=4)
         print_table(rows)
-        (RESULTS / "data_online.json").write_text(json.dumps(rows, indent=2) + "\n")
+        write_results(RESULTS / "data_online.json", rows)
     if args.part in ("mixing", "all"):
         rows = bench_mixing(args.mixing_samples, dp_worlds=[1, 2])
         for row in rows:
             print(" | ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
-        (RESULTS / "data_mixing.json").write_text(json.dumps(rows, indent=2) + "\n")
+        write_results(RESULTS / "data_mixing.json", rows)
     if args.part in ("loader", "all"):
         rows = bench_loader(args.rows, worker_counts=[0, 1, 2], samples=args.loader_samples)
         print_table(rows)
-        (RESULTS / "data_loader.json").write_text(json.dumps(rows, indent=2) + "\n")
+        write_results(RESULTS / "data_loader.json", rows)
 
 
 if __name__ == "__main__":

@@ -26,9 +26,7 @@ import time
 from pathlib import Path
 
 import yaml
-
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
+from common import REPO, RESULTS, write_results
 
 
 def run_demo(config_path: Path, seed: int, shard_size: int, work: Path) -> dict:
@@ -97,20 +95,9 @@ def main() -> int:
             )
     worst = {c: min(r[c] for r in rows) for c in columns if not c.endswith("/ctl")}
     print("worst " + "  ".join(f"{k} {v:.2f}" for k, v in worst.items()))
-    RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"demo_learning_{args.config.stem}.json"
-    out.write_text(
-        json.dumps(
-            {
-                "config": str(args.config.relative_to(REPO) if args.config.is_relative_to(REPO) else args.config),
-                "machine": f"{os.cpu_count()} CPU cores",
-                "runs": rows,
-                "worst": worst,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    config = str(args.config.relative_to(REPO) if args.config.is_relative_to(REPO) else args.config)
+    write_results(out, {"config": config, "machine": f"{os.cpu_count()} CPU cores", "runs": rows, "worst": worst})
     print(f"wrote {out}")
     return 0
 

@@ -43,13 +43,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from common import write_results  # noqa: E402 (reads vlmcore: after the path above)
+
 from vlmcore.data.synthetic import image as synthetic_image  # noqa: E402
 from vlmcore.data.synthetic import video as synthetic_video  # noqa: E402
 from vlmcore.download import build_tiny_model  # noqa: E402
 from vlmcore.eval import runner, vlm  # noqa: E402
 
 PRESETS = {
-    # The demo's model (vlmcore.download.tiny_vl_config), fp32.
+    # The demo's model (vlmcore.tiny.tiny_vl_config), fp32.
     "tiny": dict(overrides=None, dtype="float32"),
     # Qwen3-VL-2B-Instruct's published config.json shape, bf16.
     "2b": dict(
@@ -352,7 +354,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     tag = "cpu" if device_name == "cpu" else "cuda"
     path = args.out / f"eval_throughput_{tag}{'' if args.preset == 'tiny' else '_' + args.preset}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(path, result)
     print_table(rows, comparisons, f"{device_name}, {args.preset}, {args.dtype}, torch {torch.__version__}")
     print(f"wrote {path}")
     return 0

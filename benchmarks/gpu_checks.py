@@ -22,6 +22,7 @@ import argparse
 import copy
 import json
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -29,11 +30,28 @@ import traceback
 from pathlib import Path
 
 import torch
+from common import read_metrics, src_env, train_command, write_results, write_run_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from _train_helpers import load_dcp, read_metrics, start_train, tiny_snapshot, train, write_config  # noqa: E402
+from vlmcore.export import load_final_state_dict
+from vlmcore.tiny import tiny_snapshot
 
 RESUME_STEPS = 24
+
+
+def train(config: Path, check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`vlmcore train CONFIG` in a process of its own, on the GPU."""
+    proc = subprocess.run(
+        train_command(1, config), capture_output=True, text=True, timeout=timeout, env=src_env(cpu=False)
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"vlmcore train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def start_train(config: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        train_command(1, config), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=src_env(cpu=False)
+    )
 
 
 def check_expert_mesh(tmp: Path) -> dict:
@@ -85,8 +103,8 @@ def check_expert_mesh(tmp: Path) -> dict:
 
 def check_moe_run(tmp: Path) -> dict:
     snapshot = tiny_snapshot("qwen3_vl_moe", tmp / "qwen3_vl_moe")
-    cfg = write_config(tmp / "moe.yaml", snapshot, tmp / "moe_run", steps=6, precision={"param_dtype": "bfloat16"})
-    proc = train(1, cfg, check=False)
+    cfg = write_run_config(tmp / "moe.yaml", snapshot, tmp / "moe_run", steps=6, precision={"param_dtype": "bfloat16"})
+    proc = train(cfg, check=False)
     metrics = read_metrics(tmp / "moe_run")
     losses = [m["loss"] for m in metrics]
     ok = proc.returncode == 0 and len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
@@ -98,9 +116,9 @@ def check_resume(tmp: Path, compiled: bool) -> dict:
     tmp = tmp / f"resume_{name}"
     snapshot = tiny_snapshot("qwen3_vl", tmp / "model")
     sets = dict(steps=RESUME_STEPS, precision={"param_dtype": "bfloat16"}, parallel={"compile": compiled})
-    train(1, write_config(tmp / "full.yaml", snapshot, tmp / "full", **sets), timeout=600)
+    train(write_run_config(tmp / "full.yaml", snapshot, tmp / "full", **sets), timeout=600)
     out = tmp / "interrupted"
-    cfg = write_config(tmp / "interrupted.yaml", snapshot, out, checkpoint={"interval": 0}, **sets)
+    cfg = write_run_config(tmp / "interrupted.yaml", snapshot, out, checkpoint={"interval": 0}, **sets)
     proc = start_train(cfg)
     deadline = time.time() + 300
     while len(read_metrics(out)) < 3 and proc.poll() is None and time.time() < deadline:
@@ -109,11 +127,11 @@ def check_resume(tmp: Path, compiled: bool) -> dict:
     proc.send_signal(signal.SIGUSR1)
     proc.communicate(timeout=300)
     stopped_at = (out / "checkpoints" / "latest").read_text().strip()
-    train(1, cfg, timeout=600)
+    train(cfg, timeout=600)
     reference, resumed = read_metrics(tmp / "full"), read_metrics(out)
     same_losses = [m["loss"] for m in resumed] == [m["loss"] for m in reference]
     same_norms = [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in reference]
-    ref_weights, weights = load_dcp(tmp / "full" / "final"), load_dcp(out / "final")
+    ref_weights, weights = load_final_state_dict(tmp / "full" / "final"), load_final_state_dict(out / "final")
     different = [k for k in ref_weights if not torch.equal(weights[k], ref_weights[k])]
     ok = same_losses and same_norms and not different and len(resumed) == RESUME_STEPS
     return dict(
@@ -130,7 +148,6 @@ def check_resume(tmp: Path, compiled: bool) -> dict:
 
 def check_grouped_mm_alignment(tmp: Path) -> dict:
     """Passes when vlmcore's padded path is right; the unpadded path's figures are the finding."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from grouped_mm_alignment import measure, print_table
 
     result = measure("30b-a3b", torch.device("cuda"), compile_too=True, steps=10)
@@ -173,7 +190,7 @@ def main() -> int:
             result["wall_s"] = round(time.time() - start, 1)
             results["checks"][name] = result
             print(f"{'PASS' if result['ok'] else 'FAIL'} {name}: {json.dumps(result)}", flush=True)
-            (args.out / "gpu_checks.json").write_text(json.dumps(results, indent=2))
+            write_results(args.out / "gpu_checks.json", results)
     return 0 if all(r["ok"] for r in results["checks"].values()) else 1
 
 

@@ -29,7 +29,6 @@ grouped_mm_alignment_<device>_<shape>.json ($OUT or --out).
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -38,10 +37,9 @@ import traceback
 from pathlib import Path
 
 import torch
+from common import REPO, write_results
 
 from vlmcore.models.moe import GROUP_ALIGN, _grouped_forward, _loop_forward, _swiglu
-
-REPO = Path(__file__).resolve().parents[1]
 
 # (experts, hidden, expert MLP width, tokens, experts a token): Qwen3-VL-30B-A3B's text MoE layer
 # at the 2B preset's 8,192 tokens a step; tiny: the CPU's calling-convention run.
@@ -200,7 +198,7 @@ def main() -> int:
     print_table(result)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"grouped_mm_alignment_{device.type}_{args.shape}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(path, result)
     print(f"wrote {path}")
     padded_ok = all(c["runs"] and c["max_error"] < 0.05 for c in result["cases"] if c["path"] == "padded")
     return 0 if padded_ok else 1

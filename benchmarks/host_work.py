@@ -58,13 +58,11 @@ from pathlib import Path
 
 import torch
 import yaml
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+from common import REPO, hf_config, src_env, torchrun, write_results, write_snapshot
 
 # The structure of each preset at a width a 2-core machine steps through in seconds: layers, vision
 # blocks, DeepStack taps and tied embeddings as the real models, every matrix 64 wide.
-# 2b: benchmarks/train_step.py's 2b preset, the one the H200 profile measured (DeepStack at block 0);
+# 2b: the 2b preset (benchmarks/common.py), the one the H200 profile measured (DeepStack at block 0);
 # 8b: Qwen3-VL-8B's published architecture (benchmarks/recipe_models.py).
 STRUCTURES = {
     "tiny": dict(layers=2, vision_depth=2, deepstack=[0], tied=True, families=("qwen3_vl",)),
@@ -229,8 +227,6 @@ def figure(case: dict, where: str, name: str) -> float:
 
 def model_config(family: str, structure: dict):
     """The transformers config of the family at the structure's depth, 64 wide."""
-    from train_step import hf_config
-
     preset = dict(
         text=dict(
             vocab_size=512,
@@ -261,16 +257,6 @@ def model_config(family: str, structure: dict):
     if hasattr(config, "text_config"):
         config.text_config.tie_word_embeddings = structure["tied"]
     return config
-
-
-def write_snapshot(family: str, structure: dict, path: Path) -> None:
-    import transformers
-    from train_step import HF_CLASSES
-
-    cls = getattr(transformers, HF_CLASSES[family][1])
-    torch.manual_seed(0)
-    model = cls(model_config(family, structure))
-    model.save_pretrained(path)
 
 
 def train_config(snapshot: Path, out: Path, warmup: int, steps: int) -> dict:
@@ -542,7 +528,7 @@ def worker(args) -> None:
     figures["parameter_tensors"] = sum(1 for _ in model.parameters())
     figures["fsdp_groups"] = fsdp_groups(model)
     if dist.get_rank() == 0:
-        args.result.write_text(json.dumps(figures, indent=2) + "\n")
+        write_results(args.result, figures)
     if close is not None:
         close()
     dist.destroy_process_group()
@@ -554,18 +540,12 @@ def worker(args) -> None:
 def run_case(family: str, structure_name: str, work: Path, args) -> dict:
     structure = STRUCTURES[structure_name]
     snapshot = work / f"{family}_{structure_name}" / "model"
-    write_snapshot(family, structure, snapshot)
+    write_snapshot(family, model_config(family, structure), snapshot)
     config_file = snapshot.parent / "train.yaml"
     config_file.write_text(yaml.safe_dump(train_config(snapshot, snapshot.parent / "out", args.warmup, args.steps)))
     result = snapshot.parent / "rank0.json"
-    env = dict(os.environ, PYTHONPATH=f"{args.src}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={args.nproc}",
+    cmd = torchrun(
+        args.nproc,
         str(Path(__file__).resolve()),
         "--worker",
         str(config_file),
@@ -576,9 +556,9 @@ def run_case(family: str, structure_name: str, work: Path, args) -> dict:
         "--result",
         str(result),
         *(["--bare"] if args.bare else []),
-    ]
+    )
     started = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=src_env(args.src), check=False)
     if proc.returncode:
         raise RuntimeError(f"{family} {structure_name}: the profiled run failed:\n{proc.stderr[-4000:]}")
     figures = json.loads(result.read_text())
@@ -681,8 +661,8 @@ def main() -> int:
         for family in families:
             cases.append(run_case(family, args.structure, Path(work), args))
             print_case(cases[-1])
-            result_file.write_text(json.dumps(dict(header, complete=False, cases=cases), indent=2) + "\n")
-    result_file.write_text(json.dumps(dict(header, complete=True, cases=cases), indent=2) + "\n")
+            write_results(result_file, dict(header, complete=False, cases=cases))
+    write_results(result_file, dict(header, complete=True, cases=cases))
     print(f"\nwrote {result_file}")
     return 0
 

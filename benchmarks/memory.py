@@ -2,23 +2,22 @@
 
     python benchmarks/memory.py        # writes benchmarks/results/memory_2b.json
 
-Each row is `vlmcore memory` (vlmcore.train.memory): a training step of the model of
-benchmarks/train_step.py's `2b` preset, holding the optimizer state from its start,
-parallelized for the given world size, run on fake tensors, with torch's FSDP2 memory tracker
-counting every live tensor on rank 0. The batch is the one train_step.py measures on a GPU:
-one row of 8,192 packed tokens, 16 samples, for Qwen3-VL one 512x512 image (1,024 patches);
-bf16 compute over fp32 weights and AdamW state. On one rank each configuration twice: with the
-one-rank cast (`parallel.one_rank_cast`, the default: no FSDP units, bf16 copies of all weights
-held through the step) and with FSDP2's units over the one rank (one block's copy at a time).
+Each row is `vlmcore memory` (vlmcore.train.memory): a training step of the model of the `2b` preset
+(benchmarks/common.py, as benchmarks/train_step.py runs it), holding the optimizer state from its
+start, parallelized for the given world size, run on fake tensors, with torch's FSDP2 memory tracker
+counting every live tensor on rank 0. The batch is the one train_step.py measures on a GPU: one row
+of 8,192 packed tokens, 16 samples, for Qwen3-VL one 512x512 image (1,024 patches); bf16 compute
+over fp32 weights and AdamW state. On one rank each configuration twice: with the one-rank cast
+(`parallel.one_rank_cast`, the default: no FSDP units, bf16 copies of all weights held through the
+step) and with FSDP2's units over the one rank (one block's copy at a time).
 """
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
 
-from train_step import PRESETS, hf_config
+from common import PRESETS, hf_config, write_results
 
 from vlmcore.config import TrainConfig
 from vlmcore.train.memory import estimate_memory
@@ -81,8 +80,7 @@ def main() -> int:
                 + f"{r['peak_bytes'] / 2**30:>10.1f}",
                 flush=True,
             )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"preset": "2b", "rows": results}, indent=2) + "\n")
+    write_results(args.out, {"preset": "2b", "rows": results})
     return 0
 
 

@@ -20,13 +20,12 @@ import time
 from pathlib import Path
 
 import yaml
+from common import REPO, write_results
 from recipe_models import MODELS
 
 from vlmcore.config import load_config
 from vlmcore.train.memory import check_fit, estimate_stage
 from vlmcore.workflow import Experiment, validate_config
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def estimate_recipe(recipe: Path, tmp: Path) -> list[dict]:
@@ -110,7 +109,7 @@ def main() -> int:
         estimated = {r["recipe"] for r in rows}
         kept = [r for r in json.loads(args.out.read_text())["rows"] if r["recipe"] not in estimated]
         rows = kept + rows
-    args.out.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+    write_results(args.out, {"rows": rows})
     return 0 if all(r["fits"] for r in rows) else 1
 
 

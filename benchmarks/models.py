@@ -14,7 +14,6 @@ and writes benchmarks/results/models.json.
 """
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -23,70 +22,25 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
+from common import write_results
 
 import vlmcore.models as models
 from vlmcore.models import flops
+from vlmcore.tiny import BENCHMARK_SPECIAL, BENCHMARK_VISION, benchmark_config
 
-TEXT = dict(
-    vocab_size=4096,
-    hidden_size=256,
-    intermediate_size=768,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-)
-# Qwen3.5: 3 Gated DeltaNet layers, then 1 gated full-attention layer; rotary on 16 of 64 channels.
-LINEAR_ATTENTION = dict(
-    linear_conv_kernel_dim=4,
-    linear_key_head_dim=32,
-    linear_value_head_dim=32,
-    linear_num_key_heads=4,
-    linear_num_value_heads=8,
-)
-VISION = dict(
-    depth=4,
-    hidden_size=128,
-    intermediate_size=512,
-    num_heads=2,
-    out_hidden_size=256,
-    patch_size=16,
-    spatial_merge_size=2,
-    temporal_patch_size=2,
-    num_position_embeddings=2304,
-)
-SPECIAL_TOKENS = dict(image_token_id=4090, vision_start_token_id=4091, vision_end_token_id=4092, video_token_id=4093)
 FAMILIES = ("qwen3", "qwen3_vl", "qwen3_5")
 SEGMENTS = 4
 IMAGE_GRID = (1, 16, 24)  # patches; one image of 96 LLM tokens in each segment
 
 
 def hf_model(family: str):
-    if family == "qwen3":
-        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TEXT, tie_word_embeddings=True))
-    if family == "qwen3_vl":
-        rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [12, 10, 10], "mrope_interleaved": True}
-        config = transformers.Qwen3VLConfig(
-            text_config=dict(TEXT, rope_parameters=rope),
-            vision_config=dict(VISION, deepstack_visual_indexes=[1, 2]),
-            tie_word_embeddings=False,
-            **SPECIAL_TOKENS,
-        )
-        return transformers.Qwen3VLForConditionalGeneration(config)
-    rope = {
-        "rope_type": "default",
-        "rope_theta": 1e7,
-        "partial_rotary_factor": 0.25,
-        "mrope_section": [4, 2, 2],
-        "mrope_interleaved": True,
-    }
-    config = transformers.Qwen3_5Config(
-        text_config=dict(TEXT, **LINEAR_ATTENTION, rope_parameters=rope),
-        vision_config=VISION,
-        tie_word_embeddings=False,
-        **SPECIAL_TOKENS,
-    )
-    return transformers.Qwen3_5ForConditionalGeneration(config)
+    config = benchmark_config(family)
+    cls = {
+        "qwen3": transformers.Qwen3ForCausalLM,
+        "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+        "qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
+    }[family]
+    return cls(config)
 
 
 def batch(family: str, seq_len: int, generator):
@@ -96,14 +50,14 @@ def batch(family: str, seq_len: int, generator):
     if family == "qwen3":
         return dict(input_ids=ids)
     t, h, w = IMAGE_GRID
-    image_tokens = t * h * w // VISION["spatial_merge_size"] ** 2
+    image_tokens = t * h * w // BENCHMARK_VISION["spatial_merge_size"] ** 2
     if seq_len // SEGMENTS <= image_tokens:
         raise ValueError(
             f"--seq-len {seq_len}: each of the {SEGMENTS} segments must hold an image of "
             f"{image_tokens} tokens (use at least {SEGMENTS * (image_tokens + 1)})"
         )
     for start in range(0, seq_len, seq_len // SEGMENTS):
-        ids[0, start + 1 : start + 1 + image_tokens] = SPECIAL_TOKENS["image_token_id"]
+        ids[0, start + 1 : start + 1 + image_tokens] = BENCHMARK_SPECIAL["image_token_id"]
     grid = torch.tensor([IMAGE_GRID] * SEGMENTS)
     pixels = torch.randn(SEGMENTS * t * h * w, 3 * 2 * 16 * 16, generator=generator)
     return dict(input_ids=ids, pixel_values=pixels, image_grid_thw=grid)
@@ -145,7 +99,7 @@ def run_case(family: str, seq_len: int, repeat: int, device, dtype) -> dict:
     ids = inputs["input_ids"]
     hf_inputs = inputs
     if family != "qwen3":
-        hf_inputs = dict(inputs, mm_token_type_ids=(ids == SPECIAL_TOKENS["image_token_id"]).int())
+        hf_inputs = dict(inputs, mm_token_type_ids=(ids == BENCHMARK_SPECIAL["image_token_id"]).int())
     cu = torch.arange(0, seq_len + 1, seq_len // SEGMENTS, dtype=torch.int32, device=device)
 
     def native_step(cu_seqlens=None):
@@ -198,7 +152,6 @@ def main():
             f"{r['speedup']:>8.2f} {r['native_gflops']:>15.1f}"
         )
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(
         device=args.device,
         dtype=args.dtype,
@@ -209,7 +162,7 @@ def main():
         what="forward + backward, median ms",
         clock="wall" if device.type == "cuda" else "process CPU time",
     )
-    out.write_text(json.dumps(dict(meta, results=rows), indent=2) + "\n")
+    write_results(out, dict(meta, results=rows))
     print(f"wrote {out}")
 
 

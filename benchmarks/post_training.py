@@ -5,7 +5,7 @@ cost against the adapters' size, and the DPO step against what its FLOPs predict
     OMP_NUM_THREADS=1 python benchmarks/post_training.py --part dpo           # one part
     python benchmarks/post_training.py --preset 2b --compile                  # one GPU, bf16
 
-Parts (benchmarks/train_step.py's models: the same local configs, random weights):
+Parts (benchmarks/train_step.py's models, the presets of benchmarks/common.py: random weights):
 
 lora  vlmcore's LoRA step (`vlmcore.train.step` as the run builds it: chunked cross-entropy,
       clipping at norm 1, fused AdamW on the adapters) against peft on the transformers model with
@@ -33,7 +33,6 @@ benchmarks/results/post_training_<device>_<preset>[_compile][_<part>].json (--ou
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -42,11 +41,18 @@ import time
 from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from train_step import HF_CLASSES, MOE, PRESETS, release_device_memory, write_snapshot  # noqa: E402 (needs the path above)
+from common import (
+    HF_CLASSES,
+    MOE,
+    PRESETS,
+    REPO,
+    hf_config,
+    print_table,
+    release_device_memory,
+    train_config,
+    write_results,
+    write_snapshot,
+)
 
 # LoRA targets per family: the language model's linear layers (attention only on MoE, whose MLPs
 # are the routed experts, adapted through lora.experts), the vision tower's qkv and the projector.
@@ -96,15 +102,9 @@ def alternate(steps: dict, warmup: int, n: int, clock: Clock) -> dict:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def train_config(args: argparse.Namespace, path: Path, rank: int, family: str, device: torch.device):
+def lora_config(args: argparse.Namespace, path: Path, rank: int, family: str, device: torch.device):
     """A run config of the snapshot: LoRA at `rank` (0: full fine-tuning), eager or compiled."""
-    from vlmcore.config import TrainConfig
-
-    cfg = TrainConfig(model_path=str(path), output_dir=str(path.parent / "run"))
-    cfg.parallel.compile = args.compile
-    cfg.precision.param_dtype = "bfloat16" if device.type == "cuda" else "float32"
-    cfg.optimizer.lr = 1e-4
-    cfg.loss_chunk_tokens = 2048
+    cfg = train_config(path, path.parent / "run", device, args.compile)
     cfg.lora.rank = rank
     cfg.lora.alpha = 2.0 * rank if rank else cfg.lora.alpha
     cfg.lora.targets = LORA_TARGETS[family]
@@ -236,7 +236,7 @@ def peft_first_loss(peft_model, inputs: dict, device: torch.device) -> float:
 
 def lora_vs_peft(args: argparse.Namespace, family: str, path: Path, device: torch.device, clock: Clock) -> dict:
     host_batch = random_batch(path, args)
-    run = build(train_config(args, path, args.ranks[0], family, device), device)
+    run = build(lora_config(args, path, args.ranks[0], family, device), device)
     peft_model = peft_model_of(path, family, run, device)
     batch = host_batch.map_tensors(lambda t: t.to(device))
     inputs = peft_inputs(batch, run.model.config, family)
@@ -295,7 +295,7 @@ def optimizer_and_checkpoint(args, family: str, path: Path, rank: int, device: t
     from vlmcore.train.checkpoint import Checkpointer
 
     host_batch = random_batch(path, args)
-    run = build(train_config(args, path, rank, family, device), device)
+    run = build(lora_config(args, path, rank, family, device), device)
     step = vlmcore_step(run, host_batch, [])
     step()  # the optimizer's state exists from here
     trainable = [p for p in run.model.parameters() if p.requires_grad]
@@ -361,7 +361,7 @@ def dpo_vs_flops(args, family: str, path: Path, reference: str, device: torch.de
     host_batch = random_batch(path, args, DPO_SEGMENTS, pairs=True)
     runs = {}
     for objective in ("sft", "dpo"):
-        cfg = train_config(args, path, rank, family, device)
+        cfg = lora_config(args, path, rank, family, device)
         cfg.objective = objective
         cfg.dpo.reference = reference
         runs[objective] = build(cfg, device)
@@ -402,28 +402,56 @@ def print_lora(cases: list[dict], name: str) -> None:
 
 def print_cost(rows: list[dict], name: str) -> None:
     print(f"\nOptimizer step and checkpoint vs trained parameters ({name}; rank 0 = full fine-tuning)")
-    print(
-        f"{'rank':>5}{'trained':>11}{'step ms':>9}{'optim ms':>10}{'save ms':>9}{'ckpt bytes':>12}"
-        f"{'12 B/param':>12}{'base bytes':>11}"
-    )
-    for r in rows:
-        base = r["checkpoint_tensors"]["bytes"]["base_weights"]
-        print(
-            f"{r['rank']:>5}{r['trained_params']:>11}{1000 * r['step_s']:>9.1f}{1000 * r['optimizer_s']:>10.2f}"
-            f"{1000 * r['save_s']:>9.1f}{r['checkpoint_bytes']:>12}{r['expected_bytes']:>12}{base:>11}"
-        )
+    columns = [
+        ("rank", ">5"),
+        ("trained", ">11"),
+        ("step ms", ">9.1f"),
+        ("optim ms", ">10.2f"),
+        ("save ms", ">9.1f"),
+        ("ckpt bytes", ">12"),
+        ("12 B/param", ">12"),
+        ("base bytes", ">11"),
+    ]
+    cells = [
+        [
+            r["rank"],
+            r["trained_params"],
+            1000 * r["step_s"],
+            1000 * r["optimizer_s"],
+            1000 * r["save_s"],
+            r["checkpoint_bytes"],
+            r["expected_bytes"],
+            r["checkpoint_tensors"]["bytes"]["base_weights"],
+        ]
+        for r in rows
+    ]
+    print_table(columns, cells)
 
 
 def print_dpo(rows: list[dict], name: str) -> None:
     print(f"\nDPO step vs its FLOPs at the SFT step's rate ({name}; target: within 10%)")
-    print(
-        f"{'reference':<14}{'rank':>5}{'SFT ms':>9}{'SFT TFLOPS':>11}{'DPO ms':>9}{'predicted':>10}{'measured/pred':>14}"
-    )
-    for r in rows:
-        print(
-            f"{r['reference']:<14}{r['rank']:>5}{1000 * r['sft_step_s']:>9.1f}{r['sft_tflops']:>11.4f}"
-            f"{1000 * r['dpo_step_s']:>9.1f}{1000 * r['dpo_predicted_s']:>10.1f}{r['measured_over_predicted']:>14.3f}"
-        )
+    columns = [
+        ("reference", "<14"),
+        ("rank", ">5"),
+        ("SFT ms", ">9.1f"),
+        ("SFT TFLOPS", ">11.4f"),
+        ("DPO ms", ">9.1f"),
+        ("predicted", ">10.1f"),
+        ("measured/pred", ">14.3f"),
+    ]
+    cells = [
+        [
+            r["reference"],
+            r["rank"],
+            1000 * r["sft_step_s"],
+            r["sft_tflops"],
+            1000 * r["dpo_step_s"],
+            1000 * r["dpo_predicted_s"],
+            r["measured_over_predicted"],
+        ]
+        for r in rows
+    ]
+    print_table(columns, cells)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -479,7 +507,9 @@ def main() -> int:
         snapshots = {}
         for family in dict.fromkeys([*families, "qwen3_vl"]):
             snapshots[family] = Path(tmp) / family / "model"
-            write_snapshot(family, PRESETS[args.preset], snapshots[family])
+            preset = PRESETS[args.preset]
+            on_meta = preset is not PRESETS["tiny"]  # the big presets: not initialised on the CPU
+            write_snapshot(family, hf_config(family, preset), snapshots[family], on_meta=on_meta)
         # Each case's runs go before the next one's are built (on a GPU: with their compiled code).
         if "lora" in parts:
             result["lora"] = []
@@ -500,7 +530,7 @@ def main() -> int:
                 result["dpo"].append(dpo_vs_flops(args, "qwen3_vl", snapshots["qwen3_vl"], reference, device, clock))
                 release_device_memory(device)
             print_dpo(result["dpo"], name)
-        result_file.write_text(json.dumps(result, indent=2))
+        write_results(result_file, result)
     print(f"\nwritten: {result_file}")
     return 0
 

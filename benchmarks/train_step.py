@@ -25,7 +25,6 @@ GPU machine: `pip install --no-deps -e .` over its CUDA torch (docs/performance.
 """
 
 import argparse
-import gc
 import json
 import multiprocessing
 import os
@@ -37,129 +36,17 @@ from concurrent.futures import ProcessPoolExecutor, wait
 from pathlib import Path
 
 import torch
-
-DENSE, MOE = ("qwen3_vl", "qwen3"), ("qwen3_vl_moe", "qwen3_moe")
-PRESETS = {
-    # CPU-sized: big enough that matmuls, not Python, dominate. The MoE families put 8 experts,
-    # top-2, of half the dense MLP in every layer: a token costs what it costs in the dense model.
-    "tiny": dict(
-        text=dict(
-            vocab_size=4096,
-            hidden_size=256,
-            intermediate_size=768,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-        ),
-        moe=dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=384),
-        vision=dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=2, out_hidden_size=256),
-        seq_len=1024,
-        image_side=2,
-        families=DENSE + MOE,
-    ),
-    # Qwen3-VL-2B / Qwen3-1.7B class.
-    "2b": dict(
-        text=dict(
-            vocab_size=151936,
-            hidden_size=2048,
-            intermediate_size=6144,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-        ),
-        vision=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048),
-        # One 512x512 image per row (32x32 patches, 256 LLM tokens) among 16 packed samples.
-        seq_len=8192,
-        image_side=16,
-        families=DENSE,
-    ),
-    # Qwen3-VL-30B-A3B / Qwen3-30B-A3B (benchmarks/recipe_models.py) with 4 of the 48 layers, so
-    # that weights, gradients and AdamW states (3.7B parameters, 16 bytes each: 59 GB) fit one GPU.
-    "30b-a3b": dict(
-        text=dict(
-            vocab_size=151936,
-            hidden_size=2048,
-            intermediate_size=6144,
-            num_hidden_layers=4,
-            num_attention_heads=32,
-            num_key_value_heads=4,
-            head_dim=128,
-        ),
-        moe=dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
-        vision=dict(
-            depth=27,
-            hidden_size=1152,
-            intermediate_size=4304,
-            num_heads=16,
-            out_hidden_size=2048,
-            deepstack_visual_indexes=[8, 16, 24],
-        ),
-        seq_len=8192,
-        image_side=16,
-        families=MOE,
-    ),
-}
-
-
-# family: (transformers config class, model class)
-HF_CLASSES = {
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-    "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
-}
-
-
-def hf_config(family: str, preset: dict):
-    import transformers
-
-    text = dict(preset["text"], max_position_embeddings=32768, tie_word_embeddings=family in DENSE)
-    if family in MOE:
-        text.update(preset["moe"], norm_topk_prob=True, router_aux_loss_coef=0.001)
-    config_class = getattr(transformers, HF_CLASSES[family][0])
-    if family in ("qwen3", "qwen3_moe"):
-        return config_class(**text)
-    half = text["head_dim"] // 2
-    rope = {
-        "rope_type": "default",
-        "rope_theta": 5e6,
-        "mrope_interleaved": True,
-        "mrope_section": [half - 2 * (half * 5 // 16), half * 5 // 16, half * 5 // 16],
-    }
-    vision = dict(
-        dict(deepstack_visual_indexes=[0]),
-        **preset["vision"],
-        patch_size=16,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        num_position_embeddings=2304,
-    )
-    vocab = text["vocab_size"]
-    return config_class(
-        vision_config=vision,
-        text_config=dict(text, rope_parameters=rope),
-        image_token_id=vocab - 6,
-        vision_start_token_id=vocab - 5,
-        vision_end_token_id=vocab - 4,
-        video_token_id=vocab - 3,
-        tie_word_embeddings=text["tie_word_embeddings"],
-    )
-
-
-def write_snapshot(family: str, preset: dict, path: Path) -> None:
-    import transformers
-
-    config = hf_config(family, preset)
-    cls = getattr(transformers, HF_CLASSES[family][1])
-    with torch.device("cpu" if preset is PRESETS["tiny"] else "meta"):
-        model = cls(config)
-    if model.device.type == "meta":
-        model = model.to_empty(device="cpu")
-        for p in model.parameters():
-            torch.nn.init.normal_(p, std=0.02)
-    model.save_pretrained(path)
+from common import (
+    DENSE,
+    MOE,
+    PRESETS,
+    hf_config,
+    read_metrics,
+    release_device_memory,
+    train_config,
+    write_results,
+    write_snapshot,
+)
 
 
 def time_steps(step_fn, warmup: int, steps: int, device: torch.device) -> float:
@@ -275,7 +162,7 @@ def bench_loop(cfg, device, args, seq_len: int, image_side: int, family: str) ->
         raise RuntimeError(f"vlmcore train failed:\n{proc.stderr[-3000:]}")
     if args.profile:
         shutil.copytree(out / "profile", args.out / f"profile_loop_{case_tag(family, args)}", dirs_exist_ok=True)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][args.warmup :]
+    rows = read_metrics(out)[args.warmup :]
     return {
         "step_s": statistics.median(r["step_time_s"] for r in rows),
         "peak_mem_gib": max(r["peak_mem_gb"] for r in rows) * 1e9 / 2**30 if device.type == "cuda" else None,
@@ -325,16 +212,10 @@ def bench_transformers(path, batch, device, args, family: str, image_token_id):
     return result
 
 
-def train_config(args, path: Path, output_dir: Path, device: torch.device):
-    from vlmcore.config import TrainConfig
-
-    cfg = TrainConfig(model_path=str(path), output_dir=str(output_dir))
-    cfg.parallel.compile = args.compile
+def step_config(args, path: Path, output_dir: Path, device: torch.device):
+    cfg = train_config(path, output_dir, device, args.compile)
     cfg.parallel.activation_checkpointing = args.activation_checkpointing
     cfg.parallel.one_rank_cast = not args.one_rank_fsdp2
-    cfg.precision.param_dtype = "bfloat16" if device.type == "cuda" else "float32"
-    cfg.optimizer.lr = 1e-4
-    cfg.loss_chunk_tokens = 2048
     return cfg
 
 
@@ -354,18 +235,9 @@ def estimate_peak_gib(args, family: str, path: Path, device_type: str) -> float 
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     preset = PRESETS[args.preset]
     seq_len = args.seq_len or preset["seq_len"]
-    cfg = train_config(args, path, path.parent / "estimate", torch.device(device_type))
+    cfg = step_config(args, path, path.parent / "estimate", torch.device(device_type))
     estimate = estimate_memory(cfg, 1, seq_len, preset["image_side"], segments=max(1, seq_len // 512))
     return estimate["peak_bytes"] / 2**30
-
-
-def release_device_memory(device: torch.device) -> None:
-    """Hands the GPU memory of a finished engine back to the driver: the real loop runs in a
-    process of its own, which on an 80 GB GPU does not fit beside this one's cached blocks."""
-    if device.type == "cuda":
-        gc.collect()
-        torch._dynamo.reset()  # compiled code holds the model's modules
-        torch.cuda.empty_cache()
 
 
 def run_case(args, family: str, path: Path, device: torch.device) -> dict:
@@ -377,7 +249,7 @@ def run_case(args, family: str, path: Path, device: torch.device) -> dict:
     preset = PRESETS[args.preset]
     seq_len = args.seq_len or preset["seq_len"]
     started = time.perf_counter()
-    cfg = train_config(args, path, path.parent / f"out_{family}_{int(args.compile)}", device)
+    cfg = step_config(args, path, path.parent / f"out_{family}_{int(args.compile)}", device)
     model_config = transformers.AutoConfig.from_pretrained(path)
     batch = RandomBatches(
         model_config,
@@ -527,7 +399,9 @@ def main() -> int:
         snapshots = {}
         for family in dict.fromkeys(family for family, _ in runs):  # one snapshot per family, in order
             snapshots[family] = Path(tmp) / family / "model"
-            write_snapshot(family, PRESETS[args.preset], snapshots[family])
+            preset = PRESETS[args.preset]
+            on_meta = preset is not PRESETS["tiny"]  # the big presets: not initialised on the CPU
+            write_snapshot(family, hf_config(family, preset), snapshots[family], on_meta=on_meta)
         # The estimates run on the CPU: beside the GPU cases, one at a time in a process of their
         # own; on a CPU run before them, so that they do not share the cores the step is timed on.
         # One per case, each with its own copy of the arguments: the compiled estimate differs
@@ -550,7 +424,7 @@ def main() -> int:
             print_rows(cases[-1:], name, args.preset)
             print(f"({cases[-1]['wall_s']:.0f} s)", flush=True)
             # After every case, so that a run stopped part way keeps what it measured.
-            result_file.write_text(json.dumps(dict(header, complete=False, cases=cases), indent=2))
+            write_results(result_file, dict(header, complete=False, cases=cases))
         for case in cases:
             key = (case["family"], case["compile"])
             if key not in estimates:
@@ -564,7 +438,7 @@ def main() -> int:
                 case["results"]["vlmcore"]["estimated_peak_gib"] = estimate
     print()
     print_rows(cases, name, args.preset)
-    result_file.write_text(json.dumps(dict(header, complete=True, cases=cases), indent=2))
+    write_results(result_file, dict(header, complete=True, cases=cases))
     return 0
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch.distributed as dist
-from _slurm_helpers import require_slurm
+from helpers import require_slurm
 
 # The files that take longest (minutes each), longest first, start before all others, so that
 # under pytest-xdist (tests/run_all.sh: two workers, whole files each, `--no-loadscope-reorder`,
@@ -35,7 +35,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="module")
 def slurm():
-    """A real SLURM with two usable nodes (tests/_slurm_helpers.py), or the test is skipped (failed in CI)."""
+    """A real SLURM with two usable nodes (tests/helpers.py), or the test is skipped (failed in CI)."""
     require_slurm()
 
 

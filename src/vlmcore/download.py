@@ -14,8 +14,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from vlmcore.families import FAMILIES, TINY_FAMILIES, TinyBuild
+from vlmcore.families import TINY_FAMILIES
 from vlmcore.hashing import sha256_of
+from vlmcore.tiny import tiny_build, tiny_vl_config
 
 MANIFEST = "manifest.json"
 # Files a snapshot needs besides the weights; tokenizer and processor files vary by model.
@@ -130,56 +131,6 @@ def use_staged_snapshot(staged: str | Path, out: str | Path, revision: str | Non
         (out / rel).symlink_to(staged / rel)
     shutil.copyfile(staged / MANIFEST, out / MANIFEST)
     return manifest
-
-
-def tiny_build(name: str) -> TinyBuild:
-    if name not in TINY_FAMILIES:
-        raise ValueError(f"model.tiny.family: {name!r} is not one of {TINY_FAMILIES}")
-    return FAMILIES[name].tiny
-
-
-def tiny_vl_config(tokenizer_ids: dict, vocab_size: int, family: str = "qwen3_vl", **overrides: dict) -> dict:
-    """A Qwen3-VL (or Qwen3-VL-MoE) architecture small enough to train in minutes on a laptop CPU."""
-    text = dict(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 1e6,
-            "mrope_section": [6, 5, 5],
-            "mrope_interleaved": True,
-        },
-        **tiny_build(family).text_fields,
-    )
-    vision = dict(
-        depth=2,
-        hidden_size=64,
-        intermediate_size=192,
-        num_heads=2,
-        patch_size=16,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        out_hidden_size=text["hidden_size"],
-        num_position_embeddings=64,
-        deepstack_visual_indexes=[0],
-    )
-    text.update(overrides.get("text_config", {}))
-    vision.update(overrides.get("vision_config", {}))
-    special = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-    return dict(
-        text_config=text,
-        vision_config=vision,
-        **{k: tokenizer_ids[k] for k in special},
-        tie_word_embeddings=text["tie_word_embeddings"],
-    )
 
 
 def build_tiny_model(out: str | Path, seed: int = 0, overrides: dict | None = None, family: str = "qwen3_vl") -> dict:

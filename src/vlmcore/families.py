@@ -19,7 +19,7 @@ from typing import Any
 class TinyBuild:
     """The demo's tiny random model of a family (`vlmcore download --tiny --tiny-family`): the
     transformers classes that write it and the fields the family adds to the dense tiny Qwen3-VL
-    text config (vlmcore.download.tiny_vl_config)."""
+    text config (vlmcore.tiny.tiny_vl_config)."""
 
     config_class: str
     model_class: str

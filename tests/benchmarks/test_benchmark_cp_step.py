@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _train_helpers import env
+from helpers import env
 
 REPO = Path(__file__).resolve().parents[2]
 

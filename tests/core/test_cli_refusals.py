@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from _export_helpers import tiny_snapshot, write_final_checkpoint
+from helpers import tiny_hf_snapshot as tiny_snapshot
+from helpers import write_final_checkpoint
 from transformers import Qwen3VLForConditionalGeneration
 
 from vlmcore import cli

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _export_helpers import perturbed, tiny_snapshot, write_final_checkpoint
+from helpers import perturbed, tiny_hf_snapshot, write_final_checkpoint
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -38,7 +38,7 @@ def exported(request, tmp_path_factory):
     """(family, snapshot, final/, export dir, the trained transformers model)."""
     family = request.param
     root = tmp_path_factory.mktemp(family)
-    snapshot = tiny_snapshot(family, root / "model")
+    snapshot = tiny_hf_snapshot(family, root / "model")
     trained = perturbed(AUTO_CLASS[family].from_pretrained(snapshot)).eval()
     final = write_final_checkpoint(trained, root / "train" / "stage1")
     out = export_hf(
@@ -106,7 +106,7 @@ def test_load_final_state_dict_matches_the_trained_weights(exported):
 
 
 def test_provenance_records_source_stages_code_and_data(tmp_path):
-    snapshot = tiny_snapshot("qwen3", tmp_path / "model")
+    snapshot = tiny_hf_snapshot("qwen3", tmp_path / "model")
     final = write_final_checkpoint(
         AutoModelForCausalLM.from_pretrained(snapshot), tmp_path / "train" / "stage2", step=11
     )
@@ -151,7 +151,7 @@ def test_provenance_records_source_stages_code_and_data(tmp_path):
 
 
 def test_dtype_cast_and_default_keeps_the_snapshot_dtype(tmp_path):
-    snapshot = tiny_snapshot("qwen3", tmp_path / "model")
+    snapshot = tiny_hf_snapshot("qwen3", tmp_path / "model")
     final = write_final_checkpoint(AutoModelForCausalLM.from_pretrained(snapshot), tmp_path / "train" / "stage1")
     assert (
         cli.main(
@@ -178,11 +178,11 @@ def test_dtype_cast_and_default_keeps_the_snapshot_dtype(tmp_path):
 
 
 def test_mismatched_checkpoint_fails_and_keeps_the_previous_export(tmp_path):
-    snapshot = tiny_snapshot("qwen3", tmp_path / "model")
+    snapshot = tiny_hf_snapshot("qwen3", tmp_path / "model")
     final = write_final_checkpoint(AutoModelForCausalLM.from_pretrained(snapshot), tmp_path / "train" / "stage1")
     out = export_hf(final, snapshot, tmp_path / "hf")
     before = (out / "model.safetensors").read_bytes()
-    other = tiny_snapshot("qwen3_vl", tmp_path / "vl-model")
+    other = tiny_hf_snapshot("qwen3_vl", tmp_path / "vl-model")
     with pytest.raises(ValueError, match="does not match snapshot.*missing"):
         export_hf(final, other, out)
     assert (out / "model.safetensors").read_bytes() == before
@@ -193,7 +193,7 @@ def test_mismatched_checkpoint_fails_and_keeps_the_previous_export(tmp_path):
 
 def test_untrained_snapshot_tensors_are_carried_over(tmp_path):
     """Qwen3.5 releases carry an MTP head the native model does not train; the export keeps it."""
-    snapshot = tiny_snapshot("qwen3_5", tmp_path / "model")
+    snapshot = tiny_hf_snapshot("qwen3_5", tmp_path / "model")
     model = AutoModelForImageTextToText.from_pretrained(snapshot)
     final = write_final_checkpoint(model, tmp_path / "train" / "stage1")
     weights = load_file(snapshot / "model.safetensors")
@@ -212,13 +212,14 @@ def test_untrained_snapshot_tensors_are_carried_over(tmp_path):
 def test_export_of_a_tensor_parallel_training_run(tmp_path, family):
     """`vlmcore train` under torchrun with tp=2 (Qwen3.5's fused projections sharded by head) writes
     final/; the export of it gives transformers the logits vlmcore's single-process model has."""
-    import _train_helpers as train_helpers
+    import helpers
 
     import vlmcore.models
+    from vlmcore.tiny import tiny_snapshot
     from vlmcore.train.checkpoint import load_model_weights
 
-    snapshot = train_helpers.tiny_snapshot(family, tmp_path / "model")
-    config = train_helpers.write_config(
+    snapshot = tiny_snapshot(family, tmp_path / "model")
+    config = helpers.write_config(
         tmp_path / "stage.yaml",
         snapshot,
         tmp_path / "train" / "stage1",
@@ -226,7 +227,7 @@ def test_export_of_a_tensor_parallel_training_run(tmp_path, family):
         parallel={"dp_shard": 1, "tp": 2},
         data={"seq_len": 24},
     )
-    train_helpers.train(2, config)
+    helpers.train(2, config)
     final = tmp_path / "train" / "stage1" / "final"
     out = export_hf(final, snapshot, tmp_path / "hf", stage_configs=[tmp_path / "train/stage1/config.yaml"])
     assert json.loads((out / "provenance.json").read_text())["stages"]["stage1"]["parallel"]["tp"] == 2
@@ -292,7 +293,7 @@ def test_export_samples_video_as_the_packed_data_was(tmp_path):
     from vlmcore.data.media.encoder import SampleEncoder
     from vlmcore.data.pack.writer import copy_model_files
 
-    snapshot = tiny_snapshot("qwen3_vl", tmp_path / "model")
+    snapshot = tiny_hf_snapshot("qwen3_vl", tmp_path / "model")
     final = write_final_checkpoint(AutoModelForImageTextToText.from_pretrained(snapshot), tmp_path / "train" / "stage1")
     packed = tmp_path / "packed" / "videos"
     copy_model_files(snapshot, packed, video={"fps": 1, "max_frames": 32, "max_pixels": 4096})

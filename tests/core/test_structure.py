@@ -12,7 +12,15 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 # Bottom to top, as docs/internals.md lists them; a module's layer is that of its longest prefix here.
 LAYERS = [
-    ("vlmcore", "vlmcore.config", "vlmcore.families", "vlmcore.hashing", "vlmcore.provenance", "vlmcore.cli"),
+    (
+        "vlmcore",
+        "vlmcore.config",
+        "vlmcore.families",
+        "vlmcore.hashing",
+        "vlmcore.provenance",
+        "vlmcore.tiny",
+        "vlmcore.cli",
+    ),
     ("vlmcore.parallel.layout", "vlmcore.parallel.checks", "vlmcore.kernels", "vlmcore.workflow"),
     ("vlmcore.models",),
     # The data stages, each above what it reads: shared shards and bad-sample accounting, media

@@ -10,7 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import webdataset
-from _data_helpers import make_demo_model_dir, write_jsonl
+from helpers import make_demo_model_dir, write_jsonl
 from PIL import Image
 
 from vlmcore.cli import main
@@ -360,7 +360,7 @@ def test_unreadable_source_refused_by_name(tmp_path, source, caplog):
 def test_training_on_a_pack_with_a_bad_image_logs_the_count(tmp_path):
     """`vlmcore train` on a packed dataset whose packs each hold one image cut after its header:
     every step trains on the other samples and metrics.jsonl counts the bad ones by reason."""
-    from _train_helpers import train, write_config
+    from helpers import train, write_config
 
     from vlmcore.download import build_tiny_model
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from _data_helpers import make_demo_model_dir, make_qwen3_model_dir
+from helpers import make_demo_model_dir, make_qwen3_model_dir
 from PIL import Image
 
 from vlmcore.data.media.encoder import IGNORE_INDEX, EncodingError, SampleEncoder, to_chat_messages

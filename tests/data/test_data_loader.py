@@ -7,7 +7,7 @@ from functools import partial
 
 import pytest
 import torch
-from _data_helpers import make_demo_model_dir
+from helpers import make_demo_model_dir
 
 from vlmcore.data.load.loader import build_loader, samples_in, write_blend
 from vlmcore.data.load.online import build_online_loader

@@ -12,7 +12,7 @@ import tarfile
 import time
 
 import pytest
-from _data_helpers import make_demo_model_dir, write_jsonl
+from helpers import make_demo_model_dir, write_jsonl
 from PIL import Image
 
 import vlmcore.data.pack.command

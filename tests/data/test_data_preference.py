@@ -7,7 +7,7 @@ from collections import Counter
 from itertools import islice
 
 import pytest
-from _data_helpers import make_clip, make_demo_model_dir, write_jsonl
+from helpers import make_clip, make_demo_model_dir, write_jsonl
 
 from vlmcore.data import IGNORE_INDEX
 from vlmcore.data.load.loader import build_loader

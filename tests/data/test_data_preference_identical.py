@@ -4,7 +4,7 @@ whitespace, in any layout of a pair): dropped, since the pair can teach nothing,
 
 import json
 
-from _data_helpers import write_jsonl
+from helpers import write_jsonl
 
 from vlmcore import cli
 from vlmcore.data.shards import iter_shard_samples, shard_paths

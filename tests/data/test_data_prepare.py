@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from _data_helpers import write_jsonl
+from helpers import write_jsonl
 from PIL import Image
 
 from vlmcore.data.prepare.dataset import prepare

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from _data_helpers import audio_only_clip, make_clip, make_demo_model_dir, write_jsonl
+from helpers import audio_only_clip, make_clip, make_demo_model_dir, write_jsonl
 from PIL import Image
 
 from vlmcore.data.media.video import probe
@@ -370,7 +370,7 @@ def test_vlmcore_train_steps_on_packed_videos(raw, tmp_path):
     the steps run, the loss is finite and the vision tower does work on the rows with videos."""
     import math
 
-    from _train_helpers import read_metrics, train, write_config
+    from helpers import read_metrics, train, write_config
 
     from vlmcore.download import build_tiny_model
 

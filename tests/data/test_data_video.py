@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from _data_helpers import audio_only_clip, make_clip
+from helpers import audio_only_clip, make_clip
 
 from vlmcore.data.media.video import (
     VideoSettings,
@@ -226,7 +226,7 @@ class VideoProcessorStandIn:
 
 @pytest.fixture(scope="module")
 def video_model(tmp_path_factory):
-    from _data_helpers import make_demo_model_dir
+    from helpers import make_demo_model_dir
 
     return make_demo_model_dir(tmp_path_factory.mktemp("video_model") / "model", max_pixels=64 * 64)
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _export_helpers import tiny_snapshot
+from helpers import tiny_hf_snapshot
 
 from vlmcore.data.synthetic.image import generate
 
@@ -43,7 +43,7 @@ def samples(out: Path, task: str) -> dict:
 
 
 def test_two_processes_give_the_results_of_one(tmp_path):
-    model = tiny_snapshot("qwen3_vl", tmp_path / "model")
+    model = tiny_hf_snapshot("qwen3_vl", tmp_path / "model")
     generate(tmp_path / "raw", num_train=2, num_eval=12, seed=3)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]

@@ -69,7 +69,7 @@ class count_all_gathers:  # noqa: N801 (a context manager, named as one)
 
 def worker(root: Path) -> None:
     import torch.distributed as dist
-    from _models_helpers import mm_sample
+    from helpers import mm_sample
 
     from vlmcore.generate import Prompt, SamplingSettings, generate
     from vlmcore.generate.parallel import fsdp_modules, gathered_weights
@@ -113,9 +113,10 @@ def worker(root: Path) -> None:
 
 
 def test_generation_on_fsdp2_and_tp_equals_one_process(tmp_path):
-    from _models_helpers import qwen3_5_config, qwen3_config, qwen3_vl_config
-    from _train_helpers import env
+    from helpers import env
     from transformers import Qwen3_5ForConditionalGeneration, Qwen3ForCausalLM, Qwen3VLForConditionalGeneration
+
+    from vlmcore.tiny import qwen3_5_config, qwen3_config, qwen3_vl_config
 
     for kind, hf_class, config in [
         ("qwen3_vl", Qwen3VLForConditionalGeneration, qwen3_vl_config()),

@@ -64,11 +64,11 @@ def gated_deltanet_case(rank: int, cp: int, group) -> dict:
     documents across the edge, whole on one rank against chunks under the all-to-all: output,
     input gradient, and weight gradients summed over the cp ranks."""
     import torch.distributed as dist
-    from _train_helpers import hf_config
 
     from vlmcore.data.load.batch import row_chunk
     from vlmcore.models.qwen3_5 import GatedDeltaNet
     from vlmcore.parallel.cp import UlyssesAttention
+    from vlmcore.tiny import hf_config
 
     torch.manual_seed(0)
     layer = GatedDeltaNet(hf_config("qwen3_5").text_config)
@@ -99,7 +99,7 @@ def gated_deltanet_case(rank: int, cp: int, group) -> dict:
 
 @pytest.mark.slow
 def test_all_to_all_attention_and_gated_deltanet_equal_one_process(tmp_path):
-    from _train_helpers import env
+    from helpers import env
 
     out = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(out)]
@@ -121,7 +121,7 @@ STEPS, CUT = 6, 3
 
 
 def config(tmp_path, snapshot, name, data, **overrides):
-    from _train_helpers import write_config
+    from helpers import write_config
 
     settings = {"steps": STEPS, "grad_accum_steps": 2, "optimizer": {"lr": 3.0e-3, "weight_decay": 0.01}, **overrides}
     return write_config(tmp_path / f"{name}.yaml", snapshot, tmp_path / name, data=data, **settings)
@@ -177,7 +177,9 @@ def cp_runs(tmp_path_factory):
     """The runs of every case of RUNS, its one-process reference and its cp run: the references in
     one launch, the cp runs of one world size in one launch (train_cases). case -> (its directory,
     its snapshot, the error of the launch that stopped before its runs finished, or None)."""
-    from _train_helpers import tiny_snapshot, train_cases
+    from helpers import train_cases
+
+    from vlmcore.tiny import tiny_snapshot
 
     folders = {}
     launches = {}  # world size -> [(case, config)]
@@ -225,8 +227,7 @@ def test_cp2_trains_as_one_process(cp_runs, case):
     MoE load-balancing loss, a term of the loss). Resumes across cp sizes: Qwen3's step-3 checkpoint
     at cp 2 x dp_shard 2 resumed by one process, and one process's step-3 checkpoint of Qwen3.5
     resumed at cp 2 x tp 2, each end as the uninterrupted run."""
-    from _train_helpers import load_dcp, read_metrics, train
-    from test_train_elastic import cut_back
+    from helpers import cut_back, load_dcp, read_metrics, train
 
     family, ranks, parallel, settings = RUNS[case]
     tmp_path, snapshot, error = cp_runs[case]
@@ -271,8 +272,7 @@ def test_cp2_trains_as_one_process(cp_runs, case):
 def test_qwen3_vl_rows_have_images_and_videos_cut_by_the_chunks_edge():
     """The Qwen3-VL case above trains on images on both sides of the edge and cut by it; the
     Qwen3-VL-MoE case on videos, one of them cut by the edge between its frame groups."""
-    from _train_helpers import SPECIAL, hf_config
-
+    from vlmcore.tiny import SPECIAL, hf_config
     from vlmcore.train.random_data import RandomBatches
 
     for family, token in (("qwen3_vl", SPECIAL["image_token_id"]), ("qwen3_vl_moe", SPECIAL["video_token_id"])):
@@ -378,10 +378,9 @@ def test_context_chunk_keeps_the_images_at_its_tokens():
     ],
 )
 def test_unsupported_or_unfit_cp_is_refused_naming_the_key(parallel, world, model, message):
-    from _train_helpers import hf_config
-
     from vlmcore.config import ConfigError, from_dict
     from vlmcore.parallel.checks import check_run
+    from vlmcore.tiny import hf_config
 
     cfg = from_dict(
         {"model_path": "m", "output_dir": "o", "parallel": parallel, "data": {"kind": "random", "seq_len": 32}}
@@ -406,9 +405,8 @@ def test_cp_ranks_share_their_data_rank():
 def test_memory_estimate_follows_the_split_of_the_rows(tmp_path):
     """`vlmcore memory` runs the real step on fake tensors: at cp 2 a rank's activations are half
     of one rank's with the whole rows (8,192-token rows of a tiny Qwen3)."""
-    from _train_helpers import tiny_snapshot
-
     from vlmcore.config import from_dict
+    from vlmcore.tiny import tiny_snapshot
     from vlmcore.train.memory import estimate_stage, format_table
 
     snapshot = tiny_snapshot("qwen3", tmp_path / "model")

@@ -11,7 +11,9 @@ import shutil
 
 import pytest
 import torch
-from _train_helpers import load_dcp, read_metrics, tiny_snapshot, train, train_cases, write_config
+from helpers import load_dcp, read_metrics, train, train_cases, write_config
+
+from vlmcore.tiny import tiny_snapshot
 
 pytestmark = pytest.mark.slow
 STEPS = 10
@@ -60,9 +62,9 @@ def reference(tmp_path_factory):
 
 
 def test_reference_learns_and_ranks_mix_image_and_text_batches(reference):
-    from _train_helpers import hf_config
     from safetensors.torch import load_file
 
+    from vlmcore.tiny import hf_config
     from vlmcore.train.random_data import RandomBatches
 
     _, snapshot, trajectory, weights = reference
@@ -243,8 +245,7 @@ def test_video_rows_under_fsdp_tp_and_vision_tp_match_one_process(tmp_path):
     FSDP x TP 2 with the vision tower's own TP 2 on the same ranks, and a disjoint layout (the
     tower on two ranks of its own), each give the one-process run. Images and videos go through
     the tower in one pass, so its sharding is the images'."""
-    from _train_helpers import hf_config
-
+    from vlmcore.tiny import hf_config
     from vlmcore.train.random_data import RandomBatches
 
     data = RandomBatches(

@@ -8,18 +8,16 @@ load imbalance), then the final weights, within fp32 tolerance. The config check
 are pure-python cases.
 """
 
-import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
-from _train_helpers import env, hf_config, load_dcp, read_metrics, tiny_snapshot, train, train_cases, write_config
+from helpers import estimates, load_dcp, read_metrics, train, train_cases, write_config
 
 from vlmcore.config import ConfigError, ParallelConfig
 from vlmcore.parallel.checks import check_ep, check_tp
 from vlmcore.parallel.layout import resolve_layout
+from vlmcore.tiny import hf_config, tiny_snapshot
 
 STEPS = 6
 GLOBAL_MICRO_BATCHES = 4
@@ -176,31 +174,14 @@ def test_compiled_blocks_under_ep_follow_the_eager_run(tmp_path):
         torch.testing.assert_close(runs[name], runs["eager"], rtol=1e-4, atol=0, msg=name)
 
 
-MEMORY_DRIVER = """
-import json, sys
-from vlmcore.config import load_config
-from vlmcore.train.memory import estimate_memory
-out = [estimate_memory(load_config(sys.argv[1], sets), 2, 32, 2)["peak_bytes_by_kind"] for sets in json.loads(sys.argv[2])]
-print("RESULT" + json.dumps(out))
-"""
-
-
 def test_memory_estimate_runs_expert_parallel(tmp_path):
     """`vlmcore memory`'s fake run goes through the all-to-all dispatch (balanced routing taken
     for the split sizes it cannot read). On 2 ranks the experts are split in two either way (FSDP
     or EP): the same sharded parameters and optimizer state; under EP no expert is all-gathered."""
     snapshot = tiny_snapshot("qwen3_moe", tmp_path / "model")
     cfg = write_config(tmp_path / "memory.yaml", snapshot, tmp_path / "out", precision={"param_dtype": "bfloat16"})
-    runs = [["parallel.ep=1"], ["parallel.ep=2"]]
-    proc = subprocess.run(
-        [sys.executable, "-c", MEMORY_DRIVER, str(cfg), json.dumps(runs)],
-        capture_output=True,
-        text=True,
-        env=env(),
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    fsdp, ep = json.loads(proc.stdout.split("RESULT")[-1])
+    runs = estimates(cfg, [["parallel.ep=1"], 2, 32, 2, True], [["parallel.ep=2"], 2, 32, 2, True])
+    fsdp, ep = (run["peak_bytes_by_kind"] for run in runs)
     assert ep["Sharded Param"] == fsdp["Sharded Param"] and ep["OptState"] == fsdp["OptState"] > 0
     assert ep["Unsharded Param"] < fsdp["Unsharded Param"] and ep["All Gather"] < fsdp["All Gather"]
 

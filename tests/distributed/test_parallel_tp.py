@@ -107,10 +107,9 @@ def worker(root: Path) -> None:
 
 
 def test_tp_degree_must_divide_every_split_head_count():
-    from _train_helpers import hf_config
-
     from vlmcore.config import ConfigError
     from vlmcore.parallel.checks import check_tp, check_vision_tp
+    from vlmcore.tiny import hf_config
 
     config = hf_config("qwen3_5")
     check_tp(config, 2)
@@ -144,7 +143,9 @@ def test_uneven_sequence_split_on_old_torch_is_a_clear_error():
 
 @pytest.mark.slow
 def test_tp_plans_match_the_unsharded_model(tmp_path):
-    from _train_helpers import env, tiny_snapshot
+    from helpers import env
+
+    from vlmcore.tiny import tiny_snapshot
 
     for kind in FAMILIES:
         tiny_snapshot(kind, tmp_path / kind)

@@ -11,9 +11,10 @@ import time
 
 import pytest
 import torch
-from _train_helpers import REPO, env, load_dcp, read_metrics, start_train, tiny_snapshot, train, write_config
+from helpers import REPO, env, load_dcp, read_metrics, start_train, train, write_config
 from safetensors.torch import load_file
 
+from vlmcore.tiny import tiny_snapshot
 from vlmcore.train.checkpoint import checkpoint_problem
 
 pytestmark = pytest.mark.slow
@@ -195,7 +196,7 @@ def test_done_stage_exits_at_once(setup):
 
 
 def dump_state(nproc, cfg, out_file):
-    args = [str(REPO / "tests" / "_train_helpers.py"), "dump-state", str(cfg), str(out_file)]
+    args = [str(REPO / "tests" / "helpers.py"), "dump-state", str(cfg), str(out_file)]
     if nproc == 1:
         cmd = [sys.executable, *args]
     else:

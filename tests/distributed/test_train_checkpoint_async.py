@@ -10,7 +10,9 @@ import subprocess
 import time
 
 import torch
-from _train_helpers import command, env, load_dcp, read_metrics, tiny_snapshot, train, write_config
+from helpers import command, env, load_dcp, read_metrics, train, write_config
+
+from vlmcore.tiny import tiny_snapshot
 
 STEPS = 20
 INTERVAL = 4

@@ -12,9 +12,10 @@ import math
 import pytest
 import torch
 import yaml
-from _train_helpers import load_dcp, read_metrics, tiny_snapshot, train, train_cases, write_config
+from helpers import load_dcp, read_metrics, train, train_cases, write_config
 
 from vlmcore.config import ConfigError, from_dict
+from vlmcore.tiny import tiny_snapshot
 
 STEPS = 4
 DPO_METRICS = ("dpo_loss", "dpo_chosen_reward", "dpo_rejected_reward", "dpo_margin", "dpo_accuracy")
@@ -149,7 +150,7 @@ def test_dpo_metrics_start_at_the_reference_and_move(one_process):
 def test_report_tabulates_and_plots_the_dpo_run(one_process):
     """`vlmcore report` on the real run's metrics.jsonl: the DPO table's row holds the means of its
     last steps (all 4 here) and the DPO plot is written and linked."""
-    from test_report_dpo import dpo_table
+    from helpers import dpo_table
 
     from vlmcore.report.scaling import write_report
 
@@ -245,9 +246,8 @@ def test_bad_dpo_settings_are_refused_by_key(overrides, key):
 def test_dpo_on_every_family_and_layout_passes_the_run_checks(kind):
     """The checks of the run (the workflow's parse, `vlmcore memory`, the start of `vlmcore train`)
     take DPO on the MoE families and under tp, cp and ep as they take SFT."""
-    from _train_helpers import hf_config
-
     from vlmcore.parallel.checks import check_run
+    from vlmcore.tiny import hf_config
 
     for parallel, world in (({}, 1), ({"tp": 2}, 2), ({"cp": 2}, 2), ({"ep": 2}, 2)):
         cfg = from_dict(
@@ -259,7 +259,7 @@ def test_dpo_on_every_family_and_layout_passes_the_run_checks(kind):
 @pytest.mark.slow
 def test_dpo_without_pairs_is_refused(tmp_path):
     """Packed data without preference pairs: refused by key before the run starts."""
-    from _data_helpers import make_demo_model_dir
+    from helpers import make_demo_model_dir
 
     from vlmcore.data.pack.dataset import pack
     from vlmcore.data.prepare.dataset import prepare

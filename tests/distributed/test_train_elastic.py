@@ -11,12 +11,11 @@ allow_global_batch_change says to go on from the rows consumed.
 """
 
 import json
-import shutil
 import tarfile
 
 import pytest
 import torch
-from _train_helpers import load_dcp, read_metrics, train, write_config
+from helpers import cut_back, load_dcp, read_metrics, train, write_config
 
 from vlmcore.data.pack.dataset import pack
 from vlmcore.data.prepare.dataset import prepare
@@ -57,19 +56,6 @@ def damage_an_image(shard):
     with open(shard, "r+b") as f:
         f.seek(image.offset_data + 8)
         f.write(b"\0" * (image.size - 8))
-
-
-def cut_back(src, dst, step: int):
-    """A copy of run `src` as its job would have left it at checkpoint `step`."""
-    shutil.copytree(src, dst)
-    for checkpoint in (dst / "checkpoints").glob("step_*"):
-        if int(checkpoint.name.removeprefix("step_")) > step:
-            shutil.rmtree(checkpoint)
-    (dst / "checkpoints" / "latest").write_text(f"step_{step}")
-    shutil.rmtree(dst / "final")
-    (dst / "done").unlink()
-    lines = (dst / "metrics.jsonl").read_text().splitlines()[:step]
-    (dst / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -16,12 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _export_helpers import tiny_snapshot as tiny_hf_snapshot
-from _export_helpers import write_final_checkpoint
-from _train_helpers import REPO, env, load_dcp, read_metrics, tiny_snapshot, train, write_config
+from helpers import REPO, env, load_dcp, read_metrics, tiny_hf_snapshot, train, write_config, write_final_checkpoint
 from transformers import AutoModelForCausalLM
 
 from vlmcore.export import export_hf
+from vlmcore.tiny import tiny_snapshot
 
 pytestmark = pytest.mark.slow
 STEPS = 16

@@ -6,11 +6,12 @@ import shutil
 
 import pytest
 import torch
-from _train_helpers import load_dcp, read_metrics, tiny_snapshot, train, train_cases, write_config
+from helpers import load_dcp, read_metrics, train, train_cases, write_config
 from safetensors.torch import load_file
 
 from vlmcore.config import ConfigError, from_dict
 from vlmcore.models.lora import is_adapter
+from vlmcore.tiny import tiny_snapshot
 
 STEPS = 6
 ALPHA, RANK = 8.0, 4
@@ -254,11 +255,12 @@ def test_two_rank_fsdp2_lora_run_equals_one_process(runs):
 def test_export_writes_a_peft_adapter_that_gives_the_merged_models_logits(runs):
     """`vlmcore export --peft-adapter`: peft loads the adapter directory onto the transformers model
     of the base snapshot, and its logits are those of the merged model the same export wrote to --out."""
-    from _models_helpers import IMAGE, max_rel, vl_sample
+    from helpers import max_rel, vl_sample
     from peft import PeftModel
     from transformers import Qwen3VLMoeForConditionalGeneration
 
     from vlmcore.cli import main
+    from vlmcore.tiny import IMAGE
 
     tmp_path, snapshot = runs
     merged_dir, adapter_dir = tmp_path / "export", tmp_path / "adapter"

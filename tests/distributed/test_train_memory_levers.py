@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _train_helpers import load_dcp, read_metrics, tiny_snapshot, train_cases, write_config
+from helpers import load_dcp, read_metrics, train_cases, write_config
 
 from vlmcore.config import ConfigError, load_config
 from vlmcore.parallel.checks import check_run
+from vlmcore.tiny import tiny_snapshot
 
 # bfloat16 moments against float32 ones, tiny Qwen3, 50 steps at lr 1e-3: measured 3.2e-5 of the
 # loss and 7.7e-4 of a weight tensor's norm (2-core CPU, torch 2.13.0); the bounds leave room.

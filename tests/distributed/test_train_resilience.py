@@ -11,10 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from _train_helpers import REPO, env, read_metrics, tiny_snapshot, write_config
+from helpers import REPO, env, read_metrics, write_config
 from PIL import Image
 
 from vlmcore.report.scaling import write_report
+from vlmcore.tiny import tiny_snapshot
 
 pytestmark = pytest.mark.slow
 LAUNCHER = REPO / "workflow" / "scripts" / "launch_torchrun.sh"

@@ -11,7 +11,7 @@ from vlmcore.eval.staging import stage_snapshot
 
 
 def test_a_benchmark_table_without_a_field_is_refused_before_the_model_loads(tmp_path, capsys):
-    from _export_helpers import tiny_snapshot
+    from helpers import tiny_hf_snapshot as tiny_snapshot
 
     model = tiny_snapshot("qwen3_vl", tmp_path / "model")
     (model / "model.safetensors").write_text("not weights")

@@ -14,7 +14,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pytest
-from _export_helpers import tiny_snapshot
+from helpers import tiny_hf_snapshot
 from PIL import Image
 
 from vlmcore import cli
@@ -308,7 +308,7 @@ def test_every_registered_benchmark_has_a_task_definition_with_its_metric():
 @pytest.fixture(scope="module")
 def benchmark_run(benchmark_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("benchmark_run")
-    model = tiny_snapshot("qwen3_vl", root / "model")
+    model = tiny_hf_snapshot("qwen3_vl", root / "model")
     out = root / "eval"
     args = ["eval", "--model", str(model), "--tasks", ",".join(TASKS), "--benchmark-data", str(benchmark_data)]
     assert cli.main([*args, "--out", str(out), "--batch-size", "4"]) == 0

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
-from _export_helpers import tiny_snapshot
+from helpers import tiny_hf_snapshot
 from PIL import Image
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
@@ -35,7 +35,7 @@ LIMIT = 9  # three of each question kind
 @pytest.fixture(scope="module")
 def vqa_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("vqa")
-    model = tiny_snapshot("qwen3_vl", root / "model")
+    model = tiny_hf_snapshot("qwen3_vl", root / "model")
     generate(root / "raw", num_train=2, num_eval=12, seed=3)
     out = root / "eval"
     assert (
@@ -181,7 +181,7 @@ def test_gather_stacks_runs_into_one_table(vqa_run):
 @pytest.fixture(scope="module")
 def video_qa_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("video_qa")
-    model = tiny_snapshot("qwen3_vl", root / "model")
+    model = tiny_hf_snapshot("qwen3_vl", root / "model")
     synthetic_video.generate(root / "raw", num_train=1, num_eval=6, seed=1)
     out = root / "eval"
     assert (
@@ -276,7 +276,7 @@ metadata: {{version: 1.0}}
 
 
 def test_text_task_runs_through_lm_eval_hf_model(tmp_path):
-    model_dir = tiny_snapshot("qwen3", tmp_path / "model")
+    model_dir = tiny_hf_snapshot("qwen3", tmp_path / "model")
     data = tmp_path / "tiny_colors.jsonl"
     questions = [
         ("What color is the sky?", ["blue", "red", "green"], 0),

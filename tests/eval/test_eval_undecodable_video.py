@@ -14,7 +14,7 @@ import zipfile
 
 import pandas as pd
 import pytest
-from _export_helpers import tiny_snapshot
+from helpers import tiny_hf_snapshot
 
 from vlmcore.data.media.video import probe
 from vlmcore.data.synthetic import video as synthetic_video
@@ -49,7 +49,7 @@ def write_mvbench(repository, clips: list[bytes]) -> None:
 @pytest.fixture(scope="module")
 def run_with_bad_videos(tmp_path_factory):
     root = tmp_path_factory.mktemp("undecodable")
-    tiny_snapshot("qwen3_vl", root / "model")
+    tiny_hf_snapshot("qwen3_vl", root / "model")
     synthetic_video.generate(root / "raw", num_train=1, num_eval=4, seed=2)
     questions = [json.loads(line) for line in (root / "raw/eval.jsonl").read_text().splitlines()]
     good_clip = (root / "raw" / questions[2]["video"]).read_bytes()

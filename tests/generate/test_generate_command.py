@@ -8,7 +8,8 @@ from contextlib import redirect_stdout
 import numpy as np
 import pytest
 import torch
-from _export_helpers import perturbed, tiny_snapshot, write_final_checkpoint
+from helpers import perturbed, write_final_checkpoint
+from helpers import tiny_hf_snapshot as tiny_snapshot
 from PIL import Image
 from transformers import Qwen3VLForConditionalGeneration
 

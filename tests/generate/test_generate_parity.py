@@ -5,17 +5,7 @@ families; each sampled token's log-probability equal to the training forward's (
 
 import pytest
 import torch
-from _models_helpers import (
-    IMAGE,
-    VIDEO,
-    hf_mm_inputs,
-    mm_sample,
-    qwen3_5_config,
-    qwen3_5_moe_config,
-    qwen3_config,
-    qwen3_vl_config,
-    qwen3_vl_moe_config,
-)
+from helpers import hf_mm_inputs, mm_sample
 from transformers import (
     Qwen3_5ForConditionalGeneration,
     Qwen3_5MoeForConditionalGeneration,
@@ -28,6 +18,15 @@ from transformers import (
 
 import vlmcore.models as models
 from vlmcore.generate import Prompt, SamplingSettings, generate
+from vlmcore.tiny import (
+    IMAGE,
+    VIDEO,
+    qwen3_5_config,
+    qwen3_5_moe_config,
+    qwen3_config,
+    qwen3_vl_config,
+    qwen3_vl_moe_config,
+)
 
 
 def qwen3_moe_config():

@@ -4,12 +4,12 @@ batch whose cache does not fit the memory; and the cache estimate equals what a 
 
 import pytest
 import torch
-from _train_helpers import hf_config
 
 from vlmcore.generate import GenerationError, Prompt, SamplingSettings, generate, sampling_settings
 from vlmcore.generate.cache import GenerationCache, cache_bytes, layer_types
 from vlmcore.generate.decode import prefill
 from vlmcore.models import build_model
+from vlmcore.tiny import hf_config
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
@@ -70,9 +70,10 @@ def test_vlmcore_memory_gives_the_generation_cache(tmp_path, capsys):
     under the stage's TP, as a prefill of such rows holds it (cache_bytes, checked above)."""
     import json
 
-    from _train_helpers import tiny_snapshot, write_config
+    from helpers import write_config
 
     from vlmcore import cli
+    from vlmcore.tiny import tiny_snapshot
 
     model_dir = tiny_snapshot("qwen3_5", tmp_path / "model")
     config = write_config(tmp_path / "stage.yaml", model_dir, tmp_path / "out", parallel={"tp": 2})

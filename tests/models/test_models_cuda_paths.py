@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from _train_helpers import hf_config as tiny_config
 
 from vlmcore.models import build_model, linear_attention
 from vlmcore.models.attention import adapt_varlen_kernel, attention, segment_sdpa, set_varlen_kernel
 from vlmcore.models.linear_attention import chunk_gated_delta_rule, recurrent_gated_delta_rule, set_gdn_kernel
 from vlmcore.models.moe import grouped_mm, moe_blocks
+from vlmcore.tiny import hf_config as tiny_config
 
 
 def masked_sdpa(q, k, v, cu_seqlens, causal, scale):

@@ -6,15 +6,14 @@ import re
 
 import pytest
 import torch
-from _models_helpers import qwen3_config, qwen3_vl_config, vl_sample
-from test_models_qwen3_5 import text_config as qwen3_5_text_config
-from test_models_qwen3_5 import vl_config as qwen3_5_config
+from helpers import vl_sample
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 from transformers import Qwen3_5TextConfig
 
 import vlmcore.models as models
 from vlmcore.models import flops
+from vlmcore.tiny import qwen3_5_parity_config, qwen3_5_parity_text_dict, qwen3_config, qwen3_vl_config
 
 
 def count_forward_flops(fn) -> int:
@@ -98,20 +97,20 @@ def test_unknown_family_is_named():
 
 def test_qwen3_5_matmul_params_are_the_models_weights():
     """Gated q_proj (2x wide) in full-attention layers, the five projections of Gated DeltaNet."""
-    model = models.build_model(qwen3_5_config())
+    model = models.build_model(qwen3_5_parity_config())
     visual = model.model.visual
     assert flops.llm_matmul_params(model.config) == matmul_weights(model) - matmul_weights(visual)
     per_patch, per_merged = flops.vision_matmul_params(model.config)
     assert per_merged == matmul_weights(visual.merger)
     assert per_patch == matmul_weights(visual) - matmul_weights(visual.merger)
-    text = models.build_model(Qwen3_5TextConfig(**qwen3_5_text_config(tied=True)))
+    text = models.build_model(Qwen3_5TextConfig(**qwen3_5_parity_text_dict(tied=True)))
     assert flops.llm_matmul_params(text.config) == matmul_weights(text)  # tied LM head counted once
 
 
 def test_qwen3_5_flops_equal_a_count_of_the_forward_llm_and_vision_apart():
     """Segments of whole 64-token chunks, so the chunked gated delta rule pads nothing."""
     torch.manual_seed(0)
-    model = models.build_model(qwen3_5_config(), device="cpu")
+    model = models.build_model(qwen3_5_parity_config(), device="cpu")
     model.init_weights()
     ids, pixels, grid = vl_sample([(1, 6, 4)], [5, 51], torch.Generator().manual_seed(1))
     ids = ids[None]
@@ -122,7 +121,9 @@ def test_qwen3_5_flops_equal_a_count_of_the_forward_llm_and_vision_apart():
     assert flops.vision_flops(model.config, grid) == 3 * vision
     assert flops.llm_flops(model.config, [64]) == 3 * (total - vision)
 
-    text = models.build_model(Qwen3_5TextConfig(**qwen3_5_text_config(head_dim=32, k_heads=2, v_heads=2)), device="cpu")
+    text = models.build_model(
+        Qwen3_5TextConfig(**qwen3_5_parity_text_dict(head_dim=32, k_heads=2, v_heads=2)), device="cpu"
+    )
     text.init_weights()
     counted = count_forward_flops(lambda: text(torch.randint(0, 256, (2, 128))))
     assert flops.llm_flops(text.config, [128, 128]) == 3 * counted
@@ -193,7 +194,9 @@ def qwen3_5_moe_config():
             "mrope_interleaved": True,
         },
     )
-    return Qwen3_5MoeConfig(text_config=text, vision_config=qwen3_5_config().vision_config.to_dict(), **TOKEN_IDS)
+    return Qwen3_5MoeConfig(
+        text_config=text, vision_config=qwen3_5_parity_config().vision_config.to_dict(), **TOKEN_IDS
+    )
 
 
 MOE_CONFIGS = {"qwen3_moe": qwen3_moe_config, "qwen3_vl_moe": qwen3_vl_moe_config, "qwen3_5_moe": qwen3_5_moe_config}

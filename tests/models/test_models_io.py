@@ -5,15 +5,7 @@ import json
 
 import pytest
 import torch
-from _models_helpers import (
-    hf_vl_logits,
-    max_rel,
-    qwen3_5_config,
-    qwen3_5_text_config,
-    qwen3_config,
-    qwen3_vl_config,
-    vl_sample,
-)
+from helpers import hf_vl_logits, max_rel, vl_sample
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import (
@@ -28,6 +20,7 @@ from transformers import (
 )
 
 import vlmcore.models as models
+from vlmcore.tiny import qwen3_5_config, qwen3_5_text_config, qwen3_config, qwen3_vl_config
 
 
 def random_model(config):

@@ -6,18 +6,7 @@ that the export writes, so a wrong mapping fails here too."""
 
 import pytest
 import torch
-from _models_helpers import (
-    IMAGE,
-    hf_and_native,
-    max_rel,
-    qwen3_5_config,
-    qwen3_5_moe_config,
-    qwen3_config,
-    qwen3_vl_config,
-    qwen3_vl_moe_config,
-    token_loss,
-    vl_sample,
-)
+from helpers import hf_and_native, max_rel, token_loss, vl_sample
 from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 from transformers import (
     Qwen3_5ForConditionalGeneration,
@@ -39,6 +28,7 @@ from vlmcore.models.lora import (
     peft_state_dict,
 )
 from vlmcore.models.moe import RoutingStats, moe_blocks
+from vlmcore.tiny import IMAGE, qwen3_5_config, qwen3_5_moe_config, qwen3_config, qwen3_vl_config, qwen3_vl_moe_config
 
 RANK, ALPHA = 4, 8
 TEXT_TARGETS = ["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj", "lm_head"]

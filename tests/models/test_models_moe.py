@@ -4,7 +4,7 @@ the per-expert storage format the checkpoints use."""
 
 import pytest
 import torch
-from _models_helpers import grad_diffs, hf_and_native, max_rel
+from helpers import grad_diffs, hf_and_native, max_rel
 from safetensors.torch import load_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 

@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from _models_helpers import hf_and_native, logits_loss_then_grad_diffs, max_rel, qwen3_config, token_loss
+from helpers import hf_and_native, logits_loss_then_grad_diffs, max_rel, token_loss
 from transformers import Qwen3ForCausalLM
 
 import vlmcore.models as models
+from vlmcore.tiny import qwen3_config
 
 SHAPES = {
     "tied-gqa2": dict(tied=True),

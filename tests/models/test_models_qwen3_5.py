@@ -7,68 +7,20 @@ one 64-token chunk of the linear-attention kernel.
 import pytest
 import torch
 import torch.nn.functional as F
-from _models_helpers import (
-    IMAGE,
-    VISION,
-    VISION_END,
-    VISION_START,
+from helpers import (
     hf_vl_logits,
     logits_loss_then_grad_diffs,
     max_rel,
     meta_parameter_count,
     pack,
     packed_and_alone,
-    qwen3_5_moe_config,
     vl_sample,
 )
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
 import vlmcore.models as models
 from vlmcore.models.qwen3_5 import Qwen3_5ForCausalLM as NativeCausalLM
-
-LAYERS = ["linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention"]
-
-
-def text_config(head_dim=16, k_heads=2, v_heads=4, tied=False, pad=None, layer_types=LAYERS):
-    rot_half = head_dim // 8  # partial_rotary_factor 0.25
-    section = [rot_half - 2 * (rot_half // 3), rot_half // 3, rot_half // 3] if rot_half > 2 else [1, 1, 0]
-    return dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=len(layer_types),
-        layer_types=list(layer_types),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=head_dim,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=8,
-        linear_num_key_heads=k_heads,
-        linear_num_value_heads=v_heads,
-        tie_word_embeddings=tied,
-        pad_token_id=pad,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 1e7,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": section,
-            "mrope_interleaved": True,
-        },
-    )
-
-
-def vl_config(tied=False, **text):
-    return Qwen3_5Config(
-        vision_config=VISION,
-        text_config=text_config(**text),
-        image_token_id=IMAGE,
-        video_token_id=253,
-        vision_start_token_id=VISION_START,
-        vision_end_token_id=VISION_END,
-        tie_word_embeddings=tied,
-    )
-
+from vlmcore.tiny import IMAGE, qwen3_5_moe_config, qwen3_5_parity_config, qwen3_5_parity_text_dict
 
 SHAPES = {
     "gva2": dict(),
@@ -84,14 +36,14 @@ BATCHES = {
 def vl_pair(tmp_path, **shape):
     """An HF reference model and the native model loaded from its saved snapshot."""
     torch.manual_seed(0)
-    hf = Qwen3_5ForConditionalGeneration(vl_config(**shape)).eval()
+    hf = Qwen3_5ForConditionalGeneration(qwen3_5_parity_config(**shape)).eval()
     hf.save_pretrained(tmp_path / "hf")
     return hf, models.from_pretrained(tmp_path / "hf").eval()
 
 
 def text_pair(tmp_path, **shape):
     torch.manual_seed(0)
-    hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text_config(**shape))).eval()
+    hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**qwen3_5_parity_text_dict(**shape))).eval()
     hf.save_pretrained(tmp_path / "hf")
     return hf, models.from_pretrained(tmp_path / "hf").eval()
 
@@ -224,7 +176,7 @@ def test_init_weights_matches_transformers_initialisation(family):
     from transformers import Qwen3_5MoeForConditionalGeneration
 
     config, hf_class = {
-        "qwen3_5": (vl_config(), Qwen3_5ForConditionalGeneration),
+        "qwen3_5": (qwen3_5_parity_config(), Qwen3_5ForConditionalGeneration),
         "qwen3_5_moe": (qwen3_5_moe_config(), Qwen3_5MoeForConditionalGeneration),
     }[family]
     native = models.build_model(config)

@@ -7,24 +7,14 @@ loaded and written back bit-exact by save_pretrained and `vlmcore export`.
 import pytest
 import torch
 import torch.nn.functional as F
-from _export_helpers import write_final_checkpoint
-from _models_helpers import (
-    IMAGE,
-    grad_diffs,
-    max_rel,
-    meta_parameter_count,
-    pack,
-    qwen3_5_moe_config,
-    qwen3_5_moe_text_config,
-    token_loss,
-    vl_sample,
-)
+from helpers import grad_diffs, max_rel, meta_parameter_count, pack, token_loss, vl_sample, write_final_checkpoint
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration
 
 import vlmcore.models as models
 from vlmcore.export import export_hf
 from vlmcore.models.moe import RoutingStats, SparseMoeBlock, moe_blocks
+from vlmcore.tiny import IMAGE, qwen3_5_moe_config, qwen3_5_moe_text_config
 
 SHAPES = {
     "top2": dict(),

@@ -2,19 +2,18 @@
 
 import pytest
 import torch
-from _models_helpers import (
-    IMAGE,
+from helpers import (
     assert_packed_row_equals_samples_alone,
     hf_vl_logits,
     logits_loss_then_grad_diffs,
     max_rel,
     pack,
-    qwen3_vl_config,
     vl_sample,
 )
 from transformers import Qwen3VLForConditionalGeneration
 
 import vlmcore.models as models
+from vlmcore.tiny import IMAGE, qwen3_vl_config
 
 SHAPES = {
     "gqa2-deepstack2": dict(deepstack=(0, 1)),

@@ -11,15 +11,13 @@ import shutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _models_helpers import (
-    IMAGE,
+from helpers import (
     assert_packed_row_equals_samples_alone,
     grad_diffs,
     hf_and_native,
     hf_vl_logits,
     max_rel,
     meta_parameter_count,
-    qwen3_vl_moe_config,
     token_loss,
     vl_sample,
 )
@@ -30,6 +28,7 @@ import vlmcore.models as models
 from vlmcore.export import load_final_state_dict
 from vlmcore.models.expert_storage import disk_tensors, format_of, is_expert_tensor, stored_format
 from vlmcore.models.moe import RoutingStats, moe_blocks
+from vlmcore.tiny import IMAGE, qwen3_vl_moe_config
 
 SHAPES = {
     "top2-deepstack2": dict(deepstack=(0, 1)),

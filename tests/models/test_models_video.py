@@ -4,20 +4,7 @@ sample, in packed rows; for Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE."""
 
 import pytest
 import torch
-from _models_helpers import (
-    VIDEO,
-    grad_diffs,
-    hf_and_native,
-    hf_mm_inputs,
-    max_rel,
-    mm_sample,
-    mm_token_types,
-    qwen3_5_config,
-    qwen3_5_moe_config,
-    qwen3_vl_config,
-    qwen3_vl_moe_config,
-    token_loss,
-)
+from helpers import grad_diffs, hf_and_native, hf_mm_inputs, max_rel, mm_sample, mm_token_types, token_loss
 from transformers import (
     Qwen3_5ForConditionalGeneration,
     Qwen3_5MoeForConditionalGeneration,
@@ -26,6 +13,7 @@ from transformers import (
 )
 
 import vlmcore.models as models
+from vlmcore.tiny import VIDEO, qwen3_5_config, qwen3_5_moe_config, qwen3_vl_config, qwen3_vl_moe_config
 
 FAMILIES = {
     "qwen3_vl": (Qwen3VLForConditionalGeneration, lambda: qwen3_vl_config(deepstack=(0, 1))),
@@ -135,8 +123,9 @@ def test_video_tokens_and_grids_that_disagree_fail_clearly(tmp_path):
 
 
 def test_text_models_refuse_video(tmp_path):
-    from _models_helpers import qwen3_config
     from transformers import Qwen3ForCausalLM
+
+    from vlmcore.tiny import qwen3_config
 
     _, native = hf_and_native(Qwen3ForCausalLM, qwen3_config(), tmp_path / "hf")
     with pytest.raises(ValueError, match="pixel_values_videos must be None"):

@@ -10,13 +10,14 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from _train_helpers import hf_config, read_metrics, tiny_snapshot, train, train_cases, write_config
+from helpers import read_metrics, train, train_cases, write_config
 from torchao.float8.float8_linear import Float8Linear
 
 from vlmcore import models
 from vlmcore.config import ConfigError, from_dict
 from vlmcore.parallel.checks import check_fp8_device
 from vlmcore.parallel.float8 import convert_to_float8, precompute_scales
+from vlmcore.tiny import hf_config, tiny_snapshot
 
 TENSORWISE = {"recipe": "tensorwise", "emulate": True}
 ROWWISE = {"recipe": "rowwise", "emulate": True}

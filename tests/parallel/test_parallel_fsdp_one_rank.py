@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _train_helpers import env, load_dcp, tiny_snapshot, train, write_config
+from helpers import env, load_dcp, train, write_config
 from safetensors.torch import load_file
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+from vlmcore.tiny import tiny_snapshot
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -157,8 +159,8 @@ def test_a_frozen_model_forwards_as_fsdp2_on_one_rank(tmp_path, one_process_grou
 
 def loaded_state(nproc: int, config: Path, out_file: Path) -> dict[str, torch.Tensor]:
     """The model and optimizer state of `config`'s latest checkpoint as `nproc` processes load it
-    (tests/_train_helpers.py dump-state), unsharded."""
-    args = [str(REPO / "tests" / "_train_helpers.py"), "dump-state", str(config), str(out_file)]
+    (tests/helpers.py dump-state), unsharded."""
+    args = [str(REPO / "tests" / "helpers.py"), "dump-state", str(config), str(out_file)]
     if nproc == 1:
         cmd = [sys.executable, *args]
     else:

@@ -157,9 +157,9 @@ def test_disjoint_bridge_sends_every_row_once_to_its_language_rank(vision_ranks,
     and the images (and the videos) over the encoder ranks are the global micro-batch's, in
     order, each once."""
     import torch
-    from _train_helpers import hf_config
 
     from vlmcore.parallel.disjoint import DisjointBridge
+    from vlmcore.tiny import hf_config
     from vlmcore.train.random_data import RandomBatches
 
     model_config = hf_config("qwen3_vl")
@@ -228,8 +228,9 @@ def test_memory_estimate_of_a_vision_layout(tmp_path):
     every rank of a vision TP group holding a batch like rank 0's): the tower is gathered 1/tp
     per rank for its attention and MLP, its sharded states spread over world / tp ranks only, and
     a rank holds the activations of its group's images."""
-    from _train_helpers import tiny_snapshot, write_config
-    from test_train_memory import estimates
+    from helpers import estimates, write_config
+
+    from vlmcore.tiny import tiny_snapshot
 
     config = write_config(
         tmp_path / "vl.yaml",
@@ -250,8 +251,8 @@ def test_an_encoder_rank_holds_the_vision_tower_only_and_refuses_to_hold_a_froze
     """Rank 0 of disjoint layouts (a fake world of 4) builds the vision tower only, FSDP over
     the encoder ranks; a stage that trains nothing of it is refused naming `trainable`."""
     import torch
-    from _train_helpers import tiny_snapshot
 
+    from vlmcore.tiny import tiny_snapshot
     from vlmcore.train.build import build_meta_run
     from vlmcore.train.memory import _process_group
 
@@ -288,9 +289,8 @@ def test_memory_estimate_of_disjoint_layouts(tmp_path):
     estimates an encoder rank and a language rank: each holds its own module's weights, gradients
     and AdamW state, sharded over its module's ranks, and the bridge's all_to_all runs on fake
     tensors too. The top level is the larger of the two."""
-    from _train_helpers import tiny_snapshot
-
     from vlmcore.models import build_model
+    from vlmcore.tiny import tiny_snapshot
     from vlmcore.train.memory import estimate_memory, format_table
 
     snapshot = tiny_snapshot("qwen3_vl", tmp_path / "vl")
@@ -318,12 +318,13 @@ def test_one_rank_trains_a_plain_module_unless_it_casts(tmp_path, one_process_gr
     (vlmcore.parallel.fsdp.OneRankMixedPrecision, tests/parallel/test_parallel_fsdp_one_rank.py), unless
     `parallel.one_rank_cast: false` asks for FSDP2's units (one block's compute copy at a time)."""
     import torch
-    from _train_helpers import tiny_snapshot, write_config
+    from helpers import write_config
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     from vlmcore.config import load_config
     from vlmcore.parallel.fsdp import one_rank_cast_of
+    from vlmcore.tiny import tiny_snapshot
     from vlmcore.train.build import build_meta_run
 
     config = write_config(tmp_path / "c.yaml", tiny_snapshot("qwen3_vl", tmp_path / "m"), tmp_path / "o")

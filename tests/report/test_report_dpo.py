@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import dpo_table
 from PIL import Image
 
 from vlmcore.parallel.layout import BatchSplit
@@ -60,13 +61,6 @@ def write_dpo_metrics(output_dir: Path, steps: int, sft: bool = False) -> Path:
             )
         )
     return output_dir / "metrics.jsonl"
-
-
-def dpo_table(md: str) -> dict[str, list[str]]:
-    """The DPO section's table: stage -> its cells."""
-    section = md.split("## DPO", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in section.splitlines() if line.startswith("| ")]
-    return {cells[0]: cells[1:] for cells in ([c.strip() for c in row.strip("|").split("|")] for row in rows[1:])}
 
 
 def test_report_plots_and_tabulates_each_dpo_stage(tmp_path, one_process_group):

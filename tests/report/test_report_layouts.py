@@ -2,9 +2,9 @@
 candidates exist, each term of the step time, and the recommendation."""
 
 import pytest
-from _train_helpers import hf_config
 
 from vlmcore.report.layouts import Cluster, Workload, candidates, compare, seconds_from_flops, workload_of
+from vlmcore.tiny import hf_config
 
 # Round figures: 4 GPUs per node, 100 GB/s inside a node, 10 GB/s between nodes, half the
 # compute efficiency kept per doubling of TP; bf16 parameters and activations, fp32 gradient reduce.

@@ -201,9 +201,8 @@ def test_report_recommends_a_per_module_layout(tmp_path):
     """A stage whose metrics carry module times gets a table of candidate layouts at its world
     size, built from the measured means after the warm-up and the cost model; one without
     (or whose model is gone) gets none, or a line saying why."""
-    from _train_helpers import hf_config
-
     from vlmcore.report.layouts import Cluster, compare, workload_of
+    from vlmcore.tiny import hf_config
 
     model = tmp_path / "model"
     hf_config("qwen3_vl").save_pretrained(model)

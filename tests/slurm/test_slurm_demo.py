@@ -9,7 +9,7 @@ import json
 
 import pytest
 import yaml
-from _slurm_helpers import slurm_jobs, snakemake, write_config
+from helpers import slurm_jobs, snakemake_on_slurm, write_experiment_config
 
 pytestmark = [pytest.mark.workflow, pytest.mark.slow]
 
@@ -27,11 +27,11 @@ def test_video_demo_through_slurm(slurm, tmp_path):
     scaling as 2-node jobs (the same 2 training processes as the local run, so the same model).
     The model learns every kind of question, and uses the frames' order for each: it scores well
     above chance and above the same questions on frame-shuffled clips."""
-    configfile, root = write_config(tmp_path, "demo-video", "demo-video.yaml", nodes=2, nproc_per_node=1)
+    configfile, root = write_experiment_config(tmp_path, "demo-video", "demo-video.yaml", nodes=2, nproc_per_node=1)
     config = yaml.safe_load(configfile.read_text())
     config["scaling"]["steps"] = 4
     configfile.write_text(yaml.safe_dump(config))
-    snakemake(tmp_path, configfile, "train_all", timeout=3600)
+    snakemake_on_slurm(tmp_path, configfile, "train_all", timeout=3600)
 
     jobs = slurm_jobs(tmp_path, "train_stage")
     assert len(jobs) == 2 and all(j["NumNodes"] == "2" and j["JobState"] == "COMPLETED" for j in jobs.values())

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import CLUSTER_ENV, planned_jobs
 
 from vlmcore.download import write_manifest
 
@@ -19,7 +20,6 @@ RECIPES = sorted((REPO / "config" / "experiments").glob("*.yaml"))
 # benchmarks, the others (all with a vision-language model) the image benchmarks.
 VIDEO_BENCHMARKS = ["videomme", "videomme_w_subtitle", "mvbench"]
 IMAGE_BENCHMARKS = ["mmmu_val", "chartqa", "docvqa_val", "mmbench_en_dev"]
-CLUSTER_ENV = {"VLMCORE_ACCOUNT": "ehpc01", "VLMCORE_QOS_ACC": "acc_ehpc", "VLMCORE_QOS_GPP": "gp_ehpc"}
 
 pytestmark = pytest.mark.workflow
 
@@ -59,19 +59,6 @@ def stage_inputs(tmp_path, recipe):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.touch()
     return config
-
-
-def planned_jobs(output):
-    """{rule: [resources of each job]} of a dry run."""
-    jobs = {}
-    for block in re.split(r"\n(?=rule )", output):
-        match = re.match(r"rule (\w+):", block)
-        if match:
-            resources = re.search(r"resources: (.*)", block)
-            jobs.setdefault(match.group(1), []).append(
-                dict(r.split("=", 1) for r in resources.group(1).split(", ")) if resources else {}
-            )
-    return jobs
 
 
 def test_every_recipe_names_its_cluster():

@@ -12,7 +12,7 @@ import math
 
 import pytest
 import yaml
-from _slurm_helpers import slurm_jobs, snakemake, write_config
+from helpers import slurm_jobs, snakemake_on_slurm, write_experiment_config
 
 pytestmark = [pytest.mark.workflow, pytest.mark.slow]
 
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.workflow, pytest.mark.slow]
 def random_data_experiment(tmp_path, name, steps, interval, runtime_minutes):
     """One 2-node stage on random batches: it needs the model (download_model builds it) but
     no data; its packed dataset exists only as an empty folder."""
-    configfile, root = write_config(
+    configfile, root = write_experiment_config(
         tmp_path,
         name,
         nodes=2,
@@ -53,7 +53,7 @@ def two_node_stage(slurm, tmp_path_factory):
     step time to size a run that cannot fit in one allocation on this machine."""
     tmp_path = tmp_path_factory.mktemp("slurm2n")
     configfile, root = random_data_experiment(tmp_path, "slurm2n", steps=12, interval=0, runtime_minutes=10)
-    snakemake(tmp_path, configfile, "results/slurm2n/train/stage1/done")
+    snakemake_on_slurm(tmp_path, configfile, "results/slurm2n/train/stage1/done")
     return tmp_path, root
 
 
@@ -86,7 +86,7 @@ def test_stage_cut_by_time_limit_resumes_in_retry(two_node_stage, tmp_path):
     fastest = min(step_times[2:])
     steps = max(60, math.ceil(150 / fastest))
     configfile, root = random_data_experiment(tmp_path, "slurmcut", steps=steps, interval=0, runtime_minutes=3)
-    snakemake(tmp_path, configfile, "results/slurmcut/train/stage1/done", "--retries", "20", timeout=3600)
+    snakemake_on_slurm(tmp_path, configfile, "results/slurmcut/train/stage1/done", "--retries", "20", timeout=3600)
 
     jobs = list(slurm_jobs(tmp_path, "train_stage").values())
     assert len(jobs) >= 2, f"{steps} steps at {fastest:.3f} s/step or slower fit in one allocation"

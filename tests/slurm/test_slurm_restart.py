@@ -12,8 +12,9 @@ import json
 import pytest
 import torch
 import yaml
-from _slurm_helpers import slurm_jobs, snakemake, write_config
-from _train_helpers import load_dcp, read_metrics, train
+from helpers import load_dcp, read_metrics, slurm_jobs, train
+from helpers import snakemake_on_slurm as snakemake
+from helpers import write_experiment_config as write_config
 
 pytestmark = [pytest.mark.workflow, pytest.mark.slow]
 STEPS = 6

@@ -6,8 +6,10 @@ import subprocess
 
 import pytest
 import torch
-from _train_helpers import command, env, load_dcp, read_metrics, tiny_snapshot, train, write_config
+from helpers import command, env, load_dcp, read_metrics, train, write_config
 from safetensors.torch import load_file, save_file
+
+from vlmcore.tiny import tiny_snapshot
 
 METRIC_KEYS = {
     "step",

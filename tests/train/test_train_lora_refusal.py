@@ -6,10 +6,11 @@ the model's config alone, as the workflow does when it is parsed, and pass it on
 experts."""
 
 import pytest
-from _train_helpers import hf_config, tiny_snapshot, train, write_config
+from helpers import train, write_config
 
 from vlmcore.config import ConfigError, from_dict
 from vlmcore.parallel.checks import check_run
+from vlmcore.tiny import hf_config, tiny_snapshot
 
 MESSAGE = (
     "lora.targets: must hold a pattern on the qwen3 model, which has no routed experts for lora.experts to "

@@ -11,32 +11,9 @@ import subprocess
 import sys
 
 import pytest
-from _train_helpers import command, env, tiny_snapshot, write_config
+from helpers import ESTIMATES_DRIVER, command, env, estimates, write_config
 
-# Runs estimates in one process (each one makes and ends its own process group).
-DRIVER = """
-import json, sys
-from vlmcore.config import load_config
-from vlmcore.train.memory import estimate_memory
-out = []
-for sets, world, seq_len, image_side, fake, *video in json.loads(sys.argv[2]):
-    cfg = load_config(sys.argv[1], sets)
-    out.append(estimate_memory(cfg, world, seq_len, image_side, fake=fake, video_frames=video[0] if video else 0))
-print("RESULT" + json.dumps(out))
-"""
-
-
-def estimates(config, *runs) -> list[dict]:
-    """runs: (overrides, world size, seq_len, image_side, fake[, video frame groups])."""
-    proc = subprocess.run(
-        [sys.executable, "-c", DRIVER, str(config), json.dumps(runs)],
-        capture_output=True,
-        text=True,
-        env=env(),
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return json.loads(proc.stdout.split("RESULT")[-1])
+from vlmcore.tiny import tiny_snapshot
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +53,7 @@ def test_fake_run_counts_what_the_real_run_holds(configs, kind):
 
 def test_moe_estimate_needs_the_grouped_gemm_dtype(configs):
     proc = subprocess.run(
-        [sys.executable, "-c", DRIVER, str(configs["qwen3_moe"]), json.dumps([[[], 1, 96, None, True]])],
+        [sys.executable, "-c", ESTIMATES_DRIVER, str(configs["qwen3_moe"]), json.dumps([[[], 1, 96, None, True]])],
         capture_output=True,
         text=True,
         env=env(),
@@ -187,7 +164,8 @@ def test_moe_recompute_is_freed_layer_by_layer(configs, tmp_path):
     routing its recompute kept held each recomputed layer's graph to the end of backward: 0.67 GiB
     per layer of Qwen3-VL-30B-A3B, 32 GiB of its estimated 68.)"""
     import transformers
-    from _train_helpers import MOE, TEXT
+
+    from vlmcore.tiny import MOE, TEXT
 
     transformers.Qwen3MoeConfig(
         **dict(TEXT, num_hidden_layers=4), **MOE, norm_topk_prob=True, tie_word_embeddings=False
@@ -310,7 +288,8 @@ def test_chunked_loss_never_holds_the_full_logits(tmp_path):
     tokens hold 7/8 of that less at the peak than one chunk of the whole row (whose softmax and
     gradient are computed in the logits' own buffer)."""
     import transformers
-    from _train_helpers import TEXT
+
+    from vlmcore.tiny import TEXT
 
     transformers.Qwen3Config(**dict(TEXT, vocab_size=32768), tie_word_embeddings=True).save_pretrained(tmp_path / "m")
     config = write_config(tmp_path / "c.yaml", tmp_path / "m", tmp_path / "out")

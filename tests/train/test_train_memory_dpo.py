@@ -3,8 +3,9 @@ sharded as the policy's but without gradients or optimizer state, and its no-gra
 `adapters_off` (LoRA) no second model, only a second forward of the policy's."""
 
 import pytest
-from _train_helpers import tiny_snapshot, write_config
-from test_train_memory import estimates
+from helpers import estimates, write_config
+
+from vlmcore.tiny import tiny_snapshot
 
 pytestmark = pytest.mark.slow
 

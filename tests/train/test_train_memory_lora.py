@@ -2,8 +2,9 @@
 optimizer state; the adapters (linear layers and routed experts) hold all three."""
 
 import pytest
-from _train_helpers import tiny_snapshot, write_config
-from test_train_memory import estimates
+from helpers import estimates, write_config
+
+from vlmcore.tiny import tiny_snapshot
 
 pytestmark = pytest.mark.slow
 

@@ -6,9 +6,10 @@ import time
 
 import pytest
 import torch
-from _train_helpers import hf_config, read_metrics, tiny_snapshot, train, write_config
+from helpers import read_metrics, train, write_config
 
 from vlmcore.models import build_model
+from vlmcore.tiny import hf_config, tiny_snapshot
 from vlmcore.train.module_timer import ModuleTimer
 from vlmcore.train.random_data import RandomBatches
 from vlmcore.train.step import forward_backward

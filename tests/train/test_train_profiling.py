@@ -6,10 +6,11 @@ import json
 
 import pytest
 import torch
-from _train_helpers import tiny_snapshot, train, write_config
+from helpers import train, write_config
 from torch.profiler import ProfilerActivity, profile
 
 from vlmcore.config import ConfigError, from_dict
+from vlmcore.tiny import tiny_snapshot
 from vlmcore.train.profiling import busy_time_us, device_figures, idle_gaps_us, summarize
 
 

@@ -4,8 +4,8 @@ worker processes when `num_workers` is set, in the same order whatever the count
 import itertools
 
 import torch
-from _train_helpers import hf_config
 
+from vlmcore.tiny import hf_config
 from vlmcore.train.random_data import RandomBatches
 
 

@@ -3,10 +3,10 @@ vision tower, their FLOPs and patches are counted, and the settings are checked.
 
 import pytest
 import torch
-from _train_helpers import hf_config
 
 from vlmcore.config import ConfigError, from_dict
 from vlmcore.models import build_model
+from vlmcore.tiny import hf_config
 from vlmcore.train.metrics_log import batch_flops
 from vlmcore.train.module_timer import ModuleTimer
 from vlmcore.train.random_data import RandomBatches

@@ -51,6 +51,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import CLUSTER_ENV, RUN_ON_DEMO
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -59,8 +60,6 @@ CONFIG_COMMENTS = [
     *sorted((REPO / "config" / "experiments").glob("*.yaml")),
     *sorted((REPO / "profiles").glob("*/config.yaml")),
 ]
-CLUSTER_ENV = {"VLMCORE_ACCOUNT": "ehpc01", "VLMCORE_QOS_ACC": "acc_ehpc", "VLMCORE_QOS_GPP": "gp_ehpc"}
-
 # Inline code spans that are commands start with one of these.
 INLINE_PROGRAMS = {"snakemake", "vlmcore", "python", "bash", "sbatch"}
 SHELL_LANGUAGES = {"bash", "sh", "shell", "console", ""}
@@ -133,33 +132,6 @@ def writes_tiny_moe_model(workdir: Path, output: str):
     assert text["decoder_sparse_step"] == 1 and not text["mlp_only_layers"]
 
 
-def prints_memory_estimate(world_size: int):
-    """The check of an estimate for `world_size` ranks: rank 0's peak, by kind, at the stage's layout."""
-
-    def check(workdir: Path, output: str):
-        assert f"rank 0 of {world_size} " in output and "Activation" in output, output
-
-    return check
-
-
-def writes_memory_estimate_json(workdir: Path, output: str):
-    """`--json est.json`: the estimate at 4 ranks with full activation checkpointing."""
-    prints_memory_estimate(4)(workdir, output)
-    estimate = json.loads((workdir / "est.json").read_text())
-    assert estimate["world_size"] == 4 and estimate["peak_bytes"] > 0
-    assert estimate["activation_checkpointing"] == "full"
-
-
-def trains_stage2_by_hand(workdir: Path, output: str):
-    """docs/config.md: the stage's own settings, two overridden: 20 steps on 2 ranks, in a folder of
-    their own (the demo's stage 2 has `done`: it is not trained again)."""
-    out = workdir / DEMO / "by-hand/stage2"
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in steps] == list(range(1, 21))
-    assert {m["world_size"] for m in steps} == {2}
-    assert (out / "done").is_file() and (out / "final").is_dir()
-
-
 def write_preference_pairs(workdir: Path):
     """docs/post-training.md's input: raw/pairs.jsonl, three text preference pairs (a prompt, the
     chosen and the rejected answer) in the layouts the doc names."""
@@ -190,7 +162,7 @@ def prepares_preference_pairs(workdir: Path, output: str):
 
 def write_prepared_pairs_and_model(workdir: Path):
     """docs/post-training.md's pack input: the prepared pairs and a tiny model with its tokenizer."""
-    from _data_helpers import make_demo_model_dir
+    from helpers import make_demo_model_dir
 
     from vlmcore.data.prepare.dataset import prepare
 
@@ -212,16 +184,6 @@ SETUP_HERE = {
 }
 
 
-# The demo's outputs, where the commands of RUN_ON_DEMO run (tests/workflow/test_pipeline_demo.py).
-DEMO = Path("results/demo")
-
-# The words the docs use for what the reader fills in in a vlmcore command, and what the run on
-# the demo uses instead.
-DEMO_PLACEHOLDERS = {
-    "STAGE_CONFIG": str(DEMO / "train/stage2/stage_config.yaml"),
-    "N": "2",
-}
-
 # vlmcore commands that need nothing but the checkout: run here, in a scratch folder, as
 # written: {command: what it writes or prints}.
 RUN_HERE = {
@@ -231,17 +193,6 @@ RUN_HERE = {
     "vlmcore download --tiny --tiny-family qwen3_vl_moe --out results/demo-moe/model": writes_tiny_moe_model,
     "vlmcore prepare --source preference:raw/pairs.jsonl --out data/pairs": prepares_preference_pairs,
     "vlmcore pack --data data/pairs --model model --out packed/pairs --seq-len 4096 --max-patches 16384": packs_preference_pairs,
-}
-
-# vlmcore commands that run on the demo's outputs: run in its folder by
-# tests/workflow/test_pipeline_demo.py, the placeholders replaced: {command: what it writes or prints}.
-RUN_ON_DEMO = {
-    "vlmcore memory STAGE_CONFIG --world-size N": prints_memory_estimate(2),
-    "vlmcore memory STAGE_CONFIG --world-size 4 --set parallel.activation_checkpointing=full --json est.json": (
-        writes_memory_estimate_json
-    ),
-    "torchrun --standalone --nproc-per-node 2 -m vlmcore.cli train results/demo/train/stage2/stage_config.yaml "
-    "--set steps=20 --set output_dir=results/demo/by-hand/stage2": trains_stage2_by_hand,
 }
 
 # vlmcore commands checked only against their --help, and why they cannot run here.
@@ -272,11 +223,6 @@ HELP_ONLY = {
         "the 8B recipe's stage config, which the workflow writes on the cluster from the staged model"
     ),
 }
-
-
-def demo_argv(line: str) -> list[str]:
-    """A command of RUN_ON_DEMO as it runs in the demo's folder: the reader's placeholders replaced."""
-    return [DEMO_PLACEHOLDERS.get(word, word) for word in shlex.split(line)]
 
 
 # Inline spans that start like a command but quote a message or name a thing.
@@ -767,10 +713,14 @@ def test_snakemake_commands_dry_run(checkout):
     one child process (this file as a script): most of a dry run's time in a process of its own
     is Snakemake's import."""
     runs = dry_runs()
+    # The child imports tests/helpers.py, as pytest's children of tests/conftest.py's folder do.
+    tests = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=f"{tests}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.run(
         [sys.executable, __file__],
         input=json.dumps([list(argv) for argv in runs]),
         cwd=checkout,
+        env=env,
         capture_output=True,
         text=True,
         timeout=600,

@@ -310,7 +310,7 @@ def test_documented_vlmcore_commands_run_on_the_demo(demo):
     """The `vlmcore` commands of README.md and docs/*.md that need the demo's outputs
     (tests/workflow/test_docs_commands.py RUN_ON_DEMO) run as written in the demo's folder, the reader's
     placeholders replaced, and write or print what the docs say."""
-    from test_docs_commands import RUN_ON_DEMO, demo_argv
+    from helpers import RUN_ON_DEMO, demo_argv
 
     for line, check in RUN_ON_DEMO.items():
         argv = demo_argv(line)

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _train_helpers import env
+from helpers import env
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "config" / "experiments").glob("*.yaml"))

@@ -202,7 +202,7 @@ CORPUS_100M = {
 def test_corpus_of_100m_samples_plans_its_scattered_pack(tmp_path, cluster, partition):
     """Nothing of the corpus needs to exist to plan it: its measure and write jobs, each on the
     cluster's CPU partition, and the plan and pack jobs between them."""
-    from test_slurm_profiles import CLUSTER_ENV, planned_jobs
+    from helpers import CLUSTER_ENV, planned_jobs
 
     recipe = REPO / "config" / "experiments" / f"qwen3vl-2b-{cluster}.yaml"
     overlay = tmp_path / "corpus-100m.yaml"

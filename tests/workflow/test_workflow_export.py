@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from _train_helpers import tiny_snapshot, train, write_config
+from helpers import train, write_config
 
 from vlmcore.cli import main
+from vlmcore.tiny import tiny_snapshot
 from vlmcore.workflow import Experiment, validate_config
 
 REPO = Path(__file__).resolve().parents[2]
