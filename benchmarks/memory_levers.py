@@ -50,8 +50,7 @@ def snapshot(root: Path, repo_id: str | None) -> Path:
     """The model's config.json (no weights: the run starts from random init)."""
     path = root / "model"
     if repo_id:
-        sys.path.insert(0, str(REPO / "benchmarks"))
-        from recipe_models import MODELS
+        from recipe_models import MODELS  # benchmarks/ is on sys.path: this is a script there
 
         MODELS[repo_id]().save_pretrained(path)
     else:
