@@ -320,9 +320,15 @@ def install_ranges() -> None:
     from vlmcore.train import loop, step
     from vlmcore.train.module_timer import ModuleTimer
 
+    try:  # SFT's objective calls the chunked loss; older code (`--src`) has no objective module
+        from vlmcore.train import objective
+    except ImportError:
+        objective = None
+
     wrap_in_range(step, "grad_norm", "host_work::grad_norm")
     wrap_in_range(step, "clip_grads", "host_work::clip_grads")
-    wrap_in_range(step, "chunked_cross_entropy", "host_work::loss")
+    wrap_in_range(step, "chunked_cross_entropy", "host_work::loss")  # older code (`--src`): the step called it
+    wrap_in_range(objective, "chunked_cross_entropy", "host_work::loss")
     wrap_in_range(step, "forward_backward", "host_work::forward_backward")
     wrap_in_range(loop, "to_device", "host_work::to_device")
     # The timer's hooks are bound at construction: wrap them on the class, before the Trainer.

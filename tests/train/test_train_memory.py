@@ -213,7 +213,7 @@ def test_cli_takes_the_row_shape_from_the_packed_dataset(configs, tmp_path):
     # 144 patches at most: a 12x12-patch image, 6x6 merged (spatial merge 2).
     assert (result["seq_len"], result["image_side"], result["dp_shard"]) == (160, 6, 2)
     assert "rank 0 of 2 (dp_replicate 1 x dp_shard 2 x tp 1), 1 x 160 tokens" in proc.stdout
-    total = proc.stdout.strip().splitlines()[-1].split()
+    total = next(line for line in proc.stdout.splitlines() if line.startswith("total")).split()
     assert total[0] == "total" and float(total[1]) == pytest.approx(result["peak_bytes"] / 2**20, abs=0.01)
 
 
