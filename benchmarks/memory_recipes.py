@@ -55,7 +55,9 @@ def estimate_recipe(recipe: Path, tmp: Path) -> list[dict]:
         stage_config.write_text(yaml.safe_dump(settings))
         start = time.perf_counter()
         result = estimate_stage(load_config(stage_config, []), exp.stage_ranks(stage))
-        problem = check_fit(result, config["train"]["gpu_memory_gib"])
+        problem = check_fit(
+            result, config["train"]["gpu_memory_gib"], host_memory_gib=config["train"].get("host_memory_gib")
+        )
         rows.append(
             dict(
                 result,
@@ -81,8 +83,8 @@ def main() -> int:
     args = parser.parse_args()
     recipes = args.recipes or sorted((REPO / "config" / "experiments").glob("*.yaml"))
     print(
-        f"{'recipe':<26}{'stage':<8}{'ranks':>6}{'mesh':>10}{'AC':>11}{'mbs':>4}{'tokens':>7}{'image':>10}"
-        f"{'states':>8}{'activ.':>8}{'peak GiB':>9}{'GPU GiB':>8}  fits"
+        f"{'recipe':<34}{'stage':<8}{'ranks':>6}{'mesh':>10}{'AC':>11}{'mbs':>4}{'tokens':>7}{'image':>10}"
+        f"{'states':>8}{'activ.':>8}{'peak GiB':>9}{'GPU GiB':>8}{'host GiB':>9}  fits"
     )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -95,10 +97,10 @@ def main() -> int:
                 side = f"{r['image_side']}^2" if r["image_side"] else "-"
                 side += f"x{r['video_frames']}" if r.get("video_frames") else ""  # frame groups of a clip
                 print(
-                    f"{r['recipe']:<26}{r['stage']:<8}{r['world_size']:>6}{mesh:>10}"
+                    f"{r['recipe']:<34}{r['stage']:<8}{r['world_size']:>6}{mesh:>10}"
                     f"{r['activation_checkpointing']:>11}{r['micro_batch_size']:>4}{r['seq_len']:>7}{side:>10}"
                     f"{states:>8.1f}{kinds.get('Activation', 0) / 2**30:>8.1f}{r['peak_bytes'] / 2**30:>9.1f}"
-                    f"{r['gpu_memory_gib']:>8g}  {'yes' if r['fits'] else 'NO'}",
+                    f"{r['gpu_memory_gib']:>8g}{r.get('host_bytes', 0) / 2**30:>9.1f}  {'yes' if r['fits'] else 'NO'}",
                     flush=True,
                 )
     for r in rows:

@@ -434,6 +434,15 @@ class Experiment:
     def stage_ranks(self, stage: str) -> int:
         return self.stage_nodes(stage) * self.config["train"]["nproc_per_node"]
 
+    def memory_fit_flags(self) -> str:
+        """`vlmcore memory`'s flags for the nodes' GPU and host memory (train.gpu_memory_gib,
+        train.host_memory_gib), those the config gives."""
+        train = self.config["train"]
+        flags = [
+            f"--{key.replace('_', '-')} {train[key]}" for key in ("gpu_memory_gib", "host_memory_gib") if key in train
+        ]
+        return " ".join(flags)
+
     def stage_inputs(self, stage: str) -> dict:
         stage_cfg = self.config["train"]["stages"][stage]
         inputs = {"model": self.path("model", "manifest.json"), "data": self.path("packed", stage_cfg["dataset"])}

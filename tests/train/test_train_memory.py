@@ -239,6 +239,10 @@ def test_cli_names_what_does_not_fit(configs, tmp_path, capsys):
     assert f"model_path: {tmp_path}/config.json not found" in capsys.readouterr().err
     assert main(["memory", str(configs["qwen3"]), "--world-size", "1", "--gpu-memory-gib", "0"]) == 2
     assert "--gpu-memory-gib: must be positive, got 0.0" in capsys.readouterr().err
+    assert main(["memory", str(configs["qwen3"]), "--world-size", "1", "--host-memory-gib", "-1"]) == 2
+    assert "--host-memory-gib: must be positive, got -1.0" in capsys.readouterr().err
+    assert main(["memory", str(configs["qwen3"]), "--world-size", "1", "--host-memory-gib", "8"]) == 2
+    assert "--host-memory-gib: checked beside --gpu-memory-gib, which is not given" in capsys.readouterr().err
 
 
 def test_gpu_memory_check_says_what_to_change(configs, tmp_path):
@@ -336,3 +340,59 @@ def test_offload_moves_the_states_to_host_memory_and_bf16_moments_halve_them(con
     # Two bf16 moments a weight, a quarter of the weights on each of 4 ranks (dim 0 padded).
     assert 4 * n_all / 4 <= moments["peak_bytes_by_kind"]["OptState"] < 4 * n_all / 4 * 1.05
     assert moments["peak_bytes_by_kind"]["OptState"] < kinds["OptState"] * 0.55
+
+
+def test_offloaded_peak_starts_from_the_device_not_the_entrys_whole_total(one_process_group):
+    """With `parallel.offload` the device's peak leaves out the weights' shards, which torch's tracker
+    counts from its entry on. On a model whose shards outweigh everything else a step holds (as
+    Qwen3-VL-30B-A3B's do: 31 GB a rank, against 9 GB of gathered units and activations), the peak
+    is the step's, with its gathered weights, not the inputs alone that the entry held beside them."""
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from vlmcore.train.memory import OFFLOADED
+    from vlmcore.train.peak_tracker import PeakTracker
+
+    width, layers = 256, 8
+    model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
+    for layer in model:
+        fully_shard(layer, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    optimizer = torch.optim.AdamW(model.parameters())
+    inputs = torch.randn(2, width)
+    tracker = PeakTracker(model, optimizer, [])
+    tracker.host_kinds = OFFLOADED
+    tracker.track_inputs((inputs,))
+    with tracker:
+        model(inputs).sum().backward()
+        optimizer.step()
+    peak = {
+        str(getattr(k, "value", k)): n for k, n in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()
+    }
+    one_layer = width * width * 4
+    # The shards (8 layers) stayed above the device's figures all step: the peak read as the entry's.
+    assert peak["Total"] - sum(peak.get(kind, 0) for kind in OFFLOADED) > 1.5 * one_layer, peak
+    assert peak["Unsharded Param"] >= one_layer, peak
+    assert tracker.host_peak >= layers * one_layer * 3  # the shards, their gradients and AdamW's two moments
+
+
+def test_host_memory_check_counts_what_offload_keeps_on_the_host(configs, tmp_path, capsys):
+    """--host-memory-gib beside --gpu-memory-gib: with `parallel.offload` the host holds the states;
+    exit 0 and 'host memory fits' under the host's usable share (10% kept free), exit 1 above it
+    naming the host memory and what would shrink it; without offload the host holds nothing."""
+    from vlmcore.cli import main
+
+    offload = ["--set", "parallel.offload=true", "--set", "parallel.one_rank_cast=false"]
+    args = ["memory", str(configs["qwen3_vl"]), "--world-size", "1", *offload, "--gpu-memory-gib", "1"]
+    assert main([*args, "--host-memory-gib", "1", "--json", str(tmp_path / "roomy.json")]) == 0
+    roomy = json.loads((tmp_path / "roomy.json").read_text())
+    assert "host memory fits: " in capsys.readouterr().out
+    assert roomy["fits"] and roomy["host_fits"] and roomy["usable_host_bytes"] == int(0.9 * 2**30)
+    tight_gib = roomy["host_bytes"] / 2**30 / 0.9 * 0.99  # just under what the host holds, 10% kept free
+    assert main([*args, "--host-memory-gib", str(tight_gib)]) == 1
+    out, err = capsys.readouterr()
+    assert "HOST MEMORY DOES NOT FIT" in out and "fits: " in out  # the GPU's part still fits
+    error = err.strip().splitlines()[-1]
+    assert error.startswith(f"error: {configs['qwen3_vl']}: estimated host memory") and "Offloaded states" in error
+    assert "optimizer.moments_dtype: bfloat16" in error

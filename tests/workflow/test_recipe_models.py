@@ -67,6 +67,7 @@ PARAMS = {
     "qwen35-9b": 9.4e9,
     "qwen3vl-8b-vit6b": 13.95e9,
     "qwen3vl-30b-a3b": 31.07e9,
+    "qwen3vl-30b-a3b-offload": 31.07e9,
     "qwen3vl-8b-128k": 8.77e9,
     "qwen3vl-2b-256k": 2.13e9,
 }
@@ -96,7 +97,8 @@ def stages(tmp_path_factory):
 
 # The recipes whose memory estimates the `*_fits_*` tests check.
 MOE_MN5 = REPO / "config" / "experiments" / "qwen3vl-30b-a3b-mn5.yaml"
-FIT_RECIPES = [*LORA_RECIPES, *DPO_RECIPES, MOE_MN5]
+MOE_OFFLOAD = REPO / "config" / "experiments" / "qwen3vl-30b-a3b-offload-jupiter.yaml"
+FIT_RECIPES = [*LORA_RECIPES, *DPO_RECIPES, MOE_MN5, MOE_OFFLOAD]
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +194,26 @@ def test_moe_recipe_fits_marenostrum5(estimates):
     assert set(rows) == {"stage1", "stage2"} and all(r["fits"] and r["gpu_memory_gib"] == 64 for r in rows.values())
     # The states alone are 28.5 GiB per GPU in stage 2; what backward holds beyond them stays small.
     assert rows["stage2"]["peak_bytes"] < 40 * 2**30
+
+
+@pytest.mark.slow
+def test_offload_recipe_fits_one_jupiter_node(estimates):
+    """Qwen3-VL-30B-A3B on one JUPITER node (4 GH200) with `parallel.offload` and bfloat16 moments,
+    where without offload the states alone (124 GB a GPU) fit neither the GPU nor its host share:
+    both stages fit the 96 GB GPU, and what the host holds fits each GPU's 120 GB of LPDDR5X, each
+    with 10% kept free."""
+    rows = estimates[MOE_OFFLOAD.stem]
+    assert set(rows) == {"stage1", "stage2"}
+    for row in rows.values():
+        assert row["fits"] and row["host_fits"] and (row["gpu_memory_gib"], row["host_memory_gib"]) == (96, 120)
+        assert row["offload"] and row["moments_dtype"] == "bfloat16" and row["world_size"] == 4
+        # The device holds no states: the gathered units in flight, activations, inputs.
+        assert not any(row["peak_bytes_by_kind"].get(kind) for kind in ("Sharded Param", "Sharded Grad", "OptState"))
+        assert row["peak_bytes_by_kind"]["Unsharded Param"] > 2**30 and row["peak_bytes_by_kind"]["Activation"] > 2**30
+    # Stage 2's host share: float32 weights and gradients and bfloat16 moments, 12 bytes a weight
+    # over 4 GPUs (31.07e9 weights), at least; what the step adds to them stays within 10% of it.
+    states = 12 * PARAMS["qwen3vl-30b-a3b"] / 4
+    assert states <= rows["stage2"]["host_bytes"] < 1.1 * states
 
 
 @pytest.mark.parametrize("recipe", DPO_RECIPES, ids=lambda r: r.stem)

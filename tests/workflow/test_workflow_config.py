@@ -222,6 +222,9 @@ def without(section, key):
         (workflow("train", nodes=0), "train.nodes"),
         (workflow("train", gpu_capability="9"), "train.gpu_capability"),
         (workflow("train", gpu_memory_gib=0), "train.gpu_memory_gib"),
+        (workflow("train", gpu_memory_gib=96, host_memory_gib=0), "train.host_memory_gib"),
+        # the host's memory is checked beside the GPU's ("'gpu_memory_gib' is a dependency of 'host_memory_gib'")
+        (workflow("train", host_memory_gib=120), "train"),
         (lambda c: c["data"]["datasets"]["captions"].update(shard_size=0), "data.datasets.captions.shard_size"),
         (
             lambda c: c["data"]["datasets"]["captions"].update(max_bad_fraction=1.5),

@@ -95,7 +95,7 @@ rule estimate_memory:
         settings=lambda wc: as_yaml_arg(EXP.stage_config(wc.stage)),
         config=lambda wc: EXP.path("memory", f"{wc.stage}_config.yaml"),
         ranks=lambda wc: EXP.stage_ranks(wc.stage),
-        fit=f"--gpu-memory-gib {config['train']['gpu_memory_gib']}" if "gpu_memory_gib" in config["train"] else "",
+        fit=EXP.memory_fit_flags(),
     log:
         f"{R}/logs/estimate_memory/{{stage}}.log",
     resources:

@@ -49,6 +49,8 @@ if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
+    from vlmcore.train.peak_tracker import PeakTracker
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from vlmcore.cli import existing_file, positive_int
@@ -89,6 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"if the estimate does not fit in it with {HEADROOM * 100:.0f}%% kept free",  # %%: argparse formats help
     )
     parser.add_argument(
+        "--host-memory-gib",
+        type=float,
+        help="host memory a GPU's rank may use (the node's memory over its GPUs): exit 1 if what the "
+        f"estimate keeps in host memory (parallel.offload, checkpoint.async) does not fit with {HEADROOM * 100:.0f}%% kept free",
+    )
+    parser.add_argument(
         "--generation-rows",
         type=positive_int,
         help="also the generation cache (vlmcore.generate: KV cache, Gated DeltaNet state) of this many rows "
@@ -109,8 +117,11 @@ HEADROOM = 0.10
 
 def run(args: argparse.Namespace) -> int:
     try:
-        if args.gpu_memory_gib is not None and args.gpu_memory_gib <= 0:
-            raise ConfigError(f"--gpu-memory-gib: must be positive, got {args.gpu_memory_gib}")
+        for flag, value in (("--gpu-memory-gib", args.gpu_memory_gib), ("--host-memory-gib", args.host_memory_gib)):
+            if value is not None and value <= 0:
+                raise ConfigError(f"{flag}: must be positive, got {value}")
+        if args.host_memory_gib and not args.gpu_memory_gib:
+            raise ConfigError("--host-memory-gib: checked beside --gpu-memory-gib, which is not given")
         cfg = load_config(args.config, args.set)
         result = estimate_stage(cfg, args.world_size, args.seq_len, args.image_side, args.video_frames or 0)
     except ConfigError as e:
@@ -126,11 +137,18 @@ def run(args: argparse.Namespace) -> int:
         )
     problem = None
     if args.gpu_memory_gib:
-        problem = check_fit(result, args.gpu_memory_gib)
+        problem = check_fit(result, args.gpu_memory_gib, host_memory_gib=args.host_memory_gib)
         print(
-            f"{'fits' if result['fits'] else 'DOES NOT FIT'}: {result['peak_bytes'] / 2**30:.1f} GiB of the "
+            f"{'fits' if result['peak_bytes'] <= result['usable_bytes'] else 'DOES NOT FIT'}: "
+            f"{result['peak_bytes'] / 2**30:.1f} GiB of the "
             f"{result['usable_bytes'] / 2**30:.1f} GiB usable on a {result['gpu_memory_gib']:g} GiB GPU"
         )
+        if args.host_memory_gib:
+            print(
+                f"{'host memory fits' if result['host_fits'] else 'HOST MEMORY DOES NOT FIT'}: "
+                f"{result['host_bytes'] / 2**30:.1f} GiB of the {result['usable_host_bytes'] / 2**30:.1f} GiB "
+                f"usable of {result['host_memory_gib']:g} GiB a GPU"
+            )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     if problem:
@@ -168,13 +186,30 @@ def estimate_stage(
     return estimate_memory(cfg, world_size, seq_len, image_side, segments=segments, video_frames=video_frames)
 
 
-def check_fit(result: dict, gpu_memory_gib: float, headroom: float = HEADROOM) -> str | None:
-    """Adds `gpu_memory_gib`, `usable_bytes` and `fits` to `result`; None if the peak fits in
-    the GPU with `headroom` kept free, else what does not fit and what would shrink it."""
+def check_fit(
+    result: dict, gpu_memory_gib: float, headroom: float = HEADROOM, host_memory_gib: float | None = None
+) -> str | None:
+    """Adds `gpu_memory_gib`, `usable_bytes` and `fits` to `result` (with `host_memory_gib`, the host
+    memory one GPU's rank may use, also `usable_host_bytes` and `host_fits`); None if the peak fits in
+    the GPU, and what the host holds in its share of host memory, each with `headroom` kept free;
+    else what does not fit and what would shrink it."""
     usable = int(gpu_memory_gib * 2**30 * (1 - headroom))
-    result.update(gpu_memory_gib=gpu_memory_gib, usable_bytes=usable, fits=result["peak_bytes"] <= usable)
-    if result["fits"]:
-        return None
+    result.update(gpu_memory_gib=gpu_memory_gib, usable_bytes=usable)
+    host_problem = None
+    if host_memory_gib:
+        usable_host = int(host_memory_gib * 2**30 * (1 - headroom))
+        host = result.get("host_bytes", 0)
+        result.update(host_memory_gib=host_memory_gib, usable_host_bytes=usable_host, host_fits=host <= usable_host)
+        if not result["host_fits"]:
+            host_problem = (
+                f"estimated host memory {host / 2**30:.1f} GiB per GPU does not fit in {usable_host / 2**30:.1f} GiB "
+                f"({host_memory_gib:g} GiB a GPU, {headroom:.0%} kept free): "
+                + ", ".join(f"{k} {n / 2**30:.1f} GiB" for k, n in result.get("host_bytes_by_kind", {}).items())
+                + ". Try: more ranks to shard over, optimizer.moments_dtype: bfloat16, checkpoint.async: false"
+            )
+    result["fits"] = result["peak_bytes"] <= usable and host_problem is None
+    if result["peak_bytes"] <= usable:
+        return host_problem
     kinds = result["peak_bytes_by_kind"]
     states = sum(kinds.get(k, 0) for k in ("Sharded Param", "Sharded Grad", "OptState"))
     fixes = []
@@ -206,6 +241,7 @@ def check_fit(result: dict, gpu_memory_gib: float, headroom: float = HEADROOM) -
         + ", ".join(f"{k} {n / 2**30:.1f} GiB" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])[:2] if n)
         + ". Try: "
         + "; ".join(fixes)
+        + (f". Also the {host_problem}" if host_problem else "")
     )
 
 
@@ -507,7 +543,7 @@ def _peak_of_a_later_step(run: Run, micro: list, label_tokens: float) -> dict[st
         # are cleared first (the peak is kept): every micro-batch starts with a clear. Registered
         # here, after the tracker has put its own hooks first.
         hook = root.register_forward_pre_hook(lambda *_: tracker.reset_mod_stats(), prepend=True)
-        _first_step_state(run)
+        _first_step_state(run, tracker)
         run.step(micro, label_tokens, set_lr=lambda optimizer: None)
     hook.remove()
     peak = tracker.get_tracker_snapshot("peak")[run.device]
@@ -579,7 +615,7 @@ def _untracked_sharding_propagation(tracker: "FSDPMemTracker") -> Iterator[None]
         ShardingPropagator._propagate_tensor_meta_non_cached = propagate
 
 
-def _first_step_state(run: Run) -> None:
+def _first_step_state(run: Run, tracker: "PeakTracker") -> None:
     """What a run's first step leaves for the next: the optimizer state of every trainable weight,
     made by an optimizer step on zero gradients. The first step holds the same as a later one but
     for that state, so its peak is never the larger; tracing its forward and backward would double
@@ -588,8 +624,7 @@ def _first_step_state(run: Run) -> None:
     end), the inputs are counted from the start either way (`track_inputs`), and DTensor's sharding
     propagation, which runs in the first step that meets each op only, is not counted either way
     (`_untracked_sharding_propagation`)."""
-    for parameter in run.step.trainable:
-        parameter.grad = torch.zeros_like(parameter)
+    tracker.zero_gradients(run.step.trainable)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
 

@@ -204,8 +204,12 @@ class AdamTensors:
 
 
 # Moments kept in a lower dtype are updated in this many runs of about equal size: the float32
-# copies of an eighth of them exist at a time (1 byte a weight more at the optimizer step).
-MOMENT_CHUNKS = 8
+# copies of a 32nd of them exist at a time (a quarter of a byte a weight more at the optimizer step).
+# With parallel.offload that step runs in host memory, next to every weight's shard, gradient and
+# moments: an eighth (1 byte a weight) was 14.7 GiB more on each GPU's host share of
+# Qwen3-VL-30B-A3B on one JUPITER node, past its 120 GB (benchmarks/memory_recipes.py). The runs
+# stay multi-tensor kernels of about 1/32 of the weights each.
+MOMENT_CHUNKS = 32
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:

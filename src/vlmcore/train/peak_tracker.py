@@ -20,7 +20,9 @@ class PeakTracker(FSDPMemTracker):
     def __init__(self, mod: nn.Module, optm: torch.optim.Optimizer, frozen: list[nn.Module]) -> None:
         super().__init__(mod, optm)
         self.frozen = frozen
-        self.in_sharding_propagation = 0  # depth of DTensor's sharding propagation calls
+        # Depth of calls whose ops' outputs are not counted: DTensor's sharding propagation (shapes
+        # only, no device memory), and tensors that are counted by kind as they are made (`zero_gradients`).
+        self.in_sharding_propagation = 0
         self.host_kinds: tuple[str, ...] = ()  # kinds held in host memory (parallel.offload), not on the device
         self.host_peak = 0  # the most bytes of those kinds at any time
 
@@ -33,7 +35,7 @@ class PeakTracker(FSDPMemTracker):
     def __torch_dispatch__(
         self, func: torch._ops.OpOverload, types: tuple, args: tuple = (), kwargs: dict | None = None
     ) -> object:
-        if self.in_sharding_propagation:  # shapes of a DTensor op's output, no device memory
+        if self.in_sharding_propagation:  # not counted here (see __init__)
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
@@ -45,10 +47,40 @@ class PeakTracker(FSDPMemTracker):
             for buffer in model.buffers():
                 self._update_and_maybe_create_winfos(buffer, _MemRefType.BUFFER)
 
+    def __enter__(self) -> "PeakTracker":
+        entered = super().__enter__()
+        if self._depth == 1:
+            # torch's tracker starts its peak from the snapshot on entry, host kinds included: with
+            # offload that whole total (the weights' shards of Qwen3-VL-30B-A3B, 31 GB a rank) would
+            # stay above every later device-only figure, and the entry's 0.1 GB of inputs would be
+            # taken for the device's peak. The device's peak starts from the entry without them.
+            for dev, snap in self._peak_mem_snap.items():
+                host = self._host_bytes(snap)
+                self.host_peak = max(self.host_peak, host)
+                self._peak_mem[dev] = snap[_TOTAL_KEY] - host
+        return entered
+
+    def zero_gradients(self, parameters: list[nn.Parameter]) -> None:
+        """A zero gradient for each of `parameters`, counted as a gradient ("Sharded Grad") from the
+        start. Made by an op under the tracker, a gradient counts as an activation until backward
+        labels it: at the estimate's first-step state (`_first_step_state`) every weight's gradient
+        would count as one, outside what `parallel.offload` keeps in host memory."""
+        for parameter in parameters:
+            self.in_sharding_propagation += 1  # the op's output is not counted as it is made
+            try:
+                parameter.grad = torch.zeros_like(parameter)
+            finally:
+                self.in_sharding_propagation -= 1
+            self._update_and_maybe_create_winfos(parameter.grad, _FSDPRefType.SHARDED_GRAD)
+
+    def _host_bytes(self, snap: dict) -> int:
+        """The bytes of `snap` in host memory: its kinds in `host_kinds`."""
+        return sum(n for kind, n in snap.items() if getattr(kind, "value", kind) in self.host_kinds)
+
     def _update_peak_stats(self, peak_state: _State) -> None:
         """The peak of the device: the kinds in `host_kinds` (offloaded) left out, their own peak kept apart."""
         for dev, snap in self._curr_mem_snap.items():
-            host = sum(n for kind, n in snap.items() if getattr(kind, "value", kind) in self.host_kinds)
+            host = self._host_bytes(snap)
             self.host_peak = max(self.host_peak, host)
             if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY] - host:
                 self._peak_mem[dev] = snap[_TOTAL_KEY] - host
