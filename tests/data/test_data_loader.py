@@ -14,8 +14,8 @@ from vlmcore.data.load.loader import build_loader, samples_in
 from vlmcore.data.load.online import build_online_loader
 from vlmcore.data.media.encoder import IGNORE_INDEX, SampleEncoder
 from vlmcore.data.pack.dataset import pack
-from vlmcore.data.quality import DataError
 from vlmcore.data.prepare.dataset import prepare
+from vlmcore.data.quality import DataError
 from vlmcore.data.synthetic.image import generate
 from vlmcore.models import load_hf_config, position_ids
 
