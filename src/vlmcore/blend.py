@@ -16,6 +16,11 @@ from pathlib import Path
 import yaml
 
 
+# A run directory's record of the blend it trains on, as it read it (vlmcore.train.run_dir): a
+# resume on other weights is another run, and the report reads the weights from it.
+RUN_RECORD = "blend.yaml"
+
+
 class BlendError(ValueError):
     """A blend file that cannot be read; the message names the file."""
 
@@ -32,6 +37,10 @@ class Blend:
     @property
     def names(self) -> list[str]:
         return dataset_names(self.paths)
+
+    def record(self) -> dict:
+        """The blend as a run directory records it (RUN_RECORD)."""
+        return {"datasets": [str(p) for p in self.paths], "weights": self.weights, "repetitions": self.repetitions}
 
 
 def dataset_names(paths: Sequence[Path]) -> list[str]:

@@ -86,17 +86,17 @@ def test_new_weights_in_the_same_blend_file_start_a_new_run(tmp_path):
     """A stage on a blend file (the workflow's train/<stage>/data_mix.yaml) keeps its data_path when
     its weights change, but its rows are others: the blend as the run read it (blend.yaml) tells,
     and the checkpoints are moved aside; the same weights resume."""
-    from vlmcore.blend import write_blend
-    from vlmcore.train.run_dir import BLEND_RECORD, blend_record
+    from vlmcore.blend import RUN_RECORD, write_blend
+    from vlmcore.train.run_dir import blend_record
 
     blend = tmp_path / "data_mix.yaml"
     write_blend(blend, [(tmp_path / "captions", 0.7), (tmp_path / "conversations", 0.3)])
     out = tmp_path / "run"
     cfg = cfg_with(["steps=100", f"data_path={blend}"])
     write_run(out, cfg, 50)
-    (out / BLEND_RECORD).write_text(yaml.safe_dump(blend_record(cfg)))
+    (out / RUN_RECORD).write_text(yaml.safe_dump(blend_record(cfg)))
     assert stale_run_reason(out, cfg) is None
     write_blend(blend, [(tmp_path / "captions", 0.5), (tmp_path / "conversations", 0.5)])
     reason = archive_stale_run(out, cfg)
     assert reason == f"the blend of data_path changed since the checkpoints in {out} were written: starting a new run"
-    assert (out / "previous/checkpoints/step_50").is_dir() and (out / "previous" / BLEND_RECORD).is_file()
+    assert (out / "previous/checkpoints/step_50").is_dir() and (out / "previous" / RUN_RECORD).is_file()
