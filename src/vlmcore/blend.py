@@ -15,7 +15,6 @@ from pathlib import Path
 
 import yaml
 
-
 # A run directory's record of the blend it trains on, as it read it (vlmcore.train.run_dir): a
 # resume on other weights is another run, and the report reads the weights from it.
 RUN_RECORD = "blend.yaml"
