@@ -316,6 +316,17 @@ def test_blend_of_datasets_packed_differently_is_refused_naming_them(packed, tmp
         build_loader(blend, dp_rank=0, dp_world=1, micro_batch_size=1, seed=0, num_workers=0)
 
 
+def test_memory_estimate_reads_the_limits_of_a_blends_datasets(packed, tmp_path):
+    """`vlmcore memory` of a stage on a blend sizes its rows from the blend's datasets' pack config."""
+    from vlmcore.config import from_dict
+    from vlmcore.train.memory import packed_limits
+
+    blend = tmp_path / "blend.yaml"
+    write_blend(blend, [(packed / "packed" / "captions", 1), (packed / "packed" / "conversations", 1)])
+    cfg = from_dict({"model_path": str(packed / "model"), "output_dir": str(tmp_path), "data_path": str(blend)})
+    assert packed_limits(cfg)["seq_len"] == SEQ_LEN and packed_limits(cfg)["max_patches"] == 256
+
+
 def test_data_parallel_ranks_read_different_packs(packed):
     path = packed / "packed" / "conversations"
     first = [build_loader(path, dp_rank=r, dp_world=2, micro_batch_size=1, seed=0, num_workers=0) for r in (0, 1)]
