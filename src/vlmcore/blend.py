@@ -38,8 +38,9 @@ class Blend:
         return dataset_names(self.paths)
 
     def record(self) -> dict:
-        """The blend as a run directory records it (RUN_RECORD)."""
-        return {"datasets": [str(p) for p in self.paths], "weights": self.weights, "repetitions": self.repetitions}
+        """The blend as a run directory records it (RUN_RECORD): its datasets by name (the results
+        directory may move) and their weights or repetitions."""
+        return {"datasets": self.names, "weights": self.weights, "repetitions": self.repetitions}
 
 
 def dataset_names(paths: Sequence[Path]) -> list[str]:

@@ -324,8 +324,7 @@ class TrainConfig:
     model_path: str = setting("", "HF snapshot: architecture, tokenizer, and the weights unless init_from")
     output_dir: str = setting("", "run directory: checkpoints, final/, metrics, the resolved config.yaml")
     data_path: str | None = setting(
-        None,
-        "packed Energon dataset, or a blend file of several by weight (vlmcore.blend; docs/config.md, a stage on a mix) (data.kind packed)",
+        None, "packed Energon dataset, or a blend file of several by weight (vlmcore.blend) (data.kind packed)"
     )
     init_from: str | None = setting(None, "a previous stage's final/ (DCP) to start from; null = model_path's weights")
     steps: int = setting(100, "optimizer steps of the run", ge=1)

@@ -29,7 +29,6 @@ import pandas as pd
 import yaml
 
 import vlmcore
-from vlmcore.blend import dataset_names
 from vlmcore.provenance import git_commit
 from vlmcore.report import plots
 from vlmcore.report.evaluation import gather_runs, scores_by_run
@@ -214,8 +213,7 @@ def mix_rows(stage: str, metrics: pd.DataFrame, blend: dict | None) -> list[dict
     total = sum(rows.values())
     weights = {}
     if blend and blend.get("weights"):
-        names = dataset_names([Path(d) for d in blend["datasets"]])
-        weights = {name: w / sum(blend["weights"]) for name, w in zip(names, blend["weights"])}
+        weights = {name: w / sum(blend["weights"]) for name, w in zip(blend["datasets"], blend["weights"])}
     return [
         {"stage": stage, "dataset": name, "weight": weights.get(name), "rows": n, "realised": n / total}
         for name, n in rows.items()
