@@ -135,7 +135,8 @@ def test_another_global_batch_size_is_refused_unless_allowed(setup):
 def test_a_stage_on_a_mix_logs_its_realised_mix_and_the_report_compares_it(setup):
     """Every step logs the rows each dataset gave so far (data_mix_rows) and their shares
     (data_mix); the report's data mix table holds, per dataset, the configured weight as a share
-    (from the run's own record of its blend) against the rows of the whole stage."""
+    (from the run's own record of its blend) against the rows of the whole stage; a stage on one
+    dataset has no row there."""
     from vlmcore.report.scaling import write_report
 
     root, _ = setup
@@ -145,7 +146,8 @@ def test_a_stage_on_a_mix_logs_its_realised_mix_and_the_report_compares_it(setup
     assert [sum(r.values()) for r in rows] == [2 * step for step in range(1, STEPS + 1)]
     assert rows[-1].keys() == {"captions", "packed"} and min(rows[-1].values()) > 0
     assert metrics[-1]["data_mix"] == {name: n / (2 * STEPS) for name, n in rows[-1].items()}
-    md = write_report(reference.parent / "mix_report", train={"mixed": reference / "metrics.jsonl"}).read_text()
+    stages = {"one": root / "reference" / "metrics.jsonl", "mixed": reference / "metrics.jsonl"}
+    md = write_report(root / "mix_report", train=stages).read_text()  # the stage on one dataset has no rows
     table = md.split("## Data mix")[1].split("\n\n")[2].splitlines()
     assert table[2:] == [
         f"| mixed | captions | 0.333 | {rows[-1]['captions']} | {rows[-1]['captions'] / (2 * STEPS):.3f} |",
