@@ -118,7 +118,13 @@ class RowLoader:
         step, micro = divmod(m, self.split["grad_accum_steps"])
         rows = [self.first_row + j for j in rows_of(step, micro, **self.split)]
         batch = self.task_encoder.batch([self.row(j) for j in rows])
-        return replace(batch, row_datasets=[self.dataset_names[self.order[j][0]] for j in rows])
+        return replace(batch, row_datasets=[self.dataset_of(j) for j in rows])
+
+    def dataset_of(self, j: int) -> str:
+        """The name of global row j's dataset."""
+        if len(self.datasets) == 1:  # no look-up: online packing's order is over samples, not rows
+            return self.dataset_names[0]
+        return self.dataset_names[self.order[j][0]]
 
     def rows_by_dataset(self, rows: int) -> dict[str, int]:
         """How many of the first `rows` global rows each dataset gave (the row order's count, no data read)."""
