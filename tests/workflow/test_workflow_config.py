@@ -240,10 +240,16 @@ def preference_data(config):
             "train.stages.stage2.datasets: mixes preference pairs (preference) with samples (conversations); "
             "a stage trains on pairs (objective dpo) or on samples, not both",
         ),
+        (
+            lambda c: c["scaling"].update(dataset={"captions": 1}),
+            "scaling.dataset: {'captions': 1} is not of type 'string'",
+        ),
     ],
-    ids=["negative", "empty", "zero_sum", "unknown", "both", "neither", "common", "pairs_and_samples"],
+    ids=["negative", "empty", "zero_sum", "unknown", "both", "neither", "common", "pairs_and_samples", "scaling"],
 )
 def test_a_bad_mix_is_refused_naming_the_key(mutate, line):
+    """A mix is refused before any job, one line naming the key; the scaling runs take one dataset
+    (or, without scaling.dataset, their stage's mix)."""
     config = demo_config()
     mutate(config)
     with pytest.raises(ConfigError) as err:
