@@ -337,7 +337,7 @@ def bench_resume(n: int, seq_len: int, max_patches: int) -> list[dict]:
     for blend in (False, True):
         path = out
         if blend:  # the same packs twice, weighted 2:1: a blend's resume counts the draws before the row
-            from vlmcore.data.load.loader import write_blend
+            from vlmcore.blend import write_blend
 
             path = root / "blend.yaml"
             write_blend(path, [(out, 2), (out, 1)])

@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 import yaml
 
+from vlmcore.blend import BlendError, read_blend
+
 
 class ConfigError(ValueError):
     """A bad config value; `key` is the dotted config key it is about (None: the whole file)."""
@@ -321,7 +323,9 @@ class DPOConfig:
 class TrainConfig:
     model_path: str = setting("", "HF snapshot: architecture, tokenizer, and the weights unless init_from")
     output_dir: str = setting("", "run directory: checkpoints, final/, metrics, the resolved config.yaml")
-    data_path: str | None = setting(None, "packed Energon dataset (data.kind packed)")
+    data_path: str | None = setting(
+        None, "packed Energon dataset, or a blend file of several by weight (vlmcore.blend) (data.kind packed)"
+    )
     init_from: str | None = setting(None, "a previous stage's final/ (DCP) to start from; null = model_path's weights")
     steps: int = setting(100, "optimizer steps of the run", ge=1)
     micro_batch_size: int = setting(1, "packed rows per micro-batch per data-parallel rank", ge=1)
@@ -762,20 +766,34 @@ def check_paths(cfg: TrainConfig) -> None:
             f"{cfg.init_from} is not a checkpoint directory (no .metadata), e.g. a previous stage's final/",
         )
     if cfg.data.kind == "packed":
-        _need(Path(cfg.data_path).is_dir(), "data_path", f"{cfg.data_path} is not a directory")
-        _check_pairs(cfg)
+        datasets = _packed_datasets(cfg.data_path)
+        for dataset in datasets:
+            of_blend = "" if datasets == [Path(cfg.data_path)] else f" (a dataset of the blend {cfg.data_path})"
+            _need(dataset.is_dir(), "data_path", f"{dataset}{of_blend} is not a directory")
+            _check_pairs(cfg, dataset)
 
 
-def _check_pairs(cfg: TrainConfig) -> None:
-    """A DPO stage's packed dataset must hold preference pairs (its stats.json counts them)."""
-    stats = Path(cfg.data_path) / "stats.json"
+def _packed_datasets(data_path: str) -> list[Path]:
+    """The packed datasets `data_path` names: itself (a directory), or those of a blend file."""
+    path = Path(data_path)
+    if not path.is_file():
+        return [path]
+    try:
+        return read_blend(path).paths
+    except BlendError as e:
+        raise ConfigError(f"data_path: {e}", "data_path") from None
+
+
+def _check_pairs(cfg: TrainConfig, dataset: Path) -> None:
+    """A DPO stage's packed datasets must hold preference pairs (their stats.json count them)."""
+    stats = dataset / "stats.json"
     if cfg.objective != "dpo" or not stats.is_file():
         return
     pairs = json.loads(stats.read_text()).get("pairs", 0)
     _need(
         pairs > 0,
         "data_path",
-        f"objective is dpo but {cfg.data_path} holds no preference pairs (a `preference:` source through "
+        f"objective is dpo but {dataset} holds no preference pairs (a `preference:` source through "
         "vlmcore prepare and pack)",
     )
 

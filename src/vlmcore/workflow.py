@@ -6,6 +6,7 @@ command gets, so the same logic is testable without Snakemake.
 
 import copy
 import json
+import os
 import shlex
 import sys
 from collections.abc import Collection
@@ -16,6 +17,7 @@ import yaml
 
 from vlmcore import config as train_config
 from vlmcore import kernels
+from vlmcore.blend import blend_document, weight_problem
 from vlmcore.config import ConfigError
 from vlmcore.families import FAMILIES, Family, family, family_of_repo
 from vlmcore.parallel.checks import check_run
@@ -103,15 +105,15 @@ def _synthetic_data_problems(config: dict) -> list[str]:
 
 
 def _stage_problems(config: dict) -> list[str]:
-    """Each stage's dataset is declared, its init_from an earlier stage; the exported stage exists."""
-    problems = []
-    datasets = config["data"]["datasets"]
+    """Each stage's data is declared, its init_from an earlier stage; the exported stage exists."""
+    problems = [
+        f"train.common.{key}: a stage's data is set per stage (train.stages.<name>.dataset or datasets)"
+        for key in ("dataset", "datasets")
+        if key in config["train"].get("common", {})
+    ]
     seen = []
     for name, stage in config["train"]["stages"].items():
-        if stage["dataset"] not in datasets:
-            problems.append(
-                f"train.stages.{name}.dataset: {stage['dataset']!r} is not in data.datasets ({', '.join(datasets)})"
-            )
+        problems += _stage_data_problems(config, name, stage)
         init = stage.get("init_from")
         if init is not None and init not in seen:
             problems.append(
@@ -122,6 +124,45 @@ def _stage_problems(config: dict) -> list[str]:
     if export_stage and export_stage not in seen:
         problems.append(f"export.stage: {export_stage!r} is not a stage ({', '.join(seen)})")
     return problems
+
+
+def _stage_data_problems(config: dict, name: str, stage: dict) -> list[str]:
+    """A stage trains on one dataset of data.datasets (`dataset`) or on a weighted mix of them
+    (`datasets`: weights that are sampling probabilities once normalised), never both; a mix holds
+    preference pairs (DPO) or samples, not both."""
+    datasets = config["data"]["datasets"]
+    key = f"train.stages.{name}"
+    if ("dataset" in stage) == ("datasets" in stage):
+        given = "both are given" if "dataset" in stage else "neither is given"
+        return [f"{key}: give dataset (one packed dataset) or datasets (a weighted mix of them); {given}"]
+    if "dataset" in stage:
+        if stage["dataset"] in datasets:
+            return []
+        return [f"{key}.dataset: {stage['dataset']!r} is not in data.datasets ({', '.join(datasets)})"]
+    mix = stage["datasets"]
+    problems = [
+        f"{key}.datasets: {dataset!r} is not in data.datasets ({', '.join(datasets)})"
+        for dataset in mix
+        if dataset not in datasets
+    ]
+    problem = weight_problem(list(mix.values()))
+    if problem:
+        problems.append(f"{key}.datasets: {problem}")
+    if problems:
+        return problems
+    pairs = [d for d in mix if _holds_pairs(datasets[d])]
+    samples = [d for d in mix if d not in pairs]
+    if pairs and samples:
+        return [
+            f"{key}.datasets: mixes preference pairs ({', '.join(pairs)}) with samples ({', '.join(samples)}); "
+            "a stage trains on pairs (objective dpo) or on samples, not both"
+        ]
+    return []
+
+
+def _holds_pairs(dataset: dict) -> bool:
+    """Whether a dataset of data.datasets is made of preference pairs (a `preference:` source)."""
+    return any(source.startswith("preference:") for source in dataset["sources"])
 
 
 def _scaling_problems(config: dict) -> list[str]:
@@ -289,11 +330,13 @@ class Experiment:
         statistics of their packed datasets, and the packed dataset of `stage` itself (its video
         sampling goes into the export)."""
         chain = self.lineage(stage)
-        datasets = list(dict.fromkeys(self.config["train"]["stages"][s]["dataset"] for s in chain))
+        datasets = list(dict.fromkeys(d for s in chain for d in self.stage_datasets(s)))
+        # The datasets of a mix were packed with the same settings (the loader refuses others): the
+        # first one's video sampling is the mix's.
         return {
             "stage_configs": [self.path("train", s, "config.yaml") for s in chain],
             "data_stats": [self.path("packed", d, "stats.json") for d in datasets],
-            "packed": self.path("packed", self.config["train"]["stages"][stage]["dataset"]),
+            "packed": self.path("packed", self.stage_datasets(stage)[0]),
         }
 
     def export_inputs(self, stage: str) -> dict:
@@ -403,17 +446,41 @@ class Experiment:
     def dataset_input_files(self, dataset: str) -> list[str]:
         return [s.split(":", 1)[1] for s in self.dataset_sources(dataset)]
 
+    def stage_mix(self, stage: str) -> dict[str, float] | None:
+        """The weights of a stage's mix of datasets (its `datasets`), or None for a stage on one dataset."""
+        return self.config["train"]["stages"][stage].get("datasets")
+
+    def stage_datasets(self, stage: str) -> list[str]:
+        """The datasets of data.datasets that a stage trains on: its one dataset, or those of its mix."""
+        mix = self.stage_mix(stage)
+        return list(mix) if mix else [self.config["train"]["stages"][stage]["dataset"]]
+
+    def stage_data(self, stage: str) -> str:
+        """The stage's `data_path`: packed/<dataset>, or for a mix its blend file
+        train/<stage>/data_mix.yaml (`stage_blend`, written by the mix_data rule)."""
+        if self.stage_mix(stage):
+            return self.path("train", stage, "data_mix.yaml")
+        return self.path("packed", self.stage_datasets(stage)[0])
+
+    def stage_blend(self, stage: str) -> dict:
+        """The blend file of a mixed stage (vlmcore.blend): its packed datasets by weight, their paths
+        relative to the file, so that the results directory can move."""
+        blend_dir = Path(self.stage_data(stage)).parent
+        entries = [(os.path.relpath(self.path("packed", d), blend_dir), w) for d, w in self.stage_mix(stage).items()]
+        return blend_document(entries)
+
     def stage_config(self, stage: str) -> dict:
         """The `vlmcore train` config of one stage, paths filled in."""
         train = self.config["train"]
         settings = deep_merge(train.get("common", {}), train["stages"][stage])
-        dataset = settings.pop("dataset")
+        settings.pop("dataset", None)
+        settings.pop("datasets", None)
         init_from = settings.pop("init_from", None)
         for launch_key in ("nodes", "runtime_minutes", "eval_tasks"):
             settings.pop(launch_key, None)
         settings.update(
             model_path=self.path("model"),
-            data_path=self.path("packed", dataset),
+            data_path=self.stage_data(stage),
             output_dir=self.path("train", stage),
             init_from=self.path("train", init_from, "final") if init_from else None,
         )
@@ -444,8 +511,12 @@ class Experiment:
         return " ".join(flags)
 
     def stage_inputs(self, stage: str) -> dict:
+        """What a stage's job reads: the snapshot, its data (a packed dataset, or a mix's blend file
+        and every packed dataset of the mix) and the stage it starts from."""
         stage_cfg = self.config["train"]["stages"][stage]
-        inputs = {"model": self.path("model", "manifest.json"), "data": self.path("packed", stage_cfg["dataset"])}
+        inputs = {"model": self.path("model", "manifest.json"), "data": self.stage_data(stage)}
+        if self.stage_mix(stage):
+            inputs["packed"] = [self.path("packed", d) for d in self.stage_datasets(stage)]
         if stage_cfg.get("init_from"):
             inputs["init"] = self.path("train", stage_cfg["init_from"], "done")
         return inputs
@@ -453,14 +524,16 @@ class Experiment:
     def scaling_stage(self) -> str:
         return self.config["scaling"].get("stage") or self.stages[-1]
 
-    def scaling_dataset(self) -> str:
-        return self.config["scaling"].get("dataset") or self.config["train"]["stages"][self.scaling_stage()]["dataset"]
+    def scaling_data(self) -> str:
+        """The scaling runs' `data_path`: packed/<scaling.dataset>, else the scaling stage's data (a mix's blend file too)."""
+        dataset = self.config["scaling"].get("dataset")
+        return self.path("packed", dataset) if dataset else self.stage_data(self.scaling_stage())
 
     def scaling_config(self, world_size: int) -> dict:
         """Fixed-step, metrics-only run with the settings of the scaling stage."""
         settings = self.stage_config(self.scaling_stage())
         settings.update(
-            data_path=self.path("packed", self.scaling_dataset()),
+            data_path=self.scaling_data(),
             output_dir=self.path("scaling", f"ws{world_size}"),
             init_from=None,
             steps=self.config["scaling"]["steps"],

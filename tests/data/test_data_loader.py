@@ -7,13 +7,15 @@ from functools import partial
 
 import pytest
 import torch
-from helpers import make_demo_model_dir
+from helpers import make_demo_model_dir, write_config
 
-from vlmcore.data.load.loader import build_loader, samples_in, write_blend
+from vlmcore.blend import write_blend
+from vlmcore.data.load.loader import build_loader, samples_in
 from vlmcore.data.load.online import build_online_loader
 from vlmcore.data.media.encoder import IGNORE_INDEX, SampleEncoder
 from vlmcore.data.pack.dataset import pack
 from vlmcore.data.prepare.dataset import prepare
+from vlmcore.data.quality import DataError
 from vlmcore.data.synthetic.image import generate
 from vlmcore.models import load_hf_config, position_ids
 
@@ -231,6 +233,98 @@ def test_blend_of_packed_datasets(packed, epochized):
     for batch in take(loader, 12):
         seen["conversations" if (batch.input_ids == question).any() else "captions"] += 1
     assert seen["captions"] > 0 and seen["conversations"] > 0
+
+
+@pytest.mark.parametrize("epochized", [False, True])
+def test_each_row_names_its_dataset_and_the_order_counts_them(packed, epochized):
+    """A blend's batches say which dataset each row came from (told apart here by the
+    conversations' questions), and the row order's count of the rows each dataset gave up to a
+    row (what a resumed run starts its per-dataset counts from) is the count of those rows."""
+    blend = packed / f"blend_named_{epochized}.yaml"
+    write_blend(
+        blend, [(packed / "packed" / "captions", 1), (packed / "packed" / "conversations", 2)], epochized=epochized
+    )
+    loader = build_loader(blend, dp_rank=0, dp_world=1, micro_batch_size=2, seed=0, num_workers=0)
+    assert loader.dataset_names == ["captions", "conversations"]
+    question = SampleEncoder(packed / "model").tokenizer("What", add_special_tokens=False)["input_ids"][0]
+    named = []
+    for batch in take(loader, 8):
+        for row, name in zip(batch.input_ids, batch.row_datasets, strict=True):
+            assert name == ("conversations" if (row == question).any() else "captions")
+        named += batch.row_datasets
+    assert set(named) == {"captions", "conversations"}
+    assert loader.rows_by_dataset(len(named)) == {name: named.count(name) for name in ("captions", "conversations")}
+
+
+@pytest.mark.parametrize("repetitions", [None, [1, 2]])
+def test_blend_counts_are_the_rows_drawn_and_follow_the_weights(repetitions):
+    """`RowOrder.dataset_counts(j)` adds row j's dataset when it steps to j + 1, at every row, at the
+    ends of epochs and of the weighted draws' blocks of CHUNK rows too; over 100,000 rows a 1:2
+    weighted blend gives each dataset its share within 0.5% (the binomial spread is 0.15%)."""
+    from vlmcore.data.load.order import CHUNK, RowOrder
+
+    order = RowOrder([3, 5], seed=4, weights=None if repetitions else [1, 2], repetitions=repetitions)
+    epoch = 3 * 1 + 5 * 2
+    for start in (0, 5 * epoch - 3, CHUNK - 20, 3 * CHUNK - 5):
+        counts = order.dataset_counts(start)
+        for j in range(start, start + 40):
+            step = order.dataset_counts(j + 1) - counts
+            assert step.tolist() == [int(order[j][0] == 0), int(order[j][0] == 1)], j
+            counts += step
+    shares = order.dataset_counts(100_000) / 100_000
+    expected = [3 / epoch, 10 / epoch] if repetitions else [1 / 3, 2 / 3]
+    assert shares.tolist() == pytest.approx(expected, abs=0.005)
+
+
+def test_bad_blend_file_is_refused_naming_it(packed, tmp_path, capsys):
+    """`vlmcore train` on a blend file that is not one, or whose weights cannot weigh a mix, or that
+    names a directory that is not there: exit code 2, one line naming the file, before any work."""
+    from vlmcore.cli import main
+
+    captions = str(packed / "packed" / "captions")
+    blends = {
+        "not a blend": "- just a list\n",
+        "splits.train.blend must be a non-empty list": "splits: {train: {blend: []}}\n",
+        "weight -1 is negative": f"splits: {{train: {{blend: [{{weight: -1, path: {captions}}}]}}}}\n",
+        "the weights sum to 0": f"splits: {{train: {{blend: [{{weight: 0, path: {captions}}}]}}}}\n",
+        "blend[0].weight is 'a lot'": f"splits: {{train: {{blend: [{{weight: a lot, path: {captions}}}]}}}}\n",
+        "blend[1] has no path": f"splits: {{train: {{blend: [{{weight: 1, path: {captions}}}, {{weight: 1}}]}}}}\n",
+        "is not a directory": "splits: {train: {blend: [{weight: 1, path: missing}]}}\n",
+    }
+    for i, (message, text) in enumerate(blends.items()):
+        blend = tmp_path / f"blend{i}.yaml"
+        blend.write_text(text)
+        out = tmp_path / f"out{i}"
+        cfg = write_config(
+            tmp_path / f"c{i}.yaml", packed / "model", out, steps=1, data={"kind": "packed"}, data_path=str(blend)
+        )
+        assert main(["train", str(cfg)]) == 2, message
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {cfg}: data_path: ") and err.count("\n") == 1, err
+        assert message in err and str(blend) in err, err
+        assert not out.exists()
+
+
+def test_blend_of_datasets_packed_differently_is_refused_naming_them(packed, tmp_path):
+    """The datasets of a blend share one tokenizer and one pack config (a row's length, its patch
+    budget): a blend of datasets packed with another seq_len is refused when the loader is built."""
+    other = tmp_path / "conversations_64"
+    pack(packed / "data" / "conversations", packed / "model", other, seq_len=64, max_patches=256, shard_size=4)
+    blend = tmp_path / "blend.yaml"
+    write_blend(blend, [(packed / "packed" / "captions", 1), (other, 1)])
+    with pytest.raises(DataError, match=f"{blend}: {other} was packed with another tokenizer or pack config than"):
+        build_loader(blend, dp_rank=0, dp_world=1, micro_batch_size=1, seed=0, num_workers=0)
+
+
+def test_memory_estimate_reads_the_limits_of_a_blends_datasets(packed, tmp_path):
+    """`vlmcore memory` of a stage on a blend sizes its rows from the blend's datasets' pack config."""
+    from vlmcore.config import from_dict
+    from vlmcore.train.memory import packed_limits
+
+    blend = tmp_path / "blend.yaml"
+    write_blend(blend, [(packed / "packed" / "captions", 1), (packed / "packed" / "conversations", 1)])
+    cfg = from_dict({"model_path": str(packed / "model"), "output_dir": str(tmp_path), "data_path": str(blend)})
+    assert packed_limits(cfg)["seq_len"] == SEQ_LEN and packed_limits(cfg)["max_patches"] == 256
 
 
 def test_data_parallel_ranks_read_different_packs(packed):

@@ -1,5 +1,7 @@
 """Checkpoints are resumed only by the run they belong to; other runs are moved aside, not lost."""
 
+import yaml
+
 from vlmcore.config import load_config, save_config
 from vlmcore.train.run_dir import archive_stale_run, mark_done, mark_unfinished, stale_run_reason
 
@@ -78,3 +80,23 @@ def test_run_that_crashed_after_its_last_checkpoint_is_finished_not_redone(tmp_p
     assert "already reached step 60 of 50" in stale_run_reason(tmp_path, cfg_with(["steps=50"]))
     mark_done(tmp_path)
     assert (tmp_path / "done").is_file() and "already reached step 60" in stale_run_reason(tmp_path, cfg)
+
+
+def test_new_weights_in_the_same_blend_file_start_a_new_run(tmp_path):
+    """A stage on a blend file (the workflow's train/<stage>/data_mix.yaml) keeps its data_path when
+    its weights change, but its rows are others: the blend as the run read it (blend.yaml) tells,
+    and the checkpoints are moved aside; the same weights resume."""
+    from vlmcore.blend import RUN_RECORD, write_blend
+    from vlmcore.train.run_dir import blend_record
+
+    blend = tmp_path / "data_mix.yaml"
+    write_blend(blend, [(tmp_path / "captions", 0.7), (tmp_path / "conversations", 0.3)])
+    out = tmp_path / "run"
+    cfg = cfg_with(["steps=100", f"data_path={blend}"])
+    write_run(out, cfg, 50)
+    (out / RUN_RECORD).write_text(yaml.safe_dump(blend_record(cfg)))
+    assert stale_run_reason(out, cfg) is None
+    write_blend(blend, [(tmp_path / "captions", 0.5), (tmp_path / "conversations", 0.5)])
+    reason = archive_stale_run(out, cfg)
+    assert reason == f"the blend of data_path changed since the checkpoints in {out} were written: starting a new run"
+    assert (out / "previous/checkpoints/step_50").is_dir() and (out / "previous" / RUN_RECORD).is_file()

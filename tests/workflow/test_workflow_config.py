@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from vlmcore.blend import read_blend
 from vlmcore.workflow import ConfigError, Experiment, validate_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -160,6 +161,100 @@ def test_stage_settings_are_checked_by_the_train_config_rules(mutate, key):
     with pytest.raises(ConfigError) as err:
         validate_config(config, SCHEMA)
     assert f"\n  {key}: " in str(err.value), str(err.value)
+
+
+def mixed(config, weights, stage_name="stage2"):
+    """`config` with `stage_name` on a mix of datasets (`datasets`) instead of its one `dataset`."""
+    stage = config["train"]["stages"][stage_name]
+    stage.pop("dataset")
+    stage["datasets"] = weights
+    return config
+
+
+def test_a_stage_on_a_mix_reads_its_blend_file_and_depends_on_every_dataset(tmp_path):
+    """A stage's `datasets`: its data_path is the blend file train/<stage>/data_mix.yaml, whose
+    content (`stage_blend`) names the packed datasets by weight relative to the file; the stage's
+    job reads the file and every packed dataset of the mix; the export's provenance holds the
+    statistics of every dataset of its lineage, and the scaling runs of the stage train on its mix."""
+    config = demo_config()
+    config["results_dir"] = str(tmp_path / "results")
+    del config["scaling"]["dataset"]
+    exp = Experiment(validate_config(mixed(config, {"captions": 0.7, "conversations": 0.3}), SCHEMA))
+    root = tmp_path / "results" / "demo"
+    blend_file = root / "train/stage2/data_mix.yaml"
+    assert exp.stage_config("stage2")["data_path"] == str(blend_file)
+    assert exp.stage_config("stage1")["data_path"] == str(root / "packed/captions")
+    assert "datasets" not in exp.stage_config("stage2")
+    inputs = exp.stage_inputs("stage2")
+    assert inputs["data"] == str(blend_file)
+    assert inputs["packed"] == [str(root / "packed/captions"), str(root / "packed/conversations")]
+    assert "packed" not in exp.stage_inputs("stage1")
+    blend_file.parent.mkdir(parents=True)
+    blend_file.write_text(yaml.safe_dump(exp.stage_blend("stage2")))
+    blend = read_blend(blend_file)
+    assert blend.paths == [root / "packed/captions", root / "packed/conversations"]
+    assert blend.weights == [0.7, 0.3] and blend.names == ["captions", "conversations"]
+    provenance = exp.export_provenance("stage2")
+    assert provenance["data_stats"] == [str(root / f"packed/{d}/stats.json") for d in ("captions", "conversations")]
+    assert provenance["packed"] == str(root / "packed/captions")
+    assert exp.scaling_config(2)["data_path"] == str(blend_file)
+
+
+def preference_data(config):
+    config["data"]["datasets"]["preference"] = {"sources": ["preference:{raw}/preference.jsonl"]}
+    return config
+
+
+@pytest.mark.parametrize(
+    "mutate, line",
+    [
+        (
+            lambda c: mixed(c, {"captions": 1, "conversations": -0.5}),
+            "train.stages.stage2.datasets.conversations: -0.5 is less than the minimum of 0",
+        ),
+        (lambda c: mixed(c, {}), "train.stages.stage2.datasets: {} should be non-empty"),
+        (
+            lambda c: mixed(c, {"captions": 0, "conversations": 0}),
+            "train.stages.stage2.datasets: the weights sum to 0: they must sum to a positive number",
+        ),
+        (
+            lambda c: mixed(c, {"captions": 1, "images": 1}),
+            "train.stages.stage2.datasets: 'images' is not in data.datasets (captions, conversations)",
+        ),
+        (
+            stage("stage2", datasets={"captions": 1}),
+            "train.stages.stage2: give dataset (one packed dataset) or datasets (a weighted mix of them); "
+            "both are given",
+        ),
+        (
+            lambda c: c["train"]["stages"]["stage2"].pop("dataset"),
+            "train.stages.stage2: give dataset (one packed dataset) or datasets (a weighted mix of them); "
+            "neither is given",
+        ),
+        (
+            common(datasets={"captions": 1}),
+            "train.common.datasets: a stage's data is set per stage (train.stages.<name>.dataset or datasets)",
+        ),
+        (
+            lambda c: mixed(preference_data(c), {"conversations": 1, "preference": 1}),
+            "train.stages.stage2.datasets: mixes preference pairs (preference) with samples (conversations); "
+            "a stage trains on pairs (objective dpo) or on samples, not both",
+        ),
+        (
+            lambda c: c["scaling"].update(dataset={"captions": 1}),
+            "scaling.dataset: {'captions': 1} is not of type 'string'",
+        ),
+    ],
+    ids=["negative", "empty", "zero_sum", "unknown", "both", "neither", "common", "pairs_and_samples", "scaling"],
+)
+def test_a_bad_mix_is_refused_naming_the_key(mutate, line):
+    """A mix is refused before any job, one line naming the key; the scaling runs take one dataset
+    (or, without scaling.dataset, their stage's mix)."""
+    config = demo_config()
+    mutate(config)
+    with pytest.raises(ConfigError) as err:
+        validate_config(config, SCHEMA)
+    assert f"\n  {line}" in str(err.value), str(err.value)
 
 
 def test_scaling_runs_cut_a_warmup_longer_than_their_steps():

@@ -375,3 +375,42 @@ def test_a_stage_started_from_an_earlier_one_is_exported_with_its_lineage(tmp_pa
     r = "results/demo-lora"
     assert f"--stage-config {r}/train/stage1/config.yaml --stage-config {r}/train/stage3/config.yaml " in stage3
     assert f"--peft-adapter {r}/hf/stage3/peft_adapter --peft-base {r}/hf/stage1 " in stage3
+
+
+def dry_run_jobs(stdout: str) -> list[dict]:
+    """Each job of a dry run (-n -p): its rule, its printed fields (input, output, ...) and its shell command."""
+    jobs = []
+    for block in re.split(r"\n(?=rule \w+:)", stdout):
+        match = re.match(r"rule (\w+):", block)
+        if not match:
+            continue
+        job = {"rule": match.group(1)}
+        job |= dict(re.findall(r"^    (\w+): (.*)$", block, re.MULTILINE))
+        shell = re.search(r"^Shell command: (.*)$", block, re.MULTILINE)
+        job["shell"] = shell.group(1) if shell else ""
+        jobs.append(job)
+    return jobs
+
+
+def test_a_stage_on_a_mix_depends_on_every_dataset_and_reads_its_blend(tmp_path):
+    """A stage with `datasets` (a weighted mix): its blend file train/<stage>/data_mix.yaml is
+    written by a local job from both packed datasets, the stage's job reads the file and both
+    packed datasets and trains with the file as its data_path, and the export records both
+    datasets' statistics."""
+    weights = {"captions": 0.7, "conversations": 0.3}
+    overlay = {"train": {"stages": {"stage3": {"datasets": weights, "init_from": "stage2", "steps": 10}}}}
+    jobs = dry_run_jobs(plan_demo(tmp_path, "--forceall", "hf", overlay=overlay).stdout)
+    blend = "results/demo/train/stage3/data_mix.yaml"
+    packed = "results/demo/packed/captions, results/demo/packed/conversations"
+    (mix,) = [job for job in jobs if job["rule"] == "mix_data"]
+    assert mix["input"] == packed and mix["output"] == blend
+    entries = ", ".join(f'{{"path": "../../packed/{name}", "weight": {weight}}}' for name, weight in weights.items())
+    assert f'"blend": [{entries}]' in mix["shell"] and f"> {blend}" in mix["shell"]
+    (stage3,) = [job for job in jobs if job["rule"] == "train_stage" and job["wildcards"] == "stage=stage3"]
+    assert stage3["input"] == f"results/demo/model/manifest.json, {blend}, {packed}, results/demo/train/stage2/done"
+    assert f'"data_path": "{blend}"' in stage3["shell"] and '"datasets"' not in stage3["shell"]
+    (export3,) = [job for job in jobs if job["rule"] == "export_hf" and job["wildcards"] == "stage=stage3"]
+    stats = (
+        "--data-stats results/demo/packed/captions/stats.json --data-stats results/demo/packed/conversations/stats.json"
+    )
+    assert stats in export3["shell"]

@@ -43,6 +43,7 @@ wildcard_constraints:
 
 localrules:
     download_model,
+    mix_data,
     download_benchmark,
     scaling_report,
     train_all,

@@ -48,9 +48,26 @@ rule train_stage:
         " || test -f {output.done}"
 
 
+rule mix_data:
+    # A stage on a weighted mix of datasets (train.stages.<stage>.datasets) reads this blend file
+    # of their packed datasets (vlmcore.blend; Experiment.stage_blend writes its content).
+    input:
+        lambda wc: [EXP.path("packed", d) for d in EXP.stage_datasets(wc.stage)],
+    output:
+        f"{R}/train/{{stage}}/data_mix.yaml",
+    params:
+        blend=lambda wc: as_yaml_arg(EXP.stage_blend(wc.stage)),
+    log:
+        f"{R}/logs/mix_data/{{stage}}.log",
+    conda:
+        "../envs/vlmcore.yaml"
+    shell:
+        "printf '%s\\n' {params.blend} > {output} 2> {log}"
+
+
 rule scaling_run:
     input:
-        data=f"{R}/packed/{EXP.scaling_dataset()}",
+        data=EXP.scaling_data(),
         model=f"{R}/model/manifest.json",
     output:
         metrics=f"{R}/scaling/ws{{ws}}/metrics.jsonl",

@@ -33,7 +33,14 @@ from vlmcore.provenance import git_commit
 from vlmcore.report import plots
 from vlmcore.report.evaluation import gather_runs, scores_by_run
 from vlmcore.report.layouts import Cluster, compare, measured_workload
-from vlmcore.report.tables import import_points, point_from_metrics, read_metrics, scaling_table, settings_of
+from vlmcore.report.tables import (
+    blend_of,
+    import_points,
+    point_from_metrics,
+    read_metrics,
+    scaling_table,
+    settings_of,
+)
 
 
 def parse_labelled(values: list[str], option: str, default_label: Callable[[str], str] | None = None) -> dict[str, str]:
@@ -118,6 +125,14 @@ DPO_MD_COLUMNS = {
     "dpo_margin": ("margin", ".4f"),
     "dpo_accuracy": ("accuracy", ".3f"),
 }
+# Stages on a mix of datasets (metrics.jsonl has data_mix_rows: vlmcore.train.metrics_log.mix_metrics).
+MIX_MD_COLUMNS = {
+    "stage": ("stage", ""),
+    "dataset": ("dataset", ""),
+    "weight": ("weight (share of the weights)", ".3f"),
+    "rows": ("rows", ",d"),
+    "realised": ("realised share of the rows", ".3f"),
+}
 LAYOUT_MD_COLUMNS = {
     "layout": ("layout", ""),
     "vision_s": ("vision s", ".3f"),
@@ -188,6 +203,45 @@ def dpo_section(stages: dict[str, pd.DataFrame], out: Path) -> list[str]:
         plots.plot_dpo_curves(stage, metrics, out / f"plots/dpo_{stage}.png")
         md += [f"![DPO stage {stage}: loss, rewards, margin and accuracy](plots/dpo_{stage}.png)", ""]
     return md
+
+
+def mix_rows(stage: str, metrics: pd.DataFrame, blend: dict | None) -> list[dict]:
+    """A mixed stage's rows of the mix table: per dataset its configured share (its weight over the
+    weights' sum; unknown without the run's blend record, or for an epochized blend, whose shares
+    follow the datasets' sizes) against the rows it gave over the whole stage."""
+    rows = metrics["data_mix_rows"].dropna().iloc[-1]
+    total = sum(rows.values())
+    weights = {}
+    if blend and blend.get("weights"):
+        weights = {name: w / sum(blend["weights"]) for name, w in zip(blend["datasets"], blend["weights"])}
+    return [
+        {"stage": stage, "dataset": name, "weight": weights.get(name), "rows": n, "realised": n / total}
+        for name, n in rows.items()
+    ]
+
+
+def mix_section(stages: dict[str, pd.DataFrame], train: Mapping[str, str | Path]) -> list[str]:
+    """The markdown of the data mix section (empty without a stage on a mix): per mixed stage and
+    dataset the configured weight against the realised share of the rows."""
+    rows = [
+        row
+        for stage, metrics in stages.items()
+        if "data_mix_rows" in metrics
+        for row in mix_rows(stage, metrics, blend_of(train[stage]))
+    ]
+    if not rows:
+        return []
+    return [
+        "## Data mix",
+        "",
+        "Per stage on a weighted mix of datasets (train.stages.<name>.datasets): each dataset's weight as a share "
+        "of the weights, which is the probability that a row is drawn from it, against the rows it gave over the "
+        "whole stage and their share of all its rows (metrics.jsonl's data_mix_rows and data_mix). The shares "
+        "differ from the weights by chance alone, about sqrt(w (1 - w) / rows).",
+        "",
+        markdown_table(rows, MIX_MD_COLUMNS),
+        "",
+    ]
 
 
 def ranks_section(stages: dict[str, pd.DataFrame], out: Path) -> list[str]:
@@ -377,6 +431,7 @@ def write_report(
             "",
         ]
         md += dpo_section(stages, out)
+        md += mix_section(stages, train)
         layout_md, layout_rows = layout_section(
             {stage: (m, settings_of(train[stage])) for stage, m in stages.items()}, warmup_steps, cluster
         )

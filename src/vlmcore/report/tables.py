@@ -15,6 +15,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from vlmcore.blend import RUN_RECORD
 from vlmcore.eval.results import jsonl_records
 
 # Columns of scaling.csv, in order; `efficiency` and `speedup` are relative to the smallest point.
@@ -95,6 +96,14 @@ def settings_of(metrics_path: str | Path) -> dict | None:
     path = Path(metrics_path)
     config = (path if path.is_dir() else path.parent) / "config.yaml"
     return yaml.safe_load(config.read_text()) if config.is_file() else None
+
+
+def blend_of(metrics_path: str | Path) -> dict | None:
+    """The blend a stage trained on, as its run directory records it next to its metrics.jsonl
+    (vlmcore.blend.RUN_RECORD: datasets, weights or repetitions), if any."""
+    path = Path(metrics_path)
+    record = (path if path.is_dir() else path.parent) / RUN_RECORD
+    return yaml.safe_load(record.read_text()) if record.is_file() else None
 
 
 def parallel_layout(settings: dict | None, world_size: int) -> str:

@@ -186,6 +186,12 @@ class Trainer:
         prepare_output_dir(cfg, out)
         split = self.layout.batch_split(cfg.micro_batch_size)
         self.checkpointer, self.state = resume_latest(cfg, out, split, self.run.model, self.run.optimizer, self.data)
+        # A blend's datasets, whose rows each step counts (one dataset, or random data: none); a
+        # resumed run counts those before it from the row order, exactly the rows the steps saw.
+        names = getattr(self.data, "dataset_names", [])
+        self.blend_datasets = names if len(names) > 1 else []
+        if self.blend_datasets:
+            self.state.dataset_rows = self.data.rows_by_dataset(self.state.data_rows)
         self.logger = None  # opened with the first step: a signal during start-up leaves the metrics as they are
         self.nonfinite_in_a_row = 0
         self.faults = FaultInjection(self.rank, lambda: self.stop.signum != 0)  # tests only
@@ -237,7 +243,7 @@ class Trainer:
             lambda optimizer: set_lr(optimizer, factor),
         )
         self.nonfinite_in_a_row = 0 if result.applied else self.nonfinite_in_a_row + 1
-        state.count_step(result.applied, int(counts["samples"]), int(counts["tokens"]))
+        state.count_step(result.applied, int(counts["samples"]), int(counts["tokens"]), counts.get("dataset_rows"))
         # Host time of the step: the step's one host read (norm and loss) waits for its backward,
         # so from step to step this follows the GPU without a synchronize of its own.
         times = StepTimes(step=time.perf_counter() - start, data_wait=data_wait)
@@ -261,7 +267,7 @@ class Trainer:
         dims = self.layout.data.dims
         # cp and tp peers hold the same rows; encoder ranks count nothing
         own = [] if self.run.role == "vision" else host_micro
-        counts = global_counts(own, self.run.model.config, dims.tp * dims.cp)
+        counts = global_counts(own, self.run.model.config, dims.tp * dims.cp, self.blend_datasets)
         for count in dict.fromkeys(("label_tokens", self.run.step.objective.count)):
             if counts[count] == 0:
                 raise TrainingError(

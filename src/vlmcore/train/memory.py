@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from vlmcore.blend import read_blend
 from vlmcore.config import ConfigError, TrainConfig, load_config
 from vlmcore.data.load.batch import Batch
 from vlmcore.families import family
@@ -246,8 +247,12 @@ def check_fit(
 
 
 def packed_limits(cfg: TrainConfig) -> dict:
-    """The packed dataset's pack_config.json (seq_len, max_patches, video_groups), or {}."""
-    pack = Path(cfg.data_path or "") / "pack_config.json"
+    """The packed dataset's pack_config.json (seq_len, max_patches, video_groups), or {}; of a blend
+    its first dataset's (all of a blend's are packed alike: vlmcore.data.load.loader)."""
+    data = Path(cfg.data_path or "")
+    if data.is_file():
+        data = read_blend(data).paths[0]
+    pack = data / "pack_config.json"
     return json.loads(pack.read_text()) if cfg.data.kind == "packed" and pack.is_file() else {}
 
 

@@ -6,6 +6,7 @@ import os
 import resource
 import uuid
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,11 +54,16 @@ def batch_flops(config: PretrainedConfig, batch: Batch) -> tuple[float, float]:
     return llm_flops(config, batch.segment_lengths().cpu()), vision_flops(config, grids)
 
 
-def global_counts(host_micro: list[Batch], model_config: PretrainedConfig, peers: int) -> dict:
+def global_counts(
+    host_micro: list[Batch], model_config: PretrainedConfig, peers: int, datasets: Sequence[str] = ()
+) -> dict:
     """Label tokens, samples, tokens, FLOPs and bad samples of the global batch, summed over the
-    ranks on the host (gloo: no GPU wait); `peers`: ranks that hold the same batch (tp x cp), hence the division."""
+    ranks on the host (gloo: no GPU wait); `peers`: ranks that hold the same batch (tp x cp), hence the division.
+    `datasets`: the names of a blend's datasets (the same on every rank), whose rows are counted
+    under `dataset_rows` in the same all-reduce."""
     flops = [batch_flops(model_config, b) for b in host_micro]
     skipped = sum((Counter(b.skipped_samples) for b in host_micro), Counter())
+    rows_of = Counter(name for b in host_micro for name in b.row_datasets)
     keys = ("label_tokens", "samples", "tokens", "llm_flops", "vision_flops", "skipped_samples", "pairs")
     counts = torch.tensor(
         [
@@ -68,11 +74,15 @@ def global_counts(host_micro: list[Batch], model_config: PretrainedConfig, peers
             sum(f[1] for f in flops),
             sum(skipped.values()),
             sum(len(b.pairs) for b in host_micro if b.pairs is not None),  # preference pairs (DPO)
+            *(rows_of[name] for name in datasets),
         ],
         dtype=torch.float64,
     )
     dist.all_reduce(counts)
-    counts = dict(zip(keys, (counts / peers).tolist()))
+    totals = (counts / peers).tolist()
+    counts = dict(zip(keys, totals))
+    if datasets:
+        counts["dataset_rows"] = {name: int(n) for name, n in zip(datasets, totals[len(keys) :])}
     # By reason only on steps that have any: every rank sees the same global sum, so all gather or none.
     if counts["skipped_samples"]:
         gathered = [None] * dist.get_world_size()
@@ -145,7 +155,18 @@ def step_record(
         **({"skipped_samples_by_reason": counts["skipped_samples_by_reason"]} if counts["skipped_samples"] else {}),
         **(result.moe or {}),  # moe_aux_loss, moe_load_imbalance
         **objective_metrics,  # DPO: the rewards, margin and accuracy (vlmcore.train.dpo)
+        **mix_metrics(state),
     }
+
+
+def mix_metrics(state: TrainState) -> dict:
+    """A blend's realised mix: the rows each dataset gave since the stage began (`data_mix_rows`)
+    and their shares of all rows (`data_mix`); nothing for one dataset."""
+    rows = state.dataset_rows
+    if not rows:
+        return {}
+    total = sum(rows.values())
+    return {"data_mix_rows": dict(rows), "data_mix": {name: n / total for name, n in rows.items()}}
 
 
 class MetricsLogger:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch.distributed as dist
 import yaml
 
+from vlmcore.blend import RUN_RECORD, read_blend
 from vlmcore.config import TrainConfig, save_config, to_dict
 
 # Settings that may change between the attempts of one run: how long it runs, how often it
@@ -38,6 +39,17 @@ RESUMABLE_CHANGES = {
 UNFINISHED = "unfinished"
 
 
+def blend_record(cfg: TrainConfig) -> dict | None:
+    """What the run's blend file says (its datasets, weights or repetitions), or None: one dataset.
+    The run directory keeps it (vlmcore.blend.RUN_RECORD): the blend's path in data_path stays the
+    same when its weights change (the workflow's train/<stage>/data_mix.yaml), and a run on other
+    weights has another row order, so it is another run."""
+    path = Path(cfg.data_path or "")
+    if cfg.data.kind != "packed" or not path.is_file():
+        return None
+    return read_blend(path).record()
+
+
 def stale_run_reason(out: str | Path, cfg: TrainConfig) -> str | None:
     """Why the checkpoints in `out` must not be resumed by `cfg`, or None when they may."""
     out = Path(out)
@@ -57,6 +69,10 @@ def stale_run_reason(out: str | Path, cfg: TrainConfig) -> str | None:
         )
         if changed:
             return f"settings changed since the checkpoints in {out} were written ({', '.join(changed)}): starting a new run"
+    saved_blend = out / RUN_RECORD
+    before = yaml.safe_load(saved_blend.read_text()) if saved_blend.is_file() else None
+    if before != blend_record(cfg):
+        return f"the blend of data_path changed since the checkpoints in {out} were written: starting a new run"
     return None
 
 
@@ -70,7 +86,7 @@ def archive_stale_run(out: str | Path, cfg: TrainConfig) -> str | None:
     shutil.rmtree(previous, ignore_errors=True)
     previous.mkdir(parents=True)
     # train.log (all attempts, written by the workflow) stays: it is open while this runs.
-    for name in ["checkpoints", "metrics.jsonl", "config.yaml", "tensorboard", "wandb", "wandb_run_id"]:
+    for name in ["checkpoints", "metrics.jsonl", "config.yaml", RUN_RECORD, "tensorboard", "wandb", "wandb_run_id"]:
         if (out / name).exists():
             shutil.move(out / name, previous / name)
     return reason
@@ -95,4 +111,7 @@ def prepare_output_dir(cfg: TrainConfig, out: Path) -> None:
             print(reason)
         mark_unfinished(out)
         save_config(cfg, out / "config.yaml")
+        blend = blend_record(cfg)
+        if blend is not None:
+            (out / RUN_RECORD).write_text(yaml.safe_dump(blend, sort_keys=False))
     dist.barrier()

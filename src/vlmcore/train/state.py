@@ -3,7 +3,8 @@ the global batch. A checkpoint stores it under `train` (vlmcore.train.checkpoint
 the counters by name and the split as `layout_<field>`."""
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from vlmcore.parallel.layout import BatchSplit
 
@@ -30,14 +31,21 @@ class TrainState:
     tokens: int = 0
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm
     data_rows: int = 0  # global rows consumed (vlmcore.data.load.order): where the data stream goes on
+    # A blend's rows consumed per dataset, counted from the batches. Not checkpointed: a resume
+    # recounts them from the row order up to `data_rows` (RowLoader.rows_by_dataset), exactly.
+    dataset_rows: dict[str, int] = field(default_factory=dict)
 
-    def count_step(self, applied: bool, samples: int, tokens: int) -> None:
+    def count_step(
+        self, applied: bool, samples: int, tokens: int, dataset_rows: Mapping[str, int] | None = None
+    ) -> None:
         """Counts one optimizer step over the global batch (`applied`: False when it was skipped)."""
         self.skipped_steps += not applied
         self.step += 1
         self.data_rows += self.split.global_batch_rows
         self.samples += samples
         self.tokens += tokens
+        for name, rows in (dataset_rows or {}).items():
+            self.dataset_rows[name] = self.dataset_rows.get(name, 0) + rows
 
     def state_dict(self) -> dict[str, int]:
         """The checkpoint form: the counters, then the split's `layout_*` keys."""

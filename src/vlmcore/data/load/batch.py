@@ -103,6 +103,8 @@ class Batch:
     num_samples: int = 0  # samples in the rows
     skipped_samples: dict = field(default_factory=dict)  # {reason: count} of bad samples left out of the rows
     row_keys: list[str] = field(default_factory=list)  # each row's pack (Energon key)
+    # Each row's dataset: its name in the loader's blend (vlmcore.blend.dataset_names); empty: random data
+    row_datasets: list[str] = field(default_factory=list)
     max_seqlen: int | None = None  # the longest segment, a host int (set by `to`)
     # Context parallelism (`context_chunk`): per kind present (images, then videos), the indices of
     # the vision tower's output rows at this rank's tokens; None: all of them

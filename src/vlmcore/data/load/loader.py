@@ -4,8 +4,9 @@ Packs are read by index as crude samples (their parts still compressed) and made
 batches by `vlmcore.data.load.rows.PackedTaskEncoder`, with the model files copied into the
 packed dataset.
 
-`build_loader` also accepts an Energon metadataset YAML (`write_blend`) that blends several packed
-datasets made with the same model and `seq_len`. `vlmcore.data.load.online` is the alternative to
+`build_loader` also accepts a blend file (vlmcore.blend: an Energon metadataset YAML) that blends
+several packed datasets made with the same model and `seq_len`; each batch names the dataset of
+each of its rows (`Batch.row_datasets`). `vlmcore.data.load.online` is the alternative to
 offline packing: rows packed in the loader from a prepared dataset with a buffer.
 
 Order and resuming (`RowLoader`): the packs are read in the global row order of
@@ -15,53 +16,46 @@ under another layout with the same rows per step goes on exactly.
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
-import yaml
-
+from vlmcore.blend import Blend, read_blend
 from vlmcore.data.load.batch import Batch
 from vlmcore.data.load.order import RowOrder, rows_of
 from vlmcore.data.load.rows import PackedRow, PackedTaskEncoder
 from vlmcore.data.load.stream import micro_batch_loader
 from vlmcore.data.pack.format import PACK_CONFIG_FILE, PACK_MODEL_DIR, PackConfig
+from vlmcore.data.quality import DataError
 from vlmcore.data.shards import IndexedShards
 
 
 def packed_dataset_files(path: str | Path) -> tuple[Path, PackConfig]:
     """The model files and pack config of a packed dataset, or of a blend of packed datasets.
 
-    All datasets of a blend must have been packed with the same tokenizer and pack config.
+    All datasets of a blend must have been packed with the same tokenizer and pack config: a row's
+    tokens are made with the one tokenizer of the run, its length is the one `seq_len`.
     """
     found = []
-    for dataset_dir in blend_entries(path)[0]:
+    for dataset_dir in blend_of(path).paths:
         if not (dataset_dir / PACK_CONFIG_FILE).is_file():
-            raise FileNotFoundError(
-                f"{dataset_dir} is not a packed dataset (no {PACK_CONFIG_FILE}); run `vlmcore pack`"
-            )
+            raise DataError(f"{dataset_dir} is not a packed dataset (no {PACK_CONFIG_FILE}); run `vlmcore pack`")
         found.append((dataset_dir / PACK_MODEL_DIR, PackConfig.read(dataset_dir)))
     model_dir, pack_config = found[0]
     for other_dir, other_config in found[1:]:
         same_tokenizer = (other_dir / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()
         if other_config != pack_config or not same_tokenizer:
-            raise ValueError(
+            raise DataError(
                 f"{path}: {other_dir.parent} was packed with another tokenizer or pack config than {model_dir.parent}"
             )
     return model_dir, pack_config
 
 
-def blend_entries(path: str | Path) -> tuple[list[Path], list[float] | None, list[int] | None]:
-    """(dataset directories, weights or None, repetitions or None) of a dataset directory or a blend YAML."""
+def blend_of(path: str | Path) -> Blend:
+    """The datasets of `path`: a dataset directory (one), or a blend file (vlmcore.blend)."""
     path = Path(path)
     if path.is_dir():
-        return [path], None, None
-    node = yaml.safe_load(path.read_text())["splits"]["train"]
-    entries = node.get("blend") or node.get("blend_epochized") or [node]
-    dirs = [(path.parent / entry["path"]).resolve() for entry in entries]
-    if "blend" in node:
-        return dirs, [float(entry["weight"]) for entry in entries], None
-    if "blend_epochized" in node:
-        return dirs, None, [int(entry["repetitions"]) for entry in entries]
-    return dirs, None, None
+        return Blend([path])
+    return read_blend(path)
 
 
 def samples_in(dataset_dir: Path) -> int:
@@ -100,9 +94,10 @@ class RowLoader:
             "grad_accum_steps": grad_accum_steps,
         }
         self.num_workers = num_workers
-        entries, weights, repetitions = blend_entries(path)
-        self.datasets = [IndexedShards(d) for d in entries]
-        self.order = RowOrder([len(d) for d in self.datasets], seed, weights, repetitions)
+        blend = blend_of(path)
+        self.datasets = [IndexedShards(d) for d in blend.paths]
+        self.dataset_names = blend.names  # what each row's `row_datasets` entry says
+        self.order = RowOrder([len(d) for d in self.datasets], seed, blend.weights, blend.repetitions)
         self.first_row = 0  # where this layout started
         self.micro_batches = 0  # taken since
 
@@ -121,7 +116,19 @@ class RowLoader:
 
     def micro_batch(self, m: int) -> Batch:
         step, micro = divmod(m, self.split["grad_accum_steps"])
-        return self.task_encoder.batch([self.row(self.first_row + j) for j in rows_of(step, micro, **self.split)])
+        rows = [self.first_row + j for j in rows_of(step, micro, **self.split)]
+        batch = self.task_encoder.batch([self.row(j) for j in rows])
+        return replace(batch, row_datasets=[self.dataset_of(j) for j in rows])
+
+    def dataset_of(self, j: int) -> str:
+        """The name of global row j's dataset."""
+        if len(self.datasets) == 1:  # no look-up: online packing's order is over samples, not rows
+            return self.dataset_names[0]
+        return self.dataset_names[self.order[j][0]]
+
+    def rows_by_dataset(self, rows: int) -> dict[str, int]:
+        """How many of the first `rows` global rows each dataset gave (the row order's count, no data read)."""
+        return dict(zip(self.dataset_names, self.order.dataset_counts(rows).tolist()))
 
     def row(self, j: int) -> PackedRow:
         """Global row j: its pack, read by index and encoded."""
@@ -173,7 +180,7 @@ def build_loader(
     num_workers: int,
     grad_accum_steps: int = 1,
 ) -> RowLoader:
-    """Batches from a packed dataset (`vlmcore pack`) or a blend YAML of packed datasets (`write_blend`)."""
+    """Batches from a packed dataset (`vlmcore pack`) or a blend file of packed datasets (vlmcore.blend)."""
     model_dir, pack_config = packed_dataset_files(packed_dir)
     return RowLoader(
         packed_dir,
@@ -185,18 +192,3 @@ def build_loader(
         seed=seed,
         num_workers=num_workers,
     )
-
-
-def write_blend(path: str | Path, datasets: list[tuple[str, float]], epochized: bool = False) -> None:
-    """An Energon metadataset over packed `datasets` [(dir, weight), ...].
-
-    Weighted: packs are sampled from each dataset with probability proportional to its weight.
-    Epochized: each "epoch" of the blend holds every dataset exactly `weight` (an integer) times.
-    """
-    path = Path(path)
-    if epochized:
-        node = {"blend_epochized": [{"repetitions": int(w), "path": str(Path(d).resolve())} for d, w in datasets]}
-    else:
-        node = {"blend": [{"weight": w, "path": str(Path(d).resolve())} for d, w in datasets]}
-    doc = {"__module__": "megatron.energon", "__class__": "MetadatasetV2", "splits": {"train": node}}
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))

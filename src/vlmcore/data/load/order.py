@@ -56,6 +56,24 @@ class RowOrder:
             self._chunks[last + 1] = (draws, before)
         return self._chunks[c]
 
+    def dataset_counts(self, rows: int) -> np.ndarray:
+        """How many of global rows [0, rows) each dataset gives: integer work, as finding row `rows` is."""
+        counts = np.zeros(len(self.sizes), dtype=np.int64)
+        if len(self.sizes) == 1:
+            counts[0] = rows
+        elif self.repetitions is not None:
+            spans = np.asarray(self.sizes) * np.asarray(self.repetitions)
+            epochs, offset = divmod(rows, int(spans.sum()))
+            counts += epochs * spans
+            if offset:  # the last epoch's first `offset` positions, each in the span of its dataset
+                first = self._perm(-1, epochs, int(spans.sum()))[:offset]
+                counts += np.bincount(np.searchsorted(np.cumsum(spans), first, side="right"), minlength=len(spans))
+        else:
+            c, offset = divmod(rows, CHUNK)
+            draws, before = self._chunk(c)
+            counts += before + np.bincount(draws[:offset], minlength=len(self.sizes))
+        return counts
+
     def __getitem__(self, j: int) -> tuple[int, int]:
         """(dataset, pack index in it) of global row j."""
         if len(self.sizes) == 1:
