@@ -91,6 +91,22 @@ def row_chunk(x: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torch.Ten
 
 
 @dataclass
+class Rollout:
+    """Online RL: what a rollout recorded of each completion token, aligned with the batch's `labels`
+    (position t holds the values of the token labels[t]; 0 where labels[t] is IGNORE_INDEX). Token
+    tensors, so that context parallelism's cut (`row_chunk`) applies to them as to the labels."""
+
+    old_logps: torch.Tensor  # (B, S) float32: the sampling policy's log-probability of labels[t]
+    advantages: torch.Tensor  # (B, S) float32: the advantage of the completion that labels[t] is in
+
+    def map_tensors(self, fn: TensorMap) -> "Rollout":
+        return Rollout(fn(self.old_logps), fn(self.advantages))
+
+    def chunk(self, cp_rank: int, cp: int) -> "Rollout":
+        return self.map_tensors(lambda t: row_chunk(t, cp_rank, cp))
+
+
+@dataclass
 class Batch:
     """A micro-batch of B packed rows of S tokens."""
 
@@ -111,6 +127,8 @@ class Batch:
     visual_selection: list[torch.Tensor] | None = None
     # Preference data (DPO): (pairs, 2) int64, each pair's (chosen, rejected) segment indices; None: no pairs
     pairs: torch.Tensor | None = None
+    # Online RL (GRPO): each completion token's recorded log-probability and advantage; None: no rollout
+    rollout: Rollout | None = None
 
     def to(self, device: torch.device) -> "Batch":
         """The batch on `device`; its host metadata (`max_seqlen`, the image and video grids) stays on the host."""
@@ -127,6 +145,9 @@ class Batch:
             if self.visual_selection is None
             else [t.to(device, non_blocking=True) for t in self.visual_selection],
             pairs=None if self.pairs is None else self.pairs.to(device, non_blocking=True),
+            rollout=None
+            if self.rollout is None
+            else self.rollout.map_tensors(lambda t: t.to(device, non_blocking=True)),
             max_seqlen=self.max_seqlen if self.max_seqlen is not None else int(lengths.max()),
         )
 
@@ -148,6 +169,7 @@ class Batch:
             videos=None if self.videos is None else self.videos.map_tensors(fn),
             visual_selection=None if self.visual_selection is None else list(map(fn, self.visual_selection)),
             pairs=None if self.pairs is None else fn(self.pairs),
+            rollout=None if self.rollout is None else self.rollout.map_tensors(fn),
         )
 
     def context_chunk(
@@ -203,6 +225,7 @@ class Batch:
             images=kept["images"],
             videos=kept["videos"],
             visual_selection=[selections[k] for k in ("images", "videos") if k in selections] or None,
+            rollout=None if self.rollout is None else self.rollout.chunk(cp_rank, cp),
         )
 
     @property
