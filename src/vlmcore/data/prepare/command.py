@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         required=True,
         type=source_arg,
-        help="[KIND:]PATH of a source file or save_to_disk directory (repeatable); KIND: captions, conversations, text, preference",
+        help="[KIND:]PATH of a source file or save_to_disk directory (repeatable); KIND: captions, conversations, text, preference, prompts",
     )
     parser.add_argument("--out", required=True, help="output dataset directory (data/<dataset>)")
     parser.add_argument(

@@ -13,6 +13,8 @@ Rows:
   {"images": [...], "texts": [{"user", "assistant"}]}  FineVision
   any of these but text with `video`/`videos` and `<video>` tags  LLaVA-Video / ShareGPT4Video style
   {"prompt"?, "chosen", "rejected", "images"?, "videos"?}  a preference pair (DPO: data/prepare/preference.py)
+  {"question"|"prompt", "answer", "images"?, "videos"?, ...}  an RL prompt with its reference answer
+                                                     (data/prepare/prompts.py)
 Images are paths (relative to `--images`, a directory or a tar file; default: the source's
 directory), raw bytes, `data:` URIs, or `{"bytes": raw or base64, "path": ...}` dicts. A video is
 the same kind of reference to a video file, or a list of frame images (as some corpora ship
@@ -33,6 +35,7 @@ import numpy as np
 from tqdm import tqdm
 
 from vlmcore.data.prepare.preference import is_preference_row, preference_row_to_sample
+from vlmcore.data.prepare.prompts import is_prompt_row, prompt_row_to_sample
 from vlmcore.data.prepare.samples import DEFAULT_MAX_VIDEO_SECONDS, row_to_sample
 from vlmcore.data.prepare.sources import SOURCE_KINDS, ImageFiles, parse_source, read_rows
 from vlmcore.data.quality import BadDataLog, BadSample, DataError, TooMuchBadData
@@ -71,6 +74,9 @@ class SampleCounts:
         elif "rejected" in sample:  # a preference pair (counted only where there are some)
             self.kinds["preference"] = self.kinds.get("preference", 0) + 1
             self.text_chars.append(sum(len(m["content"]) for m in sample["messages"] + sample["rejected"]))
+        elif "answer" in sample:  # an RL prompt (counted only where there are some)
+            self.kinds["prompt"] = self.kinds.get("prompt", 0) + 1
+            self.text_chars.append(sum(len(m["content"]) for m in sample["messages"]))
         else:
             self.kinds["conversation"] += 1
             self.text_chars.append(sum(len(m["content"]) for m in sample["messages"]))
@@ -103,7 +109,11 @@ def prepare(
             log.seen += 1
             try:
                 check_source_kind(row, kind)
-                to_sample = preference_row_to_sample if is_preference_row(row) else row_to_sample
+                to_sample = row_to_sample
+                if kind == "prompts" or (kind is None and is_prompt_row(row)):
+                    to_sample = prompt_row_to_sample
+                elif is_preference_row(row):
+                    to_sample = preference_row_to_sample
                 sample, sample_images, videos = to_sample(row, files, max_image_pixels, log, where, max_video_seconds)
             except BadSample as e:
                 log.skip(e.reason, where, e.detail)

@@ -19,6 +19,7 @@ SOURCE_KINDS = {
     "conversations": ("messages", "conversations", "texts"),
     "text": ("text",),
     "preference": ("chosen", "rejected"),  # vlmcore.data.prepare.preference
+    "prompts": ("question", "prompt"),  # online RL: vlmcore.data.prepare.prompts
 }
 
 
