@@ -16,9 +16,10 @@ import torch
 
 from vlmcore.data.media.encoder import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, SampleEncoder
 from vlmcore.data.media.image import load_image
-from vlmcore.data.media.video import clip_patches, normalize_video_patches, probe
+from vlmcore.data.media.video import probe
 
 from .decode import GenerationError, Prompt, check_request, generate
+from .prompt import encode_turns
 from .sampling import SamplingSettings
 
 
@@ -28,25 +29,12 @@ def encode_prompt(encoder: SampleEncoder, text: str, images: list[str], video: s
     if (images or video) and encoder.processor is None:
         raise GenerationError("--image and --video need a vision-language model (the model has no image processor)")
     tags = IMAGE_PLACEHOLDER * len(images) + (VIDEO_PLACEHOLDER if video else "")
-    rendered = encoder.render([[{"role": "user", "content": tags + text}]], add_generation_prompt=True)[0]
-    prompt = Prompt(input_ids=torch.empty(0, dtype=torch.long))
-    grids, plans = [], []
-    if images:
-        prompt.pixel_values, prompt.image_grid_thw = encoder.pixel_values(
-            [load_image(Path(p).read_bytes()) for p in images]
-        )
-        grids = [tuple(g) for g in prompt.image_grid_thw.tolist()]
+    clips = []
     if video:
         data = Path(video).read_bytes()
-        meta = {"kind": "file", **probe(data).as_dict()}
-        plan = encoder.video_plan(meta)
-        patches, grid = clip_patches(meta, [data], plan, encoder.video)
-        prompt.pixel_values_videos = normalize_video_patches(patches, encoder.video.image_mean, encoder.video.image_std)
-        prompt.video_grid_thw = torch.tensor([grid])
-        plans = [plan]
-    ids = encoder.tokenizer(encoder.expand_visual_tokens(rendered, grids, plans), add_special_tokens=False)["input_ids"]
-    prompt.input_ids = torch.tensor(ids, dtype=torch.long)
-    return prompt
+        clips.append(({"kind": "file", **probe(data).as_dict()}, [data]))
+    turns = [{"role": "user", "content": tags + text}]
+    return encode_turns(encoder, turns, [load_image(Path(p).read_bytes()) for p in images], clips)
 
 
 def load_model(model_dir: str, checkpoint: str | None, device: str) -> torch.nn.Module:
