@@ -82,6 +82,35 @@ def test_preference_pairs_answer_about_their_image(tmp_path):
     assert stats["samples"] == 30 and stats["bad"]["skipped"] == 0, stats
 
 
+def test_rl_prompts_ask_about_their_image_with_the_scene_as_reference(tmp_path):
+    """The RL demo's prompts: each asks the question of its kind about one image, its reference
+    answer is that scene's word (the caption's colour and shape; a held-out prompt's is its eval
+    row's answer), and they pass `vlmcore prepare` as a prompt source with none bad."""
+    from vlmcore.data.prepare.dataset import prepare
+
+    meta = generate(tmp_path / "a", num_train=30, num_eval=12, seed=5)
+    root = tmp_path / "a"
+    prompts = read_jsonl(root / "prompts.jsonl")
+    held_out = read_jsonl(root / "prompts_eval.jsonl")
+    assert meta["num_prompts"] == len(prompts) == 30 and meta["num_prompts_eval"] == len(held_out) == 12
+    captions = {c["image"]: c["caption"] for c in read_jsonl(root / "captions.jsonl")}
+    evals = {row["image"]: row for row in read_jsonl(root / "eval.jsonl")}
+    for prompt in prompts + held_out:
+        question, choices = QUESTIONS[prompt["kind"]]
+        assert prompt["question"] == f"<image>\n{question}" and prompt["answer"] in choices
+    for prompt in prompts:
+        if prompt["kind"] in ("color", "shape"):
+            assert prompt["answer"] in captions[prompt["image"]].rstrip(".").split(" "), prompt
+    for prompt in held_out:
+        row = evals[prompt["image"]]
+        assert prompt["kind"] == row["kind"] and prompt["answer"] == row["choices"][row["answer"]]
+    assert len({prompt["kind"] for prompt in prompts}) == 3
+
+    stats = prepare([f"prompts:{root / 'prompts.jsonl'}"], tmp_path / "prepared", images=root)
+    assert stats["samples"] == 30 and stats["samples_by_kind"] == {"conversation": 0, "text": 0, "prompt": 30}
+    assert stats["bad"]["skipped"] == 0, stats
+
+
 def test_demo_tokenizer(tmp_path):
     texts = corpus_texts(0)
     assert texts == corpus_texts(0)

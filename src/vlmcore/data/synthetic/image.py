@@ -11,11 +11,15 @@ Layout written under `out_dir`:
   eval.jsonl           {"id", "image", "question", "choices", "answer"}    held-out multiple choice
   preference.jsonl     {"id", "images", "prompt", "chosen", "rejected"}   DPO pairs on the train images
   preference_eval.jsonl  the same on the eval images, one pair per eval question (held out)
+  prompts.jsonl        {"id", "kind", "image", "question", "answer", "choices"}  RL prompts on the train images
+  prompts_eval.jsonl   the same on the eval images, one per eval question (held out)
   meta.json            counts and chance level per question kind
 
 A preference pair asks one question about one image: the correct answer is chosen, a wrong one
 drawn from the other choices rejected. Its draws come from their own random stream, so adding
-the pairs left every other file as it was.
+the pairs left every other file as it was. An RL prompt asks one question about one image, its
+reference answer the scene's word (a verifiable reward compares a completion with it); its
+kinds come from a stream of their own too.
 """
 
 import itertools
@@ -146,6 +150,11 @@ def generate(
     preference_eval = preference_rows(eval_scenes, eval_kinds, preference_rng, "pref_eval")
     write_jsonl(out_dir / "preference.jsonl", preference)
     write_jsonl(out_dir / "preference_eval.jsonl", preference_eval)
+    prompt_rng = random.Random(f"prompts-{seed}")
+    prompts = prompt_rows(train_scenes, [prompt_rng.choice(kinds) for _ in train_scenes], "prompt")
+    prompts_eval = prompt_rows(eval_scenes, eval_kinds, "prompt_eval")
+    write_jsonl(out_dir / "prompts.jsonl", prompts)
+    write_jsonl(out_dir / "prompts_eval.jsonl", prompts_eval)
 
     return write_dataset(
         out_dir,
@@ -161,6 +170,8 @@ def generate(
             "num_conversations": len(conversations),
             "num_preference": len(preference),
             "num_preference_eval": len(preference_eval),
+            "num_prompts": len(prompts),
+            "num_prompts_eval": len(prompts_eval),
             "image_size_range": [min_size, max_size],
         },
     )
@@ -195,6 +206,25 @@ def preference_rows(scenes: list[tuple[dict, str]], kinds: list[str], rng: rando
                 "prompt": f"<image>\n{question}",
                 "chosen": scene[kind],
                 "rejected": rng.choice(wrong),
+            }
+        )
+    return rows
+
+
+def prompt_rows(scenes: list[tuple[dict, str]], kinds: list[str], prefix: str) -> list[dict]:
+    """One RL prompt per image, asking the question of its kind, the scene's answer its reference
+    (the choices kept for a multiple-choice reward)."""
+    rows = []
+    for i, ((scene, image), kind) in enumerate(zip(scenes, kinds, strict=True)):
+        question, choices = QUESTIONS[kind]
+        rows.append(
+            {
+                "id": f"{prefix}_{i:06d}",
+                "kind": kind,
+                "image": image,
+                "question": f"<image>\n{question}",
+                "answer": scene[kind],
+                "choices": choices,
             }
         )
     return rows
