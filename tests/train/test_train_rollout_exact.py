@@ -2,7 +2,8 @@
 each token is what the training forward computes for it, so the first update's ratio is 1.
 
 For tiny random Qwen3-VL (images; a video), Qwen3.5 (Gated DeltaNet layers) and Qwen3-VL-MoE:
-prompts of different lengths, sampled in groups at temperature 0.7 (top-k / top-p cut) ->
+prompts of different lengths, sampled in groups at temperature 0.7 (top-k / top-p cut; each
+prompt's media through the vision tower once for its group) ->
 `rollout_batch` (packed rows of a token budget) -> the training forward as the train step runs it
 (`forward_hidden` on the device batch, then `chunked_token_logps(hidden / T, lm_head, labels)`)
 equals the recorded `old_logps` at every label position to 1e-5 (fp32, CPU)."""
@@ -70,7 +71,12 @@ def test_training_forward_recomputes_the_rollouts_log_probs(snapshots, case):
     # A stop token that some completions draw, so that the batch has stopped and truncated ones.
     first = rollout(model, prompts, group_size, settings, torch.Generator().manual_seed(3))
     settings.stop_token_ids = [first[0].tokens[1]]
+    encoded = []  # the pixel patches the vision tower is given during the rollout
+    hook = model.vision_tower().register_forward_hook(lambda module, args, out: encoded.append(len(args[0])))
     completions = rollout(model, prompts, group_size, settings, torch.Generator().manual_seed(3))
+    hook.remove()
+    patches = sum(len(px) for p in prompts for px in (p.pixel_values, p.pixel_values_videos) if px is not None)
+    assert encoded == [patches], "a group's samples share their prompt's media, encoded once"
     assert [c.prompt_index for c in completions] == [i for i in range(len(prompts)) for _ in range(group_size)]
     reasons = {c.finish_reason for c in completions}
     assert reasons == {"stop_token", "length"}, reasons
