@@ -3,8 +3,10 @@ process: FSDP2 with its weights gathered once for the rollout (the rollout strat
 generate/parallel.py) and per layer as in training, tensor parallelism 2 with and without
 sequence parallelism; Qwen3-VL with images and a video, Qwen3.5 (Gated DeltaNet), Qwen3 with tied
 embeddings (the output layer on the embedding's vocabulary shards under TP). Greedy tokens
-equal, sampled tokens equal and their log-probabilities to 1e-5. One torchrun launch for all
-cases; run by pytest, this file launches itself under torchrun."""
+equal, sampled tokens equal and their log-probabilities to 1e-5. Under FSDP2 and TP, GRPO's
+rollout (vlmcore.train.rollout) too: its completions equal one process's, and its batch through
+the parallel model's training forward gives back the recorded log-probabilities to 1e-5. One
+torchrun launch for all cases; run by pytest, this file launches itself under torchrun."""
 
 import json
 import subprocess
@@ -16,6 +18,9 @@ import torch
 
 FAMILIES = ("qwen3_vl", "qwen3_5", "qwen3")
 STRATEGIES = ("fsdp-gathered", "fsdp-per-layer", "tp", "tp-sequence-parallel")
+# GRPO's rollout, its batch and the training forward on it (rollout_case), on these
+ROLLOUT_STRATEGIES = ("fsdp-gathered", "tp")
+ROLLOUT_TEMPERATURE = 0.7
 PROMPTS = [
     [("text", 3), ("image", (1, 4, 4)), ("text", 2)],
     [("text", 6)],
@@ -67,6 +72,33 @@ class count_all_gathers:  # noqa: N801 (a context manager, named as one)
         dist.all_gather_single = self.original
 
 
+def rollout_case(model, reference, prompts) -> dict:
+    """GRPO's rollout (vlmcore.train.rollout) on the parallel model against one process's, then
+    its batch through the parallel model's training forward (as the train step runs it): the
+    tokens equal, the recorded log-probabilities equal and recomputed by the training forward."""
+    from vlmcore.data import IGNORE_INDEX
+    from vlmcore.generate import SamplingSettings
+    from vlmcore.train.loss import chunked_token_logps
+    from vlmcore.train.rollout import rollout, rollout_batch
+    from vlmcore.train.step import forward_hidden
+
+    settings = SamplingSettings(max_new_tokens=5, temperature=ROLLOUT_TEMPERATURE, top_p=0.9)
+    got = rollout(model, prompts, 2, settings, torch.Generator().manual_seed(4))
+    expected = rollout(reference, prompts, 2, settings, torch.Generator().manual_seed(4))
+    batch = rollout_batch(prompts, got, torch.ones(len(got)), model.config, seq_len=64).to(torch.device("cpu"))
+    with torch.no_grad():
+        hidden = forward_hidden(model, batch)
+        logps = chunked_token_logps(hidden / ROLLOUT_TEMPERATURE, model.lm_head.weight, batch.labels)
+    labelled = batch.labels.flatten() != IGNORE_INDEX
+    return {
+        "rollout_equal": [c.tokens for c in got] == [c.tokens for c in expected],
+        "rollout_log_prob_diff": max(
+            abs(a - b) for c, e in zip(got, expected) for a, b in zip(c.logps, e.logps, strict=True)
+        ),
+        "train_forward_diff": float((logps[labelled] - batch.rollout.old_logps.flatten()[labelled]).abs().max()),
+    }
+
+
 def worker(root: Path) -> None:
     import torch.distributed as dist
     from helpers import mm_sample
@@ -104,6 +136,8 @@ def worker(root: Path) -> None:
                 )
             if strategy == "fsdp-gathered":  # resharded after the rollout, as training needs it
                 case["resharded"] = all(type(p).__name__ == "DTensor" for p in model.decoder_layers()[0].parameters())
+            if strategy in ROLLOUT_STRATEGIES:
+                case.update(rollout_case(model, reference, prompts))
             report[f"{kind}-{strategy}-rank{dist.get_rank()}"] = case
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, report)
@@ -130,10 +164,14 @@ def test_generation_on_fsdp2_and_tp_equals_one_process(tmp_path):
     assert proc.returncode == 0, proc.stderr[-6000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert len(report) == len(FAMILIES) * len(STRATEGIES) * 2
+    assert sum("rollout_equal" in r for r in report.values()) == len(FAMILIES) * len(ROLLOUT_STRATEGIES) * 2
     for case, r in report.items():
         assert r["greedy_equal"] and r["sampled_equal"], (case, r)
         assert r["greedy_log_prob_diff"] < 1e-5 and r["sampled_log_prob_diff"] < 1e-5, (case, r)
         assert r.get("resharded", True), case
+        if "rollout_equal" in r:
+            assert r["rollout_equal"] and r["rollout_log_prob_diff"] < 1e-5, (case, r)
+            assert r["train_forward_diff"] < 1e-5, (case, r)
         # The rollout strategy gathers each FSDP2 unit once for both generations. Per layer, each
         # decoder block is gathered again at every forward, 6 per generation (the prefill and 5
         # steps); the root and the vision tower stay unsharded after their first.

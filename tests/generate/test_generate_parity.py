@@ -5,7 +5,7 @@ families; each sampled token's log-probability equal to the training forward's (
 
 import pytest
 import torch
-from helpers import hf_mm_inputs, mm_sample
+from helpers import hf_mm_inputs, mm_sample, random_weights
 from transformers import (
     Qwen3_5ForConditionalGeneration,
     Qwen3_5MoeForConditionalGeneration,
@@ -63,18 +63,6 @@ VL_PROMPTS = [
 NEW_TOKENS = 8
 
 
-def random_weights(model):
-    """Weights of N(0, 0.1) (norms around 1): the default std of 0.02 makes the tiny models repeat
-    one token, which would leave a token-by-token comparison little to compare."""
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p) if p.mean() > 0.5 else 0.1 * torch.randn_like(p))
-            elif "A_log" not in name and "dt_bias" not in name:
-                p.normal_(0, 0.1)
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def pair(request, tmp_path_factory):
     """(family, transformers model, native model loaded from its snapshot, prompts)."""
@@ -127,10 +115,10 @@ def test_greedy_tokens_equal_transformers_generate(pair):
     assert all(g.finish_reason == "length" for g in out)
 
 
-def training_log_probs(native, prompt, tokens, temperature, top_k=0, top_p=1.0):
+def training_log_probs(native, prompt, tokens, temperature, top_k=0, top_p=1.0, blocked=True):
     """Each generated token's log-probability from one training forward of prompt + tokens: the
-    logits at the tokens before them, the media placeholders removed, at the temperature, cut to
-    the top k, then to the most likely tokens holding top_p of the probability."""
+    logits at the tokens before them, the media placeholders removed (unless not `blocked`), at the
+    temperature, cut to the top k, then to the most likely tokens holding top_p of the probability."""
     ids = torch.cat([prompt.input_ids, torch.tensor(tokens)])[None]
     with torch.no_grad():
         logits = native(
@@ -140,7 +128,7 @@ def training_log_probs(native, prompt, tokens, temperature, top_k=0, top_p=1.0):
             pixel_values_videos=prompt.pixel_values_videos,
             video_grid_thw=prompt.video_grid_thw,
         ).logits[0, len(prompt.input_ids) - 1 : -1]
-    if hasattr(native.config, "vision_config"):
+    if blocked and hasattr(native.config, "vision_config"):
         logits[:, [IMAGE, VIDEO]] = float("-inf")
     logits = logits / temperature
     if top_k:
@@ -158,7 +146,9 @@ def training_log_probs(native, prompt, tokens, temperature, top_k=0, top_p=1.0):
 def test_sampled_log_probs_equal_the_training_forward(pair, top_k, top_p):
     """n = 3 samples per prompt (one prefill each), temperature 0.8, all tokens or the top 20 cut
     to 0.9 of the mass: each token's log-probability as returned equals the training forward's of
-    that token under the same distribution to 1e-5; the same seed draws the same tokens again."""
+    that token under the same distribution to 1e-5, and its policy log-probability equals the
+    training forward's log_softmax(logits / 0.8) of the whole vocabulary (no cut, nothing blocked);
+    the same seed draws the same tokens again, and so does a generator seeded with it."""
     family, hf, native, prompts = pair
     settings = SamplingSettings(max_new_tokens=NEW_TOKENS, temperature=0.8, top_k=top_k, top_p=top_p, n=3, seed=7)
     out = generate(native, prompts, settings)
@@ -167,8 +157,12 @@ def test_sampled_log_probs_equal_the_training_forward(pair, top_k, top_p):
     for g in out:
         ref = training_log_probs(native, prompts[g.prompt_index], g.tokens, 0.8, top_k, top_p)
         torch.testing.assert_close(torch.tensor(g.log_probs), ref, atol=1e-5, rtol=0)
+        policy = training_log_probs(native, prompts[g.prompt_index], g.tokens, 0.8, blocked=False)
+        torch.testing.assert_close(torch.tensor(g.policy_log_probs), policy, atol=1e-5, rtol=0)
     again = generate(native, prompts, settings)
     assert [g.tokens for g in again] == [g.tokens for g in out], "the same seed draws the same tokens"
+    drawn = generate(native, prompts, settings, generator=torch.Generator().manual_seed(7))
+    assert [g.tokens for g in drawn] == [g.tokens for g in out], "a generator seeded as the settings"
 
 
 def test_a_stop_token_ends_its_row_and_the_others_go_on(pair):

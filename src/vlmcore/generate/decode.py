@@ -15,7 +15,7 @@ three axes are equal), its length for text models. Rows that stop leave the batc
 """
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ from vlmcore.families import family
 from vlmcore.models import position_ids as model_position_ids
 
 from .cache import GenerationCache, cache_bytes, layer_types
-from .sampling import GenerationError, SamplingSettings, check_settings, next_tokens
+from .sampling import GenerationError, SamplingSettings, check_settings, next_tokens, policy_log_probs
 
 
 @dataclass
@@ -45,13 +45,17 @@ class Prompt:
 class Generation:
     """One sample: the generated token ids (a stop token included), each token's log-probability
     under the distribution it was drawn from, and why it ended. `text`: the decoded tokens without
-    special tokens, cut before a stop string (None without a tokenizer)."""
+    special tokens, cut before a stop string (None without a tokenizer). `policy_log_probs`: each
+    token's log-probability under log_softmax(logits / temperature) of the whole vocabulary, as
+    the training forward computes it (sampling.policy_log_probs): equal to `log_probs` only
+    without a top-k / top-p cut and with no blocked token."""
 
     prompt_index: int
     tokens: list[int]
     log_probs: list[float]
     finish_reason: str  # "stop_token", "stop_string" or "length"
     text: str | None = None
+    policy_log_probs: list[float] = field(default_factory=list)
 
 
 def generate(
@@ -60,10 +64,13 @@ def generate(
     settings: SamplingSettings,
     tokenizer: object | None = None,
     memory_limit: int | None = None,
+    generator: torch.Generator | None = None,
 ) -> list[Generation]:
     """Generations of `prompts` (settings.n per prompt, prompt-major: prompt i's samples are
     i*n .. i*n + n - 1). `tokenizer` (transformers'): for stop strings and `text`.
-    `memory_limit`: bytes the cache may take (default: the device's free memory)."""
+    `memory_limit`: bytes the cache may take (default: the device's free memory). `generator`
+    (on the model's device): draws the tokens, and its state goes on from one call to the next
+    (an RL run's successive rollouts); default: a new one seeded with settings.seed."""
     check_request(model.config, prompts, settings, tokenizer)
     check_cache_fits(model, prompts, settings, memory_limit)
     cache, logits, next_position = prefill(model, prompts, settings.max_new_tokens)
@@ -74,7 +81,7 @@ def generate(
         cache.select_rows(index)
         logits, next_position = logits[index], next_position[index]
     samples = [Generation(int(p), [], [], "length") for p in rows]
-    decode(model, cache, logits, next_position, samples, settings, tokenizer)
+    decode(model, cache, logits, next_position, samples, settings, tokenizer, generator)
     if tokenizer is not None:
         for sample in samples:
             sample.text = answer_text(sample, settings.stop_strings, tokenizer)
@@ -120,23 +127,29 @@ def decode(
     samples: list[Generation],
     settings: SamplingSettings,
     tokenizer: object | None,
+    generator: torch.Generator | None = None,
 ) -> None:
     """Chooses each sample's tokens (row i of the cache is samples[i]) until it stops or has
-    max_new_tokens; a decoding step runs the rows still going, one token each."""
+    max_new_tokens; a decoding step runs the rows still going, one token each. `generator`:
+    draws the tokens (default: a new one seeded with settings.seed)."""
     device = logits.device
     stop_tokens = set(settings.stop_token_ids) | set(eos_token_ids(model))
     blocked = media_tokens(model.config, logits.shape[-1], device)
-    generator = torch.Generator(device=device).manual_seed(settings.seed)
+    if generator is None:
+        generator = torch.Generator(device=device).manual_seed(settings.seed)
     mrope = family(model.config).positions == "mrope"
     active = list(range(len(samples)))  # the sample of each row of the cache
     cache.start_decoding()
     for step in range(settings.max_new_tokens):
         tokens, log_probs = next_tokens(logits, settings, generator, blocked)
+        policy = policy_log_probs(logits, tokens, settings.temperature)
         going = []
-        for row, (token, log_prob) in enumerate(zip(tokens.tolist(), log_probs.tolist())):
+        chosen = zip(tokens.tolist(), log_probs.tolist(), policy.tolist())
+        for row, (token, log_prob, policy_log_prob) in enumerate(chosen):
             sample = samples[active[row]]
             sample.tokens.append(token)
             sample.log_probs.append(log_prob)
+            sample.policy_log_probs.append(policy_log_prob)
             reason = stop_reason(sample.tokens, stop_tokens, settings.stop_strings, tokenizer)
             if reason is None:
                 going.append(row)

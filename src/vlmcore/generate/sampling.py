@@ -3,7 +3,10 @@ top-k tokens and its top-p mass, from a seeded generator.
 
 `next_tokens` returns each chosen token's log-probability under the distribution it was drawn
 from: the one after the temperature, the blocked tokens and the top-k / top-p cut (renormalised);
-for greedy decoding, the model's distribution at temperature 1.
+for greedy decoding, the model's distribution at temperature 1. `policy_log_probs` gives the
+chosen tokens' log-probability under the policy a training forward computes, log_softmax(logits /
+temperature) over the whole vocabulary: what an RL objective's ratio compares against. The two
+differ by the cut's renormalisation (with top_p < 1 or top_k > 0) and by the blocked tokens' mass.
 """
 
 from dataclasses import dataclass, field
@@ -95,3 +98,12 @@ def next_tokens(
     else:
         tokens = torch.multinomial(log_probs.exp(), 1, generator=generator)[:, 0]
     return tokens, log_probs.gather(-1, tokens[:, None])[:, 0]
+
+
+def policy_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(rows, V) logits, the chosen (rows,) tokens -> their log-probabilities (rows,) under
+    log_softmax(logits / temperature) of the whole vocabulary (temperature 0: 1), fp32: the policy's
+    distribution as the training forward computes it (`chunked_token_logps(hidden / temperature, ...)`),
+    with no top-k / top-p cut and no token blocked (the media placeholders keep their mass)."""
+    scaled = logits.float() / (temperature if temperature > 0 else 1.0)
+    return scaled.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
