@@ -784,3 +784,28 @@ if __name__ == "__main__":
         dump_state(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "train-cases":
         sys.exit(run_train_cases(sys.argv[2:]))
+
+
+def packed_prompt_dataset(root: Path, long_question: bool = True) -> tuple[Path, Path]:
+    """(packed prompt dataset, its model snapshot): RL prompts on six demo images, one video and
+    (with `long_question`) one text question of many words, prepared and packed for the tiny
+    Qwen3-VL snapshot (vlmcore.train.prompts reads it)."""
+    from vlmcore.data.pack.dataset import pack
+    from vlmcore.data.prepare.dataset import prepare
+    from vlmcore.data.synthetic.image import generate as generate_images
+
+    root = Path(root)
+    model = tiny_hf_snapshot("qwen3_vl", root / "model")
+    generate_images(root / "raw", num_train=6, num_eval=1, seed=7)
+    (root / "raw" / "clip.mp4").write_bytes(make_clip("libx264", "mp4", frames=8, rate=4, width=64, height=48))
+    rows = [
+        {"image": f"images/train_{i:06d}.png", "question": f"<image>\nHow many shapes, {i}?", "answer": str(i)}
+        for i in range(6)
+    ]
+    rows.append({"video": "clip.mp4", "question": "<video>\nWhat moves?", "answer": "a square"})
+    if long_question:
+        rows.append({"question": "A long question " + "word " * 25, "answer": "long"})
+    source = write_jsonl(root / "raw" / "prompts.jsonl", rows)
+    prepare([f"prompts:{source}"], root / "data", shard_size=4)
+    pack(root / "data", model, root / "packed", seq_len=256, max_patches=512, shard_size=4)
+    return root / "packed", model

@@ -6,14 +6,11 @@ prompts generated from by the native model."""
 from collections import Counter
 
 import pytest
-from helpers import make_clip, tiny_hf_snapshot, write_jsonl
+from helpers import packed_prompt_dataset
 
 from vlmcore.data import IGNORE_INDEX
 from vlmcore.data.media.image import load_image
-from vlmcore.data.pack.dataset import pack
 from vlmcore.data.pack.format import Segment, pack_segments
-from vlmcore.data.prepare.dataset import prepare
-from vlmcore.data.synthetic.image import generate as generate_images
 from vlmcore.generate import SamplingSettings, generate
 from vlmcore.models import from_pretrained
 from vlmcore.train.prompts import PromptSource
@@ -21,20 +18,8 @@ from vlmcore.train.prompts import PromptSource
 
 @pytest.fixture(scope="module")
 def packed_prompts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rl_prompt_source")
-    model = tiny_hf_snapshot("qwen3_vl", root / "model")
-    generate_images(root / "raw", num_train=6, num_eval=1, seed=7)
-    (root / "raw" / "clip.mp4").write_bytes(make_clip("libx264", "mp4", frames=8, rate=4, width=64, height=48))
-    rows = [
-        {"image": f"images/train_{i:06d}.png", "question": f"<image>\nHow many shapes, {i}?", "answer": str(i)}
-        for i in range(6)
-    ]
-    rows.append({"video": "clip.mp4", "question": "<video>\nWhat moves?", "answer": "a square"})
-    rows.append({"question": "A long question " + "word " * 25, "answer": "long"})  # over the budget below
-    source = write_jsonl(root / "raw" / "prompts.jsonl", rows)
-    prepare([f"prompts:{source}"], root / "data", shard_size=4)
-    pack(root / "data", model, root / "packed", seq_len=256, max_patches=512, shard_size=4)
-    return root, model
+    packed, model = packed_prompt_dataset(tmp_path_factory.mktemp("rl_prompt_source"))
+    return packed.parent, model
 
 
 def test_prompts_are_encoded_as_training_encodes_their_conversation(packed_prompts):

@@ -1,0 +1,112 @@
+"""A GRPO stage's data stream (vlmcore.train.rollout_data): a rollout every `updates_per_rollout`
+steps, its micro-batches served to each of its updates, rewards through the scorer and the
+advantages they give, and a resume that continues exactly, between two updates of one rollout
+as at a rollout's end."""
+
+from collections import Counter
+
+import pytest
+import torch
+from helpers import packed_prompt_dataset
+
+from vlmcore.generate import SamplingSettings
+from vlmcore.models import from_pretrained
+from vlmcore.train.prompts import PromptSource
+from vlmcore.train.rollout_data import RewardScores, RolloutData, RolloutPlan, batches_from_bytes, batches_to_bytes
+
+GROUP = 3
+
+
+def first_token_is_even(rl_prompts, completions) -> RewardScores:
+    """A verifiable reward of the sampled tokens themselves: 1 when a completion's first token id
+    is even. Any group whose first tokens differ in parity has a learning signal."""
+    values = [float(c.tokens[0] % 2 == 0) for c in completions]
+    return RewardScores(values, {"even": values}, Counter({"timeout": 1}))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    packed, model_dir = packed_prompt_dataset(tmp_path_factory.mktemp("rollout_data"), long_question=False)
+    model = from_pretrained(model_dir)
+    return PromptSource(packed, seed=0), model
+
+
+def make_data(setup, updates_per_rollout=2, dynamic_sampling=False) -> RolloutData:
+    prompts, model = setup
+    plan = RolloutPlan(
+        prompts_per_step=4,
+        group_size=GROUP,
+        sampling=SamplingSettings(max_new_tokens=5, temperature=1.0),
+        updates_per_rollout=updates_per_rollout,
+        seq_len=256,
+        dynamic_sampling=dynamic_sampling,
+    )
+    return RolloutData(
+        model,
+        prompts,
+        plan,
+        first_token_is_even,
+        dp_rank=0,
+        dp_world=1,
+        grad_accum_steps=2,
+        seed=0,
+        device=torch.device("cpu"),
+    )
+
+
+def same_batch(a, b) -> bool:
+    fields = [(a.input_ids, b.input_ids), (a.labels, b.labels), (a.cu_seqlens, b.cu_seqlens)]
+    fields += [(a.rollout.old_logps, b.rollout.old_logps), (a.rollout.advantages, b.rollout.advantages)]
+    fields += [(a.images.pixel_values, b.images.pixel_values)] if a.images is not None else []
+    return all(x.shape == y.shape and torch.equal(x, y) for x, y in fields) and (a.images is None) == (b.images is None)
+
+
+def test_a_rollout_serves_each_of_its_updates_then_the_next_is_sampled(setup):
+    data = make_data(setup)
+    first = [next(data) for _ in range(4)]  # two steps of two micro-batches: the rollout's two updates
+    assert data.rollouts == 1 and first[2] is first[0] and first[3] is first[1]
+    # The four prompts' completions, two prompts a micro-batch, each labelled on its completion only.
+    assert sum(b.num_samples for b in first[:2]) == 4 * GROUP
+    for batch in first[:2]:
+        labelled = batch.labels != -100
+        assert labelled.any() and (batch.rollout.old_logps[~labelled] == 0).all()
+        assert (batch.rollout.old_logps[labelled] < 0).all()
+    metrics = data.metrics()
+    assert 0 <= metrics["reward_mean"] <= 1 and metrics["reward_mean/even"] == metrics["reward_mean"]
+    assert metrics["reward_failures/timeout"] == 1 and 1 <= metrics["completion_length_mean"] <= 5
+    nxt = next(data)  # the third step: a new rollout of the next four prompts
+    assert data.rollouts == 2 and not same_batch(nxt, first[0])
+
+
+def test_advantages_are_the_groups_centred_rewards_and_dynamic_sampling_drops_uniform_groups(setup):
+    data = make_data(setup, updates_per_rollout=1, dynamic_sampling=True)
+    batches = [next(data), next(data)]
+    kept = sum(b.num_samples for b in batches)
+    dropped = data.metrics()["dropped_group_fraction"]
+    assert kept == round(4 * (1 - dropped)) * GROUP or (dropped == 1 and kept == 2 * GROUP)
+    for batch in batches:
+        per_token = batch.rollout.advantages[batch.labels != -100]
+        assert per_token.abs().max() < 2  # (r - mean) / (std + eps) of a group of three 0/1 rewards
+
+
+def test_a_resume_between_two_updates_and_at_a_rollouts_end_continues_exactly(setup):
+    data = make_data(setup)
+    next(data), next(data)
+    state = data.state_dict()  # after the first update of the rollout
+    assert state["current"]  # the rollout itself travels
+    resumed = make_data(setup)
+    resumed.load_state_dict(state)
+    assert all(same_batch(next(resumed), next(data)) for _ in range(2))  # the second update's batches
+    state = data.state_dict()  # at the rollout's end: the position and the generator only
+    assert state["current"] == b""
+    resumed = make_data(setup)
+    resumed.load_state_dict(state)
+    assert same_batch(next(resumed), next(data)) and resumed.rollouts == data.rollouts == 2
+
+
+def test_rollout_batches_round_trip_through_safetensors_bytes(setup):
+    data = make_data(setup)
+    batches = [next(data), next(data)]
+    back = batches_from_bytes(batches_to_bytes(batches))
+    assert all(same_batch(a, b) and a.num_samples == b.num_samples for a, b in zip(batches, back))
+    assert back[0].images.kind == "image" and back[0].images.normalize is None
