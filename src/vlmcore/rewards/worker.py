@@ -93,4 +93,7 @@ def main() -> None:
     conn = Connection(socket.socket(fileno=socket_fd).detach())
     progress = mmap.mmap(progress_fd, PROGRESS_BYTES)
     os.close(progress_fd)
-    serve(conn, progress)
+    try:
+        serve(conn, progress)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the trainer is gone: nobody to answer, leave quietly
