@@ -50,6 +50,10 @@ def test_exact_match_ignores_case_whitespace_punctuation_and_articles():
     assert score("exact_match", "an apple.", "Apple") == 1.0
     assert score("exact_match", "<think>Paris</think><answer>Lyon</answer>", "Paris") == 0.0
     assert score("exact_match", "<answer>...</answer>", "...") == 0.0  # extracts to nothing
+    # An answer that is all articles keeps them: the letter "A" is not an empty answer.
+    assert score("exact_match", "<answer>a.</answer>", "A") == 1.0
+    assert score("exact_match", "<answer>the</answer>", "A") == 0.0
+    assert score("exact_match", "<answer>a cat</answer>", "A") == 0.0
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ batch's order; a user's module:function imports in the workers; the workers impo
 closing the pool leaves no process behind."""
 
 import os
+import pickle
 import signal
 import sys
 import textwrap
@@ -124,3 +125,13 @@ def test_a_worker_imports_no_torch_and_closing_leaves_no_process(user_module_on_
 def test_a_worker_that_cannot_load_a_reward_stops_the_start_with_the_reason():
     with pytest.raises(RuntimeError, match="cannot import module 'no_such_module_xyz'"):
         RewardWorkers([{"name": "no_such_module_xyz:score"}], workers=1)
+
+
+def test_a_batch_that_cannot_be_sent_closes_the_pool():
+    workers = RewardWorkers([{"name": "exact_match"}], workers=1)
+    pid = workers.workers[0].process.pid
+    with pytest.raises((AttributeError, TypeError, pickle.PicklingError)):
+        workers.score(["a"], ["a"], [{"not plain": lambda: 0}])
+    assert not psutil.pid_exists(pid)
+    with pytest.raises(RuntimeError, match="closed"):
+        workers.score(["a"], ["a"], [{}])

@@ -57,22 +57,27 @@ def format_reward(completion: str, answer: str, sample: dict) -> float:
     return 1.0 if shape.group("answer").strip() else 0.0
 
 
-def normalize_text(text: str) -> str:
+def normalize_text(text: str, drop_articles: bool = True) -> str:
     """The normal form exact match compares: lower case, punctuation removed, the articles a, an
     and the removed, runs of whitespace made one space."""
     text = text.lower()
     text = "".join(char for char in text if char not in string.punctuation)
-    text = ARTICLES.sub(" ", text)
+    if drop_articles:
+        text = ARTICLES.sub(" ", text)
     return " ".join(text.split())
 
 
 def exact_match(completion: str, answer: str, sample: dict) -> float:
-    """1 when the answer span and the answer have the same normal form (`normalize_text`); an
-    answer span that normalizes to nothing scores 0."""
-    predicted = normalize_text(answer_span(completion))
+    """1 when the answer span and the answer have the same normal form (`normalize_text`). When
+    one of them is all articles (the answer "A"), both keep their articles; an answer span that
+    normalizes to nothing even so scores 0."""
+    span = answer_span(completion)
+    predicted, expected = normalize_text(span), normalize_text(answer)
+    if not predicted or not expected:
+        predicted, expected = normalize_text(span, drop_articles=False), normalize_text(answer, drop_articles=False)
     if not predicted:
         return 0.0
-    return 1.0 if predicted == normalize_text(answer) else 0.0
+    return 1.0 if predicted == expected else 0.0
 
 
 def choice_letters(sample: dict) -> list[str]:

@@ -181,7 +181,8 @@ class RewardWorkers:
 
     def score(self, completions: Sequence[str], answers: Sequence[str], samples: Sequence[dict]) -> RewardScores:
         """Every reward of every completion (with its prompt row's answer and other fields), in
-        the batch's order; a failed call scores 0 and is counted, never raised."""
+        the batch's order; a failed call scores 0 and is counted, never raised. An error of the
+        batch itself (a sample that does not pickle) closes the pool and is raised."""
         if not len(completions) == len(answers) == len(samples):
             raise ValueError(
                 f"one answer and one sample per completion: got {len(completions)} completions, "
@@ -193,13 +194,19 @@ class RewardWorkers:
         items = list(zip(completions, answers, samples))
         values = [[0.0] * len(items) for _ in self.names]
         failures = {name: Counter() for name in self.names}
-        busy = []
-        for worker, chunk in zip(self.workers, contiguous_chunks(len(items), len(self.workers))):
-            if chunk:
-                self.submit(worker, items, [(item, reward) for item in chunk for reward in range(len(self.names))])
-                busy.append(worker)
-        while busy:
-            busy = self.collect(busy, items, values, failures)
+        try:
+            busy = []
+            for worker, chunk in zip(self.workers, contiguous_chunks(len(items), len(self.workers))):
+                if chunk:
+                    self.submit(worker, items, [(item, reward) for item in chunk for reward in range(len(self.names))])
+                    busy.append(worker)
+            while busy:
+                busy = self.collect(busy, items, values, failures)
+        except BaseException:
+            # A batch that cannot finish (a sample that does not pickle, Ctrl-C) would leave its
+            # replies in the sockets for the next one to read: the pool closes instead.
+            self.close()
+            raise
         totals = [
             sum(spec.weight * values[reward][item] for reward, spec in enumerate(self.specs))
             for item in range(len(items))
