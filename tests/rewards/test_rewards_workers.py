@@ -107,6 +107,8 @@ def test_the_pool_goes_on_after_replacing_workers(pool):
     assert pool.restarts == restarts + 1
     with pytest.raises(ValueError, match="one answer and one sample per completion"):
         pool.score(["a"], ["a", "b"], [{}])
+    with pytest.raises(ValueError, match="completion 1: .* got str, int and dict"):
+        pool.score(["a", "b"], ["a", 42], [{}, {}])
 
 
 def test_a_worker_imports_no_torch_and_closing_leaves_no_process(user_module_on_path):

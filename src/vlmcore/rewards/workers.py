@@ -40,10 +40,10 @@ from multiprocessing.connection import Connection, wait
 from vlmcore.rewards.registry import RewardSpec, as_spec
 from vlmcore.rewards.worker import DOUBLE, POSITION_OFFSET, PROGRESS_BYTES, STARTED_OFFSET
 
+# The failure reasons the trainer's side finds (a worker finds `raised:<type>` and `not_a_number`).
 TIMEOUT = "timeout"
-NOT_A_NUMBER = "not_a_number"
 WORKER_DIED = "worker_died"
-# The longest a worker may take to start and import the rewards (spawn re-imports Python).
+# The longest a worker may take to start: a fresh interpreter importing the rewards' modules.
 START_TIMEOUT_S = 120.0
 # How long `close` waits for a worker to leave by itself before killing it.
 CLOSE_TIMEOUT_S = 5.0
@@ -106,6 +106,22 @@ def contiguous_chunks(count: int, parts: int) -> list[range]:
         chunks.append(range(start, start + size))
         start += size
     return chunks
+
+
+def check_batch(completions: Sequence[str], answers: Sequence[str], samples: Sequence[dict]) -> None:
+    """A batch's mistakes are the trainer's, not a reward's: raised, not scored 0 (an answer read
+    as a number from a JSON row would fail every built-in reward quietly)."""
+    if not len(completions) == len(answers) == len(samples):
+        raise ValueError(
+            f"one answer and one sample per completion: got {len(completions)} completions, "
+            f"{len(answers)} answers and {len(samples)} samples"
+        )
+    for index, (completion, answer, sample) in enumerate(zip(completions, answers, samples)):
+        if not isinstance(completion, str) or not isinstance(answer, str) or not isinstance(sample, dict):
+            raise ValueError(
+                f"completion {index}: a completion and an answer are strings and a sample is a dict, got "
+                f"{type(completion).__name__}, {type(answer).__name__} and {type(sample).__name__}"
+            )
 
 
 class RewardWorkers:
@@ -183,11 +199,7 @@ class RewardWorkers:
         """Every reward of every completion (with its prompt row's answer and other fields), in
         the batch's order; a failed call scores 0 and is counted, never raised. An error of the
         batch itself (a sample that does not pickle) closes the pool and is raised."""
-        if not len(completions) == len(answers) == len(samples):
-            raise ValueError(
-                f"one answer and one sample per completion: got {len(completions)} completions, "
-                f"{len(answers)} answers and {len(samples)} samples"
-            )
+        check_batch(completions, answers, samples)
         if not self.workers:
             raise RuntimeError("the reward workers are closed")
         self.replace_dead_idle_workers()
