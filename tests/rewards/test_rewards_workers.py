@@ -1,5 +1,5 @@
-"""The reward workers: a reward that raises, sleeps past the time limit, returns NaN or kills its
-own process scores 0 and is counted by reason, while the other values stay right and in the
+"""The reward workers: a reward that raises, sleeps past the time limit, is stuck in the regex
+engine, returns NaN or kills its own process scores 0 and is counted by reason, while the other values stay right and in the
 batch's order; a user's module:function imports in the workers; the workers import no torch;
 closing the pool leaves no process behind."""
 
@@ -19,6 +19,7 @@ USER_MODULE = "rewards_test_user_module"
 USER_REWARDS = textwrap.dedent(
     """
     import os
+    import re
     import sys
     import time
 
@@ -36,6 +37,9 @@ USER_REWARDS = textwrap.dedent(
             return "1.0"
         if completion == "exit":
             os._exit(3)
+        if completion == "backtrack":
+            # Minutes inside the regex engine, which holds the GIL and checks no signal.
+            re.match(r"(a+)+$", "a" * 40 + "b")
         return len(completion) / 10
 
 
@@ -67,29 +71,30 @@ def pool(user_module_on_path):
 
 
 def test_failed_calls_score_zero_counted_by_reason_and_the_rest_stay_right_and_in_order(pool):
-    # Two workers: completions 0-4 go to one, 5-9 to the other. The sleeping call and the exit
-    # each sit in the middle of a chunk, so the calls done before them run again on the replacement.
-    completions = ["ok", "raise", "sleep", "fine", "nan", "good", "text", "exit", "inf", "last one"]
-    answers = ["ok", "x", "x", "fine", "x", "bad", "x", "x", "x", "last one"]
+    # Two workers: completions 0-5 go to one, 6-11 to the other. The sleeping call, the exit and
+    # the backtracking regex sit in the middle of a chunk, so the calls done before them run again
+    # on the replacement.
+    completions = ["ok", "raise", "sleep", "fine", "nan", "good", "text", "exit", "inf", "backtrack", "last one", "x"]
+    answers = ["ok", "x", "x", "fine", "x", "bad", "x", "x", "x", "x", "last one", "y"]
     scores = pool.score(completions, answers, [{}] * len(completions))
 
     misbehave = f"{USER_MODULE}:misbehave"
-    assert scores.per_reward["exact_match"] == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
-    assert scores.per_reward[misbehave] == [0.2, 0.0, 0.0, 0.4, 0.0, 0.4, 0.0, 0.0, 0.0, 0.8]
-    assert scores.totals == pytest.approx([1.4, 0.0, 0.0, 1.8, 0.0, 0.8, 0.0, 0.0, 0.0, 2.6])
+    assert scores.per_reward["exact_match"] == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+    assert scores.per_reward[misbehave] == [0.2, 0.0, 0.0, 0.4, 0.0, 0.4, 0.0, 0.0, 0.0, 0.0, 0.8, 0.1]
+    assert scores.totals == pytest.approx([1.4, 0.0, 0.0, 1.8, 0.0, 0.8, 0.0, 0.0, 0.0, 0.0, 2.6, 0.2])
     assert dict(scores.failures[misbehave]) == {
         "raised:KeyError": 1,
-        "timeout": 1,
+        "timeout": 2,  # the sleep and the regex
         "not_a_number": 3,  # NaN, infinity and a string
         "worker_died": 1,
     }
     assert not scores.failures["exact_match"]
-    assert pool.restarts == 2  # the timed-out call's worker and the one that exited, replaced
+    assert pool.restarts == 3  # the timed-out calls' workers and the one that exited, replaced
 
     metrics = scores.metrics()
-    assert metrics["reward"] == pytest.approx(sum(scores.totals) / 10)
-    assert metrics[f"reward/{misbehave}"] == pytest.approx(0.18)
-    assert metrics[f"reward_failures/{misbehave}/timeout"] == 1.0
+    assert metrics["reward"] == pytest.approx(sum(scores.totals) / 12)
+    assert metrics[f"reward/{misbehave}"] == pytest.approx(1.9 / 12)
+    assert metrics[f"reward_failures/{misbehave}/timeout"] == 2.0
 
 
 def test_the_pool_goes_on_after_replacing_workers(pool):
