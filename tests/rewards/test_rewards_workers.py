@@ -13,6 +13,7 @@ import psutil
 import pytest
 import torch  # the trainer holds torch: the workers must not import it
 
+from vlmcore.config import ConfigError
 from vlmcore.rewards import RewardWorkers, check_rewards
 
 USER_MODULE = "rewards_test_user_module"
@@ -142,3 +143,11 @@ def test_a_batch_that_cannot_be_sent_closes_the_pool():
     assert not psutil.pid_exists(pid)
     with pytest.raises(RuntimeError, match="closed"):
         workers.score(["a"], ["a"], [{}])
+
+
+def test_a_user_reward_name_that_does_not_resolve_is_refused_by_its_key(user_module_on_path):
+    key = "train.stages.rl.grpo.rewards"
+    with pytest.raises(ConfigError) as refused:
+        check_rewards([{"name": "format"}, {"name": f"{USER_MODULE}:no_such_reward"}], key)
+    assert refused.value.key == f"{key}[1].name"
+    assert f"module '{USER_MODULE}' has no attribute 'no_such_reward'" in str(refused.value)
