@@ -5,10 +5,10 @@ span, else its last number), and compared with the reference as numbers when bot
 What reads as a number: integers and decimals ("-3", ".5", "2.50"), scientific notation ("1e-3"),
 thousands separators ("1,234,567", LaTeX's "1{,}234"), percentages ("50%", "50\\%": both 0.5 and
 50, since a question may ask for either), fractions ("3/4", "\\frac{3}{4}", "\\dfrac34",
-"-\\frac{1}{2}", nested ones), wrapped in "$...$", "\\(...\\)", "\\left(...\\right)" or not, with a
-trailing unit word or "\\text{cm}", a degree sign, or a leading "x =" (the part after the last
-"=" is read). Anything else ("\\sqrt{2}", "x+1") is compared as text: spaces, "$", sizing
-commands and a final period removed, "\\dfrac" and "\\tfrac" read as "\\frac".
+"-\\frac{1}{2}", nested ones), wrapped in "$...$" or "\\(...\\)" or not, with a trailing unit
+word or "\\text{cm}", a degree sign, or a leading "x =" (the part after the last "=" is read).
+Anything else ("\\sqrt{2}", "x+1") is compared as text: spaces, "$", sizing commands and a final
+period removed, "\\dfrac" and "\\tfrac" read as "\\frac".
 
 sympy is installed (through torch) but not used: `sympify` evaluates its input with Python's
 eval, and its LaTeX parser needs antlr4, which is not installed.
@@ -21,7 +21,8 @@ from vlmcore.eval.benchmarks.answers import numbers_in
 from vlmcore.rewards.text import answer_span
 
 # Two numbers are the same answer when they differ by at most this fraction of the larger (or by
-# ABSOLUTE_TOLERANCE near zero): room for float noise and a printed 1/3, not for rounding.
+# ABSOLUTE_TOLERANCE near zero): room for float noise and a fraction's long decimal (0.3333333333
+# for 1/3), not for rounding (0.333).
 RELATIVE_TOLERANCE = 1e-6
 ABSOLUTE_TOLERANCE = 1e-9
 
