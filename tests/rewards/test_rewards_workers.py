@@ -1,7 +1,7 @@
 """The reward workers: a reward that raises, sleeps past the time limit, is stuck in the regex
-engine, returns NaN or kills its own process scores 0 and is counted by reason, while the other values stay right and in the
-batch's order; a user's module:function imports in the workers; the workers import no torch;
-closing the pool leaves no process behind."""
+engine, returns NaN or kills its own process scores 0 and is counted by reason, while the other
+values stay right and in the batch's order; a user's module:function imports in the workers; the
+workers import no torch; closing the pool leaves no process behind."""
 
 import os
 import pickle
