@@ -38,6 +38,7 @@ LAYERS = [
         "vlmcore.generate.command",
         "vlmcore.export",
         "vlmcore.eval",
+        "vlmcore.rewards",  # beside eval: it reads the benchmarks' answer extractors
         "vlmcore.report",
         "vlmcore.train.loop",
         "vlmcore.train.memory",
