@@ -3,8 +3,8 @@
 Text-only models run through lm-eval's `hf` model, vision-language exports through `vlmcore-vlm`
 (vlmcore/eval/vlm.py says why; `hf` cannot load them at all: AutoModelForCausalLM does not map
 Qwen3-VL), whose free-form answers vlmcore's native decoder generates (`--generator transformers`:
-transformers' `generate` on the export, the reference). Tasks are lm-eval's by name (mmlu, arc_challenge, ...; their datasets must be in
-the local HF cache), bundled here under vlmcore/eval/tasks/ (on the file given by --vqa-data:
+transformers' `generate` on the export, the reference). Tasks are lm-eval's by name (mmlu,
+arc_challenge, ...; their datasets must be in the local HF cache), bundled here under vlmcore/eval/tasks/ (on the file given by --vqa-data:
 demo_vqa, multiple choice, and demo_vqa_gen, free answers, for the image demo, and demo_preference,
 the held-out preference pairs beside that file as a choice of two; demo_video_qa and
 its frame-shuffled control demo_video_qa_shuffled for the video demo), the public benchmarks
