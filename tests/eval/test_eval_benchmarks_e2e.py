@@ -4,7 +4,8 @@ tables with the `datasets` image feature, MVBench's JSON files, videos inside zi
 Video-MME's subtitles), run through `vlmcore eval` on a tiny exported Qwen3-VL in one call for
 all seven tasks. The results must carry each benchmark's metric and breakdowns, and every logged
 answer must score as its benchmark's record (vlmcore/eval/benchmarks/<task>.py) scores it, so a change in a loader, a prompt
-or a scorer fails here.
+or a scorer fails here. A second call with `--generator transformers` must give the same answers
+and scores as the default native decoder.
 """
 
 import json
