@@ -285,7 +285,10 @@ class VisionLanguageLM(HFMultimodalLM):
         each decoded without special tokens and cut at the stop sequences as lm-eval cuts them."""
         kwargs, until, max_gen_toks = self.split_gen_kwargs(gen_kwargs)
         if self.generator == "vlmcore":
-            answers = self.native_generate(rows, native_settings(kwargs, until, max_gen_toks))
+            settings = native_settings(kwargs, until, max_gen_toks)
+            if not settings.greedy:  # each batch its own draws, from the generator lm-eval seeds
+                settings.seed = int(torch.randint(0, 2**31 - 1, ()))
+            answers = self.native_generate(rows, settings)
         else:
             answers = self.transformers_generate(rows, kwargs, until, max_gen_toks)
         return [cut_at_stops(self.tok_decode(tokens), until) for tokens in answers]
