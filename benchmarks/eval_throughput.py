@@ -1,5 +1,6 @@
 """Evaluation throughput: questions a second of `vlmcore eval` on one device, per kind of task and
-batch size, and its free-form generation against transformers' `generate` on the same prompts.
+batch size, its free-form answers generated before (transformers' `generate`) and after (vlmcore's
+native decoder).
 
     python benchmarks/eval_throughput.py --preset tiny                 # CPU, the demo's tiny model
     python benchmarks/eval_throughput.py --video-workers 0,2           # the video tasks also with 2 decoding workers
@@ -7,21 +8,21 @@ batch size, and its free-form generation against transformers' `generate` on the
 
 Four tasks, on the synthetic demo data (`vlmcore synth`'s images and clips): image multiple choice
 (demo_vqa: one log-likelihood forward per choice, batched), image free-form answers (demo_vqa_gen,
-ChartQA/DocVQA-like: greedy generation with the KV cache, batched), video multiple choice
-(demo_video_qa) and video free-form answers (the same questions generated, as Video-MME and
-MVBench are, batched the same way: vlmcore/eval/vlm.py). Each runs through the real
-`vlmcore.eval.runner.evaluate` at every batch size; the figure is questions over the seconds spent
-in the model's request methods (encoding, forwards, decoding), so model loading and lm-eval's task
-building are left out (the end-to-end wall time is in the JSON too). The video tasks run once per
-count of `--video-workers` (eval.video_workers: processes that decode the clips ahead of the model;
+ChartQA/DocVQA-like: greedy generation, batched), video multiple choice (demo_video_qa) and video
+free-form answers (the same questions generated, as Video-MME and MVBench are, batched the same
+way: vlmcore/eval/vlm.py). Each runs through the real `vlmcore.eval.runner.evaluate` at every batch
+size; the figure is questions over the seconds spent in the model's request methods (encoding,
+forwards, decoding), so model loading (the native model's too) and lm-eval's task building are
+left out (the end-to-end wall time is in the JSON too). The video tasks run once per count of
+`--video-workers` (eval.video_workers: processes that decode the clips ahead of the model;
 starting them is inside the timed methods), and their answers are checked equal to those of the
 first count's run.
 
-The native model (vlmcore.models) has no KV cache: `vlmcore eval` generates with transformers'
-`generate` on the export, in its own batches with lm-eval's stopping criteria. The comparison runs
-transformers' `generate` directly on the export (the processor's left-padded batch of the same
-prompts in the same order, greedy, the task's max_new_tokens, no stopping criteria) and checks the
-answers are the same tokens.
+The generation tasks run once per `--generators` (`vlmcore eval --generator`): `transformers`,
+transformers' `generate` on the export (KV cache, left-padded batches, lm-eval's stopping
+criteria), and `vlmcore`, the native decoder (vlmcore.generate: packed prefill, KV cache, each row
+leaving the batch at its stop) on the native model loaded from the same snapshot; the native
+answers are checked equal to transformers'.
 
 The 2b preset is Qwen3-VL-2B-Instruct's architecture with random weights and the demo tokenizer
 (a vocabulary of hundreds, not 151,936); `--model DIR` evaluates an exported directory instead.
@@ -84,6 +85,7 @@ PRESETS = {
         dtype="bfloat16",
     ),
 }
+GENERATORS = ("transformers", "vlmcore")  # before and after
 # task: (what it measures, the demo data it reads)
 TASKS = {
     "demo_vqa": ("image, multiple choice (log-likelihood)", "image"),
@@ -100,7 +102,7 @@ generation_kwargs: {{until: ["<|im_end|>", "\\n"], max_gen_toks: 8, do_sample: f
 metric_list:
   - {{metric: exact_match, aggregation: mean, higher_is_better: true, ignore_case: true}}
 """
-STOPS = ("<|im_end|>", "\n")  # demo_vqa_gen's stop sequences
+GENERATION_TASKS = ("demo_vqa_gen", "bench_video_qa_gen")
 
 
 class ModelClock:
@@ -117,6 +119,8 @@ class ModelClock:
         def timed(method):  # noqa: ANN001, ANN202 (a wrapper of lm-eval's methods)
             @functools.wraps(method)
             def wrapper(model, requests, *args, **kwargs):  # noqa: ANN001, ANN202
+                if method.__name__ == "generate_until" and model.generator == "vlmcore":
+                    model.native_model  # noqa: B018 (loaded on first use: loading is left out of the clock)
                 synchronize(device)
                 start = time.perf_counter()
                 result = method(model, requests, *args, **kwargs)
@@ -153,9 +157,17 @@ def write_data(root: Path, questions: int) -> dict[str, Path]:
 
 
 def run_task(
-    model: Path, task: str, data: dict[str, Path], out: Path, args: argparse.Namespace, batch: int, workers: int
+    model: Path,
+    task: str,
+    data: dict[str, Path],
+    out: Path,
+    args: argparse.Namespace,
+    batch: int,
+    workers: int,
+    generator: str,
 ) -> dict:
-    """One evaluation of one task at one batch size and count of video workers: its row of the table."""
+    """One evaluation of one task at one batch size, count of video workers and generator: its row
+    of the table."""
     clock = ModelClock()
     start = time.perf_counter()
     with clock.timing(args.device):
@@ -170,6 +182,7 @@ def run_task(
             dtype=args.dtype,
             include_path=[data["tasks"]],
             video_workers=workers,
+            generator=generator,
         )
     wall = time.perf_counter() - start
     questions = result["n-samples"][task]["effective"]
@@ -178,6 +191,8 @@ def run_task(
         "kind": TASKS[task][0],
         "batch_size": batch,
         "video_workers": workers,
+        # A multiple-choice task generates nothing: its generator makes no difference.
+        "generator": generator if task in GENERATION_TASKS else "-",
         "questions": questions,
         "requests": clock.requests,
         "model_seconds": round(clock.seconds, 4),
@@ -196,90 +211,38 @@ def same_answers(out: Path, first: Path, task: str) -> bool:
     return responses(out) == responses(first)
 
 
-def cut_at_stops(text: str) -> str:
-    for stop in STOPS:
-        text = text.split(stop)[0]
-    return text
-
-
-def transformers_generation(model_dir: Path, samples_file: Path, image_root: Path, args, batch: int) -> dict:  # noqa: ANN001
-    """transformers' `generate` on the export, on demo_vqa_gen's prompts as vlmcore-vlm builds them
-    (timed with the processor, as ours is with its encoding), against our logged answers."""
-    from PIL import Image
-    from transformers import AutoModelForImageTextToText
-
-    from vlmcore.data.media.processor import load_processor
-
-    dtype = torch.float32 if args.dtype in ("auto", "float32") else getattr(torch, args.dtype)
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
-    processor = load_processor(model_dir)
-    processor.tokenizer.padding_side = "left"
-    end_of_turn = processor.tokenizer.convert_tokens_to_ids(STOPS[0])
-    samples = sorted((json.loads(line) for line in samples_file.read_text().splitlines()), key=lambda s: s["doc_id"])
-    prompts = []
-    images = []
-    for sample in samples:
-        messages = vlm.user_turn("<image>\n" + sample["doc"]["question"], 1)
-        prompts.append(processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
-        images.append(Image.open(image_root / sample["doc"]["image"]).convert("RGB"))
-    # Ours batches the longest prompts first: the same batches pad the same way.
-    lengths = [len(processor(text=[p], images=[i])["input_ids"][0]) for p, i in zip(prompts, images)]
-    order = sorted(range(len(samples)), key=lambda i: -lengths[i])
-    samples = [samples[i] for i in order]
-    prompts = [prompts[i] for i in order]
-    images = [images[i] for i in order]
-    answers = []
-    seconds = 0.0
-    with torch.no_grad():
-        for start in range(0, len(prompts), batch):
-            synchronize(args.device)
-            begin = time.perf_counter()
-            inputs = processor(
-                text=prompts[start : start + batch],
-                images=images[start : start + batch],
-                padding=True,
-                return_tensors="pt",
-            ).to(args.device)
-            inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
-            tokens = model.generate(**inputs, max_new_tokens=8, do_sample=False)[:, inputs["input_ids"].shape[1] :]
-            synchronize(args.device)
-            seconds += time.perf_counter() - begin
-            for row in tokens.tolist():
-                # As lm-eval decodes: up to the stop token (its stopping criterion), special tokens
-                # skipped, then cut at the stop sequences.
-                if end_of_turn in row:
-                    row = row[: row.index(end_of_turn)]
-                answers.append(cut_at_stops(processor.tokenizer.decode(row, skip_special_tokens=True)))
-    ours = [sample["resps"][0][0] for sample in samples]
+def comparison(before: dict, after: dict, same: bool) -> dict:
+    """A generation task's figures before (transformers' generate) and after (the native decoder)."""
     return {
-        "batch_size": batch,
-        "questions": len(samples),
-        "transformers_seconds": round(seconds, 4),
-        "transformers_questions_per_s": round(len(samples) / seconds, 3),
-        "same_answers": sum(a == b for a, b in zip(ours, answers)),
-        "differing": [
-            {"doc_id": s["doc_id"], "ours": o, "transformers": t} for s, o, t in zip(samples, ours, answers) if o != t
-        ],
+        "task": before["task"],
+        "batch_size": before["batch_size"],
+        "video_workers": before["video_workers"],
+        "questions": before["questions"],
+        "transformers_questions_per_s": before["questions_per_s"],
+        "vlmcore_questions_per_s": after["questions_per_s"],
+        "speedup": round(after["questions_per_s"] / before["questions_per_s"], 2),
+        "same_answers": same,
     }
 
 
 def print_table(rows: list[dict], comparisons: list[dict], header: str) -> None:
     print(header)
     print(
-        f"{'task':<22} {'kind':<52} {'batch':>5} {'workers':>7} {'questions':>9} {'requests':>8} {'q/s':>9} "
-        f"{'wall s':>8}"
+        f"{'task':<22} {'kind':<40} {'batch':>5} {'workers':>7} {'generator':>12} {'questions':>9} "
+        f"{'requests':>8} {'q/s':>9} {'wall s':>8}"
     )
     for row in rows:
         print(
-            f"{row['task']:<22} {row['kind']:<52} {row['batch_size']:>5} {row['video_workers']:>7} "
-            f"{row['questions']:>9} {row['requests']:>8} {row['questions_per_s']:>9.3f} {row['wall_seconds']:>8.1f}"
+            f"{row['task']:<22} {row['kind']:<40} {row['batch_size']:>5} {row['video_workers']:>7} "
+            f"{row['generator']:>12} {row['questions']:>9} {row['requests']:>8} {row['questions_per_s']:>9.3f} "
+            f"{row['wall_seconds']:>8.1f}"
         )
-    print("free-form image answers: vlmcore eval vs transformers' generate called directly")
-    for comparison in comparisons:
+    print("free-form answers, questions a second: transformers' generate (before) vs vlmcore's decoder (after)")
+    print(f"{'task':<22} {'batch':>5} {'workers':>7} {'transformers':>12} {'vlmcore':>9} {'speed-up':>8} {'same':>5}")
+    for c in comparisons:
         print(
-            f"  batch {comparison['batch_size']}: ours {comparison['ours_questions_per_s']:.3f} q/s, "
-            f"transformers {comparison['transformers_questions_per_s']:.3f} q/s, "
-            f"same answers {comparison['same_answers']}/{comparison['questions']}, faster: {comparison['faster']}"
+            f"{c['task']:<22} {c['batch_size']:>5} {c['video_workers']:>7} {c['transformers_questions_per_s']:>12.3f} "
+            f"{c['vlmcore_questions_per_s']:>9.3f} {c['speedup']:>7.2f}x {str(c['same_answers']):>5}"
         )
 
 
@@ -295,6 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="0",
         help="comma-separated counts of the processes that decode the video tasks' clips (0 = in process)",
     )
+    parser.add_argument(
+        "--generators",
+        default=",".join(GENERATORS),
+        help="comma-separated generators of the free-form tasks (vlmcore eval --generator), of "
+        + ", ".join(GENERATORS),
+    )
     parser.add_argument("--limit", type=int, default=16, help="questions per task")
     parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated, of " + ", ".join(TASKS))
     parser.add_argument("--note", default="", help="a line about the machine, kept in the JSON")
@@ -308,6 +277,10 @@ def main() -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     video_workers = [int(w) for w in args.video_workers.split(",")]
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    generators = [g.strip() for g in args.generators.split(",") if g.strip()]
+    unknown = sorted(set(generators) - set(GENERATORS))
+    if unknown or not generators:
+        raise SystemExit(f"--generators {args.generators!r}: each must be one of {', '.join(GENERATORS)}")
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="eval_throughput_") as tmp:
         root = Path(tmp)
@@ -322,21 +295,21 @@ def main() -> int:
             for batch in batch_sizes:
                 # Image tasks have no clips to decode: in process only.
                 counts = video_workers if TASKS[task][1] == "video" else [0]
+                # Multiple-choice tasks generate nothing: one run.
+                task_generators = generators if task in GENERATION_TASKS else generators[-1:]
                 for workers in counts:
-                    out = root / "eval" / f"{task}_{batch}_{workers}"
-                    row = run_task(model, task, data, out, args, batch, workers)
-                    first = root / "eval" / f"{task}_{batch}_{counts[0]}"
-                    row["same_answers_as_first_run"] = same_answers(out, first, task)
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                if task == "demo_vqa_gen":
-                    comparison = transformers_generation(
-                        model, out / "samples_demo_vqa_gen.jsonl", data["image"].parent, args, batch
-                    )
-                    comparison["ours_questions_per_s"] = row["questions_per_s"]
-                    ours_faster = row["questions_per_s"] >= comparison["transformers_questions_per_s"]
-                    comparison["faster"] = "vlmcore eval" if ours_faster else "transformers generate"
-                    comparisons.append(comparison)
+                    by_generator = {}
+                    for generator in task_generators:
+                        out = root / "eval" / f"{task}_{batch}_{workers}_{generator}"
+                        row = run_task(model, task, data, out, args, batch, workers, generator)
+                        first = root / "eval" / f"{task}_{batch}_{counts[0]}_{generator}"
+                        row["same_answers_as_first_run"] = same_answers(out, first, task)
+                        rows.append(row)
+                        by_generator[generator] = (row, out)
+                        print(json.dumps(row), flush=True)
+                    if set(GENERATORS) <= set(by_generator):
+                        (before, before_out), (after, after_out) = (by_generator[g] for g in GENERATORS)
+                        comparisons.append(comparison(before, after, same_answers(after_out, before_out, task)))
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     result = {
         "device": device_name,
@@ -349,7 +322,8 @@ def main() -> int:
         "note": args.note,
         "limit": args.limit,
         "rows": rows,
-        "generation_vs_transformers": comparisons,
+        "generators": generators,
+        "native_vs_transformers": comparisons,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     tag = "cpu" if device_name == "cpu" else "cuda"

@@ -4,7 +4,8 @@ tables with the `datasets` image feature, MVBench's JSON files, videos inside zi
 Video-MME's subtitles), run through `vlmcore eval` on a tiny exported Qwen3-VL in one call for
 all seven tasks. The results must carry each benchmark's metric and breakdowns, and every logged
 answer must score as its benchmark's record (vlmcore/eval/benchmarks/<task>.py) scores it, so a change in a loader, a prompt
-or a scorer fails here.
+or a scorer fails here. A second call with `--generator transformers` must give the same answers
+and scores as the default native decoder.
 """
 
 import json
@@ -305,14 +306,47 @@ def test_every_registered_benchmark_has_a_task_definition_with_its_metric():
     assert sorted(BENCHMARKS) == sorted(TASKS)
 
 
+def run_benchmarks(model: Path, benchmark_data: Path, out: Path, *extra: str) -> Path:
+    args = ["eval", "--model", str(model), "--tasks", ",".join(TASKS), "--benchmark-data", str(benchmark_data)]
+    assert cli.main([*args, "--out", str(out), "--batch-size", "4", *extra]) == 0
+    return out
+
+
 @pytest.fixture(scope="module")
 def benchmark_run(benchmark_data, tmp_path_factory):
+    """The seven benchmarks evaluated with the default generator, vlmcore's native decoder."""
     root = tmp_path_factory.mktemp("benchmark_run")
     model = tiny_hf_snapshot("qwen3_vl", root / "model")
-    out = root / "eval"
-    args = ["eval", "--model", str(model), "--tasks", ",".join(TASKS), "--benchmark-data", str(benchmark_data)]
-    assert cli.main([*args, "--out", str(out), "--batch-size", "4"]) == 0
-    return out
+    return run_benchmarks(model, benchmark_data, root / "eval")
+
+
+@pytest.mark.slow
+def test_native_generation_gives_the_answers_and_scores_of_transformers_generate(benchmark_run, benchmark_data):
+    """Every free-form answer of the seven benchmarks (their stop sequences and token budgets, in
+    batches of 4 with prompts of different lengths, images and videos) is the same string from
+    vlmcore's decoder as from transformers' `generate` (`--generator transformers`), so every
+    score and breakdown is unchanged."""
+    reference = run_benchmarks(
+        benchmark_run.parent / "model",
+        benchmark_data,
+        benchmark_run.parent / "transformers",
+        "--generator",
+        "transformers",
+    )
+    native = json.loads((benchmark_run / "results.json").read_text())
+    expected = json.loads((reference / "results.json").read_text())
+    assert native["generator"] == "vlmcore" and expected["generator"] == "transformers"
+    for task in TASKS:
+        assert native["configs"][task]["output_type"] == "generate_until", task
+        ours = [json.loads(line) for line in (benchmark_run / f"samples_{task}.jsonl").read_text().splitlines()]
+        theirs = [json.loads(line) for line in (reference / f"samples_{task}.jsonl").read_text().splitlines()]
+        assert [s["doc_id"] for s in ours] == [s["doc_id"] for s in theirs]
+        assert [s["resps"] for s in ours] == [s["resps"] for s in theirs], task
+    # MMMU draws a random letter for an answer that names no option: seeded by lm-eval, the same draws.
+    assert native["results"] == expected["results"]
+    assert native["breakdown"] == expected["breakdown"]
+    # Answers were generated (the decoder ran), not all empty.
+    assert any(json.loads(line)["resps"][0][0] for line in (benchmark_run / "samples_chartqa.jsonl").open())
 
 
 EXPECTED_SUBSETS = {

@@ -2,8 +2,9 @@
 
 Text-only models run through lm-eval's `hf` model, vision-language exports through `vlmcore-vlm`
 (vlmcore/eval/vlm.py says why; `hf` cannot load them at all: AutoModelForCausalLM does not map
-Qwen3-VL). Tasks are lm-eval's by name (mmlu, arc_challenge, ...; their datasets must be in
-the local HF cache), bundled here under vlmcore/eval/tasks/ (on the file given by --vqa-data:
+Qwen3-VL), whose free-form answers vlmcore's native decoder generates (`--generator transformers`:
+transformers' `generate` on the export, the reference). Tasks are lm-eval's by name (mmlu,
+arc_challenge, ...; their datasets must be in the local HF cache), bundled here under vlmcore/eval/tasks/ (on the file given by --vqa-data:
 demo_vqa, multiple choice, and demo_vqa_gen, free answers, for the image demo, and demo_preference,
 the held-out preference pairs beside that file as a choice of two; demo_video_qa and
 its frame-shuffled control demo_video_qa_shuffled for the video demo), the public benchmarks
@@ -182,13 +183,18 @@ def evaluate(
     num_fewshot: int | None = None,
     benchmark_data: str | Path | None = None,
     video_workers: int = 0,
+    generator: str = "vlmcore",
 ) -> dict:
     """Runs lm-eval and writes EVAL_DIR/results.json, results.csv and samples_<task>.jsonl.
     `video_workers`: processes that decode the video clips ahead of the model (0: the evaluating
-    process decodes them itself)."""
+    process decodes them itself). `generator`: what generates the free-form answers of a
+    vision-language model, vlmcore's native decoder ("vlmcore") or transformers' `generate` on the
+    export ("transformers", the reference)."""
     model_dir = Path(model_dir).resolve()
     out = Path(out)
     model = "vlmcore-vlm" if is_vision_language(model_dir) else "hf"
+    if generator not in vlm.GENERATORS:
+        raise EvalSetupError(f"--generator: {generator!r}; must be one of {', '.join(vlm.GENERATORS)}")
     if set(DEMO_TASKS) & set(tasks) and vqa_data is None:
         raise EvalSetupError(
             f"tasks {', '.join(DEMO_TASKS)} need --vqa-data (the raw/eval.jsonl written by `vlmcore synth`)"
@@ -211,6 +217,7 @@ def evaluate(
     model_args = {"pretrained": str(model_dir), "dtype": dtype}
     if model == "vlmcore-vlm":
         model_args["video_workers"] = video_workers
+        model_args["generator"] = generator
     vlm.UNDECODABLE_VIDEOS.clear()
     result = lm_eval.simple_evaluate(
         model=model,
@@ -230,6 +237,8 @@ def evaluate(
         return {}
     samples = result.pop("samples")
     result["lm_eval_model"] = model
+    # lm-eval's `hf` model (text-only exports) generates with transformers' `generate`.
+    result["generator"] = generator if model == "vlmcore-vlm" else "transformers"
     result["undecodable_videos"] = count_by_task_and_reason(undecodable)
     result["undecodable_video_samples"] = undecodable
     chances = {task: chance(task_samples) for task, task_samples in samples.items()}
@@ -275,6 +284,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="processes that decode the video clips ahead of the model, per evaluating process "
         "(0 = the evaluating process decodes them itself)",
     )
+    parser.add_argument(
+        "--generator",
+        choices=vlm.GENERATORS,
+        default="vlmcore",
+        help="what generates the free-form answers of a vision-language model: vlmcore's native decoder on "
+        "the model loaded from the same snapshot (default), or transformers' generate on the export (the "
+        "reference; lm-eval model_args generator=transformers)",
+    )
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:0, ...")
     parser.add_argument("--dtype", default="auto", help="model dtype (auto = as saved, float32, bfloat16)")
     parser.add_argument("--num-fewshot", type=non_negative_int, help="few-shot examples (default: each task's own)")
@@ -317,6 +334,7 @@ def run(args: argparse.Namespace) -> int:
             num_fewshot=args.num_fewshot,
             benchmark_data=args.benchmark_data,
             video_workers=args.video_workers,
+            generator=args.generator,
         )
     except EvalSetupError as error:
         raise UsageError(str(error)) from error

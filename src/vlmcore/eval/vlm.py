@@ -5,13 +5,20 @@ that carry images (NotImplementedError, "not yet tested"), so it cannot score mu
 VQA; its unfinished code path behind that error extends neither Qwen-VL's `mm_token_type_ids`
 over the answer tokens nor passes an attention mask for padded rows. This class subclasses it
 and implements that missing piece, checked against a direct transformers forward. Generation with
-images or videos (MMMU, ChartQA, DocVQA, Video-MME, MVBench) is ours too: lm-eval's multimodal
-generation takes no videos, and runs a full `gc.collect()` after every batch (about 1.4 s each in
-an evaluation process on a CPU, more than the tiny model's decoding of the batch:
-benchmarks/eval_throughput.py). Rows are encoded one by one, left-padded into batches of the
-batch size and decoded greedily by the model's own `generate` (KV cache) with lm-eval's stopping
-criteria, the answers cut at the stop sequences as lm-eval cuts them. Text-only requests (mmlu,
-arc, hellaswag) stay lm-eval's code.
+images or videos (MMMU, ChartQA, DocVQA, MMBench, Video-MME, MVBench) is ours too: lm-eval's
+multimodal generation takes no videos, and runs a full `gc.collect()` after every batch (about
+1.4 s each in an evaluation process on a CPU, more than the tiny model's decoding of the batch:
+benchmarks/eval_throughput.py). Rows are encoded one by one and decoded in batches of the batch
+size by vlmcore's native decoder (`vlmcore.generate`, KV cache) on the native model loaded from
+the same snapshot, loaded on the first generation request: the task's `until` list (with the
+tokenizer's end-of-text) becomes the stop strings, `max_gen_toks` the token budget, greedy unless
+the task asks for sampling (`native_settings`; a generation setting the decoder has not is
+refused by name). The model argument `generator=transformers` decodes with transformers'
+`generate` on the exported model instead, left-padded batches with lm-eval's stopping criteria,
+the image and video placeholder tokens suppressed as the native decoder blocks them: the reference
+the native answers are tested equal to. Either way each answer is decoded without
+special tokens and cut at the stop sequences as lm-eval cuts them. Text-only requests (mmlu, arc,
+hellaswag) stay lm-eval's code.
 
 Requests with images are always put in the chat form the model was trained on: the context
 (with `<image>` placeholders) becomes the user turn of the model's chat template and the answer
@@ -57,6 +64,14 @@ from vlmcore.data.media.processor import load_processor
 from vlmcore.data.media.video import probe
 from vlmcore.data.quality import BadSample
 from vlmcore.eval.video_decode import ClipJob, ClipPixels, VideoClip
+from vlmcore.generate import Prompt, SamplingSettings, generate
+
+# How `vlmcore eval` generates free-form answers: vlmcore's decoder on the native model, or
+# transformers' `generate` on the exported model (the reference).
+GENERATORS = ("vlmcore", "transformers")
+# The generation settings of an lm-eval task (`generation_kwargs`) the native decoder takes,
+# beside `until` and `max_gen_toks`.
+NATIVE_GEN_KWARGS = ("do_sample", "temperature", "top_p", "top_k")
 
 
 def user_turn(context: str, num_images: int, num_videos: int = 0) -> list[dict]:
@@ -104,11 +119,16 @@ def record_undecodable(request: Instance, videos: list[VideoClip], error: BadSam
 
 @register_model("vlmcore-vlm")
 class VisionLanguageLM(HFMultimodalLM):
-    def __init__(self, pretrained: str | PreTrainedModel, video_workers: int = 0, **kwargs: Any) -> None:
+    def __init__(
+        self, pretrained: str | PreTrainedModel, video_workers: int = 0, generator: str = "vlmcore", **kwargs: Any
+    ) -> None:
         # Processes that decode the video clips ahead of the model (0: this process decodes them).
         self.video_workers = int(video_workers)
         if self.video_workers < 0:
             raise ValueError(f"video_workers: {video_workers}; must be 0 (decode in this process) or more")
+        if generator not in GENERATORS:
+            raise ValueError(f"generator: {generator!r}; must be one of {', '.join(GENERATORS)}")
+        self.generator = generator
         # A clip's metadata and plan, probed once (a multiple-choice question asks once per choice).
         self.clip_jobs: dict[VideoClip, ClipJob] = {}
         super().__init__(pretrained, **kwargs)
@@ -210,8 +230,8 @@ class VisionLanguageLM(HFMultimodalLM):
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         """Answers of requests with images or videos, in batches of the model's batch size: longest
-        prompt first within each set of generation settings (lm-eval's order), each batch left-padded
-        and decoded by the model's own `generate` (KV cache). Text-only requests are lm-eval's."""
+        prompt first within each set of generation settings (lm-eval's order), each batch decoded by
+        `generate_batch`. Text-only requests are lm-eval's."""
         if requests and len(requests[0].args) < 3:
             return super().generate_until(requests, disable_tqdm=disable_tqdm)
         rows = [self.generation_row_or_none(request) for request in requests]
@@ -224,6 +244,9 @@ class VisionLanguageLM(HFMultimodalLM):
         for indices in groups.values():
             indices.sort(key=lambda i: -len(rows[i]["input_ids"]))
         order = [i for indices in groups.values() for i in indices]
+        if self.generator == "vlmcore":  # a setting the native decoder has not is refused before any work
+            for indices in groups.values():
+                native_settings(*self.split_gen_kwargs(requests[indices[0]].args[1]))
         progress = tqdm(total=len(requests), disable=disable_tqdm, desc="vlmcore-vlm generate")
         progress.update(rows.count(None))
         with self.clip_decoder(rows, order) as pixels:
@@ -257,26 +280,68 @@ class VisionLanguageLM(HFMultimodalLM):
             row["mm_token_type_ids"] = encoding["mm_token_type_ids"][0].tolist()
         return row
 
-    @torch.no_grad()
     def generate_batch(self, rows: list[dict], gen_kwargs: dict) -> list[str]:
-        """Greedy (or the task's) decoding of a batch of encoded prompts, each answer cut at the
-        stop sequences as lm-eval cuts them."""
+        """The answers of a batch of encoded prompts, by the `generator` of the model arguments,
+        each decoded without special tokens and cut at the stop sequences as lm-eval cuts them."""
+        kwargs, until, max_gen_toks = self.split_gen_kwargs(gen_kwargs)
+        if self.generator == "vlmcore":
+            settings = native_settings(kwargs, until, max_gen_toks)
+            if not settings.greedy:  # each batch its own draws, from the generator lm-eval seeds
+                settings.seed = int(torch.randint(0, 2**31 - 1, ()))
+            answers = self.native_generate(rows, settings)
+        else:
+            answers = self.transformers_generate(rows, kwargs, until, max_gen_toks)
+        return [cut_at_stops(self.tok_decode(tokens), until) for tokens in answers]
+
+    def split_gen_kwargs(self, gen_kwargs: dict) -> tuple[dict, list[str], int]:
+        """A task's generation settings -> (the others, its stop sequences with the tokenizer's
+        end-of-text, its token budget), as lm-eval reads them."""
         kwargs = copy.deepcopy(gen_kwargs)
         until = handle_stop_sequences(
             kwargs.pop("until", None), eos=self.tok_decode(self.eot_token_id, skip_special_tokens=False)
         )
-        max_gen_toks = kwargs.pop("max_gen_toks", self.max_gen_toks)
+        return kwargs, until, kwargs.pop("max_gen_toks", self.max_gen_toks)
+
+    @torch.no_grad()
+    def native_generate(self, rows: list[dict], settings: SamplingSettings) -> list[list[int]]:
+        """The generated tokens of each row, by vlmcore.generate on the native model: the rows'
+        prompts packed into one prefill, each row leaving the batch at its stop."""
+        dtype = self.native_model.lm_head.weight.dtype
+        prompts = []
+        for row in rows:
+            media = {key: row[key] for key in VISUAL_KEYS if key in row}
+            for key in ("pixel_values", "pixel_values_videos"):
+                if key in media:
+                    media[key] = media[key].to(dtype)
+            prompts.append(Prompt(torch.tensor(row["input_ids"]), **media))
+        samples = generate(self.native_model, prompts, settings, tokenizer=self.tokenizer)
+        return [sample.tokens for sample in samples]
+
+    @torch.no_grad()
+    def transformers_generate(
+        self, rows: list[dict], kwargs: dict, until: list[str], max_gen_toks: int
+    ) -> list[list[int]]:
+        """The generated tokens of each row, by transformers' `generate` on the exported model: the
+        rows left-padded into one batch, with lm-eval's stopping criteria."""
         inputs = self.left_padded_inputs(rows)
         context_length = inputs["input_ids"].shape[1]
+        # The image and video placeholders are never generated, as by the native decoder (which
+        # would take a generated one for a picture's place): a placeholder is no answer.
+        config = self.model.config
+        placeholders = [getattr(config, name, None) for name in ("image_token_id", "video_token_id")]
+        kwargs.setdefault("suppress_tokens", [token for token in placeholders if token is not None])
         output = self._model_multimodal_generate(inputs, max_length=context_length + max_gen_toks, stop=until, **kwargs)
-        answers = []
-        for tokens in output[:, context_length:].tolist():
-            text = self.tok_decode(tokens)
-            for stop in until:
-                if stop:
-                    text = text.split(stop)[0]
-            answers.append(text)
-        return answers
+        return output[:, context_length:].tolist()
+
+    @functools.cached_property
+    def native_model(self) -> torch.nn.Module:
+        """vlmcore's model of the snapshot the exported model was loaded from, in its dtype and on its
+        device, with its generation config (so the same end-of-text tokens stop both generators)."""
+        from vlmcore.models import from_pretrained
+
+        model = from_pretrained(self.model.name_or_path, dtype=self.model.dtype, device=self.device)
+        model.generation_config = self.model.generation_config
+        return model.eval()
 
     @functools.cached_property
     def sample_encoder(self) -> SampleEncoder:
@@ -372,3 +437,35 @@ class VisionLanguageLM(HFMultimodalLM):
             greedy = bool((log_probs.argmax(-1) == targets).all())
             results.append((score, greedy))
         return results
+
+
+def native_settings(gen_kwargs: dict, until: list[str], max_gen_toks: int) -> SamplingSettings:
+    """The native decoder's settings of an lm-eval request: `until` as the stop strings,
+    `max_gen_toks` as max_new_tokens, greedy unless the task asks for sampling (`do_sample: true`,
+    or a temperature above 0 without `do_sample`), then its temperature (default 1), top_p and
+    top_k. A setting the native decoder has not (num_beams, repetition_penalty, ...) is refused by
+    name: it would be ignored, and the answers would not be the task's."""
+    unknown = sorted(set(gen_kwargs) - set(NATIVE_GEN_KWARGS))
+    if unknown:
+        raise ValueError(
+            f"generation_kwargs {', '.join(unknown)}: not supported by vlmcore's decoder (it takes until, "
+            f"max_gen_toks, {', '.join(NATIVE_GEN_KWARGS)}); run with generator=transformers "
+            "(`vlmcore eval --generator transformers`)"
+        )
+    temperature = float(gen_kwargs.get("temperature") or 0.0)
+    do_sample = gen_kwargs.get("do_sample")
+    sampling = bool(do_sample) if do_sample is not None else temperature > 0
+    settings = SamplingSettings(max_new_tokens=int(max_gen_toks), stop_strings=[stop for stop in until if stop])
+    if sampling:
+        settings.temperature = temperature or 1.0
+        settings.top_p = float(gen_kwargs.get("top_p") or 1.0)
+        settings.top_k = int(gen_kwargs.get("top_k") or 0)
+    return settings
+
+
+def cut_at_stops(text: str, until: list[str]) -> str:
+    """The answer before the first of lm-eval's stop sequences, cut one after another as lm-eval cuts."""
+    for stop in until:
+        if stop:
+            text = text.split(stop)[0]
+    return text
