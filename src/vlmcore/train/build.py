@@ -14,6 +14,7 @@ vlmcore.train.memory).
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,9 @@ from vlmcore.train.dpo import AdaptersOffReference, Context, DPOObjective, Froze
 from vlmcore.train.objective import CrossEntropy
 from vlmcore.train.optim import build_optimizer, freeze
 from vlmcore.train.step import Step, VisionDummy, build_step
+
+if TYPE_CHECKING:
+    from vlmcore.train.rollout_data import Scorer
 
 
 def check_kernels(cfg: TrainConfig, device: torch.device) -> dict:
@@ -120,10 +124,15 @@ class Run:
             }
         return context
 
-    def data(self, source: Callable[[int, int], ResumableData] | None = None) -> ResumableData:
+    def data(
+        self, source: Callable[[int, int], ResumableData] | None = None, scorer: "Scorer | None" = None
+    ) -> ResumableData:
         """This rank's batches: its language data-parallel rank's, or on an encoder rank those of
         the language ranks whose rows it encodes. `source(data_rank, data_world)` makes one
-        data-parallel rank's (default: the stage's data, `build_data`)."""
+        data-parallel rank's (default: the stage's data, `build_data`; a GRPO stage's prompt data
+        is rolled out by the policy and scored by `scorer`, `build_rollout_data`)."""
+        if source is None and self.cfg.objective == "grpo" and self.cfg.data.kind != "random":
+            source = lambda rank, world: build_rollout_data(self, scorer, rank, world)  # noqa: E731
         source = source or (
             lambda rank, world: build_data(self.cfg, self.model.config, rank, world, self.layout.grad_accum_steps)
         )
@@ -266,6 +275,48 @@ def reference_tower(reference: FrozenReference) -> Callable:
             return tower(pixels, grids)
 
     return adapters_off
+
+
+def build_rollout_data(run: Run, scorer: "Scorer | None", rank: int, world: int) -> ResumableData:
+    """A GRPO stage's micro-batches on data-parallel rank `rank` of `world` (vlmcore.train.rollout_data):
+    its prompts from the packed prompt dataset `data_path`, each prompt with room for
+    `grpo.max_new_tokens` in a row of `data.seq_len`."""
+    from vlmcore.generate import SamplingSettings
+    from vlmcore.train.prompts import PromptSource
+    from vlmcore.train.rollout_data import RolloutData, RolloutPlan
+
+    cfg = run.cfg
+    grpo = cfg.grpo
+    if scorer is None:
+        raise ConfigError("objective grpo: the stage's rewards (grpo.rewards) were not given to its data")
+    prompts = PromptSource(cfg.data_path, cfg.seed, max_prompt_tokens=cfg.data.seq_len - grpo.max_new_tokens)
+    plan = RolloutPlan(
+        prompts_per_step=grpo.prompts_per_step,
+        group_size=grpo.group_size,
+        sampling=SamplingSettings(
+            max_new_tokens=grpo.max_new_tokens, temperature=grpo.temperature, top_p=grpo.top_p, top_k=grpo.top_k
+        ),
+        scale_rewards=grpo.scale_rewards,
+        updates_per_rollout=grpo.updates_per_rollout,
+        seq_len=cfg.data.seq_len,
+        dynamic_sampling=grpo.dynamic_sampling,
+        overlong_buffer=grpo.overlong_buffer,
+        overlong_factor=grpo.overlong_penalty,
+    )
+    tokenizer = prompts.encoder.tokenizer
+    return RolloutData(
+        run.model,
+        prompts,
+        plan,
+        scorer,
+        dp_rank=rank,
+        dp_world=world,
+        grad_accum_steps=run.layout.grad_accum_steps,
+        seed=cfg.seed,
+        device=run.device,
+        pad_token_id=tokenizer.pad_token_id or 0,
+        tokenizer=tokenizer,
+    )
 
 
 def build_data(

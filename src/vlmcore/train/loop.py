@@ -28,6 +28,7 @@ from vlmcore.models import load_hf_config
 from vlmcore.parallel import float8
 from vlmcore.parallel.checks import check_run
 from vlmcore.parallel.mesh import device_for_rank, init_distributed
+from vlmcore.rewards.stage import open_rewards
 from vlmcore.train.build import build_run, check_kernels
 from vlmcore.train.checkpoint import CheckpointError, resume_latest, rng_state, save_final
 from vlmcore.train.metrics_log import Hardware, MetricsLogger, StepTimes, global_counts, peak_tflops, step_record
@@ -175,13 +176,15 @@ class Trainer:
         float8.check_device(cfg, device)
         if self.rank == 0:
             print("kernels: " + ", ".join(f"{part} {backend}" for part, backend in backends.items()))
+        # A GRPO stage's rewards, checked by key and their workers started before the model is built.
+        self.rewards = open_rewards(cfg)
         self.run = build_run(cfg, self.layout, device)
         self.run.model.train()
         # Per-module times need both modules on the rank (not so under disjoint layouts).
         self.timer = (
             ModuleTimer(self.run.model, device) if cfg.metrics.module_times and self.run.role == "both" else None
         )
-        self.data = self.run.data()
+        self.data = self.run.data(scorer=self.rewards)
         # Written only now: a setting that does not fit the model (trainable, tp) leaves nothing behind.
         prepare_output_dir(cfg, out)
         split = self.layout.batch_split(cfg.micro_batch_size)
@@ -250,6 +253,8 @@ class Trainer:
         lr = self.cfg.optimizer.lr * factor
         record = step_record(state, result, counts, lr, times, self.hardware, run.step.objective)
         record |= self.stragglers.after_step(state.step, times.step, peers_wait)
+        if hasattr(self.data, "metrics"):  # a data stream's own figures: a GRPO rollout's rewards and lengths
+            record |= self.data.metrics()
         self.logger.log(record | (self.timer.read() if self.timer else {}) | self._checkpoint_metrics())
         self.profiler.step_ended(state.step)
 
@@ -336,6 +341,8 @@ class Trainer:
             self.checkpointer.close()
         if self.logger is not None:
             self.logger.close()
+        if self.rewards is not None:
+            self.rewards.close()
 
     def _save_final(self) -> None:
         if not self.cfg.save_final:

@@ -28,6 +28,7 @@ import json
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,8 +39,10 @@ from torch import nn
 
 from vlmcore.data.load.batch import Batch, Images, Rollout
 from vlmcore.generate import SamplingSettings
-from vlmcore.train.prompts import PromptSource, RLPrompt
 from vlmcore.train.rollout import Completion, group_advantages, overlong_penalty, rollout, rollout_batch, uniform_groups
+
+if TYPE_CHECKING:  # the prompts' encoder needs the image processor, which a trainer of packed rows never imports
+    from vlmcore.train.prompts import PromptSource, RLPrompt
 
 
 @dataclass
@@ -52,7 +55,7 @@ class RewardScores:
 
 
 # (the rollout's prompts, its completions, prompt-major) -> their rewards
-Scorer = Callable[[list[RLPrompt], list[Completion]], RewardScores]
+Scorer = Callable[[list["RLPrompt"], list[Completion]], RewardScores]
 
 
 @dataclass
@@ -76,7 +79,7 @@ class RolloutData:
     def __init__(
         self,
         model: nn.Module,
-        prompts: PromptSource,
+        prompts: "PromptSource",
         plan: RolloutPlan,
         scorer: Scorer,
         *,
@@ -163,7 +166,7 @@ class RolloutData:
         return self.micro_batches(rl_prompts, completions, advantages, kept)
 
     def micro_batches(
-        self, rl_prompts: list[RLPrompt], completions: list[Completion], advantages: torch.Tensor, kept: list[int]
+        self, rl_prompts: list["RLPrompt"], completions: list[Completion], advantages: torch.Tensor, kept: list[int]
     ) -> list[Batch]:
         """The kept groups split into `grad_accum_steps` parts (a part gets the whole first group
         when there are fewer groups than parts), each packed as one micro-batch."""
@@ -194,7 +197,7 @@ class RolloutData:
 
     def rollout_sums(
         self,
-        rl_prompts: list[RLPrompt],
+        rl_prompts: list["RLPrompt"],
         completions: list[Completion],
         scores: RewardScores,
         rewards: torch.Tensor,
