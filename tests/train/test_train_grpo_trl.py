@@ -310,3 +310,72 @@ def test_truncated_importance_sampling_equals_trl(snapshots):
         for name, gradient in gradients.items():
             scale = trl_gradients[name].abs().max() + 1e-6
             assert (gradient - trl_gradients[name]).abs().max() / scale < 1e-5, (packed, name)
+
+
+@pytest.mark.parametrize(
+    "grpo, lora, holds_a_copy",
+    [
+        ({"loss": "dapo", "beta": BETA, "reference": "frozen"}, {}, True),
+        ({"loss": "grpo", "beta": 0.0}, {}, False),
+        ({"loss": "dapo", "beta": BETA, "reference": "adapters_off"}, {"rank": 4, "alpha": 8}, False),
+    ],
+)
+def test_the_train_step_built_from_the_config_gives_trls_loss(
+    snapshots, one_process_group, tmp_path, grpo, lora, holds_a_copy
+):
+    """`objective: grpo` through `use_objective` (vlmcore.train.build) and the train step of a run
+    built from the config give TRL's loss, and a reference copy is held beside the policy only
+    when one weighs (beta > 0) and is not the policy with its LoRA adapters off. The frozen copy
+    is given the second snapshot's weights (it starts as the policy's); adapters off, before any
+    step, the reference is the policy's starting weights, as TRL's reference is then."""
+    from helpers import write_config
+
+    from vlmcore.config import load_config
+    from vlmcore.models import load_hf_config, load_hf_weights
+    from vlmcore.parallel.checks import check_run
+    from vlmcore.train.build import build_meta_run, use_objective
+
+    (policy_dir, reference_dir), _, _ = snapshots
+    settings = {
+        "temperature": TEMPERATURE,
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "epsilon_low": EPSILON_LOW,
+        "epsilon_high": EPSILON_HIGH,
+        "rewards": [{"name": "accuracy", "weight": 1.0}],
+        **grpo,
+    }
+    config = write_config(
+        tmp_path / "stage.yaml", policy_dir, tmp_path / "out", objective="grpo", grpo=settings, lora=lora
+    )
+    cfg = load_config(config)
+    run = build_meta_run(cfg, check_run(cfg, 1, load_hf_config(cfg.model_path)), torch.device("cpu"), 0)
+    run.materialize(load=True)
+    run.make_step()
+    held = use_objective(run)
+    objective = run.step.objective
+    assert isinstance(objective, GRPOObjective) and objective.loss_type == grpo["loss"]
+    assert len(held) == (1 if holds_a_copy else 0)
+    assert (objective.reference is None) == (grpo["beta"] == 0)
+    if holds_a_copy:
+        load_hf_weights(held[0], reference_dir)
+
+    trainer = trl_trainer(snapshots, grpo["loss"], grpo["beta"])
+    inputs = trl_rollout(trainer, snapshots)
+    if lora:  # TRL's reference logps of the policy's own snapshot
+        reference = transformers.AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
+        trl.trainer.utils.add_fused_lm_head(reference, temperature=TEMPERATURE)
+        width = inputs["completion_ids"].shape[1]
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        with torch.no_grad():
+            inputs["ref_per_token_logps"], _, _ = trainer._get_per_token_logps_and_entropies(
+                reference, input_ids, attention_mask, width
+            )
+    with torch.no_grad():
+        trl_loss = trainer._compute_loss(trainer.model, inputs)
+    batch = vlmcore_batch(inputs, packed=True)
+    counts = {"label_tokens": batch.label_tokens, "completions": completions(batch)}
+    run.model.eval()
+    result = run.step([batch], counts[objective.count], lambda optimizer: None)
+    assert result.applied and result.grad_norm > 0
+    torch.testing.assert_close(objective.metrics(result.sums, counts)["loss"], trl_loss.item(), **TOLERANCE)
