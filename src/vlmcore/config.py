@@ -616,8 +616,8 @@ def _grpo_rules() -> list[Rule]:
         ),
         Rule(
             "grpo.overlong_buffer",
-            "must be < grpo.max_new_tokens",
-            must=lambda buffer, c: buffer < c.grpo.max_new_tokens,
+            "must be <= grpo.max_new_tokens",
+            must=lambda buffer, c: buffer <= c.grpo.max_new_tokens,
         ),
         Rule(
             "grpo.rewards",

@@ -382,7 +382,7 @@ GRPO_STAGE = {
         ("grpo", {"delta": 1.1, "epsilon_high": 0.28}, "grpo.delta"),
         ("grpo", {"max_new_tokens": 0}, "grpo.max_new_tokens"),
         ("grpo", {"max_new_tokens": -4}, "grpo.max_new_tokens"),
-        ("grpo", {"overlong_buffer": 256, "max_new_tokens": 256}, "grpo.overlong_buffer"),
+        ("grpo", {"overlong_buffer": 257, "max_new_tokens": 256}, "grpo.overlong_buffer"),
         ("grpo", {"rewards": []}, "grpo.rewards"),
         ("grpo", {"rewards": [{"weight": 1.0}]}, "grpo.rewards"),
         ("grpo", {"rewards": [{"name": "format", "weight": math.inf}]}, "grpo.rewards"),
