@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as differentiable
 
 from vlmcore.data import IGNORE_INDEX
 from vlmcore.data.load.batch import Batch
@@ -116,8 +117,7 @@ class GRPOObjective:
         advantages = batch.rollout.advantages.reshape(-1).to(device, dtype)
         segment = token_segments(batch.labels, batch.cu_seqlens, self.context).to(device)
         segments = len(batch.cu_seqlens) - 1
-        chunk_tokens = segment_sums(mask, segment, segments)  # this rank's tokens of each completion
-        completion_tokens = self.whole(chunk_tokens)  # each whole completion's
+        completion_tokens = self.whole(segment_sums(mask, segment, segments))  # each whole completion's tokens
 
         if self.tis_cap > 0:
             # The ratio against the trainer's own log-probabilities of the sampling weights, and
@@ -128,7 +128,7 @@ class GRPOObjective:
             sampling_logps = old_logps
         log_ratio = (logps - sampling_logps) * mask
         if self.loss_type == "gspo":
-            log_ratio = self.sequence_log_ratio(log_ratio, segment, segments, chunk_tokens, completion_tokens)
+            log_ratio = self.sequence_log_ratio(log_ratio, segment, segments, completion_tokens)
         ratio = torch.exp(log_ratio)
         clipped = ratio.clamp(1 - self.epsilon_low, 1 + self.epsilon_high)
         unclipped = ratio.clamp(max=self.delta) if self.delta > 0 else ratio
@@ -179,22 +179,16 @@ class GRPOObjective:
         return whole
 
     def sequence_log_ratio(
-        self,
-        log_ratio: torch.Tensor,
-        segment: torch.Tensor,
-        segments: int,
-        chunk_tokens: torch.Tensor,
-        completion_tokens: torch.Tensor,
+        self, log_ratio: torch.Tensor, segment: torch.Tensor, segments: int, completion_tokens: torch.Tensor
     ) -> torch.Tensor:
-        """GSPO: each token's completion's mean log-ratio. Under context parallelism the mean is the
-        whole completion's, its gradient flowing into this chunk's tokens only and scaled by
-        (completion tokens / this chunk's): each rank weighs the sequence term by its own tokens
-        of the completion, and the ranks' gradients add up to the whole completion's."""
+        """GSPO: each token's completion's mean log-ratio. Under context parallelism every rank's
+        loss is its chunk's part of the completions' terms, all functions of the whole completions'
+        means: the chunks' sums are added over the cp group in the forward and the gradients
+        reaching them in the backward (a differentiable all-reduce), so each rank's tokens get
+        their part of the whole loss's gradient."""
         sums = segment_sums(log_ratio, segment, segments)
         if self.context is not None:
-            sums = sums + (self.whole(sums) - sums.detach())
-            scale = completion_tokens / chunk_tokens.clamp(min=1)
-            sums = sums * scale - (scale - 1) * sums.detach()  # the value unchanged, the gradient scaled
+            sums = differentiable.all_reduce(sums, group=self.context.group)
         return (sums / completion_tokens.clamp(min=1))[segment]
 
     def metrics(self, sums: list[float], counts: dict) -> dict:
