@@ -108,8 +108,10 @@ class GRPOObjective:
         self, hidden: torch.Tensor, head: torch.Tensor, batch: Batch, reference_logps: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # logits / T = (hidden / T) @ W^T: the policy at the sampling temperature through the one
-        # chunked, vocabulary-parallel path of vlmcore.train.loss, unchanged. Equal in real
-        # arithmetic; in fp32 the two roundings differ by about 1e-7 relative (1e-5 in the TRL test).
+        # chunked, vocabulary-parallel path of vlmcore.train.loss, unchanged. Exact in real
+        # arithmetic; in fp32 the scaled hidden states only round differently (about 1e-7
+        # relative), and the log-probabilities equal TRL's of logits / T to 1e-5
+        # (tests/train/test_train_grpo_trl.py).
         logps = chunked_token_logps(hidden / self.temperature, head, batch.labels, self.chunk_tokens, self.compiled)
         device, dtype = logps.device, logps.dtype
         mask = (batch.labels.reshape(-1).to(device) != IGNORE_INDEX).to(dtype)
