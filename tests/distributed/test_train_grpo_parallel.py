@@ -1,11 +1,17 @@
-"""GRPO's objective under context parallelism, on 2 gloo processes (this file launches itself
-under torchrun): each rank holds a contiguous half of the rows (`Batch.context_chunk`) and their
-hidden states, completions cross the chunks' edge. For every `grpo.loss`, with and without the
-KL term (and the dual clip and truncated importance sampling once each), the ranks' loss sums and
-metric sums add up to one process's on the whole rows, the LM head's gradients too, and each
+"""GRPO's objective under context and tensor parallelism, on 2 gloo processes (this file launches
+itself under torchrun).
+
+Context parallelism: each rank holds a contiguous half of the rows (`Batch.context_chunk`) and
+their hidden states, completions cross the chunks' edge. For every `grpo.loss`, with and without
+the KL term (and the dual clip and truncated importance sampling once each), the ranks' loss sums
+and metric sums add up to one process's on the whole rows, the LM head's gradients too, and each
 rank's hidden-state gradient is the whole rows' at its chunk: a completion's token count (grpo's
 mean) and GSPO's sequence log-ratio are the whole completion's, summed over the cp group (GSPO's
-with its gradient summed back, a differentiable all-reduce)."""
+with its gradient summed back, a differentiable all-reduce).
+
+Tensor parallelism: the LM head (the policy's and the reference's) sharded on the vocabulary, the
+rows the same on both ranks: the metrics (each rank's sums divided by tp) and the gradients are
+one process's."""
 
 import json
 import subprocess
@@ -127,6 +133,7 @@ def worker(report_path: Path) -> None:
             "hidden": (hidden_grad - row_chunk(whole_hidden, rank, cp)).abs().max().item(),
             "hidden_scale": whole_hidden.abs().max().item(),
         }
+    report.update(tensor_parallel_cases(host, counts, hidden, weight, reference_hidden))
     reports = [None] * cp
     dist.all_gather_object(reports, report)
     if rank == 0:
@@ -134,7 +141,49 @@ def worker(report_path: Path) -> None:
     dist.destroy_process_group()
 
 
-def test_cp2_losses_and_gradients_equal_one_process(tmp_path):
+def tensor_parallel_cases(host, counts, hidden, weight, reference_hidden) -> dict:
+    """The same ranks as 2 tensor-parallel ones: the LM head sharded on the vocabulary (each rank
+    its half, the log-softmax's statistics all-reduced), the rows the same on both. Each rank's
+    sums are the whole ones (the metrics divide by tp), its head gradient the whole one's half."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from vlmcore.train.grpo import GRPOObjective
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    rank = dist.get_rank()
+    report = {}
+    for loss_type, beta in (("dapo", 0.1), ("gspo", 0.1)):
+        results = []
+        for sharded in (False, True):
+            head = weight.clone()
+            if sharded:
+                head = distribute_tensor(head, mesh, [Shard(0)])
+            head.requires_grad_()
+            reference = HeadReference(reference_hidden, head.detach())
+            objective = GRPOObjective(
+                loss_type, 0.2, 0.28, TEMPERATURE, 8, beta, reference, chunk_tokens=5, tp=2 if sharded else 1
+            )
+            leaf = hidden.clone().requires_grad_()
+            loss_sum, sums = objective.loss(leaf, head, host, objective.prepare(host, None))
+            (loss_sum / counts[objective.count]).backward()
+            if sharded:
+                dist.all_reduce(sums)
+            metrics = objective.metrics(sums.tolist(), counts)
+            grad = head.grad.to_local() if sharded else head.grad.chunk(2)[rank]
+            results.append((metrics, grad, leaf.grad))
+        (whole_metrics, whole_head, whole_hidden), (metrics, head_grad, hidden_grad) = results
+        report[f"tp {loss_type} beta {beta}"] = {
+            "sums": max(abs(metrics[k] - whole_metrics[k]) for k in whole_metrics),
+            "head": (head_grad - whole_head).abs().max().item(),
+            "hidden": (hidden_grad - whole_hidden).abs().max().item(),
+            "hidden_scale": whole_hidden.abs().max().item(),
+        }
+    return report
+
+
+def test_cp2_and_tp2_losses_and_gradients_equal_one_process(tmp_path):
     from helpers import env
 
     out = tmp_path / "report.json"
@@ -143,7 +192,7 @@ def test_cp2_losses_and_gradients_equal_one_process(tmp_path):
     assert proc.returncode == 0, proc.stderr[-6000:]
     reports = json.loads(out.read_text())
     for rank, report in enumerate(reports):
-        assert len(report) == len(CASES)
+        assert len(report) == len(CASES) + 2
         for case, diffs in report.items():
             assert diffs["hidden_scale"] > 1e-3, (rank, case)  # the gradients are not all 0
             for name in ("sums", "head", "hidden"):
