@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from vlmcore.data import IGNORE_INDEX
@@ -197,6 +198,50 @@ def test_cp2_and_tp2_losses_and_gradients_equal_one_process(tmp_path):
             assert diffs["hidden_scale"] > 1e-3, (rank, case)  # the gradients are not all 0
             for name in ("sums", "head", "hidden"):
                 assert diffs[name] < 1e-6, (rank, case, name, diffs)
+
+
+GRPO_METRICS = ("loss", "grpo_ratio", "grpo_clip_low", "grpo_clip_high", "grpo_logp_gap", "grpo_kl", "grad_norm")
+
+
+@pytest.mark.slow
+def test_fsdp2_on_2_ranks_trains_as_one_process(tmp_path):
+    """`vlmcore train` of a GRPO stage on random rollouts (each segment a completion, of its own
+    length: the ranks' completions and completion tokens differ), per-completion (grpo) and
+    per-token (dapo) normalisers: 2 FSDP2 ranks, one micro-batch each, against one process with
+    two micro-batches, the same global batch. Each step's metrics and the final weights."""
+    from helpers import load_dcp, read_metrics, train_cases, write_config
+
+    from vlmcore.tiny import tiny_snapshot
+
+    snapshot = tiny_snapshot("qwen3_vl", tmp_path / "model")
+
+    def config(name: str, loss: str, grad_accum_steps: int) -> Path:
+        return write_config(
+            tmp_path / f"{name}.yaml",
+            snapshot,
+            tmp_path / name,
+            steps=4,
+            grad_accum_steps=grad_accum_steps,
+            objective="grpo",
+            grpo={"loss": loss, "beta": 0.04, "rewards": [{"name": "accuracy", "weight": 1.0}]},
+            optimizer={"lr": 1.0e-2, "weight_decay": 0.0, "eps": 1.0e-6},
+            data={"kind": "random", "seq_len": 48, "segments": 3, "image_fraction": 0.5},
+            checkpoint={"enabled": False},
+        )
+
+    losses = ("grpo", "dapo")
+    train_cases(1, [config(f"one-{loss}", loss, 2) for loss in losses])
+    train_cases(2, [config(f"fsdp2-{loss}", loss, 1) for loss in losses])
+    for loss in losses:
+        expected = read_metrics(tmp_path / f"one-{loss}")
+        got = read_metrics(tmp_path / f"fsdp2-{loss}")
+        assert [m["step"] for m in got] == [m["step"] for m in expected] == [1, 2, 3, 4]
+        for e, g in zip(expected, got):
+            for key in GRPO_METRICS:
+                assert g[key] == pytest.approx(e[key], rel=1e-4, abs=1e-6), (loss, e["step"], key)
+        weights = load_dcp(tmp_path / f"fsdp2-{loss}" / "final")
+        for key, value in load_dcp(tmp_path / f"one-{loss}" / "final").items():
+            torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=1e-5, msg=f"{loss} {key}")
 
 
 if __name__ == "__main__":

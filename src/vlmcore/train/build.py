@@ -219,6 +219,11 @@ def pairs_in_rows(cfg: TrainConfig) -> bool:
     return cfg.objective == "dpo"
 
 
+def rollout_in_rows(cfg: TrainConfig) -> bool:
+    """Whether the stage's rows are a rollout's completions (random data: each segment one)."""
+    return cfg.objective == "grpo"
+
+
 def use_objective(run: Run, load: bool = True) -> list[nn.Module]:
     """The run's step gets the stage's objective (`objective`; `make_step`'s is SFT's). Returns the
     models it holds beside the policy (the memory estimate counts their weights): DPO's or GRPO's
@@ -339,6 +344,7 @@ def build_data(
             video_frames=cfg.data.video_frames,
             pairs=pairs_in_rows(cfg),
             num_workers=cfg.num_workers,
+            rollout=rollout_in_rows(cfg),
         )
     from vlmcore.data.load.loader import build_loader
 
