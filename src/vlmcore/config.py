@@ -388,10 +388,10 @@ class GRPOConfig:
     overlong_buffer: int = setting(
         0,
         "objective grpo: DAPO's soft overlong punishment, the last tokens before max_new_tokens over which a "
-        "completion's reward falls linearly by up to overlong_penalty; 0 = off",
+        "completion's reward falls linearly by up to overlong_factor; 0 = off",
         ge=0,
     )
-    overlong_penalty: float = setting(
+    overlong_factor: float = setting(
         1.0, "objective grpo: the overlong punishment at max_new_tokens (overlong_buffer > 0)", ge=0
     )
     dynamic_sampling: bool = setting(
