@@ -320,6 +320,99 @@ class DPOConfig:
 
 
 @dataclass
+class RewardConfig:
+    """One reward of a GRPO stage: a function of the rewards registry, by name, and its weight."""
+
+    name: str = ""
+    weight: float = 1.0
+
+
+@dataclass
+class GRPOConfig:
+    prompts_per_step: int = setting(8, "objective grpo: prompts a step's rollout samples completions for", ge=1)
+    group_size: int = setting(
+        8,
+        "objective grpo: completions sampled per prompt (its group: a completion's advantage is its reward "
+        "against its group's); at least 2",
+        ge=1,
+    )
+    temperature: float = setting(
+        1.0,
+        "objective grpo: sampling temperature; the policy's and the reference's log-probabilities are taken at it",
+        ge=0,
+    )
+    top_p: float = setting(1.0, "objective grpo: nucleus sampling's probability mass; 1 = off", gt=0, le=1)
+    top_k: int = setting(0, "objective grpo: sample from the k likeliest tokens only; 0 = off", ge=0)
+    max_new_tokens: int = setting(
+        256, "objective grpo: a completion's longest length (and dr_grpo's normaliser per completion)", ge=1
+    )
+    loss: Literal["grpo", "dapo", "dr_grpo", "gspo"] = setting(
+        "dapo",
+        "objective grpo: how the token losses are averaged: grpo = each completion's mean, then the mean over "
+        "completions; dapo = over all completion tokens of the global batch; dr_grpo = the sum / (completions x "
+        "max_new_tokens); gspo = the sequence-level ratio (exp of a completion's mean log-ratio), averaged as grpo",
+    )
+    epsilon_low: float = setting(0.2, "objective grpo: the ratio's clip below, at 1 - epsilon_low", gt=0, lt=1)
+    epsilon_high: float = setting(
+        0.2, "objective grpo: the ratio's clip above, at 1 + epsilon_high (DAPO's clip-higher: 0.28)", gt=0
+    )
+    delta: float = setting(
+        0.0,
+        "objective grpo: dual clip, the unclipped ratio capped at delta (bounds a negative advantage's term); "
+        "0 = off, else > 1 + epsilon_high",
+        ge=0,
+    )
+    beta: float = setting(
+        0.0, "objective grpo: weight of the KL penalty to the reference (k3 estimate); 0 = no reference", ge=0
+    )
+    kl_ratio_weighted: bool = setting(
+        True,
+        "objective grpo: the KL estimate of each token weighed by its ratio (the tokens are the sampling "
+        "policy's; TRL's use_bias_correction_kl)",
+    )
+    reference: Literal["frozen", "adapters_off"] = setting(
+        "frozen",
+        "objective grpo, beta > 0: the reference policy; frozen = a frozen copy of the weights the stage starts "
+        "from; adapters_off = the policy with its LoRA adapters switched off (needs lora.rank > 0)",
+    )
+    scale_rewards: Literal["group", "batch", "none"] = setting(
+        "group",
+        "objective grpo: the advantage is the reward minus its group's mean, divided by the rewards' standard "
+        "deviation in its group, in the step's batch, or by nothing",
+    )
+    updates_per_rollout: int = setting(
+        1,
+        "objective grpo: optimizer steps on each rollout batch (the ratio is against the rollout's log-probabilities)",
+        ge=1,
+    )
+    overlong_buffer: int = setting(
+        0,
+        "objective grpo: DAPO's soft overlong punishment, the last tokens before max_new_tokens over which a "
+        "completion's reward falls linearly by up to overlong_factor; 0 = off",
+        ge=0,
+    )
+    overlong_factor: float = setting(
+        1.0, "objective grpo: the overlong punishment at max_new_tokens (overlong_buffer > 0)", ge=0
+    )
+    dynamic_sampling: bool = setting(
+        False, "objective grpo: drop the groups whose rewards are all equal (no advantage, DAPO's dynamic sampling)"
+    )
+    rewards: list[RewardConfig] = setting(
+        None,
+        "objective grpo: the rewards, each {name, weight}: a function of the rewards registry and its weight in "
+        "the completion's reward",
+        factory=list,
+    )
+    reward_timeout_s: float = setting(10.0, "objective grpo: seconds a reward function may take per completion", gt=0)
+    tis_cap: float = setting(
+        0.0,
+        "objective grpo: truncated importance sampling, each token's loss weighed by min(exp(trainer - sampler "
+        "log-probability), tis_cap), the ratio then against the trainer's own; 0 = off",
+        ge=0,
+    )
+
+
+@dataclass
 class TrainConfig:
     model_path: str = setting("", "HF snapshot: architecture, tokenizer, and the weights unless init_from")
     output_dir: str = setting("", "run directory: checkpoints, final/, metrics, the resolved config.yaml")
@@ -363,12 +456,14 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     loss_chunk_tokens: int = setting(1024, "tokens per cross-entropy chunk (bounds the logits in memory)", ge=1)
     max_nonfinite_steps: int = setting(5, "consecutive skipped (non-finite) steps before the run saves and stops", ge=1)
-    objective: Literal["sft", "dpo"] = setting(
+    objective: Literal["sft", "dpo", "grpo"] = setting(
         "sft",
         "the stage's loss: sft = next-token cross-entropy over the label tokens; dpo = direct preference "
-        "optimisation over preference pairs (data: a `preference:` source through vlmcore prepare and pack)",
+        "optimisation over preference pairs (data: a `preference:` source through vlmcore prepare and pack); "
+        "grpo = group relative policy optimisation over sampled completions and their rewards",
     )
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
 
 def _always(cfg: TrainConfig) -> bool:
@@ -487,6 +582,64 @@ def _dpo_rules() -> list[Rule]:
     ]
 
 
+def _grpo_stage(cfg: TrainConfig) -> bool:
+    return cfg.objective == "grpo"
+
+
+def _grpo_rules() -> list[Rule]:
+    """What a GRPO stage needs: groups that can compare, a loss that can move, a reference it can have."""
+    return [
+        Rule(
+            "grpo.group_size",
+            "must be >= 2 when objective is grpo (a completion's advantage is its reward against its group's: "
+            "a group of 1 has none)",
+            when=_grpo_stage,
+            must=lambda size, c: size >= 2,
+        ),
+        Rule(
+            "grpo.temperature",
+            "must be > 0 when objective is grpo and grpo.group_size > 1 (greedy completions of a prompt are all "
+            "the same: equal rewards, no advantage, no learning signal)",
+            when=lambda c: _grpo_stage(c) and c.grpo.group_size > 1,
+            must=lambda temperature, c: temperature > 0,
+        ),
+        Rule(
+            "grpo.delta",
+            "must be 0 or > 1 + grpo.epsilon_high (a cap below the clip would bound every ratio)",
+            must=lambda delta, c: delta == 0 or delta > 1 + c.grpo.epsilon_high,
+        ),
+        Rule(
+            "grpo.reference",
+            "must be frozen unless lora.rank > 0 (adapters_off is the base of a LoRA stage)",
+            when=lambda c: not _lora_stage(c),
+            must=lambda reference, c: reference == "frozen",
+        ),
+        Rule(
+            "grpo.overlong_buffer",
+            "must be <= grpo.max_new_tokens",
+            must=lambda buffer, c: buffer <= c.grpo.max_new_tokens,
+        ),
+        Rule(
+            "grpo.rewards",
+            "must name at least one reward when objective is grpo",
+            when=_grpo_stage,
+            must=lambda rewards, c: len(rewards) > 0,
+        ),
+        Rule(
+            "grpo.rewards",
+            "must each have a name and a finite weight",
+            must=lambda rewards, c: all(r.name and math.isfinite(r.weight) for r in rewards),
+        ),
+        Rule(
+            "grpo.tis_cap",
+            "must be 0 when grpo.updates_per_rollout > 1 (the correction takes the trainer's log-probabilities "
+            "of the sampling weights from the policy, which only the first update has)",
+            when=lambda c: c.grpo.updates_per_rollout > 1,
+            must=lambda cap, c: cap == 0,
+        ),
+    ]
+
+
 def _tokens_per_segment(cfg: TrainConfig) -> int:
     return cfg.data.seq_len // cfg.data.segments
 
@@ -541,6 +694,7 @@ RULES = [
     *_lora_rules(),
     Rule("data.segments", "must be <= data.seq_len / 2", must=lambda segments, c: segments <= c.data.seq_len // 2),
     *_dpo_rules(),
+    *_grpo_rules(),
     Rule(
         "data.image_side",
         "must leave room for an image (image_side**2 + 4 tokens) in data.seq_len / data.segments "

@@ -6,6 +6,7 @@ vlmcore.config (a training stage) and workflow/schemas/config.schema.yaml (the e
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 import types
@@ -55,6 +56,8 @@ def _type_text(tp: Any) -> str:
         return f"list of {_type_text(args[0])}s"
     if origin is tuple:
         return f"[{', '.join(_type_text(a) for a in args)}]"
+    if dataclasses.is_dataclass(tp):  # a mapping of its fields (`grpo.rewards`: {name, weight})
+        return "{" + ", ".join(f.name for f in dataclasses.fields(tp)) + "} mapping"
     return _TYPE_NAMES[tp]
 
 

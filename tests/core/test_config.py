@@ -357,3 +357,63 @@ def test_docs_config_md_is_the_generated_one(tmp_path):
     args = ["--doc", str(stale), "--schema", str(SCHEMA)]
     assert config_docs.main(args + ["--check"]) == 1
     assert config_docs.main(args) == 0 and stale.read_text() == doc.read_text()
+
+
+GRPO_STAGE = {
+    "model_path": "m",
+    "output_dir": "o",
+    "data": {"kind": "random"},
+    "objective": "grpo",
+    "grpo": {"rewards": [{"name": "accuracy", "weight": 1.0}]},
+}
+
+
+@pytest.mark.parametrize(
+    "section, values, key",
+    [
+        ("grpo", {"group_size": 1}, "grpo.group_size"),
+        ("grpo", {"temperature": 0.0}, "grpo.temperature"),
+        ("grpo", {"temperature": -0.5}, "grpo.temperature"),
+        ("grpo", {"reference": "adapters_off", "beta": 0.04}, "grpo.reference"),
+        ("grpo", {"loss": "ppo"}, "grpo.loss"),
+        ("grpo", {"epsilon_low": 1.0}, "grpo.epsilon_low"),
+        ("grpo", {"epsilon_low": 0.0}, "grpo.epsilon_low"),
+        ("grpo", {"epsilon_high": 0.0}, "grpo.epsilon_high"),
+        ("grpo", {"delta": 1.1, "epsilon_high": 0.28}, "grpo.delta"),
+        ("grpo", {"max_new_tokens": 0}, "grpo.max_new_tokens"),
+        ("grpo", {"max_new_tokens": -4}, "grpo.max_new_tokens"),
+        ("grpo", {"overlong_buffer": 257, "max_new_tokens": 256}, "grpo.overlong_buffer"),
+        ("grpo", {"rewards": []}, "grpo.rewards"),
+        ("grpo", {"rewards": [{"weight": 1.0}]}, "grpo.rewards"),
+        ("grpo", {"rewards": [{"name": "format", "weight": math.inf}]}, "grpo.rewards"),
+        ("grpo", {"rewards": [{"name": "format", "scale": 2}]}, "grpo.rewards[0].scale"),
+        ("grpo", {"rewards": ["accuracy"]}, "grpo.rewards[0]"),
+        ("grpo", {"tis_cap": 2.0, "updates_per_rollout": 2}, "grpo.tis_cap"),
+        ("grpo", {"scale_rewards": "rank"}, "grpo.scale_rewards"),
+    ],
+)
+def test_bad_grpo_settings_are_refused_by_key(section, values, key):
+    data = {**GRPO_STAGE, section: {**GRPO_STAGE[section], **values}}
+    with pytest.raises(ConfigError) as error:
+        from_dict(data)
+    assert error.value.key == key and str(error.value).startswith(f"{key}: "), str(error.value)
+
+
+def test_a_grpo_stage_loads_with_lora_and_its_adapters_off_reference(tmp_path):
+    data = {
+        **GRPO_STAGE,
+        "lora": {"rank": 8},
+        "grpo": {
+            **GRPO_STAGE["grpo"],
+            "beta": 0.04,
+            "reference": "adapters_off",
+            "loss": "gspo",
+            "epsilon_high": 0.28,
+            "delta": 1.5,
+            "rewards": [{"name": "accuracy", "weight": 1.0}, {"name": "format", "weight": 0.1}],
+        },
+    }
+    cfg = from_dict(data)
+    assert cfg.grpo.reference == "adapters_off" and cfg.grpo.rewards[1].name == "format"
+    save_config(cfg, tmp_path / "resolved.yaml")
+    assert load_config(tmp_path / "resolved.yaml") == cfg

@@ -188,8 +188,9 @@ class DisjointBridge:
         self.dtype = dtype
         self.device = device
         self.plans: list[ExchangePlan] = []  # the step's, one per micro-batch
-        # DPO's reference tower on an encoder rank (`vlmcore.train.build.use_dpo`): (pixels, grids)
-        # -> (embeds, deepstack), run before the policy's tower on each micro-batch.
+        # A reference's tower on an encoder rank (DPO's, or GRPO's with a KL term:
+        # `vlmcore.train.build.use_reference`): (pixels, grids) -> (embeds, deepstack), run before
+        # the policy's tower on each micro-batch.
         self.reference_tower: Callable | None = None
 
     def encoder_rows(self) -> range:

@@ -32,6 +32,7 @@ from vlmcore.parallel.mesh import Meshes
 from vlmcore.parallel.parallelize import parallelize
 from vlmcore.train.checkpoint import ResumableData, load_model_weights
 from vlmcore.train.dpo import AdaptersOffReference, Context, DPOObjective, FrozenReference, Reference
+from vlmcore.train.grpo import GRPOObjective
 from vlmcore.train.objective import CrossEntropy
 from vlmcore.train.optim import build_optimizer, freeze
 from vlmcore.train.step import Step, VisionDummy, build_step
@@ -166,9 +167,10 @@ def load_start_weights(model: nn.Module, cfg: TrainConfig, rank: int) -> None:
 
 
 def build_reference(run: Run, load: bool = True, context: Context | None = None) -> FrozenReference:
-    """The DPO reference (`dpo.reference: copy`): the model built again, parallelized as the policy,
-    with the weights the stage starts from (on a resume too: the reference never trains), frozen.
-    Without `load`, random init (the memory estimate's fake run)."""
+    """The reference of DPO (`dpo.reference: copy`) and GRPO (`grpo.reference: frozen`): the model
+    built again, parallelized as the policy, with the weights the stage starts from (on a resume
+    too: the reference never trains), frozen. Without `load`, random init (the memory estimate's
+    fake run)."""
     cfg = run.cfg
     # Built on the meta device outside any fake mode, as the policy is (`build_meta_run`): the memory
     # estimate calls this under its fake mode, where a meta weight would be a fake tensor that the
@@ -226,14 +228,44 @@ def pairs_in_rows(cfg: TrainConfig) -> bool:
     return cfg.objective == "dpo"
 
 
+def rollout_in_rows(cfg: TrainConfig) -> bool:
+    """Whether the stage's rows are a rollout's completions (random data: each segment one)."""
+    return cfg.objective == "grpo"
+
+
 def use_objective(run: Run, load: bool = True) -> list[nn.Module]:
     """The run's step gets the stage's objective (`objective`; `make_step`'s is SFT's). Returns the
-    models it holds beside the policy (the memory estimate counts their weights): DPO's reference
-    copy, else none. `load`: the reference's weights (see `build_reference`)."""
+    models it holds beside the policy (the memory estimate counts their weights): DPO's or GRPO's
+    reference copy, else none. `load`: the reference's weights (see `build_reference`)."""
+    reference = None
     if run.cfg.objective == "dpo":
         reference = use_dpo(run, load)
-        return [] if reference.model is run.model else [reference.model]
-    return []
+    elif run.cfg.objective == "grpo":
+        reference = use_grpo(run, load)
+    return [] if reference is None or reference.model is run.model else [reference.model]
+
+
+def context_of(run: Run) -> Context | None:
+    """Under context parallelism, this rank's chunk of the rows and its cp group: a sequence's
+    log-probability over its chunks."""
+    if run.context is None:
+        return None
+    return Context(run.context["cp_rank"], run.context["cp"], run.meshes.cp().get_group())
+
+
+def use_reference(run: Run, kind: str, load: bool, context: Context | None) -> "Reference":
+    """The stage's reference: the policy itself with its LoRA adapters off (`kind` adapters_off),
+    or a frozen copy of the starting weights (`load`: see `build_reference`). Under disjoint
+    layouts an encoder rank runs its tower, which the bridge sends."""
+    if kind == "adapters_off":
+        reference: Reference = AdaptersOffReference(
+            run.model, run.cfg.loss_chunk_tokens, run.step.vision_dummy, context
+        )
+    else:
+        reference = build_reference(run, load, context)
+    if run.role == "vision":
+        run.bridge.reference_tower = reference_tower(reference)
+    return reference
 
 
 def use_dpo(run: Run, load: bool = True) -> "Reference":
@@ -242,15 +274,8 @@ def use_dpo(run: Run, load: bool = True) -> "Reference":
     LoRA adapters off. Returns the reference."""
     cfg = run.cfg
     dims = run.layout.data.dims
-    context = None
-    if run.context is not None:  # context parallelism: a sequence's log-probability over its chunks
-        context = Context(run.context["cp_rank"], run.context["cp"], run.meshes.cp().get_group())
-    if cfg.dpo.reference == "adapters_off":
-        reference: Reference = AdaptersOffReference(run.model, cfg.loss_chunk_tokens, run.step.vision_dummy, context)
-    else:
-        reference = build_reference(run, load, context)
-    if run.role == "vision":  # disjoint layouts: an encoder rank runs the reference's tower, the bridge sends it
-        run.bridge.reference_tower = reference_tower(reference)
+    context = context_of(run)
+    reference = use_reference(run, cfg.dpo.reference, load, context)
     run.step.objective = DPOObjective(
         reference,
         cfg.dpo.beta,
@@ -258,6 +283,35 @@ def use_dpo(run: Run, load: bool = True) -> "Reference":
         cfg.loss_chunk_tokens,
         cfg.parallel.compile,
         peers=dims.tp * dims.cp,
+        context=context,
+    )
+    return reference
+
+
+def use_grpo(run: Run, load: bool = True) -> "Reference | None":
+    """The run's step trains on a rollout's completions (vlmcore.train.grpo), with a reference
+    (`grpo.reference`, see `use_reference`) only when the KL penalty weighs (`grpo.beta` > 0).
+    Returns the reference, or None."""
+    cfg = run.cfg
+    grpo = cfg.grpo
+    context = context_of(run)
+    reference = use_reference(run, grpo.reference, load, context) if grpo.beta > 0 else None
+    run.step.objective = GRPOObjective(
+        grpo.loss,
+        grpo.epsilon_low,
+        grpo.epsilon_high,
+        grpo.temperature,
+        grpo.max_new_tokens,
+        grpo.beta,
+        reference,
+        kl_ratio_weighted=grpo.kl_ratio_weighted,
+        delta=grpo.delta,
+        tis_cap=grpo.tis_cap,
+        chunk_tokens=cfg.loss_chunk_tokens,
+        compiled=cfg.parallel.compile,
+        # Every sum is over tokens, each context-parallel rank's over its own chunk's: the
+        # tensor-parallel peers alone hold the same ones.
+        tp=run.layout.data.dims.tp,
         context=context,
     )
     return reference
@@ -341,6 +395,7 @@ def build_data(
             video_frames=cfg.data.video_frames,
             pairs=pairs_in_rows(cfg),
             num_workers=cfg.num_workers,
+            rollout=rollout_in_rows(cfg),
         )
     from vlmcore.data.load.loader import build_loader
 

@@ -13,9 +13,10 @@ The loss is the sigmoid DPO loss with conservative label smoothing (the DPO pape
 with the implicit rewards beta * (policy - reference) of each side, their margin and whether the
 chosen side's reward is the larger (the accuracy).
 
-The reference is an object with one method, `logps(batch)`, the per-segment log-probabilities of
-a batch without gradients: here a frozen copy of the policy at the stage's start; with LoRA, the
-same model with its adapters switched off fits the same slot.
+The reference is an object with two methods, `logps(batch)`, the per-segment log-probabilities
+of a batch without gradients, and `token_logps(batch)`, each label token's (GRPO's KL penalty,
+vlmcore.train.grpo): here a frozen copy of the policy at the stage's start; with LoRA, the same
+model with its adapters switched off fits the same slot.
 """
 
 from collections.abc import Callable
@@ -59,9 +60,17 @@ def segment_logps(
     parallelism (`context`) the tokens are this rank's chunk of each row, `cu_seqlens` the whole
     rows', and the sums this chunk's part of each segment's."""
     token_logps = chunked_token_logps(hidden, weight, labels, chunk_tokens, compiled)
+    segment = token_segments(labels, cu_seqlens, context)
+    sums = torch.zeros(len(cu_seqlens) - 1, dtype=token_logps.dtype, device=token_logps.device)
+    return sums.index_add(0, segment, token_logps)
+
+
+def token_segments(labels: torch.Tensor, cu_seqlens: torch.Tensor, context: Context | None = None) -> torch.Tensor:
+    """(tokens,) the segment of each token of `labels` (B, S), flattened, by the whole rows'
+    `cu_seqlens`; under context parallelism the tokens are this rank's chunk of each row."""
     length = labels.shape[-1]
     rows = labels.numel() // length
-    device = token_logps.device
+    device = labels.device
     cu_seqlens = cu_seqlens.to(device)
     # Each token's place in the flattened whole rows (its chunk's offset under context parallelism).
     positions = torch.arange(length, device=device, dtype=cu_seqlens.dtype)
@@ -69,9 +78,7 @@ def segment_logps(
         positions = positions + context.cp_rank * length
         length *= context.cp
     tokens = (torch.arange(rows, device=device, dtype=cu_seqlens.dtype)[:, None] * length + positions).reshape(-1)
-    segment = torch.searchsorted(cu_seqlens[1:], tokens, right=True)
-    sums = torch.zeros(len(cu_seqlens) - 1, dtype=token_logps.dtype, device=device)
-    return sums.index_add(0, segment, token_logps)
+    return torch.searchsorted(cu_seqlens[1:], tokens, right=True)
 
 
 def model_segment_logps(
@@ -89,11 +96,18 @@ def model_segment_logps(
 
 
 class Reference(Protocol):
-    """What DPO needs of its reference policy."""
+    """What DPO and GRPO need of their reference policy."""
 
     def logps(self, batch: Batch, embeds: Callable[[], VisionEmbeds] | None = None) -> torch.Tensor:
         """(segments,) log-probabilities of the device batch's segments, without gradients.
         `embeds`: under disjoint layouts, receives the reference tower's image embeddings."""
+        ...
+
+    def token_logps(
+        self, batch: Batch, embeds: Callable[[], VisionEmbeds] | None = None, temperature: float = 1.0
+    ) -> torch.Tensor:
+        """(tokens,) log-probability of each label token of the device batch (0 where no label) at
+        the sampling `temperature`, without gradients; under context parallelism this rank's chunk's."""
         ...
 
 
@@ -117,21 +131,35 @@ class FrozenReference:
         self.vision_dummy = vision_dummy
         self.context = context
 
-    @torch.no_grad()
-    def logps(self, batch: Batch, embeds: Callable[[], VisionEmbeds] | None = None) -> torch.Tensor:
+    def hidden(self, batch: Batch, embeds: Callable[[], VisionEmbeds] | None) -> torch.Tensor:
+        """The reference model's final hidden states of the device batch."""
         if self.vision_dummy is not None:
             self.vision_dummy.active = not batch.has_visual
         received = embeds() if embeds is not None else None
-        logps = model_segment_logps(self.model, batch, self.chunk_tokens, self.context, received)
+        return forward_hidden(self.model, batch, received)
+
+    @torch.no_grad()
+    def logps(self, batch: Batch, embeds: Callable[[], VisionEmbeds] | None = None) -> torch.Tensor:
+        hidden = self.hidden(batch, embeds)
+        head = self.model.lm_head.weight
+        logps = segment_logps(hidden, head, batch.labels, batch.cu_seqlens, self.chunk_tokens, self.context)
         if self.context is not None:  # the whole sequences': their chunks' parts summed
             dist.all_reduce(logps, group=self.context.group)
         return logps
 
+    @torch.no_grad()
+    def token_logps(
+        self, batch: Batch, embeds: Callable[[], VisionEmbeds] | None = None, temperature: float = 1.0
+    ) -> torch.Tensor:
+        # logits / T = (hidden / T) @ W^T: the temperature goes into the hidden states (see vlmcore.train.grpo).
+        hidden = self.hidden(batch, embeds) / temperature
+        return chunked_token_logps(hidden, self.model.lm_head.weight, batch.labels, self.chunk_tokens)
+
 
 class AdaptersOffReference(FrozenReference):
-    """The reference of a LoRA stage (`dpo.reference: adapters_off`): the policy's own model with
-    its adapters switched off, which is the stage's frozen starting weights. It holds no second
-    copy of the model, so a LoRA DPO stage needs the memory of one model, not two."""
+    """The reference of a LoRA stage (`dpo.reference` or `grpo.reference: adapters_off`): the
+    policy's own model with its adapters switched off, which is the stage's frozen starting weights.
+    It holds no second copy of the model, so a LoRA stage needs the memory of one model, not two."""
 
     def __init__(
         self,
@@ -147,9 +175,11 @@ class AdaptersOffReference(FrozenReference):
         self.vision_dummy = vision_dummy
         self.context = context
 
-    def logps(self, batch: Batch, embeds: Callable[[], VisionEmbeds] | None = None) -> torch.Tensor:
+    def hidden(self, batch: Batch, embeds: Callable[[], VisionEmbeds] | None) -> torch.Tensor:
+        # The LM head has no adapter (config: lora.targets must not match lm_head), so the hidden
+        # states are all that the adapters change.
         with adapters_disabled(self.model):
-            return super().logps(batch, embeds)
+            return super().hidden(batch, embeds)
 
 
 @dataclass

@@ -42,7 +42,7 @@ from vlmcore.models.moe import grouped_mm
 from vlmcore.parallel.checks import check_run
 from vlmcore.parallel.compile import apply_compile
 from vlmcore.parallel.layout import RunLayout
-from vlmcore.train.build import Run, build_meta_run, pairs_in_rows, use_objective
+from vlmcore.train.build import Run, build_meta_run, pairs_in_rows, rollout_in_rows, use_objective
 from vlmcore.train.random_data import RandomBatches
 from vlmcore.train.step import to_device
 
@@ -461,6 +461,7 @@ def _estimate_rank(
                     video_fraction=1.0 if video_frames else 0.0,
                     video_frames=video_frames or 1,
                     pairs=pairs_in_rows(cfg),
+                    rollout=rollout_in_rows(cfg),
                 )
             )
         )

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from transformers import PretrainedConfig
 
+from vlmcore.data import IGNORE_INDEX
 from vlmcore.data.load.batch import Batch
 from vlmcore.models.flops import llm_flops, vision_flops
 from vlmcore.train.objective import Objective
@@ -57,14 +58,24 @@ def batch_flops(config: PretrainedConfig, batch: Batch) -> tuple[float, float]:
 def global_counts(
     host_micro: list[Batch], model_config: PretrainedConfig, peers: int, datasets: Sequence[str] = ()
 ) -> dict:
-    """Label tokens, samples, tokens, FLOPs and bad samples of the global batch, summed over the
-    ranks on the host (gloo: no GPU wait); `peers`: ranks that hold the same batch (tp x cp), hence the division.
+    """Label tokens, samples, tokens, FLOPs, bad samples, preference pairs and a rollout's
+    completions of the global batch, summed over the ranks on the host (gloo: no GPU wait);
+    `peers`: ranks that hold the same batch (tp x cp), hence the division.
     `datasets`: the names of a blend's datasets (the same on every rank), whose rows are counted
     under `dataset_rows` in the same all-reduce."""
     flops = [batch_flops(model_config, b) for b in host_micro]
     skipped = sum((Counter(b.skipped_samples) for b in host_micro), Counter())
     rows_of = Counter(name for b in host_micro for name in b.row_datasets)
-    keys = ("label_tokens", "samples", "tokens", "llm_flops", "vision_flops", "skipped_samples", "pairs")
+    keys = (
+        "label_tokens",
+        "samples",
+        "tokens",
+        "llm_flops",
+        "vision_flops",
+        "skipped_samples",
+        "pairs",
+        "completions",
+    )
     counts = torch.tensor(
         [
             sum(b.label_tokens for b in host_micro),
@@ -74,6 +85,7 @@ def global_counts(
             sum(f[1] for f in flops),
             sum(skipped.values()),
             sum(len(b.pairs) for b in host_micro if b.pairs is not None),  # preference pairs (DPO)
+            sum(completions(b) for b in host_micro if b.rollout is not None),  # a rollout's completions (GRPO)
             *(rows_of[name] for name in datasets),
         ],
         dtype=torch.float64,
@@ -90,6 +102,14 @@ def global_counts(
         by_reason = sum(map(Counter, gathered), Counter())
         counts["skipped_samples_by_reason"] = {name: n // peers for name, n in sorted(by_reason.items())}
     return counts
+
+
+def completions(batch: Batch) -> int:
+    """The segments of a host batch with a label token: a rollout batch's completions (each one
+    segment, its prompt then its completion, the labels on the completion)."""
+    labelled = (batch.labels.reshape(-1) != IGNORE_INDEX).nonzero()[:, 0]
+    segment = torch.searchsorted(batch.cu_seqlens[1:].long(), labelled, right=True)
+    return len(segment.unique())
 
 
 def peak_mem_gb(device: torch.device) -> float:

@@ -12,13 +12,14 @@ draw a row (its tokens, its image's patches, its M-RoPE positions: 3.5% of the 2
 on an H200), which is not what the packed loader costs.
 """
 
+import math
 from collections.abc import Iterator
 
 import torch
 from transformers import PretrainedConfig
 
 from vlmcore.data import IGNORE_INDEX
-from vlmcore.data.load.batch import Batch, Images
+from vlmcore.data.load.batch import Batch, Images, Rollout
 from vlmcore.data.load.order import rows_of
 from vlmcore.data.load.stream import micro_batch_loader
 
@@ -41,9 +42,13 @@ class RandomBatches:
         video_frames: int = 2,
         pairs: bool = False,
         num_workers: int = 0,
+        rollout: bool = False,
     ) -> None:
         """`pairs`: each row's consecutive segments are preference pairs (DPO), (0, 1), (2, 3), ...
-        `num_workers`: the DataLoader's worker processes (0: the batches are made in this one)."""
+        `num_workers`: the DataLoader's worker processes (0: the batches are made in this one).
+        `rollout`: each segment is a rollout's completion (GRPO, `Batch.rollout`): at each label a
+        uniform policy's log-probability, -log(vocabulary), and the advantages +1 and -1 by turns
+        over the segments."""
         self.config = model_config
         self.text = getattr(model_config, "text_config", model_config)
         self.vision = getattr(model_config, "vision_config", None)
@@ -56,6 +61,7 @@ class RandomBatches:
         self.video_fraction = video_fraction
         self.video_frames = video_frames  # frame groups per video
         self.pairs = pairs
+        self.rollout = rollout
         self.dp_rank = dp_rank
         self.dp_world = dp_world
         self.accum = grad_accum_steps
@@ -113,6 +119,8 @@ class RandomBatches:
         )
         if self.pairs:
             batch.pairs = torch.arange(len(lengths)).reshape(-1, 2)
+        if self.rollout:
+            batch.rollout = self._rollout(batch.labels, lengths)
         if self.vision is not None:
             for name in ("images", "videos"):
                 parts = [row[name] for row in rows if row[name] is not None]
@@ -173,6 +181,14 @@ class RandomBatches:
                     patches = int(torch.tensor(kind_grids).prod(-1).sum())
                     row[name] = (torch.randn(patches, patch_dim, generator=g), kind_grids)
         return row
+
+    def _rollout(self, labels: torch.Tensor, lengths: list[int]) -> Rollout:
+        """The rows' segments as completions of a rollout (`rollout` in __init__)."""
+        labelled = labels != IGNORE_INDEX
+        old_logps = torch.where(labelled, -math.log(self.text.vocab_size), 0.0)
+        signs = torch.tensor([1.0, -1.0]).repeat((len(lengths) + 1) // 2)[: len(lengths)]
+        advantages = signs.repeat_interleave(torch.tensor(lengths)).view(labels.shape) * labelled
+        return Rollout(old_logps.float(), advantages.float())
 
     def _image_span(self) -> int:
         """Tokens of one image: vision start, the merged patches, vision end."""
