@@ -403,6 +403,9 @@ class GRPOConfig:
         "the completion's reward",
         factory=list,
     )
+    reward_workers: int = setting(
+        2, "objective grpo: processes of each rank that compute the rewards, apart from the trainer", ge=1
+    )
     reward_timeout_s: float = setting(10.0, "objective grpo: seconds a reward function may take per completion", gt=0)
     tis_cap: float = setting(
         0.0,

@@ -355,7 +355,7 @@ def build_rollout_data(run: Run, scorer: "Scorer | None", rank: int, world: int)
         seq_len=cfg.data.seq_len,
         dynamic_sampling=grpo.dynamic_sampling,
         overlong_buffer=grpo.overlong_buffer,
-        overlong_factor=grpo.overlong_penalty,
+        overlong_factor=grpo.overlong_factor,
     )
     tokenizer = prompts.encoder.tokenizer
     return RolloutData(

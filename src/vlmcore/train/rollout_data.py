@@ -255,6 +255,8 @@ class RolloutData:
             "generator": self.generator.get_state(),
             # Between two updates of a rollout, the rollout itself: the weights that sampled it are gone.
             "current": batches_to_bytes(self.current) if between_updates else b"",
+            # and its figures, which the steps after the resume log again
+            "rollout_metrics": json.dumps(self.last_metrics).encode(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -262,6 +264,7 @@ class RolloutData:
         self.taken = int(state["taken"])
         self.generator.set_state(state["generator"])
         self.current = batches_from_bytes(state["current"]) if state["current"] else []
+        self.last_metrics = json.loads(bytes(state["rollout_metrics"]).decode())
         if not self.current:
             self.taken = self.grad_accum_steps * self.plan.updates_per_rollout  # the next take makes a rollout
 
