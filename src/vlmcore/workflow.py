@@ -136,9 +136,16 @@ def _stage_data_problems(config: dict, name: str, stage: dict) -> list[str]:
         given = "both are given" if "dataset" in stage else "neither is given"
         return [f"{key}: give dataset (one packed dataset) or datasets (a weighted mix of them); {given}"]
     if "dataset" in stage:
-        if stage["dataset"] in datasets:
-            return []
-        return [f"{key}.dataset: {stage['dataset']!r} is not in data.datasets ({', '.join(datasets)})"]
+        if stage["dataset"] not in datasets:
+            return [f"{key}.dataset: {stage['dataset']!r} is not in data.datasets ({', '.join(datasets)})"]
+        if stage.get("objective") == "grpo" and not _holds_prompts(datasets[stage["dataset"]]):
+            return [
+                f"{key}.dataset: objective grpo samples its own completions of prompts, but {stage['dataset']!r} "
+                "has sources other than `prompts:` ones (data/prepare/prompts.py)"
+            ]
+        return []
+    if stage.get("objective") == "grpo":
+        return [f"{key}.datasets: objective grpo takes one prompt dataset (dataset), not a mix"]
     mix = stage["datasets"]
     problems = [
         f"{key}.datasets: {dataset!r} is not in data.datasets ({', '.join(datasets)})"
@@ -158,6 +165,11 @@ def _stage_data_problems(config: dict, name: str, stage: dict) -> list[str]:
             "a stage trains on pairs (objective dpo) or on samples, not both"
         ]
     return []
+
+
+def _holds_prompts(dataset: dict) -> bool:
+    """Whether a dataset of data.datasets is made of RL prompts only (`prompts:` sources)."""
+    return all(source.startswith("prompts:") for source in dataset["sources"])
 
 
 def _holds_pairs(dataset: dict) -> bool:

@@ -244,8 +244,29 @@ def preference_data(config):
             lambda c: c["scaling"].update(dataset={"captions": 1}),
             "scaling.dataset: {'captions': 1} is not of type 'string'",
         ),
+        (
+            stage("stage2", objective="grpo"),
+            "train.stages.stage2.dataset: objective grpo samples its own completions of prompts, but "
+            "'conversations' has sources other than `prompts:` ones (data/prepare/prompts.py)",
+        ),
+        (
+            lambda c: stage("stage2", objective="grpo")(mixed(c, {"captions": 1, "conversations": 1})),
+            "train.stages.stage2.datasets: objective grpo takes one prompt dataset (dataset), not a mix",
+        ),
     ],
-    ids=["negative", "empty", "zero_sum", "unknown", "both", "neither", "common", "pairs_and_samples", "scaling"],
+    ids=[
+        "negative",
+        "empty",
+        "zero_sum",
+        "unknown",
+        "both",
+        "neither",
+        "common",
+        "pairs_and_samples",
+        "scaling",
+        "grpo_on_samples",
+        "grpo_on_a_mix",
+    ],
 )
 def test_a_bad_mix_is_refused_naming_the_key(mutate, line):
     """A mix is refused before any job, one line naming the key; the scaling runs take one dataset
