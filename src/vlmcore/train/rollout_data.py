@@ -39,6 +39,7 @@ from torch import nn
 
 from vlmcore.data.load.batch import Batch, Images, Rollout
 from vlmcore.generate import SamplingSettings
+from vlmcore.train.checkpoint import CheckpointError
 from vlmcore.train.rollout import Completion, group_advantages, overlong_penalty, rollout, rollout_batch, uniform_groups
 
 if TYPE_CHECKING:  # the prompts' encoder needs the image processor, which a trainer of packed rows never imports
@@ -271,7 +272,7 @@ class RolloutData:
     def seek(self, rows: int) -> None:
         """Under another layout: go on from the rollouts a run of that many steps made. `rows` is
         the steps' rows (vlmcore.train.state), so for GRPO the steps alone say where the stream is."""
-        raise ValueError(
+        raise CheckpointError(
             "a GRPO stage resumes only on the layout that wrote its checkpoint (its rollouts' sampling "
             "generators are per data-parallel rank); resume with the same parallel settings"
         )
