@@ -107,3 +107,21 @@ def test_a_resumed_grpo_stage_equals_the_uninterrupted_one(grpo_runs, cut):
     weights = load_dcp(grpo_runs / f"resumed{cut}" / "final")
     for key, value in ref_weights.items():
         torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_the_report_shows_a_grpo_stages_rollouts(grpo_runs, tmp_path):
+    """`vlmcore report` on the stage: its GRPO table row (first and final reward, the first updates'
+    rollout-training gap) and its plot of reward, KL, gap, length and clipping."""
+    from PIL import Image
+
+    from vlmcore.report.scaling import write_report
+
+    md = write_report(tmp_path / "report", train={"grpo": grpo_runs / "reference"}).read_text()
+    section = md.split("## GRPO", 1)[1].split("\n## ", 1)[0]
+    row = next(line for line in section.splitlines() if line.startswith("| grpo |"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    metrics = read_metrics(grpo_runs / "reference")
+    assert cells[1] == str(STEPS) and float(cells[2]) == pytest.approx(metrics[0]["reward_mean"], abs=1e-3)
+    assert float(cells[5]) < 1e-5  # the policy samples itself: no gap on a rollout's first update
+    plot = tmp_path / "report" / "plots" / "grpo_grpo.png"
+    assert Image.open(plot).size[0] > 600

@@ -1,6 +1,12 @@
-# The image demo also writes preference pairs on its images (DPO data, and their held-out half).
+# The image demo also writes preference pairs on its images (DPO data, and their held-out half)
+# and RL prompts on them (GRPO data, and theirs).
 SYNTH_PREFERENCE = (
-    {"preference": f"{R}/raw/preference.jsonl", "preference_eval": f"{R}/raw/preference_eval.jsonl"}
+    {
+        "preference": f"{R}/raw/preference.jsonl",
+        "preference_eval": f"{R}/raw/preference_eval.jsonl",
+        "prompts": f"{R}/raw/prompts.jsonl",
+        "prompts_eval": f"{R}/raw/prompts_eval.jsonl",
+    }
     if config["data"].get("synthetic", {}).get("kind") == "image"
     else {}
 )

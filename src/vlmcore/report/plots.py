@@ -294,6 +294,46 @@ def plot_dpo_curves(stage: str, metrics: pd.DataFrame, path: Path) -> Path:
     return _save(fig, path)
 
 
+def plot_grpo_curves(stage: str, metrics: pd.DataFrame, path: Path) -> Path:
+    """A GRPO stage's rollout and update metrics over its steps: the mean reward (and each reward's),
+    the KL to the reference (with a reference), the rollout-training gap (mean |rollout - training|
+    log-probability: 0 up to rounding on each rollout's first update), the completion length,
+    and the shares of tokens clipped below and above."""
+    fig = Figure(figsize=(12, 8))
+    reward_ax, kl_ax, gap_ax, length_ax, clip_ax, truncated_ax = fig.subplots(2, 3, sharex=True).ravel()
+    steps = metrics["step"]
+
+    def values(key: str) -> pd.Series:
+        return pd.to_numeric(metrics[key], errors="coerce")
+
+    _raw_and_mean(reward_ax, steps, values("reward_mean"), "C0", "reward")
+    for i, key in enumerate(k for k in metrics.columns if k.startswith("reward_mean/")):
+        _raw_and_mean(reward_ax, steps, values(key), f"C{i + 5}", key.removeprefix("reward_mean/"))
+    reward_ax.set_ylabel("Mean reward of the rollout's completions")
+    if "grpo_kl" in metrics:
+        _raw_and_mean(kl_ax, steps, values("grpo_kl"), "C1", "KL to the reference (k3)")
+    kl_ax.set_ylabel("KL to the reference")
+    _raw_and_mean(gap_ax, steps, values("grpo_logp_gap"), "C2", "mean |old - new| log p")
+    gap_ax.set_ylabel("Rollout-training log-probability gap")
+    _raw_and_mean(length_ax, steps, values("completion_length_mean"), "C3", "completion length")
+    length_ax.set_ylabel("Tokens per completion")
+    _raw_and_mean(clip_ax, steps, values("grpo_clip_low"), "C4", "clipped low")
+    _raw_and_mean(clip_ax, steps, values("grpo_clip_high"), "C8", "clipped high")
+    clip_ax.yaxis.set_major_formatter(PercentFormatter(xmax=1))
+    clip_ax.set_ylabel("Share of completion tokens clipped")
+    _raw_and_mean(truncated_ax, steps, values("truncated_fraction"), "C9", "cut at max_new_tokens")
+    truncated_ax.yaxis.set_major_formatter(PercentFormatter(xmax=1))
+    truncated_ax.set_ylabel("Share of completions truncated")
+    for ax in (reward_ax, kl_ax, gap_ax, length_ax, clip_ax, truncated_ax):
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=9)
+    for ax in (length_ax, clip_ax, truncated_ax):
+        ax.set_xlabel("Optimizer step")
+    fig.suptitle(f"GRPO stage {stage}: rollouts and updates")
+    return _save(fig, path)
+
+
 # Up to this many ranks get a line each in the per-rank plot; more are drawn as their median and range.
 RANK_LINES = 16
 

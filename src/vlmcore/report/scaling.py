@@ -13,8 +13,9 @@ Output directory:
   layouts.csv            predicted step time of each per-module layout, per training stage with
                          module times (vlmcore.report.layouts)
   plots/*.png            scaling_throughput, scaling_efficiency, scaling_flops, scaling_memory,
-                         training_curves, dpo_<stage> (each DPO stage), rank_times_<run> (each
-                         stage or scaling run that gathered per-rank step times), eval_summary
+                         training_curves, dpo_<stage> (each DPO stage), grpo_<stage> (each GRPO
+                         stage), rank_times_<run> (each stage or scaling run that gathered
+                         per-rank step times), eval_summary
   SCALABILITY.md         tables, plots, hardware and the exact settings of every run
 """
 
@@ -125,6 +126,20 @@ DPO_MD_COLUMNS = {
     "dpo_margin": ("margin", ".4f"),
     "dpo_accuracy": ("accuracy", ".3f"),
 }
+# GRPO stages (metrics.jsonl has the rollout's figures of vlmcore.train.rollout_data and the
+# objective's of vlmcore.train.grpo): the first and the final value (the mean of the last
+# GRPO_FINAL_STEPS steps) of each.
+GRPO_FINAL_STEPS = 10
+GRPO_MD_COLUMNS = {
+    "stage": ("stage", ""),
+    "steps": ("steps", "d"),
+    "first_reward": ("first reward", ".3f"),
+    "final_reward": ("final reward", ".3f"),
+    "grpo_kl": ("KL to the reference", ".4f"),
+    "first_update_gap": ("rollout-training gap, first updates", ".2e"),
+    "completion_length_mean": ("completion tokens", ".2f"),
+    "clipped": ("clipped tokens", ".3f"),
+}
 # Stages on a mix of datasets (metrics.jsonl has data_mix_rows: vlmcore.train.metrics_log.mix_metrics).
 MIX_MD_COLUMNS = {
     "stage": ("stage", ""),
@@ -202,6 +217,48 @@ def dpo_section(stages: dict[str, pd.DataFrame], out: Path) -> list[str]:
     for stage, metrics in dpo_stages.items():
         plots.plot_dpo_curves(stage, metrics, out / f"plots/dpo_{stage}.png")
         md += [f"![DPO stage {stage}: loss, rewards, margin and accuracy](plots/dpo_{stage}.png)", ""]
+    return md
+
+
+def grpo_summary(stage: str, metrics: pd.DataFrame) -> dict:
+    """A GRPO stage's row of the GRPO table."""
+
+    def values(key: str) -> pd.Series:
+        return pd.to_numeric(metrics[key], errors="coerce") if key in metrics else pd.Series([float("nan")])
+
+    first_updates = metrics["rollouts"].diff().fillna(1) > 0  # each rollout's first step
+    return {
+        "stage": stage,
+        "steps": int(metrics["step"].iloc[-1]),
+        "first_reward": float(values("reward_mean").iloc[0]),
+        "final_reward": float(values("reward_mean").tail(GRPO_FINAL_STEPS).mean()),
+        "grpo_kl": float(values("grpo_kl").tail(GRPO_FINAL_STEPS).mean()),
+        "first_update_gap": float(values("grpo_logp_gap")[first_updates].max()),
+        "completion_length_mean": float(values("completion_length_mean").tail(GRPO_FINAL_STEPS).mean()),
+        "clipped": float((values("grpo_clip_low") + values("grpo_clip_high")).tail(GRPO_FINAL_STEPS).mean()),
+    }
+
+
+def grpo_section(stages: dict[str, pd.DataFrame], out: Path) -> list[str]:
+    """Plots each GRPO stage's rollout and update metrics (plots/grpo_<stage>.png); returns the
+    markdown of the GRPO section (empty without GRPO stages)."""
+    grpo_stages = {stage: m for stage, m in stages.items() if "reward_mean" in m and "grpo_ratio" in m}
+    if not grpo_stages:
+        return []
+    md = [
+        "## GRPO",
+        "",
+        "Per GRPO stage, its rollouts' mean reward (first step, and the mean of the last "
+        f"{GRPO_FINAL_STEPS}), the KL to the reference, the largest rollout-training log-probability gap on a "
+        "rollout's first update (rounding: the policy samples itself), the completion length and the share of "
+        "completion tokens whose ratio was clipped (docs/post-training.md).",
+        "",
+        markdown_table([grpo_summary(stage, m) for stage, m in grpo_stages.items()], GRPO_MD_COLUMNS),
+        "",
+    ]
+    for stage, metrics in grpo_stages.items():
+        plots.plot_grpo_curves(stage, metrics, out / f"plots/grpo_{stage}.png")
+        md += [f"![GRPO stage {stage}: reward, KL, gap, length, clipping](plots/grpo_{stage}.png)", ""]
     return md
 
 
@@ -431,6 +488,7 @@ def write_report(
             "",
         ]
         md += dpo_section(stages, out)
+        md += grpo_section(stages, out)
         md += mix_section(stages, train)
         layout_md, layout_rows = layout_section(
             {stage: (m, settings_of(train[stage])) for stage, m in stages.items()}, warmup_steps, cluster
