@@ -364,7 +364,7 @@ GRPO_STAGE = {
     "output_dir": "o",
     "data": {"kind": "random"},
     "objective": "grpo",
-    "grpo": {"rewards": [{"name": "accuracy", "weight": 1.0}]},
+    "grpo": {"rewards": [{"name": "exact_match", "weight": 1.0}]},
 }
 
 
@@ -387,7 +387,7 @@ GRPO_STAGE = {
         ("grpo", {"rewards": [{"weight": 1.0}]}, "grpo.rewards"),
         ("grpo", {"rewards": [{"name": "format", "weight": math.inf}]}, "grpo.rewards"),
         ("grpo", {"rewards": [{"name": "format", "scale": 2}]}, "grpo.rewards[0].scale"),
-        ("grpo", {"rewards": ["accuracy"]}, "grpo.rewards[0]"),
+        ("grpo", {"rewards": ["exact_match"]}, "grpo.rewards[0]"),
         ("grpo", {"tis_cap": 2.0, "updates_per_rollout": 2}, "grpo.tis_cap"),
         ("grpo", {"scale_rewards": "rank"}, "grpo.scale_rewards"),
     ],
@@ -410,7 +410,7 @@ def test_a_grpo_stage_loads_with_lora_and_its_adapters_off_reference(tmp_path):
             "loss": "gspo",
             "epsilon_high": 0.28,
             "delta": 1.5,
-            "rewards": [{"name": "accuracy", "weight": 1.0}, {"name": "format", "weight": 0.1}],
+            "rewards": [{"name": "exact_match", "weight": 1.0}, {"name": "format", "weight": 0.1}],
         },
     }
     cfg = from_dict(data)

@@ -223,7 +223,7 @@ def test_fsdp2_on_2_ranks_trains_as_one_process(tmp_path):
             steps=4,
             grad_accum_steps=grad_accum_steps,
             objective="grpo",
-            grpo={"loss": loss, "beta": 0.04, "rewards": [{"name": "accuracy", "weight": 1.0}]},
+            grpo={"loss": loss, "beta": 0.04, "rewards": [{"name": "exact_match", "weight": 1.0}]},
             optimizer={"lr": 1.0e-2, "weight_decay": 0.0, "eps": 1.0e-6},
             data={"kind": "random", "seq_len": 48, "segments": 3, "image_fraction": 0.5},
             checkpoint={"enabled": False},

@@ -341,7 +341,7 @@ def test_the_train_step_built_from_the_config_gives_trls_loss(
         "max_new_tokens": MAX_NEW_TOKENS,
         "epsilon_low": EPSILON_LOW,
         "epsilon_high": EPSILON_HIGH,
-        "rewards": [{"name": "accuracy", "weight": 1.0}],
+        "rewards": [{"name": "exact_match", "weight": 1.0}],
         **grpo,
     }
     config = write_config(

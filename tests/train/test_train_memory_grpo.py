@@ -22,7 +22,7 @@ def test_a_grpo_stage_with_a_kl_term_adds_the_references_weights(tmp_path):
         tmp_path / "out",
         data={"kind": "random", "seq_len": 96, "segments": 2},
         objective="grpo",
-        grpo={"rewards": [{"name": "accuracy", "weight": 1.0}]},
+        grpo={"rewards": [{"name": "exact_match", "weight": 1.0}]},
     )
     model = build_model(str(snapshot), device="meta")
     reference_weights = 4 * sum(p.numel() for p in model.parameters())  # fp32, as the policy's

@@ -45,7 +45,12 @@ class StageRewards:
 
 def open_rewards(cfg: TrainConfig) -> StageRewards | None:
     """The stage's rewards, or None for a stage without (any objective but grpo). A reward that
-    does not resolve raises `ConfigError` naming its key, before the model is built."""
+    does not resolve raises `ConfigError` naming its key, before the model is built. On random data
+    (engine tests, benchmarks: the rollouts are random rows, vlmcore.train.random_data) nothing is
+    scored, so the names are checked and no worker starts."""
     if cfg.objective != "grpo":
+        return None
+    if cfg.data.kind == "random":
+        check_rewards(cfg.grpo.rewards, "grpo.rewards")
         return None
     return StageRewards(cfg)
