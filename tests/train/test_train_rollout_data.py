@@ -110,3 +110,41 @@ def test_rollout_batches_round_trip_through_safetensors_bytes(setup):
     back = batches_from_bytes(batches_to_bytes(batches))
     assert all(same_batch(a, b) and a.num_samples == b.num_samples for a, b in zip(batches, back))
     assert back[0].images.kind == "image" and back[0].images.normalize is None
+
+
+def test_a_grpo_update_on_a_rollout_moves_the_policy_toward_the_rewarded_completions(setup):
+    """One small step down the GRPO loss of a rollout's micro-batch raises the log-probability of
+    the tokens of completions with a positive advantage and lowers those with a negative one."""
+    from vlmcore.train.grpo import GRPOObjective
+    from vlmcore.train.loss import chunked_token_logps
+    from vlmcore.train.step import forward_hidden
+
+    _, model = setup
+    data = make_data(setup, updates_per_rollout=1)
+    batch = next(data)
+    head = model.lm_head.weight
+    objective = GRPOObjective("dapo", 0.2, 0.28, temperature=1.0, max_new_tokens=5)
+
+    def label_logps():
+        with torch.no_grad():
+            return chunked_token_logps(forward_hidden(model, batch), head, batch.labels)
+
+    before = label_logps()
+    loss, _ = objective.loss(forward_hidden(model, batch), head, batch, None)
+    model.zero_grad()
+    loss.backward()
+    saved = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= 1e-3 * p.grad / (p.grad.norm() + 1e-12)
+    moved = label_logps() - before
+    with torch.no_grad():  # the module's model is shared by the other tests: put it back
+        for name, p in model.named_parameters():
+            p.copy_(saved[name])
+        model.zero_grad()
+    labelled = (batch.labels != -100).flatten()
+    moved = moved.flatten()[labelled]  # the token log-probabilities come flat, over the rows' positions
+    advantages = batch.rollout.advantages.flatten()[labelled]
+    assert (advantages > 0).any() and (advantages < 0).any()
+    assert moved[advantages > 0].mean() > 0 > moved[advantages < 0].mean()
