@@ -34,9 +34,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from vlmcore.data.prepare.preference import is_preference_row, preference_row_to_sample
-from vlmcore.data.prepare.prompts import is_prompt_row, prompt_row_to_sample
-from vlmcore.data.prepare.samples import DEFAULT_MAX_VIDEO_SECONDS, row_to_sample
+from vlmcore.data.prepare.preference import is_preference_row, preference_messages
+from vlmcore.data.prepare.prompts import is_prompt_row, prompt_sample
+from vlmcore.data.prepare.samples import DEFAULT_MAX_VIDEO_SECONDS, row_to_sample, sample_with_media
 from vlmcore.data.prepare.sources import SOURCE_KINDS, ImageFiles, parse_source, read_rows
 from vlmcore.data.quality import BadDataLog, BadSample, DataError, TooMuchBadData
 from vlmcore.data.shards import ShardWriter, energon_prepare
@@ -109,12 +109,16 @@ def prepare(
             log.seen += 1
             try:
                 check_source_kind(row, kind)
-                to_sample = row_to_sample
+                sample_of = None  # a conversation, a caption or a text document: row_to_sample
                 if kind == "prompts" or (kind is None and is_prompt_row(row)):
-                    to_sample = prompt_row_to_sample
+                    sample_of = prompt_sample
                 elif is_preference_row(row):
-                    to_sample = preference_row_to_sample
-                sample, sample_images, videos = to_sample(row, files, max_image_pixels, log, where, max_video_seconds)
+                    sample_of = preference_messages
+                media_args = (files, max_image_pixels, log, where, max_video_seconds)
+                if sample_of is None:
+                    sample, sample_images, videos = row_to_sample(row, *media_args)
+                else:
+                    sample, sample_images, videos = sample_with_media(sample_of, row, *media_args)
             except BadSample as e:
                 log.skip(e.reason, where, e.detail)
                 continue

@@ -17,15 +17,10 @@ is the rejected one: the pair can teach nothing).
 """
 
 from vlmcore.data.prepare.samples import (
-    DEFAULT_MAX_VIDEO_SECONDS,
     normalise_messages,
     normalise_turn,
-    row_media,
-    row_refs,
-    video_refs_of,
 )
-from vlmcore.data.prepare.sources import ImageFiles
-from vlmcore.data.quality import BadDataLog, BadSample
+from vlmcore.data.quality import BadSample
 
 SIDES = ("chosen", "rejected")
 PREFERENCE_FIELDS = SIDES
@@ -113,20 +108,3 @@ def preference_sides(sample: dict) -> list[dict]:
         {"messages": sample["messages"], "answer_from": answer_from},
         {"messages": prompt + sample["rejected"], "answer_from": answer_from},
     ]
-
-
-def preference_row_to_sample(
-    row: dict,
-    files: ImageFiles,
-    max_image_pixels: int,
-    log: BadDataLog,
-    where: str,
-    max_video_seconds: float = DEFAULT_MAX_VIDEO_SECONDS,
-) -> tuple[dict, list, list]:
-    """One preference row -> (sample json, [(image bytes, ext)], [([(video bytes, ext)], metadata)]),
-    as `vlmcore.data.prepare.samples.row_to_sample` for a conversation; raises BadSample."""
-    sample, repairs = preference_messages(row, len(row_refs(row, "image")), len(video_refs_of(row)))
-    images, videos = row_media(row, files, max_image_pixels, log, where, max_video_seconds)
-    for repair in repairs:
-        log.repair(repair, where)
-    return sample, images, videos

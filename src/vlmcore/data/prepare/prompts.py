@@ -22,15 +22,10 @@ import json
 import math
 
 from vlmcore.data.prepare.samples import (
-    DEFAULT_MAX_VIDEO_SECONDS,
     add_missing_tags,
     normalise_turn,
-    row_media,
-    row_refs,
-    video_refs_of,
 )
-from vlmcore.data.prepare.sources import ImageFiles
-from vlmcore.data.quality import BadDataLog, BadSample
+from vlmcore.data.quality import BadSample
 
 QUESTION_FIELDS = ("question", "prompt")
 # The row's fields that are not passed on to the rewards: the prompt, the answer and the media.
@@ -103,23 +98,6 @@ def prompt_sample(row: dict, num_images: int, num_videos: int) -> tuple[dict, li
         "reward_fields": reward_fields,
     }
     return sample, repairs
-
-
-def prompt_row_to_sample(
-    row: dict,
-    files: ImageFiles,
-    max_image_pixels: int,
-    log: BadDataLog,
-    where: str,
-    max_video_seconds: float = DEFAULT_MAX_VIDEO_SECONDS,
-) -> tuple[dict, list, list]:
-    """One prompt row -> (sample json, [(image bytes, ext)], [([(video bytes, ext)], metadata)]),
-    as `vlmcore.data.prepare.samples.row_to_sample` for a conversation; raises BadSample."""
-    sample, repairs = prompt_sample(row, len(row_refs(row, "image")), len(video_refs_of(row)))
-    images, videos = row_media(row, files, max_image_pixels, log, where, max_video_seconds)
-    for repair in repairs:
-        log.repair(repair, where)
-    return sample, images, videos
 
 
 def prompt_of(sample: dict) -> tuple[list[dict], str, dict]:

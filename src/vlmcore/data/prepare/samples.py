@@ -2,6 +2,8 @@
 `<video>` tags), its images checked (and repaired to RGB where safe), its videos probed; or a
 plain text document. A row that cannot be used raises BadSample with the reason."""
 
+from collections.abc import Callable
+
 from vlmcore.data.media.image import check_image
 from vlmcore.data.media.video import MIN_VIDEO_FRAMES, check_video
 from vlmcore.data.prepare.sources import ImageFiles, image_bytes
@@ -169,11 +171,34 @@ def row_to_sample(
     if messages is None:
         return text_document(row, len(refs), len(video_refs)), [], []
 
-    messages, repairs = normalise_messages(messages, len(refs), len(video_refs))
+    def conversation(row: dict, num_images: int, num_videos: int) -> tuple[dict, list[str]]:
+        normalised, repairs = normalise_messages(messages, num_images, num_videos)
+        return {"messages": normalised}, repairs
+
+    return sample_with_media(conversation, row, files, max_image_pixels, log, where, max_video_seconds)
+
+
+# A row's stored sample, from the row and its counts of images and videos: (sample json, repairs made).
+SampleOf = Callable[[dict, int, int], tuple[dict, list[str]]]
+
+
+def sample_with_media(
+    sample_of: SampleOf,
+    row: dict,
+    files: ImageFiles,
+    max_image_pixels: int,
+    log: BadDataLog,
+    where: str,
+    max_video_seconds: float = DEFAULT_MAX_VIDEO_SECONDS,
+) -> tuple[dict, list, list]:
+    """One row -> (sample json, [(image bytes, ext)], [([(video bytes, ext)], metadata)]): the sample
+    `sample_of` makes of it (a conversation, a preference pair, an RL prompt), its images and videos
+    checked (`row_media`), the repairs logged; raises BadSample."""
+    sample, repairs = sample_of(row, len(row_refs(row, "image")), len(video_refs_of(row)))
     images, videos = row_media(row, files, max_image_pixels, log, where, max_video_seconds)
     for repair in repairs:
         log.repair(repair, where)
-    return {"messages": messages}, images, videos
+    return sample, images, videos
 
 
 def row_media(
