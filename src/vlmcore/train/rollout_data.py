@@ -270,8 +270,8 @@ class RolloutData:
             self.taken = self.grad_accum_steps * self.plan.updates_per_rollout  # the next take makes a rollout
 
     def seek(self, rows: int) -> None:
-        """Under another layout: go on from the rollouts a run of that many steps made. `rows` is
-        the steps' rows (vlmcore.train.state), so for GRPO the steps alone say where the stream is."""
+        """A resume under another layout than the checkpoint's (the only caller of `seek`): refused,
+        since each data-parallel rank's sampling generator would be another's."""
         raise CheckpointError(
             "a GRPO stage resumes only on the layout that wrote its checkpoint (its rollouts' sampling "
             "generators are per data-parallel rank); resume with the same parallel settings"
