@@ -259,7 +259,12 @@ class DataConfig:
     kind: Literal["packed", "random"] = setting(
         "packed", "packed: data_path is a packed Energon dataset; random: synthetic rows (benchmarks, engine tests)"
     )
-    seq_len: int = setting(256, "random: tokens per row", ge=2)
+    seq_len: int = setting(
+        256,
+        "random: tokens per row; objective grpo: tokens of a rollout row (a prompt and its completion; the "
+        "workflow sets it to pack.seq_len)",
+        ge=2,
+    )
     segments: int = setting(2, "random: samples packed per row", ge=1)
     image_fraction: float = setting(0.5, "random, VL models: share of rows that carry an image", ge=0, le=1)
     image_side: int = setting(2, "random, VL models: merged patches per side of an image (side**2 LLM tokens)", ge=1)
@@ -616,6 +621,13 @@ def _grpo_rules() -> list[Rule]:
             "must be frozen unless lora.rank > 0 (adapters_off is the base of a LoRA stage)",
             when=lambda c: not _lora_stage(c),
             must=lambda reference, c: reference == "frozen",
+        ),
+        Rule(
+            "grpo.max_new_tokens",
+            "must be < data.seq_len when objective is grpo on packed prompts (a rollout row holds its prompt "
+            "and its completion)",
+            when=lambda c: _grpo_stage(c) and c.data.kind == "packed",
+            must=lambda max_new_tokens, c: max_new_tokens < c.data.seq_len,
         ),
         Rule(
             "grpo.overlong_buffer",

@@ -490,6 +490,9 @@ class Experiment:
         init_from = settings.pop("init_from", None)
         for launch_key in ("nodes", "runtime_minutes", "eval_tasks"):
             settings.pop(launch_key, None)
+        if settings.get("objective") == "grpo":
+            # A rollout row holds a prompt and its completion: as long as the packed rows, unless the stage says.
+            settings["data"] = {"seq_len": self.config["pack"]["seq_len"], **settings.get("data", {})}
         settings.update(
             model_path=self.path("model"),
             data_path=self.stage_data(stage),

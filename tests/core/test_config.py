@@ -368,6 +368,14 @@ GRPO_STAGE = {
 }
 
 
+def test_a_grpo_stage_on_prompts_without_room_for_a_prompt_is_refused_by_key():
+    data = {**GRPO_STAGE, "data_path": "d", "data": {"seq_len": 256}, "grpo": {**GRPO_STAGE["grpo"]}}
+    assert from_dict({**data, "grpo": {**data["grpo"], "max_new_tokens": 255}}).grpo.max_new_tokens == 255
+    with pytest.raises(ConfigError) as error:
+        from_dict({**data, "grpo": {**data["grpo"], "max_new_tokens": 256}})
+    assert error.value.key == "grpo.max_new_tokens", str(error.value)
+
+
 @pytest.mark.parametrize(
     "section, values, key",
     [
@@ -382,7 +390,7 @@ GRPO_STAGE = {
         ("grpo", {"delta": 1.1, "epsilon_high": 0.28}, "grpo.delta"),
         ("grpo", {"max_new_tokens": 0}, "grpo.max_new_tokens"),
         ("grpo", {"max_new_tokens": -4}, "grpo.max_new_tokens"),
-        ("grpo", {"overlong_buffer": 257, "max_new_tokens": 256}, "grpo.overlong_buffer"),
+        ("grpo", {"overlong_buffer": 129, "max_new_tokens": 128}, "grpo.overlong_buffer"),
         ("grpo", {"rewards": []}, "grpo.rewards"),
         ("grpo", {"rewards": [{"weight": 1.0}]}, "grpo.rewards"),
         ("grpo", {"rewards": [{"name": "format", "weight": math.inf}]}, "grpo.rewards"),

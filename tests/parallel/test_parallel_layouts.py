@@ -390,3 +390,25 @@ def test_global_batch_rows_that_do_not_fit_are_refused_naming_the_key(settings, 
     with pytest.raises(ConfigError) as e:
         check_run(cfg, world)
     assert str(e.value) == message and e.value.key == message.split(":")[0]
+
+
+def test_a_grpo_stage_whose_rollout_rows_exceed_the_models_context_is_refused_naming_data_seq_len():
+    """grpo.max_new_tokens < data.seq_len is the config's rule; the row within the model's context
+    (max_position_embeddings 512 in the tiny Qwen3-VL) is check_run's, before any work."""
+    from vlmcore.tiny import hf_config
+
+    stage = {
+        "model_path": "m",
+        "data_path": "d",
+        "output_dir": "o",
+        "objective": "grpo",
+        "grpo": {"max_new_tokens": 64, "rewards": [{"name": "exact_match"}]},
+    }
+    model_config = hf_config("qwen3_vl")
+    assert check_run(from_dict({**stage, "data": {"seq_len": 512}}), 1, model_config).world_size == 1
+    with pytest.raises(ConfigError) as e:
+        check_run(from_dict({**stage, "data": {"seq_len": 1024}}), 1, model_config)
+    assert e.value.key == "data.seq_len" and str(e.value) == (
+        "data.seq_len: 1024 tokens a rollout row (a prompt and grpo.max_new_tokens 64) exceed the qwen3_vl "
+        "model's context (max_position_embeddings 512)"
+    )

@@ -278,6 +278,19 @@ def test_a_bad_mix_is_refused_naming_the_key(mutate, line):
     assert f"\n  {line}" in str(err.value), str(err.value)
 
 
+def test_a_grpo_stages_rollout_rows_are_as_long_as_the_packed_rows_unless_the_stage_says():
+    config = demo_config()
+    config["data"]["datasets"]["prompts"] = {"sources": ["prompts:{raw}/prompts.jsonl"]}
+    config["train"]["stages"]["stage2"].update(
+        dataset="prompts", objective="grpo", grpo={"rewards": [{"name": "exact_match"}]}
+    )
+    exp = Experiment(validate_config(config, SCHEMA))
+    assert exp.stage_config("stage2")["data"] == {"seq_len": config["pack"]["seq_len"]}
+    assert "data" not in exp.stage_config("stage1")
+    config["train"]["stages"]["stage2"]["data"] = {"seq_len": 300}
+    assert Experiment(validate_config(config, SCHEMA)).stage_config("stage2")["data"] == {"seq_len": 300}
+
+
 def test_scaling_runs_cut_a_warmup_longer_than_their_steps():
     exp = Experiment(validate_config(demo_config(), SCHEMA))
     assert exp.stage_config("stage2")["schedule"]["warmup_steps"] == 20

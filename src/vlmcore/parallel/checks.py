@@ -127,6 +127,8 @@ def check_model(cfg: TrainConfig, layout: RunLayout, config: ModelConfig) -> Non
             "for lora.experts to adapt (else nothing would train)",
             "lora.targets",
         )
+    if cfg.objective == "grpo":
+        check_rollout_context(cfg, config)
     check_ep(config, layout.language.dims.ep)
     if layout.language.dims.cp > 1:
         check_cp_model(config, model, layout.language.dims.cp, layout.language.dims.tp)
@@ -134,6 +136,19 @@ def check_model(cfg: TrainConfig, layout: RunLayout, config: ModelConfig) -> Non
         check_tp(config, layout.language.dims.tp)
     if model.vision and layout.vision.dims.tp > 1:
         check_vision_tp(config, layout.vision.dims.tp)
+
+
+def check_rollout_context(cfg: TrainConfig, config: ModelConfig) -> None:
+    """A GRPO stage's rollout rows (data.seq_len tokens: a prompt and up to grpo.max_new_tokens
+    sampled after it) must fit the model's context, or the decoder would refuse at the first rollout."""
+    context = getattr(text_config(config), "max_position_embeddings", None)
+    if context is not None and cfg.data.seq_len > context:
+        raise ConfigError(
+            f"data.seq_len: {cfg.data.seq_len} tokens a rollout row (a prompt and grpo.max_new_tokens "
+            f"{cfg.grpo.max_new_tokens}) exceed the {config.model_type} model's context "
+            f"(max_position_embeddings {context})",
+            "data.seq_len",
+        )
 
 
 def text_config(config: ModelConfig) -> ModelConfig:
