@@ -8,7 +8,10 @@ dtypes, no data) over a fake process group, and counts the bytes of every live t
 torch's FSDP2 memory tracker: the peak is what rank 0 holds at its fullest moment, by kind.
 The step holds the optimizer state from its start, as every step after a run's first does.
 A DPO stage's step includes its reference's forward and, with `dpo.reference: copy`, the
-reference's weights (sharded as the policy's, counted as sharded parameters).
+reference's weights (sharded as the policy's, counted as sharded parameters). A GRPO stage's
+step is estimated so on rows of rollout completions, and its rollout beside it (`rollout_memory`:
+the states kept between steps, the weights gathered for the rollout, the generation cache of
+the rank's prompts x group_size rows, the prefill); the stage's peak is the larger of the two.
 
 It counts tensor bytes, what `torch.cuda.max_memory_allocated` reports: not the caching
 allocator's reserve, the CUDA context or kernel workspaces. It runs AdamW one weight at a
@@ -184,7 +187,65 @@ def estimate_stage(
     segments = cfg.data.segments if cfg.data.kind == "random" else 1
     if pairs_in_rows(cfg):  # a row of pairs holds at least one pair, both sides
         segments = max(segments, 2)
-    return estimate_memory(cfg, world_size, seq_len, image_side, segments=segments, video_frames=video_frames)
+    result = estimate_memory(cfg, world_size, seq_len, image_side, segments=segments, video_frames=video_frames)
+    if cfg.objective == "grpo":
+        result["rollout"] = rollout_memory(cfg, result)
+        result["step_peak_bytes"] = result["peak_bytes"]
+        result["peak_bytes"] = max(result["peak_bytes"], result["rollout"]["peak_bytes"])
+    return result
+
+
+# Kept between steps, and so beside a rollout: the weights' shards (a frozen reference's too), the
+# buffers and the optimizer state. Gradients are freed by the step's zero_grad.
+RESIDENT = ("Sharded Param", "Parameter", "Buffer", "OptState")
+
+
+def rollout_memory(cfg: TrainConfig, step: dict) -> dict:
+    """A GRPO stage's rollout on one rank (train/rollout.py), from its step's estimate `step`:
+    - resident: what the step keeps between steps (RESIDENT);
+    - gathered_weights: under FSDP2 (dp_shard > 1) the policy's weights gathered once for the whole
+      rollout, in the compute dtype, each rank's tensor-parallel share;
+    - cache: the generation cache (vlmcore.generate.cache.cache_bytes) of the rank's rows, its share
+      of grpo.prompts_per_step times grpo.group_size, each of data.seq_len tokens at most (a prompt
+      and grpo.max_new_tokens);
+    - prefill: the forward of the rank's prompts without gradients (their packed tokens, each prompt
+      up to data.seq_len - max_new_tokens), bounded by the step's activations per token, which a
+      forward keeps for its backward (a superset of what one without gradients holds at once);
+    - decode: one decoding step's fp32 logits over the vocabulary, the sampling's copies of them.
+    The peak is resident + gathered_weights + cache + the larger of prefill and decode."""
+    from vlmcore.generate.cache import cache_bytes
+    from vlmcore.models import build_model
+
+    grpo = cfg.grpo
+    data_parallel = step["dp_replicate"] * step["dp_shard"]
+    prompts = math.ceil(grpo.prompts_per_step / data_parallel)
+    rows = prompts * grpo.group_size
+    dtype = getattr(torch, cfg.precision.param_dtype)
+    size = torch.empty((), dtype=dtype).element_size()
+    text_config = load_hf_config(cfg.model_path).get_text_config()
+    kinds = step["peak_bytes_by_kind"]
+    resident = sum(kinds.get(kind, 0) for kind in RESIDENT)
+    gathered = 0
+    if step["dp_shard"] > 1:
+        weights = sum(p.numel() for p in build_model(cfg.model_path, device="meta").parameters())
+        gathered = weights * size // step["tp"]
+    cache = cache_bytes(text_config, rows, cfg.data.seq_len, dtype, tp=step["tp"])
+    step_tokens = step["micro_batch_size"] * step["seq_len"]
+    prompt_tokens = prompts * (cfg.data.seq_len - grpo.max_new_tokens)
+    activations = kinds.get("Activation", 0) + kinds.get("Temp", 0)
+    prefill = math.ceil(activations * prompt_tokens / step_tokens)
+    decode = 3 * rows * text_config.vocab_size * 4
+    return dict(
+        prompts=prompts,
+        rows=rows,
+        tokens=cfg.data.seq_len,
+        resident_bytes=resident,
+        gathered_weights_bytes=gathered,
+        cache_bytes=cache,
+        prefill_bytes=prefill,
+        decode_bytes=decode,
+        peak_bytes=resident + gathered + cache + max(prefill, decode),
+    )
 
 
 def check_fit(
@@ -211,6 +272,20 @@ def check_fit(
     result["fits"] = result["peak_bytes"] <= usable and host_problem is None
     if result["peak_bytes"] <= usable:
         return host_problem
+    rollout = result.get("rollout")
+    if rollout and rollout["peak_bytes"] > result["step_peak_bytes"]:
+        parts = {
+            k.removesuffix("_bytes"): rollout[k] for k in ("gathered_weights_bytes", "cache_bytes", "prefill_bytes")
+        }
+        return (
+            f"estimated rollout peak {rollout['peak_bytes'] / 2**30:.1f} GiB per GPU does not fit in "
+            f"{usable / 2**30:.1f} GiB ({gpu_memory_gib:g} GiB GPU, {headroom:.0%} kept free; the train step "
+            f"needs {result['step_peak_bytes'] / 2**30:.1f}); largest: "
+            + ", ".join(f"{k} {n / 2**30:.1f} GiB" for k, n in sorted(parts.items(), key=lambda kv: -kv[1])[:2])
+            + f". Try: fewer rows a rank ({rollout['rows']} now: grpo.prompts_per_step or grpo.group_size), "
+            f"shorter rollout rows (data.seq_len {rollout['tokens']}), more data-parallel ranks, or tensor parallel"
+            + (f". Also the {host_problem}" if host_problem else "")
+        )
     kinds = result["peak_bytes_by_kind"]
     states = sum(kinds.get(k, 0) for k in ("Sharded Param", "Sharded Grad", "OptState"))
     fixes = []
@@ -678,6 +753,15 @@ def format_table(result: dict) -> str:
         f"{'host memory':<16}{result.get('host_bytes', 0) / scale:>{width}.2f}"
         + (" (" + ", ".join(f"{k} {n / scale:.2f}" for k, n in host.items()) + ")" if host else "")
     )
+    if "rollout" in result:
+        r = result["rollout"]
+        lines.append(
+            f"rollout (grpo)  {r['peak_bytes'] / scale:>{width}.2f} ({r['prompts']} prompts x group = {r['rows']} rows "
+            f"of {r['tokens']} tokens: resident {r['resident_bytes'] / scale:.2f}, gathered weights "
+            f"{r['gathered_weights_bytes'] / scale:.2f}, cache {r['cache_bytes'] / scale:.2f}, prefill "
+            f"{r['prefill_bytes'] / scale:.2f}, decode {r['decode_bytes'] / scale:.2f}); the peak is the larger "
+            "of the step's total and this"
+        )
     if "modules" in result:
         lines.append(
             "modules: "
