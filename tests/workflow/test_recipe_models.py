@@ -19,7 +19,8 @@ RECIPES = sorted((REPO / "config" / "experiments").glob("*.yaml"))
 # the one-stage LoRA DPO ones.
 LORA_RECIPES = [r for r in RECIPES if "-lora-" in r.stem]
 DPO_RECIPES = [r for r in RECIPES if "-dpo-" in r.stem]
-FULL_RECIPES = [r for r in RECIPES if r not in LORA_RECIPES and r not in DPO_RECIPES]
+GRPO_RECIPES = [r for r in RECIPES if "-grpo-" in r.stem]
+FULL_RECIPES = [r for r in RECIPES if r not in LORA_RECIPES + DPO_RECIPES + GRPO_RECIPES]
 
 DRIVER = """
 import json, sys
@@ -98,7 +99,7 @@ def stages(tmp_path_factory):
 # The recipes whose memory estimates the `*_fits_*` tests check.
 MOE_MN5 = REPO / "config" / "experiments" / "qwen3vl-30b-a3b-mn5.yaml"
 MOE_OFFLOAD = REPO / "config" / "experiments" / "qwen3vl-30b-a3b-offload-jupiter.yaml"
-FIT_RECIPES = [*LORA_RECIPES, *DPO_RECIPES, MOE_MN5, MOE_OFFLOAD]
+FIT_RECIPES = [*LORA_RECIPES, *DPO_RECIPES, *GRPO_RECIPES, MOE_MN5, MOE_OFFLOAD]
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +247,38 @@ def test_dpo_recipe_fits_its_gpus(estimates, recipe):
     assert 8 * adapters / 4 <= row["peak_bytes_by_kind"]["OptState"] < 8 * adapters / 4 * 1.01 + 2**20
     # One model's weights: the frozen base (8.8B fp32 parameters over 4 GPUs, 8.2 GiB) and the adapters.
     assert row["peak_bytes_by_kind"]["Sharded Param"] < 9 * 2**30
+
+
+@pytest.mark.parametrize("recipe", GRPO_RECIPES, ids=lambda r: r.stem)
+def test_grpo_recipe_trains_the_whole_model_from_the_released_weights(stages, recipe):
+    """One GRPO stage of the full 8B model, FSDP over 8 GPUs on MareNostrum 5 (the step does not fit
+    4 of 64 GB) and over one JUPITER node's 4, no reference model."""
+    import yaml
+
+    stage = stages[f"{recipe.stem}/grpo"]
+    assert [key for key in stages if key.startswith(f"{recipe.stem}/")] == [f"{recipe.stem}/grpo"]
+    settings = yaml.safe_load(recipe.read_text())["train"]["stages"]["grpo"]
+    assert settings["objective"] == "grpo" and settings["grpo"]["beta"] == 0.0
+    assert [r["name"] for r in settings["grpo"]["rewards"]] == ["math"]
+    assert stage["ranks"] == {"mn5": 8, "jupiter": 4}[recipe.stem.rsplit("-", 1)[1]]
+    assert stage["tp"] == stage["cp"] == 1
+    assert stage["trainable"] == stage["params"] == pytest.approx(PARAMS["qwen3vl-8b"], rel=0.03)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", GRPO_RECIPES, ids=lambda r: r.stem)
+def test_grpo_recipe_fits_its_gpus(estimates, recipe):
+    """Each GRPO recipe's stage fits its cluster's GPU with 10% kept free, its train step and its
+    rollout: the rank's prompts x 5 rows of 2048 tokens in the generation cache (Qwen3-VL-8B in
+    bf16: 36 layers x 8 key-value heads x 128 x 2 x 2 bytes = 144 KiB a token), the weights
+    gathered for the rollout in bf16 (all 8.8B of them on each GPU)."""
+    rows = estimates[recipe.stem]
+    assert set(rows) == {"grpo"}
+    row = rows["grpo"]
+    cluster = recipe.stem.rsplit("-", 1)[1]
+    assert row["fits"] and row["gpu_memory_gib"] == {"mn5": 64, "jupiter": 96}[cluster]
+    rollout = row["rollout"]
+    assert rollout["rows"] == {"mn5": 20, "jupiter": 40}[cluster] and rollout["tokens"] == 2048
+    assert rollout["cache_bytes"] == rollout["rows"] * 2048 * 36 * 8 * 128 * 2 * 2
+    assert rollout["gathered_weights_bytes"] == pytest.approx(2 * PARAMS["qwen3vl-8b"], rel=0.03)
+    assert row["peak_bytes"] == max(row["step_peak_bytes"], rollout["peak_bytes"]) <= row["usable_bytes"]

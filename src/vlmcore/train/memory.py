@@ -209,8 +209,10 @@ def rollout_memory(cfg: TrainConfig, step: dict) -> dict:
       of grpo.prompts_per_step times grpo.group_size, each of data.seq_len tokens at most (a prompt
       and grpo.max_new_tokens);
     - prefill: the forward of the rank's prompts without gradients (their packed tokens, each prompt
-      up to data.seq_len - max_new_tokens), bounded by the step's activations per token, which a
-      forward keeps for its backward (a superset of what one without gradients holds at once);
+      up to data.seq_len - max_new_tokens), bounded by the step's saved activations per token: what
+      a forward keeps for its backward, every layer's (or with full checkpointing every layer's
+      input), against one layer's at a time without gradients. The step's temporaries (its
+      loss's logits chunks, the CPU attention's scores) are not the prefill's;
     - decode: one decoding step's fp32 logits over the vocabulary, the sampling's copies of them.
     The peak is resident + gathered_weights + cache + the larger of prefill and decode."""
     from vlmcore.generate.cache import cache_bytes
@@ -232,8 +234,7 @@ def rollout_memory(cfg: TrainConfig, step: dict) -> dict:
     cache = cache_bytes(text_config, rows, cfg.data.seq_len, dtype, tp=step["tp"])
     step_tokens = step["micro_batch_size"] * step["seq_len"]
     prompt_tokens = prompts * (cfg.data.seq_len - grpo.max_new_tokens)
-    activations = kinds.get("Activation", 0) + kinds.get("Temp", 0)
-    prefill = math.ceil(activations * prompt_tokens / step_tokens)
+    prefill = math.ceil(kinds.get("Activation", 0) * prompt_tokens / step_tokens)
     decode = 3 * rows * text_config.vocab_size * 4
     return dict(
         prompts=prompts,
