@@ -16,6 +16,8 @@
 #   bash benchmarks/gpu_session.sh post_training lora  # issue 41 item 7: the 2B's LoRA step vs peft
 #   bash benchmarks/gpu_session.sh post_training cost  # LoRA's optimizer step and checkpoint vs full
 #   bash benchmarks/gpu_session.sh post_training dpo   # the DPO step vs its FLOPs at the SFT rate
+#   bash benchmarks/gpu_session.sh grpo                # a GRPO step's rollout / rewards / reference /
+#                                                      # update split, the 2B shape, EasyR1's 64 x 5 a GPU
 #
 # post_training runs benchmarks/post_training.py on the 2B Qwen3-VL, compiled, one part a command
 # (each builds two to four 2B runs and compiles them; the full fine-tuning ones hold 16 bytes a
@@ -107,6 +109,14 @@ if [ "$family" = one_rank ]; then
         (cd "$out/one_rank_$path" && tar czf "profiles.tar.gz" profile_* && rm -r profile_*)
     done
     exit 0
+fi
+# A GRPO step of the 2B Qwen3-VL shape (random weights, bf16) through `vlmcore train`, EasyR1's
+# geometry3k setting scaled to one GPU: 64 prompts x 5 samples, answers up to 1024 tokens (a random
+# model rarely stops: the rollout's worst case), with and without a frozen reference. Not yet run
+# on a GPU; two stages of 1 warm-up and 2 measured steps each.
+if [ "$family" = grpo ]; then
+    exec python benchmarks/grpo_step.py --preset 2b --device cuda --prompts 64 --group-size 5 \
+        --max-new-tokens 1024 --steps 2 --warmup 1 --out "$out"
 fi
 if [ "$family" = post_training ]; then
     exec python benchmarks/post_training.py --preset 2b --compile --part "${2:-lora}" --out "$out"

@@ -25,6 +25,7 @@ per reward name, the failures by reason, completion lengths, truncated and dropp
 
 import io
 import json
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -140,6 +141,7 @@ class RolloutData:
             )
         was_training = self.model.training
         self.model.eval()
+        generation_start = time.perf_counter()
         with torch.no_grad():
             completions = rollout(
                 self.model,
@@ -150,7 +152,9 @@ class RolloutData:
                 self.tokenizer,
             )
         self.model.train(was_training)
+        reward_start = time.perf_counter()  # generation reads each token on the host: its work is done
         scores = self.scorer(rl_prompts, completions)
+        seconds = {"generation": reward_start - generation_start, "rewards": time.perf_counter() - reward_start}
         rewards = torch.tensor(scores.values, dtype=torch.float32)
         if plan.overlong_buffer:
             lengths = [c.length for c in completions]
@@ -163,7 +167,9 @@ class RolloutData:
         if plan.dynamic_sampling:
             signal = [i for i, uniform in enumerate(uniform_groups(rewards).tolist()) if not uniform]
             kept = signal or kept[:1]  # a rank keeps one group rather than none: its peers' collectives need it
-        self.last_metrics = self.rollout_sums(rl_prompts, completions, scores, rewards, len(rl_prompts) - len(kept))
+        self.last_metrics = self.rollout_sums(
+            rl_prompts, completions, scores, rewards, len(rl_prompts) - len(kept), seconds
+        )
         return self.micro_batches(rl_prompts, completions, advantages, kept)
 
     def micro_batches(
@@ -203,9 +209,12 @@ class RolloutData:
         scores: RewardScores,
         rewards: torch.Tensor,
         dropped: int,
+        seconds: dict[str, float],
     ) -> dict:
         """This rank's sums for `metrics` (added over the ranks there)."""
         sums = {
+            "generation_seconds": seconds["generation"],
+            "reward_seconds": seconds["rewards"],
             "completions": len(completions),
             "groups": len(rl_prompts),
             "reward": float(rewards.sum()),
@@ -238,6 +247,10 @@ class RolloutData:
             "truncated_fraction": total.get("truncated", 0) / completions,
             "dropped_group_fraction": total.get("dropped_groups", 0) / max(total.get("groups", 0), 1),
             "rollouts": self.rollouts,
+            # The last rollout's wall seconds, the mean over the data-parallel ranks: the policy's
+            # sampling, then the rewards' scoring (both inside the step's data_wait_s).
+            "rollout_generation_s": total.get("generation_seconds", 0) / self.dp_world,
+            "rollout_reward_s": total.get("reward_seconds", 0) / self.dp_world,
         }
         for key, value in total.items():
             if key.startswith("reward/"):
