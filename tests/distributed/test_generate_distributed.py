@@ -2,7 +2,8 @@
 process: FSDP2 with its weights gathered once for the rollout (the rollout strategy,
 generate/parallel.py) and per layer as in training, tensor parallelism 2 with and without
 sequence parallelism; Qwen3-VL with images and a video, Qwen3.5 (Gated DeltaNet), Qwen3 with tied
-embeddings (the output layer on the embedding's vocabulary shards under TP). Greedy tokens
+embeddings (the output layer on the embedding's vocabulary shards under TP); Qwen3-VL-MoE under
+expert parallelism 2 with different prompts on each rank, one rank stopping early. Greedy tokens
 equal, sampled tokens equal and their log-probabilities to 1e-5. Under FSDP2 and TP, GRPO's
 rollout (vlmcore.train.rollout) too: its completions equal one process's, and its batch through
 the parallel model's training forward gives back the recorded log-probabilities to 1e-5. One
@@ -99,6 +100,53 @@ def rollout_case(model, reference, prompts) -> dict:
     }
 
 
+def expert_parallel_case(root: Path) -> dict:
+    """Qwen3-VL-MoE under expert parallelism 2, each rank with prompts of its own (as the
+    data-parallel ranks of a rollout): rank 0's rows all stop by their second token (its stop
+    tokens), rank 1's run on to max_new_tokens, its MoE blocks' all-to-alls joined by rank 0's
+    stand-in row. Each rank's generations, greedy and GRPO's rollout, equal one process's of the
+    same prompts."""
+    import torch.distributed as dist
+    from helpers import mm_sample
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from vlmcore.generate import Prompt, SamplingSettings, generate
+    from vlmcore.models import build_model, from_pretrained, load_hf_weights
+    from vlmcore.parallel.expert_parallel import apply_ep
+    from vlmcore.train.rollout import rollout
+
+    path, rank = root / "qwen3_vl_moe", dist.get_rank()
+    generator = torch.Generator().manual_seed(10 + rank)
+    prompts = [Prompt(*mm_sample(items, generator)) for items in (PROMPTS[:2] if rank == 0 else PROMPTS)]
+    reference = from_pretrained(path, dtype=torch.float32, device="cpu").eval()
+    greedy = SamplingSettings(max_new_tokens=6)
+    if rank == 0:
+        greedy.stop_token_ids = sorted({g.tokens[1] for g in generate(reference, prompts, greedy)})
+    expected = generate(reference, prompts, greedy)
+    model = build_model(path, device="meta")
+    apply_ep(model, init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("ep",)))
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()
+    load_hf_weights(model, path)
+    model.eval()
+    got = generate(model, prompts, greedy)
+    sampled = SamplingSettings(max_new_tokens=6, temperature=ROLLOUT_TEMPERATURE, stop_token_ids=greedy.stop_token_ids)
+    rolled = rollout(model, prompts, 2, sampled, torch.Generator().manual_seed(4))
+    rolled_expected = rollout(reference, prompts, 2, sampled, torch.Generator().manual_seed(4))
+    return {
+        "greedy_equal": [g.tokens for g in got] == [e.tokens for e in expected],
+        "greedy_log_prob_diff": max(
+            abs(a - b) for g, e in zip(got, expected) for a, b in zip(g.log_probs, e.log_probs, strict=True)
+        ),
+        "sampled_equal": [c.tokens for c in rolled] == [e.tokens for e in rolled_expected],
+        "sampled_log_prob_diff": max(
+            abs(a - b) for c, e in zip(rolled, rolled_expected) for a, b in zip(c.logps, e.logps, strict=True)
+        ),
+        "longest": max(len(g.tokens) for g in got),
+    }
+
+
 def worker(root: Path) -> None:
     import torch.distributed as dist
     from helpers import mm_sample
@@ -139,6 +187,7 @@ def worker(root: Path) -> None:
             if strategy in ROLLOUT_STRATEGIES:
                 case.update(rollout_case(model, reference, prompts))
             report[f"{kind}-{strategy}-rank{dist.get_rank()}"] = case
+    report[f"qwen3_vl_moe-ep-rank{dist.get_rank()}"] = expert_parallel_case(root)
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, report)
     if dist.get_rank() == 0:
@@ -148,14 +197,20 @@ def worker(root: Path) -> None:
 
 def test_generation_on_fsdp2_and_tp_equals_one_process(tmp_path):
     from helpers import env
-    from transformers import Qwen3_5ForConditionalGeneration, Qwen3ForCausalLM, Qwen3VLForConditionalGeneration
+    from transformers import (
+        Qwen3_5ForConditionalGeneration,
+        Qwen3ForCausalLM,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeForConditionalGeneration,
+    )
 
-    from vlmcore.tiny import qwen3_5_config, qwen3_config, qwen3_vl_config
+    from vlmcore.tiny import qwen3_5_config, qwen3_config, qwen3_vl_config, qwen3_vl_moe_config
 
     for kind, hf_class, config in [
         ("qwen3_vl", Qwen3VLForConditionalGeneration, qwen3_vl_config()),
         ("qwen3_5", Qwen3_5ForConditionalGeneration, qwen3_5_config()),
         ("qwen3", Qwen3ForCausalLM, qwen3_config(tied=True)),
+        ("qwen3_vl_moe", Qwen3VLMoeForConditionalGeneration, qwen3_vl_moe_config()),
     ]:
         torch.manual_seed(0)
         hf_class(config).save_pretrained(tmp_path / kind)
@@ -163,8 +218,10 @@ def test_generation_on_fsdp2_and_tp_equals_one_process(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env())
     assert proc.returncode == 0, proc.stderr[-6000:]
     report = json.loads((tmp_path / "report.json").read_text())
-    assert len(report) == len(FAMILIES) * len(STRATEGIES) * 2
+    assert len(report) == (len(FAMILIES) * len(STRATEGIES) + 1) * 2
     assert sum("rollout_equal" in r for r in report.values()) == len(FAMILIES) * len(ROLLOUT_STRATEGIES) * 2
+    # Under expert parallelism rank 0 stopped early and joined rank 1's steps until its end.
+    assert report["qwen3_vl_moe-ep-rank0"]["longest"] <= 2 < report["qwen3_vl_moe-ep-rank1"]["longest"] == 6
     for case, r in report.items():
         assert r["greedy_equal"] and r["sampled_equal"], (case, r)
         assert r["greedy_log_prob_diff"] < 1e-5 and r["sampled_log_prob_diff"] < 1e-5, (case, r)

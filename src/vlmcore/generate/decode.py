@@ -26,6 +26,7 @@ from vlmcore.families import family
 from vlmcore.models import position_ids as model_position_ids
 
 from .cache import GenerationCache, cache_bytes, layer_types
+from .parallel import any_going, lockstep_group
 from .sampling import GenerationError, SamplingSettings, check_settings, next_tokens, policy_log_probs
 
 
@@ -138,7 +139,8 @@ def decode(
     if generator is None:
         generator = torch.Generator(device=device).manual_seed(settings.seed)
     mrope = family(model.config).positions == "mrope"
-    active = list(range(len(samples)))  # the sample of each row of the cache
+    lockstep = lockstep_group(model)  # expert parallelism: the ep group's ranks decode together
+    active: list[int | None] = list(range(len(samples)))  # the sample of each row; None: a stand-in row
     cache.start_decoding()
     for step in range(settings.max_new_tokens):
         tokens, log_probs = next_tokens(logits, settings, generator, blocked)
@@ -146,6 +148,8 @@ def decode(
         going = []
         chosen = zip(tokens.tolist(), log_probs.tolist(), policy.tolist())
         for row, (token, log_prob, policy_log_prob) in enumerate(chosen):
+            if active[row] is None:  # a stopped rank's stand-in for its peers' steps: nothing kept
+                continue
             sample = samples[active[row]]
             sample.tokens.append(token)
             sample.log_probs.append(log_prob)
@@ -155,13 +159,18 @@ def decode(
                 going.append(row)
             else:
                 sample.finish_reason = reason
-        if not going or step == settings.max_new_tokens - 1:
+        if step == settings.max_new_tokens - 1 or not any_going(bool(going), lockstep, device):
             return
+        stand_in = not going  # this rank's rows have stopped, not its ep peers': one row goes on, unkept
+        if stand_in:
+            going = [0]
         if len(going) < len(active):  # finished rows leave the batch
             index = torch.tensor(going, device=device)
             cache.select_rows(index)
             tokens, next_position = tokens[index], next_position[index]
             active = [active[row] for row in going]
+        if stand_in:
+            active = [None]
         # A generated token's M-RoPE axes are equal (text after the prompt's media).
         positions = next_position[None, :, None].expand(3, -1, 1) if mrope else next_position[:, None]
         with torch.no_grad():

@@ -12,11 +12,19 @@ all-gather. Gathered once, a rollout moves them once, and each rank's decoding r
 The gathered weights are FSDP2's own unsharded parameters (the buffers training unshards into,
 one block at a time), not a second copy of the model: the cost is holding the whole model
 unsharded for the rollout.
+
+Expert parallelism: every MoE block's forward is an all-to-all over the `ep` group, whose ranks
+hold different rows (EP is made of data-parallel ranks). So the ranks of an `ep` group decode in
+lockstep (`lockstep_group`): each step they agree whether any of them still has a row going
+(`any_going`), and a rank whose rows have all stopped joins its peers' steps with one row whose
+tokens are not kept, until all have stopped or reached max_new_tokens.
 """
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -52,3 +60,24 @@ def gathered_weights(model: nn.Module) -> Iterator[None]:
 def reshards_after_forward(unit: FSDPModule) -> bool:
     group = unit._get_fsdp_state()._fsdp_param_group
     return group is not None and group.post_forward_mesh_info is not None
+
+
+def lockstep_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The process group whose ranks must run every decoding step together: the `ep` group of the
+    model's MoE blocks under expert parallelism (their all-to-all dispatch); None otherwise."""
+    from vlmcore.models.moe import moe_blocks
+    from vlmcore.parallel.expert_parallel import AllToAllDispatch
+
+    for block in moe_blocks(model):
+        if isinstance(block.dispatch, AllToAllDispatch):
+            return block.dispatch.group
+    return None
+
+
+def any_going(going: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether this rank (no group) or any rank of `group` still has a row to decode."""
+    if group is None:
+        return going
+    flag = torch.tensor([int(going)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
