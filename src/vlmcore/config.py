@@ -402,6 +402,12 @@ class GRPOConfig:
     dynamic_sampling: bool = setting(
         False, "objective grpo: drop the groups whose rewards are all equal (no advantage, DAPO's dynamic sampling)"
     )
+    shuffle_rewards: bool = setting(
+        False,
+        "objective grpo, a control for benchmarks: each group's rewards permuted among its completions before "
+        "the advantages, so that they carry no information about which completion earned them (the logged "
+        "rewards stay the true ones)",
+    )
     rewards: list[RewardConfig] = setting(
         None,
         "objective grpo: the rewards, each {name, weight}: a function of the rewards registry and its weight in "

@@ -31,7 +31,7 @@ def setup(tmp_path_factory):
     return PromptSource(packed, seed=0), model
 
 
-def make_data(setup, updates_per_rollout=2, dynamic_sampling=False) -> RolloutData:
+def make_data(setup, updates_per_rollout=2, dynamic_sampling=False, shuffle_rewards=False) -> RolloutData:
     prompts, model = setup
     plan = RolloutPlan(
         prompts_per_step=4,
@@ -40,6 +40,7 @@ def make_data(setup, updates_per_rollout=2, dynamic_sampling=False) -> RolloutDa
         updates_per_rollout=updates_per_rollout,
         seq_len=256,
         dynamic_sampling=dynamic_sampling,
+        shuffle_rewards=shuffle_rewards,
     )
     return RolloutData(
         model,
@@ -87,6 +88,43 @@ def test_advantages_are_the_groups_centred_rewards_and_dynamic_sampling_drops_un
     for batch in batches:
         per_token = batch.rollout.advantages[batch.labels != -100]
         assert per_token.abs().max() < 2  # (r - mean) / (std + eps) of a group of three 0/1 rewards
+
+
+def completion_advantages(batches) -> list[float]:
+    """Each completion's advantage, in order: its first label's (a completion's labels share it)."""
+    out = []
+    for batch in batches:
+        labels, advantages = batch.labels.flatten(), batch.rollout.advantages.flatten()
+        starts = batch.cu_seqlens[:-1].long()
+        for start, end in zip(starts.tolist(), batch.cu_seqlens[1:].long().tolist()):
+            labelled = (labels[start:end] != -100).nonzero()
+            if len(labelled):
+                out.append(float(advantages[start + labelled[0, 0]]))
+    return out
+
+
+def test_the_shuffled_control_permutes_each_groups_advantages_and_logs_the_true_rewards(setup):
+    """grpo.shuffle_rewards (benchmarks' control): the same completions (the sampling is the same),
+    each group's advantages a permutation of the true ones, the logged rewards the true ones; a
+    resumed stream permutes as the uninterrupted one."""
+    true, control = (
+        make_data(setup, updates_per_rollout=1),
+        make_data(setup, updates_per_rollout=1, shuffle_rewards=True),
+    )
+    true_batches, control_batches = [next(true), next(true)], [next(control), next(control)]
+    assert [b.input_ids.tolist() for b in true_batches] == [b.input_ids.tolist() for b in control_batches]
+    assert control.metrics()["reward_mean"] == true.metrics()["reward_mean"]
+    expected, shuffled = completion_advantages(true_batches), completion_advantages(control_batches)
+    assert len(expected) == len(shuffled) == 4 * GROUP
+    for group in range(4):
+        part = slice(group * GROUP, (group + 1) * GROUP)
+        assert sorted(shuffled[part]) == pytest.approx(sorted(expected[part]))
+    assert shuffled != pytest.approx(expected)  # permuted somewhere over the four groups
+    resumed = make_data(setup, updates_per_rollout=1, shuffle_rewards=True)
+    resumed.load_state_dict(control.state_dict())
+    again = make_data(setup, updates_per_rollout=1, shuffle_rewards=True)
+    [next(again) for _ in range(2)]
+    assert all(same_batch(next(resumed), next(again)) for _ in range(2))
 
 
 def test_a_resume_between_two_updates_and_at_a_rollouts_end_continues_exactly(setup):

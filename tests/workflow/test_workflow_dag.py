@@ -190,6 +190,49 @@ def test_dpo_demo_adds_a_dpo_stage_to_the_demo(tmp_path):
     assert dpo["objective"] == "dpo" and dpo["init_from"] == "stage1" and dpo["dataset"] == "preference"
 
 
+def test_grpo_demo_and_an_sft_dpo_grpo_chain_plan_their_stages(tmp_path):
+    """config/demo-grpo.yaml, merged into the demo: the demo's DAG, plus the synthetic RL prompts
+    prepared as a `prompts:` source, a short SFT stage from stage1 and a `grpo` stage from it, both
+    evaluated on the held-out generated answers. With the DPO overlay and the grpo stage started
+    from the dpo stage's weights, train_all chains SFT -> DPO -> GRPO."""
+
+    def dry_run(*overlays: Path) -> str:
+        proc = snakemake(
+            "-n",
+            "-p",
+            "--profile",
+            str(REPO / "profiles/local"),
+            "--snakefile",
+            str(REPO / "Snakefile"),
+            "--configfile",
+            str(REPO / "config" / "config.yaml"),
+            *map(str, overlays),
+            "--directory",
+            str(tmp_path),
+            "train_all",
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    stdout = dry_run(REPO / "config" / "demo-grpo.yaml")
+    assert "--source prompts:results/demo/raw/prompts.jsonl" in stdout
+    for stage in ("sft_short", "grpo"):
+        assert f"--model results/demo/hf/{stage} --tasks demo_vqa_gen " in stdout
+    assert '"init_from": "results/demo/train/sft_short/final"' in stdout and '"objective": "grpo"' in stdout
+    stats = job_stats(stdout)
+    stats.pop("train_all", None)
+    more = {"prepare_data": 1, "pack_measure": 2, "pack_plan": 1, "pack_write": 2, "pack_data": 1}
+    more.update(train_stage=2, export_hf=2, evaluate=2)
+    assert stats == {rule: count + more.get(rule, 0) for rule, count in DEMO_JOBS.items()}, stats
+
+    chain = tmp_path / "chain.yaml"
+    chain.write_text(yaml.safe_dump({"train": {"stages": {"grpo": {"init_from": "dpo"}}}}))
+    stdout = dry_run(REPO / "config" / "demo-dpo.yaml", REPO / "config" / "demo-grpo.yaml", chain)
+    assert '"init_from": "results/demo/train/dpo/final"' in stdout and '"objective": "grpo"' in stdout
+    assert '"init_from": "results/demo/train/stage1/final"' in stdout and '"objective": "dpo"' in stdout
+    assert job_stats(stdout)["train_stage"] == DEMO_JOBS["train_stage"] + 3  # dpo, sft_short, grpo
+
+
 # A corpus of 100M samples (10,000 input shards of 10,000), on top of a cluster recipe: the measure
 # pass scattered over 32 CPU jobs, the writing over 16 (docs/hpc.md section 12).
 CORPUS_100M = {

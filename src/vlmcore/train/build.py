@@ -354,6 +354,7 @@ def build_rollout_data(run: Run, scorer: "Scorer | None", rank: int, world: int)
         updates_per_rollout=grpo.updates_per_rollout,
         seq_len=cfg.data.seq_len,
         dynamic_sampling=grpo.dynamic_sampling,
+        shuffle_rewards=grpo.shuffle_rewards,
         overlong_buffer=grpo.overlong_buffer,
         overlong_factor=grpo.overlong_factor,
     )

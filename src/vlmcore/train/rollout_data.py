@@ -71,6 +71,7 @@ class RolloutPlan:
     updates_per_rollout: int = 1
     seq_len: int = 4096  # a micro-batch row's tokens (a prompt and its completion must fit one)
     dynamic_sampling: bool = False
+    shuffle_rewards: bool = False  # a control: each group's rewards permuted before the advantages
     overlong_buffer: int = 0  # DAPO's soft overlong zone (tokens before max_new_tokens); 0: off
     overlong_factor: float = 1.0
 
@@ -107,6 +108,7 @@ class RolloutData:
         # completions to different prompts' draws, which is harmless but needlessly correlated.
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(int(np.random.SeedSequence([seed, 3, dp_rank]).generate_state(1)[0]))
+        self.seed = seed
         self.rollouts = 0  # rollouts made
         self.taken = 0  # micro-batches taken from the current rollout, over all its updates
         self.current: list[Batch] = []
@@ -162,7 +164,7 @@ class RolloutData:
                 lengths, plan.sampling.max_new_tokens, plan.overlong_buffer, plan.overlong_factor
             )
         rewards = rewards.view(len(rl_prompts), plan.group_size)
-        advantages = group_advantages(rewards, plan.scale_rewards)
+        advantages = group_advantages(self.shuffled(rewards) if plan.shuffle_rewards else rewards, plan.scale_rewards)
         kept = list(range(len(rl_prompts)))
         if plan.dynamic_sampling:
             signal = [i for i, uniform in enumerate(uniform_groups(rewards).tolist()) if not uniform]
@@ -171,6 +173,14 @@ class RolloutData:
             rl_prompts, completions, scores, rewards, len(rl_prompts) - len(kept), seconds
         )
         return self.micro_batches(rl_prompts, completions, advantages, kept)
+
+    def shuffled(self, rewards: torch.Tensor) -> torch.Tensor:
+        """`rewards` (groups, group_size) with each group's permuted, by a generator of the seed, the
+        rollout and the rank alone (a resumed stage permutes as the uninterrupted one)."""
+        state = np.random.SeedSequence([self.seed, 5, self.rollouts, self.dp_rank]).generate_state(1)[0]
+        generator = torch.Generator().manual_seed(int(state))
+        order = torch.stack([torch.randperm(rewards.shape[1], generator=generator) for _ in range(rewards.shape[0])])
+        return rewards.gather(1, order)
 
     def micro_batches(
         self, rl_prompts: list["RLPrompt"], completions: list[Completion], advantages: torch.Tensor, kept: list[int]
