@@ -112,7 +112,8 @@ if [ "$family" = one_rank ]; then
 fi
 # A GRPO step of the 2B Qwen3-VL shape (random weights, bf16) through `vlmcore train`, EasyR1's
 # geometry3k setting scaled to one GPU: 64 prompts x 5 samples, answers up to 1024 tokens (a random
-# model rarely stops: the rollout's worst case), with and without a frozen reference. Not yet run
+# model rarely stops: the rollout's worst case), with and without a frozen reference, and the
+# rollout-training gap in bf16 (mean |d log p|, the sampler-to-trainer KL). Not yet run
 # on a GPU; two stages of 1 warm-up and 2 measured steps each.
 if [ "$family" = grpo ]; then
     exec python benchmarks/grpo_step.py --preset 2b --device cuda --prompts 64 --group-size 5 \

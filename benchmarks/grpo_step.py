@@ -17,7 +17,10 @@ built only for the second); each takes --steps steps, one rollout each (updates_
 From metrics.jsonl, per step after --warmup: `rollout_generation_s` and `rollout_reward_s` (the
 rollout's wall seconds, inside the step's `data_wait_s`), the update (`step_time_s - data_wait_s`:
 forward, backward and optimizer step, with the reference's forward in the second stage), and the
-reference's cost as the difference of the two stages' updates. Medians. EasyR1's published
+reference's cost as the difference of the two stages' updates. Medians; and the largest over
+the steps of the rollout-training gap (`grpo_logp_gap`, the mean |old - new| log-probability of a
+step's tokens, and `grpo_rollout_kl`, the KL from the sampler to the trainer), which on a GPU in
+bf16 measures how far the decode's kernels are from training's. EasyR1's published
 setting (512 prompts x 5 samples a step on 8 H100, answers up to 2,048 tokens) is 64 prompts x 5
 a GPU. Prints a table and writes benchmarks/results/grpo_step_<device>_<preset>.json (--out, or $OUT).
 """
@@ -88,6 +91,8 @@ def stage_config(root: Path, model: Path, data: Path, args: argparse.Namespace, 
             "reward_workers": 1,
         },
         "micro_batch_size": 1,
+        # One prompt's group a micro-batch: the update holds one group's rows at a time.
+        "grad_accum_steps": args.prompts,
         "optimizer": {"lr": 1e-6},
         "schedule": {"name": "constant", "warmup_steps": 0},
         "checkpoint": {"enabled": False},
@@ -120,6 +125,9 @@ def measure(root: Path, model: Path, data: Path, args: argparse.Namespace, beta:
         "update_s": median(m["step_time_s"] - m["data_wait_s"] for m in steps),
         "step_s": median(m["step_time_s"] for m in steps),
         "completion_tokens": median(m["completion_length_mean"] * args.prompts * args.group_size for m in steps),
+        # One update a rollout: each step's is its rollout's first, so these are the rollout-training gap.
+        "logp_gap_mean": max(m["grpo_logp_gap"] for m in steps),
+        "rollout_kl": max(m["grpo_rollout_kl"] for m in steps),
         "steps": len(steps),
     }
 
@@ -159,6 +167,8 @@ def main() -> int:
                 run["step_s"],
                 run["completion_tokens"],
                 tokens_per_s,
+                run["logp_gap_mean"],
+                run["rollout_kl"],
             ]
         )
     print(
@@ -175,6 +185,8 @@ def main() -> int:
             ("step s", ">9.3f"),
             ("tokens", ">9.0f"),
             ("tokens/s", ">10.1f"),
+            ("|dlogp| mean", ">14.2e"),
+            ("rollout KL", ">12.2e"),
         ],
         rows,
     )

@@ -28,4 +28,6 @@ def test_a_grpo_step_is_split_into_rollout_rewards_reference_and_update(tmp_path
         assert run["generation_s"] > 0 and run["rewards_s"] > 0 and 0 < run["update_s"] < run["step_s"]
         # The rollout is inside the step's wait for its data.
         assert run["generation_s"] + run["rewards_s"] < run["step_s"]
+        # fp32 on the CPU: the policy samples itself, no gap
+        assert run["logp_gap_mean"] < 1e-5 and abs(run["rollout_kl"]) < 1e-9
     assert result["reference_s"] == with_kl["update_s"] - without["update_s"]

@@ -54,7 +54,7 @@ def test_the_first_update_of_a_rollout_has_ratio_1(rollout_of_a_policy, loss_typ
     )
     metrics = objective.metrics(sums.tolist(), counts)
     assert metrics["grpo_ratio"] == pytest.approx(1.0, abs=1e-5)
-    assert metrics["grpo_logp_gap"] < 1e-5
+    assert metrics["grpo_logp_gap"] < 1e-5 and abs(metrics["grpo_rollout_kl"]) < 1e-9
     assert metrics["grpo_clip_low"] == 0 and metrics["grpo_clip_high"] == 0
     lengths = torch.tensor([c.length for c in sampled], dtype=torch.float32)
     if loss_type == "dapo":  # each token's loss -A, over all tokens

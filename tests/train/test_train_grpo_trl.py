@@ -261,6 +261,8 @@ def test_loss_and_gradients_equal_trl(snapshots, trl_loss, level, loss_type, bet
     assert metrics["grpo_ratio"] != pytest.approx(1.0, abs=1e-3)
     # |old - policy| is the perturbation: 0.3 x |standard normal| on average, about 0.24
     assert 0.1 < metrics["grpo_logp_gap"] < 0.5
+    # KL(sampler || trainer) of that perturbation, exp(d) - d - 1 a token: about d^2 / 2
+    assert 0.005 < metrics["grpo_rollout_kl"] < metrics["grpo_logp_gap"]
 
 
 def test_dual_clip_equals_trl(snapshots):

@@ -56,7 +56,7 @@ LOSSES = ("grpo", "dapo", "dr_grpo", "gspo")
 # The sums over a step's completion tokens that the step reduces over the ranks and `metrics`
 # reads: the loss sum, then the KL estimate, the ratio, the tokens clipped below and above and
 # |old_logp - logp|, each summed over the completion tokens.
-GRPO_SUMS = ("loss", "kl", "ratio", "clipped_low", "clipped_high", "logp_gap")
+GRPO_SUMS = ("loss", "kl", "ratio", "clipped_low", "clipped_high", "logp_gap", "rollout_kl")
 
 
 def segment_sums(values: torch.Tensor, segment: torch.Tensor, segments: int) -> torch.Tensor:
@@ -167,6 +167,8 @@ class GRPOObjective:
                     (clipped_low * mask).sum(),
                     (clipped_high * mask).sum(),
                     ((old_logps - logps.detach()).abs() * mask).sum(),
+                    # KL(sampler || trainer), k3 estimate on the sampler's tokens: exp(d) - d - 1, d = new - old
+                    ((torch.expm1(logps.detach() - old_logps) - (logps.detach() - old_logps)) * mask).sum(),
                 ]
             )
         return loss_sum, sums.double()
@@ -197,8 +199,9 @@ class GRPOObjective:
         """`loss` (the step's normalised loss), then per completion token: the mean ratio, the
         shares clipped below (ratio < 1 - epsilon_low, A < 0) and above (ratio > 1 + epsilon_high,
         A > 0), the mean |old_logp - logp| (on a rollout batch's first update, the rollout/training
-        gap), and with a reference the mean KL estimate."""
-        loss, kl, ratio, clipped_low, clipped_high, gap = (value / self.tp for value in sums)
+        gap) and the KL from the sampler to the trainer (k3), and with a reference the mean KL
+        estimate."""
+        loss, kl, ratio, clipped_low, clipped_high, gap, rollout_kl = (value / self.tp for value in sums)
         tokens = max(counts["label_tokens"], 1)
         metrics = {
             "loss": loss / max(counts[self.count], 1),
@@ -206,6 +209,7 @@ class GRPOObjective:
             "grpo_clip_low": clipped_low / tokens,
             "grpo_clip_high": clipped_high / tokens,
             "grpo_logp_gap": gap / tokens,
+            "grpo_rollout_kl": rollout_kl / tokens,
         }
         if self.beta > 0:
             metrics["grpo_kl"] = kl / tokens
