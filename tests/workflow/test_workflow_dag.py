@@ -154,10 +154,8 @@ def test_video_demo_plans_the_demo_on_generated_clips(tmp_path):
     assert video == demo
 
 
-def test_dpo_demo_adds_a_dpo_stage_to_the_demo(tmp_path):
-    """config/demo-dpo.yaml, merged into the demo: the demo's DAG and outputs, plus the synthetic
-    preference pairs prepared as a preference source and a `dpo` stage from stage1's weights; stage1
-    (before DPO) and dpo (after) evaluated on the held-out pairs, the other evaluations the demo's."""
+def demo_dry_run(tmp_path: Path, *overlays: Path) -> str:
+    """The printed dry run (`-n -p`) of the demo's train_all with `overlays` merged in."""
     proc = snakemake(
         "-n",
         "-p",
@@ -167,13 +165,20 @@ def test_dpo_demo_adds_a_dpo_stage_to_the_demo(tmp_path):
         str(REPO / "Snakefile"),
         "--configfile",
         str(REPO / "config" / "config.yaml"),
-        str(REPO / "config" / "demo-dpo.yaml"),
+        *map(str, overlays),
         "--directory",
         str(tmp_path),
         "train_all",
     )
     assert proc.returncode == 0, proc.stderr
-    stdout = proc.stdout
+    return proc.stdout
+
+
+def test_dpo_demo_adds_a_dpo_stage_to_the_demo(tmp_path):
+    """config/demo-dpo.yaml, merged into the demo: the demo's DAG and outputs, plus the synthetic
+    preference pairs prepared as a preference source and a `dpo` stage from stage1's weights; stage1
+    (before DPO) and dpo (after) evaluated on the held-out pairs, the other evaluations the demo's."""
+    stdout = demo_dry_run(tmp_path, REPO / "config" / "demo-dpo.yaml")
     assert "vlmcore synth --kind image --out results/demo/raw" in stdout
     assert "--source preference:results/demo/raw/preference.jsonl" in stdout
     for stage, task in [("stage1", "demo_vqa"), ("stage1", "demo_preference"), ("stage2", "demo_vqa")]:
@@ -195,26 +200,7 @@ def test_grpo_demo_and_an_sft_dpo_grpo_chain_plan_their_stages(tmp_path):
     prepared as a `prompts:` source, a short SFT stage from stage1 and a `grpo` stage from it, both
     evaluated on the held-out generated answers. With the DPO overlay and the grpo stage started
     from the dpo stage's weights, train_all chains SFT -> DPO -> GRPO."""
-
-    def dry_run(*overlays: Path) -> str:
-        proc = snakemake(
-            "-n",
-            "-p",
-            "--profile",
-            str(REPO / "profiles/local"),
-            "--snakefile",
-            str(REPO / "Snakefile"),
-            "--configfile",
-            str(REPO / "config" / "config.yaml"),
-            *map(str, overlays),
-            "--directory",
-            str(tmp_path),
-            "train_all",
-        )
-        assert proc.returncode == 0, proc.stderr
-        return proc.stdout
-
-    stdout = dry_run(REPO / "config" / "demo-grpo.yaml")
+    stdout = demo_dry_run(tmp_path, REPO / "config" / "demo-grpo.yaml")
     assert "--source prompts:results/demo/raw/prompts.jsonl" in stdout
     for stage in ("sft_short", "grpo"):
         assert f"--model results/demo/hf/{stage} --tasks demo_vqa_gen " in stdout
@@ -227,7 +213,7 @@ def test_grpo_demo_and_an_sft_dpo_grpo_chain_plan_their_stages(tmp_path):
 
     chain = tmp_path / "chain.yaml"
     chain.write_text(yaml.safe_dump({"train": {"stages": {"grpo": {"init_from": "dpo"}}}}))
-    stdout = dry_run(REPO / "config" / "demo-dpo.yaml", REPO / "config" / "demo-grpo.yaml", chain)
+    stdout = demo_dry_run(tmp_path, REPO / "config" / "demo-dpo.yaml", REPO / "config" / "demo-grpo.yaml", chain)
     assert '"init_from": "results/demo/train/dpo/final"' in stdout and '"objective": "grpo"' in stdout
     assert '"init_from": "results/demo/train/stage1/final"' in stdout and '"objective": "dpo"' in stdout
     assert job_stats(stdout)["train_stage"] == DEMO_JOBS["train_stage"] + 3  # dpo, sft_short, grpo
