@@ -372,11 +372,17 @@ def dpo_demo(demo):
     """`train_all --configfile config/config.yaml config/demo-dpo.yaml` in the demo's folder: what the demo made is
     reused, and only the preference data, the dpo stage, its export, the two preference
     evaluations and the report run."""
-    overlay = ["--configfile", "config/config.yaml", "config/demo-dpo.yaml"]
-    assert planned_jobs(demo, "train_all", *overlay) == DPO_JOBS
+    return run_overlay(demo, "demo-dpo", DPO_JOBS)
+
+
+def run_overlay(demo, name: str, jobs: dict) -> Path:
+    """train_all of the demo with config/<name>.yaml merged in, in the demo's folder, after checking
+    that it plans `jobs` (what the demo made is reused)."""
+    overlay = ["--configfile", "config/config.yaml", f"config/{name}.yaml"]
+    assert planned_jobs(demo, "train_all", *overlay) == jobs
     start = time.time()
     snakemake(demo, "train_all", *overlay)
-    print(f"\ndemo-dpo train_all wall time, after the demo: {time.time() - start:.0f} s")
+    print(f"\n{name} train_all wall time, after the demo: {time.time() - start:.0f} s")
     return demo
 
 
@@ -446,12 +452,7 @@ def grpo_demo(dpo_demo):
     """`train_all --configfile config/config.yaml config/demo-grpo.yaml` in the demo's folder: the
     demo's stage1 and data are reused, and only the prompts, the sft_short and grpo stages, their
     exports, their held-out evaluations and the report run."""
-    overlay = ["--configfile", "config/config.yaml", "config/demo-grpo.yaml"]
-    assert planned_jobs(dpo_demo, "train_all", *overlay) == GRPO_JOBS
-    start = time.time()
-    snakemake(dpo_demo, "train_all", *overlay)
-    print(f"\ndemo-grpo train_all wall time, after the demo: {time.time() - start:.0f} s")
-    return dpo_demo
+    return run_overlay(dpo_demo, "demo-grpo", GRPO_JOBS)
 
 
 def held_out_reward(demo, stage: str) -> dict[str, float]:
