@@ -161,16 +161,12 @@ def decode(
                 sample.finish_reason = reason
         if step == settings.max_new_tokens - 1 or not any_going(bool(going), lockstep, device):
             return
-        stand_in = not going  # this rank's rows have stopped, not its ep peers': one row goes on, unkept
-        if stand_in:
-            going = [0]
         if len(going) < len(active):  # finished rows leave the batch
-            index = torch.tensor(going, device=device)
+            # All of this rank's, not its ep peers': one row stays as a stand-in, its tokens not kept.
+            index = torch.tensor(going or [0], device=device)
             cache.select_rows(index)
             tokens, next_position = tokens[index], next_position[index]
-            active = [active[row] for row in going]
-        if stand_in:
-            active = [None]
+            active = [active[row] for row in going] or [None]
         # A generated token's M-RoPE axes are equal (text after the prompt's media).
         positions = next_position[None, :, None].expand(3, -1, 1) if mrope else next_position[:, None]
         with torch.no_grad():

@@ -205,7 +205,7 @@ def rollout_memory(cfg: TrainConfig, step: dict) -> dict:
     - resident: what the step keeps between steps (RESIDENT);
     - gathered_weights: under FSDP2 (dp_shard > 1) the policy's weights gathered once for the whole
       rollout, in the compute dtype, each rank's tensor-parallel share;
-    - cache: the generation cache (vlmcore.generate.cache.cache_bytes) of the rank's rows, its share
+    - cache: the generation cache (`generation_cache`) of the rank's rows, its share
       of grpo.prompts_per_step times grpo.group_size, each of data.seq_len tokens at most (a prompt
       and grpo.max_new_tokens);
     - prefill: the forward of the rank's prompts without gradients (their packed tokens, each prompt
@@ -215,7 +215,6 @@ def rollout_memory(cfg: TrainConfig, step: dict) -> dict:
       loss's logits chunks, the CPU attention's scores) are not the prefill's;
     - decode: one decoding step's fp32 logits over the vocabulary, the sampling's copies of them.
     The peak is resident + gathered_weights + cache + the larger of prefill and decode."""
-    from vlmcore.generate.cache import cache_bytes
     from vlmcore.models import build_model
 
     grpo = cfg.grpo
@@ -231,7 +230,7 @@ def rollout_memory(cfg: TrainConfig, step: dict) -> dict:
     if step["dp_shard"] > 1:
         weights = sum(p.numel() for p in build_model(cfg.model_path, device="meta").parameters())
         gathered = weights * size // step["tp"]
-    cache = cache_bytes(text_config, rows, cfg.data.seq_len, dtype, tp=step["tp"])
+    cache = generation_cache(cfg, rows, cfg.data.seq_len)["bytes"]
     step_tokens = step["micro_batch_size"] * step["seq_len"]
     prompt_tokens = prompts * (cfg.data.seq_len - grpo.max_new_tokens)
     prefill = math.ceil(kinds.get("Activation", 0) * prompt_tokens / step_tokens)
