@@ -255,17 +255,20 @@ def train(nproc: int, config: Path, *sets: str, check: bool = True, timeout: int
 CASE_START = "train-cases: training "
 
 
-def train_cases(nproc: int, configs: list[Path], timeout: int = 600) -> subprocess.CompletedProcess:
+def train_cases(
+    nproc: int, configs: list[Path], timeout: int = 600, run_env: dict | None = None
+) -> subprocess.CompletedProcess:
     """Several runs of one world size in one launch: each config trained in turn, as `vlmcore
     train CONFIG` would in a launch of its own. The start-up of a launch (torchrun, the imports,
     inductor's first compile in a process) is paid once instead of once a run; the compile tests'
-    cases differ only in their settings. Fails naming the config that failed."""
+    cases differ only in their settings. Fails naming the config that failed. `run_env`: the
+    launch's environment (default: `env()`)."""
     args = [str(REPO / "tests" / "helpers.py"), "train-cases", *map(str, configs)]
     if nproc == 1:
         cmd = [sys.executable, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env())
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env or env())
     if proc.returncode != 0:
         started = [line for line in proc.stdout.splitlines() if line.startswith(CASE_START)]
         failed = started[-1].removeprefix(CASE_START) if started else "before the first config"

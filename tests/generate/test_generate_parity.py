@@ -18,6 +18,7 @@ from transformers import (
 
 import vlmcore.models as models
 from vlmcore.generate import Prompt, SamplingSettings, generate
+from vlmcore.generate.sampling import sample_seeds
 from vlmcore.tiny import (
     IMAGE,
     VIDEO,
@@ -148,7 +149,8 @@ def test_sampled_log_probs_equal_the_training_forward(pair, top_k, top_p):
     to 0.9 of the mass: each token's log-probability as returned equals the training forward's of
     that token under the same distribution to 1e-5, and its policy log-probability equals the
     training forward's log_softmax(logits / 0.8) of the whole vocabulary (no cut, nothing blocked);
-    the same seed draws the same tokens again, and so does a generator seeded with it."""
+    the same seed draws the same tokens again; a sample's tokens depend on its prompt and seed, not
+    on the batch (the last prompt alone, or the prompts reversed, with the same seeds)."""
     family, hf, native, prompts = pair
     settings = SamplingSettings(max_new_tokens=NEW_TOKENS, temperature=0.8, top_k=top_k, top_p=top_p, n=3, seed=7)
     out = generate(native, prompts, settings)
@@ -161,8 +163,14 @@ def test_sampled_log_probs_equal_the_training_forward(pair, top_k, top_p):
         torch.testing.assert_close(torch.tensor(g.policy_log_probs), policy, atol=1e-5, rtol=0)
     again = generate(native, prompts, settings)
     assert [g.tokens for g in again] == [g.tokens for g in out], "the same seed draws the same tokens"
-    drawn = generate(native, prompts, settings, generator=torch.Generator().manual_seed(7))
-    assert [g.tokens for g in drawn] == [g.tokens for g in out], "a generator seeded as the settings"
+    seeds = sample_seeds(7, len(prompts), 3)
+    alone = generate(native, prompts[-1:], settings, seeds=seeds[-3:])
+    assert [g.tokens for g in alone] == [g.tokens for g in out[-3:]], "a prompt's samples alone as in its batch"
+    order = list(reversed(range(len(prompts))))
+    reordered_seeds = [seeds[p * 3 + j] for p in order for j in range(3)]
+    reordered = generate(native, [prompts[p] for p in order], settings, seeds=reordered_seeds)
+    tokens_by_sample = {(order[i // 3], i % 3): g.tokens for i, g in enumerate(reordered)}
+    assert tokens_by_sample == {(i // 3, i % 3): g.tokens for i, g in enumerate(out)}, "the prompts reversed"
 
 
 def test_a_stop_token_ends_its_row_and_the_others_go_on(pair):

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 import yaml
-from helpers import command, cut_back, env, load_dcp, packed_prompt_dataset, read_metrics
+from helpers import command, cut_back, env, load_dcp, packed_prompt_dataset, read_metrics, train_cases
 
 from vlmcore.tiny import run_config
 
@@ -27,7 +27,7 @@ def broken(completion, answer, sample):
 '''
 
 
-def train_grpo(root, out, extra_path) -> subprocess.CompletedProcess:
+def grpo_config(root, out, grad_accum_steps=2):
     config = root / f"{out}.yaml"
     settings = run_config(
         root / "model",
@@ -35,7 +35,7 @@ def train_grpo(root, out, extra_path) -> subprocess.CompletedProcess:
         steps=STEPS,
         objective="grpo",
         data_path=str(root / "packed"),
-        grad_accum_steps=2,
+        grad_accum_steps=grad_accum_steps,
         checkpoint={"interval": 1, "keep": 10},
         data={"kind": "packed", "seq_len": 256},
         grpo={
@@ -57,9 +57,20 @@ def train_grpo(root, out, extra_path) -> subprocess.CompletedProcess:
         trainable=[],
     )
     config.write_text(yaml.safe_dump(settings))
+    return config
+
+
+def reward_env(extra_path) -> dict:
     run_env = env()
     run_env["PYTHONPATH"] = f"{run_env['PYTHONPATH']}:{extra_path}"
-    proc = subprocess.run(command(1, "train", str(config)), capture_output=True, text=True, env=run_env, timeout=600)
+    return run_env
+
+
+def train_grpo(root, out, extra_path) -> subprocess.CompletedProcess:
+    config = grpo_config(root, out)
+    proc = subprocess.run(
+        command(1, "train", str(config)), capture_output=True, text=True, env=reward_env(extra_path), timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -76,6 +87,13 @@ def grpo_runs(tmp_path_factory):
     for cut in (1, 2):
         cut_back(root / "reference", root / f"resumed{cut}", cut)
         train_grpo(root, f"resumed{cut}", user)
+    # On 2 FSDP2 ranks in one launch: the whole stage (one micro-batch a rank: the same rows per
+    # step), and the reference's checkpoint at a rollout's end (step 2) resumed with two micro-batches
+    # a rank (twice the rows per step: a GRPO step is its prompts at any split).
+    cut_back(root / "reference", root / "layout2-resumed", 2)
+    configs = [grpo_config(root, "layout2", grad_accum_steps=1), grpo_config(root, "layout2-resumed")]
+    launch = train_cases(2, configs, run_env=reward_env(user))
+    (root / "layout2.stdout").write_text(launch.stdout)
     return root
 
 
@@ -107,6 +125,25 @@ def test_a_resumed_grpo_stage_equals_the_uninterrupted_one(grpo_runs, cut):
     weights = load_dcp(grpo_runs / f"resumed{cut}" / "final")
     for key, value in ref_weights.items():
         torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_a_grpo_stage_on_2_ranks_and_resumed_on_them_equals_one_process(grpo_runs):
+    """Each prompt's completions are drawn from seeds of their own (its place in the stream), so
+    the stage on 2 FSDP2 ranks (each rank half the prompts, one micro-batch) samples, scores and
+    updates as one process with two micro-batches; and one process's checkpoint at a rollout's end
+    goes on on 2 ranks of two micro-batches as it would have on one."""
+    reference = read_metrics(grpo_runs / "reference")
+    keys = ("loss", "grad_norm", "reward_mean", "grpo_ratio", "completion_length_mean", "grpo_kl")
+    trajectory = lambda metrics: torch.tensor([[m[k] for k in keys] for m in metrics])  # noqa: E731
+    for name, first in (("layout2", 0), ("layout2-resumed", 2)):
+        metrics = read_metrics(grpo_runs / name)
+        assert [m["step"] for m in metrics] == list(range(1, STEPS + 1)), name
+        assert [m["samples"] for m in metrics] == [m["samples"] for m in reference], name
+        torch.testing.assert_close(trajectory(metrics[first:]), trajectory(reference[first:]), rtol=1e-4, atol=1e-6)
+        weights = load_dcp(grpo_runs / name / "final")
+        for key, value in load_dcp(grpo_runs / "reference" / "final").items():
+            torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=1e-5, msg=f"{name} {key}")
+    assert "model and optimizer resharded" in (grpo_runs / "layout2.stdout").read_text()
 
 
 def test_the_report_shows_a_grpo_stages_rollouts(grpo_runs, tmp_path):

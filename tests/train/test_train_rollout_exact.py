@@ -69,11 +69,11 @@ def test_training_forward_recomputes_the_rollouts_log_probs(snapshots, case):
     assert len({len(p.input_ids) for p in prompts}) == len(prompts), "prompts of different lengths"
     settings = SamplingSettings(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE, top_k=40, top_p=0.95)
     # A stop token that some completions draw, so that the batch has stopped and truncated ones.
-    first = rollout(model, prompts, group_size, settings, torch.Generator().manual_seed(3))
+    first = rollout(model, prompts, group_size, settings)
     settings.stop_token_ids = [first[0].tokens[1]]
     encoded = []  # the pixel patches the vision tower is given during the rollout
     hook = model.vision_tower().register_forward_hook(lambda module, args, out: encoded.append(len(args[0])))
-    completions = rollout(model, prompts, group_size, settings, torch.Generator().manual_seed(3))
+    completions = rollout(model, prompts, group_size, settings)
     hook.remove()
     patches = sum(len(px) for p in prompts for px in (p.pixel_values, p.pixel_values_videos) if px is not None)
     assert encoded == [patches], "a group's samples share their prompt's media, encoded once"

@@ -15,6 +15,7 @@ three axes are equal), its length for text models. Rows that stop leave the batc
 """
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +28,15 @@ from vlmcore.models import position_ids as model_position_ids
 
 from .cache import GenerationCache, cache_bytes, layer_types
 from .parallel import any_going, lockstep_group
-from .sampling import GenerationError, SamplingSettings, check_settings, next_tokens, policy_log_probs
+from .sampling import (
+    GenerationError,
+    SamplingSettings,
+    check_settings,
+    next_tokens,
+    policy_log_probs,
+    sample_seeds,
+    sample_uniforms,
+)
 
 
 @dataclass
@@ -65,14 +74,18 @@ def generate(
     settings: SamplingSettings,
     tokenizer: object | None = None,
     memory_limit: int | None = None,
-    generator: torch.Generator | None = None,
+    seeds: Sequence[int] | None = None,
 ) -> list[Generation]:
     """Generations of `prompts` (settings.n per prompt, prompt-major: prompt i's samples are
     i*n .. i*n + n - 1). `tokenizer` (transformers'): for stop strings and `text`.
-    `memory_limit`: bytes the cache may take (default: the device's free memory). `generator`
-    (on the model's device): draws the tokens, and its state goes on from one call to the next
-    (an RL run's successive rollouts); default: a new one seeded with settings.seed."""
+    `memory_limit`: bytes the cache may take (default: the device's free memory). `seeds`: one
+    per sample, each sample's tokens drawn from its own stream (sampling.py), so the same prompt
+    and seed give the same sample in any batch; default: `sample_seeds(settings.seed, ...)`."""
     check_request(model.config, prompts, settings, tokenizer)
+    if seeds is None:
+        seeds = sample_seeds(settings.seed, len(prompts), settings.n)
+    if len(seeds) != len(prompts) * settings.n:
+        raise GenerationError(f"{len(seeds)} seeds for {len(prompts)} prompts x n={settings.n} samples: one each")
     check_cache_fits(model, prompts, settings, memory_limit)
     cache, logits, next_position = prefill(model, prompts, settings.max_new_tokens)
     # n samples per prompt share its prefill: its row repeated.
@@ -82,7 +95,8 @@ def generate(
         cache.select_rows(index)
         logits, next_position = logits[index], next_position[index]
     samples = [Generation(int(p), [], [], "length") for p in rows]
-    decode(model, cache, logits, next_position, samples, settings, tokenizer, generator)
+    uniforms = None if settings.greedy else sample_uniforms(seeds, settings.max_new_tokens, logits.device)
+    decode(model, cache, logits, next_position, samples, settings, tokenizer, uniforms)
     if tokenizer is not None:
         for sample in samples:
             sample.text = answer_text(sample, settings.stop_strings, tokenizer)
@@ -128,22 +142,21 @@ def decode(
     samples: list[Generation],
     settings: SamplingSettings,
     tokenizer: object | None,
-    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> None:
     """Chooses each sample's tokens (row i of the cache is samples[i]) until it stops or has
-    max_new_tokens; a decoding step runs the rows still going, one token each. `generator`:
-    draws the tokens (default: a new one seeded with settings.seed)."""
+    max_new_tokens; a decoding step runs the rows still going, one token each. `uniforms`
+    (samples, max_new_tokens): each sample's numbers its tokens are drawn with (`sample_uniforms`;
+    None when greedy)."""
     device = logits.device
     stop_tokens = set(settings.stop_token_ids) | set(eos_token_ids(model))
     blocked = media_tokens(model.config, logits.shape[-1], device)
-    if generator is None:
-        generator = torch.Generator(device=device).manual_seed(settings.seed)
     mrope = family(model.config).positions == "mrope"
     lockstep = lockstep_group(model)  # expert parallelism: the ep group's ranks decode together
     active: list[int | None] = list(range(len(samples)))  # the sample of each row; None: a stand-in row
     cache.start_decoding()
     for step in range(settings.max_new_tokens):
-        tokens, log_probs = next_tokens(logits, settings, generator, blocked)
+        tokens, log_probs = next_tokens(logits, settings, None if uniforms is None else uniforms[:, step], blocked)
         policy = policy_log_probs(logits, tokens, settings.temperature)
         going = []
         chosen = zip(tokens.tolist(), log_probs.tolist(), policy.tolist())
@@ -166,6 +179,8 @@ def decode(
             index = torch.tensor(going or [0], device=device)
             cache.select_rows(index)
             tokens, next_position = tokens[index], next_position[index]
+            if uniforms is not None:
+                uniforms = uniforms[index]
             active = [active[row] for row in going] or [None]
         # A generated token's M-RoPE axes are equal (text after the prompt's media).
         positions = next_position[None, :, None].expand(3, -1, 1) if mrope else next_position[:, None]

@@ -1,5 +1,12 @@
 """Choosing the next token: greedy, or a draw from the temperature-scaled distribution, cut to its
-top-k tokens and its top-p mass, from a seeded generator.
+top-k tokens and its top-p mass, each sample from a seeded stream of its own.
+
+Each sample (a row) draws its tokens by inverse-transform sampling: one uniform number a token
+from the row's own generator (`sample_uniforms`, seeded by the row's seed alone), the token where
+it falls in the cumulative distribution. So a sample's tokens depend on its prompt, its seed and
+the model only: not on the other prompts of the batch, their order or which rank generates them
+(an RL stage's rollouts are the same at any world size). One batched draw from a shared generator
+(torch.multinomial) would give a row the numbers of whatever rows came before it.
 
 `next_tokens` returns each chosen token's log-probability under the distribution it was drawn
 from: the one after the temperature, the blocked tokens and the top-k / top-p cut (renormalised);
@@ -9,8 +16,10 @@ temperature) over the whole vocabulary: what an RL objective's ratio compares ag
 differ by the cut's renormalisation (with top_p < 1 or top_k > 0) and by the blocked tokens' mass.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -84,19 +93,40 @@ def sampling_log_probs(logits: torch.Tensor, settings: SamplingSettings, blocked
     return logits.log_softmax(-1)
 
 
+def sample_seeds(seed: int, prompts: int, n: int) -> list[int]:
+    """The default seed of each of `prompts` x `n` samples (prompt-major), from the run's `seed`, the
+    prompt's index and the sample's: a call's samples are independent streams."""
+    return [int(np.random.SeedSequence([seed, p, j]).generate_state(1)[0]) for p in range(prompts) for j in range(n)]
+
+
+def sample_uniforms(seeds: Sequence[int], steps: int, device: torch.device) -> torch.Tensor:
+    """(rows, steps) float32 numbers in [0, 1): row i's from a CPU generator seeded with seeds[i]
+    alone, the number its token of each step is drawn with (one host-to-device copy a call)."""
+    rows = [torch.rand(steps, generator=torch.Generator().manual_seed(int(s))) for s in seeds]
+    return torch.stack(rows).to(device)
+
+
 def next_tokens(
     logits: torch.Tensor,
     settings: SamplingSettings,
-    generator: torch.Generator | None,
+    uniforms: torch.Tensor | None,
     blocked: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, V) logits -> (tokens (rows,), their log-probabilities (rows,)). `blocked` (V,) bool:
-    tokens never chosen (the media placeholders)."""
+    """(rows, V) logits -> (tokens (rows,), their log-probabilities (rows,)). `uniforms` (rows,):
+    each row's number in [0, 1) for this token (unused when greedy). `blocked` (V,) bool: tokens
+    never chosen (the media placeholders)."""
     log_probs = sampling_log_probs(logits, settings, blocked)
     if settings.greedy:
         tokens = log_probs.argmax(-1)
     else:
-        tokens = torch.multinomial(log_probs.exp(), 1, generator=generator)[:, 0]
+        # The first token whose cumulative probability passes the row's number times the row's total
+        # (1 up to rounding); a token of probability 0 adds nothing to the sum, so is never chosen.
+        cumulative = log_probs.exp().cumsum(-1)
+        target = uniforms[:, None] * cumulative[:, -1:]
+        tokens = torch.searchsorted(cumulative, target, right=True)[:, 0].clamp(max=logits.shape[-1] - 1)
+        # A number that rounds up to the total lands past the last possible token: its row's most likely.
+        impossible = log_probs.gather(-1, tokens[:, None])[:, 0] == float("-inf")
+        tokens = torch.where(impossible, log_probs.argmax(-1), tokens)
     return tokens, log_probs.gather(-1, tokens[:, None])[:, 0]
 
 

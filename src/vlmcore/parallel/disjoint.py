@@ -97,9 +97,9 @@ class SourceBatches:
         for i, loader in enumerate(self.loaders):
             loader.load_state_dict(state[f"source{i}"])
 
-    def seek(self, rows: int) -> None:
+    def seek(self, rows: int, steps: int | None = None) -> None:
         for loader in self.loaders:
-            loader.seek(rows)
+            loader.seek(rows, steps)
 
 
 @dataclass

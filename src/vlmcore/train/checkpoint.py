@@ -399,7 +399,8 @@ def load_model_weights(model: nn.Module, init_from: str | Path) -> None:
 
 class ResumableData(Protocol):
     """A rank's data stream (its micro-batches) as a checkpoint resumes it: its own state under the
-    split that wrote it, else a seek to the global rows consumed."""
+    split that wrote it, else a seek to the global rows consumed and the steps taken (a row
+    stream's position is its rows; an RL stage's rollouts, the steps)."""
 
     def __iter__(self) -> Iterator: ...
 
@@ -407,7 +408,7 @@ class ResumableData(Protocol):
 
     def load_state_dict(self, state: dict) -> None: ...
 
-    def seek(self, rows: int) -> None: ...
+    def seek(self, rows: int, steps: int) -> None: ...
 
 
 def resume_latest(
@@ -459,7 +460,11 @@ def resume(
     split = state.split
     written, counts_rows = written_split(path)
     same_split = written == split
-    if not same_split and written.global_batch_rows != split.global_batch_rows and not allow_global_batch_change:
+    # A stream whose position is its steps (an RL stage: a step is `prompts_per_step` prompts at
+    # any split) goes on at another batch size as it would at the same.
+    rows_matter = not getattr(data, "position_is_steps", False)
+    new_batch = written.global_batch_rows != split.global_batch_rows
+    if not same_split and new_batch and rows_matter and not allow_global_batch_change:
         raise CheckpointError(
             f"{path}: written with {written.global_batch_rows} rows per step ({_split_text(written)}), "
             f"this run takes {split.global_batch_rows} ({_split_text(split)}); keep micro_batch_size x "
@@ -485,7 +490,7 @@ def resume(
         set_rng_state(rank_state["rng"])
         data.load_state_dict(rank_state["loader"])
     else:
-        data.seek(state.data_rows)
+        data.seek(state.data_rows, state.step)
         if _is_rank0():
             print(
                 f"{path}: written with {_split_text(written)}; model and optimizer resharded, the data goes "

@@ -16,7 +16,7 @@ step goes on with the others.
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from vlmcore.data.load.loader import packed_dataset_files
@@ -41,6 +41,7 @@ class RLPrompt:
     prompt: Prompt
     answer: str  # the reference answer
     reward_fields: dict  # the row's other fields (choices, a solution, a box...)
+    position: int = 0  # its place in the stage's stream of prompts (`step_prompts`' j): its samples' seeds
 
 
 class PromptSource:
@@ -77,7 +78,7 @@ class PromptSource:
         for j in range(start + dp_rank, start + count, dp_world):
             _, index = self.order[j]
             try:
-                out.append(self.encode(*self.prompts[index]))
+                out.append(replace(self.encode(*self.prompts[index]), position=j))
             except (BadSample, EncodingError) as e:
                 self.skipped[e.reason] += 1
                 logger.warning("prompt %d (%s): left out, %s: %s", j, self.prompts[index], e.reason, e)

@@ -76,8 +76,9 @@ class RandomBatches:
         self.first_row = int(state.get("first_row", 0))
         self.consumed = int(state["consumed"])
 
-    def seek(self, rows: int) -> None:
-        """Go on from global row `rows`: the next step's global batch is the rows after it."""
+    def seek(self, rows: int, steps: int | None = None) -> None:
+        """Go on from global row `rows`: the next step's global batch is the rows after it (`steps`:
+        unused, the position is the rows)."""
         self.first_row = rows
         self.consumed = 0
 

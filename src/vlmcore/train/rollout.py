@@ -61,14 +61,14 @@ def rollout(
     prompts: list[Prompt],
     group_size: int,
     settings: SamplingSettings,
-    generator: torch.Generator | None = None,
+    seeds: Sequence[int] | None = None,
     tokenizer: object | None = None,
     memory_limit: int | None = None,
 ) -> list[Completion]:
     """`group_size` completions of each prompt, prompt-major (prompt i's are i*group_size ..
     (i+1)*group_size - 1), sampled at settings.temperature (> 0) with its top-k / top-p cut and
-    stops (its `n` is replaced by `group_size`). `generator` (on the model's device) draws every
-    token and goes on from one rollout to the next; default: one seeded with settings.seed.
+    stops (its `n` is replaced by `group_size`). `seeds`: one per completion, the stream its tokens
+    are drawn from (`generate`'s; default: from settings.seed and the prompt's index in the call).
     `tokenizer`: for stop strings and each completion's `text`; `memory_limit`: generate's."""
     if not isinstance(group_size, int) or group_size < 1:
         raise GenerationError(f"rollout group_size={group_size!r} must be an int >= 1")
@@ -76,7 +76,7 @@ def rollout(
         raise GenerationError("rollout needs sampling: temperature 0 (greedy) would make a group's samples equal")
     settings = replace(settings, n=group_size)
     with gathered_weights(model):
-        samples = generate(model, prompts, settings, tokenizer, memory_limit, generator=generator)
+        samples = generate(model, prompts, settings, tokenizer, memory_limit, seeds=seeds)
     return [
         Completion(s.prompt_index, s.tokens, s.policy_log_probs, s.log_probs, s.finish_reason, s.text) for s in samples
     ]
@@ -215,11 +215,14 @@ ADVANTAGE_SCALES = ("group", "batch", "none")
 STD_EPS = 1e-4
 
 
-def group_advantages(rewards: torch.Tensor, scale: str = "group") -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, scale: str = "group", batch_std: torch.Tensor | None = None
+) -> torch.Tensor:
     """(prompts, group) rewards -> (prompts, group) advantages, (r - the group's mean) / (std + 1e-4):
-    `scale` "group": the group's std (GRPO); "batch": the std of all the rewards; "none": no
-    division, mean-centred only (Dr. GRPO). The std is unbiased (Bessel's correction), 0 for a
-    single value, as TRL's GRPOTrainer computes it (trl/trainer/grpo_trainer.py, `nanstd`)."""
+    `scale` "group": the group's std (GRPO); "batch": the std of all the rewards (`batch_std` when
+    given: the whole batch's over several ranks); "none": no division, mean-centred only (Dr.
+    GRPO). The std is unbiased (Bessel's correction), 0 for a single value, as TRL's GRPOTrainer
+    computes it (trl/trainer/grpo_trainer.py, `nanstd`)."""
     if scale not in ADVANTAGE_SCALES:
         raise ValueError(f"advantage scale {scale!r} must be one of {ADVANTAGE_SCALES}")
     if rewards.dim() != 2:
@@ -230,6 +233,8 @@ def group_advantages(rewards: torch.Tensor, scale: str = "group") -> torch.Tenso
         return centred
     if scale == "group":
         std = rewards.std(dim=1, keepdim=True) if rewards.shape[1] > 1 else torch.zeros_like(rewards[:, :1])
+    elif batch_std is not None:
+        std = batch_std
     else:
         std = rewards.std() if rewards.numel() > 1 else torch.zeros(())
     return centred / (std + STD_EPS)

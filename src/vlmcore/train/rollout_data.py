@@ -5,19 +5,23 @@ objective; for GRPO that stream is `RolloutData`. Every `updates_per_rollout` st
 new rollout on this data-parallel rank:
 
 1. its share of the step's prompts (vlmcore.train.prompts: a world-size-free stream);
-2. `group_size` completions of each, by the policy itself (vlmcore.train.rollout), from this
-   rank's sampling generator, which goes on from rollout to rollout;
+2. `group_size` completions of each, by the policy itself (vlmcore.train.rollout), each drawn
+   from a stream seeded by the stage's seed, the prompt's place in the stream and the sample's
+   index alone: a prompt's completions are the same on whichever rank, at whatever world size;
 3. their rewards, from the scorer the stage was given (vlmcore.rewards: worker processes, a time
    limit per call, failures scored 0 and counted), plus DAPO's overlong penalty if set;
-4. the group advantages, with DAPO's dynamic sampling dropping the groups whose rewards are all
-   equal (kept if they are all this rank has, so that every rank has rows to step on);
-5. the prompts split into `grad_accum_steps` parts, each packed into one micro-batch
-   (`rollout_batch`).
+4. the group advantages ("batch" scaling: the std of every rank's rewards), with DAPO's dynamic
+   sampling dropping the groups whose rewards are all equal;
+5. the groups split into `grad_accum_steps` parts, each packed into one micro-batch
+   (`rollout_batch`). A part left without a group (fewer groups than parts on this rank) is a
+   group with no label, which adds nothing to the loss and the counts: the ranks' collectives need
+   its forward. So a step is one process's at any world size.
 
 The same micro-batches serve each of the rollout's updates: the recorded log-probabilities stay
 the rollout's, so the ratio is 1 on the first update only. A checkpoint holds the position (the
-rollouts made, the micro-batches taken), the generator's state and, between two updates of one
-rollout, the rollout itself (safetensors bytes), so a resumed stage continues exactly.
+rollouts made, the micro-batches taken) and, between two updates of one rollout, the rollout
+itself (safetensors bytes), so a resumed stage continues exactly; at a rollout's end, also under
+another layout (`seek`).
 
 `metrics()` gives the last rollout's figures over all ranks (one all-reduce): mean reward and
 per reward name, the failures by reason, completion lengths, truncated and dropped shares.
@@ -38,6 +42,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from torch import nn
 
+from vlmcore.data import IGNORE_INDEX
 from vlmcore.data.load.batch import Batch, Images, Rollout
 from vlmcore.generate import SamplingSettings
 from vlmcore.train.checkpoint import CheckpointError
@@ -79,6 +84,10 @@ class RolloutPlan:
 class RolloutData:
     """This data-parallel rank's GRPO micro-batches (module docstring); a `ResumableData`."""
 
+    # For `resume`: the stream's position is its steps (a step is `prompts_per_step` prompts at any
+    # batch split), not the rows counted (`seek`).
+    position_is_steps = True
+
     def __init__(
         self,
         model: nn.Module,
@@ -104,10 +113,6 @@ class RolloutData:
         self.device = device
         self.pad_token_id = pad_token_id
         self.tokenizer = tokenizer
-        # Each rank's own stream of samples: the same seed on two ranks would give the same
-        # completions to different prompts' draws, which is harmless but needlessly correlated.
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(int(np.random.SeedSequence([seed, 3, dp_rank]).generate_state(1)[0]))
         self.seed = seed
         self.rollouts = 0  # rollouts made
         self.taken = 0  # micro-batches taken from the current rollout, over all its updates
@@ -144,14 +149,10 @@ class RolloutData:
         was_training = self.model.training
         self.model.eval()
         generation_start = time.perf_counter()
+        seeds = [self.sample_seed(p.position, j) for p in rl_prompts for j in range(plan.group_size)]
         with torch.no_grad():
             completions = rollout(
-                self.model,
-                [p.prompt for p in rl_prompts],
-                plan.group_size,
-                plan.sampling,
-                self.generator,
-                self.tokenizer,
+                self.model, [p.prompt for p in rl_prompts], plan.group_size, plan.sampling, seeds, self.tokenizer
             )
         self.model.train(was_training)
         reward_start = time.perf_counter()  # generation reads each token on the host: its work is done
@@ -164,34 +165,55 @@ class RolloutData:
                 lengths, plan.sampling.max_new_tokens, plan.overlong_buffer, plan.overlong_factor
             )
         rewards = rewards.view(len(rl_prompts), plan.group_size)
-        advantages = group_advantages(self.shuffled(rewards) if plan.shuffle_rewards else rewards, plan.scale_rewards)
+        scored = self.shuffled(rewards, rl_prompts) if plan.shuffle_rewards else rewards
+        advantages = group_advantages(scored, plan.scale_rewards, self.batch_std(scored))
         kept = list(range(len(rl_prompts)))
         if plan.dynamic_sampling:
-            signal = [i for i, uniform in enumerate(uniform_groups(rewards).tolist()) if not uniform]
-            kept = signal or kept[:1]  # a rank keeps one group rather than none: its peers' collectives need it
+            kept = [i for i, uniform in enumerate(uniform_groups(rewards).tolist()) if not uniform]
         self.last_metrics = self.rollout_sums(
             rl_prompts, completions, scores, rewards, len(rl_prompts) - len(kept), seconds
         )
         return self.micro_batches(rl_prompts, completions, advantages, kept)
 
-    def shuffled(self, rewards: torch.Tensor) -> torch.Tensor:
-        """`rewards` (groups, group_size) with each group's permuted, by a generator of the seed, the
-        rollout and the rank alone (a resumed stage permutes as the uninterrupted one)."""
-        state = np.random.SeedSequence([self.seed, 5, self.rollouts, self.dp_rank]).generate_state(1)[0]
-        generator = torch.Generator().manual_seed(int(state))
-        order = torch.stack([torch.randperm(rewards.shape[1], generator=generator) for _ in range(rewards.shape[0])])
-        return rewards.gather(1, order)
+    def sample_seed(self, position: int, sample: int) -> int:
+        """The seed of sample `sample` of the stage's prompt `position` (its place in the stream)."""
+        return int(np.random.SeedSequence([self.seed, 3, position, sample]).generate_state(1)[0])
+
+    def shuffled(self, rewards: torch.Tensor, rl_prompts: list["RLPrompt"]) -> torch.Tensor:
+        """`rewards` (groups, group_size) with each group's permuted, by a generator of the seed and
+        the group's prompt alone (a resumed stage, and any layout, permutes as the uninterrupted one)."""
+        orders = []
+        for prompt in rl_prompts:
+            state = np.random.SeedSequence([self.seed, 5, prompt.position]).generate_state(1)[0]
+            orders.append(torch.randperm(rewards.shape[1], generator=torch.Generator().manual_seed(int(state))))
+        return rewards.gather(1, torch.stack(orders))
+
+    def batch_std(self, rewards: torch.Tensor) -> torch.Tensor | None:
+        """For "batch" scaling over several data-parallel ranks: the std of every rank's rewards
+        (unbiased, as TRL's over the gathered batch), from one all-reduce of their count, sum and sum
+        of squares. None (`group_advantages` takes this rank's) in one process or another scaling."""
+        if self.plan.scale_rewards != "batch" or self.dp_world == 1 or not dist.is_initialized():
+            return None
+        values = rewards.double().flatten()
+        moments = torch.stack(
+            [torch.tensor(float(len(values)), dtype=torch.float64), values.sum(), values.square().sum()]
+        )
+        dist.all_reduce(moments)
+        count, total, squares = (moments / (dist.get_world_size() // self.dp_world)).tolist()  # peers count it again
+        if count < 2:
+            return torch.zeros(())
+        return torch.tensor(max(squares - total * total / count, 0.0) / (count - 1)).sqrt().float()
 
     def micro_batches(
         self, rl_prompts: list["RLPrompt"], completions: list[Completion], advantages: torch.Tensor, kept: list[int]
     ) -> list[Batch]:
-        """The kept groups split into `grad_accum_steps` parts (a part gets the whole first group
-        when there are fewer groups than parts), each packed as one micro-batch."""
+        """The kept groups split into `grad_accum_steps` parts, each packed as one micro-batch; a
+        part without a group gets the first one with no label (module docstring, step 5)."""
         group = self.plan.group_size
-        parts = [list(part) for part in np.array_split(np.asarray(kept), self.grad_accum_steps)]
+        parts = [list(part) for part in np.array_split(np.asarray(kept, dtype=np.int64), self.grad_accum_steps)]
         batches = []
         for part in parts:
-            groups = [int(i) for i in part] or kept[:1]
+            groups = [int(i) for i in part] or [kept[0] if kept else 0]
             prompts = [rl_prompts[i].prompt for i in groups]
             chosen = []
             for new_index, i in enumerate(groups):
@@ -207,9 +229,10 @@ class RolloutData:
                         )
                     )
             values = torch.cat([advantages[i] for i in groups])
-            batches.append(
-                rollout_batch(prompts, chosen, values, self.model.config, self.plan.seq_len, self.pad_token_id)
-            )
+            batch = rollout_batch(prompts, chosen, values, self.model.config, self.plan.seq_len, self.pad_token_id)
+            if not part:
+                batch.labels = torch.full_like(batch.labels, IGNORE_INDEX)
+            batches.append(batch)
         return batches
 
     def rollout_sums(
@@ -276,7 +299,6 @@ class RolloutData:
         return {
             "rollouts": self.rollouts,
             "taken": self.taken,
-            "generator": self.generator.get_state(),
             # Between two updates of a rollout, the rollout itself: the weights that sampled it are gone.
             "current": batches_to_bytes(self.current) if between_updates else b"",
             # and its figures, which the steps after the resume log again
@@ -286,19 +308,28 @@ class RolloutData:
     def load_state_dict(self, state: dict) -> None:
         self.rollouts = int(state["rollouts"])
         self.taken = int(state["taken"])
-        self.generator.set_state(state["generator"])
         self.current = batches_from_bytes(state["current"]) if state["current"] else []
         self.last_metrics = json.loads(bytes(state["rollout_metrics"]).decode())
         if not self.current:
             self.taken = self.grad_accum_steps * self.plan.updates_per_rollout  # the next take makes a rollout
 
-    def seek(self, rows: int) -> None:
-        """A resume under another layout than the checkpoint's (the only caller of `seek`): refused,
-        since each data-parallel rank's sampling generator would be another's."""
-        raise CheckpointError(
-            "a GRPO stage resumes only on the layout that wrote its checkpoint (its rollouts' sampling "
-            "generators are per data-parallel rank); resume with the same parallel settings"
-        )
+    def seek(self, rows: int, steps: int) -> None:
+        """A resume under another layout than the checkpoint's (the only caller of `seek`), from the
+        steps taken (`rows`, the rows' count, says nothing of a rollout): the rollouts are the same at
+        any world size (module docstring), so the stage goes on with the next rollout when the
+        checkpoint was written at a rollout's end. Between two updates of one rollout it is refused:
+        the rollout was sampled by weights that are gone, and it is held per rank, split as the
+        layout that wrote it split it."""
+        if steps % self.plan.updates_per_rollout:
+            raise CheckpointError(
+                f"a GRPO stage resumes on another layout only from a checkpoint at a rollout's end; this one "
+                f"is at step {steps}, inside a rollout of grpo.updates_per_rollout {self.plan.updates_per_rollout} "
+                "steps: resume with the parallel settings that wrote it, or checkpoint at multiples of "
+                "updates_per_rollout (checkpoint.interval)"
+            )
+        self.rollouts = steps // self.plan.updates_per_rollout
+        self.current = []
+        self.taken = self.grad_accum_steps * self.plan.updates_per_rollout  # the next take makes a rollout
 
 
 def batches_to_bytes(batches: list[Batch]) -> bytes:

@@ -105,8 +105,9 @@ class RowLoader:
     def global_batch_rows(self) -> int:
         return self.split["dp_world"] * self.split["micro_batch_size"] * self.split["grad_accum_steps"]
 
-    def seek(self, rows: int) -> None:
-        """Go on from global row `rows`: the next step's global batch is the `global_batch_rows` rows after it."""
+    def seek(self, rows: int, steps: int | None = None) -> None:
+        """Go on from global row `rows`: the next step's global batch is the `global_batch_rows` rows
+        after it (`steps`: unused, the position is the rows)."""
         self.first_row = rows
         self.micro_batches = 0
 
