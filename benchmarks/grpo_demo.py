@@ -58,6 +58,11 @@ def run_seed(seed: int, work: Path) -> dict:
         row[stage] = results["results"][TASK]["exact_match,none"]
         for kind, figures in results["breakdown"][TASK].items():
             row[f"{stage}/{kind}"] = figures["value"]
+    # The training reward (the rollouts' mean, sampled at temperature 1): its first and last ten steps.
+    lines = (work / root / "train" / "grpo" / "metrics.jsonl").read_text().splitlines()
+    rewards = [json.loads(line)["reward_mean"] for line in lines if line.strip()]
+    row["train_reward_first10"] = round(sum(rewards[:10]) / 10, 4)
+    row["train_reward_last10"] = round(sum(rewards[-10:]) / 10, 4)
     return row
 
 
@@ -78,6 +83,11 @@ def main() -> int:
             table.append([row["seed"], name, row[stage], *(row.get(f"{stage}/{kind}") for kind in kinds)])
     print(f"GRPO demo, held-out mean reward ({TASK}) before GRPO, after it, after the shuffled-reward control")
     print_table(columns, table)
+    for row in rows:
+        print(
+            f"seed {row['seed']}: grpo's training reward {row['train_reward_first10']:.3f} over its first ten "
+            f"steps, {row['train_reward_last10']:.3f} over its last ten"
+        )
     write_results(args.out / "grpo_demo.json", {"machine": f"{os.cpu_count()} CPU cores", "runs": rows})
     return 0
 

@@ -466,14 +466,15 @@ def held_out_reward(demo, stage: str) -> dict[str, float]:
 
 def test_grpo_raises_the_held_out_reward(grpo_demo):
     """On 300 held-out questions the grpo stage's generated answers earn the exact-match reward
-    far more often than those of the sft_short export it started from. Measured (seed 0): 0.77 ->
-    0.85 (colour 1.00 -> 1.00, shape 0.57 -> 0.64, side 0.74 -> 0.91); the control whose rewards
-    are shuffled within each group (benchmarks/grpo_demo.py, docs/post-training.md) does not."""
+    more often than those of the sft_short export it started from, on both kinds it had left to
+    learn. Measured (seed 0): 0.77 -> 0.85 (colour 1.00 -> 1.00, shape 0.57 -> 0.70, side 0.74 ->
+    0.85); the control whose rewards are shuffled within each group (benchmarks/grpo_demo.py,
+    docs/post-training.md) falls to 0.30."""
     before = held_out_reward(grpo_demo, "sft_short")
     after = held_out_reward(grpo_demo, "grpo")
     print(f"held-out mean reward: before GRPO {before}, after {after}")
     assert after["all"] > before["all"] + 0.05, (before, after)
-    assert after["side"] > before["side"] + 0.1, (before, after)
+    assert after["shape"] > before["shape"] + 0.05 and after["side"] > before["side"] + 0.05, (before, after)
 
 
 def test_grpo_stage_sampled_scored_and_updated(grpo_demo):
