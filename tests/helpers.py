@@ -241,7 +241,15 @@ TRAINER_WARNINGS = "ignore,error:Slicing a flattened dim"
 
 
 def env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"), PYTHONWARNINGS=TRAINER_WARNINGS)
+    # PYTHONFAULTHANDLER: a rank that dies of a signal (a native crash) prints its Python stack,
+    # which the failure's stderr tail then shows beside torchrun's "Signal 11" summary.
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(REPO / "src"),
+        PYTHONWARNINGS=TRAINER_WARNINGS,
+        PYTHONFAULTHANDLER="1",
+    )
 
 
 def train(nproc: int, config: Path, *sets: str, check: bool = True, timeout: int = 300):
