@@ -47,6 +47,9 @@ def grpo_config(root, out, grad_accum_steps=2):
             "loss": "dapo",
             "epsilon_high": 0.28,
             "beta": 0.05,
+            # The std of the whole step's rewards: on 2 ranks it takes both ranks' (one all-reduce),
+            # so the 2-rank runs equal the one-process run only if that reduction is right.
+            "scale_rewards": "batch",
             "rewards": [
                 {"name": "exact_match"},
                 {"name": "grpo_user_reward:odd_length", "weight": 0.5},
